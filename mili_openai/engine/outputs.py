@@ -1,0 +1,81 @@
+"""What the engine hands back: per-step deltas for streaming, and whole outputs for the offline API."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token_id, logprob) of the most likely alternatives, best first
+
+
+@dataclass(slots=True)
+class SequenceDelta:
+    """What one sequence produced since its previous delta (one engine step, usually one token)."""
+
+    request_id: str
+    text: str  # new text, safe to show: never a broken UTF-8 piece, never part of a stop string
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finish_reason: str | None  # None while running; "stop", "length" or "abort" once finished
+    stop_reason: str | int | None  # the stop string or stop token id that ended it, if any
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    num_output_tokens: int
+    error: str | None = None  # set with finish_reason "abort" when the engine refused the request
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    finished: bool = True
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """Timings (time.monotonic seconds) and counts of one finished sequence, for metrics and logs."""
+
+    request_id: str
+    arrival_time: float
+    first_scheduled_time: float | None  # None if it never left the waiting queue
+    first_token_time: float | None
+    finished_time: float
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+    finish_reason: str
+    num_preemptions: int
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot of the engine, cheap to take: gauges plus monotonically increasing counters."""
+
+    num_running: int
+    num_waiting: int
+    num_pages: int
+    num_free_pages: int
+    num_cached_pages: int  # held by the radix tree (shared or evictable)
+    kv_cache_usage: float  # fraction of pages not free (owned by requests or held by the tree)
+    num_preemptions_total: int
+    prefix_cache_queries_total: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits_total: int  # of those, tokens found cached
+    prompt_tokens_total: int
+    generation_tokens_total: int

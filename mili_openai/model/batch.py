@@ -1,0 +1,35 @@
+"""The inputs of one forward pass over a flattened batch of sequences.
+
+The engine's runner builds it; the model only reads it. Token rows are ordered decode sequences first
+(one token each), then prefill chunks (several tokens each). A KV *slot* is `page * page_size + offset`
+in the flat per-layer cache of `KVCache`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class PrefillSegment:
+    start: int  # first row of this chunk in the flat batch
+    length: int  # tokens in this chunk
+    context_slots: torch.Tensor  # (ctx_len,) int64: slots of the cached prefix followed by this chunk
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # (T,) int64
+    positions: torch.Tensor  # (T,) int64, position of each token in its sequence
+    slot_mapping: torch.Tensor  # (T,) int64, where each token's K/V is written
+    num_decode: int  # rows [0, num_decode) are single-token decodes, one sequence each
+    decode_slots: torch.Tensor | None  # (num_decode, max_ctx) int64 context slots, padded with 0
+    decode_mask: torch.Tensor | None  # (num_decode, 1, 1, max_ctx) bool, True on valid context
+    prefills: list[PrefillSegment]  # rows [num_decode, T) in order; each attends causally to its context
+    logits_indices: torch.Tensor  # (S,) int64 rows whose logits are wanted (last token of sampled sequences)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
