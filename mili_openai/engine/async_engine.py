@@ -1,0 +1,147 @@
+"""The asyncio engine: one loop owns all engine state; the forward runs on one worker thread.
+
+`submit` queues a sequence and returns a `RequestStream` of its deltas; `abort` frees what it holds.
+The loop is schedule -> prepare -> (worker thread) forward + sample -> postprocess -> deliver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+from mili_openai.config import EngineConfig
+from mili_openai.engine.core import EngineCore
+from mili_openai.engine.observer import EngineObserver
+from mili_openai.engine.outputs import EngineStats, SequenceDelta
+from mili_openai.engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.05  # how long the loop waits when it has work that cannot be scheduled yet
+
+
+class RequestStream:
+    """Async iterator over one sequence's deltas; the last one has `finish_reason` set."""
+
+    def __init__(self, request_id: str, engine: AsyncEngine) -> None:
+        self.request_id = request_id
+        self._engine = engine
+        self._queue: asyncio.Queue[SequenceDelta] = asyncio.Queue()
+        self._finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> SequenceDelta:
+        if self._finished:
+            raise StopAsyncIteration
+        delta = await self._queue.get()
+        if delta.finish_reason is not None:
+            self._finished = True
+        return delta
+
+    def put(self, delta: SequenceDelta) -> None:
+        self._queue.put_nowait(delta)
+
+    async def aclose(self) -> None:
+        """Stop listening; aborts the sequence if it is still running (e.g. the client went away)."""
+        if not self._finished:
+            self._finished = True
+            self._engine.abort(self.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, observer: EngineObserver | None = None) -> None:
+        self.config = config
+        self.core = EngineCore.from_config(config, observer)
+        self.tokenizer = self.core.tokenizer
+        self.model_path = self.core.model_path
+        self.max_model_len = self.core.max_model_len
+        self.vocab_size = self.core.vocab_size
+        self.eos_token_ids = self.core.eos_token_ids
+        self._streams: dict[str, RequestStream] = {}
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mili-forward")
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._inflight: concurrent.futures.Future | None = None  # the forward running on the worker
+
+    # ---- lifecycle ----
+    async def start(self) -> None:
+        if self._loop_task is not None:
+            return
+        self._wakeup = asyncio.Event()
+        self._loop_task = asyncio.create_task(self._run(), name="mili-engine-loop")
+
+    def is_ready(self) -> bool:
+        return self._loop_task is not None and not self._loop_task.done()
+
+    async def shutdown(self) -> None:
+        """Stop the loop and abort every request; the model stays loaded and `start` may run again."""
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+            self._loop_task = None
+        if self._inflight is not None:
+            # the worker may still be writing K/V into pages the aborts below release
+            await asyncio.to_thread(concurrent.futures.wait, [self._inflight])
+            self._inflight = None
+        for request_id in list(self._streams):
+            self.abort(request_id)
+        self._wakeup = None
+
+    # ---- requests ----
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
+        if self._wakeup is None:
+            raise RuntimeError("the engine is not started: await engine.start() first")
+        seq = self.core.add(prompt_token_ids, params, request_id)
+        stream = RequestStream(seq.request_id, self)
+        self._streams[seq.request_id] = stream
+        self._wakeup.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        delta = self.core.abort(request_id)
+        if delta is not None:
+            self._deliver(delta)
+        self._streams.pop(request_id, None)
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    # ---- the loop ----
+    def _deliver(self, delta: SequenceDelta) -> None:
+        stream = self._streams.get(delta.request_id)
+        if stream is None:
+            return
+        if delta.finish_reason is not None:
+            del self._streams[delta.request_id]
+        stream.put(delta)
+
+    async def _run(self) -> None:
+        while True:
+            if not self.core.has_work():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            scheduled = self.core.schedule()
+            if scheduled is None:
+                await asyncio.sleep(IDLE_POLL_S)
+                continue
+            batch, step = scheduled
+            try:
+                self._inflight = self._executor.submit(self.core.runner.execute, step)
+                output = await asyncio.wrap_future(self._inflight)
+                self._inflight = None
+            except Exception as exc:  # a failed forward fails its batch, not the server
+                self._inflight = None
+                logger.exception("forward failed; aborting the %d sequences of the batch", len(batch.seqs))
+                for seq in batch.seqs:
+                    seq.error = f"engine error: {exc}"
+                    self.abort(seq.request_id)
+                continue
+            for delta in self.core.postprocess(batch, output):
+                self._deliver(delta)

@@ -1,0 +1,222 @@
+"""The engine's synchronous core: sequences in, one step at a time, deltas out.
+
+`schedule` and `postprocess` run on the thread that owns the engine state (the event loop, or the
+caller of the offline `LLM`); `runner.execute` between them is the only heavy work.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from mili_openai.config import EngineConfig
+from mili_openai.engine.detokenizer import IncrementalDetokenizer
+from mili_openai.engine.kv_pages import KVPageManager, pages_for
+from mili_openai.engine.observer import EngineObserver
+from mili_openai.engine.outputs import EngineStats, RequestMetrics, SequenceDelta
+from mili_openai.engine.runner import ModelRunner, PreparedStep
+from mili_openai.engine.sampler import Sampler, SamplerOutput
+from mili_openai.engine.sampling_params import SamplingParams
+from mili_openai.engine.scheduler import ScheduledBatch, Scheduler
+from mili_openai.engine.sequence import Sequence
+from mili_openai.engine.stop_strings import StopStringMatcher
+from mili_openai.model import resolve_model_path
+
+
+class EngineCore:
+    def __init__(
+        self, config: EngineConfig, runner: ModelRunner, tokenizer, observer: EngineObserver | None = None
+    ) -> None:
+        self.config = config
+        self.observer = observer
+        self.model_path: Path | None = None
+        self.runner = runner
+        self.tokenizer = tokenizer
+        model_config = runner.model_config
+        self.vocab_size = model_config.vocab_size
+        self.eos_token_ids = tuple(model_config.eos_token_ids)
+        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                                 runner.num_pages * config.page_size)
+        self.pages = KVPageManager(runner.num_pages, config.page_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.pages)
+        self.sequences: dict[str, Sequence] = {}
+        self._request_ids = itertools.count()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, observer: EngineObserver | None = None) -> EngineCore:
+        """Resolve the model (embedded default, local dir or hub id), load it and its tokenizer."""
+        model_path = resolve_model_path(config.model, config.default_model_cache)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        core = cls(config, ModelRunner(config, model_path), tokenizer, observer)
+        core.model_path = model_path
+        return core
+
+    # ---- requests in ----
+    def add(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+        """Validate and queue one sequence; raises ValueError for a request that can never run."""
+        request_id = request_id if request_id is not None else f"seq-{next(self._request_ids)}"
+        if request_id in self.sequences:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
+        if any(not 0 <= t < self.vocab_size for t in itertools.chain(params.logit_bias, params.stop_token_ids)):
+            raise ValueError(f"logit_bias and stop_token_ids keys must be token ids in [0, {self.vocab_size})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has "
+                f"{len(prompt)} tokens, leaving no room for output"
+            )
+        room = self.max_model_len - len(prompt)
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(prompt) + params.max_tokens} tokens ({len(prompt)} in the prompt, {params.max_tokens} "
+                f"for the completion). Please reduce the prompt or max_tokens."
+            )
+        max_tokens = params.max_tokens if params.max_tokens is not None else room
+        if pages_for(len(prompt) + max_tokens, self.config.page_size) > self.pages.num_pages:
+            raise ValueError("the request needs more KV cache pages than the whole pool holds")
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            params=params,
+            max_tokens=max_tokens,
+            arrival_time=time.monotonic(),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, params.skip_special_tokens),
+            stop_matcher=StopStringMatcher(params.stop) if params.stop else None,
+            generator=Sampler.make_generator(params.seed, self.runner.device) if params.seed is not None else None,
+        )
+        self.sequences[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> SequenceDelta | None:
+        seq = self.sequences.get(request_id)
+        if seq is None or seq.is_finished:
+            return None
+        self.scheduler.finish(seq, "abort")
+        return self._final_delta(seq, text="", token_ids=[], logprobs=None)
+
+    # ---- one step ----
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def schedule(self) -> tuple[ScheduledBatch, PreparedStep] | None:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return None
+        return batch, self.runner.prepare(batch)
+
+    def postprocess(self, batch: ScheduledBatch, output: SamplerOutput) -> list[SequenceDelta]:
+        deltas: list[SequenceDelta] = []
+        now = time.monotonic()
+        sampled = iter(zip(output.token_ids, output.logprobs))
+        for index, seq in enumerate(batch.seqs):
+            samples = batch.samples[index]
+            token = next(sampled) if samples else None
+            if seq.is_finished:  # aborted while the forward ran; its pages are already released
+                continue
+            seq.num_computed_tokens += batch.num_new_tokens[index]
+            if index >= batch.num_decode:
+                self.pages.cache_computed_pages(seq)
+            if token is None:
+                continue
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            deltas.append(self._append_token(seq, *token))
+        return deltas
+
+    def _append_token(self, seq: Sequence, token_id: int, logprob) -> SequenceDelta:
+        seq.append_token(token_id)
+        self.generation_tokens_total += 1
+        params = seq.params
+        past_min = len(seq.output_token_ids) >= params.min_tokens
+        text, finish, stop_reason = "", None, None
+        if past_min and not params.ignore_eos and token_id in self.eos_token_ids:
+            finish = "stop"
+        elif past_min and token_id in params.stop_token_ids:
+            finish, stop_reason = "stop", token_id
+        else:
+            text = seq.detokenizer.append([token_id])
+            if seq.stop_matcher is not None:
+                text, matched = seq.stop_matcher.push(text)
+                if matched is not None:
+                    finish, stop_reason = "stop", matched
+        if finish is None and (len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
+            finish = "length"
+        logprobs = [logprob] if logprob is not None else None
+        if finish is None:
+            return self._delta(seq, text, [token_id], logprobs)
+        if stop_reason is None or isinstance(stop_reason, int):
+            text += seq.detokenizer.flush() if hasattr(seq.detokenizer, "flush") else ""
+            if seq.stop_matcher is not None:
+                held, _ = seq.stop_matcher.push("")
+                text += held + seq.stop_matcher.flush()
+        seq.stop_reason = stop_reason
+        self.scheduler.finish(seq, finish)
+        return self._final_delta(seq, text, [token_id], logprobs)
+
+    def _delta(self, seq: Sequence, text: str, token_ids: list[int], logprobs) -> SequenceDelta:
+        return SequenceDelta(
+            request_id=seq.request_id,
+            text=text,
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=len(seq.output_token_ids),
+            error=seq.error,
+        )
+
+    def _final_delta(self, seq: Sequence, text: str, token_ids: list[int], logprobs) -> SequenceDelta:
+        del self.sequences[seq.request_id]
+        if seq.first_scheduled_time is not None:
+            self.prompt_tokens_total += seq.num_prompt_tokens
+        if self.observer is not None:
+            self.observer.on_request_finished(self.request_metrics(seq))
+        return self._delta(seq, text, token_ids, logprobs)
+
+    def request_metrics(self, seq: Sequence) -> RequestMetrics:
+        return RequestMetrics(
+            request_id=seq.request_id,
+            arrival_time=seq.arrival_time,
+            first_scheduled_time=seq.first_scheduled_time,
+            first_token_time=seq.first_token_time,
+            finished_time=time.monotonic(),
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=len(seq.output_token_ids),
+            finish_reason=seq.finish_reason or "abort",
+            num_preemptions=seq.num_preemptions,
+        )
+
+    # ---- introspection ----
+    def stats(self) -> EngineStats:
+        pool = self.pages.pool
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_pages=pool.num_pages,
+            num_free_pages=pool.num_free,
+            num_cached_pages=self.pages.tree.cached_pages,
+            kv_cache_usage=self.pages.usage(),
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            prefix_cache_queries_total=self.scheduler.prefix_cache_queries_total,
+            prefix_cache_hits_total=self.scheduler.prefix_cache_hits_total,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+        )
+
+    def check_integrity(self) -> None:
+        """Pages conserved: free + tree + owned == pool, nothing shared that should not be."""
+        self.pages.check_integrity(self.sequences.values())

@@ -1,0 +1,106 @@
+"""Page bookkeeping for sequences: prefix matching, allocation, caching into the radix tree, release.
+
+Owns the page pool and the radix tree (plain Python, no torch). Every page is free, owned by exactly
+one sequence (`Sequence.owned_pages`), or held by the tree; `check_integrity` verifies it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from mili_openai.engine.sequence import Sequence
+from mili_openai.radix import PagePool, RadixCache
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+class KVPageManager:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool) -> None:
+        self.page_size = page_size
+        self.pool = PagePool(num_pages)
+        self.tree = RadixCache(page_size, self.pool)
+        self.enable_prefix_caching = enable_prefix_caching
+
+    @property
+    def num_pages(self) -> int:
+        return self.pool.num_pages
+
+    @property
+    def num_available(self) -> int:
+        """Pages that an allocation can get: free now, or freed by evicting unlocked tree pages."""
+        return self.pool.num_free + self.tree.evictable_pages
+
+    def match(self, seq: Sequence) -> int:
+        """Point seq at the longest cached prefix of its tokens and lock it; returns the tokens matched.
+
+        At least one token is left uncached, since the last one must run through the model for logits.
+        """
+        if not self.enable_prefix_caching:
+            return 0
+        match = self.tree.match_prefix(seq.token_ids[: seq.num_tokens - 1])
+        self.tree.lock(match.node)
+        seq.pages = list(match.pages)
+        seq.num_tree_pages = len(match.pages)
+        seq.tree_node = match.node
+        seq.num_computed_tokens = match.num_tokens
+        return match.num_tokens
+
+    def pages_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = pages_for(seq.num_computed_tokens + num_new_tokens, self.page_size)
+        return max(0, total - len(seq.pages))
+
+    def allocate(self, seq: Sequence, num_pages: int) -> bool:
+        """Give seq num_pages more pages, evicting cached ones if needed; False (nothing done) if short."""
+        if num_pages == 0:
+            return True
+        if not self.tree.ensure_free(num_pages):
+            return False
+        seq.pages.extend(self.pool.allocate(num_pages))
+        return True
+
+    def cache_computed_pages(self, seq: Sequence) -> None:
+        """Hand seq's full computed pages to the tree so other sequences can share them.
+
+        Where the tree already held the same prefix (a sibling computed it in the same step), seq's own
+        copy is freed and its page table switched to the tree's pages, which hold identical K/V.
+        """
+        if not self.enable_prefix_caching:
+            return
+        num_full = seq.num_computed_tokens // self.page_size
+        if num_full <= seq.num_tree_pages:
+            return
+        result = self.tree.insert(seq.token_ids[: num_full * self.page_size], seq.pages[:num_full])
+        duplicates = [
+            mine
+            for mine, tree_page in zip(seq.pages[seq.num_tree_pages : num_full], result.pages[seq.num_tree_pages :])
+            if mine != tree_page
+        ]
+        if duplicates:
+            self.pool.free(duplicates)
+        seq.pages[:num_full] = result.pages
+        self.tree.lock(result.node)
+        if seq.tree_node is not None:
+            self.tree.unlock(seq.tree_node)
+        seq.tree_node = result.node
+        seq.num_tree_pages = num_full
+
+    def release(self, seq: Sequence) -> None:
+        """Return everything seq holds: full computed pages go to the tree (unlocked), the rest to the pool."""
+        self.cache_computed_pages(seq)
+        if seq.tree_node is not None:
+            self.tree.unlock(seq.tree_node)
+        owned = seq.owned_pages
+        if owned:
+            self.pool.free(owned)
+        seq.pages = []
+        seq.num_tree_pages = 0
+        seq.tree_node = None
+        seq.num_computed_tokens = 0
+
+    def check_integrity(self, sequences: Iterable[Sequence]) -> None:
+        self.tree.check_integrity(owned=[seq.owned_pages for seq in sequences])
+
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free / self.pool.num_pages

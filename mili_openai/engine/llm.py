@@ -1,0 +1,91 @@
+"""The offline batch API, shaped like vLLM's: `LLM(model=...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence as SequenceABC
+
+from mili_openai.config import EngineConfig
+from mili_openai.engine.core import EngineCore
+from mili_openai.engine.outputs import CompletionOutput, RequestOutput
+from mili_openai.engine.sampling_params import SamplingParams
+
+PromptInput = str | list[int]
+
+
+def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The i-th of n samples: same settings, its own seed so samples differ yet stay reproducible."""
+    if params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=params.seed + index)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        self.config = EngineConfig(model=model, **engine_args)
+        self.core = EngineCore.from_config(self.config)
+        self.tokenizer = self.core.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | SequenceABC[PromptInput],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        prompt_list = self._normalise_prompts(prompts)
+        if sampling_params is None:
+            params_list = [SamplingParams()] * len(prompt_list)
+        elif isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError("give one SamplingParams, or exactly one per prompt")
+
+        results: list[RequestOutput] = []
+        owners: dict[str, tuple[RequestOutput, CompletionOutput]] = {}
+        for prompt_index, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+            text = prompt if isinstance(prompt, str) else None
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            result = RequestOutput(request_id=str(prompt_index), prompt=text, prompt_token_ids=ids, finished=False)
+            results.append(result)
+            for sample in range(params.n):
+                seq = self.core.add(ids, _sample_params(params, sample), f"llm-{id(self)}-{prompt_index}-{sample}")
+                completion = CompletionOutput(index=sample, text="", token_ids=[], finish_reason=None)
+                result.outputs.append(completion)
+                owners[seq.request_id] = (result, completion)
+
+        try:
+            self._run_to_completion(owners)
+        finally:
+            for request_id in list(owners):
+                self.core.abort(request_id)
+        return results
+
+    def _run_to_completion(self, owners: dict[str, tuple[RequestOutput, CompletionOutput]]) -> None:
+        while self.core.has_work():
+            scheduled = self.core.schedule()
+            if scheduled is None:
+                continue
+            batch, step = scheduled
+            output = self.core.runner.execute(step)
+            for delta in self.core.postprocess(batch, output):
+                result, completion = owners[delta.request_id]
+                completion.text += delta.text
+                completion.token_ids.extend(delta.token_ids)
+                if delta.logprobs is not None:
+                    completion.logprobs = (completion.logprobs or []) + delta.logprobs
+                result.num_cached_tokens = max(result.num_cached_tokens, delta.num_cached_tokens)
+                if delta.finish_reason is not None:
+                    completion.finish_reason = delta.finish_reason
+                    completion.stop_reason = delta.stop_reason
+                    del owners[delta.request_id]
+                    result.finished = all(c.finish_reason is not None for c in result.outputs)
+
+    @staticmethod
+    def _normalise_prompts(prompts) -> list[PromptInput]:
+        if isinstance(prompts, str):
+            return [prompts]
+        prompts = list(prompts)
+        if prompts and all(isinstance(p, int) for p in prompts):
+            return [prompts]  # one prompt given as token ids
+        return prompts

@@ -1,0 +1,83 @@
+"""The model runner: loads the checkpoint, owns the KV cache, runs one forward + sampling per step.
+
+`execute` is the only blocking work of the engine; it runs on the engine's worker thread while the
+event loop keeps streaming. Everything it reads was built on the loop thread beforehand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mili_openai.config import EngineConfig
+from mili_openai.engine.batch_builder import build_forward_batch, forward_batch_to
+from mili_openai.engine.sampler import Sampler, SamplerOutput, SamplingRow
+from mili_openai.engine.scheduler import ScheduledBatch
+from mili_openai.model import KVCache, load_model, resolve_dtype
+from mili_openai.model.batch import ForwardBatch
+
+BYTES_PER_GIB = 1 << 30
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
+    return torch.device(name)
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    forward_batch: ForwardBatch
+    rows: list[SamplingRow]  # one per sequence that samples this step, in logits_indices order
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_path: Path) -> None:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.model, self.model_config = load_model(model_path, resolve_dtype(config.dtype, model_path), self.device)
+        self.dtype = next(self.model.parameters()).dtype
+        self.page_size = config.page_size
+        self.num_pages = config.num_pages or self._pages_for_budget(config)
+        self.kv_cache = KVCache(self.model_config, self.num_pages, self.page_size, self.dtype, self.device)
+        self.sampler = Sampler(
+            vocab_size=self.model_config.vocab_size,
+            eos_token_ids=self.model_config.eos_token_ids,
+            device=self.device,
+            seed=config.seed,
+        )
+
+    def _pages_for_budget(self, config: EngineConfig) -> int:
+        per_page = KVCache.bytes_per_page(self.model_config, self.page_size, self.dtype)
+        num_pages = int(config.kv_cache_memory_gb * BYTES_PER_GIB // per_page)
+        if num_pages < 1:
+            raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds no page of {per_page} bytes")
+        return num_pages
+
+    def prepare(self, batch: ScheduledBatch) -> PreparedStep:
+        """Build the step's inputs on the loop thread (it owns the sequences being read)."""
+        rows = [
+            SamplingRow(
+                params=seq.params,
+                generator=seq.generator,
+                prompt_token_ids=seq.prompt_token_ids,
+                output_token_ids=seq.output_token_ids,
+            )
+            for index, seq in enumerate(batch.seqs)
+            if batch.samples[index]
+        ]
+        return PreparedStep(build_forward_batch(batch, self.page_size), rows)
+
+    @torch.inference_mode()
+    def execute(self, step: PreparedStep) -> SamplerOutput:
+        batch = forward_batch_to(step.forward_batch, self.device)
+        hidden = self.model(batch, self.kv_cache)  # (T, hidden)
+        if not step.rows:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S, vocab) float32
+        return self.sampler(logits, step.rows)

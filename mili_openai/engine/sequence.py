@@ -1,0 +1,86 @@
+"""One sequence's state inside the engine: tokens, KV pages, stopping and timing.
+
+A request with n > 1 is n sequences (the caller fans out); each is scheduled on its own and shares the
+prompt's KV pages with its siblings through the radix tree.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from mili_openai.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+
+    from mili_openai.engine.detokenizer import IncrementalDetokenizer
+    from mili_openai.engine.stop_strings import StopStringMatcher
+    from mili_openai.radix import RadixNode
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # params.max_tokens resolved against the context length
+    arrival_time: float
+    detokenizer: IncrementalDetokenizer
+    stop_matcher: StopStringMatcher | None
+    generator: torch.Generator | None  # the request's own sampling stream when seeded
+
+    # tokens: prompt followed by outputs; KV of token_ids[:num_computed_tokens] sits in `pages`
+    token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+
+    # KV page table. pages[:num_tree_pages] are held by the radix tree and locked through tree_node;
+    # the rest are this sequence's own.
+    pages: list[int] = field(default_factory=list)
+    num_tree_pages: int = 0
+    tree_node: RadixNode | None = None
+
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    error: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def owned_pages(self) -> list[int]:
+        return self.pages[self.num_tree_pages :]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)

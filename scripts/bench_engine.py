@@ -1,0 +1,170 @@
+"""Engine benchmark: mili's engine vs HF transformers `generate()` on one random Qwen3 checkpoint.
+
+Measures prefill tokens/s for one 512-token prompt and decode tokens/s at batch 1, 8 and 32, each
+side by side with HF on the same weights, plus this machine's limits: decode is bound by reading the
+weights once per step (weight bytes / measured read bandwidth), prefill by bf16 matmul throughput.
+
+    .venv/bin/python scripts/bench_engine.py                       # Qwen3-0.6B shapes, bf16, CPU
+    .venv/bin/python scripts/bench_engine.py --batches 1 8 --json bench-results/engine.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from mili_openai import LLM, SamplingParams
+from mili_openai.model.checkpoint import QWEN3_0_6B_SHAPE, build_random_checkpoint
+
+BANDWIDTH_BYTES = 1 << 30  # per read-bandwidth probe pass; far larger than the caches
+MATMUL_SHAPE = (512, 1024, 3072)  # a prefill-shaped bf16 GEMM (tokens, hidden, intermediate)
+
+
+def measure_read_bandwidth(repeats: int = 5) -> float:
+    """Bytes/s of a streaming read over a buffer much larger than the last-level cache."""
+    buffer = torch.ones(BANDWIDTH_BYTES // 2, dtype=torch.bfloat16)
+    buffer.sum()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        buffer.sum()
+    return repeats * BANDWIDTH_BYTES / (time.perf_counter() - start)
+
+
+def measure_matmul_flops(repeats: int = 10) -> float:
+    m, k, n = MATMUL_SHAPE
+    a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(n, k, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b.T
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b.T
+    return repeats * 2 * m * k * n / (time.perf_counter() - start)
+
+
+def weight_bytes_per_step(model: torch.nn.Module) -> int:
+    """Bytes every decode step must read: all weights, with the embedding read once (as the LM head)."""
+    seen, total = set(), 0
+    for param in model.parameters():
+        if param.data_ptr() not in seen:
+            seen.add(param.data_ptr())
+            total += param.numel() * param.element_size()
+    return total
+
+
+def flops_per_token(model: torch.nn.Module) -> int:
+    return 2 * sum(p.numel() for p in model.parameters())  # matmul flops, ignoring attention at 512
+
+
+def random_prompt(length: int, rng: random.Random) -> list[int]:
+    return [rng.randrange(1000, 150000) for _ in range(length)]
+
+
+def bench_mili(path: Path, prompt_len: int, decode_prompt_len: int, decode_tokens: int, batches: list[int],
+               threads: int | None) -> dict:
+    llm = LLM(str(path), dtype="bfloat16", num_threads=threads, max_num_seqs=max(batches),
+              max_num_batched_tokens=max(prompt_len, max(batches) * decode_prompt_len), kv_cache_memory_gb=2.0)
+    rng = random.Random(0)
+    greedy = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    llm.generate([random_prompt(prompt_len, rng)], greedy)  # warm-up (kernel build, allocator)
+    start = time.perf_counter()
+    llm.generate([random_prompt(prompt_len, rng)], greedy)
+    prefill_s = time.perf_counter() - start
+    result = {"prefill_tokens_per_s": prompt_len / prefill_s, "decode_tokens_per_s": {}}
+    for batch in batches:
+        prompts = [random_prompt(decode_prompt_len, rng) for _ in range(batch)]
+        params = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
+        result["decode_tokens_per_s"][batch] = _timed_decode(llm, prompts, params)
+    result["weight_bytes"] = weight_bytes_per_step(llm.core.runner.model)
+    result["flops_per_token"] = flops_per_token(llm.core.runner.model)
+    return result
+
+
+def _timed_decode(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> float:
+    """Tokens/s over the pure-decode steps only (prefill steps are timed separately)."""
+    core = llm.core
+    for i, prompt in enumerate(prompts):
+        core.add(prompt, params, f"bench-{time.monotonic_ns()}-{i}")
+    decode_time, decode_tokens = 0.0, 0
+    while core.has_work():
+        batch, step = core.schedule()
+        start = time.perf_counter()
+        output = core.runner.execute(step)
+        core.postprocess(batch, output)
+        if batch.num_decode == len(batch.seqs):
+            decode_time += time.perf_counter() - start
+            decode_tokens += batch.num_decode
+    return decode_tokens / decode_time
+
+
+@torch.inference_mode()
+def bench_hf(path: Path, prompt_len: int, decode_prompt_len: int, decode_tokens: int, batches: list[int]) -> dict:
+    from transformers import Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    rng = random.Random(0)
+
+    def generate(ids: torch.Tensor, new_tokens: int) -> float:
+        start = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - start
+
+    generate(torch.tensor([random_prompt(prompt_len, rng)]), 1)  # warm-up
+    prefill_s = generate(torch.tensor([random_prompt(prompt_len, rng)]), 1)
+    result = {"prefill_tokens_per_s": prompt_len / prefill_s, "decode_tokens_per_s": {}}
+    for batch in batches:
+        ids = torch.tensor([random_prompt(decode_prompt_len, rng) for _ in range(batch)])
+        first = generate(ids, 1)
+        total = generate(ids, decode_tokens)
+        result["decode_tokens_per_s"][batch] = batch * (decode_tokens - 1) / (total - first)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", type=Path, default=Path.home() / ".cache/mili-openai/bench-qwen3-0.6b")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--decode-prompt-len", type=int, default=64)
+    parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+
+    if not (args.checkpoint / "config.json").exists():
+        print(f"building a random Qwen3-0.6B-shaped checkpoint in {args.checkpoint} ...", flush=True)
+        build_random_checkpoint(args.checkpoint, QWEN3_0_6B_SHAPE, seed=0, dtype=torch.bfloat16)
+    bandwidth, flops = measure_read_bandwidth(), measure_matmul_flops()
+    mili = bench_mili(args.checkpoint, args.prompt_len, args.decode_prompt_len, args.decode_tokens, args.batches,
+                      args.threads)
+    hf = None if args.skip_hf else bench_hf(args.checkpoint, args.prompt_len, args.decode_prompt_len,
+                                            args.decode_tokens, args.batches)
+    decode_limit = bandwidth / mili["weight_bytes"]
+    prefill_limit = flops / mili["flops_per_token"]
+    rows = [("prefill tok/s (%d-token prompt)" % args.prompt_len, mili["prefill_tokens_per_s"],
+             hf and hf["prefill_tokens_per_s"], prefill_limit)]
+    for batch in args.batches:
+        rows.append((f"decode tok/s, batch {batch}", mili["decode_tokens_per_s"][batch],
+                     hf and hf["decode_tokens_per_s"][batch], decode_limit * batch if batch == 1 else None))
+    print(f"\nread bandwidth {bandwidth / 1e9:.1f} GB/s, bf16 matmul {flops / 1e9:.0f} GFLOP/s, "
+          f"weights {mili['weight_bytes'] / 1e9:.2f} GB/step, threads {torch.get_num_threads()}")
+    print(f"| metric | mili | HF generate | mili / HF | limit | mili / limit |\n|---|---|---|---|---|---|")
+    for name, ours, theirs, limit in rows:
+        ratio = f"{ours / theirs:.2f}x" if theirs else "-"
+        of_limit = f"{ours / limit:.0%}" if limit else "-"
+        print(f"| {name} | {ours:.1f} | {theirs:.1f} | {ratio} | {limit:.1f} | {of_limit} |" if theirs and limit else
+              f"| {name} | {ours:.1f} | {theirs or 0:.1f} | {ratio} | {limit or 0:.1f} | {of_limit} |")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"mili": mili, "hf": hf, "bandwidth_bytes_per_s": bandwidth,
+                                         "bf16_matmul_flops": flops, "args": vars(args)}, default=str, indent=2))
+
+
+if __name__ == "__main__":
+    main()
