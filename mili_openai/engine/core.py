@@ -155,14 +155,23 @@ class EngineCore:
         logprobs = [logprob] if logprob is not None else None
         if finish is None:
             return self._delta(seq, text, [token_id], logprobs)
-        if stop_reason is None or isinstance(stop_reason, int):
-            text += seq.detokenizer.flush() if hasattr(seq.detokenizer, "flush") else ""
-            if seq.stop_matcher is not None:
-                held, _ = seq.stop_matcher.push("")
-                text += held + seq.stop_matcher.flush()
+        if not isinstance(stop_reason, str):  # not ended by a stop string: release held-back text
+            tail, matched = self._finish_text(seq)
+            text += tail
+            if matched is not None:
+                finish, stop_reason = "stop", matched
         seq.stop_reason = stop_reason
         self.scheduler.finish(seq, finish)
         return self._final_delta(seq, text, [token_id], logprobs)
+
+    @staticmethod
+    def _finish_text(seq: Sequence) -> tuple[str, str | None]:
+        """Text held back by the detokeniser (an unfinished character) and the stop matcher."""
+        tail = seq.detokenizer.flush()
+        if seq.stop_matcher is None:
+            return tail, None
+        text, matched = seq.stop_matcher.push(tail)
+        return (text, matched) if matched is not None else (text + seq.stop_matcher.flush(), None)
 
     def _delta(self, seq: Sequence, text: str, token_ids: list[int], logprobs) -> SequenceDelta:
         return SequenceDelta(

@@ -1,0 +1,225 @@
+"""The batch sampler: one call per engine step turns (B, V) logits into one token per sequence.
+
+Order of operations (vLLM's): logit_bias and the min_tokens mask, then penalties, then greedy rows take
+the argmax; random rows go on through temperature, top-k / top-p and min-p, and draw with the
+exponential race (argmax of probs / Exp(1) noise), which needs no multinomial and no host sync.
+Log-probabilities are taken from the raw model logits, before any of this.
+
+Reproducibility: a seeded row draws exactly one (V,) noise vector per step from its own generator, and
+every processor works row by row, so its tokens do not depend on which rows share the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from mili_openai.engine import logits_processing as lp
+from mili_openai.engine.outputs import TokenLogprob
+from mili_openai.engine.sampling_params import SamplingParams
+
+# Temperatures below this are greedy (vLLM's epsilon): logits / 1e-30 overflow to inf and softmax to nan.
+MIN_TEMPERATURE = 1e-5
+# Smallest Exp(1) draw used as a divisor: -log(U) is exactly 0 when U rounds to 1, and probs / 0 would
+# win the race with inf (or nan for a masked token).
+MIN_EXPONENTIAL_NOISE = 1e-10
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs to know about one sequence of the batch."""
+
+    params: SamplingParams
+    generator: torch.Generator | None  # the request's own generator when params.seed is set
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: list[int]  # one per row
+    logprobs: list[TokenLogprob | None]  # per row; None unless params.logprobs is not None
+
+
+def _is_greedy(params: SamplingParams) -> bool:
+    return params.temperature < MIN_TEMPERATURE
+
+
+def _has_penalties(params: SamplingParams) -> bool:
+    return params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
+
+
+def _top_k_is_on(params: SamplingParams, vocab_size: int) -> bool:
+    return 0 < params.top_k < vocab_size
+
+
+class Sampler:
+    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int], device: torch.device, seed: int) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
+        self.device = torch.device(device)
+        self.generator = self.make_generator(seed, self.device)  # the stream of rows without a seed
+
+    @staticmethod
+    def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+        generator = torch.Generator(device=torch.device(device))
+        generator.manual_seed(seed)
+        return generator
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """logits: (B, V) float32, one row per entry of `rows`. Returns one token (and logprobs) per row."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be (len(rows)={len(rows)}, V), got {tuple(logits.shape)}")
+        if logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits have {logits.shape[1]} columns, fewer than vocab_size={self.vocab_size}")
+        if not rows:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        self._validate_logit_bias(rows, logits.shape[1])
+        raw_logits = logits
+        logits = self._process(logits, rows)  # (B, V), a new tensor whenever anything changed
+
+        greedy_rows = [i for i, row in enumerate(rows) if _is_greedy(row.params)]
+        if len(greedy_rows) == len(rows):
+            token_ids = logits.argmax(dim=-1)  # (B,)
+        else:
+            token_ids = self._sample_random(logits, rows, greedy_rows)  # (B,)
+        token_list = token_ids.tolist()  # the step's one host sync, needed anyway
+        return SamplerOutput(token_ids=token_list, logprobs=self._logprobs(raw_logits, rows, token_ids, token_list))
+
+    # ---- processing shared by greedy and random rows ----
+    def _validate_logit_bias(self, rows: Sequence[SamplingRow], width: int) -> None:
+        # The routes and EngineCore.add reject such ids first; this is the last line before index_put_.
+        for row in rows:
+            for token_id in row.params.logit_bias:
+                if not 0 <= token_id < width:
+                    raise ValueError(f"logit_bias token id {token_id} is outside the vocabulary [0, {width})")
+
+    def _process(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        width = logits.shape[1]
+        bias_rows, bias_tokens, bias_values = [], [], []
+        masked_rows, masked_tokens = [], []
+        penalty_rows = []
+        for index, row in enumerate(rows):
+            params = row.params
+            for token_id, bias in params.logit_bias.items():
+                bias_rows.append(index)
+                bias_tokens.append(token_id)
+                bias_values.append(bias)
+            if len(row.output_token_ids) < params.min_tokens:
+                # ignore_eos only changes stopping; below min_tokens EOS is never sampled either way.
+                blocked = {*self.eos_token_ids, *(t for t in params.stop_token_ids if 0 <= t < width)}
+                masked_rows.extend([index] * len(blocked))
+                masked_tokens.extend(blocked)
+            if _has_penalties(params):
+                penalty_rows.append(index)
+
+        padded = width > self.vocab_size
+        if not (bias_rows or masked_rows or penalty_rows or padded):
+            return logits
+        logits = logits.clone()  # the caller's tensor stays the raw logits (logprobs read them)
+        if padded:  # columns past the real vocabulary (a padded lm_head) are never sampled
+            logits[:, self.vocab_size :] = lp.NEG_INF
+        if bias_rows:
+            lp.apply_additive_bias(logits, bias_rows, bias_tokens, bias_values)
+        if masked_rows:
+            lp.mask_tokens(logits, masked_rows, masked_tokens)
+        if penalty_rows:
+            self._apply_penalties(logits, [rows[i] for i in penalty_rows], penalty_rows)
+        return logits
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow], indices: list[int]) -> None:
+        device, width = logits.device, logits.shape[1]
+        index = torch.tensor(indices, dtype=torch.long, device=device)
+        subset = logits[index]  # (R, V)
+        output_counts = lp.token_counts([row.output_token_ids for row in rows], width, device, logits.dtype)
+        if any(row.params.repetition_penalty != 1 for row in rows):
+            prompt_seen = lp.token_counts([row.prompt_token_ids for row in rows], width, device, logits.dtype) > 0
+            penalty = self._row_tensor([row.params.repetition_penalty for row in rows], logits.dtype)
+            subset = lp.apply_repetition_penalty(subset, prompt_seen | (output_counts > 0), penalty)
+        if any(row.params.presence_penalty != 0 or row.params.frequency_penalty != 0 for row in rows):
+            presence = self._row_tensor([row.params.presence_penalty for row in rows], logits.dtype)
+            frequency = self._row_tensor([row.params.frequency_penalty for row in rows], logits.dtype)
+            subset = lp.apply_presence_frequency_penalties(subset, output_counts, presence, frequency)
+        logits[index] = subset
+
+    def _row_tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    # ---- random rows ----
+    def _sample_random(self, logits: torch.Tensor, rows: Sequence[SamplingRow], greedy_rows: list[int]) -> torch.Tensor:
+        random_rows = [i for i, row in enumerate(rows) if not _is_greedy(row.params)]
+        all_random = not greedy_rows
+        subset_index = None if all_random else torch.tensor(random_rows, dtype=torch.long, device=logits.device)
+        random_params = [rows[i].params for i in random_rows]
+        width = logits.shape[1]
+
+        x = logits if all_random else logits[subset_index]  # (R, V)
+        x = x / self._row_tensor([p.temperature for p in random_params], x.dtype).unsqueeze(1)
+        use_top_k = any(_top_k_is_on(p, width) for p in random_params)
+        use_top_p = any(p.top_p < 1 for p in random_params)
+        if use_top_k or use_top_p:
+            top_ks = [p.top_k if _top_k_is_on(p, width) else width for p in random_params]
+            top_k = self._row_tensor(top_ks, torch.long) if use_top_k else None
+            top_p = self._row_tensor([p.top_p for p in random_params], x.dtype) if use_top_p else None
+            max_top_k = max((k for k in top_ks if k < width), default=1)
+            lp.apply_top_k_top_p(x, top_k, top_p, max_top_k)
+        if any(p.min_p > 0 for p in random_params):
+            lp.apply_min_p(x, self._row_tensor([p.min_p for p in random_params], x.dtype))
+
+        probs = x.softmax(dim=-1)  # (R, V)
+        noise = self._exponential_noise([rows[i] for i in random_rows], width, probs.dtype)  # (R, V)
+        sampled = probs.div_(noise).argmax(dim=-1)  # (R,)
+        if all_random:
+            return sampled
+        token_ids = logits.argmax(dim=-1)  # (B,) greedy answer for every row, overwritten for random ones
+        token_ids[subset_index] = sampled
+        return token_ids
+
+    def _exponential_noise(self, rows: list[SamplingRow], width: int, dtype: torch.dtype) -> torch.Tensor:
+        """(R, V) Exp(1) noise: one (V,) draw per seeded row from its own generator, the rest shared.
+
+        Drawn as -log(U) with U uniform: on CPU `exponential_` is several times slower than
+        `uniform_` followed by a log, and the two have the same distribution.
+        """
+        uniform = torch.empty(len(rows), width, dtype=dtype, device=self.device)
+        unseeded = [i for i, row in enumerate(rows) if row.generator is None]
+        if len(unseeded) == len(rows):
+            uniform.uniform_(generator=self.generator)
+        else:
+            for i, row in enumerate(rows):  # a loop only over seeded rows: their streams are separate
+                if row.generator is not None:
+                    uniform[i].uniform_(generator=row.generator)
+            if unseeded:
+                index = torch.tensor(unseeded, dtype=torch.long, device=self.device)
+                shared = torch.empty(len(unseeded), width, dtype=dtype, device=self.device)
+                uniform[index] = shared.uniform_(generator=self.generator)
+        return uniform.log_().neg_().clamp_min_(MIN_EXPONENTIAL_NOISE)  # U = 0 gives inf: that token loses
+
+    # ---- log-probabilities ----
+    def _logprobs(
+        self, raw_logits: torch.Tensor, rows: Sequence[SamplingRow], token_ids: torch.Tensor, token_list: list[int]
+    ) -> list[TokenLogprob | None]:
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        result: list[TokenLogprob | None] = [None] * len(rows)
+        if not wanted:
+            return result
+        index = torch.tensor(wanted, dtype=torch.long, device=raw_logits.device)
+        logprobs = raw_logits[index].log_softmax(dim=-1)  # (W, V) from the raw model logits
+        chosen = logprobs.gather(1, token_ids[index].unsqueeze(1)).squeeze(1).tolist()  # (W,)
+        max_top = max(rows[i].params.logprobs for i in wanted)
+        top_values: list[list[float]] = []
+        top_ids: list[list[int]] = []
+        if max_top > 0:  # one topk at the widest k asked for; each row keeps its own first k
+            values, ids = logprobs.topk(max_top, dim=-1)  # (W, max_top) each
+            top_values, top_ids = values.tolist(), ids.tolist()
+        for position, row_index in enumerate(wanted):
+            k = rows[row_index].params.logprobs
+            top = list(zip(top_ids[position][:k], top_values[position][:k])) if k else []
+            result[row_index] = TokenLogprob(
+                token_id=token_list[row_index], logprob=chosen[position], top=top
+            )
+        return result
