@@ -1,0 +1,103 @@
+"""Prometheus metrics of one server, in its own CollectorRegistry (no import-time globals).
+
+Per-request histograms are fed by the engine's observer hook when each sequence finishes; gauges and
+engine-wide counters are read from `engine.stats()` at scrape time, so they cost nothing per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.requests import Request
+from starlette.responses import Response
+
+from mili_openai.engine.outputs import EngineStats, RequestMetrics
+
+# Latency buckets in seconds: from a fast decode step on a GPU to a long CPU generation.
+TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+REQUEST_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class EngineStatsCollector(Collector):
+    """Gauges and counters read from the engine at scrape time."""
+
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        if stats is None:  # the model is still loading
+            return
+        yield GaugeMetricFamily("mili_num_requests_running", "Sequences in the running batch.", value=stats.num_running)
+        yield GaugeMetricFamily("mili_num_requests_waiting", "Sequences waiting to be scheduled.", value=stats.num_waiting)
+        yield GaugeMetricFamily(
+            "mili_kv_cache_usage_ratio", "Fraction of KV cache pages in use (by requests or the prefix cache).",
+            value=stats.kv_cache_usage,
+        )
+        yield GaugeMetricFamily("mili_kv_cache_pages", "KV cache pages in the pool.", value=stats.num_pages)
+        yield GaugeMetricFamily(
+            "mili_prefix_cache_pages", "KV pages held by the radix prefix cache.", value=stats.num_cached_pages
+        )
+        yield CounterMetricFamily("mili_prompt_tokens", "Prompt tokens of finished sequences.",
+                                  value=stats.prompt_tokens_total)
+        yield CounterMetricFamily("mili_generation_tokens", "Tokens generated.", value=stats.generation_tokens_total)
+        yield CounterMetricFamily("mili_preemptions", "Sequences preempted for lack of KV pages.",
+                                  value=stats.num_preemptions_total)
+        yield CounterMetricFamily("mili_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                  value=stats.prefix_cache_queries_total)
+        yield CounterMetricFamily("mili_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                  value=stats.prefix_cache_hits_total)
+
+
+class ServerMetrics:
+    """All of one server's collectors; also the engine's observer (`on_request_finished`)."""
+
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineStatsCollector(stats))
+        self.time_to_first_token = Histogram(
+            "mili_time_to_first_token_seconds", "Time from arrival to the first output token.",
+            buckets=REQUEST_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.time_per_output_token = Histogram(
+            "mili_time_per_output_token_seconds", "Mean time between output tokens after the first, per sequence.",
+            buckets=TOKEN_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.e2e_latency = Histogram(
+            "mili_e2e_request_latency_seconds", "Time from arrival to the last token.",
+            buckets=REQUEST_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.queue_time = Histogram(
+            "mili_request_queue_time_seconds", "Time from arrival to first being scheduled.",
+            buckets=REQUEST_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.requests_finished = Counter(
+            "mili_requests_finished", "Sequences finished, by finish reason.", ["finish_reason"], registry=self.registry
+        )
+        self.http_requests = Counter(
+            "mili_http_requests", "HTTP requests answered.", ["method", "path", "status"], registry=self.registry
+        )
+        self.rejected_requests = Counter(
+            "mili_rejected_requests", "Requests refused before reaching the engine.", ["reason"], registry=self.registry
+        )
+
+    def on_request_finished(self, metrics: RequestMetrics) -> None:
+        self.requests_finished.labels(metrics.finish_reason).inc()
+        self.e2e_latency.observe(metrics.finished_time - metrics.arrival_time)
+        if metrics.first_scheduled_time is not None:
+            self.queue_time.observe(metrics.first_scheduled_time - metrics.arrival_time)
+        if metrics.first_token_time is not None:
+            self.time_to_first_token.observe(metrics.first_token_time - metrics.arrival_time)
+            if metrics.num_output_tokens > 1:
+                decode_time = metrics.finished_time - metrics.first_token_time
+                self.time_per_output_token.observe(decode_time / (metrics.num_output_tokens - 1))
+
+    def render(self) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def metrics_endpoint(request: Request) -> Response:
+    return request.app.state.metrics.render()
