@@ -112,6 +112,10 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.core.stats()
 
+    def set_observer(self, observer: EngineObserver | None) -> None:
+        """Attach the server's metrics to an engine built before the server (one observer at a time)."""
+        self.core.observer = observer
+
     # ---- the loop ----
     def _deliver(self, delta: SequenceDelta) -> None:
         stream = self._streams.get(delta.request_id)

@@ -1,0 +1,153 @@
+"""The `mili` command: `mili serve [MODEL] ...` runs the OpenAI-compatible server under uvicorn.
+
+Flags map one-to-one onto `ServerConfig` / `EngineConfig`; a value they reject becomes a clean
+argparse error. SIGINT/SIGTERM: /health turns 503, new connections stop, in-flight streams get
+`--shutdown-grace-period` seconds to finish, then they are aborted (ending with finish_reason
+"abort" and [DONE], never cut silently), then the engine stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from mili_openai.config import DEVICES, DTYPES, EngineConfig, ServerConfig
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+BENCH_MODULE = "mili_openai.bench.cli"  # provides add_bench_parser(subparsers) when the bench exists
+# uvicorn's own last-resort deadline, after our grace period has aborted what was left
+UVICORN_SHUTDOWN_MARGIN_S = 5.0
+
+
+def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+    defaults, engine = ServerConfig(), EngineConfig()
+    serve = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    serve.add_argument("model", nargs="?", default=None,
+                       help="local checkpoint directory or hub id (default: the embedded Qwen3-0.6B-shaped model)")
+    net = serve.add_argument_group("server")
+    net.add_argument("--host", default=defaults.host)
+    net.add_argument("--port", type=int, default=defaults.port)
+    net.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` (except /health, "
+                                                     "/metrics, /version)")
+    net.add_argument("--served-model-name", default=None, help="the model id clients use (default: the path's "
+                                                               "last component)")
+    net.add_argument("--max-queue", type=int, default=defaults.max_queue,
+                     help="waiting requests beyond this are refused with 429")
+    net.add_argument("--request-timeout", type=float, default=defaults.request_timeout_s,
+                     help="seconds before a request is aborted")
+    net.add_argument("--max-body-bytes", type=int, default=defaults.max_body_bytes)
+    net.add_argument("--cors-allow-origin", action="append", default=[], dest="cors_allow_origins",
+                     help="allowed CORS origin (repeatable; none = CORS off)")
+    net.add_argument("--shutdown-grace-period", type=float, default=defaults.shutdown_grace_s,
+                     help="seconds in-flight requests get to finish on SIGTERM")
+    net.add_argument("--log-level", choices=LOG_LEVELS, default=defaults.log_level)
+    eng = serve.add_argument_group("engine")
+    eng.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    eng.add_argument("--dtype", choices=DTYPES, default=engine.dtype)
+    eng.add_argument("--device", choices=DEVICES, default=engine.device)
+    eng.add_argument("--page-size", type=int, default=engine.page_size, help="tokens per KV page")
+    eng.add_argument("--num-pages", type=int, default=None, help="KV pages (overrides --kv-cache-memory-gb)")
+    eng.add_argument("--kv-cache-memory-gb", type=float, default=engine.kv_cache_memory_gb)
+    eng.add_argument("--max-num-batched-tokens", type=int, default=engine.max_num_batched_tokens)
+    eng.add_argument("--max-num-seqs", type=int, default=engine.max_num_seqs)
+    eng.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    eng.add_argument("--default-model-cache", default=None,
+                     help="where the embedded default model is built (default: ~/.cache/mili-openai)")
+    serve.set_defaults(func=run_serve, parser=serve)
+    return serve
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mili", description="mili-openai: an OpenAI-compatible server for Qwen3")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(subparsers)
+    if importlib.util.find_spec(BENCH_MODULE) is not None:
+        bench = importlib.import_module(BENCH_MODULE)
+        if hasattr(bench, "add_bench_parser"):
+            bench.add_bench_parser(subparsers)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """The one config, built from `serve` flags; raises ValueError for values the config rejects."""
+    if args.num_threads is not None and args.num_threads < 1:
+        raise ValueError("num_threads must be >= 1")
+    engine = EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        num_threads=args.num_threads,
+        default_model_cache=args.default_model_cache,
+    )
+    return ServerConfig(
+        engine=engine,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        max_queue=args.max_queue,
+        request_timeout_s=args.request_timeout,
+        max_body_bytes=args.max_body_bytes,
+        cors_allow_origins=tuple(args.cors_allow_origins),
+        shutdown_grace_s=args.shutdown_grace_period,
+        log_level=args.log_level,
+    )
+
+
+def make_server(config: ServerConfig):
+    """A uvicorn server for `config` that marks the app draining (/health 503) as soon as a signal lands."""
+    import uvicorn
+
+    from mili_openai.routes.app import create_app
+
+    app = create_app(config)
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            app.state.server.draining = True
+            super().handle_exit(sig, frame)
+
+    uv_config = uvicorn.Config(
+        app, host=config.host, port=config.port, log_level=config.log_level,
+        timeout_graceful_shutdown=math.ceil(config.shutdown_grace_s + UVICORN_SHUTDOWN_MARGIN_S),
+    )
+    return DrainingServer(uv_config)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = make_server(config)
+    name = server.config.app.state.server.served_model_name
+    source = config.engine.model or "the embedded default model"
+    print(f"mili-openai: serving model '{name}' ({source}) on http://{config.host}:{config.port}", flush=True)
+    server.run()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        try:
+            config_from_args(args)  # validate before anything heavy starts
+        except ValueError as exc:
+            args.parser.error(str(exc))
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

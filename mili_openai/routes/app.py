@@ -1,0 +1,127 @@
+"""The Starlette app: routes, middleware, error handlers, and the lifespan that owns the engine.
+
+When no engine is given, the lifespan loads the model on a worker thread *after* the server starts
+listening, so /health answers 503 while it loads (Kubernetes keeps the pod out of rotation instead
+of restarting it). On shutdown, /health turns 503 first, then the engine stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import importlib.util
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+
+from mili_openai.config import ServerConfig
+from mili_openai.routes import completions, generate, server_routes
+from mili_openai.routes.disconnect import ClientDisconnected
+from mili_openai.routes.errors import install_error_handlers
+from mili_openai.routes.middleware import REQUEST_ID_HEADER, RequestContextMiddleware
+from mili_openai.routes.state import ServerState, default_served_name
+
+logger = logging.getLogger(__name__)
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"; nobody reads it
+# route modules written alongside this one; mounted when present so the app works without them
+OPTIONAL_ROUTE_MODULES = ("mili_openai.routes.chat",)
+METRICS_MODULE = "mili_openai.routes.metrics"
+
+
+def _optional_module(name: str) -> Any | None:
+    """The module if it exists (an import error inside it is a bug and propagates)."""
+    if importlib.util.find_spec(name) is None:
+        return None
+    return importlib.import_module(name)
+
+
+def build_metrics(server: ServerState, module: Any | None) -> Any | None:
+    """The server's Prometheus collectors (also the engine's observer), when the metrics module exists."""
+    if module is None:
+        return None
+    return module.ServerMetrics(lambda: server.engine.stats() if server.engine is not None else None)
+
+
+def all_routes(metrics_module: Any | None) -> list[BaseRoute]:
+    routes: list[BaseRoute] = [*server_routes.routes(), *completions.routes(), *generate.routes()]
+    for name in OPTIONAL_ROUTE_MODULES:
+        module = _optional_module(name)
+        if module is not None and hasattr(module, "routes"):
+            routes.extend(module.routes())
+    if metrics_module is not None:
+        routes.append(Route("/metrics", metrics_module.metrics_endpoint, methods=["GET"]))
+    return routes
+
+
+async def load_engine(server: ServerState) -> None:
+    """Build the engine on a thread (seconds of blocking work), then start its loop."""
+    from mili_openai.engine.async_engine import AsyncEngine  # torch and the model: only when serving
+
+    try:
+        engine = await asyncio.to_thread(AsyncEngine, server.config.engine, server.metrics)
+        await engine.start()
+    except Exception as exc:
+        logger.exception("the model failed to load")
+        server.load_error = f"{type(exc).__name__}: {exc}"
+        return
+    server.engine = engine
+    logger.info("model %s loaded from %s; serving (max_model_len %d)", server.served_model_name,
+                engine.model_path, engine.max_model_len)
+
+
+def create_app(config: ServerConfig, engine: Any | None = None) -> Starlette:
+    """The app for `config`. Pass `engine` (an AsyncEngine, started or not) to skip loading one."""
+    server = ServerState(config, default_served_name(config), start_time=time.time())
+    metrics_module = _optional_module(METRICS_MODULE)
+    server.metrics = build_metrics(server, metrics_module)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
+        server.draining = False
+        loader: asyncio.Task | None = None
+        if engine is None:
+            loader = asyncio.create_task(load_engine(server), name="mili-load-engine")
+        else:
+            await engine.start()
+            server.engine = engine
+        try:
+            yield {"server": server}
+        finally:
+            server.draining = True
+            if loader is not None:
+                loader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await loader
+            if server.engine is not None:
+                await server.engine.shutdown()
+            if engine is None:
+                server.engine = None
+
+    middleware = [Middleware(RequestContextMiddleware, server=server)]
+    if config.cors_allow_origins:
+        # outermost, so preflight requests are answered before the API key check
+        middleware.insert(0, Middleware(
+            CORSMiddleware, allow_origins=list(config.cors_allow_origins), allow_methods=["*"],
+            allow_headers=["*"], expose_headers=[REQUEST_ID_HEADER],
+        ))
+    app = Starlette(routes=all_routes(metrics_module), middleware=middleware, lifespan=lifespan)
+    install_error_handlers(app)
+    app.add_exception_handler(ClientDisconnected, _client_disconnected)
+    # reachable outside requests: the CLI marks the server draining on SIGTERM; /metrics reads metrics
+    app.state.server = server
+    app.state.metrics = server.metrics
+    return app
+
+
+async def _client_disconnected(request: Request, exc: Exception) -> Response:
+    return Response(status_code=CLIENT_CLOSED_REQUEST)

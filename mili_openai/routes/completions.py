@@ -1,0 +1,163 @@
+"""POST /v1/completions: text completion of one or several prompts, each with n choices.
+
+Choice indices follow OpenAI: prompt p's sample i is choice `p * n + i`. Every prompt and sample is
+submitted before the response starts, so a bad request is a plain 400 and never a broken stream.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from mili_openai.engine.sampling_params import SamplingParams
+from mili_openai.routes.completion_logprobs import CompletionLogprobs, merge_logprobs
+from mili_openai.routes.completions_protocol import CompletionRequest, choice_object, completion_object
+from mili_openai.routes.disconnect import cancel_on_disconnect
+from mili_openai.routes.errors import parse_body
+from mili_openai.routes.generation import (
+    ChoiceResult,
+    abort_streams,
+    collect_streams,
+    merge_streams,
+    raise_engine_error,
+    submit_choices,
+    usage_of,
+)
+from mili_openai.routes.prompts import prompt_text, prompt_token_ids
+from mili_openai.routes.responses import json_response
+from mili_openai.routes.sse import sse_stream
+from mili_openai.routes.state import ServerState, request_id_of, server_state
+
+
+def submit_prompts(engine: Any, prompts: list[list[int]], params: SamplingParams, response_id: str) -> list:
+    """Submit n sequences per prompt, in choice order; all or nothing."""
+    streams: list = []
+    try:
+        for index, ids in enumerate(prompts):
+            base = response_id if len(prompts) == 1 else f"{response_id}-{index}"
+            streams.extend(submit_choices(engine, ids, params, base))
+    except BaseException:
+        abort_streams(engine, streams)
+        raise
+    return streams
+
+
+class CompletionJob:
+    """One validated request bound to the engine: its prompts, parameters and submitted streams."""
+
+    def __init__(self, server: ServerState, body: CompletionRequest, request_id: str) -> None:
+        self.server = server
+        self.body = body
+        self.engine = server.engine
+        self.response_id = f"cmpl-{request_id}"
+        self.created = int(time.time())
+        self.model = server.served_model_name
+        self.n = body.n
+        self.prompts = body.prompts()
+        self.prompt_ids: list[list[int]] = []
+        self.streams: list = []
+
+    async def submit(self) -> None:
+        engine = self.engine
+        params = self.body.to_sampling_params(engine.vocab_size, logprobs=self.body.logprobs)
+        self.prompt_ids = await prompt_token_ids(engine.tokenizer, self.prompts, engine.vocab_size)
+        self.streams = submit_prompts(engine, self.prompt_ids, params, self.response_id)
+
+    def abort(self) -> None:
+        abort_streams(self.engine, self.streams)
+
+    def prompt_of(self, choice: int) -> int:
+        return choice // self.n
+
+    def logprobs_builder(self) -> CompletionLogprobs | None:
+        if self.body.logprobs is None:
+            return None
+        return CompletionLogprobs(self.engine.tokenizer, self.body.logprobs)
+
+    def echo_prefix(self, choice: int, builder: CompletionLogprobs | None) -> tuple[str, dict | None]:
+        """The echoed prompt text of a choice, and its (null-logprob) tokens when logprobs are on."""
+        if not self.body.echo:
+            return "", None
+        prompt = self.prompts[self.prompt_of(choice)]
+        text = prompt_text(self.engine.tokenizer, prompt)
+        logprobs = builder.prompt(self.prompt_ids[self.prompt_of(choice)]) if builder is not None else None
+        return text, logprobs
+
+    def usage(self, cached_first_sample: list[int], completion_tokens: int) -> dict[str, Any]:
+        return usage_of([len(ids) for ids in self.prompt_ids], cached_first_sample, completion_tokens).to_dict()
+
+    # ---- whole response ----
+    def choice(self, result: ChoiceResult) -> dict[str, Any]:
+        builder = self.logprobs_builder()
+        text, logprobs = self.echo_prefix(result.index, builder)
+        if builder is not None:
+            generated = builder.generated(result.logprobs or [])
+            logprobs = merge_logprobs(logprobs, generated) if logprobs is not None else generated
+        return choice_object(result.index, text + result.text, logprobs, result.finish_reason, result.stop_reason)
+
+    async def collect(self) -> dict[str, Any]:
+        results = await collect_streams(self.engine, self.streams, self.server.config.request_timeout_s)
+        cached = [results[p * self.n].num_cached_tokens for p in range(len(self.prompt_ids))]
+        usage = self.usage(cached, sum(len(r.token_ids) for r in results))
+        return completion_object(self.response_id, self.created, self.model, [self.choice(r) for r in results],
+                                 usage)
+
+    # ---- stream ----
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        include_usage = self.body.include_usage
+        builders = [self.logprobs_builder() for _ in self.streams]
+        started = [False] * len(self.streams)
+        cached = [0] * len(self.prompt_ids)
+        completion_tokens = 0
+        merged = merge_streams(self.engine, self.streams, self.server.config.request_timeout_s)
+        async with aclosing(merged):  # closing us early must run merge_streams' aborts now
+            async for index, delta in merged:
+                raise_engine_error(delta)
+                completion_tokens += len(delta.token_ids)
+                if index % self.n == 0:
+                    cached[self.prompt_of(index)] = delta.num_cached_tokens
+                text, logprobs = delta.text, None
+                if not started[index]:
+                    started[index] = True
+                    echo_text, logprobs = self.echo_prefix(index, builders[index])
+                    text = echo_text + text
+                builder = builders[index]
+                if builder is not None and delta.logprobs:
+                    generated = builder.generated(delta.logprobs)
+                    logprobs = merge_logprobs(logprobs, generated) if logprobs is not None else generated
+                if not text and delta.finish_reason is None and logprobs is None:
+                    continue  # nothing to show yet (e.g. half a UTF-8 character held back)
+                if builder is not None and logprobs is None:
+                    logprobs = builder.generated([])
+                choice = choice_object(index, text, logprobs, delta.finish_reason, delta.stop_reason)
+                yield completion_object(self.response_id, self.created, self.model, [choice], None,
+                                        include_usage_key=include_usage)
+        if include_usage:
+            yield completion_object(self.response_id, self.created, self.model, [],
+                                    self.usage(cached, completion_tokens))
+
+
+async def create_completion(request: Request) -> Response:
+    server = server_state(request)
+    body = await parse_body(request, CompletionRequest)
+    server.check_model(body.model)
+    server.require_engine()
+    server.check_queue()
+    job = CompletionJob(server, body, request_id_of(request))
+    await job.submit()
+    if body.stream:
+        return sse_stream(job.chunks(), job.abort, shutdown_grace_s=server.config.shutdown_grace_s)
+    try:
+        return json_response(await cancel_on_disconnect(request, job.collect()))
+    finally:
+        job.abort()  # no-op for finished sequences; frees everything if anything failed
+
+
+def routes() -> list[Route]:
+    return [Route("/v1/completions", create_completion, methods=["POST"])]

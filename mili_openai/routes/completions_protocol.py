@@ -1,0 +1,78 @@
+"""Wire types of POST /v1/completions: the request model and the response / chunk builders."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import Field, model_validator
+
+from mili_openai.engine.sampling_params import MAX_LOGPROBS
+from mili_openai.routes.sampling_protocol import MAX_N, SamplingFields, StreamOptions
+
+COMPLETION_OBJECT = "text_completion"
+SYSTEM_FINGERPRINT = "mili-openai"
+MAX_PROMPTS = 64  # prompts in one batched request
+
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+PromptInput = str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds | Annotated[
+    list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)
+]
+
+
+class CompletionRequest(SamplingFields):
+    model: str | None = None
+    prompt: PromptInput
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> CompletionRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        if self.suffix is not None:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of must equal n (ranking extra samples is not supported)")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt field as a list of prompts, each text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if isinstance(prompt[0], int):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+def completion_object(
+    response_id: str, created: int, model: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None,
+    include_usage_key: bool = True,
+) -> dict[str, Any]:
+    """One `text_completion` object: a whole response, or one streamed chunk."""
+    body: dict[str, Any] = {
+        "id": response_id,
+        "object": COMPLETION_OBJECT,
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
+    }
+    if include_usage_key:
+        body["usage"] = usage
+    return body
+
+
+def choice_object(index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None,
+                  stop_reason: str | int | None = None) -> dict[str, Any]:
+    # stop_reason is vLLM's extra: the stop string or token id that ended the choice
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}

@@ -1,0 +1,168 @@
+"""Errors in OpenAI's wire shape, and the handlers that turn every failure into one.
+
+Every error leaves the server as `{"error": {"message", "type", "param", "code"}}` with a fitting
+status: bad input is a 400 (never a 500), unknown routes 404, wrong methods 405, and only a real bug
+becomes a 500 `internal_error` (logged with its traceback).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, TypeVar
+
+import orjson
+import pydantic
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+logger = logging.getLogger(__name__)
+
+ModelT = TypeVar("ModelT", bound=pydantic.BaseModel)
+
+INVALID_REQUEST = "invalid_request_error"
+INTERNAL_ERROR = "internal_error"
+# OpenAI's error `type` for the statuses that are not plain bad input
+TYPE_BY_STATUS = {
+    401: "authentication_error",
+    404: INVALID_REQUEST,
+    413: INVALID_REQUEST,
+    429: "rate_limit_exceeded",
+    500: INTERNAL_ERROR,
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error the client should see as-is, with its HTTP status."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        type: str = INVALID_REQUEST,  # noqa: A002 - OpenAI's field name
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def error_response(exc: APIError, headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(exc.to_dict()), status_code=exc.status_code, media_type="application/json",
+                    headers=headers)
+
+
+def validation_error(exc: pydantic.ValidationError) -> APIError:
+    """The first problem pydantic found, with `param` the dotted path of the field it concerns."""
+    first = exc.errors(include_url=False)[0]
+    param = ".".join(str(part) for part in _field_path(first.get("loc", ()))) or None
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "value_error":  # our own validators: drop pydantic's "Value error, " prefix
+        message = str(first.get("ctx", {}).get("error", message))
+    return APIError(400, f"{param}: {message}" if param else message, param=param)
+
+
+# pydantic puts the union member it tried into `loc` ("prompt", "str"); those are not fields
+UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "model", "literal"})
+
+
+def _field_path(loc: tuple) -> list:
+    """The field path of a pydantic error location, stopping at the first union-member tag."""
+    path = []
+    for part in loc:
+        if isinstance(part, str) and (part.lower() in UNION_TAGS or "[" in part or "(" in part):
+            break
+        path.append(part)
+    return path
+
+
+async def parse_body(request: Request, model_cls: type[ModelT]) -> ModelT:
+    """Read the JSON body (orjson) and validate it against `model_cls`; APIError(400) on any failure."""
+    raw = await request.body()
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return model_cls.model_validate(data)
+    except pydantic.ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+# ---- handlers ----
+async def _api_error(request: Request, exc: Exception) -> Response:
+    return error_response(exc)  # type: ignore[arg-type]
+
+
+async def _pydantic_error(request: Request, exc: Exception) -> Response:
+    return error_response(validation_error(exc))  # type: ignore[arg-type]
+
+
+async def _value_error(request: Request, exc: Exception) -> Response:
+    # The engine and SamplingParams raise ValueError for requests that can never run.
+    return error_response(APIError(400, str(exc) or "invalid request"))
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    status = getattr(exc, "status_code", 500)
+    if status == 404:
+        message = f"no route {request.url.path}"
+    elif status == 405:
+        message = f"method {request.method} is not allowed on {request.url.path}"
+    else:
+        message = str(getattr(exc, "detail", "") or exc)
+    error = APIError(status, message, type=TYPE_BY_STATUS.get(status, INVALID_REQUEST))
+    return error_response(error, headers=dict(getattr(exc, "headers", None) or {}))
+
+
+class CatchAllMiddleware:
+    """Turns an exception no handler knew into a logged 500 (instead of a dropped connection).
+
+    Starlette's own 500 handler re-raises after answering; this one answers and stops there, and
+    when a response has already started (a stream) it can only log.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception:
+            logger.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
+            if started:
+                raise
+            response = error_response(APIError(500, "internal server error", type=INTERNAL_ERROR))
+            await response(scope, receive, send)
+
+
+def install_error_handlers(app: Starlette) -> None:
+    """Map every failure to an OpenAI-shaped error; call once, before the app serves."""
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(pydantic.ValidationError, _pydantic_error)
+    app.add_exception_handler(ValueError, _value_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_middleware(CatchAllMiddleware)

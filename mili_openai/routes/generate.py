@@ -1,0 +1,157 @@
+"""The seed API: POST /generate (one sequence, plain shapes) and GET /status/{request_id}.
+
+/generate {"prompt": text or token ids, "max_tokens", sampling fields..., "stream"} answers
+{"request_id", "text", "token_ids", "finish_reason", "stop_reason", "usage"}; with "stream": true
+it sends one event per engine delta ({"request_id", "text", "token_ids", "finish_reason"}), then
+one {"request_id", "usage"} event, then [DONE]. The request id is the X-Request-Id header when
+given, so a client can poll /status while its request runs; /status reports the state (waiting
+until the first token, running, finished or aborted), the tokens so far and timings. Finished
+requests are remembered in a bounded LRU; an unknown id is a 404.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Annotated, Any
+
+from pydantic import Field, model_validator
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from mili_openai.engine.sampling_params import MAX_LOGPROBS
+from mili_openai.routes.disconnect import cancel_on_disconnect
+from mili_openai.routes.errors import APIError, parse_body
+from mili_openai.routes.generation import abort_streams, merge_streams, raise_engine_error, submit_choices, usage_of
+from mili_openai.routes.prompts import prompt_token_ids
+from mili_openai.routes.request_records import RequestRecord
+from mili_openai.routes.responses import json_response
+from mili_openai.routes.sampling_protocol import SamplingFields
+from mili_openai.routes.sse import sse_stream
+from mili_openai.routes.state import ServerState, request_id_of, server_state
+
+
+class GenerateRequest(SamplingFields):
+    model: str | None = None
+    prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    stream: bool = False
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @model_validator(mode="after")
+    def _one_sequence(self) -> GenerateRequest:
+        if self.n != 1:
+            raise ValueError("/generate runs one sequence: n must be 1 (use /v1/completions for more)")
+        return self
+
+
+def logprobs_json(delta_logprobs: list | None) -> list[dict[str, Any]] | None:
+    if delta_logprobs is None:
+        return None
+    return [{"token_id": e.token_id, "logprob": e.logprob, "top": [[t, lp] for t, lp in e.top]}
+            for e in delta_logprobs]
+
+
+class GenerateJob:
+    def __init__(self, server: ServerState, body: GenerateRequest, request_id: str) -> None:
+        self.server = server
+        self.body = body
+        self.engine = server.engine
+        self.request_id = request_id
+        self.streams: list = []
+        self.prompt_ids: list[int] = []
+        self.record: RequestRecord | None = None
+
+    async def submit(self) -> None:
+        params = self.body.to_sampling_params(self.engine.vocab_size, logprobs=self.body.logprobs)
+        self.prompt_ids = (await prompt_token_ids(self.engine.tokenizer, [self.body.prompt], self.engine.vocab_size))[0]
+        self.record = self.server.records.start(self.request_id, len(self.prompt_ids))
+        try:
+            self.streams = submit_choices(self.engine, self.prompt_ids, params, self.request_id)
+        except BaseException:
+            self.server.records.close(self.record)
+            raise
+
+    def abort(self) -> None:
+        """Abort what still runs and file the record (also when its stream was never consumed)."""
+        abort_streams(self.engine, self.streams)
+        if self.record is not None:
+            self.server.records.close(self.record)
+
+    def usage(self) -> dict[str, Any]:
+        record = self.record
+        return usage_of([len(self.prompt_ids)], [record.num_cached_tokens], len(record.token_ids)).to_dict()
+
+    async def deltas(self) -> AsyncIterator[Any]:
+        merged = merge_streams(self.engine, self.streams, self.server.config.request_timeout_s)
+        try:
+            async with aclosing(merged):  # closing us early must run merge_streams' aborts now
+                async for _, delta in merged:
+                    raise_engine_error(delta)
+                    self.record.observe(delta)
+                    yield delta
+        finally:
+            self.server.records.close(self.record)
+
+    async def collect(self) -> dict[str, Any]:
+        stop_reason, logprobs = None, []
+        async with aclosing(self.deltas()) as deltas:
+            async for delta in deltas:
+                stop_reason = delta.stop_reason
+                logprobs.extend(delta.logprobs or [])
+        record = self.record
+        return {
+            "request_id": self.request_id,
+            "text": record.text,
+            "token_ids": record.token_ids,
+            "finish_reason": record.finish_reason,
+            "stop_reason": stop_reason,
+            "logprobs": logprobs_json(logprobs) if self.body.logprobs is not None else None,
+            "usage": self.usage(),
+        }
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        async with aclosing(self.deltas()) as deltas:
+            async for delta in deltas:
+                yield {
+                    "request_id": self.request_id,
+                    "text": delta.text,
+                    "token_ids": delta.token_ids,
+                    "logprobs": logprobs_json(delta.logprobs),
+                    "finish_reason": delta.finish_reason,
+                    "stop_reason": delta.stop_reason,
+                }
+        yield {"request_id": self.request_id, "usage": self.usage()}
+
+
+async def generate(request: Request) -> Response:
+    server = server_state(request)
+    body = await parse_body(request, GenerateRequest)
+    server.check_model(body.model)
+    server.require_engine()
+    server.check_queue()
+    job = GenerateJob(server, body, request_id_of(request))
+    await job.submit()
+    if body.stream:
+        return sse_stream(job.events(), job.abort, shutdown_grace_s=server.config.shutdown_grace_s)
+    try:
+        return json_response(await cancel_on_disconnect(request, job.collect()))
+    finally:
+        job.abort()
+
+
+async def status(request: Request) -> Response:
+    server = server_state(request)
+    request_id = request.path_params["request_id"]
+    record = server.records.get(request_id)
+    if record is None:
+        raise APIError(404, f"no request with id {request_id!r} is known (finished ones are kept for a while)",
+                       param="request_id", code="request_not_found")
+    return json_response(record.to_dict())
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/generate", generate, methods=["POST"]),
+        Route("/status/{request_id}", status, methods=["GET"]),
+    ]

@@ -1,0 +1,99 @@
+"""The sampling fields shared by /v1/completions and /generate, and their mapping to SamplingParams.
+
+Pydantic checks types and OpenAI's ranges (each failure a 400 naming the field); `SamplingParams`
+re-checks what it owns. Strict mode: `"5"` is not an integer here, as in OpenAI's API.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from mili_openai.engine.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
+from mili_openai.routes.errors import APIError
+
+MAX_TEMPERATURE = 2.0
+MAX_N = 128  # choices per request: each is a full sequence in the engine
+MAX_STOP_STRINGS = 16
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias value
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """Fields every generation request takes (OpenAI's plus vLLM's extras)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    max_tokens: Annotated[int, Field(ge=1)] | None = DEFAULT_MAX_TOKENS
+    temperature: Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    logit_bias: dict[str, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    skip_special_tokens: bool = True
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if value is not None:
+            for key in value:
+                if not key.lstrip("-").isdigit():
+                    raise ValueError(f"logit_bias keys must be token ids as strings, got {key!r}")
+        return value
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def to_sampling_params(self, vocab_size: int, logprobs: int | None = None, **overrides: Any) -> SamplingParams:
+        """The engine's parameters; token ids in `logit_bias` / `stop_token_ids` checked against the vocab."""
+        bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
+        for token_id in bias:
+            if not 0 <= token_id < vocab_size:
+                raise APIError(400, f"logit_bias token id {token_id} is outside the vocabulary [0, {vocab_size})",
+                               param="logit_bias")
+        for token_id in self.stop_token_ids or []:
+            if token_id >= vocab_size:
+                raise APIError(400, f"stop_token_ids: token id {token_id} is outside the vocabulary "
+                                    f"[0, {vocab_size})", param="stop_token_ids")
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="logprobs")
+        fields: dict[str, Any] = dict(
+            n=self.n,
+            max_tokens=self.max_tokens,
+            min_tokens=self.min_tokens,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logit_bias=bias,
+            seed=self.seed,
+            stop=self.stop_list(),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+        # unset optional knobs keep SamplingParams' defaults
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                fields[name] = value
+        fields.update(overrides)
+        return SamplingParams(**fields)

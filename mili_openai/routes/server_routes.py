@@ -1,0 +1,110 @@
+"""Small routes around the model: /health, /version, /v1/models, /tokenize, /detokenize (vLLM shapes)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from mili_openai import __version__
+from mili_openai.routes.errors import APIError, parse_body
+from mili_openai.routes.prompts import check_token_ids, encode_text
+from mili_openai.routes.responses import json_response
+from mili_openai.routes.state import server_state
+
+OWNED_BY = "mili-openai"
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages (the template adds them)
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    tokens: list[int] = Field(default_factory=list)
+
+
+async def health(request: Request) -> Response:
+    server = server_state(request)
+    if server.is_ready():
+        return json_response({"status": "ok"})
+    status = "draining" if server.draining else ("failed" if server.load_error else "loading")
+    return json_response({"status": status}, status_code=503)
+
+
+async def version(request: Request) -> Response:
+    return json_response({"version": __version__})
+
+
+async def list_models(request: Request) -> Response:
+    server = server_state(request)
+    engine = server.require_engine()
+    model = {
+        "id": server.served_model_name,
+        "object": "model",
+        "created": int(server.start_time),
+        "owned_by": OWNED_BY,
+        "root": str(engine.model_path),
+        "parent": None,
+        "max_model_len": engine.max_model_len,
+    }
+    return json_response({"object": "list", "data": [model]})
+
+
+async def render_messages(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    try:
+        return await asyncio.to_thread(
+            tokenizer.apply_chat_template, messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+    except Exception as exc:  # a template error is the messages' fault (missing role, bad content)
+        raise APIError(400, f"cannot apply the chat template to these messages: {exc}", param="messages") from None
+
+
+async def tokenize(request: Request) -> Response:
+    server = server_state(request)
+    body = await parse_body(request, TokenizeRequest)
+    server.check_model(body.model)
+    engine = server.require_engine()
+    if body.messages is not None:
+        text = await render_messages(engine.tokenizer, body.messages, body.add_generation_prompt)
+        add_special = bool(body.add_special_tokens)
+    else:
+        text = body.prompt or ""
+        add_special = body.add_special_tokens is not False
+    tokens = await encode_text(engine.tokenizer, text, add_special_tokens=add_special)
+    return json_response({"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens})
+
+
+async def detokenize(request: Request) -> Response:
+    server = server_state(request)
+    body = await parse_body(request, DetokenizeRequest)
+    server.check_model(body.model)
+    engine = server.require_engine()
+    check_token_ids(body.tokens, engine.vocab_size, param="tokens")
+    return json_response({"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/health", health, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+    ]

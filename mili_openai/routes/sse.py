@@ -1,0 +1,103 @@
+"""Server-sent events in OpenAI's streaming format: `data: {json}` per event, then `data: [DONE]`.
+
+The stream always ends with [DONE]: an exception mid-stream becomes one OpenAI-shaped error event
+first, and on server shutdown the requests get `shutdown_grace_s` to finish before they are aborted
+(their streams then end with finish_reason "abort" instead of being cut). A client that disconnects
+cancels the generator and `on_disconnect` aborts its engine requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+import orjson
+from sse_starlette.sse import EventSourceResponse
+
+from mili_openai.routes.errors import INTERNAL_ERROR, APIError
+
+logger = logging.getLogger(__name__)
+
+DONE = "[DONE]"
+EVENT_LINE_SEPARATOR = "\n"  # what OpenAI sends; sse-starlette's default "\r\n" trips naive parsers
+PING_INTERVAL_S = 15.0  # keep-alive comments, so proxies do not drop a slow first token
+# sse-starlette force-cancels the stream this long after our own grace period, as a last resort
+SHUTDOWN_FORCE_MARGIN_S = 2.0
+
+OnDisconnect = Callable[[], Any] | None
+
+
+def encode_event(event: dict[str, Any]) -> str:
+    return orjson.dumps(event).decode()
+
+
+def error_event(exc: BaseException) -> dict[str, Any]:
+    if isinstance(exc, APIError):
+        return exc.to_dict()
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc)).to_dict()
+    return APIError(500, "internal server error while streaming", type=INTERNAL_ERROR).to_dict()
+
+
+async def _call(callback: OnDisconnect) -> None:
+    if callback is None:
+        return
+    result = callback()
+    if inspect.isawaitable(result):
+        await result
+
+
+async def _abort_after_grace(shutdown: anyio.Event, grace_s: float, callback: OnDisconnect) -> None:
+    await shutdown.wait()
+    await asyncio.sleep(grace_s)
+    logger.warning("shutdown grace period over: aborting an in-flight stream")
+    await _call(callback)
+
+
+def sse_stream(
+    events: AsyncIterator[dict[str, Any]],
+    on_disconnect: OnDisconnect = None,
+    *,
+    shutdown_grace_s: float = 0.0,
+    headers: dict[str, str] | None = None,
+) -> EventSourceResponse:
+    """Stream `events` as SSE. `on_disconnect` (sync or async) aborts the work behind the stream."""
+    shutdown = anyio.Event()
+
+    async def body() -> AsyncIterator[str]:
+        watcher = asyncio.create_task(_abort_after_grace(shutdown, shutdown_grace_s, on_disconnect))
+        try:
+            async for event in events:
+                yield encode_event(event)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the client gets an error event rather than a cut stream
+            if not isinstance(exc, (APIError, ValueError)):
+                logger.exception("error while streaming a response")
+            yield encode_event(error_event(exc))
+        finally:
+            watcher.cancel()
+            aclose = getattr(events, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+        yield DONE
+
+    async def client_closed(message: dict[str, Any]) -> None:
+        await _call(on_disconnect)
+
+    return EventSourceResponse(
+        body(),
+        headers=headers,
+        ping=PING_INTERVAL_S,
+        sep=EVENT_LINE_SEPARATOR,
+        client_close_handler_callable=client_closed,
+        shutdown_event=shutdown,
+        shutdown_grace_period=shutdown_grace_s + SHUTDOWN_FORCE_MARGIN_S,
+    )
+

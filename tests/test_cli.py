@@ -1,0 +1,116 @@
+"""The `mili` command line: flags to config, clean errors, the bench hook, and a real serve + SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import types
+
+import httpx
+import pytest
+
+from mili_openai import cli
+from mili_openai.config import EngineConfig, ServerConfig
+
+SERVE_START_TIMEOUT_S = 60.0
+
+
+def parse(*argv: str):
+    return cli.config_from_args(cli.build_parser().parse_args(["serve", *argv]))
+
+
+def test_defaults_match_the_config_dataclasses():
+    config = parse()
+    assert config == ServerConfig(engine=EngineConfig())
+
+
+def test_every_flag_reaches_the_config():
+    config = parse(
+        "/models/qwen", "--host", "0.0.0.0", "--port", "9001", "--api-key", "k", "--served-model-name", "q",
+        "--max-model-len", "1024", "--dtype", "float32", "--device", "cpu", "--page-size", "32",
+        "--num-pages", "100", "--kv-cache-memory-gb", "1.5", "--max-num-batched-tokens", "512",
+        "--max-num-seqs", "8", "--max-queue", "10", "--request-timeout", "30", "--max-body-bytes", "4096",
+        "--cors-allow-origin", "https://a.example", "--cors-allow-origin", "https://b.example",
+        "--shutdown-grace-period", "3", "--num-threads", "2", "--default-model-cache", "/tmp/cache",
+        "--log-level", "debug",
+    )
+    assert config == ServerConfig(
+        engine=EngineConfig(model="/models/qwen", dtype="float32", device="cpu", page_size=32, num_pages=100,
+                            kv_cache_memory_gb=1.5, max_num_batched_tokens=512, max_num_seqs=8,
+                            max_model_len=1024, num_threads=2, default_model_cache="/tmp/cache"),
+        host="0.0.0.0", port=9001, api_key="k", served_model_name="q", max_queue=10, request_timeout_s=30.0,
+        max_body_bytes=4096, cors_allow_origins=("https://a.example", "https://b.example"), shutdown_grace_s=3.0,
+        log_level="debug",
+    )
+
+
+@pytest.mark.parametrize("argv", [["--page-size", "0"], ["--port", "70000"], ["--max-body-bytes", "10"],
+                                  ["--num-threads", "0"], ["--dtype", "int3"], ["--max-model-len", "1"]])
+def test_bad_values_are_clean_argparse_errors(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "Traceback" not in err
+
+
+def test_bench_subcommand_hook(monkeypatch):
+    bench = types.ModuleType(cli.BENCH_MODULE)
+
+    def add_bench_parser(subparsers):
+        parser = subparsers.add_parser("bench")
+        parser.set_defaults(func=lambda args: 7)
+
+    bench.add_bench_parser = add_bench_parser
+    monkeypatch.setitem(sys.modules, cli.BENCH_MODULE, bench)
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: object())
+    assert cli.main(["bench"]) == 7
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_python_m_serve_answers_and_stops_on_sigterm(tiny_checkpoint):
+    port = free_port()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mili_openai", "serve", str(tiny_checkpoint), "--port", str(port),
+         "--served-model-name", "tiny", "--dtype", "float32", "--num-pages", "32", "--max-model-len", "256",
+         "--shutdown-grace-period", "1", "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    try:
+        banner = proc.stdout.readline()
+        assert "'tiny'" in banner and f"127.0.0.1:{port}" in banner
+        deadline = time.monotonic() + SERVE_START_TIMEOUT_S
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "server never became healthy"
+            time.sleep(0.2)
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
+        assert models["data"][0]["id"] == "tiny"
+        body = {"model": "tiny", "prompt": "in flight", "max_tokens": 200, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)  # mid-stream: the stream must still end properly
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+        # uvicorn re-raises the signal once it has shut down cleanly, so the status is "killed by SIGTERM"
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert "Traceback" not in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
