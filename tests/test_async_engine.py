@@ -51,15 +51,18 @@ def test_stop_token_ids_and_max_tokens_none(engine):
     prompt = random_prompts(1, [12], seed=2)[0]
 
     async def go():
-        first = await collect(engine.submit(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))
-        stop_id = first[1].token_ids[0]
+        first = await collect(engine.submit(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)))
+        tokens = [d.token_ids[0] for d in first]
+        # the first token that did not occur before it: greedy output stops exactly there
+        position = next(i for i in range(1, len(tokens)) if tokens[i] not in tokens[:i])
         stopped = await collect(engine.submit(prompt, SamplingParams(temperature=0, max_tokens=None,
-                                                                        stop_token_ids=[stop_id], ignore_eos=True)))
-        return stop_id, stopped
+                                                                        stop_token_ids=[tokens[position]],
+                                                                        ignore_eos=True)))
+        return tokens[position], position, stopped
 
-    stop_id, stopped = run(engine, go)
+    stop_id, position, stopped = run(engine, go)
     assert stopped[-1].finish_reason == "stop" and stopped[-1].stop_reason == stop_id
-    assert stopped[-1].num_output_tokens == 2
+    assert stopped[-1].num_output_tokens == position + 1
 
 
 def test_context_length_finishes_with_length(engine):

@@ -1,0 +1,217 @@
+"""POST /v1/chat/completions: chat template in, reasoning / content / tool calls out.
+
+Every choice is submitted before the response starts, so a bad request is a plain 400 and never a
+broken stream. A stream sends, per choice, a first chunk with `role: "assistant"`, then the
+content, reasoning and tool-call deltas, and exactly one chunk with its `finish_reason`; then a
+usage chunk when `stream_options.include_usage` asks for it, then `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from mili_openai.engine.outputs import SequenceDelta
+from mili_openai.engine.sampling_params import SamplingParams
+from mili_openai.routes.chat_logprobs import chat_logprobs
+from mili_openai.routes.chat_output import ChatDelta, ChatOutputParser, OutputOptions, parse_whole_output
+from mili_openai.routes.chat_protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    Choice,
+    ChunkChoice,
+    DeltaMessage,
+    FunctionOut,
+    ResponseMessage,
+    ToolCallDeltaOut,
+    ToolCallOut,
+    UsageOut,
+)
+from mili_openai.routes.chat_tags import THINK_END
+from mili_openai.routes.chat_template import RenderedPrompt, render_chat_prompt
+from mili_openai.routes.disconnect import cancel_on_disconnect
+from mili_openai.routes.errors import APIError, parse_body
+from mili_openai.routes.generation import (
+    ChoiceResult,
+    abort_streams,
+    collect_streams,
+    merge_streams,
+    raise_engine_error,
+    submit_choices,
+    usage_of,
+)
+from mili_openai.routes.responses import json_response
+from mili_openai.routes.sse import sse_stream
+from mili_openai.routes.state import ServerState, request_id_of, server_state
+
+TOOL_CALLS_FINISH = "tool_calls"
+ABORT_FINISH = "abort"
+
+
+def has_think_tags(tokenizer: Any) -> bool:
+    """Qwen3 vocabularies have `</think>` as one token; other models get no reasoning split."""
+    token_id = tokenizer.convert_tokens_to_ids(THINK_END)
+    return token_id is not None and token_id != tokenizer.unk_token_id
+
+
+def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    if num_prompt_tokens >= max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, but the messages "
+                            f"take {num_prompt_tokens} tokens, leaving no room for output.", param="messages")
+    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+                            f"messages, {max_tokens} in the completion). Please reduce the length of the "
+                            "messages or the completion.", param="max_tokens")
+
+
+def finish_reason_of(engine_reason: str | None, num_calls: int) -> str | None:
+    """Like vLLM: a choice that produced tool calls finishes with "tool_calls" unless aborted."""
+    if engine_reason is not None and engine_reason != ABORT_FINISH and num_calls:
+        return TOOL_CALLS_FINISH
+    return engine_reason
+
+
+class ChatJob:
+    """One validated chat request bound to the engine: prompt, parameters, submitted streams."""
+
+    def __init__(self, server: ServerState, body: ChatCompletionRequest, request_id: str) -> None:
+        self.server = server
+        self.body = body
+        self.engine = server.engine
+        self.response_id = f"chatcmpl-{request_id}"
+        self.created = int(time.time())
+        self.model = server.served_model_name
+        self.prompt: RenderedPrompt | None = None
+        self.streams: list = []
+        self.top_k = (body.top_logprobs or 0) if body.logprobs else None
+        choice = body.effective_tool_choice
+        self.options = OutputOptions(
+            split_reasoning=has_think_tags(self.engine.tokenizer),
+            include_reasoning=body.include_reasoning,
+            parse_tools=bool(body.tools) and choice != "none",
+            max_calls=None if body.parallel_tool_calls else 1,
+        )
+
+    def sampling_params(self) -> SamplingParams:
+        return self.body.to_sampling_params(self.engine.vocab_size, logprobs=self.top_k,
+                                            max_tokens=self.body.output_limit)
+
+    async def submit(self) -> None:
+        params = self.sampling_params()
+        self.prompt = await render_chat_prompt(self.engine.tokenizer, self.body)
+        check_context(len(self.prompt.token_ids), params.max_tokens, self.engine.max_model_len)
+        self.streams = submit_choices(self.engine, self.prompt.token_ids, params, self.response_id)
+
+    def abort(self) -> None:
+        abort_streams(self.engine, self.streams)
+
+    def parser(self) -> ChatOutputParser:
+        return ChatOutputParser(self.prompt.assistant_tail, self.options)
+
+    def logprobs_of(self, delta_logprobs: list | None):
+        if self.top_k is None:
+            return None
+        return chat_logprobs(self.engine.tokenizer, delta_logprobs or [], self.top_k)
+
+    def usage(self, cached_tokens: int, completion_tokens: int) -> UsageOut:
+        usage = usage_of([len(self.prompt.token_ids)], [cached_tokens], completion_tokens)
+        return UsageOut.model_validate(usage.to_dict())
+
+    # ---- whole response ----
+    def choice(self, result: ChoiceResult) -> Choice:
+        parsed = parse_whole_output(result.text, self.prompt.assistant_tail, self.options)
+        calls = [ToolCallOut(id=c.id, function=FunctionOut(name=c.name, arguments=c.arguments)) for c in parsed.calls]
+        reasoning = parsed.reasoning or None
+        content = parsed.content if parsed.content or not calls else None
+        message = ResponseMessage(content=content, reasoning_content=reasoning, reasoning=reasoning, tool_calls=calls)
+        return Choice(index=result.index, message=message, logprobs=self.logprobs_of(result.logprobs),
+                      finish_reason=finish_reason_of(result.finish_reason, len(calls)),
+                      stop_reason=result.stop_reason)
+
+    async def collect(self) -> dict[str, Any]:
+        results = await collect_streams(self.engine, self.streams, self.server.config.request_timeout_s)
+        usage = self.usage(results[0].num_cached_tokens, sum(len(r.token_ids) for r in results))
+        response = ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model,
+                                          choices=[self.choice(r) for r in results], usage=usage)
+        return response.model_dump()
+
+    # ---- stream ----
+    def chunk(self, choices: list[ChunkChoice], usage: UsageOut | None = None) -> dict[str, Any]:
+        event = ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model,
+                                    choices=choices, usage=usage).to_event()
+        if usage is None and not self.include_usage:
+            del event["usage"]
+        return event
+
+    @property
+    def include_usage(self) -> bool:
+        return self.body.stream_options is not None and self.body.stream_options.include_usage
+
+    def delta_choice(self, index: int, parsed: ChatDelta, delta: SequenceDelta, num_calls_before: int,
+                     finish_reason: str | None) -> ChunkChoice:
+        reasoning = parsed.reasoning or None
+        message = DeltaMessage(content=parsed.content or None, reasoning_content=reasoning, reasoning=reasoning)
+        if parsed.calls:
+            # one entry per call with its whole arguments: clients that merge by index and clients
+            # that read each entry alone both see a complete call
+            message.tool_calls = [
+                ToolCallDeltaOut(index=num_calls_before + i, id=c.id, type="function",
+                                 function=FunctionOut(name=c.name, arguments=c.arguments))
+                for i, c in enumerate(parsed.calls)
+            ]
+        # the tokens' logprobs go with the chunk they arrived in, even when a parser holds their text
+        logprobs = self.logprobs_of(delta.logprobs) if delta.logprobs or finish_reason else None
+        return ChunkChoice(index=index, delta=message, logprobs=logprobs, finish_reason=finish_reason,
+                           stop_reason=delta.stop_reason if finish_reason else None)
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        parsers = [self.parser() for _ in self.streams]
+        for index in range(len(self.streams)):
+            role = DeltaMessage(role="assistant", content="")
+            yield self.chunk([ChunkChoice(index=index, delta=role, logprobs=None, finish_reason=None)])
+        cached_tokens = 0
+        completion_tokens = 0
+        async for index, delta in merge_streams(self.engine, self.streams, self.server.config.request_timeout_s):
+            raise_engine_error(delta)
+            completion_tokens += len(delta.token_ids)
+            if index == 0:
+                cached_tokens = delta.num_cached_tokens
+            parser = parsers[index]
+            num_calls_before = parser.num_calls
+            parsed = parser.feed(delta.text)
+            finish_reason = None
+            if delta.finish_reason is not None:
+                parsed.extend(parser.finish())
+                finish_reason = finish_reason_of(delta.finish_reason, parser.num_calls)
+            if not parsed and finish_reason is None and not (self.top_k is not None and delta.logprobs):
+                continue  # nothing to show yet (text held back by a parser or the detokenizer)
+            yield self.chunk([self.delta_choice(index, parsed, delta, num_calls_before, finish_reason)])
+        if self.include_usage:
+            yield self.chunk([], self.usage(cached_tokens, completion_tokens))
+
+
+async def create_chat_completion(request: Request) -> Response:
+    server = server_state(request)
+    body = await parse_body(request, ChatCompletionRequest)
+    server.check_model(body.model)
+    server.require_engine()
+    server.check_queue()
+    job = ChatJob(server, body, request_id_of(request))
+    await job.submit()
+    if body.stream:
+        return sse_stream(job.chunks(), job.abort, shutdown_grace_s=server.config.shutdown_grace_s)
+    try:
+        return json_response(await cancel_on_disconnect(request, job.collect()))
+    finally:
+        job.abort()  # no-op for finished sequences; frees everything if anything failed
+
+
+def routes() -> list[Route]:
+    return [Route("/v1/chat/completions", create_chat_completion, methods=["POST"])]

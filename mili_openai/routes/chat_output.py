@@ -1,0 +1,85 @@
+"""One choice's output text -> reasoning, content and tool calls, streamed or whole.
+
+The text goes through the reasoning split first; only the answer part is searched for tool calls
+(a model may well mention `<tool_call>` while thinking). Both parsers start from the assistant
+turn the prompt already opened (`RenderedPrompt.assistant_tail`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mili_openai.routes.chat_tags import THINK_END
+from mili_openai.routes.reasoning import ReasoningStreamParser
+from mili_openai.routes.tool_parser import ParsedToolCall, ToolCallStreamParser
+
+
+@dataclass(slots=True)
+class ChatDelta:
+    reasoning: str = ""
+    content: str = ""
+    calls: list[ParsedToolCall] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.calls)
+
+    def extend(self, other: ChatDelta) -> None:
+        self.reasoning += other.reasoning
+        self.content += other.content
+        self.calls.extend(other.calls)
+
+
+@dataclass(frozen=True, slots=True)
+class OutputOptions:
+    split_reasoning: bool  # the model has `<think>` tags (Qwen3)
+    include_reasoning: bool  # false: reasoning is parsed out and dropped
+    parse_tools: bool  # tool_choice is not "none" and tools were given
+    max_calls: int | None  # 1 when parallel_tool_calls is false
+
+
+class ChatOutputParser:
+    def __init__(self, assistant_tail: str, options: OutputOptions) -> None:
+        self.options = options
+        self._reasoning = ReasoningStreamParser() if options.split_reasoning else None
+        self._tools = ToolCallStreamParser(options.max_calls) if options.parse_tools else None
+        if self._reasoning is not None:
+            self._reasoning.prime(assistant_tail)
+            # only the answer part of the prefill can hold a tool call
+            answer_tail = "" if self._reasoning.in_reasoning else assistant_tail.rsplit(THINK_END, 1)[-1]
+        else:
+            answer_tail = assistant_tail
+        if self._tools is not None:
+            self._tools.prime(answer_tail)
+        self.num_calls = 0  # calls emitted so far (the finish reason becomes "tool_calls")
+
+    def feed(self, text: str) -> ChatDelta:
+        if self._reasoning is None:
+            return self._answer("", text, final=False)
+        reasoning, content = self._reasoning.feed(text)
+        return self._answer(reasoning, content, final=False)
+
+    def finish(self) -> ChatDelta:
+        reasoning, content = self._reasoning.finish() if self._reasoning is not None else ("", "")
+        return self._answer(reasoning, content, final=True)
+
+    def _answer(self, reasoning: str, content: str, final: bool) -> ChatDelta:
+        delta = ChatDelta(reasoning=reasoning if self.options.include_reasoning else "")
+        if self._tools is None:
+            delta.content = content
+        else:
+            parsed = self._tools.feed(content)
+            if final:
+                end = self._tools.finish()
+                parsed.content += end.content
+                parsed.calls.extend(end.calls)
+            delta.content, delta.calls = parsed.content, parsed.calls
+        self.num_calls += len(delta.calls)
+        return delta
+
+
+def parse_whole_output(text: str, assistant_tail: str, options: OutputOptions) -> ChatDelta:
+    """The non-streaming form: one feed, then finish."""
+    parser = ChatOutputParser(assistant_tail, options)
+    delta = parser.feed(text)
+    delta.extend(parser.finish())
+    return delta

@@ -1,0 +1,116 @@
+"""Messages -> prompt token ids, with the checkpoint tokenizer's own chat template.
+
+The Qwen3 template wants tool-call arguments as objects (it `tojson`s them) while OpenAI clients
+send JSON strings, so history arguments are parsed here. `developer` is OpenAI's newer name for
+`system`. A template that raises (the Qwen3 one does for an empty message list, others for
+unsupported roles) is the client's problem: a 400 with the template's own message.
+
+`tool_choice` "required" or a named function is honoured by prefilling the assistant turn with the
+start of a call (`<tool_call>\\n{"name": "` or up to the arguments of the named function): without
+constrained decoding that is the strongest push a prompt can give, and the output parser continues
+from the prefill (see `RenderedPrompt.assistant_tail`). The model may still write malformed JSON,
+which then comes back as content.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+
+from mili_openai.routes.chat_protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from mili_openai.routes.chat_tags import ASSISTANT_TURN_START, TOOL_CALL_START
+from mili_openai.routes.prompts import encode_text
+
+# chat_template_kwargs may not override what the route itself passes to the template
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "tokenize", "add_generation_prompt", "continue_final_message",
+     "return_dict", "return_tensors", "chat_template", "documents"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedPrompt:
+    text: str
+    token_ids: list[int]
+    # The part of the assistant turn already written in the prompt (an opened or empty `<think>`
+    # block, a prefill): the output continues it, so the reasoning and tool parsers start from it.
+    assistant_tail: str
+
+
+def _arguments_object(arguments: str | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = json.loads(arguments) if arguments.strip() else {}
+    except ValueError as exc:
+        raise ValueError(f"tool call arguments in the history are not valid JSON: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError("tool call arguments in the history must be a JSON object")
+    return parsed
+
+
+def message_dict(message: ChatMessage) -> dict[str, Any]:
+    """One message as the template reads it."""
+    role = "system" if message.role == "developer" else message.role
+    out: dict[str, Any] = {"role": role, "content": message.text()}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {"id": call.id, "type": call.type,
+             "function": {"name": call.function.name, "arguments": _arguments_object(call.function.arguments)}}
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.reasoning_content is not None:
+        out["reasoning_content"] = message.reasoning_content
+    return out
+
+
+def tool_choice_prefill(request: ChatCompletionRequest) -> str:
+    """The start of a tool call that "required" / a named tool_choice writes into the assistant turn."""
+    choice = request.effective_tool_choice
+    if request.continue_final_message or not request.add_generation_prompt:
+        return ""  # the client wrote the assistant turn itself
+    if isinstance(choice, NamedToolChoice):
+        return f'{TOOL_CALL_START}\n{{"name": {json.dumps(choice.function.name)}, "arguments": '
+    if choice == "required":
+        return f'{TOOL_CALL_START}\n{{"name": "'
+    return ""
+
+
+def render_chat_text(tokenizer: Any, request: ChatCompletionRequest) -> tuple[str, str]:
+    """`(prompt text, assistant tail)`; ValueError (a 400) for anything the template refuses."""
+    extra = dict(request.chat_template_kwargs or {})
+    reserved = RESERVED_TEMPLATE_KWARGS.intersection(extra)
+    if reserved:
+        raise ValueError(f"chat_template_kwargs may not set {sorted(reserved)}: use the request fields")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("this model's tokenizer has no chat template; use /v1/completions")
+    tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
+    try:
+        text = tokenizer.apply_chat_template(
+            [message_dict(m) for m in request.messages],
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            **extra,
+        )
+    except jinja2.TemplateError as exc:
+        raise ValueError(f"the chat template failed: {exc}") from None
+    text += tool_choice_prefill(request)
+    continues_assistant = request.add_generation_prompt or request.continue_final_message
+    tail = text.rsplit(ASSISTANT_TURN_START, 1)[-1] if continues_assistant and ASSISTANT_TURN_START in text else ""
+    return text, tail
+
+
+async def render_chat_prompt(tokenizer: Any, request: ChatCompletionRequest) -> RenderedPrompt:
+    """The prompt text, its token ids (the template already wrote every special token) and tail."""
+    text, tail = render_chat_text(tokenizer, request)
+    token_ids = await encode_text(tokenizer, text, add_special_tokens=False)
+    return RenderedPrompt(text, list(token_ids), tail)

@@ -1,0 +1,277 @@
+"""/v1/chat/completions over real HTTP (uvicorn) with a scripted fake engine behind it.
+
+The fake engine (`ScriptedEngine`) streams a fixed text token by token, so the route's post-processing
+(reasoning split, tool-call parsing, chunk shapes, finish reasons) is tested on outputs a random-weight
+model would never write. The real-engine tests are in test_chat_server.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from helpers_server import FakeEngine, live_server, qwen_tokenizer  # noqa: F401
+from mili_openai.config import ServerConfig
+from mili_openai.engine.outputs import SequenceDelta, TokenLogprob
+from mili_openai.routes.app import create_app
+
+MODEL = "scripted-qwen3"
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TOOL_CALL_TEXT = ('I will look it up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                  '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
+THINKING_TEXT = "<think>\nThe user greets me.\n</think>\n\nHello there!"
+
+
+class ScriptedEngine(FakeEngine):
+    """Follows AsyncEngine's interface; every request streams `script`, one token per delta, then
+    finishes with "stop" (or "length" at max_tokens)."""
+
+    def __init__(self, tokenizer, script: str = THINKING_TEXT, **kwargs) -> None:
+        super().__init__(tokenizer, **kwargs)
+        self.script = script
+
+    async def _generate(self, stream, prompt, params, room) -> None:
+        tokens = self.tokenizer.encode(self.script, add_special_tokens=False)
+        limit = min(params.max_tokens or room, room)
+        emitted = ""
+        for step, token in enumerate(tokens[:limit]):
+            await asyncio.sleep(0)
+            text = self.tokenizer.decode(tokens[: step + 1])
+            last = step == len(tokens[:limit]) - 1
+            finish = None if not last else ("stop" if len(tokens) <= limit else "length")
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = [TokenLogprob(token, -0.5, [(token, -0.5), (self.words[0], -1.5)][: params.logprobs])]
+            delta = SequenceDelta(stream.request_id, text[len(emitted):], [token], logprobs, finish, None,
+                                  len(prompt), 0, step + 1)
+            emitted = text
+            if finish is not None:
+                self.tasks.pop(stream.request_id, None)
+                self.owned.pop(stream.request_id, None)
+                self.streams.pop(stream.request_id, None)
+            stream.queue.put_nowait(delta)
+
+
+@pytest.fixture(scope="module")
+def scripted_server(qwen_tokenizer):  # noqa: F811
+    engine = ScriptedEngine(qwen_tokenizer, max_model_len=1024)
+    app = create_app(ServerConfig(served_model_name=MODEL), engine=engine)
+    with live_server(app) as live:
+        live.engine = engine
+        yield live
+
+
+@pytest.fixture
+def client(scripted_server):
+    return openai.OpenAI(base_url=scripted_server.api_base, api_key="unused", max_retries=0)
+
+
+def chat(server, **body) -> httpx.Response:
+    body.setdefault("model", MODEL)
+    body.setdefault("messages", [{"role": "user", "content": "hi"}])
+    return httpx.post(server.base_url + "/v1/chat/completions", json=body, timeout=30)
+
+
+def sse_events(response: httpx.Response) -> list:
+    """The `data:` payloads of an SSE body, [DONE] kept as the string."""
+    events = []
+    for line in response.text.splitlines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def test_reasoning_is_split_from_content(scripted_server, client):
+    scripted_server.engine.script = THINKING_TEXT
+    result = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    message = result.choices[0].message
+    assert message.content == "Hello there!"
+    assert message.model_extra["reasoning_content"] == "The user greets me."
+    assert message.model_extra["reasoning"] == "The user greets me."
+    assert result.choices[0].finish_reason == "stop"
+    assert result.object == "chat.completion" and result.id.startswith("chatcmpl-")
+
+
+def test_include_reasoning_false_drops_the_thinking(scripted_server):
+    scripted_server.engine.script = THINKING_TEXT
+    message = chat(scripted_server, include_reasoning=False).json()["choices"][0]["message"]
+    assert message["content"] == "Hello there!" and message["reasoning_content"] is None
+
+
+def test_tool_calls_are_parsed_with_finish_reason_tool_calls(scripted_server, client):
+    scripted_server.engine.script = TOOL_CALL_TEXT
+    result = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "weather?"}],
+                                            tools=[WEATHER_TOOL])
+    choice = result.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "I will look it up."
+    calls = choice.message.tool_calls
+    assert [(c.type, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+        ("function", "get_weather", {"city": "Paris"}), ("function", "get_weather", {"city": "Rome"})]
+    assert all(c.id.startswith("call_") for c in calls) and calls[0].id != calls[1].id
+
+
+def test_streamed_tool_calls_accumulate_to_the_same_calls(scripted_server, client):
+    scripted_server.engine.script = TOOL_CALL_TEXT
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "weather?"}],
+                                            tools=[WEATHER_TOOL], stream=True)
+    content, calls, finishes, roles = "", {}, [], 0
+    for chunk in stream:
+        for choice in chunk.choices:
+            roles += choice.delta.role == "assistant"
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"id": None, "name": "", "arguments": ""})
+                entry["id"] = entry["id"] or call.id
+                entry["name"] += call.function.name or ""
+                entry["arguments"] += call.function.arguments or ""
+            if choice.finish_reason is not None:
+                finishes.append(choice.finish_reason)
+    assert roles == 1 and finishes == ["tool_calls"] and content == "I will look it up."
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
+        ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
+    assert all(c["id"].startswith("call_") for c in calls.values())
+
+
+def test_tool_choice_none_leaves_the_text_alone_but_shows_the_tools(scripted_server):
+    scripted_server.engine.script = TOOL_CALL_TEXT
+    body = chat(scripted_server, tools=[WEATHER_TOOL], tool_choice="none").json()
+    choice = body["choices"][0]
+    assert choice["message"]["content"] == TOOL_CALL_TEXT and choice["message"]["tool_calls"] == []
+    assert choice["finish_reason"] == "stop"
+    prompt = scripted_server.engine.tokenizer.decode(scripted_server.engine.submitted[-1][0])
+    assert "get_weather" in prompt  # as in vLLM: "none" still renders the tools into the prompt
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(scripted_server):
+    scripted_server.engine.script = TOOL_CALL_TEXT
+    message = chat(scripted_server, tools=[WEATHER_TOOL], parallel_tool_calls=False).json()["choices"][0]["message"]
+    assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [{"city": "Paris"}]
+
+
+def test_named_tool_choice_prefills_the_call_and_parses_its_completion(scripted_server):
+    scripted_server.engine.script = '{"city": "Oslo"}}\n</tool_call>'
+    body = chat(scripted_server, tools=[WEATHER_TOOL],
+                tool_choice={"type": "function", "function": {"name": "get_weather"}}).json()
+    prompt = scripted_server.engine.tokenizer.decode(scripted_server.engine.submitted[-1][0])
+    assert prompt.endswith('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": ')
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+
+
+def test_malformed_tool_call_comes_back_as_content(scripted_server):
+    scripted_server.engine.script = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
+    choice = chat(scripted_server, tools=[WEATHER_TOOL]).json()["choices"][0]
+    assert choice["message"]["content"] == scripted_server.engine.script
+    assert choice["message"]["tool_calls"] == [] and choice["finish_reason"] == "stop"
+
+
+def test_raw_sse_wire_format(scripted_server):
+    scripted_server.engine.script = THINKING_TEXT
+    response = chat(scripted_server, stream=True, n=2, stream_options={"include_usage": True}, logprobs=True,
+                    top_logprobs=1)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    assert response.text.replace("\r\n", "\n").rstrip("\n").endswith("data: [DONE]")
+    events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and len({c["id"] for c in chunks}) == 1
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert all("role" not in c["delta"] for c in mine[1:])
+        assert [c["finish_reason"] for c in mine if c["finish_reason"]] == ["stop"]
+        assert mine[-1]["finish_reason"] == "stop"
+        assert "".join(c["delta"].get("reasoning_content", "") for c in mine) == "The user greets me."
+        assert "".join(c["delta"].get("content", "") for c in mine) == "Hello there!"
+        tokens = [t for c in mine if c["logprobs"] for t in c["logprobs"]["content"]]
+        assert "".join(t["token"] for t in tokens) == THINKING_TEXT
+        assert all(len(t["top_logprobs"]) == 1 and bytes(t["bytes"]).decode() == t["token"] for t in tokens)
+    assert all(c["usage"] is None for c in chunks[:-1])
+    usage = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == []
+    num_tokens = len(scripted_server.engine.tokenizer.encode(THINKING_TEXT))
+    assert usage["completion_tokens"] == 2 * num_tokens
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+def test_stream_without_usage_has_no_usage_key(scripted_server):
+    events = sse_events(chat(scripted_server, stream=True))
+    assert all("usage" not in event for event in events[:-1])
+
+
+def test_non_streamed_response_shape(scripted_server):
+    scripted_server.engine.script = THINKING_TEXT
+    body = chat(scripted_server, logprobs=True, top_logprobs=2, max_completion_tokens=3).json()
+    assert set(body) >= {"id", "object", "created", "model", "choices", "usage"}
+    assert body["model"] == MODEL
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["role"] == "assistant"
+    assert len(choice["logprobs"]["content"]) == 3
+    assert all(len(t["top_logprobs"]) == 2 for t in choice["logprobs"]["content"])
+    assert body["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize(
+    ("body", "needle"),
+    [
+        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+         "not supported"),
+        ({"response_format": {"type": "json_object"}}, "not supported"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "not supported"),
+        ({"top_logprobs": 2}, "requires logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
+        ({"tool_choice": "required"}, "needs at least one tool"),
+        ({"messages": [{"role": "assistant", "content": None}]}, "content"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id"),
+        ({"messages": []}, "messages"),
+        ({"max_tokens": 5000}, "maximum context length is 1024"),
+        ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"stream_options": {"include_usage": True}}, "stream"),
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}],
+          "continue_final_message": True}, "assistant"),
+        ({"messages": [{"role": "assistant", "content": None,
+                        "tool_calls": [{"id": "c", "type": "function",
+                                        "function": {"name": "f", "arguments": "{not json"}}]}]}, "not valid JSON"),
+    ],
+)
+def test_bad_requests_are_400_with_a_clear_message(scripted_server, body, needle):
+    response = chat(scripted_server, **body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert needle in error["message"] or needle == error["param"], error
+    assert error["type"] == "invalid_request_error"
+
+
+def test_unknown_model_is_404(scripted_server):
+    assert chat(scripted_server, model="gpt-4").status_code == 404
+
+
+def test_text_parts_and_developer_role_reach_the_template(scripted_server):
+    chat(scripted_server, messages=[{"role": "developer", "content": "Be brief."},
+                                    {"role": "user", "content": [{"type": "text", "text": "Hel"},
+                                                                 {"type": "text", "text": "lo"}]}])
+    prompt = scripted_server.engine.tokenizer.decode(scripted_server.engine.submitted[-1][0])
+    assert prompt.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello<|im_end|>")
+
+
+def test_chunk_events_serialise_with_orjson(scripted_server):
+    # the deltas carry only what they set; chunks keep finish_reason even when null
+    events = sse_events(chat(scripted_server, stream=True))
+    assert all("finish_reason" in c["choices"][0] for c in events[:-1] if c["choices"])
+    assert orjson.loads(orjson.dumps(events[1]))["choices"][0]["delta"].keys() <= {"content", "reasoning_content",
+                                                                                    "reasoning", "tool_calls"}
