@@ -1,0 +1,193 @@
+"""`ModelConfig`: the architecture of a Qwen3 checkpoint, read from its `config.json` and
+`generation_config.json`.
+
+Defaults for absent keys follow transformers' `Qwen3Config` (the numerical oracle), not guesses: e.g. a
+missing `head_dim` is 128 there, not hidden_size / num_attention_heads.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+SUPPORTED_MODEL_TYPES = ("qwen3",)
+SUPPORTED_ACTIVATION = "silu"
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+# transformers' Qwen3Config defaults, used when a key is absent
+DEFAULT_HEAD_DIM = 128
+DEFAULT_ROPE_THETA = 10000.0
+DEFAULT_MAX_POSITION_EMBEDDINGS = 32768
+DEFAULT_RMS_NORM_EPS = 1e-6
+# yarn's ramp bounds when the checkpoint leaves them out (the YaRN paper's values, as in transformers)
+DEFAULT_YARN_BETA_FAST = 32.0
+DEFAULT_YARN_BETA_SLOW = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class RopeScaling:
+    """RoPE settings. Only the fields of `rope_type` are meaningful; the rest stay None."""
+
+    rope_type: str = "default"
+    rope_theta: float = DEFAULT_ROPE_THETA
+    factor: float | None = None  # linear, dynamic, yarn, llama3
+    original_max_position_embeddings: int | None = None  # yarn, llama3: the pretraining context
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
+    beta_fast: float | None = None  # yarn
+    beta_slow: float | None = None  # yarn
+    attention_factor: float | None = None  # yarn: cos/sin scale; None = derived from factor/mscale
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn: round the correction range to whole dims
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise NotImplementedError(f"rope type {self.rope_type!r} is not supported; supported: {ROPE_TYPES}")
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta must be > 0, got {self.rope_theta}")
+        if self.rope_type in ("linear", "dynamic", "llama3") and (self.factor is None or self.factor <= 0):
+            raise ValueError(f"rope type {self.rope_type!r} needs a positive 'factor', got {self.factor}")
+        if self.rope_type == "llama3" and (self.low_freq_factor is None or self.high_freq_factor is None):
+            raise ValueError("rope type 'llama3' needs 'low_freq_factor' and 'high_freq_factor'")
+        if self.rope_type == "llama3" and self.low_freq_factor == self.high_freq_factor:
+            raise ValueError("rope type 'llama3' needs low_freq_factor != high_freq_factor")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeScaling
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.rms_norm_eps <= 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+
+    @property
+    def rope_theta(self) -> float:
+        return self.rope.rope_theta
+
+    @classmethod
+    def from_dicts(cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
+        _check_architecture(config)
+        eos = (generation_config or {}).get("eos_token_id")
+        if eos is None:
+            eos = config.get("eos_token_id")
+        bos = (generation_config or {}).get("bos_token_id", config.get("bos_token_id"))
+        max_positions = int(config.get("max_position_embeddings", DEFAULT_MAX_POSITION_EMBEDDINGS))
+        heads = int(config["num_attention_heads"])
+        return cls(
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=int(config["hidden_size"]),
+            intermediate_size=int(config["intermediate_size"]),
+            num_hidden_layers=int(config["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or DEFAULT_HEAD_DIM),
+            rms_norm_eps=float(config.get("rms_norm_eps", DEFAULT_RMS_NORM_EPS)),
+            rope=_read_rope(config, max_positions),
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            eos_token_ids=_as_id_tuple(eos),
+            bos_token_id=None if bos is None else int(bos),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> ModelConfig:
+        """Read `config.json` (required) and `generation_config.json` (optional) from a checkpoint dir."""
+        directory = Path(path)
+        config_path = directory / CONFIG_FILE
+        if not config_path.is_file():
+            raise ValueError(f"{directory} is not a model checkpoint: it has no {CONFIG_FILE}")
+        config = json.loads(config_path.read_text())
+        generation_path = directory / GENERATION_CONFIG_FILE
+        generation = json.loads(generation_path.read_text()) if generation_path.is_file() else None
+        return cls.from_dicts(config, generation)
+
+
+def _check_architecture(config: dict[str, Any]) -> None:
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} is not supported; this server runs {SUPPORTED_MODEL_TYPES}")
+    activation = config.get("hidden_act", SUPPORTED_ACTIVATION)
+    if activation != SUPPORTED_ACTIVATION:
+        raise NotImplementedError(f"hidden_act {activation!r} is not supported (Qwen3 uses {SUPPORTED_ACTIVATION!r})")
+    # Real Qwen3 checkpoints have neither; refusing beats silently computing a different model.
+    if config.get("attention_bias"):
+        raise NotImplementedError("attention_bias=True is not supported (Qwen3 projections have no bias)")
+    if config.get("use_sliding_window"):
+        raise NotImplementedError("use_sliding_window=True is not supported (full attention only)")
+
+
+def _read_rope(config: dict[str, Any], max_positions: int) -> RopeScaling:
+    """Merge both spellings: transformers 5.x `rope_parameters` and the older top-level `rope_theta` plus
+    `rope_scaling` that real Qwen3 checkpoints carry. Explicit `rope_parameters` entries win."""
+    params: dict[str, Any] = {}
+    params.update(config.get("rope_scaling") or {})
+    params.update(config.get("rope_parameters") or {})
+    if "type" in params and "rope_type" not in params:  # the oldest spelling
+        params["rope_type"] = params["type"]
+    rope_type = params.get("rope_type", "default")
+    theta = params.get("rope_theta", config.get("rope_theta", DEFAULT_ROPE_THETA))
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise NotImplementedError(f"partial_rotary_factor={partial} is not supported (Qwen3 rotates all dims)")
+    original = params.get("original_max_position_embeddings")
+    if rope_type in ("yarn", "llama3") and original is None:
+        original = max_positions  # what transformers assumes when the checkpoint leaves it out
+    factor = params.get("factor")
+    if rope_type == "yarn" and factor is None:
+        factor = max_positions / original
+    return RopeScaling(
+        rope_type=rope_type,
+        rope_theta=float(theta),
+        factor=None if factor is None else float(factor),
+        original_max_position_embeddings=None if original is None else int(original),
+        low_freq_factor=_optional_float(params.get("low_freq_factor")),
+        high_freq_factor=_optional_float(params.get("high_freq_factor")),
+        beta_fast=float(params.get("beta_fast") or DEFAULT_YARN_BETA_FAST) if rope_type == "yarn" else None,
+        beta_slow=float(params.get("beta_slow") or DEFAULT_YARN_BETA_SLOW) if rope_type == "yarn" else None,
+        attention_factor=_optional_float(params.get("attention_factor")),
+        mscale=_optional_float(params.get("mscale")),
+        mscale_all_dim=_optional_float(params.get("mscale_all_dim")),
+        truncate=bool(params.get("truncate", True)),
+    )
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _as_id_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)

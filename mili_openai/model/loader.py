@@ -1,0 +1,101 @@
+"""Load a Qwen3 checkpoint directory: build the model on the meta device (no memory, no random init),
+read `model.safetensors` or the shards named by `model.safetensors.index.json`, map the names, cast,
+and assign the tensors in place of the meta parameters."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from mili_openai.model.config import ModelConfig
+from mili_openai.model.qwen3 import Qwen3ForCausalLM
+from mili_openai.model.weights import CheckpointError, checkpoint_to_model_state
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+AUTO_DTYPE = torch.bfloat16
+DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_dtype(name: str, checkpoint_config: ModelConfig | str | os.PathLike | None = None) -> torch.dtype:
+    """The torch dtype for an `EngineConfig.dtype` name: auto, bfloat16, float16 or float32.
+
+    "auto" is bfloat16 whatever the checkpoint stores (`checkpoint_config` is accepted but not consulted):
+    Qwen3 ships in bf16, and following a float32 checkpoint would double the memory and halve decode speed.
+    """
+    del checkpoint_config
+    if name == "auto":
+        return AUTO_DTYPE
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be 'auto' or one of {tuple(DTYPE_NAMES)}, got {name!r}")
+    return DTYPE_NAMES[name]
+
+
+def checkpoint_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint dir: the single file, or every shard its index names."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index} has no 'weight_map'")
+        files = [path / name for name in sorted(set(weight_map.values()))]
+        absent = [str(f.name) for f in files if not f.is_file()]
+        if absent:
+            raise CheckpointError(f"{index} names shards that are not there: {', '.join(absent)}")
+        return files
+    single = path / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    raise CheckpointError(f"{path} holds no weights: neither {SINGLE_FILE} nor {INDEX_FILE}")
+
+
+def read_checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in checkpoint_files(path):
+        shard = load_file(str(file), device="cpu")
+        repeated = tensors.keys() & shard.keys()
+        if repeated:
+            raise CheckpointError(f"weights stored twice across shards: {', '.join(sorted(repeated))}")
+        tensors.update(shard)
+    return tensors
+
+
+def load_model(
+    path: str | os.PathLike, dtype: torch.dtype, device: torch.device, use_decode_kernel: bool = True
+) -> tuple[Qwen3ForCausalLM, ModelConfig]:
+    """-> (model in eval mode on `device` with weights in `dtype`, its config).
+
+    `use_decode_kernel`: on a CPU with AVX512-BF16 and bf16 weights, route few-row matmuls through the
+    compiled decode kernel (the model falls back to torch when it cannot be built).
+    """
+    directory = Path(path)
+    config = ModelConfig.from_pretrained(directory)
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    expected = model.state_dict().keys()
+    tensors = {name: t.to(dtype=dtype) for name, t in read_checkpoint_tensors(directory).items()}
+    state = checkpoint_to_model_state(tensors, config, expected)
+    state = {name: t.to(device) for name, t in state.items()}
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:  # size mismatches: the config and the weights disagree
+        raise CheckpointError(f"checkpoint weights do not fit {directory / 'config.json'}: {exc}") from exc
+    model.to(device)  # the RoPE buffer, built on CPU, follows the weights
+    model.requires_grad_(False).eval()
+    if use_decode_kernel and device.type == "cpu" and dtype == torch.bfloat16:
+        _use_decode_kernel(model)
+    return model, config
+
+
+def _use_decode_kernel(model: Qwen3ForCausalLM) -> None:
+    # imported here: building the kernel is only worth it (and only possible) for bf16 on CPU
+    from mili_openai.kernels import load_decode_linear_kernel
+
+    kernel = load_decode_linear_kernel()
+    if kernel is not None:
+        model.set_matmul(kernel.linear)

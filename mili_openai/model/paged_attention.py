@@ -1,0 +1,104 @@
+"""Attention over the paged KV cache for one layer: write the new tokens' K/V into their slots, then
+attend — all decode rows in one SDPA call, each prefill chunk in its own causal call.
+
+Grouped-query attention uses SDPA's `enable_gqa=True`: measured on this project's CPU it matches
+expanding the KV heads exactly and is 4-13x faster on fp32 decode (1 to 8 rows, 512-1024 context), as
+nothing is copied per head; prefill timings are equal.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mili_openai.model.batch import ForwardBatch, PrefillSegment
+
+
+def decode_compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype decode attention runs in.
+
+    On CPU, torch's SDPA for a single bf16/fp16 query is 2-4x slower than float32 (measured: 203 vs 82 us
+    at 64 context tokens, 2.7 vs 0.65 ms at 1024, Qwen3-0.6B head shapes), and the gathered context is a
+    copy anyway, so upcasting it costs little and also rounds less. On GPUs the native dtype is fastest.
+    """
+    if device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        return torch.float32
+    return dtype
+
+
+def write_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store each token's K/V at its slot. pools (slots, kv_heads, D); k, v (T, kv_heads, D)."""
+    k_pool.index_copy_(0, slot_mapping, k)
+    v_pool.index_copy_(0, slot_mapping, v)
+
+
+def gather_slots(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """pool (slots, kv_heads, D) rows at `slots` (any shape S) -> (*S, kv_heads, D).
+
+    index_select on the flattened slots rather than advanced indexing: same copy, measured ~3x less
+    per-call overhead, which matters at two gathers per layer per step.
+    """
+    return pool.index_select(0, slots.reshape(-1)).view(*slots.shape, *pool.shape[1:])
+
+
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+                     mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per sequence against its gathered context.
+
+    q (B, H, D); slots (B, C) int64 padded context slots; mask (B, 1, 1, C) bool -> (B, H, D).
+    """
+    compute = decode_compute_dtype(q.dtype, q.device)
+    keys = gather_slots(k_pool, slots).to(compute).transpose(1, 2)  # (B, kv_heads, C, D)
+    values = gather_slots(v_pool, slots).to(compute).transpose(1, 2)  # (B, kv_heads, C, D)
+    out = F.scaled_dot_product_attention(
+        q.to(compute).unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+    )  # (B, H, 1, D)
+    return out.squeeze(2).to(q.dtype)
+
+
+def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_pool: torch.Tensor,
+                      v_pool: torch.Tensor, segment: PrefillSegment, scale: float) -> torch.Tensor:
+    """One chunk of one sequence, causally over its cached prefix plus itself.
+
+    q (L, H, D); k_new, v_new (L, kv_heads, D) the chunk's own K/V (already written to the pool)
+    -> (L, H, D). Query i sits at context position ctx - L + i and sees context [0, ctx - L + i].
+    """
+    length, ctx = segment.length, int(segment.context_slots.shape[0])
+    if ctx == length:
+        # no cached prefix: the chunk's own K/V are the whole context, no gather, plain causal mask
+        keys, values, mask, causal = k_new, v_new, None, True
+    else:
+        keys = gather_slots(k_pool, segment.context_slots)  # (ctx, kv_heads, D)
+        values = gather_slots(v_pool, segment.context_slots)
+        key_pos = torch.arange(ctx, device=q.device)
+        query_pos = torch.arange(ctx - length, ctx, device=q.device)
+        mask, causal = key_pos[None, :] <= query_pos[:, None], False  # (L, ctx), bottom-right causal
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),  # (1, H, L, D)
+        keys.transpose(0, 1).unsqueeze(0),  # (1, kv_heads, ctx, D)
+        values.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
+    )  # (1, H, L, D)
+    return out.squeeze(0).transpose(0, 1)  # (L, H, D)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
+                    v_pool: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
+    """q (T, H, D), k/v (T, kv_heads, D) of the batch's new tokens -> attention output (T, H, D)."""
+    write_kv(k_pool, v_pool, k, v, batch.slot_mapping)
+    num_decode = batch.num_decode
+    if num_decode and not batch.prefills:  # the steady state: skip the output buffer
+        return decode_attention(q, k_pool, v_pool, batch.decode_slots, batch.decode_mask, scale)
+    if len(batch.prefills) == 1 and not num_decode:
+        segment = batch.prefills[0]
+        return prefill_attention(q, k, v, k_pool, v_pool, segment, scale)
+    out = torch.empty_like(q)  # (T, H, D)
+    if num_decode:
+        out[:num_decode] = decode_attention(
+            q[:num_decode], k_pool, v_pool, batch.decode_slots, batch.decode_mask, scale
+        )
+    for segment in batch.prefills:
+        rows = slice(segment.start, segment.start + segment.length)
+        out[rows] = prefill_attention(q[rows], k[rows], v[rows], k_pool, v_pool, segment, scale)
+    return out

@@ -1,0 +1,79 @@
+"""Qwen3 for causal LM in plain torch, over a flattened batch and a paged KV cache.
+
+Module names follow transformers' (`model.embed_tokens`, `model.layers.N.self_attn.o_proj`, `model.norm`,
+`lm_head`) except two fusions the loader maps: `qkv_proj` = [q_proj; k_proj; v_proj] and
+`gate_up_proj` = [gate_proj; up_proj], so a decode step reads each layer's input-side weights in two
+matmuls instead of five. With tied embeddings there is no `lm_head`: logits use the embedding matrix.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mili_openai.model.attention import Qwen3Attention
+from mili_openai.model.batch import ForwardBatch
+from mili_openai.model.config import ModelConfig
+from mili_openai.model.kv_cache import KVCache
+from mili_openai.model.layers import Linear, MatmulFn, RMSNorm, SwiGLUMLP
+from mili_openai.model.rope import RotaryEmbedding
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Qwen3Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
+                k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, batch, k_pool, v_pool)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))  # (T, hidden)
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        hidden = self.embed_tokens(batch.input_ids)  # (T, hidden)
+        cos, sin = self.rotary_emb(batch.positions, hidden.dtype)  # (T, 1, D) each, shared by all layers
+        for index, layer in enumerate(self.layers):
+            k_pool, v_pool = kv_cache.layer(index)
+            hidden = layer(hidden, cos, sin, batch, k_pool, v_pool)
+        return self.norm(hidden)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Qwen3Model(config)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        self._logits_matmul: MatmulFn = F.linear
+
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Run every token of the batch, writing its K/V into `kv_cache`; -> (T, hidden) after the final norm."""
+        weight_dtype = self.model.embed_tokens.weight.dtype
+        if kv_cache.dtype != weight_dtype:  # index_copy_ would fail deep inside the first layer otherwise
+            raise ValueError(f"KV cache dtype {kv_cache.dtype} differs from the model's {weight_dtype}")
+        return self.model(batch, kv_cache)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (N, hidden) -> logits (N, vocab) float32; computed in the weights' dtype like transformers."""
+        weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+        return self._logits_matmul(hidden, weight).float()
+
+    def set_matmul(self, matmul: MatmulFn) -> None:
+        """Route every projection and the LM head through `matmul` (e.g. the bf16 decode kernel)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.matmul = matmul
+        self._logits_matmul = matmul

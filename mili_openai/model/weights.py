@@ -1,0 +1,71 @@
+"""The map between a transformers Qwen3 state dict and ours: q/k/v and gate/up concatenated into the
+fused projections, everything else by the same name. Missing or unexpected weights are an error that
+names them in the checkpoint's own spelling."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from mili_openai.model.config import ModelConfig
+
+LAYER_PREFIX = "model.layers"
+LM_HEAD = "lm_head.weight"
+MAX_NAMES_SHOWN = 8  # keep an error about a mismatched checkpoint readable
+# fused module (relative to a layer) -> its checkpoint parts, in row order
+FUSED_PARTS: dict[str, tuple[str, ...]] = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+class CheckpointError(ValueError):
+    """The checkpoint's weights do not fit the architecture its config.json describes."""
+
+
+def _names(names: Iterable[str]) -> str:
+    ordered = sorted(names)
+    shown = ", ".join(ordered[:MAX_NAMES_SHOWN])
+    return shown + (f", ... ({len(ordered)} in all)" if len(ordered) > MAX_NAMES_SHOWN else "")
+
+
+def checkpoint_to_model_state(
+    tensors: dict[str, torch.Tensor], config: ModelConfig, expected: Iterable[str]
+) -> dict[str, torch.Tensor]:
+    """Turn checkpoint tensors (consumed: the dict is emptied) into our state dict.
+
+    `expected` is the set of our model's state-dict keys. Raises CheckpointError listing every missing or
+    unexpected checkpoint name.
+    """
+    expected = set(expected)
+    if config.tie_word_embeddings:
+        tensors.pop(LM_HEAD, None)  # transformers ties it to the embedding and ignores a stored copy too
+    state: dict[str, torch.Tensor] = {}
+    missing: list[str] = []
+    for layer in range(config.num_hidden_layers):
+        prefix = f"{LAYER_PREFIX}.{layer}"
+        for fused, parts in FUSED_PARTS.items():
+            names = [f"{prefix}.{part}.weight" for part in parts]
+            absent = [name for name in names if name not in tensors]
+            if absent:
+                missing.extend(absent)
+                continue
+            state[f"{prefix}.{fused}.weight"] = torch.cat([tensors.pop(name) for name in names], dim=0)
+    for name in list(tensors):
+        if name in expected:
+            state[name] = tensors.pop(name)
+    missing.extend(name for name in expected - state.keys() if not _is_fused(name))
+    if missing or tensors:
+        problems = []
+        if missing:
+            problems.append(f"missing weights: {_names(missing)}")
+        if tensors:
+            problems.append(f"unexpected weights: {_names(tensors)}")
+        raise CheckpointError(f"checkpoint does not match its config ({'; '.join(problems)})")
+    return state
+
+
+def _is_fused(name: str) -> bool:
+    return any(f".{fused}." in name for fused in FUSED_PARTS)
+

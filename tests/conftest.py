@@ -1,0 +1,31 @@
+"""Fixtures the whole suite shares: small random Qwen3 checkpoints, built once per test session.
+
+- `tiny_checkpoint`: TINY_SHAPE (GQA 4 query / 2 KV heads, head_dim 32 != hidden/heads, tied LM head),
+  float32 weights, the real Qwen3 tokenizer.
+- `tiny_checkpoint_mha_untied`: a second architecture: as many KV heads as query heads, head_dim ==
+  hidden/heads, an untied LM head, another rope_theta and 3 layers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mili_openai.model.checkpoint import TINY_SHAPE, ModelShape, build_random_checkpoint
+
+TINY_SEED = 0
+MHA_UNTIED_SEED = 1
+MHA_UNTIED_SHAPE = ModelShape(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                              num_key_value_heads=4, head_dim=16, tie_word_embeddings=False, rope_theta=10000.0)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    return build_random_checkpoint(tmp_path_factory.mktemp("tiny-qwen3"), TINY_SHAPE, seed=TINY_SEED,
+                                   dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_mha_untied(tmp_path_factory):
+    return build_random_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-mha-untied"), MHA_UNTIED_SHAPE,
+                                   seed=MHA_UNTIED_SEED, dtype=torch.float32)

@@ -1,0 +1,199 @@
+"""Our Qwen3 against transformers' on the same checkpoints: logits of full prefills, chunked prefills
+over shuffled pages, and decode rows batched with prefill chunks of other sequences."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from mili_openai.model import ForwardBatch, KVCache, PrefillSegment, load_model
+
+FP32_ATOL = 1e-4
+BF16_ERROR_RATIO = 1.5  # our bf16 error vs the float32 oracle, relative to transformers' own bf16 error
+VOCAB_SAMPLE = 150000  # ids drawn below the special tokens
+
+
+class PagedSequences:
+    """Hands pages to sequences from a shuffled free list and builds `ForwardBatch`es like the engine's
+    runner does, so the model is tested on non-contiguous page tables."""
+
+    def __init__(self, num_pages: int, page_size: int, seed: int = 0) -> None:
+        self.page_size = page_size
+        self.free = list(range(num_pages))
+        random.Random(seed).shuffle(self.free)
+        self.tokens: dict[str, list[int]] = {}
+        self.pages: dict[str, list[int]] = {}
+        self.computed: dict[str, int] = {}
+
+    def add(self, key: str, tokens: list[int]) -> None:
+        self.tokens[key], self.pages[key], self.computed[key] = list(tokens), [], 0
+
+    def _slots(self, key: str, end: int) -> torch.Tensor:
+        """Slots of positions [0, end) of `key`, allocating pages as needed."""
+        while len(self.pages[key]) * self.page_size < end:
+            self.pages[key].append(self.free.pop())
+        positions = torch.arange(end)
+        pages = torch.tensor(self.pages[key], dtype=torch.int64)
+        return pages[positions // self.page_size] * self.page_size + positions % self.page_size
+
+    def batch(self, decode: list[str] = (), prefill: list[tuple[str, int]] = ()) -> tuple[ForwardBatch, list]:
+        """One forward: a token of each `decode` key, then `n` tokens of each `(key, n)` prefill chunk.
+        -> (batch, [(key, position)] per row, all rows wanted as logits)."""
+        ids, positions, slot_mapping, rows = [], [], [], []
+        decode_slots = decode_mask = None
+        if decode:
+            contexts = [self._slots(key, self.computed[key] + 1) for key in decode]
+            width = max(len(c) for c in contexts)
+            decode_slots = torch.zeros(len(decode), width, dtype=torch.int64)
+            decode_mask = torch.zeros(len(decode), 1, 1, width, dtype=torch.bool)
+            for i, (key, context) in enumerate(zip(decode, contexts)):
+                decode_slots[i, : len(context)] = context
+                decode_mask[i, ..., : len(context)] = True
+                position = self.computed[key]
+                ids.append(self.tokens[key][position])
+                positions.append(position)
+                slot_mapping.append(int(context[-1]))
+                rows.append((key, position))
+                self.computed[key] += 1
+        segments = []
+        for key, count in prefill:
+            start = self.computed[key]
+            context = self._slots(key, start + count)
+            segments.append(PrefillSegment(start=len(ids), length=count, context_slots=context))
+            ids.extend(self.tokens[key][start: start + count])
+            positions.extend(range(start, start + count))
+            slot_mapping.extend(context[start:].tolist())
+            rows.extend((key, p) for p in range(start, start + count))
+            self.computed[key] += count
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids), positions=torch.tensor(positions), slot_mapping=torch.tensor(slot_mapping),
+            num_decode=len(decode), decode_slots=decode_slots, decode_mask=decode_mask, prefills=segments,
+            logits_indices=torch.arange(len(ids)),
+        )
+        return batch, rows
+
+
+def random_tokens(length: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB_SAMPLE) for _ in range(length)]
+
+
+@torch.inference_mode()
+def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
+    return hf_model(torch.tensor([tokens])).logits[0].float()  # (L, vocab)
+
+
+@torch.inference_mode()
+def run_steps(model, config, pages: PagedSequences, steps, dtype=torch.float32, num_pages=64) -> list:
+    """Run each (decode, prefill) step; -> [(key, position, logits row)] over all steps."""
+    cache = KVCache(config, num_pages, pages.page_size, dtype, torch.device("cpu"))
+    results = []
+    for decode, prefill in steps:
+        batch, rows = pages.batch(decode, prefill)
+        logits = model.compute_logits(model(batch, cache)[batch.logits_indices])
+        assert logits.dtype == torch.float32 and logits.shape == (len(rows), config.vocab_size)
+        results.extend((key, position, logits[i]) for i, (key, position) in enumerate(rows))
+    return results
+
+
+def assert_close_to_hf(results, expected: dict[str, torch.Tensor], atol: float) -> None:
+    for key, position, row in results:
+        torch.testing.assert_close(row, expected[key][position], rtol=0, atol=atol,
+                                   msg=lambda m: f"{key} position {position}: {m}")
+
+
+@pytest.fixture(scope="module", params=["tiny_checkpoint", "tiny_checkpoint_mha_untied"])
+def checkpoint(request):
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(scope="module")
+def models(checkpoint):
+    from transformers import Qwen3ForCausalLM as HFQwen3
+
+    model, config = load_model(checkpoint, torch.float32, torch.device("cpu"))
+    hf = HFQwen3.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    return model, config, hf
+
+
+def test_full_prefill_matches_transformers(models):
+    model, config, hf = models
+    tokens = random_tokens(50, seed=1)
+    pages = PagedSequences(num_pages=64, page_size=16)
+    pages.add("a", tokens)
+    results = run_steps(model, config, pages, [([], [("a", 50)])])
+    assert len(results) == 50
+    assert_close_to_hf(results, {"a": hf_logits(hf, tokens)}, FP32_ATOL)
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_chunked_prefill_over_shuffled_pages(models, page_size):
+    model, config, hf = models
+    tokens = random_tokens(70, seed=2)
+    pages = PagedSequences(num_pages=64, page_size=page_size, seed=page_size)
+    pages.add("a", tokens)
+    chunks = [13, 1, 30, 26]  # chunk boundaries fall inside pages and on them
+    results = run_steps(model, config, pages, [([], [("a", n)]) for n in chunks])
+    assert [p for _, p, _ in results] == list(range(70))
+    assert pages.pages["a"] != sorted(pages.pages["a"])  # the pages really are out of order
+    assert_close_to_hf(results, {"a": hf_logits(hf, tokens)}, FP32_ATOL)
+
+
+def mixed_schedule() -> tuple[dict[str, list[int]], list]:
+    """Four sequences of different lengths: prefills in chunks, decodes batched with others' chunks."""
+    lengths = {"a": 5 + 8, "b": 17 + 8, "c": 33 + 6, "d": 9 + 4}
+    tokens = {key: random_tokens(n, seed=10 + i) for i, (key, n) in enumerate(lengths.items())}
+    steps = [
+        ([], [("a", 5), ("b", 17)]),  # two whole prompts in one forward
+        (["a", "b"], [("c", 20)]),  # decodes + a first chunk
+        (["a", "b"], [("c", 13)]),  # decodes + the last chunk (a cached prefix)
+        (["a", "b", "c"], [("d", 9)]),
+        (["a", "b", "c", "d"], []),  # pure decode, four different context lengths
+        (["a", "b", "c", "d"], []),
+        (["c", "a", "d", "b"], []),  # row order independent of sequence order
+        (["a", "b"], [("c", 2)]),  # a sequence can also take a multi-token chunk after decodes
+        (["a", "b", "d"], []),
+    ]
+    return tokens, steps
+
+
+def test_decode_rows_batched_with_prefill_chunks(models):
+    model, config, hf = models
+    tokens, steps = mixed_schedule()
+    pages = PagedSequences(num_pages=64, page_size=4, seed=3)
+    for key, seq in tokens.items():
+        pages.add(key, seq)
+    results = run_steps(model, config, pages, steps)
+    assert {key: pages.computed[key] for key in tokens} == {key: len(seq) for key, seq in tokens.items()}
+    assert_close_to_hf(results, {key: hf_logits(hf, seq) for key, seq in tokens.items()}, FP32_ATOL)
+
+
+def test_bf16_as_close_to_the_float32_oracle_as_transformers_bf16(tiny_checkpoint):
+    from transformers import Qwen3ForCausalLM as HFQwen3
+
+    # default load: on a CPU with AVX512-BF16 the few-row matmuls go through the decode kernel
+    model, config = load_model(tiny_checkpoint, torch.bfloat16, torch.device("cpu"))
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    hf32 = HFQwen3.from_pretrained(str(tiny_checkpoint), dtype=torch.float32).eval()
+    hf16 = HFQwen3.from_pretrained(str(tiny_checkpoint), dtype=torch.bfloat16).eval()
+    tokens, steps = mixed_schedule()
+    pages = PagedSequences(num_pages=64, page_size=4, seed=4)
+    for key, seq in tokens.items():
+        pages.add(key, seq)
+    results = run_steps(model, config, pages, steps, dtype=torch.bfloat16)
+    oracle = {key: hf_logits(hf32, seq) for key, seq in tokens.items()}
+    hf_error = max(float((hf_logits(hf16, seq) - oracle[key]).abs().max()) for key, seq in tokens.items())
+    our_error = max(float((row - oracle[key][position]).abs().max()) for key, position, row in results)
+    assert our_error <= BF16_ERROR_RATIO * hf_error
+    assert float(oracle["c"].std()) > 3 * our_error  # the logits vary far more than the error
+
+
+def test_kv_cache_dtype_must_match_weights(tiny_checkpoint):
+    model, config = load_model(tiny_checkpoint, torch.float32, torch.device("cpu"))
+    pages = PagedSequences(num_pages=8, page_size=4)
+    pages.add("a", [1, 2, 3])
+    batch, _ = pages.batch([], [("a", 3)])
+    with pytest.raises(ValueError, match="dtype"):
+        model(batch, KVCache(config, 8, 4, torch.bfloat16, torch.device("cpu")))
