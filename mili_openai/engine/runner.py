@@ -15,7 +15,6 @@ from mili_openai.config import EngineConfig
 from mili_openai.engine.batch_builder import build_forward_batch, forward_batch_to
 from mili_openai.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from mili_openai.engine.scheduler import ScheduledBatch
-from mili_openai.kernels import load_decode_linear_kernel
 from mili_openai.model import KVCache, load_model, resolve_dtype
 from mili_openai.model.batch import ForwardBatch
 
@@ -43,10 +42,6 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.model, self.model_config = load_model(model_path, resolve_dtype(config.dtype, model_path), self.device)
         self.dtype = next(self.model.parameters()).dtype
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            kernel = load_decode_linear_kernel()  # None where the CPU or toolchain cannot build it
-            if kernel is not None:
-                self.model.set_matmul(kernel.linear)
         self.page_size = config.page_size
         self.num_pages = config.num_pages or self._pages_for_budget(config)
         self.kv_cache = KVCache(self.model_config, self.num_pages, self.page_size, self.dtype, self.device)

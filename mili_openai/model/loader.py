@@ -94,8 +94,8 @@ def load_model(
 
 def _use_decode_kernel(model: Qwen3ForCausalLM) -> None:
     # imported here: building the kernel is only worth it (and only possible) for bf16 on CPU
-    from mili_openai.kernels import load_decode_linear_kernel
+    from mili_openai.kernels import load_cpu_kernels
 
-    kernel = load_decode_linear_kernel()
-    if kernel is not None:
-        model.set_matmul(kernel.linear)
+    kernels = load_cpu_kernels()
+    if kernels is not None:
+        model.set_matmul(kernels.linear)

@@ -82,6 +82,3 @@ torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w) {
   return y;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemv_bf16", &gemv_bf16, "y = x @ w.T for bf16 x (M<=8, K) and w (N, K)");
-}

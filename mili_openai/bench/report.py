@@ -1,0 +1,57 @@
+"""Human table and JSON file of a finished run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+
+from mili_openai.bench.runner import BenchRun
+from mili_openai.bench.summary import LatencyStats
+
+LABEL_WIDTH = 40
+RULE_WIDTH = 60
+LATENCY_ROWS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E latency"))
+
+
+def format_table(run: BenchRun) -> str:
+    s, c = run.summary, run.config
+    rows: list[tuple[str, str]] = [
+        ("Endpoint", c.url),
+        ("Model", run.model),
+        ("Dataset", c.dataset),
+        ("Concurrency / request rate", f"{c.concurrency or 'unbounded'} / {c.to_json()['request_rate']} req/s"),
+        ("Duration (s)", f"{s.duration_s:.2f}"),
+        ("Completed requests", str(s.completed)),
+        ("Failed requests", str(s.failed)),
+        ("Total input tokens", str(s.total_input_tokens)),
+        (f"Total output tokens (from {s.output_tokens_source})", str(s.total_output_tokens)),
+        ("Request throughput (req/s)", f"{s.request_throughput:.3f}"),
+        ("Input token throughput (tok/s)", f"{s.input_throughput:.1f}"),
+        ("Output token throughput (tok/s)", f"{s.output_throughput:.1f}"),
+        ("Total token throughput (tok/s)", f"{s.total_token_throughput:.1f}"),
+    ]
+    for key, name in LATENCY_ROWS:
+        stats: LatencyStats = getattr(s, key)
+        rows += [(f"Mean {name} (ms)", _ms(stats.mean_ms)), (f"P50 {name} (ms)", _ms(stats.p50_ms)),
+                 (f"P99 {name} (ms)", _ms(stats.p99_ms))]
+    lines = [" Serving Benchmark Result ".center(RULE_WIDTH, "=")]
+    lines += [f"{label:<{LABEL_WIDTH}}{value}" for label, value in rows]
+    if run.warmup_failed:
+        lines.append(f"{'Failed warmup requests':<{LABEL_WIDTH}}{run.warmup_failed}")
+    if s.errors:
+        lines.append(" Errors ".center(RULE_WIDTH, "-"))
+        lines += s.errors
+    lines.append("=" * RULE_WIDTH)
+    return "\n".join(lines)
+
+
+def write_json(run: BenchRun, path: str | Path) -> Path:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(orjson.dumps(run.to_json(), option=orjson.OPT_INDENT_2))
+    return target
+
+
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"

@@ -1,0 +1,121 @@
+"""Drives a run: build the workload, warm up, send the measured requests (arrivals + concurrency cap),
+collect per-request results and summarise them.
+
+Arrivals follow a Poisson process at `request_rate` (exponential gaps from a seeded RNG, so a rerun sends
+the same schedule); `concurrency` caps how many are in flight, later arrivals wait for a free slot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import random
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import httpx
+
+from mili_openai.bench.config import BenchConfig
+from mili_openai.bench.datasets import BenchRequest, build_workload
+from mili_openai.bench.payloads import request_body, request_headers
+from mili_openai.bench.progress import ProgressBar
+from mili_openai.bench.prompt_tokens import load_tokenizer
+from mili_openai.bench.sse_client import RequestResult, stream_request
+from mili_openai.bench.summary import BenchSummary, summarize
+
+MODELS_PATH = "/v1/models"
+# Keep the arrival schedule's RNG apart from the prompt RNG (same --seed, different stream).
+ARRIVAL_SEED_OFFSET = 7919
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRun:
+    config: BenchConfig
+    model: str
+    started_at: str  # UTC, ISO 8601
+    summary: BenchSummary
+    results: list[RequestResult]
+    warmup_failed: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "config": self.config.to_json(),
+            "model": self.model,
+            "started_at": self.started_at,
+            "warmup_failed": self.warmup_failed,
+            "summary": self.summary.to_json(),
+            "requests": [r.to_json() for r in self.results],
+        }
+
+
+async def run_benchmark(config: BenchConfig, tokenizer=None) -> BenchRun:
+    """Run the configured benchmark end to end; `tokenizer` (a `tokenizers.Tokenizer`) skips loading."""
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)
+    warmup, measured = build_workload(config, tokenizer)  # before the clock: tokenising is not serving
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=config.concurrency)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(config.timeout_s), limits=limits) as client:
+        model = config.model if config.model is not None else await first_model_id(client, config)
+        warmup_failed = 0
+        if warmup:
+            warmup_results = await send_all(client, config, model, warmup, "warmup", rate=math.inf)
+            warmup_failed = sum(not r.success for r in warmup_results)
+        started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        started = time.perf_counter()
+        results = await send_all(client, config, model, measured, "bench", rate=config.request_rate)
+        duration = time.perf_counter() - started
+    summary = summarize(results, duration, config.max_error_messages)
+    return BenchRun(config=config, model=model, started_at=started_at, summary=summary, results=results,
+                    warmup_failed=warmup_failed)
+
+
+async def first_model_id(client: httpx.AsyncClient, config: BenchConfig) -> str:
+    url = config.base_url.rstrip("/") + MODELS_PATH
+    response = await client.get(url, headers=request_headers(config))
+    if response.status_code != httpx.codes.OK:
+        raise ValueError(f"GET {url} answered {response.status_code}: {response.text[:200]}")
+    models = response.json().get("data") or []
+    if not models:
+        raise ValueError(f"GET {url} lists no model; pass --model")
+    return models[0]["id"]
+
+
+async def send_all(client: httpx.AsyncClient, config: BenchConfig, model: str, requests: list[BenchRequest],
+                   label: str, rate: float) -> list[RequestResult]:
+    """Send every request on its arrival time, at most `config.concurrency` in flight; results in order."""
+    slots = asyncio.Semaphore(config.concurrency) if config.concurrency is not None else None
+    progress = ProgressBar(len(requests), label, enabled=config.progress)
+    headers = request_headers(config)
+    origin = time.perf_counter()
+
+    async def send_one(request: BenchRequest, arrival_s: float) -> RequestResult:
+        await asyncio.sleep(max(0.0, arrival_s - (time.perf_counter() - origin)))
+        async with slots if slots is not None else contextlib.nullcontext():
+            sent_s = time.perf_counter() - origin
+            result = await stream_request(client, config.url, request_body(config, model, request), headers,
+                                          request.prompt_len, config.timeout_s)
+        result.start_s = sent_s
+        progress.advance(result.success)
+        return result
+
+    arrivals = arrival_times(len(requests), rate, config.seed + ARRIVAL_SEED_OFFSET)
+    try:
+        return list(await asyncio.gather(*(send_one(r, t) for r, t in zip(requests, arrivals))))
+    finally:
+        progress.close()
+
+
+def arrival_times(num_requests: int, rate: float, seed: int) -> list[float]:
+    """Send offsets (s) of a Poisson process at `rate` req/s, first at 0; all zero for an infinite rate."""
+    if not rate > 0:
+        raise ValueError("rate must be > 0")
+    if math.isinf(rate):
+        return [0.0] * num_requests
+    rng = random.Random(seed)
+    times, now = [], 0.0
+    for _ in range(num_requests):
+        times.append(now)
+        now += rng.expovariate(rate)
+    return times

@@ -1,0 +1,157 @@
+"""One streamed OpenAI request, timed: TTFT, inter-token latencies, end-to-end latency, token counts.
+
+Works for both /v1/completions (`choices[0].text`) and /v1/chat/completions (`choices[0].delta.content`,
+plus reasoning fields, which are output tokens too). Output tokens come from the final usage chunk when
+the server sends one, else from the number of chunks that carried text — `output_tokens_source` says
+which, because a server that packs several tokens in one chunk makes the chunk count an undercount.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+
+SSE_DATA_PREFIX = "data:"
+SSE_DONE = "[DONE]"
+HTTP_OK = 200
+# Enough of an error body to tell what went wrong, short enough for a table.
+MAX_ERROR_CHARS = 300
+# Chat delta fields that carry generated text; the reasoning ones hold Qwen3's thinking tokens.
+CHAT_TEXT_FIELDS = ("content", "reasoning_content", "reasoning")
+
+SOURCE_USAGE = "usage"
+SOURCE_CHUNKS = "chunks"
+
+
+@dataclass(slots=True)
+class RequestResult:
+    success: bool = False
+    prompt_len: int = 0  # usage.prompt_tokens when sent, else the dataset's count
+    output_tokens: int = 0
+    output_tokens_source: str = SOURCE_CHUNKS
+    ttft_s: float | None = None  # first chunk carrying text; None if none came
+    e2e_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)  # gaps between consecutive text chunks
+    start_s: float = 0.0  # send time relative to the start of the run
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first: (e2e - ttft) / (output_tokens - 1)."""
+        if self.ttft_s is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "success": self.success, "prompt_len": self.prompt_len, "output_tokens": self.output_tokens,
+            "output_tokens_source": self.output_tokens_source, "ttft_s": self.ttft_s, "tpot_s": self.tpot_s,
+            "e2e_s": self.e2e_s, "itl_s": self.itl_s, "start_s": self.start_s,
+            "finish_reason": self.finish_reason, "error": self.error,
+        }
+
+
+class _StreamState:
+    """What the stream told us so far; turned into a RequestResult at the end (success or not)."""
+
+    def __init__(self, prompt_len: int, started: float) -> None:
+        self.result = RequestResult(prompt_len=prompt_len)
+        self.started = started
+        self.last_text_at: float | None = None
+        self.text_chunks = 0
+        self.saw_event = False
+        self.usage_tokens: int | None = None
+
+    def on_event(self, event: dict[str, Any], now: float) -> None:
+        self.saw_event = True
+        if "error" in event:
+            raise StreamError(_error_text(event["error"]))
+        for choice in event.get("choices") or ():
+            if choice.get("finish_reason"):
+                self.result.finish_reason = choice["finish_reason"]
+            if _choice_text(choice):
+                self._on_text(now)
+        usage = event.get("usage")
+        if usage:
+            self.usage_tokens = usage.get("completion_tokens")
+            self.result.prompt_len = usage.get("prompt_tokens", self.result.prompt_len)
+
+    def _on_text(self, now: float) -> None:
+        self.text_chunks += 1
+        if self.last_text_at is None:
+            self.result.ttft_s = now - self.started
+        else:
+            self.result.itl_s.append(now - self.last_text_at)
+        self.last_text_at = now
+
+    def finish(self, now: float, error: str | None) -> RequestResult:
+        result = self.result
+        result.e2e_s = now - self.started
+        if self.usage_tokens is not None:
+            result.output_tokens, result.output_tokens_source = self.usage_tokens, SOURCE_USAGE
+        else:
+            result.output_tokens, result.output_tokens_source = self.text_chunks, SOURCE_CHUNKS
+        if error is None and not self.saw_event:
+            error = "stream ended without any event"
+        result.error = error
+        result.success = error is None
+        return result
+
+
+class StreamError(Exception):
+    """The server reported an error inside the stream or in a non-200 answer."""
+
+
+async def stream_request(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str],
+                         prompt_len: int, timeout_s: float) -> RequestResult:
+    """Send one streaming request and time it; never raises for server or network failures."""
+    started = time.perf_counter()
+    state = _StreamState(prompt_len, started)
+    error: str | None = None
+    try:
+        # One deadline for the whole exchange: httpx's own timeouts are per read and would let a slow
+        # trickle of tokens run forever.
+        await asyncio.wait_for(_consume(client, url, body, headers, state), timeout=timeout_s)
+    except asyncio.TimeoutError:
+        error = f"timeout after {timeout_s:g} s"
+    except StreamError as exc:
+        error = str(exc)
+    except (httpx.HTTPError, OSError, ValueError) as exc:  # ValueError: a malformed JSON event
+        error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
+    return state.finish(time.perf_counter(), error)
+
+
+async def _consume(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str],
+                   state: _StreamState) -> None:
+    async with client.stream("POST", url, content=orjson.dumps(body),
+                             headers={**headers, "Content-Type": "application/json"}) as response:
+        if response.status_code != HTTP_OK:
+            text = (await response.aread()).decode("utf-8", "replace")
+            raise StreamError(f"HTTP {response.status_code}: {text[:MAX_ERROR_CHARS]}")
+        async for line in response.aiter_lines():
+            if not line.startswith(SSE_DATA_PREFIX):
+                continue  # blank separators, `event:` names, `:` keep-alive comments
+            data = line[len(SSE_DATA_PREFIX):].strip()
+            if data == SSE_DONE:
+                return
+            if data:
+                state.on_event(orjson.loads(data), time.perf_counter())
+
+
+def _choice_text(choice: dict[str, Any]) -> str:
+    if "delta" in choice:
+        delta = choice["delta"] or {}
+        return "".join(delta.get(name) or "" for name in CHAT_TEXT_FIELDS)
+    return choice.get("text") or ""
+
+
+def _error_text(error: Any) -> str:
+    if isinstance(error, dict):
+        error = error.get("message", error)
+    return str(error)[:MAX_ERROR_CHARS]
