@@ -29,7 +29,7 @@ def build_forward_batch(batch: ScheduledBatch, page_size: int) -> ForwardBatch:
     logits_indices: list[int] = []
 
     decode_seqs = batch.seqs[: batch.num_decode]
-    decode_slots = decode_mask = None
+    decode_slots = decode_mask = ctx_lens = None
     if decode_seqs:
         ctx_lens = torch.tensor([seq.num_computed_tokens + 1 for seq in decode_seqs], dtype=torch.int64)
         max_pages = max(len(seq.pages) for seq in decode_seqs)
@@ -69,6 +69,7 @@ def build_forward_batch(batch: ScheduledBatch, page_size: int) -> ForwardBatch:
         decode_mask=decode_mask,
         prefills=prefills,
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+        decode_ctx_lens=ctx_lens if decode_seqs else None,
     )
 
 
@@ -89,4 +90,5 @@ def forward_batch_to(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
         decode_mask=move(batch.decode_mask),
         prefills=[PrefillSegment(p.start, p.length, move(p.context_slots)) for p in batch.prefills],
         logits_indices=move(batch.logits_indices),
+        decode_ctx_lens=move(batch.decode_ctx_lens),
     )

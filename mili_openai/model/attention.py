@@ -9,7 +9,7 @@ from torch import nn
 from mili_openai.model.batch import ForwardBatch
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.layers import Linear, RMSNorm, rms_normalize
-from mili_openai.model.paged_attention import paged_attention
+from mili_openai.model.paged_attention import DecodeAttentionKernel, paged_attention
 from mili_openai.model.rope import apply_rotary
 
 
@@ -27,6 +27,7 @@ class Qwen3Attention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.decode_kernel: DecodeAttentionKernel | None = None  # set by Qwen3ForCausalLM.set_cpu_kernels
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
@@ -40,5 +41,5 @@ class Qwen3Attention(nn.Module):
         qk = apply_rotary(rms_normalize(qk, self.q_norm.eps) * norm_weight, cos, sin)
         q, k = qk.split((heads, kv_heads), dim=1)  # (T, H, D), (T, KV, D)
         v = v.view(tokens, kv_heads, self.head_dim)  # (T, KV, D)
-        out = paged_attention(q, k, v, k_pool, v_pool, batch, self.scale)  # (T, H, D)
+        out = paged_attention(q, k, v, k_pool, v_pool, batch, self.scale, self.decode_kernel)  # (T, H, D)
         return self.o_proj(out.reshape(tokens, self.q_size))

@@ -29,6 +29,7 @@ class ForwardBatch:
     decode_mask: torch.Tensor | None  # (num_decode, 1, 1, max_ctx) bool, True on valid context
     prefills: list[PrefillSegment]  # rows [num_decode, T) in order; each attends causally to its context
     logits_indices: torch.Tensor  # (S,) int64 rows whose logits are wanted (last token of sampled sequences)
+    decode_ctx_lens: torch.Tensor | None = None  # (num_decode,) int64 valid context of each decode row
 
     @property
     def num_tokens(self) -> int:

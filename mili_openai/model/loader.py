@@ -87,15 +87,18 @@ def load_model(
         raise CheckpointError(f"checkpoint weights do not fit {directory / 'config.json'}: {exc}") from exc
     model.to(device)  # the RoPE buffer, built on CPU, follows the weights
     model.requires_grad_(False).eval()
-    if use_decode_kernel and device.type == "cpu" and dtype == torch.bfloat16:
-        _use_decode_kernel(model)
+    if use_decode_kernel and device.type == "cpu":
+        _use_cpu_kernels(model, dtype)
     return model, config
 
 
-def _use_decode_kernel(model: Qwen3ForCausalLM) -> None:
-    # imported here: building the kernel is only worth it (and only possible) for bf16 on CPU
+def _use_cpu_kernels(model: Qwen3ForCausalLM, dtype: torch.dtype) -> None:
+    # imported here: building the kernels is only worth it (and only possible) on CPU
     from mili_openai.kernels import load_cpu_kernels
 
     kernels = load_cpu_kernels()
-    if kernels is not None:
+    if kernels is None:
+        return
+    model.set_decode_attention_kernel(kernels)
+    if dtype == torch.bfloat16:
         model.set_matmul(kernels.linear)

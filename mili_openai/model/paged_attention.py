@@ -8,10 +8,21 @@ nothing is copied per head; prefill timings are equal.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
 from mili_openai.model.batch import ForwardBatch, PrefillSegment
+
+
+class DecodeAttentionKernel(Protocol):
+    """A compiled decode attention reading K/V in place (see mili_openai.kernels.CpuKernels)."""
+
+    def supports_decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor) -> bool: ...
+
+    def decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+                         ctx_lens: torch.Tensor, scale: float) -> torch.Tensor: ...
 
 
 def decode_compute_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -42,12 +53,19 @@ def gather_slots(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return pool.index_select(0, slots.reshape(-1)).view(*slots.shape, *pool.shape[1:])
 
 
-def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
-                     mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query per sequence against its gathered context.
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch,
+                     scale: float, kernel: DecodeAttentionKernel | None = None) -> torch.Tensor:
+    """One query per sequence against its context. q (B, H, D) -> (B, H, D).
 
-    q (B, H, D); slots (B, C) int64 padded context slots; mask (B, 1, 1, C) bool -> (B, H, D).
+    With a compiled kernel the context is read in place from the pool; otherwise it is gathered into a
+    padded (B, C) copy and masked.
     """
+    slots, mask = batch.decode_slots, batch.decode_mask
+    if kernel is not None and kernel.supports_decode_attention(q, k_pool):
+        ctx_lens = batch.decode_ctx_lens
+        if ctx_lens is None:  # a hand-built batch: the mask says the same
+            ctx_lens = mask.reshape(mask.shape[0], -1).sum(dim=1)
+        return kernel.decode_attention(q, k_pool, v_pool, slots, ctx_lens, scale)
     compute = decode_compute_dtype(q.dtype, q.device)
     keys = gather_slots(k_pool, slots).to(compute).transpose(1, 2)  # (B, kv_heads, C, D)
     values = gather_slots(v_pool, slots).to(compute).transpose(1, 2)  # (B, kv_heads, C, D)
@@ -84,20 +102,19 @@ def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
-                    v_pool: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
+                    v_pool: torch.Tensor, batch: ForwardBatch, scale: float,
+                    decode_kernel: DecodeAttentionKernel | None = None) -> torch.Tensor:
     """q (T, H, D), k/v (T, kv_heads, D) of the batch's new tokens -> attention output (T, H, D)."""
     write_kv(k_pool, v_pool, k, v, batch.slot_mapping)
     num_decode = batch.num_decode
     if num_decode and not batch.prefills:  # the steady state: skip the output buffer
-        return decode_attention(q, k_pool, v_pool, batch.decode_slots, batch.decode_mask, scale)
+        return decode_attention(q, k_pool, v_pool, batch, scale, decode_kernel)
     if len(batch.prefills) == 1 and not num_decode:
         segment = batch.prefills[0]
         return prefill_attention(q, k, v, k_pool, v_pool, segment, scale)
     out = torch.empty_like(q)  # (T, H, D)
     if num_decode:
-        out[:num_decode] = decode_attention(
-            q[:num_decode], k_pool, v_pool, batch.decode_slots, batch.decode_mask, scale
-        )
+        out[:num_decode] = decode_attention(q[:num_decode], k_pool, v_pool, batch, scale, decode_kernel)
     for segment in batch.prefills:
         rows = slice(segment.start, segment.start + segment.length)
         out[rows] = prefill_attention(q[rows], k[rows], v[rows], k_pool, v_pool, segment, scale)

@@ -17,6 +17,7 @@ from mili_openai.model.batch import ForwardBatch
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.kv_cache import KVCache
 from mili_openai.model.layers import Linear, MatmulFn, RMSNorm, SwiGLUMLP
+from mili_openai.model.paged_attention import DecodeAttentionKernel
 from mili_openai.model.rope import RotaryEmbedding
 
 
@@ -30,8 +31,9 @@ class Qwen3DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, batch, k_pool, v_pool)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))  # (T, hidden)
+        # residual adds land in the projections' fresh outputs: no new (T, hidden) buffer per add
+        hidden = self.self_attn(self.input_layernorm(hidden), cos, sin, batch, k_pool, v_pool).add_(hidden)
+        return self.mlp(self.post_attention_layernorm(hidden)).add_(hidden)  # (T, hidden)
 
 
 class Qwen3Model(nn.Module):
@@ -70,6 +72,11 @@ class Qwen3ForCausalLM(nn.Module):
         """hidden (N, hidden) -> logits (N, vocab) float32; computed in the weights' dtype like transformers."""
         weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         return self._logits_matmul(hidden, weight).float()
+
+    def set_decode_attention_kernel(self, kernel: DecodeAttentionKernel | None) -> None:
+        """Let decode rows attend straight from the paged pool through a compiled kernel."""
+        for layer in self.model.layers:
+            layer.self_attn.decode_kernel = kernel
 
     def set_matmul(self, matmul: MatmulFn) -> None:
         """Route every projection and the LM head through `matmul` (e.g. the bf16 decode kernel)."""
