@@ -170,6 +170,19 @@ def test_decode_rows_batched_with_prefill_chunks(models):
     assert_close_to_hf(results, {key: hf_logits(hf, seq) for key, seq in tokens.items()}, FP32_ATOL)
 
 
+def test_decode_rows_through_torch_ops_without_compiled_kernels(checkpoint, models):
+    """The portable path (GPUs, CPUs without AVX512-BF16): gathered context, masked SDPA."""
+    model, config = load_model(checkpoint, torch.float32, torch.device("cpu"), use_decode_kernel=False)
+    assert all(layer.self_attn.decode_kernel is None for layer in model.model.layers)
+    hf = models[2]
+    tokens, steps = mixed_schedule()
+    pages = PagedSequences(num_pages=64, page_size=4, seed=5)
+    for key, seq in tokens.items():
+        pages.add(key, seq)
+    results = run_steps(model, config, pages, steps)
+    assert_close_to_hf(results, {key: hf_logits(hf, seq) for key, seq in tokens.items()}, FP32_ATOL)
+
+
 def test_bf16_as_close_to_the_float32_oracle_as_transformers_bf16(tiny_checkpoint):
     from transformers import Qwen3ForCausalLM as HFQwen3
 

@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from mili_openai.config import EngineConfig
 from mili_openai.engine.core import EngineCore
@@ -21,6 +22,19 @@ from mili_openai.engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.05  # how long the loop waits when it has work that cannot be scheduled yet
+
+
+@dataclass(frozen=True, slots=True)
+class PageAccounting:
+    """Where every KV page is, for leak checks (soak tests, `GET /debug/engine`)."""
+
+    num_pages: int
+    num_free: int
+    num_cached: int  # held by the radix tree
+    num_locked: int  # tree pages pinned by live requests (0 once everything finished)
+    num_owned: int  # private pages of live sequences
+    num_sequences: int  # live sequences (waiting, running or preempted)
+    integrity_error: str | None  # None when free + cached + owned == num_pages and nothing is shared wrongly
 
 
 class RequestStream:
@@ -109,8 +123,30 @@ class AsyncEngine:
             self._deliver(delta)
         self._streams.pop(request_id, None)
 
+    def abort_all(self) -> int:
+        """Abort every live request (a shutdown past its grace); returns how many were aborted."""
+        request_ids = list(self._streams)
+        for request_id in request_ids:
+            self.abort(request_id)
+        return len(request_ids)
+
     def stats(self) -> EngineStats:
         return self.core.stats()
+
+    def page_accounting(self) -> PageAccounting:
+        """A snapshot of the page pool and an integrity check (walks the tree: for debugging, not per request)."""
+        core = self.core
+        try:
+            core.check_integrity()
+            error = None
+        except (AssertionError, ValueError, RuntimeError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        pool, tree = core.pages.pool, core.pages.tree
+        return PageAccounting(
+            num_pages=pool.num_pages, num_free=pool.num_free, num_cached=tree.cached_pages,
+            num_locked=tree.locked_pages, num_owned=sum(len(s.owned_pages) for s in core.sequences.values()),
+            num_sequences=len(core.sequences), integrity_error=error,
+        )
 
     def set_observer(self, observer: EngineObserver | None) -> None:
         """Attach the server's metrics to an engine built before the server (one observer at a time)."""

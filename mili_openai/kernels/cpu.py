@@ -13,11 +13,11 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("bindings.cpp", "gemv_bf16.cpp", "paged_decode_attention.cpp")
-EXTENSION_NAME = "mili_cpu_kernels_v1"  # bump when a source changes so torch's JIT cache rebuilds
+EXTENSION_NAME = "mili_cpu_kernels_v3"  # bump when a source changes so torch's JIT cache rebuilds
 COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
 MAX_GEMV_ROWS = 8  # the gemv kernel's limit; more rows are compute-bound and go to oneDNN's GEMM
 GEMV_K_MULTIPLE = 32
-ATTENTION_HEAD_DIM_MULTIPLE = 16
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # the attention kernel keeps a head in registers
 ATTENTION_DTYPES = (torch.bfloat16, torch.float32)
 
 
@@ -55,7 +55,7 @@ class CpuKernels:
             q.device.type == "cpu"
             and q.dtype in ATTENTION_DTYPES
             and k_pool.dtype == q.dtype
-            and q.shape[-1] % ATTENTION_HEAD_DIM_MULTIPLE == 0
+            and q.shape[-1] in ATTENTION_HEAD_DIMS
             and k_pool.is_contiguous()
         )
 

@@ -49,12 +49,14 @@ class RMSNorm(nn.Module):
 
 
 def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) over the last dim, in float32, returned in x's dtype.
+    """x / sqrt(mean(x^2) + eps) over the last dim, in float32, returned in x's dtype (transformers' math).
 
-    torch's fused op accumulates 16-bit inputs in float32 and rounds once, exactly like transformers'
-    upcast-normalise-downcast (checked bit for bit in bf16), in one call instead of seven.
+    In-place on the float32 copy: each fresh multi-MB temporary costs page faults on CPU (measured 5 ms
+    vs 0.5 ms for a 512-token chunk of q/k heads; torch's own rms_norm decomposes the same way there).
     """
-    return F.rms_norm(x, (x.shape[-1],), eps=eps)
+    x32 = x.to(torch.float32, copy=True)  # a copy even for float32 input: the ops below are in-place
+    inv_rms = x32.square().mean(-1, keepdim=True).add_(eps).rsqrt_()
+    return x32.mul_(inv_rms).to(x.dtype)
 
 
 class SwiGLUMLP(nn.Module):
@@ -69,4 +71,4 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (T, I) each
-        return self.down_proj(F.silu(gate) * up)  # (T, hidden)
+        return self.down_proj(F.silu(gate).mul_(up))  # (T, hidden); in place on silu's fresh output

@@ -45,6 +45,7 @@ class APIError(Exception):
         type: str = INVALID_REQUEST,  # noqa: A002 - OpenAI's field name
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
@@ -52,14 +53,16 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers  # sent with the response (e.g. Retry-After of a 429)
 
     def to_dict(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 def error_response(exc: APIError, headers: dict[str, str] | None = None) -> Response:
+    all_headers = {**(exc.headers or {}), **(headers or {})}
     return Response(orjson.dumps(exc.to_dict()), status_code=exc.status_code, media_type="application/json",
-                    headers=headers)
+                    headers=all_headers or None)
 
 
 def validation_error(exc: pydantic.ValidationError) -> APIError:
@@ -160,9 +163,12 @@ class CatchAllMiddleware:
 
 
 def install_error_handlers(app: Starlette) -> None:
-    """Map every failure to an OpenAI-shaped error; call once, before the app serves."""
+    """Map every failure to an OpenAI-shaped error; call once, before the app serves.
+
+    `CatchAllMiddleware` is not added here: the app places it inside the request-id middleware, so
+    that a 500 carries the request's id too.
+    """
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(pydantic.ValidationError, _pydantic_error)
     app.add_exception_handler(ValueError, _value_error)
     app.add_exception_handler(HTTPException, _http_error)
-    app.add_middleware(CatchAllMiddleware)

@@ -4,6 +4,9 @@ The engine runs one sequence per request id; OpenAI's `n` (and a list of prompts
 Sub-requests are `f"{request_id}-{i}"`, seeded `seed + i` when a seed is given so the samples differ
 yet stay reproducible. Whoever stops consuming early (a client disconnect, an error, the request
 timeout) leaves no orphan: every unfinished sub-request is aborted and its pages return to the pool.
+
+Both ends also report to the current request's context (when there is one): submitting ends the
+request's queue reservation, and every delta is tallied for the request's log line.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 from mili_openai.engine.outputs import SequenceDelta, TokenLogprob
 from mili_openai.engine.sampling_params import INT64_MAX, SamplingParams
 from mili_openai.routes.errors import INTERNAL_ERROR, APIError
+from mili_openai.routes.request_context import current_request
 
 
 def sub_request_params(params: SamplingParams, index: int) -> SamplingParams:
@@ -41,6 +45,9 @@ def submit_choices(engine: Any, prompt_token_ids: list[int], params: SamplingPar
     except BaseException:
         abort_streams(engine, streams)
         raise
+    context = current_request()
+    if context is not None:
+        context.note_submitted(len(prompt_token_ids), [stream.request_id for stream in streams])
     return streams
 
 
@@ -70,6 +77,7 @@ async def merge_streams(
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     unfinished = set(range(len(streams)))
     timed_out = False
+    context = current_request()
     try:
         while unfinished:
             if deadline is not None and not timed_out:
@@ -83,6 +91,8 @@ async def merge_streams(
                 index, item = await queue.get()
             if isinstance(item, BaseException):
                 raise item
+            if context is not None:
+                context.observe(item)
             if item.finish_reason is not None:
                 unfinished.discard(index)
             yield index, item

@@ -1,11 +1,17 @@
-"""Per-request plumbing in front of every route: request id, API key, body size limit, HTTP metrics.
+"""Per-request plumbing in front of every route, as two pure ASGI middlewares (no BaseHTTPMiddleware,
+so streamed responses pass through untouched):
 
-Pure ASGI (no BaseHTTPMiddleware) so streamed responses pass through untouched.
+- `RequestContextMiddleware`, outermost: the request id (the client's `X-Request-Id` when it is
+  sane, else a fresh one; echoed on every response, errors included), the per-request context, the
+  in-flight count a shutdown drain waits for, `mili_http_requests_total`, and the request log line.
+- `AccessGuardMiddleware`, inside CORS (so preflights pass without a key): the API key and the
+  body size limit, both checked before the body is read.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 import re
 import uuid
 
@@ -13,16 +19,25 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mili_openai.routes.errors import APIError, error_response
+from mili_openai.routes.request_context import CURRENT_REQUEST, RequestContext
+from mili_openai.routes.request_log import REQUEST_LOGGER_NAME, log_finished_request
 from mili_openai.routes.state import REQUEST_ID_SCOPE_KEY, ServerState
 
 REQUEST_ID_HEADER = "x-request-id"
 # a client id is echoed in headers and response ids: keep it short and free of anything odd
 VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})  # reachable without the API key
+UNMATCHED_PATH = "unmatched"  # the metrics label of requests no route matched (404s): bounded cardinality
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away before an answer started"
 
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
+
+
+def route_template(scope: Scope) -> str:
+    """The matched route's path template (`/status/{request_id}`), never the raw URL."""
+    return getattr(scope.get("route"), "path", None) or UNMATCHED_PATH
 
 
 class BodyTooLarge(APIError):
@@ -34,16 +49,19 @@ class RequestContextMiddleware:
     def __init__(self, app: ASGIApp, server: ServerState) -> None:
         self.app = app
         self.server = server
+        self.request_logger = logging.getLogger(REQUEST_LOGGER_NAME)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = Headers(scope=scope)
-        given = headers.get(REQUEST_ID_HEADER)
+        given = Headers(scope=scope).get(REQUEST_ID_HEADER)
         request_id = given if given is not None and VALID_REQUEST_ID.match(given) else new_request_id()
         scope[REQUEST_ID_SCOPE_KEY] = request_id
-        status_seen = 500
+        server = self.server
+        context = RequestContext(request_id, scope["method"], scope["path"], server)
+        counted = scope["path"] not in OPEN_PATHS  # probes and scrapes do not hold a drain back
+        status_seen = CLIENT_CLOSED_REQUEST
 
         async def send_with_id(message: Message) -> None:
             nonlocal status_seen
@@ -52,14 +70,36 @@ class RequestContextMiddleware:
                 MutableHeaders(scope=message)[REQUEST_ID_HEADER] = request_id
             await send(message)
 
+        token = CURRENT_REQUEST.set(context)
+        if counted:
+            server.active_requests += 1
         try:
-            rejection = self._reject(scope, headers)
-            if rejection is not None:
-                await error_response(rejection)(scope, receive, send_with_id)
-                return
-            await self.app(scope, self._limited(receive), send_with_id)
+            await self.app(scope, receive, send_with_id)
         finally:
-            self._count(scope, status_seen)
+            CURRENT_REQUEST.reset(token)
+            context.release()  # a request refused after check_queue (bad prompt...) frees its place
+            if counted:
+                server.active_requests -= 1
+            endpoint = route_template(scope)
+            if server.metrics is not None:
+                server.metrics.http_requests.labels(scope["method"], endpoint, str(status_seen)).inc()
+            log_finished_request(self.request_logger, context, endpoint, status_seen)
+
+
+class AccessGuardMiddleware:
+    def __init__(self, app: ASGIApp, server: ServerState) -> None:
+        self.app = app
+        self.server = server
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rejection = self._reject(scope, Headers(scope=scope))
+        if rejection is not None:
+            await error_response(rejection)(scope, receive, send)
+            return
+        await self.app(scope, self._limited(receive), send)
 
     def _reject(self, scope: Scope, headers: Headers) -> APIError | None:
         """Refuse before reading the body: a missing API key, or a declared body over the limit."""
@@ -92,12 +132,3 @@ class RequestContextMiddleware:
             return message
 
         return limited_receive
-
-    def _count(self, scope: Scope, status: int) -> None:
-        metrics = self.server.metrics
-        if metrics is None:
-            return
-        route = scope.get("route")
-        # the route's template keeps label cardinality bounded; unknown paths share one label
-        path = getattr(route, "path", None) or "unmatched"
-        metrics.http_requests.labels(scope["method"], path, str(status)).inc()

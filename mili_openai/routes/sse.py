@@ -1,9 +1,12 @@
 """Server-sent events in OpenAI's streaming format: `data: {json}` per event, then `data: [DONE]`.
 
 The stream always ends with [DONE]: an exception mid-stream becomes one OpenAI-shaped error event
-first, and on server shutdown the requests get `shutdown_grace_s` to finish before they are aborted
-(their streams then end with finish_reason "abort" instead of being cut). A client that disconnects
-cancels the generator and `on_disconnect` aborts its engine requests.
+first. On server shutdown the requests get `shutdown_grace_s` to finish; past it they are aborted
+and their streams end with finish_reason "abort" and [DONE] -- never cut silently. Under `mili
+serve` the drain (routes/drain.py) does this and marks the server `grace_expired`; the stream then
+also says why, with a 503 error event before [DONE]. Under a plain uvicorn, sse-starlette's own
+shutdown event starts a per-stream grace timer instead (abort, no error event). A client that
+disconnects cancels the generator and `on_disconnect` aborts its engine requests.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import orjson
 from sse_starlette.sse import EventSourceResponse
 
 from mili_openai.routes.errors import INTERNAL_ERROR, APIError
+from mili_openai.routes.request_context import current_request
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +38,11 @@ OnDisconnect = Callable[[], Any] | None
 
 def encode_event(event: dict[str, Any]) -> str:
     return orjson.dumps(event).decode()
+
+
+def shutdown_error() -> APIError:
+    return APIError(503, "the server shut down before this request finished; retry it",
+                    type="service_unavailable", code="server_shutdown")
 
 
 def error_event(exc: BaseException) -> dict[str, Any]:
@@ -68,12 +77,19 @@ def sse_stream(
 ) -> EventSourceResponse:
     """Stream `events` as SSE. `on_disconnect` (sync or async) aborts the work behind the stream."""
     shutdown = anyio.Event()
+    context = current_request()
+    server = context.server if context is not None else None
+
+    def cut_by_drain() -> bool:
+        return server is not None and server.grace_expired
 
     async def body() -> AsyncIterator[str]:
         watcher = asyncio.create_task(_abort_after_grace(shutdown, shutdown_grace_s, on_disconnect))
         try:
             async for event in events:
                 yield encode_event(event)
+            if cut_by_drain():  # the events ended with an "abort"; say why
+                yield encode_event(shutdown_error().to_dict())
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the client gets an error event rather than a cut stream

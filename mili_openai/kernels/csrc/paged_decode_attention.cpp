@@ -23,73 +23,128 @@ inline __m512 load_fp32(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-template <typename T>
-void attend_one(const T* q, const T* k_pool, const T* v_pool, const int64_t* slots, int64_t ctx,
-                int64_t num_kv_heads, int64_t kv_head, int64_t group, int64_t head_dim, float scale,
-                std::vector<float>& scores, T* out) {
-  const int64_t chunks = head_dim / kLanes;
-  const int64_t row_stride = num_kv_heads * head_dim;  // elements between consecutive slots
-  scores.resize(group * ctx);
-  // query heads of this group, widened to fp32 once
-  std::vector<float> qf(group * head_dim);
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = static_cast<float>(q[g * head_dim + d]);
+// exp(x) for x <= 0 (softmax after subtracting the max): 2^(x log2 e) split into an integer power
+// of two and a degree-6 polynomial on [-0.5, 0.5]; relative error ~2e-7, far below bf16's.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));  // exp(-87) ~ 1e-38: smaller underflows to 0 anyway
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));  // |f| <= ln2/2
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);  // p * 2^n
+}
 
-  for (int64_t c = 0; c < ctx; ++c) {
-    const T* k = k_pool + slots[c] * row_stride + kv_head * head_dim;
-    for (int64_t g = 0; g < group; ++g) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t i = 0; i < chunks; ++i)
-        acc = _mm512_fmadd_ps(load_fp32(qf.data() + g * head_dim + i * kLanes), load_fp32(k + i * kLanes), acc);
-      scores[g * ctx + c] = _mm512_reduce_add_ps(acc) * scale;
-    }
+// softmax of s[0, n) in place, fp32
+inline void softmax_inplace(float* s, int64_t n) {
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t c = 0;
+  for (; c + kLanes <= n; c += kLanes) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + c));
+  float max_score = _mm512_reduce_max_ps(vmax);
+  for (; c < n; ++c) max_score = std::max(max_score, s[c]);
+  const __m512 vm = _mm512_set1_ps(max_score);
+  __m512 vsum = _mm512_setzero_ps();
+  for (c = 0; c + kLanes <= n; c += kLanes) {
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(s + c), vm));
+    _mm512_storeu_ps(s + c, e);
+    vsum = _mm512_add_ps(vsum, e);
   }
+  float total = _mm512_reduce_add_ps(vsum);
+  for (; c < n; ++c) total += (s[c] = std::exp(s[c] - max_score));
+  const __m512 inv = _mm512_set1_ps(1.f / total);
+  for (c = 0; c + kLanes <= n; c += kLanes) _mm512_storeu_ps(s + c, _mm512_mul_ps(_mm512_loadu_ps(s + c), inv));
+  for (; c < n; ++c) s[c] /= total;
+}
+
+// A head's K or V row is a short piece of each slot's row (the pool interleaves heads), so the hardware
+// prefetcher sees a strided walk through scattered pages: ask for rows a few slots ahead explicitly.
+constexpr int64_t kPrefetchRows = 16;
+constexpr int64_t kCacheLine = 64;
+
+template <typename T>
+inline void prefetch_row(const T* row, int64_t count) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t offset = 0; offset < count * static_cast<int64_t>(sizeof(T)); offset += kCacheLine)
+    _mm_prefetch(p + offset, _MM_HINT_T0);
+}
+
+// One KV head of one sequence: `group` query heads share it. CH = head_dim / 16 is a template
+// parameter so the query and the output accumulator live in registers.
+template <typename T, int CH>
+void attend_one(const T* q, const T* k_pool, const T* v_pool, const int64_t* slots, int64_t ctx,
+                int64_t num_kv_heads, int64_t kv_head, int64_t group, float scale, std::vector<float>& scores,
+                T* out) {
+  constexpr int64_t head_dim = CH * kLanes;
+  const int64_t row_stride = num_kv_heads * head_dim;  // elements between consecutive slots
+  const int64_t head_offset = kv_head * head_dim;
+  scores.resize(ctx);
   for (int64_t g = 0; g < group; ++g) {
-    float* s = scores.data() + g * ctx;
-    float max_score = -std::numeric_limits<float>::infinity();
-    for (int64_t c = 0; c < ctx; ++c) max_score = std::max(max_score, s[c]);
-    float total = 0.f;
-    for (int64_t c = 0; c < ctx; ++c) total += (s[c] = std::exp(s[c] - max_score));
-    const float inv = 1.f / total;
-    for (int64_t c = 0; c < ctx; ++c) s[c] *= inv;
-  }
-  std::vector<__m512> acc(group * chunks, _mm512_setzero_ps());
-  for (int64_t c = 0; c < ctx; ++c) {
-    const T* v = v_pool + slots[c] * row_stride + kv_head * head_dim;
-    for (int64_t i = 0; i < chunks; ++i) {
-      const __m512 vv = load_fp32(v + i * kLanes);
-      for (int64_t g = 0; g < group; ++g)
-        acc[g * chunks + i] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * ctx + c]), vv, acc[g * chunks + i]);
+    const T* qg = q + g * head_dim;
+    __m512 qv[CH];
+    for (int i = 0; i < CH; ++i) qv[i] = _mm512_mul_ps(load_fp32(qg + i * kLanes), _mm512_set1_ps(scale));
+    for (int64_t c = 0; c < ctx; ++c) {
+      if (c + kPrefetchRows < ctx) prefetch_row(k_pool + slots[c + kPrefetchRows] * row_stride + head_offset, head_dim);
+      const T* k = k_pool + slots[c] * row_stride + head_offset;
+      __m512 acc = _mm512_mul_ps(qv[0], load_fp32(k));
+      for (int i = 1; i < CH; ++i) acc = _mm512_fmadd_ps(qv[i], load_fp32(k + i * kLanes), acc);
+      scores[c] = _mm512_reduce_add_ps(acc);
     }
-  }
-  alignas(64) float lanes[kLanes];
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t i = 0; i < chunks; ++i) {
-      _mm512_store_ps(lanes, acc[g * chunks + i]);
+    softmax_inplace(scores.data(), ctx);
+    __m512 acc[CH];
+    for (int i = 0; i < CH; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < ctx; ++c) {
+      if (c + kPrefetchRows < ctx) prefetch_row(v_pool + slots[c + kPrefetchRows] * row_stride + head_offset, head_dim);
+      const T* v = v_pool + slots[c] * row_stride + head_offset;
+      const __m512 p = _mm512_set1_ps(scores[c]);
+      for (int i = 0; i < CH; ++i) acc[i] = _mm512_fmadd_ps(p, load_fp32(v + i * kLanes), acc[i]);
+    }
+    alignas(64) float lanes[kLanes];
+    for (int i = 0; i < CH; ++i) {
+      _mm512_store_ps(lanes, acc[i]);
       for (int64_t l = 0; l < kLanes; ++l) out[g * head_dim + i * kLanes + l] = static_cast<T>(lanes[l]);
     }
+  }
+}
+
+template <typename T, int CH>
+void run_head_dim(const T* qp, const T* kp, const T* vp, const int64_t* sp, const int64_t* lp, int64_t batch,
+                  int64_t num_heads, int64_t num_kv_heads, int64_t width, float scale, T* op) {
+  const int64_t group = num_heads / num_kv_heads;
+  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
+      const int64_t offset = (b * num_heads + h * group) * CH * kLanes;
+      attend_one<T, CH>(qp + offset, kp, vp, sp + b * width, lp[b], num_kv_heads, h, group, scale, scores,
+                        op + offset);
+    }
+  });
 }
 
 template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
          const torch::Tensor& slots, const torch::Tensor& ctx_lens, double scale, torch::Tensor& out) {
   const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv_heads = k_pool.size(1), group = num_heads / num_kv_heads, width = slots.size(1);
+  const int64_t num_kv_heads = k_pool.size(1), width = slots.size(1);
   const T* qp = q.data_ptr<T>();
   const T* kp = k_pool.data_ptr<T>();
   const T* vp = v_pool.data_ptr<T>();
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t* lp = ctx_lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / num_kv_heads, h = task % num_kv_heads;
-      const int64_t offset = (b * num_heads + h * group) * head_dim;
-      attend_one<T>(qp + offset, kp, vp, sp + b * width, lp[b], num_kv_heads, h, group, head_dim,
-                    static_cast<float>(scale), scores, op + offset);
-    }
-  });
+  const float s = static_cast<float>(scale);
+  switch (head_dim / kLanes) {
+    case 1: run_head_dim<T, 1>(qp, kp, vp, sp, lp, batch, num_heads, num_kv_heads, width, s, op); break;
+    case 2: run_head_dim<T, 2>(qp, kp, vp, sp, lp, batch, num_heads, num_kv_heads, width, s, op); break;
+    case 4: run_head_dim<T, 4>(qp, kp, vp, sp, lp, batch, num_heads, num_kv_heads, width, s, op); break;
+    case 8: run_head_dim<T, 8>(qp, kp, vp, sp, lp, batch, num_heads, num_kv_heads, width, s, op); break;
+    default: TORCH_CHECK(false, "paged_decode_attention: head_dim must be 16, 32, 64 or 128");
+  }
 }
 
 }  // namespace
@@ -105,7 +160,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type(),
               "paged_decode_attention: q and the pools share a dtype");
   TORCH_CHECK(slots.scalar_type() == at::kLong && ctx_lens.scalar_type() == at::kLong, "int64 slots and lengths");
-  TORCH_CHECK(q.size(2) == k_pool.size(2) && q.size(2) % kLanes == 0, "head_dim must be a multiple of 16");
+  TORCH_CHECK(q.size(2) == k_pool.size(2), "q and the pools share head_dim");
   TORCH_CHECK(q.size(1) % k_pool.size(1) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(slots.size(0) == q.size(0) && ctx_lens.size(0) == q.size(0), "one slot row and length per query");
   auto out = torch::empty_like(q);
