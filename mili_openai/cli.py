@@ -1,9 +1,11 @@
 """The `mili` command: `mili serve [MODEL] ...` runs the OpenAI-compatible server under uvicorn.
 
 Flags map one-to-one onto `ServerConfig` / `EngineConfig`; a value they reject becomes a clean
-argparse error. SIGINT/SIGTERM: /health turns 503, new connections stop, in-flight streams get
-`--shutdown-grace-period` seconds to finish, then they are aborted (ending with finish_reason
-"abort" and [DONE], never cut silently), then the engine stops.
+argparse error. SIGINT/SIGTERM: /health turns 503 and new generation requests get 503 at once,
+in-flight requests get `--shutdown-grace-period` seconds to finish, then they are aborted (streams
+end with finish_reason "abort", an error event and [DONE], never cut silently), then uvicorn closes
+the listener, the engine stops and the process exits 0 (routes/drain.py). A second signal exits at once.
+Each finished request writes one JSON line on the `mili_openai.requests` logger (routes/request_log.py).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     serve = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     serve.add_argument("model", nargs="?", default=None,
-                       help="local checkpoint directory or hub id (default: the embedded Qwen3-0.6B-shaped model)")
+                       help="local checkpoint directory or hub id (default: a small embedded random-weight Qwen3)")
     net = serve.add_argument_group("server")
     net.add_argument("--host", default=defaults.host)
     net.add_argument("--port", type=int, default=defaults.port)
@@ -48,6 +50,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     net.add_argument("--shutdown-grace-period", type=float, default=defaults.shutdown_grace_s,
                      help="seconds in-flight requests get to finish on SIGTERM")
     net.add_argument("--log-level", choices=LOG_LEVELS, default=defaults.log_level)
+    net.add_argument("--debug-endpoints", action="store_true",
+                     help="serve GET /debug/engine (KV page accounting) for soak tests; not for production")
     eng = serve.add_argument_group("engine")
     eng.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     eng.add_argument("--dtype", choices=DTYPES, default=engine.dtype)
@@ -104,32 +108,41 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         cors_allow_origins=tuple(args.cors_allow_origins),
         shutdown_grace_s=args.shutdown_grace_period,
         log_level=args.log_level,
+        debug_endpoints=args.debug_endpoints,
     )
 
 
 def make_server(config: ServerConfig):
-    """A uvicorn server for `config` that marks the app draining (/health 503) as soon as a signal lands."""
+    """A uvicorn server for `config` that drains the app on SIGTERM/SIGINT, then exits 0."""
     import uvicorn
 
     from mili_openai.routes.app import create_app
+    from mili_openai.routes.drain import DrainingServer
 
     app = create_app(config)
-
-    class DrainingServer(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            app.state.server.draining = True
-            super().handle_exit(sig, frame)
-
     uv_config = uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level,
+        access_log=False,  # the request log (one JSON line per request) replaces it
         timeout_graceful_shutdown=math.ceil(config.shutdown_grace_s + UVICORN_SHUTDOWN_MARGIN_S),
     )
-    return DrainingServer(uv_config)
+    return DrainingServer(uv_config, app.state.server, config.shutdown_grace_s)
+
+
+def configure_logging(level: str) -> None:
+    """Human-readable lines for everything, except the request log: bare JSON lines, one per request."""
+    from mili_openai.routes.request_log import REQUEST_LOGGER_NAME
+
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    request_logger = logging.getLogger(REQUEST_LOGGER_NAME)
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    request_logger.addHandler(handler)
+    request_logger.propagate = False
 
 
 def run_serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(config.log_level)
     server = make_server(config)
     name = server.config.app.state.server.served_model_name
     source = config.engine.model or "the embedded default model"
