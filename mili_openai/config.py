@@ -59,6 +59,7 @@ class ServerConfig:
     cors_allow_origins: tuple[str, ...] = ()  # empty = CORS off
     shutdown_grace_s: float = 30.0  # in-flight requests get this long to finish on SIGTERM
     log_level: str = "info"
+    debug_endpoints: bool = False  # serve GET /debug/engine (page accounting) for soak tests; never in production
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:

@@ -107,8 +107,8 @@ def test_python_m_serve_answers_and_stops_on_sigterm(tiny_checkpoint):
             proc.send_signal(signal.SIGTERM)  # mid-stream: the stream must still end properly
             rest = [line for line in lines if line.startswith("data: ")]
         assert rest[-1] == "data: [DONE]"
-        # uvicorn re-raises the signal once it has shut down cleanly, so the status is "killed by SIGTERM"
-        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        # the draining server handles the signal itself: a clean drain exits 0
+        assert proc.wait(timeout=30) == 0
         assert "Traceback" not in proc.stdout.read()
     finally:
         if proc.poll() is None:

@@ -139,7 +139,7 @@ class AsyncEngine:
         try:
             core.check_integrity()
             error = None
-        except (AssertionError, ValueError, RuntimeError) as exc:
+        except RuntimeError as exc:  # the tree reports what is inconsistent
             error = f"{type(exc).__name__}: {exc}"
         pool, tree = core.pages.pool, core.pages.tree
         return PageAccounting(

@@ -40,6 +40,9 @@ class EngineCore:
         self.eos_token_ids = tuple(model_config.eos_token_ids)
         self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
                                  runner.num_pages * config.page_size)
+        if model_config.rope.rope_type == "dynamic":
+            # dynamic NTK past the trained context depends on each request's history: refuse it up front
+            self.max_model_len = min(self.max_model_len, model_config.max_position_embeddings)
         self.pages = KVPageManager(runner.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.pages)
         self.sequences: dict[str, Sequence] = {}

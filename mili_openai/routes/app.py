@@ -2,7 +2,12 @@
 
 When no engine is given, the lifespan loads the model on a worker thread *after* the server starts
 listening, so /health answers 503 while it loads (Kubernetes keeps the pod out of rotation instead
-of restarting it). On shutdown, /health turns 503 first, then the engine stops.
+of restarting it). On shutdown, /health turns 503 first, then the engine stops (the `mili serve`
+drain in routes/drain.py lets in-flight requests finish in between).
+
+Middleware, outermost first: request id / context / HTTP metrics / request log, the catch-all 500,
+CORS (only with --cors-allow-origin), the API key and body limit; then Starlette's exception handlers.
+The request-id middleware sits outside everything that can answer, so every response carries the id.
 """
 
 from __future__ import annotations
@@ -24,15 +29,18 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from mili_openai.config import ServerConfig
-from mili_openai.routes import completions, generate, server_routes
+from mili_openai.routes import completions, debug, generate, server_routes
 from mili_openai.routes.disconnect import ClientDisconnected
-from mili_openai.routes.errors import install_error_handlers
-from mili_openai.routes.middleware import REQUEST_ID_HEADER, RequestContextMiddleware
+from mili_openai.routes.errors import CatchAllMiddleware, install_error_handlers
+from mili_openai.routes.middleware import (
+    CLIENT_CLOSED_REQUEST,
+    REQUEST_ID_HEADER,
+    AccessGuardMiddleware,
+    RequestContextMiddleware,
+)
 from mili_openai.routes.state import ServerState, default_served_name
 
 logger = logging.getLogger(__name__)
-
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"; nobody reads it
 # route modules written alongside this one; mounted when present so the app works without them
 OPTIONAL_ROUTE_MODULES = ("mili_openai.routes.chat",)
 METRICS_MODULE = "mili_openai.routes.metrics"
@@ -52,8 +60,10 @@ def build_metrics(server: ServerState, module: Any | None) -> Any | None:
     return module.ServerMetrics(lambda: server.engine.stats() if server.engine is not None else None)
 
 
-def all_routes(metrics_module: Any | None) -> list[BaseRoute]:
+def all_routes(config: ServerConfig, metrics_module: Any | None) -> list[BaseRoute]:
     routes: list[BaseRoute] = [*server_routes.routes(), *completions.routes(), *generate.routes()]
+    if config.debug_endpoints:
+        routes.extend(debug.routes())
     for name in OPTIONAL_ROUTE_MODULES:
         module = _optional_module(name)
         if module is not None and hasattr(module, "routes"):
@@ -87,11 +97,13 @@ def create_app(config: ServerConfig, engine: Any | None = None) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
-        server.draining = False
+        server.draining = server.grace_expired = False
         loader: asyncio.Task | None = None
         if engine is None:
             loader = asyncio.create_task(load_engine(server), name="mili-load-engine")
         else:
+            if server.metrics is not None and hasattr(engine, "set_observer"):
+                engine.set_observer(server.metrics)  # built before the app: attach this app's metrics
             await engine.start()
             server.engine = engine
         try:
@@ -107,14 +119,15 @@ def create_app(config: ServerConfig, engine: Any | None = None) -> Starlette:
             if engine is None:
                 server.engine = None
 
-    middleware = [Middleware(RequestContextMiddleware, server=server)]
+    middleware = [Middleware(RequestContextMiddleware, server=server), Middleware(CatchAllMiddleware)]
     if config.cors_allow_origins:
-        # outermost, so preflight requests are answered before the API key check
-        middleware.insert(0, Middleware(
+        # before the access guard, so preflight requests are answered without an API key
+        middleware.append(Middleware(
             CORSMiddleware, allow_origins=list(config.cors_allow_origins), allow_methods=["*"],
             allow_headers=["*"], expose_headers=[REQUEST_ID_HEADER],
         ))
-    app = Starlette(routes=all_routes(metrics_module), middleware=middleware, lifespan=lifespan)
+    middleware.append(Middleware(AccessGuardMiddleware, server=server))
+    app = Starlette(routes=all_routes(config, metrics_module), middleware=middleware, lifespan=lifespan)
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnected, _client_disconnected)
     # reachable outside requests: the CLI marks the server draining on SIGTERM; /metrics reads metrics

@@ -202,7 +202,7 @@ async def create_chat_completion(request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     server.check_model(body.model)
     server.require_engine()
-    server.check_queue()
+    server.check_queue(body.n)
     job = ChatJob(server, body, request_id_of(request))
     await job.submit()
     if body.stream:

@@ -148,8 +148,8 @@ async def create_completion(request: Request) -> Response:
     body = await parse_body(request, CompletionRequest)
     server.check_model(body.model)
     server.require_engine()
-    server.check_queue()
     job = CompletionJob(server, body, request_id_of(request))
+    server.check_queue(job.n * len(job.prompts))  # every sample of every prompt is a sequence
     await job.submit()
     if body.stream:
         return sse_stream(job.chunks(), job.abort, shutdown_grace_s=server.config.shutdown_grace_s)

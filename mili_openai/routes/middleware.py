@@ -16,6 +16,7 @@ import re
 import uuid
 
 from starlette.datastructures import Headers, MutableHeaders
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mili_openai.routes.errors import APIError, error_response
@@ -36,8 +37,19 @@ def new_request_id() -> str:
 
 
 def route_template(scope: Scope) -> str:
-    """The matched route's path template (`/status/{request_id}`), never the raw URL."""
-    return getattr(scope.get("route"), "path", None) or UNMATCHED_PATH
+    """The matched route's path template (`/status/{request_id}`), never the raw URL.
+
+    Requests refused before routing (401, 413) are matched here, so they are labelled by route too.
+    """
+    route = scope.get("route")
+    if route is None:
+        router = getattr(scope.get("app"), "router", None)
+        for candidate in getattr(router, "routes", ()):
+            match, _ = candidate.matches(scope)
+            if match is not Match.NONE:
+                route = candidate
+                break
+    return getattr(route, "path", None) or UNMATCHED_PATH
 
 
 class BodyTooLarge(APIError):

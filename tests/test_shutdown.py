@@ -1,0 +1,133 @@
+"""Graceful shutdown of a real `mili serve` process: health 503 -> drain -> exit 0.
+
+SIGTERM (or SIGINT) mid-stream: /health answers 503 at once, new generation requests get 503, the
+in-flight stream completes normally, and the process exits 0 within the grace. Past the grace, what
+still runs is aborted: the stream ends with finish_reason "abort", a 503 error event and [DONE].
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import orjson
+
+from helpers_server import sse_data
+
+MODEL = "tiny"
+START_TIMEOUT_S = 60.0
+POLL_S = 0.1
+# the tiny model makes a few hundred tokens/s on a CPU core: these keep a stream in flight long enough
+SHORT_STREAM_TOKENS = 600
+ENDLESS_STREAM_TOKENS = 4000
+SERVE_FLAGS = ("--dtype", "float32", "--num-pages", "320", "--max-model-len", "4096", "--log-level", "info")
+EXIT_MARGIN_S = 10.0  # process start-up is not part of the grace, but the exit must follow it closely
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve(checkpoint: Path, log_path: Path, grace_s: float) -> Iterator[tuple[subprocess.Popen, str]]:
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mili_openai", "serve", str(checkpoint), "--port", str(port),
+             "--served-model-name", MODEL, "--shutdown-grace-period", str(grace_s), *SERVE_FLAGS],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(base_url + "/health").status_code == 200:
+                    break
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(POLL_S)
+        yield proc, base_url
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def stream_body(max_tokens: int) -> dict:
+    return {"model": MODEL, "prompt": "keep going", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+
+
+def test_sigterm_mid_stream_drains_then_exits_zero(tiny_checkpoint, tmp_path):
+    log_path = tmp_path / "server.log"
+    grace_s = 20.0
+    with serve(tiny_checkpoint, log_path, grace_s) as (proc, base_url):
+        with httpx.stream("POST", base_url + "/v1/completions", json=stream_body(SHORT_STREAM_TOKENS),
+                          headers={"x-request-id": "drain-me"}, timeout=60) as response:
+            assert response.headers["x-request-id"] == "drain-me"
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
+            health = httpx.get(base_url + "/health")  # a new connection: the listener stays open while draining
+            refused = httpx.post(base_url + "/v1/completions", json={"model": MODEL, "prompt": "too late"})
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
+        events = sse_data("\n".join([first, *rest]))
+        assert events[-1] == "[DONE]"
+        chunks = [orjson.loads(e) for e in events[:-1]]
+        assert not [c for c in chunks if "error" in c]
+        assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"  # completed, not cut
+        assert proc.wait(timeout=grace_s + EXIT_MARGIN_S) == 0
+        assert time.monotonic() - signalled < grace_s
+    log = log_path.read_text()
+    assert "Traceback" not in log
+    request_lines = [orjson.loads(line) for line in log.splitlines() if line.startswith("{")]
+    [line] = [entry for entry in request_lines if entry["request_id"] == "drain-me"]
+    assert line["status"] == 200 and line["output_tokens"] == SHORT_STREAM_TOKENS
+    assert line["finish_reasons"] == ["length"] and line["endpoint"] == "/v1/completions"
+
+
+def test_past_the_grace_requests_are_aborted_visibly(tiny_checkpoint, tmp_path):
+    log_path = tmp_path / "server.log"
+    grace_s = 1.0
+    with serve(tiny_checkpoint, log_path, grace_s) as (proc, base_url):
+        plain: dict = {}
+
+        def post_plain() -> None:
+            body = {"model": MODEL, "prompt": "never finishes", "max_tokens": ENDLESS_STREAM_TOKENS,
+                    "ignore_eos": True}
+            plain["response"] = httpx.post(base_url + "/v1/completions", json=body, timeout=60)
+
+        worker = threading.Thread(target=post_plain)
+        with httpx.stream("POST", base_url + "/v1/completions", json=stream_body(ENDLESS_STREAM_TOKENS),
+                          timeout=60) as response:
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            worker.start()
+            time.sleep(0.5)  # let the plain request reach the engine
+            proc.send_signal(signal.SIGINT)  # SIGINT drains the same way
+            signalled = time.monotonic()
+            rest = [line for line in lines if line.startswith("data: ")]
+        worker.join(timeout=30)
+        events = sse_data("\n".join([first, *rest]))
+        assert events[-1] == "[DONE]"
+        error = orjson.loads(events[-2])["error"]
+        assert error["type"] == "service_unavailable" and error["code"] == "server_shutdown"
+        assert orjson.loads(events[-3])["choices"][0]["finish_reason"] == "abort"
+        choice = plain["response"].json()["choices"][0]
+        assert plain["response"].status_code == 200 and choice["finish_reason"] == "abort"
+        assert proc.wait(timeout=grace_s + EXIT_MARGIN_S) == 0
+        assert time.monotonic() - signalled < grace_s + EXIT_MARGIN_S
+    assert "Traceback" not in log_path.read_text()
