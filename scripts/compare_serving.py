@@ -13,6 +13,8 @@ and per-token rates always come from each server's own usage counts (shown in th
     .venv/bin/python scripts/compare_serving.py                        # everything
     .venv/bin/python scripts/compare_serving.py --servers mili --workloads W3
     .venv/bin/python scripts/compare_serving.py --render-only          # tables from existing JSON
+
+The peer needs transformers' serving extras: `.venv/bin/pip install "transformers[serving]"`.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -74,21 +73,20 @@ async def merge_streams(
             queue.put_nowait((index, exc))
 
     tasks = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     unfinished = set(range(len(streams)))
-    timed_out = False
+    # The deadline is a timer that aborts what is left (each stream then ends with a final "abort"
+    # delta), not asyncio.wait_for around queue.get(): on Python < 3.12 wait_for can swallow a
+    # cancellation that lands as the get() completes, and a disconnected client's request would then
+    # keep generating.
+    timer = None
+    if timeout_s is not None:
+        timer = asyncio.get_running_loop().call_later(
+            max(timeout_s, 0.0), lambda: abort_streams(engine, [streams[i] for i in unfinished])
+        )
     context = current_request()
     try:
         while unfinished:
-            if deadline is not None and not timed_out:
-                try:
-                    index, item = await asyncio.wait_for(queue.get(), max(deadline - time.monotonic(), 0.0))
-                except TimeoutError:
-                    timed_out = True  # the aborts below make every stream end with a final "abort" delta
-                    abort_streams(engine, [streams[i] for i in unfinished])
-                    continue
-            else:
-                index, item = await queue.get()
+            index, item = await queue.get()
             if isinstance(item, BaseException):
                 raise item
             if context is not None:
@@ -97,6 +95,8 @@ async def merge_streams(
                 unfinished.discard(index)
             yield index, item
     finally:
+        if timer is not None:
+            timer.cancel()
         abort_streams(engine, [streams[i] for i in unfinished])
         for task in tasks:
             task.cancel()
