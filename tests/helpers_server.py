@@ -272,6 +272,20 @@ async def asgi_client(engine: Any, **server_config: Any):
             yield client
 
 
+SETTLE_TIMEOUT_S = 20.0  # how long a test waits for the server to settle (aborts land, gauges drop)
+SETTLE_POLL_S = 0.02
+
+
+def wait_until(predicate, timeout_s: float = SETTLE_TIMEOUT_S) -> bool:
+    """Poll `predicate` until it holds (True) or `timeout_s` passes (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(SETTLE_POLL_S)
+    return False
+
+
 def sse_data(text: str) -> list[str]:
     return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
 

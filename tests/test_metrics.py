@@ -7,13 +7,12 @@ so counts start at zero and can be compared exactly with what the test sent.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers_server import REAL_ENGINE_CONFIG, TEST_MODEL_NAME, live_server
+from helpers_server import REAL_ENGINE_CONFIG, TEST_MODEL_NAME, live_server, wait_until
 from mili_openai.config import EngineConfig, ServerConfig
 from mili_openai.engine.async_engine import AsyncEngine
 from mili_openai.routes.app import create_app
@@ -22,8 +21,6 @@ API_KEY = "metrics-test-key"
 AUTH = {"authorization": f"Bearer {API_KEY}"}
 LONG_PROMPT = " ".join(f"token{i}" for i in range(40))  # several 16-token pages: cacheable
 NUM_CONCURRENT = 8
-SETTLE_TIMEOUT_S = 20.0
-POLL_S = 0.02
 
 
 @pytest.fixture(scope="module")
@@ -61,15 +58,6 @@ def complete(base_url: str, prompt: str, max_tokens: int = 6, **extra) -> dict:
     response = httpx.post(base_url + "/v1/completions", json=body, headers=AUTH, timeout=60)
     assert response.status_code == 200, response.text
     return response.json()
-
-
-def wait_for(predicate) -> bool:
-    deadline = time.monotonic() + SETTLE_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(POLL_S)
-    return False
 
 
 def test_metrics_is_open_and_lists_engine_series(server):
@@ -122,7 +110,7 @@ def test_gauges_return_to_zero_and_histograms_count_every_request(server):
         samples = scrape(server.base_url)
         return value(samples, "mili_num_requests_running") == 0 == value(samples, "mili_num_requests_waiting")
 
-    assert wait_for(idle)
+    assert wait_until(idle)
     samples = scrape(server.base_url)
     # a fresh app: its histograms saw exactly these sequences
     assert value(samples, "mili_time_to_first_token_seconds_count") == NUM_CONCURRENT

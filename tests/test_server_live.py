@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import openai
 import orjson
 import pytest
 
-from helpers_server import REAL_ENGINE_CONFIG, TEST_MODEL_NAME, live_server, sse_data
+from helpers_server import REAL_ENGINE_CONFIG, TEST_MODEL_NAME, live_server, sse_data, wait_until
 from mili_openai.config import EngineConfig, ServerConfig
 from mili_openai.engine.async_engine import AsyncEngine
 from mili_openai.routes.app import create_app
 from test_server_errors import BAD_COMPLETIONS
 
 NUM_CONCURRENT_STREAMS = 32
-POLL_INTERVAL_S = 0.02
-POLL_TIMEOUT_S = 20.0
 LONG_PROMPT = " ".join(f"word{i}" for i in range(60))  # several 16-token pages
 # a long context, so a request that is disconnected early is still far from done when the abort lands
 LIVE_ENGINE_CONFIG = {**REAL_ENGINE_CONFIG, "max_model_len": 4096, "num_pages": 320}
@@ -166,15 +163,6 @@ def pages_back(engine) -> bool:
     stats = engine.stats()
     return stats.num_running == 0 and stats.num_waiting == 0 and (
         stats.num_free_pages + stats.num_cached_pages == stats.num_pages)
-
-
-def wait_until(predicate) -> bool:
-    deadline = time.monotonic() + POLL_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(POLL_INTERVAL_S)
-    return False
 
 
 def test_disconnected_stream_is_aborted(live):
