@@ -8,7 +8,6 @@ usage chunk when `stream_options.include_usage` asks for it, then `[DONE]`.
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -38,8 +37,8 @@ from mili_openai.routes.chat_template import RenderedPrompt, render_chat_prompt
 from mili_openai.routes.disconnect import cancel_on_disconnect
 from mili_openai.routes.errors import APIError, parse_body
 from mili_openai.routes.generation import (
+    GenerationJob,
     ChoiceResult,
-    abort_streams,
     collect_streams,
     merge_streams,
     raise_engine_error,
@@ -78,18 +77,14 @@ def finish_reason_of(engine_reason: str | None, num_calls: int) -> str | None:
     return engine_reason
 
 
-class ChatJob:
+class ChatJob(GenerationJob):
     """One validated chat request bound to the engine: prompt, parameters, submitted streams."""
 
+    id_prefix = "chatcmpl"
+
     def __init__(self, server: ServerState, body: ChatCompletionRequest, request_id: str) -> None:
-        self.server = server
-        self.body = body
-        self.engine = server.engine
-        self.response_id = f"chatcmpl-{request_id}"
-        self.created = int(time.time())
-        self.model = server.served_model_name
+        super().__init__(server, body, request_id)
         self.prompt: RenderedPrompt | None = None
-        self.streams: list = []
         self.top_k = (body.top_logprobs or 0) if body.logprobs else None
         choice = body.effective_tool_choice
         self.options = OutputOptions(
@@ -108,9 +103,6 @@ class ChatJob:
         self.prompt = await render_chat_prompt(self.engine.tokenizer, self.body)
         check_context(len(self.prompt.token_ids), params.max_tokens, self.engine.max_model_len)
         self.streams = submit_choices(self.engine, self.prompt.token_ids, params, self.response_id)
-
-    def abort(self) -> None:
-        abort_streams(self.engine, self.streams)
 
     def parser(self) -> ChatOutputParser:
         return ChatOutputParser(self.prompt.assistant_tail, self.options)

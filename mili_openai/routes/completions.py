@@ -6,7 +6,6 @@ submitted before the response starts, so a bad request is a plain 400 and never 
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -21,6 +20,7 @@ from mili_openai.routes.completions_protocol import CompletionRequest, choice_ob
 from mili_openai.routes.disconnect import cancel_on_disconnect
 from mili_openai.routes.errors import parse_body
 from mili_openai.routes.generation import (
+    GenerationJob,
     ChoiceResult,
     abort_streams,
     collect_streams,
@@ -48,29 +48,22 @@ def submit_prompts(engine: Any, prompts: list[list[int]], params: SamplingParams
     return streams
 
 
-class CompletionJob:
+class CompletionJob(GenerationJob):
     """One validated request bound to the engine: its prompts, parameters and submitted streams."""
 
+    id_prefix = "cmpl"
+
     def __init__(self, server: ServerState, body: CompletionRequest, request_id: str) -> None:
-        self.server = server
-        self.body = body
-        self.engine = server.engine
-        self.response_id = f"cmpl-{request_id}"
-        self.created = int(time.time())
-        self.model = server.served_model_name
+        super().__init__(server, body, request_id)
         self.n = body.n
         self.prompts = body.prompts()
         self.prompt_ids: list[list[int]] = []
-        self.streams: list = []
 
     async def submit(self) -> None:
         engine = self.engine
         params = self.body.to_sampling_params(engine.vocab_size, logprobs=self.body.logprobs)
         self.prompt_ids = await prompt_token_ids(engine.tokenizer, self.prompts, engine.vocab_size)
         self.streams = submit_prompts(engine, self.prompt_ids, params, self.response_id)
-
-    def abort(self) -> None:
-        abort_streams(self.engine, self.streams)
 
     def prompt_of(self, choice: int) -> int:
         return choice // self.n

@@ -12,6 +12,7 @@ request's queue reservation, and every delta is tallied for the request's log li
 from __future__ import annotations
 
 import asyncio
+import time
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
@@ -191,3 +192,25 @@ async def collect_choices(
     usage = usage_of([len(prompt_token_ids)], [results[0].num_cached_tokens],
                      sum(len(r.token_ids) for r in results))
     return results, usage
+
+
+class GenerationJob:
+    """One validated request bound to the engine: its identity on the wire and its submitted streams.
+
+    The chat and completions routes subclass it with their prompt handling and response shapes.
+    """
+
+    id_prefix = "gen"  # response ids read f"{id_prefix}-{request id}", as OpenAI's do
+
+    def __init__(self, server: Any, body: Any, request_id: str) -> None:
+        self.server = server
+        self.body = body
+        self.engine = server.engine
+        self.response_id = f"{self.id_prefix}-{request_id}"
+        self.created = int(time.time())
+        self.model = server.served_model_name
+        self.streams: list = []
+
+    def abort(self) -> None:
+        """Free whatever the request still holds; a no-op for finished sequences."""
+        abort_streams(self.engine, self.streams)
