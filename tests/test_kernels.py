@@ -6,21 +6,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mili_openai.kernels import cpu_has_avx512_bf16, load_cpu_kernels
+from mili_openai.kernels import cpu_supports_kernels, load_cpu_kernels
+from mili_openai.kernels.cpu import KERNEL_ROWS_CHOICES, linear_via_fp32
 
-pytestmark = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="this CPU has no AVX512-BF16")
+pytestmark = pytest.mark.skipif(not cpu_supports_kernels(), reason="this CPU has no AVX512")
 
 
 @pytest.fixture(scope="module")
 def kernels():
     loaded = load_cpu_kernels()
-    assert loaded is not None, "the CPU supports AVX512-BF16 but the kernels did not build"
+    assert loaded is not None, "the CPU supports AVX512 but the kernels did not build"
     return loaded
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
-@pytest.mark.parametrize("k,n", [(64, 7), (1024, 4096), (96, 130)])
-def test_gemv_matches_torch_linear(kernels, rows, k, n):
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("k,n", [(16, 7), (1024, 4096), (96, 130), (3072, 9)])
+def test_linear_kernel_matches_fp32_matmul(kernels, rows, k, n):
     torch.manual_seed(rows * 1000 + n)
     x = torch.randn(rows, k, dtype=torch.bfloat16)
     w = torch.randn(n, k, dtype=torch.bfloat16) * 0.05
@@ -31,14 +32,39 @@ def test_gemv_matches_torch_linear(kernels, rows, k, n):
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
 
 
-def test_linear_leading_dims_and_fallback(kernels):
+def test_linear_kernel_reads_strided_rows(kernels):
+    """Rows sliced out of a wider tensor (a view, not contiguous) give the same result as a copy."""
+    wide = torch.randn(4, 256, dtype=torch.bfloat16)
+    x = wide[:, :128]
+    w = torch.randn(32, 128, dtype=torch.bfloat16)
+    torch.testing.assert_close(kernels.linear(x, w), kernels.linear(x.contiguous(), w))
+
+
+def test_linear_leading_dims_and_fallbacks(kernels):
     x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
     w = torch.randn(16, 64, dtype=torch.bfloat16)
     assert kernels.linear(x, w).shape == (2, 3, 16)
-    many = torch.randn(20, 64, dtype=torch.bfloat16)  # beyond the kernel's rows: torch's path
-    torch.testing.assert_close(kernels.linear(many, w), F.linear(many, w))
+    many = torch.randn(300, 64, dtype=torch.bfloat16)  # a prefill chunk: a GEMM
+    want = F.linear(many.float(), w.float())
+    torch.testing.assert_close(kernels.linear(many, w).float(), want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
     fp32 = torch.randn(1, 64)
     torch.testing.assert_close(kernels.linear(fp32, w.float()), F.linear(fp32, w.float()))
+    odd_k = torch.randn(2, 40, dtype=torch.bfloat16)  # K not a multiple of 16: torch's path
+    w_odd = torch.randn(8, 40, dtype=torch.bfloat16)
+    torch.testing.assert_close(kernels.linear(odd_k, w_odd), F.linear(odd_k, w_odd))
+
+
+def test_every_matmul_plan_agrees(kernels):
+    """Whichever split the load-time timing picks, results match an fp32 matmul."""
+    x, w = torch.randn(100, 64, dtype=torch.bfloat16), torch.randn(24, 64, dtype=torch.bfloat16)
+    want = F.linear(x.float(), w.float())
+    for max_rows in KERNEL_ROWS_CHOICES:
+        for large in (F.linear, linear_via_fp32):
+            kernels._max_kernel_rows, kernels._large_matmul = max_rows, large
+            for rows in (1, max_rows, max_rows + 1, 100):
+                got = kernels.linear(x[:rows], w).float()
+                torch.testing.assert_close(got, want[:rows], rtol=1e-2, atol=1e-2 * float(want.abs().max()))
+    kernels.plan_matmuls()
 
 
 def reference_decode_attention(q, k_pool, v_pool, slots, ctx_lens, scale):

@@ -1,9 +1,9 @@
 """Optional compiled CPU kernels, built on first use with torch's JIT extension builder.
 
-Only a speed-up: when the CPU lacks AVX512-BF16, the compiler is missing or the build fails, callers
+Only a speed-up: when the CPU lacks AVX512, the compiler is missing or the build fails, callers
 keep torch's own ops and results stay the same up to floating-point rounding.
 """
 
-from mili_openai.kernels.cpu import CpuKernels, cpu_has_avx512_bf16, load_cpu_kernels
+from mili_openai.kernels.cpu import CpuKernels, cpu_supports_kernels, load_cpu_kernels
 
-__all__ = ["CpuKernels", "cpu_has_avx512_bf16", "load_cpu_kernels"]
+__all__ = ["CpuKernels", "cpu_supports_kernels", "load_cpu_kernels"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -12,20 +14,60 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
-SOURCES = ("bindings.cpp", "gemv_bf16.cpp", "paged_decode_attention.cpp")
-EXTENSION_NAME = "mili_cpu_kernels_v3"  # bump when a source changes so torch's JIT cache rebuilds
-COMPILE_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
-MAX_GEMV_ROWS = 8  # the gemv kernel's limit; more rows are compute-bound and go to oneDNN's GEMM
-GEMV_K_MULTIPLE = 32
+SOURCES = ("bindings.cpp", "linear_bf16.cpp", "paged_decode_attention.cpp")
+EXTENSION_NAME = "mili_cpu_kernels_v4"  # bump when a source changes so torch's JIT cache rebuilds
+# -fopenmp: without it ATen's parallel_for compiles to a serial loop inside the extension
+COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"]
+LINK_FLAGS = ["-fopenmp"]
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
+KERNEL_K_MULTIPLE = 16
+# Rows of x the kernel takes: decode batches, where its single pass over the weights wins. Measured on a
+# 2-core Xeon without BF16 dot products it also beats both GEMMs up to 64 rows (145-166 GFLOP/s); where
+# the CPU has them, oneDNN's bf16 GEMM may win sooner, so the limit is chosen at load.
+KERNEL_ROWS_CHOICES = (8, 64)
+CALIBRATION_K, CALIBRATION_N = 1024, 3072  # an MLP-sized weight
+CALIBRATION_LARGE_ROWS = 256  # a prefill chunk
+
+MatmulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, weight) -> x @ weight.T
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # the attention kernel keeps a head in registers
 ATTENTION_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def cpu_has_avx512_bf16() -> bool:
+def cpu_supports_kernels() -> bool:
+    """AVX512 F/BW/VL, which the kernels are compiled for (no BF16 extension needed)."""
     try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text()
+        flags = Path("/proc/cpuinfo").read_text().split()
     except OSError:
         return False
+    return all(flag in flags for flag in REQUIRED_CPU_FLAGS)
+
+
+def linear_via_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """bf16 x @ weight.T as an fp32 GEMM: where the CPU lacks bf16 dot products, oneDNN's bf16 GEMM runs
+    well below its fp32 GEMM (measured 57 vs 148 GFLOP/s on a 2-core Xeon), and widening the operands
+    first costs a few percent of a prefill chunk's matmul."""
+    return F.linear(x.float(), weight.float()).to(x.dtype)
+
+
+def best_seconds(matmul: MatmulFn, x: torch.Tensor, weight: torch.Tensor, repeats: int = 3) -> float:
+    matmul(x, weight)  # warm-up: first-call allocation and oneDNN primitive creation
+    timings = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        matmul(x, weight)
+        timings.append(time.perf_counter() - start)
+    return min(timings)
+
+
+def plan_matmuls(kernel: MatmulFn) -> tuple[int, MatmulFn]:
+    """(rows up to which `kernel` is used, the matmul for more rows), timed on this CPU at load (~0.2 s)."""
+    weight = torch.randn(CALIBRATION_N, CALIBRATION_K, dtype=torch.bfloat16)
+    prefill = torch.randn(CALIBRATION_LARGE_ROWS, CALIBRATION_K, dtype=torch.bfloat16)
+    fp32_faster = best_seconds(linear_via_fp32, prefill, weight) < best_seconds(F.linear, prefill, weight)
+    large_matmul = linear_via_fp32 if fp32_faster else F.linear
+    batch = torch.randn(KERNEL_ROWS_CHOICES[-1] // 2, CALIBRATION_K, dtype=torch.bfloat16)
+    kernel_faster = best_seconds(kernel, batch, weight) < best_seconds(large_matmul, batch, weight)
+    return KERNEL_ROWS_CHOICES[-1 if kernel_faster else 0], large_matmul
 
 
 class CpuKernels:
@@ -33,21 +75,27 @@ class CpuKernels:
 
     def __init__(self, module) -> None:
         self._module = module
+        self._max_kernel_rows, self._large_matmul = KERNEL_ROWS_CHOICES[0], F.linear
+
+    def plan_matmuls(self) -> None:
+        """Choose, by timing on this CPU, how many rows go to the kernel and the GEMM for the rest."""
+        self._max_kernel_rows, self._large_matmul = plan_matmuls(self._module.linear_bf16)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """x @ weight.T; few-row bf16 inputs stream the weight once through the gemv kernel."""
-        rows = x.numel() // x.shape[-1]
-        if (
-            rows <= MAX_GEMV_ROWS
-            and x.dtype == torch.bfloat16
+        """x @ weight.T; few-row bf16 inputs stream the weight once through the kernel."""
+        if not (
+            x.dtype == torch.bfloat16
             and weight.dtype == torch.bfloat16
             and x.device.type == "cpu"
-            and x.shape[-1] % GEMV_K_MULTIPLE == 0
+            and x.shape[-1] % KERNEL_K_MULTIPLE == 0
             and weight.is_contiguous()
         ):
-            out = self._module.gemv_bf16(x.reshape(rows, x.shape[-1]).contiguous(), weight)
-            return out.view(*x.shape[:-1], weight.shape[0])
-        return F.linear(x, weight)
+            return F.linear(x, weight)
+        rows = x.numel() // x.shape[-1]
+        if rows > self._max_kernel_rows:
+            return self._large_matmul(x, weight)
+        out = self._module.linear_bf16(x.reshape(rows, x.shape[-1]), weight)
+        return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def supports_decode_attention(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
@@ -68,14 +116,16 @@ class CpuKernels:
 @functools.lru_cache(maxsize=1)
 def load_cpu_kernels() -> CpuKernels | None:
     """Build (once per machine, cached by torch) and load the kernels; None when they cannot be had."""
-    if not cpu_has_avx512_bf16():
+    if not cpu_supports_kernels():
         return None
     try:
         from torch.utils.cpp_extension import load
 
         module = load(name=EXTENSION_NAME, sources=[str(SOURCE_DIR / s) for s in SOURCES],
-                      extra_cflags=COMPILE_FLAGS, verbose=False)
+                      extra_cflags=COMPILE_FLAGS, extra_ldflags=LINK_FLAGS, verbose=False)
     except Exception as exc:  # no compiler, no ninja, unsupported flags: torch's ops instead
         logger.warning("CPU kernels unavailable, using torch ops: %s", exc)
         return None
-    return CpuKernels(module)
+    kernels = CpuKernels(module)
+    kernels.plan_matmuls()
+    return kernels
