@@ -8,6 +8,8 @@ import torch.nn.functional as F
 
 from mili_openai.kernels import cpu_supports_kernels, load_cpu_kernels
 from mili_openai.kernels.cpu import KERNEL_ROWS_CHOICES, linear_via_fp32
+from mili_openai.model.layers import rms_normalize
+from mili_openai.model.rope import apply_rotary
 
 pytestmark = pytest.mark.skipif(not cpu_supports_kernels(), reason="this CPU has no AVX512")
 
@@ -93,3 +95,34 @@ def test_paged_decode_attention_matches_sdpa(kernels, dtype, heads, kv_heads, he
     assert got.dtype == dtype and got.shape == q.shape
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
+
+
+def test_rms_norm_matches_transformers_rounding(kernels):
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 1024, dtype=torch.bfloat16) * 3
+    weight = (torch.rand(1024) + 0.5).to(torch.bfloat16)
+    want = weight * rms_normalize(x, 1e-6)
+    got = kernels.rms_norm(x, weight, 1e-6)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    # fp32 sums in another order may land a value on the other side of a bf16 rounding boundary
+    differing = (got != want).float().mean()
+    assert differing < 1e-3
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (4, 2, 32), (2, 1, 64)])
+def test_qk_norm_rope_matches_torch_ops(kernels, heads, kv_heads, head_dim):
+    torch.manual_seed(head_dim)
+    tokens = 7
+    qk = torch.randn(tokens, heads + kv_heads, head_dim, dtype=torch.bfloat16)
+    q_weight = (torch.rand(head_dim) + 0.5).to(torch.bfloat16)
+    k_weight = (torch.rand(head_dim) + 0.5).to(torch.bfloat16)
+    angles = torch.arange(tokens)[:, None] * torch.rand(head_dim // 2)[None, :]
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(torch.bfloat16)[:, None, :]
+    signed_sin = torch.cat((-angles.sin(), angles.sin()), -1).to(torch.bfloat16)[:, None, :]
+    weight = torch.cat((q_weight.expand(heads, -1), k_weight.expand(kv_heads, -1)))
+    want = apply_rotary(rms_normalize(qk, 1e-6) * weight, cos, signed_sin)
+    got = kernels.qk_norm_rope(qk, q_weight, k_weight, heads, 1e-6, cos, signed_sin)
+    assert got.dtype == torch.bfloat16 and got.shape == qk.shape
+    assert (got != want).float().mean() < 1e-3
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
-SOURCES = ("bindings.cpp", "linear_bf16.cpp", "paged_decode_attention.cpp")
-EXTENSION_NAME = "mili_cpu_kernels_v4"  # bump when a source changes so torch's JIT cache rebuilds
+SOURCES = ("bindings.cpp", "linear_bf16.cpp", "paged_decode_attention.cpp", "rms_norm_bf16.cpp")
+EXTENSION_NAME = "mili_cpu_kernels_v6"  # bump when a source changes so torch's JIT cache rebuilds
 # -fopenmp: without it ATen's parallel_for compiles to a serial loop inside the extension
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"]
 LINK_FLAGS = ["-fopenmp"]
@@ -31,6 +31,8 @@ CALIBRATION_LARGE_ROWS = 256  # a prefill chunk
 MatmulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, weight) -> x @ weight.T
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # the attention kernel keeps a head in registers
 ATTENTION_DTYPES = (torch.bfloat16, torch.float32)
+NORM_DIM_MULTIPLE = 16
+ROTARY_HEAD_DIM_MULTIPLE, MAX_ROTARY_HEAD_DIM = 32, 256  # the kernel rotates 16-lane halves on the stack
 
 
 def cpu_supports_kernels() -> bool:
@@ -96,6 +98,27 @@ class CpuKernels:
             return self._large_matmul(x, weight)
         out = self._module.linear_bf16(x.reshape(rows, x.shape[-1]), weight)
         return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def supports_rms_norm(x: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape[-1] % NORM_DIM_MULTIPLE == 0
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """bf16(weight * bf16(x / rms(x))) over the last dim, one pass per row."""
+        return self._module.rms_norm_bf16(x.contiguous(), weight.to(x.dtype).contiguous(), eps)
+
+    @staticmethod
+    def supports_qk_norm_rope(qk: torch.Tensor) -> bool:
+        head_dim = qk.shape[-1]
+        return (qk.device.type == "cpu" and qk.dtype == torch.bfloat16
+                and head_dim % ROTARY_HEAD_DIM_MULTIPLE == 0 and head_dim <= MAX_ROTARY_HEAD_DIM)
+
+    def qk_norm_rope(self, qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int,
+                     eps: float, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """qk (T, Hq + Hk, D): q heads normalised by q_weight, k heads by k_weight, then rotated."""
+        return self._module.qk_norm_rope_bf16(qk.contiguous(), q_weight.to(qk.dtype).contiguous(),
+                                              k_weight.to(qk.dtype).contiguous(), num_q_heads, eps,
+                                              cos.contiguous(), signed_sin.contiguous())
 
     @staticmethod
     def supports_decode_attention(q: torch.Tensor, k_pool: torch.Tensor) -> bool:

@@ -8,7 +8,7 @@ from torch import nn
 
 from mili_openai.model.batch import ForwardBatch
 from mili_openai.model.config import ModelConfig
-from mili_openai.model.layers import Linear, RMSNorm, rms_normalize
+from mili_openai.model.layers import Linear, NormKernel, RMSNorm, rms_normalize
 from mili_openai.model.paged_attention import DecodeAttentionKernel, paged_attention
 from mili_openai.model.rope import apply_rotary
 
@@ -27,7 +27,8 @@ class Qwen3Attention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.decode_kernel: DecodeAttentionKernel | None = None  # set by Qwen3ForCausalLM.set_cpu_kernels
+        self.decode_kernel: DecodeAttentionKernel | None = None  # set by Qwen3ForCausalLM.set_decode_attention_kernel
+        self.norm_kernel: NormKernel | None = None  # set by Qwen3ForCausalLM.set_norm_kernel
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
@@ -36,10 +37,16 @@ class Qwen3Attention(nn.Module):
         qk, v = self.qkv_proj(x).split((self.q_size + self.kv_size, self.kv_size), dim=-1)
         # q and k heads normalised and rotated together (fewer small ops per layer); each head keeps its
         # own norm weight, so this is q_norm(q) and k_norm(k) exactly
-        qk = qk.view(tokens, heads + kv_heads, self.head_dim)  # (T, H + KV, D)
-        norm_weight = torch.cat((self.q_norm.weight.expand(heads, -1), self.k_norm.weight.expand(kv_heads, -1)))
-        qk = apply_rotary(rms_normalize(qk, self.q_norm.eps) * norm_weight, cos, sin)
+        qk = self._norm_and_rotate(qk.view(tokens, heads + kv_heads, self.head_dim), cos, sin)  # (T, H + KV, D)
         q, k = qk.split((heads, kv_heads), dim=1)  # (T, H, D), (T, KV, D)
         v = v.view(tokens, kv_heads, self.head_dim)  # (T, KV, D)
         out = paged_attention(q, k, v, k_pool, v_pool, batch, self.scale, self.decode_kernel)  # (T, H, D)
         return self.o_proj(out.reshape(tokens, self.q_size))
+
+    def _norm_and_rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.norm_kernel is not None and self.norm_kernel.supports_qk_norm_rope(qk):
+            return self.norm_kernel.qk_norm_rope(qk, self.q_norm.weight, self.k_norm.weight, self.num_heads,
+                                                 self.q_norm.eps, cos, sin)
+        norm_weight = torch.cat((self.q_norm.weight.expand(self.num_heads, -1),
+                                 self.k_norm.weight.expand(self.num_kv_heads, -1)))
+        return apply_rotary(rms_normalize(qk, self.q_norm.eps) * norm_weight, cos, sin)

@@ -4,6 +4,7 @@ computed in float32 as transformers does, and the SwiGLU MLP with gate and up fu
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +12,19 @@ from torch import nn
 
 # (x (..., in), weight (out, in)) -> (..., out); F.linear or a kernel with the same contract
 MatmulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class NormKernel(Protocol):
+    """Compiled RMSNorm and q/k norm + RoPE with transformers' rounding (see mili_openai.kernels.CpuKernels)."""
+
+    def supports_rms_norm(self, x: torch.Tensor) -> bool: ...
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
+
+    def supports_qk_norm_rope(self, qk: torch.Tensor) -> bool: ...
+
+    def qk_norm_rope(self, qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int,
+                     eps: float, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor: ...
 
 
 class Linear(nn.Module):
@@ -40,8 +54,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernel: NormKernel | None = None  # set by Qwen3ForCausalLM.set_norm_kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and self.kernel.supports_rms_norm(x):
+            return self.kernel.rms_norm(x, self.weight, self.eps)
         return self.weight * rms_normalize(x, self.eps)
 
     def extra_repr(self) -> str:

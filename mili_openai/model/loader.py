@@ -69,8 +69,9 @@ def load_model(
 ) -> tuple[Qwen3ForCausalLM, ModelConfig]:
     """-> (model in eval mode on `device` with weights in `dtype`, its config).
 
-    `use_decode_kernel`: on a CPU with AVX512-BF16 and bf16 weights, route few-row matmuls through the
-    compiled decode kernel (the model falls back to torch when it cannot be built).
+    `use_decode_kernel`: on a CPU with AVX512, use the compiled kernels: decode attention from the paged
+    pool, and with bf16 weights the matmuls, RMSNorms and q/k norm + RoPE (the model falls back to torch
+    when they cannot be built).
     """
     directory = Path(path)
     config = ModelConfig.from_pretrained(directory)
@@ -102,3 +103,4 @@ def _use_cpu_kernels(model: Qwen3ForCausalLM, dtype: torch.dtype) -> None:
     model.set_decode_attention_kernel(kernels)
     if dtype == torch.bfloat16:
         model.set_matmul(kernels.linear)
+        model.set_norm_kernel(kernels)
