@@ -113,7 +113,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 
 def make_server(config: ServerConfig):
-    """A uvicorn server for `config` that drains the app on SIGTERM/SIGINT, then exits 0."""
+    """A uvicorn server for `config` that drains the app on SIGTERM/SIGINT, then exits 0 (or exits 1 at once
+    when the model fails to load)."""
     import uvicorn
 
     from mili_openai.routes.app import create_app
@@ -148,7 +149,7 @@ def run_serve(args: argparse.Namespace) -> int:
     source = config.engine.model or "the embedded default model"
     print(f"mili-openai: serving model '{name}' ({source}) on http://{config.host}:{config.port}", flush=True)
     server.run()
-    return 0
+    return 1 if server.model_failed else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -146,7 +146,7 @@ def render_limits(limits: dict[str, float], results: dict[str, dict[str, dict]])
     w3 = next(w for w in WORKLOADS if w.name == SINGLE_STREAM_WORKLOAD).bench
     prefill = per_token * w3.input_len
     lines = ["", "### Against this machine's limits", "",
-             f"Measured: read bandwidth {limits['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, bf16 matmul "
+             f"Measured: read bandwidth {limits['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, best bf16-weight matmul "
              f"{limits['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s; weights {limits['weight_bytes'] / 1e9:.2f} GB. "
              f"Floors: a decode step {step:.1f} ms (every weight read once), a {w3.input_len}-token prefill "
              f"{prefill:.0f} ms. {SINGLE_STREAM_WORKLOAD} measured ÷ floor (1.0 = at the limit):", ""]

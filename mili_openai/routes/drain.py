@@ -73,6 +73,16 @@ class DrainingServer(uvicorn.Server):
         self.state = state
         self.grace_s = grace_s
         self.drain_task: asyncio.Task | None = None
+        self.model_failed = False  # the model never loaded: the process should exit non-zero
+
+    async def on_tick(self, counter: int) -> bool:
+        # A server without a model only answers 503s; exiting lets a supervisor (Kubernetes, systemd)
+        # restart it and show the failure, as vLLM does, instead of a pod that looks alive.
+        if self.state.load_error is not None and not self.model_failed:
+            logger.error("exiting: the model failed to load (%s)", self.state.load_error)
+            self.model_failed = True
+            self.should_exit = True
+        return await super().on_tick(counter)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

@@ -17,7 +17,7 @@
 namespace {
 
 constexpr int64_t kLanes = 16;      // fp32 values per 512-bit register
-constexpr int kMaxChunkRows = 6;    // x rows sharing one widened weight tile (registers: 6 x 4 accumulators)
+constexpr int kMaxChunkRows = 8;    // x rows sharing one widened weight tile (registers: 8 x 3 accumulators)
 constexpr int64_t kXBlockBytes = 256 * 1024;  // x rows per outer block are sized to stay in L2
 
 inline __m512 widen_bf16(const at::BFloat16* p) {
@@ -27,10 +27,11 @@ inline __m512 widen_bf16(const at::BFloat16* p) {
 
 // Weight rows in flight per x chunk, and independent partial sums along K per (row, weight row): with
 // 4-cycle FMA latency and two FMA ports a core needs ~8 independent accumulators to stay busy, within
-// 32 registers (MC * R * U accumulators + R weights + 1 x). Four weight rows share each x load; a single
-// row of x also splits K in two. Measured on a 2-core Xeon (fp32 sum reads ~23 GB/s): 16-17 GB/s for
-// one row of x, 12-15 for four, 10-11 for eight; one weight row at a time, eight deep, was ~8% slower.
-constexpr int kTileRows = 4;
+// 32 registers (MC * R * U accumulators + R weights + 1 x). A single row of x also splits K in two.
+// Measured on a 2-core Xeon (fp32 sum reads ~23 GB/s): 16-17 GB/s over the model's weights for one row
+// of x; from ~4 rows on a core is FMA-bound (~100 GFLOP/s from L2), so eight rows go as one chunk of
+// three weight rows (24 accumulators) rather than 6 + 2, which re-widened every weight for two rows.
+template <int MC> constexpr int tile_rows() { return MC <= 6 ? 4 : 3; }
 template <int MC> constexpr int k_unroll() { return MC == 1 ? 2 : 1; }
 
 // y[m, n + r] for m < MC, r < R: x is fp32 (rows ldx apart), w bf16 rows K apart.
@@ -73,7 +74,7 @@ inline void tile(const float* x, int64_t ldx, const at::BFloat16* w, int64_t K, 
 template <int MC>
 void rows_chunk(const float* x, int64_t ldx, const at::BFloat16* w, int64_t K, at::BFloat16* y, int64_t ldy,
                 int64_t n_begin, int64_t n_end) {
-  constexpr int R = kTileRows;
+  constexpr int R = tile_rows<MC>();
   int64_t n = n_begin;
   for (; n + R <= n_end; n += R) tile<MC, R>(x, ldx, w + n * K, K, y + n, ldy);
   for (; n < n_end; ++n) tile<MC, 1>(x, ldx, w + n * K, K, y + n, ldy);
@@ -87,7 +88,9 @@ void rows_any(int64_t rows, const float* x, int64_t ldx, const at::BFloat16* w, 
     case 3: rows_chunk<3>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
     case 4: rows_chunk<4>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
     case 5: rows_chunk<5>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
-    default: rows_chunk<6>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
+    case 6: rows_chunk<6>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
+    case 7: rows_chunk<7>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
+    default: rows_chunk<8>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
   }
 }
 
