@@ -63,11 +63,15 @@ def best_seconds(matmul: MatmulFn, x: torch.Tensor, weight: torch.Tensor, repeat
 
 def plan_matmuls(kernel: MatmulFn) -> tuple[int, MatmulFn]:
     """(rows up to which `kernel` is used, the matmul for more rows), timed on this CPU at load (~0.2 s)."""
-    weight = torch.randn(CALIBRATION_N, CALIBRATION_K, dtype=torch.bfloat16)
-    prefill = torch.randn(CALIBRATION_LARGE_ROWS, CALIBRATION_K, dtype=torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)  # leave the global RNG as the caller seeded it
+
+    def operand(rows: int) -> torch.Tensor:
+        return torch.randn(rows, CALIBRATION_K, generator=generator).to(torch.bfloat16)
+
+    weight, prefill = operand(CALIBRATION_N), operand(CALIBRATION_LARGE_ROWS)
     fp32_faster = best_seconds(linear_via_fp32, prefill, weight) < best_seconds(F.linear, prefill, weight)
     large_matmul = linear_via_fp32 if fp32_faster else F.linear
-    batch = torch.randn(KERNEL_ROWS_CHOICES[-1] // 2, CALIBRATION_K, dtype=torch.bfloat16)
+    batch = operand(KERNEL_ROWS_CHOICES[-1] // 2)
     kernel_faster = best_seconds(kernel, batch, weight) < best_seconds(large_matmul, batch, weight)
     return KERNEL_ROWS_CHOICES[-1 if kernel_faster else 0], large_matmul
 
