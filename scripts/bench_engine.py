@@ -12,9 +12,11 @@ for bf16 weights (oneDNN's bf16 GEMM, or fp32 on widened operands where the CPU 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,7 +28,7 @@ BANDWIDTH_BYTES = 1 << 30  # per read-bandwidth probe pass; far larger than the 
 MATMUL_SHAPE = (512, 1024, 3072)  # a prefill-shaped bf16 GEMM (tokens, hidden, intermediate)
 
 
-def fastest_seconds(work, repeats: int) -> float:
+def fastest_seconds(work: Callable[[], object], repeats: int) -> float:
     """The fastest of `repeats` timed runs: on a shared machine the slow runs measure the neighbours."""
     work()  # warm-up: first-touch page faults, oneDNN primitive creation
     best = float("inf")
@@ -54,7 +56,7 @@ def measure_matmul_flops(repeats: int = 10) -> float:
     rates = []
     for dtype in (torch.bfloat16, torch.float32):
         a, b = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
-        rates.append(2 * m * k * n / fastest_seconds(lambda: a @ b.T, repeats))  # noqa: B023 (used at once)
+        rates.append(2 * m * k * n / fastest_seconds(functools.partial(torch.matmul, a, b.T), repeats))
     return max(rates)
 
 
