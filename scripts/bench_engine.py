@@ -16,27 +16,16 @@ import functools
 import json
 import random
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from mili_openai import LLM, SamplingParams
+from mili_openai.kernels.cpu import fastest_seconds
 from mili_openai.model.checkpoint import QWEN3_0_6B_SHAPE, build_random_checkpoint
 
 BANDWIDTH_BYTES = 1 << 30  # per read-bandwidth probe pass; far larger than the caches
 MATMUL_SHAPE = (512, 1024, 3072)  # a prefill-shaped bf16 GEMM (tokens, hidden, intermediate)
-
-
-def fastest_seconds(work: Callable[[], object], repeats: int) -> float:
-    """The fastest of `repeats` timed runs: on a shared machine the slow runs measure the neighbours."""
-    work()  # warm-up: first-touch page faults, oneDNN primitive creation
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        work()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def measure_read_bandwidth(repeats: int = 8) -> float:

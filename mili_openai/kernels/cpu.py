@@ -51,14 +51,16 @@ def linear_via_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), weight.float()).to(x.dtype)
 
 
-def best_seconds(matmul: MatmulFn, x: torch.Tensor, weight: torch.Tensor, repeats: int = 3) -> float:
-    matmul(x, weight)  # warm-up: first-call allocation and oneDNN primitive creation
-    timings = []
+def fastest_seconds(work: Callable[[], object], repeats: int = 3) -> float:
+    """The fastest of `repeats` timed runs after a warm-up (first-call allocation, oneDNN primitive
+    creation): on a shared machine the slower runs measure the neighbours."""
+    work()
+    best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        matmul(x, weight)
-        timings.append(time.perf_counter() - start)
-    return min(timings)
+        work()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def plan_matmuls(kernel: MatmulFn) -> tuple[int, MatmulFn]:
@@ -69,10 +71,14 @@ def plan_matmuls(kernel: MatmulFn) -> tuple[int, MatmulFn]:
         return torch.randn(rows, CALIBRATION_K, generator=generator).to(torch.bfloat16)
 
     weight, prefill = operand(CALIBRATION_N), operand(CALIBRATION_LARGE_ROWS)
-    fp32_faster = best_seconds(linear_via_fp32, prefill, weight) < best_seconds(F.linear, prefill, weight)
+
+    def seconds(matmul: MatmulFn, x: torch.Tensor) -> float:
+        return fastest_seconds(functools.partial(matmul, x, weight))
+
+    fp32_faster = seconds(linear_via_fp32, prefill) < seconds(F.linear, prefill)
     large_matmul = linear_via_fp32 if fp32_faster else F.linear
     batch = operand(KERNEL_ROWS_CHOICES[-1] // 2)
-    kernel_faster = best_seconds(kernel, batch, weight) < best_seconds(large_matmul, batch, weight)
+    kernel_faster = seconds(kernel, batch) < seconds(large_matmul, batch)
     return KERNEL_ROWS_CHOICES[-1 if kernel_faster else 0], large_matmul
 
 
