@@ -59,7 +59,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     eng.add_argument("--page-size", type=int, default=engine.page_size, help="tokens per KV page")
     eng.add_argument("--num-pages", type=int, default=None, help="KV pages (overrides --kv-cache-memory-gb)")
     eng.add_argument("--kv-cache-memory-gb", type=float, default=engine.kv_cache_memory_gb)
-    eng.add_argument("--max-num-batched-tokens", type=int, default=engine.max_num_batched_tokens)
+    eng.add_argument("--max-num-batched-tokens", type=int, default=None,
+                     help="token budget of one forward (default: 512 on CPU, 2048 on CUDA)")
     eng.add_argument("--max-num-seqs", type=int, default=engine.max_num_seqs)
     eng.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     eng.add_argument("--default-model-cache", default=None,

@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
+# Default token budget per forward. A step's prefill chunk stalls every running stream until it ends: on
+# a 2-core CPU 512 tokens take ~2.5 s (2048 took ~10 s, all of it added to each stream's inter-token
+# gap), and matmuls are already at full speed from a few hundred rows. GPUs finish 2048 in milliseconds.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,7 +23,8 @@ class EngineConfig:
     page_size: int = 16  # tokens per KV page
     num_pages: int | None = None  # explicit pool size; overrides kv_cache_memory_gb
     kv_cache_memory_gb: float = 2.0  # pool budget when num_pages is not given
-    max_num_batched_tokens: int = 2048  # token budget of one forward (decode tokens + prefill chunks)
+    # token budget of one forward (decode tokens + prefill chunks); None = the device's default
+    max_num_batched_tokens: int | None = None
     max_num_seqs: int = 64  # cap on running sequences
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     enable_prefix_caching: bool = True
@@ -38,7 +43,7 @@ class EngineConfig:
             raise ValueError("num_pages must be >= 1")
         if self.kv_cache_memory_gb <= 0:
             raise ValueError("kv_cache_memory_gb must be > 0")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")

@@ -8,6 +8,7 @@ import torch
 
 from engine_helpers import hf_greedy, load_hf, random_prompts
 from mili_openai import LLM, SamplingParams
+from mili_openai.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 PROMPT_LENGTHS = [1, 2, 7, 16, 17, 33, 64, 100, 150, 211, 256, 300]
 MAX_NEW = 8
@@ -132,3 +133,13 @@ def test_bf16_greedy_close_to_transformers(tiny_checkpoint):
         _, rows = hf_greedy(model, prompt, 1)
         got = output.outputs[0].logprobs[0]
         assert got.logprob == pytest.approx(float(rows[0][got.token_id]), abs=0.1)
+
+
+def test_token_budget_defaults_to_the_devices(tiny_checkpoint):
+    """No budget given: the CPU's default (a short step), resolved once the device is known."""
+    llm = LLM(str(tiny_checkpoint), dtype="float32", num_pages=64, device="cpu")
+    assert llm.core.config.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS["cpu"]
+    prompt = list(range(1, 1 + DEFAULT_MAX_NUM_BATCHED_TOKENS["cpu"] + 40))  # longer than one step's budget
+    llm.core.add(prompt, SamplingParams(max_tokens=1))
+    batch, _ = llm.core.schedule()
+    assert batch.num_new_tokens == [DEFAULT_MAX_NUM_BATCHED_TOKENS["cpu"]]

@@ -15,7 +15,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("bindings.cpp", "linear_bf16.cpp", "paged_decode_attention.cpp", "rms_norm_bf16.cpp")
-EXTENSION_NAME = "mili_cpu_kernels_v7"  # bump when a source changes so torch's JIT cache rebuilds
+EXTENSION_NAME = "mili_cpu_kernels_v8"  # bump when a source changes so torch's JIT cache rebuilds
 # -fopenmp: without it ATen's parallel_for compiles to a serial loop inside the extension
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"]
 LINK_FLAGS = ["-fopenmp"]
