@@ -14,8 +14,10 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
-SOURCES = ("bindings.cpp", "linear_bf16.cpp", "paged_decode_attention.cpp", "rms_norm_bf16.cpp")
-EXTENSION_NAME = "mili_cpu_kernels_v8"  # bump when a source changes so torch's JIT cache rebuilds
+SOURCES = ("bindings.cpp", "linear_bf16.cpp", "paged_decode_attention.cpp", "rms_norm_bf16.cpp",
+           "activation_bf16.cpp")
+HEADERS = ("simd_bf16.h",)  # not compiled on their own; torch hashes only SOURCES, hence the name bump
+EXTENSION_NAME = "mili_cpu_kernels_v9"  # bump when a source changes so torch's JIT cache rebuilds
 # -fopenmp: without it ATen's parallel_for compiles to a serial loop inside the extension
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"]
 LINK_FLAGS = ["-fopenmp"]
@@ -116,6 +118,15 @@ class CpuKernels:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """bf16(weight * bf16(x / rms(x))) over the last dim, one pass per row."""
         return self._module.rms_norm_bf16(x.contiguous(), weight.to(x.dtype).contiguous(), eps)
+
+    @staticmethod
+    def supports_silu_mul(gate_up: torch.Tensor) -> bool:
+        return (gate_up.device.type == "cpu" and gate_up.dtype == torch.bfloat16
+                and gate_up.shape[-1] % (2 * NORM_DIM_MULTIPLE) == 0)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """(..., 2I) with gate first -> bf16(bf16(silu(gate)) * up), (..., I)."""
+        return self._module.silu_mul_bf16(gate_up.contiguous())
 
     @staticmethod
     def supports_qk_norm_rope(qk: torch.Tensor) -> bool:

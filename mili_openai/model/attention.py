@@ -8,7 +8,7 @@ from torch import nn
 
 from mili_openai.model.batch import ForwardBatch
 from mili_openai.model.config import ModelConfig
-from mili_openai.model.layers import Linear, NormKernel, RMSNorm, rms_normalize
+from mili_openai.model.layers import FusedOpKernel, Linear, RMSNorm, rms_normalize
 from mili_openai.model.paged_attention import DecodeAttentionKernel, paged_attention
 from mili_openai.model.rope import apply_rotary
 
@@ -28,7 +28,7 @@ class Qwen3Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.decode_kernel: DecodeAttentionKernel | None = None  # set by Qwen3ForCausalLM.set_decode_attention_kernel
-        self.norm_kernel: NormKernel | None = None  # set by Qwen3ForCausalLM.set_norm_kernel
+        self.norm_kernel: FusedOpKernel | None = None  # set by Qwen3ForCausalLM.set_fused_op_kernel
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:

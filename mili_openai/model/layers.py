@@ -14,14 +14,19 @@ from torch import nn
 MatmulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class NormKernel(Protocol):
-    """Compiled RMSNorm and q/k norm + RoPE with transformers' rounding (see mili_openai.kernels.CpuKernels)."""
+class FusedOpKernel(Protocol):
+    """Compiled RMSNorm, q/k norm + RoPE and SwiGLU's activation with transformers' rounding (see
+    mili_openai.kernels.CpuKernels)."""
 
     def supports_rms_norm(self, x: torch.Tensor) -> bool: ...
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
 
     def supports_qk_norm_rope(self, qk: torch.Tensor) -> bool: ...
+
+    def supports_silu_mul(self, gate_up: torch.Tensor) -> bool: ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
     def qk_norm_rope(self, qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int,
                      eps: float, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor: ...
@@ -54,7 +59,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
-        self.kernel: NormKernel | None = None  # set by Qwen3ForCausalLM.set_norm_kernel
+        self.kernel: FusedOpKernel | None = None  # set by Qwen3ForCausalLM.set_fused_op_kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and self.kernel.supports_rms_norm(x):
@@ -85,7 +90,11 @@ class SwiGLUMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
         self.down_proj = Linear(intermediate_size, hidden_size)
+        self.kernel: FusedOpKernel | None = None  # set by Qwen3ForCausalLM.set_fused_op_kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # (T, I) each
+        gate_up = self.gate_up_proj(x)  # (T, 2I)
+        if self.kernel is not None and self.kernel.supports_silu_mul(gate_up):
+            return self.down_proj(self.kernel.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)  # (T, I) each
         return self.down_proj(F.silu(gate).mul_(up))  # (T, hidden); in place on silu's fresh output

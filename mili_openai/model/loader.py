@@ -70,7 +70,7 @@ def load_model(
     """-> (model in eval mode on `device` with weights in `dtype`, its config).
 
     `use_decode_kernel`: on a CPU with AVX512, use the compiled kernels: decode attention from the paged
-    pool, and with bf16 weights the matmuls, RMSNorms and q/k norm + RoPE (the model falls back to torch
+    pool, and with bf16 weights the matmuls, RMSNorms, q/k norm + RoPE and SwiGLU (the model falls back to torch
     when they cannot be built).
     """
     directory = Path(path)
@@ -103,4 +103,4 @@ def _use_cpu_kernels(model: Qwen3ForCausalLM, dtype: torch.dtype) -> None:
     model.set_decode_attention_kernel(kernels)
     if dtype == torch.bfloat16:
         model.set_matmul(kernels.linear)
-        model.set_norm_kernel(kernels)
+        model.set_fused_op_kernel(kernels)

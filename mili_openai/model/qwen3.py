@@ -16,7 +16,7 @@ from mili_openai.model.attention import Qwen3Attention
 from mili_openai.model.batch import ForwardBatch
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.kv_cache import KVCache
-from mili_openai.model.layers import Linear, MatmulFn, NormKernel, RMSNorm, SwiGLUMLP
+from mili_openai.model.layers import FusedOpKernel, Linear, MatmulFn, RMSNorm, SwiGLUMLP
 from mili_openai.model.paged_attention import DecodeAttentionKernel
 from mili_openai.model.rope import RotaryEmbedding
 
@@ -78,10 +78,10 @@ class Qwen3ForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.decode_kernel = kernel
 
-    def set_norm_kernel(self, kernel: NormKernel | None) -> None:
-        """Run every RMSNorm, and each layer's q/k norm + RoPE, through a compiled kernel."""
+    def set_fused_op_kernel(self, kernel: FusedOpKernel | None) -> None:
+        """Run every RMSNorm, each layer's q/k norm + RoPE and SwiGLU activation through a compiled kernel."""
         for module in self.modules():
-            if isinstance(module, RMSNorm):
+            if isinstance(module, (RMSNorm, SwiGLUMLP)):
                 module.kernel = kernel
         for layer in self.model.layers:
             layer.self_attn.norm_kernel = kernel

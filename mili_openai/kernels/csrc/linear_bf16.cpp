@@ -14,16 +14,14 @@
 
 #include <algorithm>
 
+#include "simd_bf16.h"
+
 namespace {
 
-constexpr int64_t kLanes = 16;      // fp32 values per 512-bit register
+using mili::kLanes;
+using mili::widen_bf16;
 constexpr int kMaxChunkRows = 8;    // x rows sharing one widened weight tile (registers: 8 x 3 accumulators)
 constexpr int64_t kXBlockBytes = 256 * 1024;  // x rows per outer block are sized to stay in L2
-
-inline __m512 widen_bf16(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 
 // Weight rows in flight per x chunk, and independent partial sums along K per (row, weight row): with
 // 4-cycle FMA latency and two FMA ports a core needs ~8 independent accumulators to stay busy, within

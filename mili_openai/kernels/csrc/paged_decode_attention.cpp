@@ -12,37 +12,19 @@
 
 #include <algorithm>
 #include <cmath>
-#include <type_traits>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#include "simd_bf16.h"
 
 namespace {
 
-constexpr int64_t kLanes = 16;  // fp32 values per 512-bit register
+using mili::exp_nonpositive;
+using mili::kLanes;
 
 inline __m512 load_fp32(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_fp32(const at::BFloat16* p) {
-  // bf16 is the high half of an fp32: widen 16 of them to 32 bits and shift into place
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// exp(x) for x <= 0 (softmax after subtracting the max): 2^(x log2 e) split into an integer power
-// of two and a degree-6 polynomial on [-0.5, 0.5]; relative error ~2e-7, far below bf16's.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));  // exp(-87) ~ 1e-38: smaller underflows to 0 anyway
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));  // |f| <= ln2/2
-  __m512 p = _mm512_set1_ps(1.f / 720.f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);  // p * 2^n
-}
+inline __m512 load_fp32(const at::BFloat16* p) { return mili::widen_bf16(p); }
 
 // softmax of s[0, n) in place, fp32
 inline void softmax_inplace(float* s, int64_t n) {

@@ -12,31 +12,16 @@
 #include <cmath>
 #include <vector>
 
+#include "simd_bf16.h"
+
 namespace {
 
-constexpr int64_t kLanes = 16;
+using mili::kLanes;
+using mili::round_bf16;
+using mili::store_bf16;
 constexpr int64_t kMaxHeadDim = 256;  // the rotated row is staged on the stack
 
-inline __m512 load_bf16(const at::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// fp32 -> nearest bf16 (ties to even), returned as the fp32 it stands for; NaN stays a quiet NaN.
-inline __m512 round_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), high);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  const __m512i quiet_nan = _mm512_or_si512(_mm512_and_si512(bits, high), _mm512_set1_epi32(0x00400000));
-  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(rounded, nan, quiet_nan));
-}
-
-inline void store_bf16(at::BFloat16* p, __m512 rounded) {
-  const __m256i half = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), half);
-}
+inline __m512 load_bf16(const at::BFloat16* p) { return mili::widen_bf16(p); }
 
 // 1 / sqrt(mean(x^2) + eps) of one row, in fp32 as transformers computes it.
 inline float inverse_rms(const at::BFloat16* x, int64_t dim, float eps) {

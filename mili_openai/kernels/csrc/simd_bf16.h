@@ -1,0 +1,51 @@
+// AVX-512 helpers shared by the CPU kernels: bf16 <-> fp32 in registers, and exp for softmax/SiLU.
+#pragma once
+
+#include <torch/extension.h>
+#include <immintrin.h>
+
+namespace mili {
+
+constexpr int64_t kLanes = 16;  // fp32 values per 512-bit register
+
+// 16 bf16 -> fp32: a bf16 is the high half of an fp32, so zero-extend to 32 bits and shift into place.
+inline __m512 widen_bf16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// fp32 -> nearest bf16 (ties to even), returned as the fp32 it stands for; NaN stays a quiet NaN.
+inline __m512 round_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512i rounded = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), high);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  const __m512i quiet_nan = _mm512_or_si512(_mm512_and_si512(bits, high), _mm512_set1_epi32(0x00400000));
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(rounded, nan, quiet_nan));
+}
+
+// Store 16 values already rounded by round_bf16 (their low halves are zero) as bf16.
+inline void store_bf16(at::BFloat16* p, __m512 rounded) {
+  const __m256i half = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), half);
+}
+
+// exp(x) for x <= 0: 2^(x log2 e) split into an integer power of two and a degree-6 polynomial on
+// [-0.5, 0.5]; relative error ~2e-7, far below bf16's.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));  // exp(-87) ~ 1e-38: smaller underflows to 0 anyway
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.4426950408889634f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));  // |f| <= ln2/2
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);  // p * 2^n
+}
+
+}  // namespace mili
