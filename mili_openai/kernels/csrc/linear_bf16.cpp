@@ -5,14 +5,15 @@
 // hide the BF16 extension) run oneDNN's bf16 GEMM far below memory speed at decode shapes: measured
 // 12 GB/s for one row and 3 GB/s for eight on a 2-core Xeon whose read bandwidth is ~25 GB/s.
 //
-// Each thread owns a contiguous range of weight rows and streams it once per block of x rows: a tile
-// of R weight rows is widened from L1 for every chunk of up to 8 x rows, so a decode step reads every
-// weight byte from memory exactly once, whatever the batch.
+// Threads take chunks of contiguous weight rows and stream each once per block of x rows: a tile of R
+// weight rows is widened from L1 for every chunk of up to 8 x rows, so a decode step reads every weight
+// byte from memory exactly once, whatever the batch.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 
 #include "simd_bf16.h"
 
@@ -21,6 +22,9 @@ namespace {
 using mili::kLanes;
 using mili::widen_bf16;
 constexpr int kMaxChunkRows = 8;    // x rows sharing one widened weight tile (registers: 8 x 3 accumulators)
+constexpr int64_t kChunksPerThread = 8;   // weight-row chunks per thread: small enough to rebalance
+constexpr int64_t kRowsPerChunkMin = 48;  // long enough to stream (48 rows of K >= 1024: >= 96 KB)
+constexpr int64_t kRowsPerPass = 24;      // weight rows reused by every chunk of x rows before moving on
 constexpr int64_t kXBlockBytes = 256 * 1024;  // x rows per outer block are sized to stay in L2
 
 // Weight rows in flight per x chunk, and independent partial sums along K per (row, weight row): with
@@ -123,15 +127,21 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w) {
   const int64_t block = std::max<int64_t>(kMaxChunkRows, (kXBlockBytes / (K * 4)) / kMaxChunkRows * kMaxChunkRows);
   for (int64_t m0 = 0; m0 < M; m0 += block) {
     const int64_t m_end = std::min(M, m0 + block);
-    // One contiguous range of weight rows per thread keeps each thread's reads sequential.
-    at::parallel_for(0, N, 64, [&](int64_t n_begin, int64_t n_end) {
-      // Small tiles of weight rows, each reused by every chunk of x rows before moving on.
-      constexpr int64_t kRowsPerPass = 24;
-      for (int64_t n = n_begin; n < n_end; n += kRowsPerPass) {
-        const int64_t n_stop = std::min(n_end, n + kRowsPerPass);
-        for (int64_t m = m0; m < m_end; m += kMaxChunkRows) {
-          const int64_t rows = std::min<int64_t>(kMaxChunkRows, m_end - m);
-          rows_any(rows, xp + m * K, K, wp, K, yp + m * N, N, n, n_stop);
+    // Threads take chunks of weight rows from a shared counter rather than one fixed half each: on a
+    // shared machine a thread that loses its core for a while no longer holds up the whole step.
+    std::atomic<int64_t> next_row{0};
+    const int64_t threads = at::get_num_threads();
+    const int64_t per_thread = N / (threads * kChunksPerThread);
+    const int64_t chunk = std::max(kRowsPerChunkMin, (per_thread + kRowsPerPass - 1) / kRowsPerPass * kRowsPerPass);
+    at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+      for (int64_t n_begin = next_row.fetch_add(chunk); n_begin < N; n_begin = next_row.fetch_add(chunk)) {
+        const int64_t n_end = std::min(N, n_begin + chunk);
+        for (int64_t n = n_begin; n < n_end; n += kRowsPerPass) {
+          const int64_t n_stop = std::min(n_end, n + kRowsPerPass);
+          for (int64_t m = m0; m < m_end; m += kMaxChunkRows) {
+            const int64_t rows = std::min<int64_t>(kMaxChunkRows, m_end - m);
+            rows_any(rows, xp + m * K, K, wp, K, yp + m * N, N, n, n_stop);
+          }
         }
       }
     });
