@@ -97,9 +97,8 @@ inline __m512 sum_each(const __m512* v) {
   __m512 pairs[8], quads[4];
   for (int i = 0; i < 8; ++i)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
     pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: one partial total of each of four vectors (pairs
-    // of floats move as doubles)
-    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: one partial total of each of four vectors
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);  // float pairs
     quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
   }
   __m512 halves[2];
@@ -127,13 +126,14 @@ void attend_heads(const float* q, const T* k_pool, const T* v_pool, const int64_
       load_row<T, CH>(k_pool + slots[c] * row_stride + head_offset, k);
       for (int g = 0; g < G; ++g) {
         const float* qg = q + g * head_dim;
-        __m512 even = _mm512_mul_ps(k[0], _mm512_load_ps(qg));
-        __m512 odd = _mm512_setzero_ps();
+        // two accumulators halve the chain of dependent FMAs
+        __m512 first = _mm512_mul_ps(k[0], _mm512_load_ps(qg));
+        __m512 second = _mm512_setzero_ps();
         for (int i = 1; i < CH; ++i) {
-          __m512& a = (i % 2) ? odd : even;
-          a = _mm512_fmadd_ps(k[i], _mm512_load_ps(qg + i * kLanes), a);
+          __m512& acc = (i % 2) ? second : first;
+          acc = _mm512_fmadd_ps(k[i], _mm512_load_ps(qg + i * kLanes), acc);
         }
-        partial[g][j] = _mm512_add_ps(even, odd);
+        partial[g][j] = _mm512_add_ps(first, second);
       }
     }
     for (int g = 0; g < G; ++g) {
