@@ -70,8 +70,8 @@ def load_model(
     """-> (model in eval mode on `device` with weights in `dtype`, its config).
 
     `use_decode_kernel`: on a CPU with AVX512, use the compiled kernels: decode attention from the paged
-    pool, and with bf16 weights the matmuls, RMSNorms, q/k norm + RoPE and SwiGLU (the model falls back to torch
-    when they cannot be built).
+    pool, and with bf16 weights the matmuls, RMSNorms, q/k norm + RoPE and SwiGLU's activation (the model
+    falls back to torch when they cannot be built).
     """
     directory = Path(path)
     config = ModelConfig.from_pretrained(directory)
