@@ -17,12 +17,13 @@ SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("bindings.cpp", "linear_bf16.cpp", "paged_decode_attention.cpp", "rms_norm_bf16.cpp",
            "activation_bf16.cpp")
 HEADERS = ("simd_bf16.h",)  # not compiled on their own; torch hashes only SOURCES, hence the name bump
-EXTENSION_NAME = "mili_cpu_kernels_v10"  # bump when a source changes so torch's JIT cache rebuilds
+EXTENSION_NAME = "mili_cpu_kernels_v11"  # bump when a source changes so torch's JIT cache rebuilds
 # -fopenmp: without it ATen's parallel_for compiles to a serial loop inside the extension
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"]
 LINK_FLAGS = ["-fopenmp"]
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
-KERNEL_K_MULTIPLE = 16
+# fp32 values per AVX-512 register: the kernels work in whole vectors along K and along normed rows
+VECTOR_LANES = 16
 # Rows of x the kernel takes: decode batches, where its single pass over the weights wins. Measured on a
 # 2-core Xeon without BF16 dot products it also beats both GEMMs up to 64 rows (145-166 GFLOP/s); where
 # the CPU has them, oneDNN's bf16 GEMM may win sooner, so the limit is chosen at load.
@@ -33,7 +34,6 @@ CALIBRATION_LARGE_ROWS = 256  # a prefill chunk
 MatmulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, weight) -> x @ weight.T
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # the attention kernel keeps a head in registers
 ATTENTION_DTYPES = (torch.bfloat16, torch.float32)
-NORM_DIM_MULTIPLE = 16
 ROTARY_HEAD_DIM_MULTIPLE, MAX_ROTARY_HEAD_DIM = 32, 256  # the kernel rotates 16-lane halves on the stack
 
 
@@ -101,7 +101,7 @@ class CpuKernels:
             x.dtype == torch.bfloat16
             and weight.dtype == torch.bfloat16
             and x.device.type == "cpu"
-            and x.shape[-1] % KERNEL_K_MULTIPLE == 0
+            and x.shape[-1] % VECTOR_LANES == 0
             and weight.is_contiguous()
         ):
             return F.linear(x, weight)
@@ -113,7 +113,7 @@ class CpuKernels:
 
     @staticmethod
     def supports_rms_norm(x: torch.Tensor) -> bool:
-        return x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape[-1] % NORM_DIM_MULTIPLE == 0
+        return x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.shape[-1] % VECTOR_LANES == 0
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """bf16(weight * bf16(x / rms(x))) over the last dim, one pass per row."""
@@ -122,7 +122,7 @@ class CpuKernels:
     @staticmethod
     def supports_silu_mul(gate_up: torch.Tensor) -> bool:
         return (gate_up.device.type == "cpu" and gate_up.dtype == torch.bfloat16
-                and gate_up.shape[-1] % (2 * NORM_DIM_MULTIPLE) == 0)
+                and gate_up.shape[-1] % (2 * VECTOR_LANES) == 0)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """(..., 2I) with gate first -> bf16(bf16(silu(gate)) * up), (..., I)."""

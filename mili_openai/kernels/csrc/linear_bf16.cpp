@@ -30,9 +30,9 @@ constexpr int64_t kXBlockBytes = 256 * 1024;  // x rows per outer block are size
 // Weight rows in flight per x chunk, and independent partial sums along K per (row, weight row): with
 // 4-cycle FMA latency and two FMA ports a core needs ~8 independent accumulators to stay busy, within
 // 32 registers (MC * R * U accumulators + R weights + 1 x). A single row of x also splits K in two.
-// Measured on a 2-core Xeon (fp32 sum reads ~23 GB/s): 16-17 GB/s over the model's weights for one row
-// of x; from ~4 rows on a core is FMA-bound (~100 GFLOP/s from L2), so eight rows go as one chunk of
-// three weight rows (24 accumulators) rather than 6 + 2, which re-widened every weight for two rows.
+// Measured on a 2-core Xeon: from ~4 rows of x on, a core is FMA-bound (~100 GFLOP/s from L2), so eight
+// rows go as one chunk of three weight rows (24 accumulators) rather than 6 + 2, which re-widened every
+// weight for two rows.
 template <int MC> constexpr int tile_rows() { return MC <= 6 ? 4 : 3; }
 template <int MC> constexpr int k_unroll() { return MC == 1 ? 2 : 1; }
 
