@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from mili_openai.kernels import cpu_supports_kernels
 from mili_openai.model import ForwardBatch, KVCache, PrefillSegment, load_model
 
 FP32_ATOL = 1e-4
@@ -42,12 +43,13 @@ class PagedSequences:
         """One forward: a token of each `decode` key, then `n` tokens of each `(key, n)` prefill chunk.
         -> (batch, [(key, position)] per row, all rows wanted as logits)."""
         ids, positions, slot_mapping, rows = [], [], [], []
-        decode_slots = decode_mask = None
+        decode_slots = decode_mask = decode_ctx_lens = None
         if decode:
             contexts = [self._slots(key, self.computed[key] + 1) for key in decode]
             width = max(len(c) for c in contexts)
             decode_slots = torch.zeros(len(decode), width, dtype=torch.int64)
             decode_mask = torch.zeros(len(decode), 1, 1, width, dtype=torch.bool)
+            decode_ctx_lens = torch.tensor([len(c) for c in contexts])
             for i, (key, context) in enumerate(zip(decode, contexts)):
                 decode_slots[i, : len(context)] = context
                 decode_mask[i, ..., : len(context)] = True
@@ -70,7 +72,7 @@ class PagedSequences:
         batch = ForwardBatch(
             input_ids=torch.tensor(ids), positions=torch.tensor(positions), slot_mapping=torch.tensor(slot_mapping),
             num_decode=len(decode), decode_slots=decode_slots, decode_mask=decode_mask, prefills=segments,
-            logits_indices=torch.arange(len(ids)),
+            logits_indices=torch.arange(len(ids)), decode_ctx_lens=decode_ctx_lens,
         )
         return batch, rows
 
@@ -86,9 +88,10 @@ def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def run_steps(model, config, pages: PagedSequences, steps, dtype=torch.float32, num_pages=64) -> list:
+def run_steps(model, config, pages: PagedSequences, steps, dtype=torch.float32, num_pages=64,
+              cache: KVCache | None = None) -> list:
     """Run each (decode, prefill) step; -> [(key, position, logits row)] over all steps."""
-    cache = KVCache(config, num_pages, pages.page_size, dtype, torch.device("cpu"))
+    cache = cache or KVCache(config, num_pages, pages.page_size, dtype, torch.device("cpu"))
     results = []
     for decode, prefill in steps:
         batch, rows = pages.batch(decode, prefill)
@@ -201,6 +204,38 @@ def test_bf16_as_close_to_the_float32_oracle_as_transformers_bf16(tiny_checkpoin
     our_error = max(float((row - oracle[key][position]).abs().max()) for key, position, row in results)
     assert our_error <= BF16_ERROR_RATIO * hf_error
     assert float(oracle["c"].std()) > 3 * our_error  # the logits vary far more than the error
+
+
+@pytest.mark.skipif(not cpu_supports_kernels(), reason="this CPU has no AVX512")
+def test_compiled_decode_stack_matches_the_modules_bit_for_bit(tiny_checkpoint):
+    """Decode-only steps run every layer in one compiled call; logits and the K/V it writes are exactly
+    those of the same kernels called layer by layer from the modules."""
+    model, config = load_model(tiny_checkpoint, torch.bfloat16, torch.device("cpu"))
+    stack = model.model.decode_stack
+    assert stack is not None
+    tokens, steps = mixed_schedule()
+    runs = {}
+    for name, decode_stack in (("stack", stack), ("modules", None)):
+        model.model.decode_stack = decode_stack
+        pages = PagedSequences(num_pages=64, page_size=4, seed=6)
+        for key, seq in tokens.items():
+            pages.add(key, seq)
+        cache = KVCache(config, 64, 4, torch.bfloat16, torch.device("cpu"))
+        runs[name] = run_steps(model, config, pages, steps, cache=cache), cache.pools
+    model.model.decode_stack = stack
+    (with_stack, stack_pools), (with_modules, module_pools) = runs["stack"], runs["modules"]
+    assert [(k, p) for k, p, _ in with_stack] == [(k, p) for k, p, _ in with_modules]
+    for (key, position, got), (_, _, want) in zip(with_stack, with_modules):
+        assert torch.equal(got, want), f"{key} position {position}"
+    assert torch.equal(stack_pools, module_pools)
+
+
+@pytest.mark.skipif(not cpu_supports_kernels(), reason="this CPU has no AVX512")
+def test_decode_stack_only_where_its_kernels_run(tiny_checkpoint, tiny_checkpoint_mha_untied):
+    """float32 weights, or head_dim 16 (no compiled RoPE), keep the layer-by-layer path."""
+    assert load_model(tiny_checkpoint, torch.float32, torch.device("cpu"))[0].model.decode_stack is None
+    mha, _ = load_model(tiny_checkpoint_mha_untied, torch.bfloat16, torch.device("cpu"))
+    assert mha.model.decode_stack is None
 
 
 def test_kv_cache_dtype_must_match_weights(tiny_checkpoint):

@@ -15,9 +15,9 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("bindings.cpp", "linear_bf16.cpp", "paged_decode_attention.cpp", "rms_norm_bf16.cpp",
-           "activation_bf16.cpp")
-HEADERS = ("simd_bf16.h",)  # not compiled on their own; torch hashes only SOURCES, hence the name bump
-EXTENSION_NAME = "mili_cpu_kernels_v11"  # bump when a source changes so torch's JIT cache rebuilds
+           "activation_bf16.cpp", "decode_stack.cpp")
+HEADERS = ("simd_bf16.h", "kernels.h")  # not compiled on their own; torch hashes only SOURCES, hence the name bump
+EXTENSION_NAME = "mili_cpu_kernels_v13"  # bump when a source changes so torch's JIT cache rebuilds
 # -fopenmp: without it ATen's parallel_for compiles to a serial loop inside the extension
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"]
 LINK_FLAGS = ["-fopenmp"]
@@ -155,6 +155,45 @@ class CpuKernels:
                          ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
         """q (B, H, D) against the pool rows at slots[b, :ctx_lens[b]] -> (B, H, D)."""
         return self._module.paged_decode_attention(q.contiguous(), k_pool, v_pool, slots, ctx_lens, scale)
+
+    def decode_stack(self, weights: list[torch.Tensor], num_q_heads: int, num_kv_heads: int, head_dim: int,
+                     eps: float, scale: float) -> CpuDecodeStack | None:
+        """Every decoder layer of a decode step in one call, or None where a kernel cannot run the shapes.
+
+        weights: per layer input norm, qkv, q norm, k norm, o, post-attention norm, gate_up, down.
+        """
+        hidden_size, intermediate_size = weights[0].shape[0], weights[7].shape[1]
+        supported = (
+            all(w.dtype == torch.bfloat16 and w.device.type == "cpu" for w in weights)
+            and head_dim in ATTENTION_HEAD_DIMS
+            and head_dim % ROTARY_HEAD_DIM_MULTIPLE == 0
+            and hidden_size % VECTOR_LANES == 0
+            and intermediate_size % VECTOR_LANES == 0
+        )
+        if not supported:
+            return None
+        stack = self._module.DecodeStack([w.contiguous() for w in weights], num_q_heads, num_kv_heads, head_dim,
+                                         eps, scale)
+        return CpuDecodeStack(stack, self)
+
+
+class CpuDecodeStack:
+    """The compiled decoder layers for decode steps of up to `max_rows` sequences (the rows the matmul
+    kernel takes; a larger batch goes layer by layer, where its matmuls are GEMMs)."""
+
+    def __init__(self, stack, kernels: CpuKernels) -> None:
+        self._stack = stack
+        self._kernels = kernels
+
+    @property
+    def max_rows(self) -> int:
+        return self._kernels._max_kernel_rows
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, pools: torch.Tensor,
+                slot_mapping: torch.Tensor, slots: torch.Tensor, ctx_lens: torch.Tensor) -> torch.Tensor:
+        """hidden (B, hidden) embedded tokens -> (B, hidden) after the last layer, K/V written to `pools`."""
+        return self._stack.forward(hidden.contiguous(), cos.contiguous(), signed_sin.contiguous(), pools,
+                                   slot_mapping, slots, ctx_lens)
 
 
 @functools.lru_cache(maxsize=1)

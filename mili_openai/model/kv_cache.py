@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from mili_openai.model.config import ModelConfig
+from mili_openai.model.huge_pages import huge_page_zeros
 
 KV_PAIR = 2  # a K pool and a V pool per layer
 
@@ -25,10 +26,15 @@ class KVCache:
         self.num_slots = num_pages * page_size
         # Zeros, not empty: decode rows pad their context with slot 0 and mask it out, but a masked
         # position still multiplies its V by a zero weight, and 0 * NaN from uninitialised memory is NaN.
-        self.pools = torch.zeros(
-            model_config.num_hidden_layers, KV_PAIR, self.num_slots, model_config.num_key_value_heads,
-            model_config.head_dim, dtype=dtype, device=device,
-        )  # (layers, 2, slots, kv_heads, head_dim)
+        # On CPU, huge pages: decode attention reads each sequence's pages scattered over the pool.
+        shape = (model_config.num_hidden_layers, KV_PAIR, self.num_slots, model_config.num_key_value_heads,
+                 model_config.head_dim)  # (layers, 2, slots, kv_heads, head_dim)
+        if torch.device(device).type == "cpu":
+            # written once now, so the whole pool is resident from the start (as a GPU's would be): a
+            # machine short of memory fails here, not mid-request when a page is first touched
+            self.pools = huge_page_zeros(shape, dtype).zero_()
+        else:
+            self.pools = torch.zeros(shape, dtype=dtype, device=device)
 
     @staticmethod
     def bytes_per_page(model_config: ModelConfig, page_size: int, dtype: torch.dtype) -> int:

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from mili_openai.model.config import ModelConfig
+from mili_openai.model.huge_pages import move_parameters_to_huge_pages
 from mili_openai.model.qwen3 import Qwen3ForCausalLM
 from mili_openai.model.weights import CheckpointError, checkpoint_to_model_state
 
@@ -88,6 +89,9 @@ def load_model(
         raise CheckpointError(f"checkpoint weights do not fit {directory / 'config.json'}: {exc}") from exc
     model.to(device)  # the RoPE buffer, built on CPU, follows the weights
     model.requires_grad_(False).eval()
+    del tensors, state  # the parameters hold the only references: each frees as it moves below
+    if device.type == "cpu":
+        move_parameters_to_huge_pages(model)
     if use_decode_kernel and device.type == "cpu":
         _use_cpu_kernels(model, dtype)
     return model, config
@@ -104,3 +108,4 @@ def _use_cpu_kernels(model: Qwen3ForCausalLM, dtype: torch.dtype) -> None:
     if dtype == torch.bfloat16:
         model.set_matmul(kernels.linear)
         model.set_fused_op_kernel(kernels)
+        model.set_decode_stack_kernel(kernels)

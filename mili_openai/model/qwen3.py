@@ -8,6 +8,8 @@ matmuls instead of five. With tied embeddings there is no `lm_head`: logits use 
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,6 +21,20 @@ from mili_openai.model.kv_cache import KVCache
 from mili_openai.model.layers import FusedOpKernel, Linear, MatmulFn, RMSNorm, SwiGLUMLP
 from mili_openai.model.paged_attention import DecodeAttentionKernel
 from mili_openai.model.rope import RotaryEmbedding
+
+
+class DecodeStack(Protocol):
+    """Every decoder layer of a decode-only step in one compiled call (see mili_openai.kernels.CpuDecodeStack)."""
+
+    max_rows: int  # decode batches up to this size; larger ones run layer by layer
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, pools: torch.Tensor,
+                slot_mapping: torch.Tensor, slots: torch.Tensor, ctx_lens: torch.Tensor) -> torch.Tensor: ...
+
+
+class DecodeStackKernel(Protocol):
+    def decode_stack(self, weights: list[torch.Tensor], num_q_heads: int, num_kv_heads: int, head_dim: int,
+                     eps: float, scale: float) -> DecodeStack | None: ...
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -43,10 +59,17 @@ class Qwen3Model(nn.Module):
         self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
+        self.decode_stack: DecodeStack | None = None  # set by Qwen3ForCausalLM.set_decode_stack_kernel
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         hidden = self.embed_tokens(batch.input_ids)  # (T, hidden)
         cos, sin = self.rotary_emb(batch.positions, hidden.dtype)  # (T, 1, D) each, shared by all layers
+        stack = self.decode_stack
+        if (stack is not None and not batch.prefills and batch.decode_ctx_lens is not None
+                and batch.num_decode <= stack.max_rows):
+            hidden = stack.forward(hidden, cos, sin, kv_cache.pools, batch.slot_mapping, batch.decode_slots,
+                                   batch.decode_ctx_lens)
+            return self.norm(hidden)
         for index, layer in enumerate(self.layers):
             k_pool, v_pool = kv_cache.layer(index)
             hidden = layer(hidden, cos, sin, batch, k_pool, v_pool)
@@ -85,6 +108,22 @@ class Qwen3ForCausalLM(nn.Module):
                 module.kernel = kernel
         for layer in self.model.layers:
             layer.self_attn.norm_kernel = kernel
+
+    def set_decode_stack_kernel(self, kernel: DecodeStackKernel | None) -> None:
+        """Run decode-only steps through every layer in one compiled call, with the same kernels and rounding
+        as the modules (set the matmul and fused-op kernels too, or the two paths round differently)."""
+        if kernel is None:
+            self.model.decode_stack = None
+            return
+        weights = []
+        for layer in self.model.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            weights += [layer.input_layernorm.weight, attention.qkv_proj.weight, attention.q_norm.weight,
+                        attention.k_norm.weight, attention.o_proj.weight, layer.post_attention_layernorm.weight,
+                        mlp.gate_up_proj.weight, mlp.down_proj.weight]
+        attention = self.model.layers[0].self_attn
+        self.model.decode_stack = kernel.decode_stack(weights, attention.num_heads, attention.num_kv_heads,
+                                                      attention.head_dim, self.config.rms_norm_eps, attention.scale)
 
     def set_matmul(self, matmul: MatmulFn) -> None:
         """Route every projection and the LM head through `matmul` (e.g. the bf16 decode kernel)."""
