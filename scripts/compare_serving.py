@@ -128,25 +128,36 @@ def checkpoint_shape(path: Path) -> str:
 def measure_machine_limits(checkpoint: Path) -> dict[str, float]:
     """The floors a server cannot beat here: a decode step reads every weight once (bandwidth-bound), a
     prefill token costs 2 flops per non-embedding parameter (matmul-bound). Probes shared with scripts/bench_engine.py."""
-    from bench_engine import measure_matmul_flops, measure_read_bandwidth  # a sibling script
+    from bench_engine import measure_matmul_flops, measure_read_bandwidths  # a sibling script
 
     weight_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
-    bandwidth, flops = measure_read_bandwidth(), measure_matmul_flops()
+    probes = measure_read_bandwidths()
+    bandwidth, flops = max(probes.values()), measure_matmul_flops()
     config = json.loads((checkpoint / "config.json").read_text())
     # A prompt token goes through every matmul but the LM head (applied to the last position only); the
     # embedding is a row lookup. Tied or not, the file holds the vocab × hidden table at least once.
     params = weight_bytes / BF16_BYTES - config["vocab_size"] * config["hidden_size"]
-    return {"weight_bytes": weight_bytes, "read_bandwidth_bytes_per_s": bandwidth, "matmul_flops_per_s": flops,
+    return {"weight_bytes": weight_bytes, "read_bandwidth_bytes_per_s": bandwidth,
+            "read_bandwidth_probes": probes, "matmul_flops_per_s": flops,
             "decode_step_floor_ms": weight_bytes / bandwidth * MS_PER_S,
             "prefill_floor_ms_per_token": 2 * params / flops * MS_PER_S}
 
 
-def render_limits(limits: dict[str, float], results: dict[str, dict[str, dict]]) -> list[str]:
+def probe_text(limits: dict) -> str:
+    """' (the fastest of: float32 sum 23.1, ...)' from the probes, when the limits recorded them."""
+    probes = limits.get("read_bandwidth_probes")
+    if not probes:
+        return ""
+    return " (the fastest of: " + ", ".join(f"{name} {rate / 1e9:.1f}" for name, rate in probes.items()) + ")"
+
+
+def render_limits(limits: dict, results: dict[str, dict[str, dict]]) -> list[str]:
     step, per_token = limits["decode_step_floor_ms"], limits["prefill_floor_ms_per_token"]
     w3 = next(w for w in WORKLOADS if w.name == SINGLE_STREAM_WORKLOAD).bench
     prefill = per_token * w3.input_len
     lines = ["", "### Against this machine's limits", "",
-             f"Measured: read bandwidth {limits['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, best bf16-weight matmul "
+             f"Measured: read bandwidth {limits['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s{probe_text(limits)}, "
+             f"best bf16-weight matmul "
              f"{limits['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s; weights {limits['weight_bytes'] / 1e9:.2f} GB. "
              f"Floors: a decode step {step:.1f} ms (every weight read once), a {w3.input_len}-token prefill "
              f"{prefill:.0f} ms. {SINGLE_STREAM_WORKLOAD} measured ÷ floor (1.0 = at the limit):", ""]

@@ -30,9 +30,9 @@ class KVCache:
         shape = (model_config.num_hidden_layers, KV_PAIR, self.num_slots, model_config.num_key_value_heads,
                  model_config.head_dim)  # (layers, 2, slots, kv_heads, head_dim)
         if torch.device(device).type == "cpu":
-            # written once now, so the whole pool is resident from the start (as a GPU's would be): a
-            # machine short of memory fails here, not mid-request when a page is first touched
-            self.pools = huge_page_zeros(shape, dtype).zero_()
+            # zero-filled by the OS as pages are first touched: a pool sized for a long context costs
+            # memory as it fills (writing 2 GB of zeros up front took 0.6-5 s here)
+            self.pools = huge_page_zeros(shape, dtype)
         else:
             self.pools = torch.zeros(shape, dtype=dtype, device=device)
 
