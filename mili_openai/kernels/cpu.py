@@ -91,6 +91,11 @@ class CpuKernels:
         self._module = module
         self._max_kernel_rows, self._large_matmul = KERNEL_ROWS_CHOICES[0], F.linear
 
+    @property
+    def max_kernel_rows(self) -> int:
+        """Rows of x up to which `linear` runs the kernel (beyond it, a GEMM)."""
+        return self._max_kernel_rows
+
     def plan_matmuls(self) -> None:
         """Choose, by timing on this CPU, how many rows go to the kernel and the GEMM for the rest."""
         self._max_kernel_rows, self._large_matmul = plan_matmuls(self._module.linear_bf16)
@@ -164,7 +169,7 @@ class CpuKernels:
         """
         hidden_size, intermediate_size = weights[0].shape[0], weights[7].shape[1]
         supported = (
-            all(w.dtype == torch.bfloat16 and w.device.type == "cpu" for w in weights)
+            all(w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous() for w in weights)
             and head_dim in ATTENTION_HEAD_DIMS
             and head_dim % ROTARY_HEAD_DIM_MULTIPLE == 0
             and hidden_size % VECTOR_LANES == 0
@@ -172,8 +177,7 @@ class CpuKernels:
         )
         if not supported:
             return None
-        stack = self._module.DecodeStack([w.contiguous() for w in weights], num_q_heads, num_kv_heads, head_dim,
-                                         eps, scale)
+        stack = self._module.DecodeStack(weights, num_q_heads, num_kv_heads, head_dim, eps, scale)
         return CpuDecodeStack(stack, self)
 
 
@@ -187,7 +191,7 @@ class CpuDecodeStack:
 
     @property
     def max_rows(self) -> int:
-        return self._kernels._max_kernel_rows
+        return self._kernels.max_kernel_rows
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, pools: torch.Tensor,
                 slot_mapping: torch.Tensor, slots: torch.Tensor, ctx_lens: torch.Tensor) -> torch.Tensor:

@@ -30,9 +30,9 @@ class KVCache:
         shape = (model_config.num_hidden_layers, KV_PAIR, self.num_slots, model_config.num_key_value_heads,
                  model_config.head_dim)  # (layers, 2, slots, kv_heads, head_dim)
         if torch.device(device).type == "cpu":
-            # zero-filled by the OS as pages are first touched: a pool sized for a long context costs
-            # memory as it fills (writing 2 GB of zeros up front took 0.6-5 s here)
-            self.pools = huge_page_zeros(shape, dtype)
+            # written once now, so every page is resident before the first request (as torch.zeros did):
+            # a machine short of memory fails at start, and no request waits on page faults later
+            self.pools = huge_page_zeros(shape, dtype).zero_()
         else:
             self.pools = torch.zeros(shape, dtype=dtype, device=device)
 
