@@ -125,7 +125,7 @@ def checkpoint_shape(path: Path) -> str:
     return ", ".join(f"{key} {config[key]}" for key in keys if key in config)
 
 
-def measure_machine_limits(checkpoint: Path) -> dict[str, float]:
+def measure_machine_limits(checkpoint: Path) -> dict:
     """The floors a server cannot beat here: a decode step reads every weight once (bandwidth-bound), a
     prefill token costs 2 flops per non-embedding parameter (matmul-bound). Probes shared with scripts/bench_engine.py."""
     from bench_engine import measure_matmul_flops, measure_read_bandwidths  # a sibling script
