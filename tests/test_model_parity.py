@@ -214,8 +214,17 @@ def test_compiled_decode_stack_matches_the_modules_bit_for_bit(tiny_checkpoint):
     stack = model.model.decode_stack
     assert stack is not None
     tokens, steps = mixed_schedule()
+    stack_calls = []
+
+    class CountingStack:  # proves the first run went through the stack, not the modules both times
+        max_rows = stack.max_rows
+
+        def forward(self, *args):
+            stack_calls.append(args[0].shape[0])
+            return stack.forward(*args)
+
     runs = {}
-    for name, decode_stack in (("stack", stack), ("modules", None)):
+    for name, decode_stack in (("stack", CountingStack()), ("modules", None)):
         model.model.decode_stack = decode_stack
         pages = PagedSequences(num_pages=64, page_size=4, seed=6)
         for key, seq in tokens.items():
@@ -223,6 +232,7 @@ def test_compiled_decode_stack_matches_the_modules_bit_for_bit(tiny_checkpoint):
         cache = KVCache(config, 64, 4, torch.bfloat16, torch.device("cpu"))
         runs[name] = run_steps(model, config, pages, steps, cache=cache), cache.pools
     model.model.decode_stack = stack
+    assert stack_calls == [len(decode) for decode, prefill in steps if not prefill]  # every pure decode step
     (with_stack, stack_pools), (with_modules, module_pools) = runs["stack"], runs["modules"]
     assert [(k, p) for k, p, _ in with_stack] == [(k, p) for k, p, _ in with_modules]
     for (key, position, got), (_, _, want) in zip(with_stack, with_modules):

@@ -36,7 +36,7 @@ def _huge_page_arena(nbytes: int) -> torch.Tensor:
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros(shape, dtype=dtype) on CPU, on huge pages; pages are faulted in as they are first used."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     return _huge_page_arena(nbytes).view(dtype).view(shape)
 
 
