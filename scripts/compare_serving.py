@@ -125,9 +125,16 @@ def checkpoint_shape(path: Path) -> str:
     return ", ".join(f"{key} {config[key]}" for key in keys if key in config)
 
 
+def single_stream_bench():
+    """The bench config of the workload the per-token floors apply to."""
+    return next(w for w in WORKLOADS if w.name == SINGLE_STREAM_WORKLOAD).bench
+
+
 def measure_machine_limits(checkpoint: Path) -> dict:
     """The floors a server cannot beat here: a decode step reads every weight once (bandwidth-bound), a
-    prefill token costs 2 flops per non-embedding parameter (matmul-bound). Probes shared with scripts/bench_engine.py."""
+    prefill token costs 2 flops per non-embedding parameter plus causal attention's two products over its
+    mean context, at the single-stream workload's prompt length (matmul-bound). Probes shared with
+    scripts/bench_engine.py."""
     from bench_engine import measure_matmul_flops, measure_read_bandwidths  # a sibling script
 
     weight_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
@@ -137,10 +144,14 @@ def measure_machine_limits(checkpoint: Path) -> dict:
     # A prompt token goes through every matmul but the LM head (applied to the last position only); the
     # embedding is a row lookup. Tied or not, the file holds the vocab × hidden table at least once.
     params = weight_bytes / BF16_BYTES - config["vocab_size"] * config["hidden_size"]
+    prompt_len = single_stream_bench().input_len
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    # q·k and p·v, 2 flops a multiply-add each, per head and layer, over the mean context of a causal prompt
+    attention = 2 * 2 * config["num_hidden_layers"] * config["num_attention_heads"] * head_dim * (prompt_len // 2)
     return {"weight_bytes": weight_bytes, "read_bandwidth_bytes_per_s": bandwidth,
             "read_bandwidth_probes": probes, "matmul_flops_per_s": flops,
             "decode_step_floor_ms": weight_bytes / bandwidth * MS_PER_S,
-            "prefill_floor_ms_per_token": 2 * params / flops * MS_PER_S}
+            "prefill_floor_ms_per_token": (2 * params + attention) / flops * MS_PER_S}
 
 
 def probe_text(limits: dict) -> str:
@@ -153,7 +164,7 @@ def probe_text(limits: dict) -> str:
 
 def render_limits(limits: dict, results: dict[str, dict[str, dict]]) -> list[str]:
     step, per_token = limits["decode_step_floor_ms"], limits["prefill_floor_ms_per_token"]
-    w3 = next(w for w in WORKLOADS if w.name == SINGLE_STREAM_WORKLOAD).bench
+    w3 = single_stream_bench()
     prefill = per_token * w3.input_len
     lines = ["", "### Against this machine's limits", "",
              f"Measured: read bandwidth {limits['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s{probe_text(limits)}, "

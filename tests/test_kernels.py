@@ -97,6 +97,45 @@ def test_paged_decode_attention_matches_sdpa(kernels, dtype, heads, kv_heads, he
     torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
 
 
+def reference_prefill_attention(q, k_pool, v_pool, context_slots, scale):
+    length, ctx = q.shape[0], context_slots.shape[0]
+    keys = k_pool[context_slots].float().transpose(0, 1)  # (KV, C, D)
+    values = v_pool[context_slots].float().transpose(0, 1)
+    visible = torch.arange(ctx)[None, :] <= torch.arange(ctx - length, ctx)[:, None]  # bottom-right causal
+    out = F.scaled_dot_product_attention(q.float().transpose(0, 1), keys, values, attn_mask=visible, scale=scale,
+                                         enable_gqa=True)
+    return out.transpose(0, 1)  # (L, H, D)
+
+
+# (chunk length, context length): a whole prompt, a chunk after a cached prefix, one token, lengths that
+# leave partial query and key blocks; head shapes: Qwen3-0.6B's, MHA, and groups that do not divide 64
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("length,ctx", [(130, 130), (64, 1000), (1, 7), (37, 100)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (4, 4, 16), (40, 8, 32), (8, 1, 64)])
+def test_paged_prefill_attention_matches_sdpa(kernels, dtype, length, ctx, heads, kv_heads, head_dim):
+    torch.manual_seed(length + heads)
+    num_slots = ctx + 40
+    k_pool = torch.randn(num_slots, kv_heads, head_dim, dtype=dtype)
+    v_pool = torch.randn(num_slots, kv_heads, head_dim, dtype=dtype)
+    context_slots = torch.randperm(num_slots)[:ctx]  # scattered pages
+    qk = torch.randn(length, heads + kv_heads, head_dim, dtype=dtype)
+    q = qk[:, :heads]  # as the model passes it: rows strided, each row's heads contiguous
+    assert kernels.supports_prefill_attention(q, k_pool)
+    scale = head_dim**-0.5
+    got = kernels.prefill_attention(q, k_pool, v_pool, context_slots, scale)
+    want = reference_prefill_attention(q, k_pool, v_pool, context_slots, scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
+
+
+def test_paged_prefill_attention_refuses_slots_outside_the_pool(kernels):
+    k_pool = torch.randn(10, 2, 32, dtype=torch.bfloat16)
+    q = torch.randn(3, 4, 32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        kernels.prefill_attention(q, k_pool, k_pool, torch.tensor([0, 1, 10]), 1.0)
+
+
 def test_rms_norm_matches_transformers_rounding(kernels):
     torch.manual_seed(0)
     x = torch.randn(5, 3, 1024, dtype=torch.bfloat16) * 3

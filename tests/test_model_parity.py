@@ -173,10 +173,42 @@ def test_decode_rows_batched_with_prefill_chunks(models):
     assert_close_to_hf(results, {key: hf_logits(hf, seq) for key, seq in tokens.items()}, FP32_ATOL)
 
 
+@pytest.mark.skipif(not cpu_supports_kernels(), reason="this CPU has no AVX512")
+def test_prefill_chunks_attend_through_the_compiled_kernel(models):
+    """Whole prompts, first chunks and chunks after a cached prefix all attend from the pool in place,
+    and stay as close to transformers as the torch path."""
+    model, config, hf = models
+    kernel = model.model.layers[0].self_attn.attention_kernel
+    assert kernel is not None
+    chunk_lengths = []
+
+    class CountingKernel:  # proves the chunks went through the kernel rather than SDPA
+        supports_decode_attention = staticmethod(kernel.supports_decode_attention)
+        decode_attention = staticmethod(kernel.decode_attention)
+        supports_prefill_attention = staticmethod(kernel.supports_prefill_attention)
+
+        def prefill_attention(self, q, *args):
+            chunk_lengths.append(q.shape[0])
+            return kernel.prefill_attention(q, *args)
+
+    model.set_attention_kernel(CountingKernel())
+    try:
+        tokens, steps = mixed_schedule()
+        pages = PagedSequences(num_pages=64, page_size=4, seed=7)
+        for key, seq in tokens.items():
+            pages.add(key, seq)
+        results = run_steps(model, config, pages, steps)
+    finally:
+        model.set_attention_kernel(kernel)
+    expected = [length for _, prefill in steps for _ in range(config.num_hidden_layers) for _, length in prefill]
+    assert chunk_lengths == expected  # each layer of each step, its chunks in batch order
+    assert_close_to_hf(results, {key: hf_logits(hf, seq) for key, seq in tokens.items()}, FP32_ATOL)
+
+
 def test_decode_rows_through_torch_ops_without_compiled_kernels(checkpoint, models):
     """The portable path (GPUs, CPUs without AVX512-BF16): gathered context, masked SDPA."""
     model, config = load_model(checkpoint, torch.float32, torch.device("cpu"), use_decode_kernel=False)
-    assert all(layer.self_attn.decode_kernel is None for layer in model.model.layers)
+    assert all(layer.self_attn.attention_kernel is None for layer in model.model.layers)
     hf = models[2]
     tokens, steps = mixed_schedule()
     pages = PagedSequences(num_pages=64, page_size=4, seed=5)

@@ -14,10 +14,11 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
-SOURCES = ("bindings.cpp", "linear_bf16.cpp", "paged_decode_attention.cpp", "rms_norm_bf16.cpp",
+SOURCES = ("bindings.cpp", "linear_bf16.cpp", "paged_decode_attention.cpp",
+           "paged_prefill_attention.cpp", "rms_norm_bf16.cpp",
            "activation_bf16.cpp", "decode_stack.cpp")
 HEADERS = ("simd_bf16.h", "kernels.h")  # not compiled on their own; torch hashes only SOURCES, hence the name bump
-EXTENSION_NAME = "mili_cpu_kernels_v13"  # bump when a source changes so torch's JIT cache rebuilds
+EXTENSION_NAME = "mili_cpu_kernels_v14"  # bump when a source changes so torch's JIT cache rebuilds
 # -fopenmp: without it ATen's parallel_for compiles to a serial loop inside the extension
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"]
 LINK_FLAGS = ["-fopenmp"]
@@ -34,6 +35,7 @@ CALIBRATION_LARGE_ROWS = 256  # a prefill chunk
 MatmulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, weight) -> x @ weight.T
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # the attention kernel keeps a head in registers
 ATTENTION_DTYPES = (torch.bfloat16, torch.float32)
+PREFILL_ATTENTION_MAX_GROUP = 64  # query heads per KV head: a prefill task spreads them over 64 lanes
 ROTARY_HEAD_DIM_MULTIPLE, MAX_ROTARY_HEAD_DIM = 32, 256  # the kernel rotates 16-lane halves on the stack
 
 
@@ -160,6 +162,20 @@ class CpuKernels:
                          ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
         """q (B, H, D) against the pool rows at slots[b, :ctx_lens[b]] -> (B, H, D)."""
         return self._module.paged_decode_attention(q.contiguous(), k_pool, v_pool, slots, ctx_lens, scale)
+
+    @staticmethod
+    def supports_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
+        num_heads, num_kv_heads = q.shape[1], k_pool.shape[1]
+        return (
+            CpuKernels.supports_decode_attention(q, k_pool)
+            and q.stride(-1) == 1 and q.stride(-2) == q.shape[-1]  # each row's heads contiguous, rows may stride
+            and num_heads // num_kv_heads <= PREFILL_ATTENTION_MAX_GROUP
+        )
+
+    def prefill_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                          context_slots: torch.Tensor, scale: float) -> torch.Tensor:
+        """q (L, H, D), the last L of the context's slots -> causal attention over the context, (L, H, D)."""
+        return self._module.paged_prefill_attention(q, k_pool, v_pool, context_slots, scale)
 
     def decode_stack(self, weights: list[torch.Tensor], num_q_heads: int, num_kv_heads: int, head_dim: int,
                      eps: float, scale: float) -> CpuDecodeStack | None:

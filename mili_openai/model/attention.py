@@ -9,7 +9,7 @@ from torch import nn
 from mili_openai.model.batch import ForwardBatch
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.layers import FusedOpKernel, Linear, RMSNorm, rms_normalize
-from mili_openai.model.paged_attention import DecodeAttentionKernel, paged_attention
+from mili_openai.model.paged_attention import AttentionKernel, paged_attention
 from mili_openai.model.rope import apply_rotary
 
 
@@ -27,7 +27,7 @@ class Qwen3Attention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.decode_kernel: DecodeAttentionKernel | None = None  # set by Qwen3ForCausalLM.set_decode_attention_kernel
+        self.attention_kernel: AttentionKernel | None = None  # set by Qwen3ForCausalLM.set_attention_kernel
         self.norm_kernel: FusedOpKernel | None = None  # set by Qwen3ForCausalLM.set_fused_op_kernel
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
@@ -40,7 +40,7 @@ class Qwen3Attention(nn.Module):
         qk = self._norm_and_rotate(qk.view(tokens, heads + kv_heads, self.head_dim), cos, sin)  # (T, H + KV, D)
         q, k = qk.split((heads, kv_heads), dim=1)  # (T, H, D), (T, KV, D)
         v = v.view(tokens, kv_heads, self.head_dim)  # (T, KV, D)
-        out = paged_attention(q, k, v, k_pool, v_pool, batch, self.scale, self.decode_kernel)  # (T, H, D)
+        out = paged_attention(q, k, v, k_pool, v_pool, batch, self.scale, self.attention_kernel)  # (T, H, D)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
     def _norm_and_rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -70,8 +70,8 @@ def load_model(
 ) -> tuple[Qwen3ForCausalLM, ModelConfig]:
     """-> (model in eval mode on `device` with weights in `dtype`, its config).
 
-    `use_decode_kernel`: on a CPU with AVX512, use the compiled kernels: decode attention from the paged
-    pool, and with bf16 weights the matmuls, RMSNorms, q/k norm + RoPE and SwiGLU's activation (the model
+    `use_decode_kernel`: on a CPU with AVX512, use the compiled kernels: decode and prefill attention from
+    the paged pool, and with bf16 weights the matmuls, RMSNorms, q/k norm + RoPE and SwiGLU's activation (the model
     falls back to torch when they cannot be built).
     """
     directory = Path(path)
@@ -104,7 +104,7 @@ def _use_cpu_kernels(model: Qwen3ForCausalLM, dtype: torch.dtype) -> None:
     kernels = load_cpu_kernels()
     if kernels is None:
         return
-    model.set_decode_attention_kernel(kernels)
+    model.set_attention_kernel(kernels)
     if dtype == torch.bfloat16:
         model.set_matmul(kernels.linear)
         model.set_fused_op_kernel(kernels)

@@ -19,7 +19,7 @@ from mili_openai.model.batch import ForwardBatch
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.kv_cache import KVCache
 from mili_openai.model.layers import FusedOpKernel, Linear, MatmulFn, RMSNorm, SwiGLUMLP
-from mili_openai.model.paged_attention import DecodeAttentionKernel
+from mili_openai.model.paged_attention import AttentionKernel
 from mili_openai.model.rope import RotaryEmbedding
 
 
@@ -96,10 +96,10 @@ class Qwen3ForCausalLM(nn.Module):
         weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         return self._logits_matmul(hidden, weight).float()
 
-    def set_decode_attention_kernel(self, kernel: DecodeAttentionKernel | None) -> None:
-        """Let decode rows attend straight from the paged pool through a compiled kernel."""
+    def set_attention_kernel(self, kernel: AttentionKernel | None) -> None:
+        """Let decode rows and prefill chunks attend straight from the paged pool through a compiled kernel."""
         for layer in self.model.layers:
-            layer.self_attn.decode_kernel = kernel
+            layer.self_attn.attention_kernel = kernel
 
     def set_fused_op_kernel(self, kernel: FusedOpKernel | None) -> None:
         """Run every RMSNorm, each layer's q/k norm + RoPE and SwiGLU activation through a compiled kernel."""

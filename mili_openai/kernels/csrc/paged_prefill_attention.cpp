@@ -1,0 +1,256 @@
+// Prefill attention straight from the paged KV pool: a chunk of L query tokens of one sequence attends
+// causally to its context (cached prefix plus the chunk itself, already written to the pool), without
+// gathering the context into a contiguous copy or building a mask.
+//
+// Flash-attention order on AVX-512, everything fp32: one task per (KV head, block of query positions)
+// holds the block's rows for every query head sharing that KV head (grouped-query attention: each K and
+// V row is widened once for the whole group), walks the context in blocks of keys up to the block's last
+// visible position, and keeps a running max and sum per row (online softmax), so no score matrix larger
+// than one block exists. Queries and the output are held transposed, 64 rows across the lanes of four
+// registers: scores, softmax, masking and rescaling are then plain vector ops, and both products are
+// broadcast-FMAs with 16 accumulators. Key blocks wholly after a row block's last position are skipped.
+// Measured on a 2-core Xeon (Qwen3-0.6B heads, a 512-token prompt, bf16): 6.3-7.3 ms a layer against
+// 10.9-13.5 ms for torch's causal SDPA on the same K/V already gathered, ~170 GFLOP/s of causal work.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <limits>
+#include <vector>
+
+#include "simd_bf16.h"
+
+namespace {
+
+using mili::exp_nonpositive;
+using mili::kLanes;
+
+constexpr int64_t kRowVectors = 4;                    // query rows of a task: 4 registers of 16 lanes
+constexpr int64_t kTaskRows = kRowVectors * kLanes;  // 64 = (query heads of a group) x positions
+constexpr int64_t kKeyBlock = 64;                    // keys scored per pass (fp32 K and V blocks: 32 KB each at D=128)
+constexpr int64_t kKeysPerPass = 4;                  // score accumulators: 4 keys x 4 row vectors
+constexpr int64_t kDimsPerPass = 4;                  // output accumulators: 4 dims x 4 row vectors
+
+inline float to_float(float v) { return v; }
+inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
+
+// count rows of `head_dim` values (slot rows `row_stride` apart, starting `offset` in) -> dst (count, head_dim)
+template <typename T>
+void widen_rows(const T* pool, const int64_t* slots, int64_t count, int64_t row_stride, int64_t offset,
+                int64_t head_dim, float* dst) {
+  for (int64_t j = 0; j < count; ++j) {
+    const T* src = pool + slots[j] * row_stride + offset;
+    float* out = dst + j * head_dim;
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      for (int64_t d = 0; d < head_dim; d += kLanes) _mm512_storeu_ps(out + d, mili::widen_bf16(src + d));
+    } else {
+      std::copy(src, src + head_dim, out);
+    }
+  }
+}
+
+// scores[j] (4 row vectors) = sum_d q_t[d] * k[j, d] for the block's keys; q_t (D, 4 vectors) pre-scaled.
+void score_block(const float* q_t, const float* k, int64_t keys, int64_t head_dim, __m512* scores) {
+  int64_t j = 0;
+  for (; j + kKeysPerPass <= keys; j += kKeysPerPass) {
+    __m512 acc[kKeysPerPass][kRowVectors];
+    for (auto& key : acc)
+      for (auto& v : key) v = _mm512_setzero_ps();
+    for (int64_t d = 0; d < head_dim; ++d) {
+      __m512 qv[kRowVectors];
+      for (int64_t v = 0; v < kRowVectors; ++v) qv[v] = _mm512_loadu_ps(q_t + (d * kRowVectors + v) * kLanes);
+      for (int64_t u = 0; u < kKeysPerPass; ++u) {
+        const __m512 kv = _mm512_set1_ps(k[(j + u) * head_dim + d]);
+        for (int64_t v = 0; v < kRowVectors; ++v) acc[u][v] = _mm512_fmadd_ps(qv[v], kv, acc[u][v]);
+      }
+    }
+    for (int64_t u = 0; u < kKeysPerPass; ++u)
+      for (int64_t v = 0; v < kRowVectors; ++v) scores[(j + u) * kRowVectors + v] = acc[u][v];
+  }
+  for (; j < keys; ++j) {
+    __m512 acc[kRowVectors];
+    for (auto& v : acc) v = _mm512_setzero_ps();
+    for (int64_t d = 0; d < head_dim; ++d) {
+      const __m512 kv = _mm512_set1_ps(k[j * head_dim + d]);
+      for (int64_t v = 0; v < kRowVectors; ++v)
+        acc[v] = _mm512_fmadd_ps(_mm512_loadu_ps(q_t + (d * kRowVectors + v) * kLanes), kv, acc[v]);
+    }
+    for (int64_t v = 0; v < kRowVectors; ++v) scores[j * kRowVectors + v] = acc[v];
+  }
+}
+
+// out_t[d] (4 row vectors) += sum_j probs[j] * v[j, d]
+void accumulate_values(const __m512* probs, const float* values, int64_t keys, int64_t head_dim, float* out_t) {
+  for (int64_t d = 0; d < head_dim; d += kDimsPerPass) {
+    __m512 acc[kDimsPerPass][kRowVectors];
+    for (int64_t u = 0; u < kDimsPerPass; ++u)
+      for (int64_t v = 0; v < kRowVectors; ++v) acc[u][v] = _mm512_loadu_ps(out_t + ((d + u) * kRowVectors + v) * kLanes);
+    for (int64_t j = 0; j < keys; ++j) {
+      for (int64_t u = 0; u < kDimsPerPass; ++u) {
+        const __m512 vv = _mm512_set1_ps(values[j * head_dim + d + u]);
+        for (int64_t v = 0; v < kRowVectors; ++v) acc[u][v] = _mm512_fmadd_ps(probs[j * kRowVectors + v], vv, acc[u][v]);
+      }
+    }
+    for (int64_t u = 0; u < kDimsPerPass; ++u)
+      for (int64_t v = 0; v < kRowVectors; ++v) _mm512_storeu_ps(out_t + ((d + u) * kRowVectors + v) * kLanes, acc[u][v]);
+  }
+}
+
+struct Shapes {
+  int64_t length, ctx, num_heads, num_kv_heads, head_dim, group, positions_per_task, q_row_stride;
+};
+
+// Per-thread scratch, reused across tasks.
+struct Scratch {
+  std::vector<float> q_t, out_t, keys, values;
+  std::vector<__m512> scores;
+  explicit Scratch(int64_t head_dim)
+      : q_t(head_dim * kTaskRows), out_t(head_dim * kTaskRows), keys(kKeyBlock * head_dim),
+        values(kKeyBlock * head_dim), scores(kKeyBlock * kRowVectors) {}
+};
+
+// One task: KV head h, query positions [p0, p0 + positions_per_task) of the chunk. Lane r holds query
+// head h * group + r / positions and chunk position p0 + r % positions (lanes past the group's rows, or
+// past the chunk, compute a copy of a valid row and are not written).
+template <typename T>
+void attend_task(const T* q, const T* k_pool, const T* v_pool, const int64_t* slots, const Shapes& s, int64_t h,
+                 int64_t p0, float scale, T* out, Scratch& scratch) {
+  const int64_t D = s.head_dim, P = s.positions_per_task, kv_row = s.num_kv_heads * D;
+  const int64_t last = std::min(s.length, p0 + P) - 1;  // last chunk position in the task
+  alignas(64) int32_t lane_pos[kTaskRows];            // each lane's context position
+  int64_t lane_q[kTaskRows];                          // each lane's query row offset in q
+  for (int64_t r = 0; r < kTaskRows; ++r) {
+    const int64_t g = std::min(r / P, s.group - 1), p = std::min(p0 + r % P, last);
+    lane_pos[r] = static_cast<int32_t>(s.ctx - s.length + p);
+    lane_q[r] = p * s.q_row_stride + (h * s.group + g) * D;
+  }
+  float* q_t = scratch.q_t.data();
+  for (int64_t r = 0; r < kTaskRows; ++r)
+    for (int64_t d = 0; d < D; ++d) q_t[d * kTaskRows + r] = to_float(q[lane_q[r] + d]) * scale;
+  std::fill(scratch.out_t.begin(), scratch.out_t.end(), 0.f);
+  __m512 pos[kRowVectors], row_max[kRowVectors], row_sum[kRowVectors];
+  for (int64_t v = 0; v < kRowVectors; ++v) {
+    pos[v] = _mm512_cvtepi32_ps(_mm512_load_si512(lane_pos + v * kLanes));
+    row_max[v] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    row_sum[v] = _mm512_setzero_ps();
+  }
+  const int64_t visible = s.ctx - s.length + last + 1;  // keys [0, visible) matter to some lane
+  for (int64_t c0 = 0; c0 < visible; c0 += kKeyBlock) {
+    const int64_t keys = std::min(kKeyBlock, visible - c0);
+    widen_rows(k_pool, slots + c0, keys, kv_row, h * D, D, scratch.keys.data());
+    widen_rows(v_pool, slots + c0, keys, kv_row, h * D, D, scratch.values.data());
+    __m512* scores = scratch.scores.data();
+    score_block(q_t, scratch.keys.data(), keys, D, scores);
+    // causal: key position c0 + j is hidden from lanes at an earlier position
+    const bool diagonal = c0 + keys - 1 > s.ctx - s.length + p0;
+    __m512 block_max[kRowVectors];
+    for (int64_t v = 0; v < kRowVectors; ++v) block_max[v] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t j = 0; j < keys; ++j) {
+      const __m512 key_pos = _mm512_set1_ps(static_cast<float>(c0 + j));
+      for (int64_t v = 0; v < kRowVectors; ++v) {
+        __m512& sc = scores[j * kRowVectors + v];
+        if (diagonal)
+          sc = _mm512_mask_mov_ps(sc, _mm512_cmp_ps_mask(key_pos, pos[v], _CMP_GT_OQ),
+                                  _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
+        block_max[v] = _mm512_max_ps(block_max[v], sc);
+      }
+    }
+    __m512 new_max[kRowVectors];
+    for (int64_t v = 0; v < kRowVectors; ++v) {
+      // every lane sees key 0, so after the first block the running max is finite
+      new_max[v] = _mm512_max_ps(row_max[v], block_max[v]);
+      const __m512 rescale = c0 == 0 ? _mm512_setzero_ps() : exp_nonpositive(_mm512_sub_ps(row_max[v], new_max[v]));
+      row_sum[v] = _mm512_mul_ps(row_sum[v], rescale);
+      row_max[v] = new_max[v];
+      if (c0 != 0)
+        for (int64_t d = 0; d < D; ++d) {
+          float* o = scratch.out_t.data() + (d * kRowVectors + v) * kLanes;
+          _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), rescale));
+        }
+    }
+    for (int64_t j = 0; j < keys; ++j)
+      for (int64_t v = 0; v < kRowVectors; ++v) {
+        __m512& sc = scores[j * kRowVectors + v];
+        const __mmask16 seen = _mm512_cmp_ps_mask(sc, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ);
+        sc = _mm512_maskz_mov_ps(seen, exp_nonpositive(_mm512_sub_ps(sc, new_max[v])));  // hidden keys weigh 0
+        row_sum[v] = _mm512_add_ps(row_sum[v], sc);
+      }
+    accumulate_values(scores, scratch.values.data(), keys, D, scratch.out_t.data());
+  }
+  alignas(64) float inv_sum[kTaskRows];
+  for (int64_t v = 0; v < kRowVectors; ++v) _mm512_store_ps(inv_sum + v * kLanes, _mm512_div_ps(_mm512_set1_ps(1.f), row_sum[v]));
+  const int64_t rows = s.group * P;  // lanes that are real (head, position) pairs
+  for (int64_t r = 0; r < std::min(rows, kTaskRows); ++r) {
+    if (p0 + r % P > last) continue;
+    const int64_t row = (p0 + r % P) * s.num_heads * D + (h * s.group + r / P) * D;
+    for (int64_t d = 0; d < D; ++d) out[row + d] = static_cast<T>(scratch.out_t[d * kTaskRows + r] * inv_sum[r]);
+  }
+}
+
+template <typename T>
+void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+         const torch::Tensor& slots, double scale, torch::Tensor& out) {
+  Shapes s{};
+  s.length = q.size(0);
+  s.num_heads = q.size(1);
+  s.head_dim = q.size(2);
+  s.ctx = slots.size(0);
+  s.num_kv_heads = k_pool.size(1);
+  s.group = s.num_heads / s.num_kv_heads;
+  s.positions_per_task = kTaskRows / s.group;
+  s.q_row_stride = q.stride(0);
+  const int64_t blocks = (s.length + s.positions_per_task - 1) / s.positions_per_task;
+  const int64_t tasks = blocks * s.num_kv_heads;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_pool.data_ptr<T>();
+  const T* vp = v_pool.data_ptr<T>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  // Later position blocks see more keys: hand them out first, from a shared counter, so the cheap early
+  // blocks fill in at the end and no thread is left with the long tail.
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    Scratch scratch(s.head_dim);
+    for (int64_t t = next_task.fetch_add(1); t < tasks; t = next_task.fetch_add(1)) {
+      const int64_t block = blocks - 1 - t / s.num_kv_heads, h = t % s.num_kv_heads;
+      attend_task(qp, kp, vp, sp, s, h, block * s.positions_per_task, static_cast<float>(scale), op, scratch);
+    }
+  });
+}
+
+}  // namespace
+
+// q (L, H, D) (rows may be strided, each row's heads contiguous); k_pool, v_pool (slots, KV, D);
+// context_slots (ctx,) int64, the chunk's own L slots last -> (L, H, D). Query i sits at context position
+// ctx - L + i and sees positions [0, ctx - L + i].
+torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                                      const torch::Tensor& context_slots, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu(), "paged_prefill_attention: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(), "paged_prefill_attention: shapes");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_prefill_attention: each q row's heads contiguous");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && context_slots.is_contiguous(),
+              "paged_prefill_attention: contiguous pools and slots");
+  TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type(),
+              "paged_prefill_attention: q and the pools share a dtype");
+  TORCH_CHECK(context_slots.scalar_type() == at::kLong, "paged_prefill_attention: int64 slots");
+  TORCH_CHECK(q.size(2) == k_pool.size(2) && q.size(2) % kLanes == 0, "head_dim: shared, a multiple of 16");
+  TORCH_CHECK(q.size(1) % k_pool.size(1) == 0 && q.size(1) / k_pool.size(1) <= kTaskRows,
+              "query heads must be a multiple of KV heads, at most 64 per KV head");
+  TORCH_CHECK(context_slots.size(0) >= q.size(0), "the context includes the chunk");
+  const int64_t* slot = context_slots.data_ptr<int64_t>();
+  const int64_t num_slots = k_pool.size(0);
+  TORCH_CHECK(std::all_of(slot, slot + context_slots.size(0), [&](int64_t c) { return c >= 0 && c < num_slots; }),
+              "paged_prefill_attention: a context slot lies outside the pool");
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  if (q.size(0) == 0) return out;
+  if (q.scalar_type() == at::kBFloat16) {
+    run<at::BFloat16>(q, k_pool, v_pool, context_slots, scale, out);
+  } else if (q.scalar_type() == at::kFloat) {
+    run<float>(q, k_pool, v_pool, context_slots, scale, out);
+  } else {
+    TORCH_CHECK(false, "paged_prefill_attention: bf16 or fp32 only");
+  }
+  return out;
+}
