@@ -79,22 +79,33 @@ def reference_decode_attention(q, k_pool, v_pool, slots, ctx_lens, scale):
     return torch.stack(outs)  # (B, H, D)
 
 
+# context lengths: partial blocks of 16 slots; one long context the kernel splits into several spans
+# (merged afterwards) beside short ones that fit one
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (16, 8, 128), (4, 4, 16)])
-def test_paged_decode_attention_matches_sdpa(kernels, dtype, heads, kv_heads, head_dim):
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (16, 8, 128), (4, 4, 16), (6, 2, 64)])
+@pytest.mark.parametrize("lengths", [(1, 57, 120), (1000, 3)])
+def test_paged_decode_attention_matches_sdpa(kernels, dtype, heads, kv_heads, head_dim, lengths):
     torch.manual_seed(heads + head_dim)
-    num_slots, batch = 200, 3
+    num_slots, batch, width = 1200, len(lengths), max(lengths)
     k_pool = torch.randn(num_slots, kv_heads, head_dim, dtype=dtype)
     v_pool = torch.randn(num_slots, kv_heads, head_dim, dtype=dtype)
     q = torch.randn(batch, heads, head_dim, dtype=dtype)
-    ctx_lens = torch.tensor([1, 57, 120])
-    slots = torch.stack([torch.randperm(num_slots)[:120] for _ in range(batch)])  # scattered pages
+    ctx_lens = torch.tensor(lengths)
+    slots = torch.stack([torch.randperm(num_slots)[:width] for _ in range(batch)])  # scattered pages
     scale = head_dim**-0.5
     got = kernels.decode_attention(q, k_pool, v_pool, slots, ctx_lens, scale)
     want = reference_decode_attention(q, k_pool, v_pool, slots, ctx_lens, scale)
     assert got.dtype == dtype and got.shape == q.shape
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
+
+
+def test_paged_decode_attention_refuses_empty_or_overlong_contexts(kernels):
+    pool = torch.randn(10, 2, 32, dtype=torch.bfloat16)
+    q, slots = torch.randn(1, 4, 32, dtype=torch.bfloat16), torch.arange(4)[None]
+    for length in (0, 5):
+        with pytest.raises(RuntimeError, match="each context holds"):
+            kernels.decode_attention(q, pool, pool, slots, torch.tensor([length]), 1.0)
 
 
 def reference_prefill_attention(q, k_pool, v_pool, context_slots, scale):
