@@ -126,3 +126,51 @@ def test_stop_string_is_never_emitted(engine):
     got = "".join(d.text for d in cut)
     assert cut[-1].finish_reason == "stop" and cut[-1].stop_reason == stop
     assert got == text[: text.index(stop)]
+
+
+def test_steps_planned_ahead_give_the_offline_engines_tokens(engine, tiny_checkpoint):
+    """Decode steps scheduled while the step before runs feed on its tokens once they exist: greedy and
+    seeded outputs match the offline engine's (which never plans ahead), through a stop mid-stream and
+    max lengths that differ; then beside a penalised request, whose steps are not planned ahead."""
+    from mili_openai import LLM
+
+    offline = LLM(str(tiny_checkpoint), dtype="float32", num_pages=64, page_size=8, max_num_batched_tokens=64,
+                  max_model_len=256)
+    prompts = random_prompts(6, [9, 30, 17], seed=7)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (14, 5, 9)]
+    params.append(SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True))
+    params.append(SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.3, ignore_eos=True))
+    params.append(SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    want = [out.outputs[0].token_ids for out in offline.generate(prompts, params)]
+    # a stop token from the middle of the first output ends that request early, with a step in flight
+    stop_at = want[0][6]
+    params[0] = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, stop_token_ids=[stop_at])
+    want[0] = want[0][: want[0].index(stop_at) + 1]
+
+    fed = []  # per prepared step: rows whose input token was pending
+    prepare = engine.core.runner.prepare
+
+    def recording_prepare(batch, sample_index=None):
+        step = prepare(batch, sample_index)
+        fed.append(len(step.pending_rows))
+        return step
+
+    def generate(indices):
+        async def go():
+            streams = [engine.submit(prompts[i], params[i]) for i in indices]
+            return await asyncio.gather(*(collect(s) for s in streams))
+
+        return [[t for d in deltas for t in d.token_ids] for deltas in run(engine, go)]
+
+    engine.core.runner.prepare = recording_prepare
+    try:
+        assert generate([0, 1, 2, 3]) == want[:4]
+        assert max(fed) >= 3  # several decodes fed on pending tokens in one step
+        fed.clear()
+        assert generate([4, 5]) == want[4:]
+        # nothing planned ahead while the penalised request decoded (10 tokens), then the other went on
+        assert fed[:10] == [0] * 10 and max(fed) == 1
+    finally:
+        del engine.core.runner.prepare
+    engine.core.check_integrity()
+    assert engine.core.pages.tree.locked_pages == 0

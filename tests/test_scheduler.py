@@ -1,21 +1,23 @@
 """The scheduler and page bookkeeping without a model: random workloads driven step by step.
 
-A fake forward marks scheduled tokens computed and samples a token from a counter. After every step
+A fake forward samples a token from a counter for each sequence whose step samples. After every step
 the pages must be conserved (free + tree + owned == pool) and at the end everything must finish with
-nothing locked.
+nothing locked. With `lookahead`, the engine plans each decode step's successor before the step's
+tokens come back, as the async engine does.
 """
 
 from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mili_openai.config import EngineConfig
 from mili_openai.engine.kv_pages import KVPageManager
 from mili_openai.engine.sampling_params import SamplingParams
-from mili_openai.engine.scheduler import Scheduler, common_prefix_length
+from mili_openai.engine.scheduler import ScheduledBatch, Scheduler, common_prefix_length
 from mili_openai.engine.sequence import Sequence, SequenceStatus
 
 MAX_STEPS = 2000
@@ -35,42 +37,71 @@ def make_seq(request_id: str, prompt: list[int], max_tokens: int) -> Sequence:
 
 
 class FakeEngine:
-    def __init__(self, num_pages: int, page_size: int, budget: int, max_seqs: int, caching: bool = True) -> None:
+    def __init__(self, num_pages: int, page_size: int, budget: int, max_seqs: int, caching: bool = True,
+                 lookahead: bool = False) -> None:
         config = EngineConfig(page_size=page_size, num_pages=num_pages, max_num_batched_tokens=budget,
                               max_num_seqs=max_seqs, enable_prefix_caching=caching)
         self.pages = KVPageManager(num_pages, page_size, caching)
         self.scheduler = Scheduler(config, self.pages)
+        self.lookahead = lookahead
         self.live: dict[str, Sequence] = {}
         self.finished: list[Sequence] = []
         self.next_token = itertools.count(1000)
         self.computed_tokens = 0
+        self.in_flight: list[ScheduledBatch] = []  # scheduled, tokens not back yet (oldest first)
+        self.fed_pending = 0  # decodes whose input token was still pending when they were scheduled
 
     def add(self, seq: Sequence) -> None:
         self.live[seq.request_id] = seq
         self.scheduler.add(seq)
 
-    def step(self) -> None:
-        batch = self.scheduler.schedule()
-        assert batch is not None, "work remains but nothing was scheduled"
+    def schedule(self, lookahead: bool) -> ScheduledBatch | None:
+        batch = self.scheduler.schedule(lookahead=lookahead)
+        if batch is None:
+            return None
         seen = set()
         for index, seq in enumerate(batch.seqs):
             assert seq not in seen and seq.status is SequenceStatus.RUNNING
             seen.add(seq)
-            assert len(seq.pages) * self.pages.page_size >= seq.num_computed_tokens + batch.num_new_tokens[index]
+            # committed: the step's tokens count as computed, and fit the pages
+            assert batch.positions[index] + batch.num_new_tokens[index] == seq.num_computed_tokens
+            assert len(seq.pages) * self.pages.page_size >= seq.num_computed_tokens
             is_decode = index < batch.num_decode
             assert (batch.num_new_tokens[index] == 1) if is_decode else batch.num_new_tokens[index] >= 1
+            # only a decode feeds on a pending token, and only on one the step before samples
+            assert batch.positions[index] + batch.num_new_tokens[index] <= seq.num_tokens + is_decode
+            self.fed_pending += batch.positions[index] == seq.num_tokens
         assert sum(batch.num_new_tokens) <= self.scheduler.config.max_num_batched_tokens
         assert len(self.scheduler.running) <= self.scheduler.config.max_num_seqs
+        if lookahead:
+            assert not batch.preempted
+        self.computed_tokens += sum(batch.num_new_tokens)
+        return batch
+
+    def step(self) -> None:
+        if not self.in_flight:
+            batch = self.schedule(lookahead=False)
+            assert batch is not None, "work remains but nothing was scheduled"
+            self.in_flight.append(batch)
+        running = self.in_flight[0]
+        if self.lookahead and len(self.in_flight) == 1 and running.num_decode == len(running.seqs):
+            ahead = self.schedule(lookahead=True)
+            if ahead is not None:
+                self.in_flight.append(ahead)
+        self.complete(self.in_flight.pop(0))
+        self.check()
+
+    def complete(self, batch: ScheduledBatch) -> None:
+        """The step's tokens come back (as EngineCore.postprocess handles them)."""
         for index, seq in enumerate(batch.seqs):
-            seq.num_computed_tokens += batch.num_new_tokens[index]
-            self.computed_tokens += batch.num_new_tokens[index]
+            if seq.is_finished:
+                continue
             if index >= batch.num_decode:
                 self.pages.cache_computed_pages(seq)
             if batch.samples[index]:
                 seq.append_token(next(self.next_token))
                 if len(seq.output_token_ids) >= seq.max_tokens:
                     self.finish(seq, "length")
-        self.check()
 
     def finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
@@ -97,8 +128,9 @@ def test_common_prefix_length():
     assert common_prefix_length(list(range(1000)), list(range(999)) + [7]) == 999
 
 
-def test_shared_prefix_arriving_together_is_computed_once():
-    engine = FakeEngine(num_pages=64, page_size=4, budget=64, max_seqs=8)
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_shared_prefix_arriving_together_is_computed_once(lookahead):
+    engine = FakeEngine(num_pages=64, page_size=4, budget=64, max_seqs=8, lookahead=lookahead)
     shared = list(range(40))
     for i in range(4):
         engine.add(make_seq(f"r{i}", shared + [100 + i], max_tokens=3))
@@ -108,8 +140,19 @@ def test_shared_prefix_arriving_together_is_computed_once():
     assert engine.scheduler.prefix_cache_hits_total == 3 * 40
 
 
-def test_preemption_under_page_pressure_finishes_everything():
-    engine = FakeEngine(num_pages=12, page_size=4, budget=32, max_seqs=8)
+def test_lookahead_decodes_feed_on_pending_tokens_and_stop_at_max_tokens():
+    engine = FakeEngine(num_pages=64, page_size=4, budget=64, max_seqs=8, lookahead=True)
+    for i in range(3):
+        engine.add(make_seq(f"r{i}", [i] * 5, max_tokens=6 + i))
+    engine.run()
+    assert engine.fed_pending > 0
+    assert sorted(len(s.output_token_ids) for s in engine.finished) == [6, 7, 8]  # never a token past max_tokens
+    assert all(s.num_pending_tokens == 0 for s in engine.finished)
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_preemption_under_page_pressure_finishes_everything(lookahead):
+    engine = FakeEngine(num_pages=12, page_size=4, budget=32, max_seqs=8, lookahead=lookahead)
     for i in range(5):
         engine.add(make_seq(f"r{i}", [i] * 10, max_tokens=30))
     engine.run()
@@ -124,6 +167,7 @@ def test_preemption_under_page_pressure_finishes_everything():
     budget=st.integers(1, 24),
     max_seqs=st.integers(1, 5),
     caching=st.booleans(),
+    lookahead=st.booleans(),
     requests=st.lists(
         st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=14), st.integers(1, 8), st.integers(0, 6),
                   st.booleans()),
@@ -131,10 +175,10 @@ def test_preemption_under_page_pressure_finishes_everything():
         max_size=8,
     ),
 )
-def test_random_workloads_conserve_pages(page_size, extra_pages, budget, max_seqs, caching, requests):
+def test_random_workloads_conserve_pages(page_size, extra_pages, budget, max_seqs, caching, lookahead, requests):
     longest = max(len(p) + m for p, m, _, _ in requests)
     num_pages = -(-longest // page_size) + extra_pages
-    engine = FakeEngine(num_pages, page_size, budget, max_seqs, caching)
+    engine = FakeEngine(num_pages, page_size, budget, max_seqs, caching, lookahead)
     pending = [(arrival, i, make_seq(f"r{i}", p, m), abort) for i, (p, m, arrival, abort) in enumerate(requests)]
     pending.sort(key=lambda item: (item[0], item[1]))
     step = 0

@@ -1,7 +1,10 @@
 """The asyncio engine: one loop owns all engine state; the forward runs on one worker thread.
 
 `submit` queues a sequence and returns a `RequestStream` of its deltas; `abort` frees what it holds.
-The loop is schedule -> prepare -> (worker thread) forward + sample -> postprocess -> deliver.
+The loop is schedule -> prepare -> (worker thread) forward + sample -> postprocess -> deliver. While a
+step runs, the loop plans the next one where it can (`EngineCore.schedule_ahead`) and queues it on the
+worker, which starts it the moment the running step ends: the loop's own work for a step (postprocess,
+schedule, prepare, waking the worker) then overlaps the forward instead of sitting between two.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -17,11 +21,19 @@ from mili_openai.config import EngineConfig
 from mili_openai.engine.core import EngineCore
 from mili_openai.engine.observer import EngineObserver
 from mili_openai.engine.outputs import EngineStats, SequenceDelta
+from mili_openai.engine.runner import PreparedStep
 from mili_openai.engine.sampling_params import SamplingParams
+from mili_openai.engine.scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.05  # how long the loop waits when it has work that cannot be scheduled yet
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchedStep:
+    batch: ScheduledBatch
+    future: concurrent.futures.Future  # the worker's forward + sampling of the batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +99,8 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
-        self._inflight: concurrent.futures.Future | None = None  # the forward running on the worker
+        # steps handed to the worker, oldest first: the one running and at most one queued behind it
+        self._launched: deque[LaunchedStep] = deque()
 
     # ---- lifecycle ----
     async def start(self) -> None:
@@ -106,10 +119,10 @@ class AsyncEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
             self._loop_task = None
-        if self._inflight is not None:
+        if self._launched:
             # the worker may still be writing K/V into pages the aborts below release
-            await asyncio.to_thread(concurrent.futures.wait, [self._inflight])
-            self._inflight = None
+            await asyncio.to_thread(concurrent.futures.wait, [step.future for step in self._launched])
+            self._launched.clear()
         for request_id in list(self._streams):
             self.abort(request_id)
         self._wakeup = None
@@ -169,26 +182,35 @@ class AsyncEngine:
         stream.put(delta)
 
     async def _run(self) -> None:
+        launched = self._launched
         while True:
-            if not self.core.has_work():
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            scheduled = self.core.schedule()
-            if scheduled is None:
-                await asyncio.sleep(IDLE_POLL_S)
-                continue
-            batch, step = scheduled
+            if not launched:
+                if not self.core.has_work():
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                scheduled = self.core.schedule()
+                if scheduled is None:
+                    await asyncio.sleep(IDLE_POLL_S)
+                    continue
+                launched.append(self._launch(*scheduled))
+            if len(launched) == 1:
+                ahead = self.core.schedule_ahead(launched[0].batch)
+                if ahead is not None:
+                    launched.append(self._launch(*ahead))
+            step = launched[0]
             try:
-                self._inflight = self._executor.submit(self.core.runner.execute, step)
-                output = await asyncio.wrap_future(self._inflight)
-                self._inflight = None
+                output = await asyncio.wrap_future(step.future)
             except Exception as exc:  # a failed forward fails its batch, not the server
-                self._inflight = None
-                logger.exception("forward failed; aborting the %d sequences of the batch", len(batch.seqs))
-                for seq in batch.seqs:
+                launched.popleft()
+                logger.exception("forward failed; aborting the %d sequences of the batch", len(step.batch.seqs))
+                for seq in step.batch.seqs:
                     seq.error = f"engine error: {exc}"
                     self.abort(seq.request_id)
                 continue
-            for delta in self.core.postprocess(batch, output):
+            launched.popleft()  # not on cancellation: shutdown waits for every step still on the worker
+            for delta in self.core.postprocess(step.batch, output):
                 self._deliver(delta)
+
+    def _launch(self, batch: ScheduledBatch, step: PreparedStep) -> LaunchedStep:
+        return LaunchedStep(batch, self._executor.submit(self.core.runner.execute, step))

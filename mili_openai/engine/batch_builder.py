@@ -22,7 +22,19 @@ def _slots(pages: torch.Tensor, positions: torch.Tensor, page_size: int) -> torc
     return pages[positions // page_size] * page_size + positions % page_size
 
 
+def pending_inputs(batch: ScheduledBatch, sample_index: dict[Sequence, int]) -> tuple[list[int], list[int]]:
+    """(rows, sources): the decode rows whose input token is still pending, and for each the index of
+    its sequence among the sampled rows of the step before (`sample_index`), which is sampling it."""
+    rows, sources = [], []
+    for row, (seq, position) in enumerate(zip(batch.seqs[: batch.num_decode], batch.positions)):
+        if position == seq.num_tokens:
+            rows.append(row)
+            sources.append(sample_index[seq])
+    return rows, sources
+
+
 def build_forward_batch(batch: ScheduledBatch, page_size: int) -> ForwardBatch:
+    """The step's inputs; a decode whose token is pending gets 0 as its id (see `pending_inputs`)."""
     input_ids: list[int] = []
     positions: list[torch.Tensor] = []
     slot_mapping: list[torch.Tensor] = []
@@ -31,7 +43,7 @@ def build_forward_batch(batch: ScheduledBatch, page_size: int) -> ForwardBatch:
     decode_seqs = batch.seqs[: batch.num_decode]
     decode_slots = decode_mask = ctx_lens = None
     if decode_seqs:
-        ctx_lens = torch.tensor([seq.num_computed_tokens + 1 for seq in decode_seqs], dtype=torch.int64)
+        ctx_lens = torch.tensor(batch.positions[: batch.num_decode], dtype=torch.int64) + 1
         max_pages = max(len(seq.pages) for seq in decode_seqs)
         table = _page_table(decode_seqs, max_pages)  # (Bd, P)
         offsets = torch.arange(page_size, dtype=torch.int64)
@@ -40,7 +52,8 @@ def build_forward_batch(batch: ScheduledBatch, page_size: int) -> ForwardBatch:
         decode_slots = all_slots[:, :max_ctx].contiguous()
         decode_mask = (torch.arange(max_ctx)[None, :] < ctx_lens[:, None])[:, None, None, :]
         last = ctx_lens - 1
-        input_ids.extend(seq.token_ids[-1] for seq in decode_seqs)
+        input_ids.extend(seq.token_ids[position] if position < seq.num_tokens else 0
+                         for seq, position in zip(decode_seqs, batch.positions))
         positions.append(last)
         slot_mapping.append(decode_slots.gather(1, last[:, None]).squeeze(1))
         logits_indices.extend(range(len(decode_seqs)))
@@ -48,8 +61,10 @@ def build_forward_batch(batch: ScheduledBatch, page_size: int) -> ForwardBatch:
     prefills: list[PrefillSegment] = []
     row = len(decode_seqs)
     for index in range(batch.num_decode, len(batch.seqs)):
-        seq, num_new = batch.seqs[index], batch.num_new_tokens[index]
-        start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+        seq, num_new, start = batch.seqs[index], batch.num_new_tokens[index], batch.positions[index]
+        end = start + num_new
+        if end > seq.num_tokens:
+            raise RuntimeError("a prefill chunk reached a pending token: only decodes can feed one")
         pages = torch.tensor(seq.pages, dtype=torch.int64)
         context_slots = _slots(pages, torch.arange(end, dtype=torch.int64), page_size)
         input_ids.extend(seq.token_ids[start:end])

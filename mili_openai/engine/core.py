@@ -117,10 +117,27 @@ class EngineCore:
         return self.scheduler.has_work()
 
     def schedule(self) -> tuple[ScheduledBatch, PreparedStep] | None:
+        """The next step, with no other in flight."""
         batch = self.scheduler.schedule()
         if batch is None:
             return None
         return batch, self.runner.prepare(batch)
+
+    def schedule_ahead(self, running: ScheduledBatch) -> tuple[ScheduledBatch, PreparedStep] | None:
+        """The step after `running` (scheduled, not yet postprocessed), planned while it runs so the runner
+        can start it the moment `running` ends; None where it must wait for `running`'s outputs.
+
+        Waits after a step with prefill chunks: sequences admitted meanwhile could not see the prefix
+        pages the chunks are computing, and would compute them again. And where the running step samples
+        for penalties or min_tokens, whose next sampling reads the tokens postprocessing appends.
+        """
+        if running.num_decode != len(running.seqs) or any(s.params.reads_output_history for s in running.seqs):
+            return None
+        batch = self.scheduler.schedule(lookahead=True)
+        if batch is None:
+            return None
+        sampled = [seq for seq, samples in zip(running.seqs, running.samples) if samples]
+        return batch, self.runner.prepare(batch, {seq: index for index, seq in enumerate(sampled)})
 
     def postprocess(self, batch: ScheduledBatch, output: SamplerOutput) -> list[SequenceDelta]:
         deltas: list[SequenceDelta] = []
@@ -129,9 +146,8 @@ class EngineCore:
         for index, seq in enumerate(batch.seqs):
             samples = batch.samples[index]
             token = next(sampled) if samples else None
-            if seq.is_finished:  # aborted while the forward ran; its pages are already released
+            if seq.is_finished:  # aborted while the forward ran, or finished by the step before
                 continue
-            seq.num_computed_tokens += batch.num_new_tokens[index]
             if index >= batch.num_decode:
                 self.pages.cache_computed_pages(seq)
             if token is None:

@@ -68,7 +68,7 @@ class KVPageManager:
         """
         if not self.enable_prefix_caching:
             return
-        num_full = seq.num_computed_tokens // self.page_size
+        num_full = seq.num_known_computed_tokens // self.page_size
         if num_full <= seq.num_tree_pages:
             return
         result = self.tree.insert(seq.token_ids[: num_full * self.page_size], seq.pages[:num_full])

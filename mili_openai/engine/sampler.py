@@ -47,10 +47,6 @@ def _is_greedy(params: SamplingParams) -> bool:
     return params.temperature < MIN_TEMPERATURE
 
 
-def _has_penalties(params: SamplingParams) -> bool:
-    return params.presence_penalty != 0 or params.frequency_penalty != 0 or params.repetition_penalty != 1
-
-
 def _top_k_is_on(params: SamplingParams, vocab_size: int) -> bool:
     return 0 < params.top_k < vocab_size
 
@@ -114,7 +110,7 @@ class Sampler:
                 blocked = {*self.eos_token_ids, *(t for t in params.stop_token_ids if 0 <= t < width)}
                 masked_rows.extend([index] * len(blocked))
                 masked_tokens.extend(blocked)
-            if _has_penalties(params):
+            if params.has_penalties:
                 penalty_rows.append(index)
 
         padded = width > self.vocab_size

@@ -61,3 +61,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def reads_output_history(self) -> bool:
+        """Whether sampling a token looks at the tokens generated before it (penalties, min_tokens)."""
+        return self.has_penalties or self.min_tokens > 0

@@ -4,6 +4,12 @@ Each step mixes one decode token per running sequence with prefill chunks (of ru
 are part-way through their prompt, then of newly admitted ones) under a token budget. When pages run
 out, the newest running sequence is preempted: its pages are released (full ones stay cached in the
 radix tree) and it goes back to the front of the queue to be recomputed.
+
+Scheduling a step commits it: the tokens it computes count as computed, and the tokens it samples as
+pending until `Sequence.append_token`. So the next step can be planned while this one runs (`lookahead`):
+a decode then feeds the token its sequence has pending, which the model runner takes from the step
+before. A lookahead step never preempts (the victim may be in the running step): a sequence that finds
+no page waits for the next step instead.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from mili_openai.engine.sequence import Sequence, SequenceStatus
 class ScheduledBatch:
     seqs: list[Sequence]  # decodes (one new token each) first, then prefill chunks
     num_new_tokens: list[int]  # tokens computed for each sequence in this step
+    positions: list[int]  # position of each sequence's first new token
     num_decode: int  # seqs[:num_decode] are decodes
     # whether each sequence gets a new token after this step (its chunk reaches its last token); fixed
     # at scheduling time, since an abort during the forward resets the sequence's counters
@@ -66,7 +73,8 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
 
-    def schedule(self) -> ScheduledBatch | None:
+    def schedule(self, lookahead: bool = False) -> ScheduledBatch | None:
+        """The next step, committed (see the module docstring); `lookahead`: planned while a step runs."""
         budget = self.config.max_num_batched_tokens
         decodes: list[tuple[Sequence, int]] = []
         prefills: list[tuple[Sequence, int]] = []
@@ -75,11 +83,11 @@ class Scheduler:
         for seq in list(self.running):  # oldest first; preemption takes from the newest end
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not SequenceStatus.RUNNING or self._awaits_last_token(seq):
+                continue  # preempted earlier in this loop, or done once its pending token is back
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self._reserve(seq, num_new, preempted):
-                continue  # seq itself was preempted
+            if not self._reserve(seq, num_new, preempted, can_preempt=not lookahead):
+                continue  # seq itself was preempted, or found no page
             budget -= num_new
             (decodes if seq.num_uncomputed_tokens == 1 else prefills).append((seq, num_new))
 
@@ -89,18 +97,30 @@ class Scheduler:
         scheduled = decodes + prefills
         if not scheduled:
             return None
-        return ScheduledBatch(
+        batch = ScheduledBatch(
             seqs=[seq for seq, _ in scheduled],
             num_new_tokens=[n for _, n in scheduled],
+            positions=[seq.num_computed_tokens for seq, _ in scheduled],
             num_decode=len(decodes),
-            samples=[seq.num_computed_tokens + n == seq.num_tokens for seq, n in scheduled],
+            samples=[seq.num_uncomputed_tokens == n for seq, n in scheduled],
             preempted=preempted,
         )
+        for seq, num_new, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
+            seq.num_computed_tokens += num_new
+            seq.num_pending_tokens += samples
+        return batch
 
-    def _reserve(self, seq: Sequence, num_new: int, preempted: list[Sequence]) -> bool:
-        """Allocate pages for seq's next tokens, preempting newer sequences until they fit."""
+    @staticmethod
+    def _awaits_last_token(seq: Sequence) -> bool:
+        """Its pending token will be its last (max_tokens): nothing more to compute for it."""
+        return seq.num_pending_tokens > 0 and len(seq.output_token_ids) + seq.num_pending_tokens >= seq.max_tokens
+
+    def _reserve(self, seq: Sequence, num_new: int, preempted: list[Sequence], can_preempt: bool) -> bool:
+        """Allocate pages for seq's next tokens, preempting newer sequences (if allowed) until they fit."""
         needed = self.pages.pages_needed(seq, num_new)
         while not self.pages.allocate(seq, needed):
+            if not can_preempt:
+                return False
             victim = self.running[-1]
             self._preempt(victim)
             preempted.append(victim)

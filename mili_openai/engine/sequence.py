@@ -37,10 +37,14 @@ class Sequence:
     stop_matcher: StopStringMatcher | None
     generator: torch.Generator | None  # the request's own sampling stream when seeded
 
-    # tokens: prompt followed by outputs; KV of token_ids[:num_computed_tokens] sits in `pages`
+    # tokens: prompt followed by outputs. num_computed_tokens counts the tokens whose K/V is in `pages`
+    # or is being written by a step already handed to the model runner (steps run in order, so nothing
+    # scheduled later can read a slot before it is written). num_pending_tokens counts tokens that such
+    # steps are sampling: they follow token_ids but their ids are not known yet (at most one step ahead).
     token_ids: list[int] = field(default_factory=list)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_pending_tokens: int = 0
 
     # KV page table. pages[:num_tree_pages] are held by the radix tree and locked through tree_node;
     # the rest are this sequence's own.
@@ -71,7 +75,12 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
+        return len(self.token_ids) + self.num_pending_tokens - self.num_computed_tokens
+
+    @property
+    def num_known_computed_tokens(self) -> int:
+        """Computed tokens whose ids are known: the K/V that pages can be cached under."""
+        return min(self.num_computed_tokens, len(self.token_ids))
 
     @property
     def is_finished(self) -> bool:
@@ -82,5 +91,7 @@ class Sequence:
         return self.pages[self.num_tree_pages :]
 
     def append_token(self, token_id: int) -> None:
+        """A sampled token came back: it was pending since its step was scheduled."""
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
+        self.num_pending_tokens -= 1

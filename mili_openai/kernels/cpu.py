@@ -18,7 +18,7 @@ SOURCES = ("bindings.cpp", "linear_bf16.cpp", "paged_decode_attention.cpp",
            "paged_prefill_attention.cpp", "rms_norm_bf16.cpp",
            "activation_bf16.cpp", "decode_stack.cpp")
 HEADERS = ("simd_bf16.h", "kernels.h")  # not compiled on their own; torch hashes only SOURCES, hence the name bump
-EXTENSION_NAME = "mili_cpu_kernels_v16"  # bump when a source changes so torch's JIT cache rebuilds
+EXTENSION_NAME = "mili_cpu_kernels_v17"  # bump when a source changes so torch's JIT cache rebuilds
 # -fopenmp: without it ATen's parallel_for compiles to a serial loop inside the extension
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"]
 LINK_FLAGS = ["-fopenmp"]
@@ -177,15 +177,17 @@ class CpuKernels:
         """q (L, H, D), the last L of the context's slots -> causal attention over the context, (L, H, D)."""
         return self._module.paged_prefill_attention(q, k_pool, v_pool, context_slots, scale)
 
-    def decode_stack(self, weights: list[torch.Tensor], num_q_heads: int, num_kv_heads: int, head_dim: int,
-                     eps: float, scale: float) -> CpuDecodeStack | None:
-        """Every decoder layer of a decode step in one call, or None where a kernel cannot run the shapes.
+    def decode_stack(self, embedding: torch.Tensor, weights: list[torch.Tensor], num_q_heads: int,
+                     num_kv_heads: int, head_dim: int, eps: float, scale: float) -> CpuDecodeStack | None:
+        """The embedding lookup and every decoder layer of a decode step in one call, or None where a kernel
+        cannot run the shapes.
 
         weights: per layer input norm, qkv, q norm, k norm, o, post-attention norm, gate_up, down.
         """
         hidden_size, intermediate_size = weights[0].shape[0], weights[7].shape[1]
         supported = (
-            all(w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous() for w in weights)
+            all(w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous()
+                for w in (embedding, *weights))
             and head_dim in ATTENTION_HEAD_DIMS
             and head_dim % ROTARY_HEAD_DIM_MULTIPLE == 0
             and hidden_size % VECTOR_LANES == 0
@@ -193,7 +195,7 @@ class CpuKernels:
         )
         if not supported:
             return None
-        stack = self._module.DecodeStack(weights, num_q_heads, num_kv_heads, head_dim, eps, scale)
+        stack = self._module.DecodeStack(embedding, weights, num_q_heads, num_kv_heads, head_dim, eps, scale)
         return CpuDecodeStack(stack, self)
 
 
@@ -209,11 +211,11 @@ class CpuDecodeStack:
     def max_rows(self) -> int:
         return self._kernels.max_kernel_rows
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, pools: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, pools: torch.Tensor,
                 slot_mapping: torch.Tensor, slots: torch.Tensor, ctx_lens: torch.Tensor) -> torch.Tensor:
-        """hidden (B, hidden) embedded tokens -> (B, hidden) after the last layer, K/V written to `pools`."""
-        return self._stack.forward(hidden.contiguous(), cos.contiguous(), signed_sin.contiguous(), pools,
-                                   slot_mapping, slots, ctx_lens)
+        """input_ids (B,) -> (B, hidden) after the last layer, K/V written to `pools`. One call that runs no
+        torch op from Python: the GIL is held until it is released for the whole stack."""
+        return self._stack.forward(input_ids, cos, signed_sin, pools, slot_mapping, slots, ctx_lens)
 
 
 @functools.lru_cache(maxsize=1)

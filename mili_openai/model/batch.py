@@ -30,6 +30,8 @@ class ForwardBatch:
     prefills: list[PrefillSegment]  # rows [num_decode, T) in order; each attends causally to its context
     logits_indices: torch.Tensor  # (S,) int64 rows whose logits are wanted (last token of sampled sequences)
     decode_ctx_lens: torch.Tensor | None = None  # (num_decode,) int64 valid context of each decode row
+    # (cos, signed_sin) of `positions`, (T, 1, D) each, where the builder computed them ahead (else the model does)
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_tokens(self) -> int:

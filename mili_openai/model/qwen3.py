@@ -24,17 +24,18 @@ from mili_openai.model.rope import RotaryEmbedding
 
 
 class DecodeStack(Protocol):
-    """Every decoder layer of a decode-only step in one compiled call (see mili_openai.kernels.CpuDecodeStack)."""
+    """The embedding and every decoder layer of a decode-only step in one compiled call (see
+    mili_openai.kernels.CpuDecodeStack)."""
 
     max_rows: int  # decode batches up to this size; larger ones run layer by layer
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, pools: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, pools: torch.Tensor,
                 slot_mapping: torch.Tensor, slots: torch.Tensor, ctx_lens: torch.Tensor) -> torch.Tensor: ...
 
 
 class DecodeStackKernel(Protocol):
-    def decode_stack(self, weights: list[torch.Tensor], num_q_heads: int, num_kv_heads: int, head_dim: int,
-                     eps: float, scale: float) -> DecodeStack | None: ...
+    def decode_stack(self, embedding: torch.Tensor, weights: list[torch.Tensor], num_q_heads: int,
+                     num_kv_heads: int, head_dim: int, eps: float, scale: float) -> DecodeStack | None: ...
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -61,15 +62,19 @@ class Qwen3Model(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
         self.decode_stack: DecodeStack | None = None  # set by Qwen3ForCausalLM.set_decode_stack_kernel
 
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed_sin) of the positions, (T, 1, D) each in the weights' dtype, shared by all layers."""
+        return self.rotary_emb(positions, self.embed_tokens.weight.dtype)
+
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
-        hidden = self.embed_tokens(batch.input_ids)  # (T, hidden)
-        cos, sin = self.rotary_emb(batch.positions, hidden.dtype)  # (T, 1, D) each, shared by all layers
+        cos, sin = batch.rotary if batch.rotary is not None else self.rotary(batch.positions)
         stack = self.decode_stack
         if (stack is not None and not batch.prefills and batch.decode_ctx_lens is not None
                 and batch.num_decode <= stack.max_rows):
-            hidden = stack.forward(hidden, cos, sin, kv_cache.pools, batch.slot_mapping, batch.decode_slots,
-                                   batch.decode_ctx_lens)
+            hidden = stack.forward(batch.input_ids, cos, sin, kv_cache.pools, batch.slot_mapping,
+                                   batch.decode_slots, batch.decode_ctx_lens)
             return self.norm(hidden)
+        hidden = self.embed_tokens(batch.input_ids)  # (T, hidden)
         for index, layer in enumerate(self.layers):
             k_pool, v_pool = kv_cache.layer(index)
             hidden = layer(hidden, cos, sin, batch, k_pool, v_pool)
@@ -90,6 +95,11 @@ class Qwen3ForCausalLM(nn.Module):
         if kv_cache.dtype != weight_dtype:  # index_copy_ would fail deep inside the first layer otherwise
             raise ValueError(f"KV cache dtype {kv_cache.dtype} differs from the model's {weight_dtype}")
         return self.model(batch, kv_cache)
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed_sin) for a batch's positions: a forward given them in `ForwardBatch.rotary` skips
+        computing them."""
+        return self.model.rotary(positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, hidden) -> logits (N, vocab) float32; computed in the weights' dtype like transformers."""
@@ -122,8 +132,9 @@ class Qwen3ForCausalLM(nn.Module):
                         attention.k_norm.weight, attention.o_proj.weight, layer.post_attention_layernorm.weight,
                         mlp.gate_up_proj.weight, mlp.down_proj.weight]
         attention = self.model.layers[0].self_attn
-        self.model.decode_stack = kernel.decode_stack(weights, attention.num_heads, attention.num_kv_heads,
-                                                      attention.head_dim, self.config.rms_norm_eps, attention.scale)
+        self.model.decode_stack = kernel.decode_stack(self.model.embed_tokens.weight, weights, attention.num_heads,
+                                                      attention.num_kv_heads, attention.head_dim,
+                                                      self.config.rms_norm_eps, attention.scale)
 
     def set_matmul(self, matmul: MatmulFn) -> None:
         """Route every projection and the LM head through `matmul` (e.g. the bf16 decode kernel)."""
