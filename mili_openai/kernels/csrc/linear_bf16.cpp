@@ -29,24 +29,33 @@ constexpr int64_t kXBlockBytes = 256 * 1024;  // x rows per outer block are size
 
 // Weight rows in flight per x chunk, and independent partial sums along K per (row, weight row): with
 // 4-cycle FMA latency and two FMA ports a core needs ~8 independent accumulators to stay busy, within
-// 32 registers (MC * R * U accumulators + R weights + 1 x). A single row of x also splits K in two.
-// Measured on a 2-core Xeon: from ~4 rows of x on, a core is FMA-bound (~100 GFLOP/s from L2), so eight
-// rows go as one chunk of three weight rows (24 accumulators) rather than 6 + 2, which re-widened every
-// weight for two rows.
-template <int MC> constexpr int tile_rows() { return MC <= 6 ? 4 : 3; }
-template <int MC> constexpr int k_unroll() { return MC == 1 ? 2 : 1; }
+// 32 registers (MC * R * U accumulators + R weights + 1 x). Measured on a 2-core Xeon: from ~4 rows of
+// x on, a core is FMA-bound (~100 GFLOP/s from L2), so eight rows go as one chunk of three weight rows
+// (24 accumulators) rather than 6 + 2, which re-widened every weight for two rows.
+// A single row of x (a decode step at batch 1, and every LM head) is bound by memory, not FMAs: it reads
+// the weights as one sequential stream, a row at a time with eight partial sums along K, which the
+// hardware prefetchers follow as they follow a plain `sum`. Measured on a 2-core Zen 4 over 1 GiB, with
+// the prefetch below: 33-36 GB/s against 31-32 for four interleaved rows while bf16 `sum` read 34-35,
+// and 56-60 against ~42 while it read 51-60.
+template <int MC> constexpr int tile_rows() { return MC == 1 ? 1 : MC <= 6 ? 4 : 3; }
+template <int MC> constexpr int k_unroll() { return MC == 1 ? 8 : 1; }
 
 // The hardware prefetcher loses track of R interleaved row streams: while a tile is multiplied, ask for
 // the same K offset of the next tile's rows (one cache line per row per 32 bf16). Measured on a 2-core
-// Xeon over the model's weights: 14 -> 19-20 GB/s for one row of x, 8.5 -> 12 GB/s for eight.
-// A single row of x also asks for the tile after next into L2: 18-19 -> 20 GB/s there (its tiles go by
-// fastest); for more rows, or further ahead, or with a non-temporal hint, it measured no better or worse.
+// Xeon over the model's weights: 8.5 -> 12 GB/s for eight rows of x.
 constexpr int64_t kPrefetchStride = 32;  // bf16 per 64-byte line
-template <int R, bool kL2Ahead>
+template <int R>
 inline void prefetch_next_tile(const at::BFloat16* w, int64_t K, int64_t k) {
   for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (R + r) * K + k), _MM_HINT_T0);
-  if constexpr (kL2Ahead)
-    for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (2 * R + r) * K + k), _MM_HINT_T1);
+}
+
+// The single-row stream also asks, once per 256 bytes it reads, for the line kStreamAheadBytes ahead into
+// L2: a nudge that keeps the prefetchers ahead. Measured on a 2-core Zen 4 over 1 GiB, while bf16 `sum`
+// read 51-57 GB/s: none 27-29, every line 4 KB ahead 37-40, one line in four 4 KB ahead 47-52, 8 KB
+// ahead 56-60; while `sum` read 34-35, 32-34 with the last (into L1 it was slower than none).
+constexpr int64_t kStreamAheadBytes = 8192;
+inline void prefetch_stream(const at::BFloat16* w) {
+  _mm_prefetch(reinterpret_cast<const char*>(w) + kStreamAheadBytes, _MM_HINT_T1);
 }
 
 // y[m, n + r] for m < MC, r < R: x is fp32 (rows ldx apart), w bf16 rows K apart.
@@ -59,7 +68,10 @@ inline void tile(const float* x, int64_t ldx, const at::BFloat16* w, int64_t K, 
       for (int r = 0; r < R; ++r) acc[u][m][r] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + U * kLanes <= K; k += U * kLanes) {
-    if (k % kPrefetchStride == 0) prefetch_next_tile<R, (MC == 1)>(w, K, k);
+    if constexpr (MC == 1)
+      prefetch_stream(w + k);  // one line per 256 bytes (U = 8)
+    else if (k % kPrefetchStride == 0)
+      prefetch_next_tile<R>(w, K, k);
     for (int u = 0; u < U; ++u) {
       __m512 wv[R];
       for (int r = 0; r < R; ++r) wv[r] = widen_bf16(w + r * K + k + u * kLanes);
