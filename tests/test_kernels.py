@@ -118,26 +118,41 @@ def reference_prefill_attention(q, k_pool, v_pool, context_slots, scale):
     return out.transpose(0, 1)  # (L, H, D)
 
 
+def prefill_products(kernels):
+    """(dtype, multiply bf16 pairs) that this CPU can run: fp32; bf16 widened; bf16 pairs where it has them."""
+    combos = [(torch.float32, False), (torch.bfloat16, False)]
+    return combos + [(torch.bfloat16, True)] if kernels.bf16_dot_products else combos
+
+
 # (chunk length, context length): a whole prompt, a chunk after a cached prefix, one token, lengths that
-# leave partial query and key blocks; head shapes: Qwen3-0.6B's, MHA, and groups that do not divide 64
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# leave partial query and key blocks (and an odd last block, which bf16 pairs pad); head shapes:
+# Qwen3-0.6B's, MHA, and groups that do not divide 64
 @pytest.mark.parametrize("length,ctx", [(130, 130), (64, 1000), (1, 7), (37, 100)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (4, 4, 16), (40, 8, 32), (8, 1, 64)])
-def test_paged_prefill_attention_matches_sdpa(kernels, dtype, length, ctx, heads, kv_heads, head_dim):
-    torch.manual_seed(length + heads)
-    num_slots = ctx + 40
-    k_pool = torch.randn(num_slots, kv_heads, head_dim, dtype=dtype)
-    v_pool = torch.randn(num_slots, kv_heads, head_dim, dtype=dtype)
-    context_slots = torch.randperm(num_slots)[:ctx]  # scattered pages
-    qk = torch.randn(length, heads + kv_heads, head_dim, dtype=dtype)
-    q = qk[:, :heads]  # as the model passes it: rows strided, each row's heads contiguous
-    assert kernels.supports_prefill_attention(q, k_pool)
-    scale = head_dim**-0.5
-    got = kernels.prefill_attention(q, k_pool, v_pool, context_slots, scale)
-    want = reference_prefill_attention(q, k_pool, v_pool, context_slots, scale)
-    assert got.dtype == dtype and got.shape == q.shape
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
+def test_paged_prefill_attention_matches_sdpa(kernels, length, ctx, heads, kv_heads, head_dim):
+    for dtype, bf16_pairs in prefill_products(kernels):
+        torch.manual_seed(length + heads)
+        num_slots = ctx + 40
+        k_pool = torch.randn(num_slots, kv_heads, head_dim, dtype=dtype)
+        v_pool = torch.randn(num_slots, kv_heads, head_dim, dtype=dtype)
+        context_slots = torch.randperm(num_slots)[:ctx]  # scattered pages
+        qk = torch.randn(length, heads + kv_heads, head_dim, dtype=dtype)
+        q = qk[:, :heads]  # as the model passes it: rows strided, each row's heads contiguous
+        assert kernels.supports_prefill_attention(q, k_pool)
+        scale = head_dim**-0.5
+        got = kernels._module.paged_prefill_attention(q, k_pool, v_pool, context_slots, scale, bf16_pairs)
+        want = reference_prefill_attention(q, k_pool, v_pool, context_slots, scale)
+        assert got.dtype == dtype and got.shape == q.shape
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
+
+
+def test_prefill_attention_takes_bf16_pairs_where_the_cpu_has_them(kernels):
+    flags = open("/proc/cpuinfo").read().split()
+    assert kernels.bf16_dot_products == ("avx512_bf16" in flags)
+    pool, q = torch.randn(8, 1, 32), torch.randn(2, 2, 32)
+    with pytest.raises(RuntimeError, match="bf16 dot products need bf16 inputs"):
+        kernels._module.paged_prefill_attention(q, pool, pool, torch.arange(2), 1.0, True)  # fp32 inputs
 
 
 def test_paged_prefill_attention_refuses_slots_outside_the_pool(kernels):

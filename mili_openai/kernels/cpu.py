@@ -17,8 +17,8 @@ SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("bindings.cpp", "linear_bf16.cpp", "paged_decode_attention.cpp",
            "paged_prefill_attention.cpp", "rms_norm_bf16.cpp",
            "activation_bf16.cpp", "decode_stack.cpp")
-HEADERS = ("simd_bf16.h", "kernels.h")  # not compiled on their own; torch hashes only SOURCES, hence the name bump
-EXTENSION_NAME = "mili_cpu_kernels_v19"  # bump when a source changes so torch's JIT cache rebuilds
+HEADERS = ("simd_bf16.h", "kernels.h", "prefill_products.h")  # torch hashes only SOURCES, hence the name bump
+EXTENSION_NAME = "mili_cpu_kernels_v20"  # bump when a source changes so torch's JIT cache rebuilds
 # -fopenmp: without it ATen's parallel_for compiles to a serial loop inside the extension
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"]
 LINK_FLAGS = ["-fopenmp"]
@@ -92,6 +92,12 @@ class CpuKernels:
     def __init__(self, module) -> None:
         self._module = module
         self._max_kernel_rows, self._large_matmul = KERNEL_ROWS_CHOICES[0], F.linear
+        self._bf16_dot_products = bool(module.cpu_has_bf16_dot_products())
+
+    @property
+    def bf16_dot_products(self) -> bool:
+        """Whether bf16 prefill attention multiplies bf16 pairs (AVX512-BF16) rather than widened fp32."""
+        return self._bf16_dot_products
 
     @property
     def max_kernel_rows(self) -> int:
@@ -175,7 +181,8 @@ class CpuKernels:
     def prefill_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                           context_slots: torch.Tensor, scale: float) -> torch.Tensor:
         """q (L, H, D), the last L of the context's slots -> causal attention over the context, (L, H, D)."""
-        return self._module.paged_prefill_attention(q, k_pool, v_pool, context_slots, scale)
+        return self._module.paged_prefill_attention(q, k_pool, v_pool, context_slots, scale,
+                                                    self._bf16_dot_products and q.dtype == torch.bfloat16)
 
     def decode_stack(self, embedding: torch.Tensor, weights: list[torch.Tensor], num_q_heads: int,
                      num_kv_heads: int, head_dim: int, eps: float, scale: float) -> CpuDecodeStack | None:

@@ -12,6 +12,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged K/V slots", release_gil());
   m.def("paged_prefill_attention", &paged_prefill_attention, "causal prefill attention over paged K/V slots",
         release_gil());
+  m.def("cpu_has_bf16_dot_products", &cpu_has_bf16_dot_products, "whether the CPU has AVX512-BF16");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm with transformers' bf16 rounding", release_gil());
   m.def("qk_norm_rope_bf16", &qk_norm_rope_bf16, "per-head RMSNorm of q and k, then RoPE", release_gil());
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up over a fused gate/up projection's output", release_gil());

@@ -2,15 +2,15 @@
 // causally to its context (cached prefix plus the chunk itself, already written to the pool), without
 // gathering the context into a contiguous copy or building a mask.
 //
-// Flash-attention order on AVX-512, everything fp32: one task per (KV head, block of query positions)
-// holds the block's rows for every query head sharing that KV head (grouped-query attention: each K and
-// V row is widened once for the whole group), walks the context in blocks of keys up to the block's last
-// visible position, and keeps a running max and sum per row (online softmax), so no score matrix larger
-// than one block exists. Queries and the output are held transposed, 64 rows across the lanes of four
-// registers: scores, softmax, masking and rescaling are then plain vector ops, and both products are
-// broadcast-FMAs with 16 accumulators. Key blocks wholly after a row block's last position are skipped.
-// Measured on a 2-core Xeon (Qwen3-0.6B heads, a 512-token prompt, bf16): 6.3-7.3 ms a layer against
-// 10.9-13.5 ms for torch's causal SDPA on the same K/V already gathered, ~170 GFLOP/s of causal work.
+// Flash-attention order on AVX-512: one task per (KV head, block of query positions) holds the block's
+// rows for every query head sharing that KV head (grouped-query attention: each K and V row serves the
+// whole group), walks the context in blocks of keys up to the block's last visible position, and keeps
+// a running max and sum per row (online softmax, fp32), so no score matrix larger than one block exists.
+// Queries and the output are held transposed, 64 rows across the lanes of four registers: scores,
+// softmax, masking and rescaling are then plain vector ops, and both products (prefill_products.h) are
+// broadcast multiply-adds with 16 accumulators. Key blocks wholly after a row block's last position are
+// skipped. Measured on a 2-core Xeon (Qwen3-0.6B heads, a 512-token prompt, bf16, fp32 products):
+// 6.3-7.3 ms a layer against 10.9-13.5 ms for torch's causal SDPA on the same K/V already gathered.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -18,118 +18,40 @@
 #include <algorithm>
 #include <atomic>
 #include <limits>
-#include <vector>
 
-#include "simd_bf16.h"
+#include "prefill_products.h"
 
 namespace {
 
 using mili::exp_nonpositive;
+using mili::kKeyBlock;
 using mili::kLanes;
-
-constexpr int64_t kRowVectors = 4;                    // query rows of a task: 4 registers of 16 lanes
-constexpr int64_t kTaskRows = kRowVectors * kLanes;  // 64 = (query heads of a group) x positions
-constexpr int64_t kKeyBlock = 64;                    // keys scored per pass (fp32 K and V blocks: 32 KB each at D=128)
-constexpr int64_t kKeysPerPass = 4;                  // score accumulators: 4 keys x 4 row vectors
-constexpr int64_t kDimsPerPass = 4;                  // output accumulators: 4 dims x 4 row vectors
-
-inline float to_float(float v) { return v; }
-inline float to_float(at::BFloat16 v) { return static_cast<float>(v); }
-
-// count rows of `head_dim` values (slot rows `row_stride` apart, starting `offset` in) -> dst (count, head_dim)
-template <typename T>
-void widen_rows(const T* pool, const int64_t* slots, int64_t count, int64_t row_stride, int64_t offset,
-                int64_t head_dim, float* dst) {
-  for (int64_t j = 0; j < count; ++j) {
-    const T* src = pool + slots[j] * row_stride + offset;
-    float* out = dst + j * head_dim;
-    if constexpr (std::is_same_v<T, at::BFloat16>) {
-      for (int64_t d = 0; d < head_dim; d += kLanes) _mm512_storeu_ps(out + d, mili::widen_bf16(src + d));
-    } else {
-      std::copy(src, src + head_dim, out);
-    }
-  }
-}
-
-// scores[j] (4 row vectors) = sum_d q_t[d] * k[j, d] for the block's keys; q_t (D, 4 vectors) pre-scaled.
-void score_block(const float* q_t, const float* k, int64_t keys, int64_t head_dim, __m512* scores) {
-  int64_t j = 0;
-  for (; j + kKeysPerPass <= keys; j += kKeysPerPass) {
-    __m512 acc[kKeysPerPass][kRowVectors];
-    for (auto& key : acc)
-      for (auto& v : key) v = _mm512_setzero_ps();
-    for (int64_t d = 0; d < head_dim; ++d) {
-      __m512 qv[kRowVectors];
-      for (int64_t v = 0; v < kRowVectors; ++v) qv[v] = _mm512_loadu_ps(q_t + (d * kRowVectors + v) * kLanes);
-      for (int64_t u = 0; u < kKeysPerPass; ++u) {
-        const __m512 kv = _mm512_set1_ps(k[(j + u) * head_dim + d]);
-        for (int64_t v = 0; v < kRowVectors; ++v) acc[u][v] = _mm512_fmadd_ps(qv[v], kv, acc[u][v]);
-      }
-    }
-    for (int64_t u = 0; u < kKeysPerPass; ++u)
-      for (int64_t v = 0; v < kRowVectors; ++v) scores[(j + u) * kRowVectors + v] = acc[u][v];
-  }
-  for (; j < keys; ++j) {
-    __m512 acc[kRowVectors];
-    for (auto& v : acc) v = _mm512_setzero_ps();
-    for (int64_t d = 0; d < head_dim; ++d) {
-      const __m512 kv = _mm512_set1_ps(k[j * head_dim + d]);
-      for (int64_t v = 0; v < kRowVectors; ++v)
-        acc[v] = _mm512_fmadd_ps(_mm512_loadu_ps(q_t + (d * kRowVectors + v) * kLanes), kv, acc[v]);
-    }
-    for (int64_t v = 0; v < kRowVectors; ++v) scores[j * kRowVectors + v] = acc[v];
-  }
-}
-
-// out_t[d] (4 row vectors) += sum_j probs[j] * v[j, d]
-void accumulate_values(const __m512* probs, const float* values, int64_t keys, int64_t head_dim, float* out_t) {
-  for (int64_t d = 0; d < head_dim; d += kDimsPerPass) {
-    __m512 acc[kDimsPerPass][kRowVectors];
-    for (int64_t u = 0; u < kDimsPerPass; ++u)
-      for (int64_t v = 0; v < kRowVectors; ++v) acc[u][v] = _mm512_loadu_ps(out_t + ((d + u) * kRowVectors + v) * kLanes);
-    for (int64_t j = 0; j < keys; ++j) {
-      for (int64_t u = 0; u < kDimsPerPass; ++u) {
-        const __m512 vv = _mm512_set1_ps(values[j * head_dim + d + u]);
-        for (int64_t v = 0; v < kRowVectors; ++v) acc[u][v] = _mm512_fmadd_ps(probs[j * kRowVectors + v], vv, acc[u][v]);
-      }
-    }
-    for (int64_t u = 0; u < kDimsPerPass; ++u)
-      for (int64_t v = 0; v < kRowVectors; ++v) _mm512_storeu_ps(out_t + ((d + u) * kRowVectors + v) * kLanes, acc[u][v]);
-  }
-}
+using mili::kRowVectors;
+using mili::kTaskRows;
 
 struct Shapes {
   int64_t length, ctx, num_heads, num_kv_heads, head_dim, group, positions_per_task, q_row_stride;
 };
 
-// Per-thread scratch, reused across tasks.
-struct Scratch {
-  std::vector<float> q_t, out_t, keys, values;
-  std::vector<__m512> scores;
-  explicit Scratch(int64_t head_dim)
-      : q_t(head_dim * kTaskRows), out_t(head_dim * kTaskRows), keys(kKeyBlock * head_dim),
-        values(kKeyBlock * head_dim), scores(kKeyBlock * kRowVectors) {}
-};
-
 // One task: KV head h, query positions [p0, p0 + positions_per_task) of the chunk. Lane r holds query
 // head h * group + r / positions and chunk position p0 + r % positions (lanes past the group's rows, or
-// past the chunk, compute a copy of a valid row and are not written).
-template <typename T>
+// past the chunk, compute a copy of a valid row and are not written). `products` is the thread's own.
+template <typename T, typename Products>
 void attend_task(const T* q, const T* k_pool, const T* v_pool, const int64_t* slots, const Shapes& s, int64_t h,
-                 int64_t p0, float scale, T* out, Scratch& scratch) {
+                 int64_t p0, float scale, T* out, Products& products, std::vector<float>& out_buffer,
+                 std::vector<__m512>& scores_buffer) {
   const int64_t D = s.head_dim, P = s.positions_per_task, kv_row = s.num_kv_heads * D;
   const int64_t last = std::min(s.length, p0 + P) - 1;  // last chunk position in the task
   alignas(64) int32_t lane_pos[kTaskRows];            // each lane's context position
-  int64_t lane_q[kTaskRows];                          // each lane's query row offset in q
+  mili::QueryRows<T> rows;
   for (int64_t r = 0; r < kTaskRows; ++r) {
     const int64_t g = std::min(r / P, s.group - 1), p = std::min(p0 + r % P, last);
     lane_pos[r] = static_cast<int32_t>(s.ctx - s.length + p);
-    lane_q[r] = p * s.q_row_stride + (h * s.group + g) * D;
+    rows.rows[r] = q + p * s.q_row_stride + (h * s.group + g) * D;
   }
-  float* q_t = scratch.q_t.data();
-  for (int64_t r = 0; r < kTaskRows; ++r)
-    for (int64_t d = 0; d < D; ++d) q_t[d * kTaskRows + r] = to_float(q[lane_q[r] + d]) * scale;
-  std::fill(scratch.out_t.begin(), scratch.out_t.end(), 0.f);
+  products.load_queries(rows, scale);
+  float* out_t = out_buffer.data();
+  std::fill(out_buffer.begin(), out_buffer.end(), 0.f);
   __m512 pos[kRowVectors], row_max[kRowVectors], row_sum[kRowVectors];
   for (int64_t v = 0; v < kRowVectors; ++v) {
     pos[v] = _mm512_cvtepi32_ps(_mm512_load_si512(lane_pos + v * kLanes));
@@ -139,10 +61,9 @@ void attend_task(const T* q, const T* k_pool, const T* v_pool, const int64_t* sl
   const int64_t visible = s.ctx - s.length + last + 1;  // keys [0, visible) matter to some lane
   for (int64_t c0 = 0; c0 < visible; c0 += kKeyBlock) {
     const int64_t keys = std::min(kKeyBlock, visible - c0);
-    widen_rows(k_pool, slots + c0, keys, kv_row, h * D, D, scratch.keys.data());
-    widen_rows(v_pool, slots + c0, keys, kv_row, h * D, D, scratch.values.data());
-    __m512* scores = scratch.scores.data();
-    score_block(q_t, scratch.keys.data(), keys, D, scores);
+    products.load_block(k_pool, v_pool, slots + c0, keys, kv_row, h * D);
+    __m512* scores = scores_buffer.data();
+    products.score(keys, scores);
     // causal: key position c0 + j is hidden from lanes at an earlier position
     const bool diagonal = c0 + keys - 1 > s.ctx - s.length + p0;
     __m512 block_max[kRowVectors];
@@ -166,7 +87,7 @@ void attend_task(const T* q, const T* k_pool, const T* v_pool, const int64_t* sl
       row_max[v] = new_max[v];
       if (c0 != 0)
         for (int64_t d = 0; d < D; ++d) {
-          float* o = scratch.out_t.data() + (d * kRowVectors + v) * kLanes;
+          float* o = out_t + (d * kRowVectors + v) * kLanes;
           _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_loadu_ps(o), rescale));
         }
     }
@@ -177,19 +98,19 @@ void attend_task(const T* q, const T* k_pool, const T* v_pool, const int64_t* sl
         sc = _mm512_maskz_mov_ps(seen, exp_nonpositive(_mm512_sub_ps(sc, new_max[v])));  // hidden keys weigh 0
         row_sum[v] = _mm512_add_ps(row_sum[v], sc);
       }
-    accumulate_values(scores, scratch.values.data(), keys, D, scratch.out_t.data());
+    products.accumulate(scores, keys, out_t);
   }
   alignas(64) float inv_sum[kTaskRows];
   for (int64_t v = 0; v < kRowVectors; ++v) _mm512_store_ps(inv_sum + v * kLanes, _mm512_div_ps(_mm512_set1_ps(1.f), row_sum[v]));
-  const int64_t rows = s.group * P;  // lanes that are real (head, position) pairs
-  for (int64_t r = 0; r < std::min(rows, kTaskRows); ++r) {
+  const int64_t real_rows = s.group * P;  // lanes that are real (head, position) pairs
+  for (int64_t r = 0; r < std::min(real_rows, kTaskRows); ++r) {
     if (p0 + r % P > last) continue;
     const int64_t row = (p0 + r % P) * s.num_heads * D + (h * s.group + r / P) * D;
-    for (int64_t d = 0; d < D; ++d) out[row + d] = static_cast<T>(scratch.out_t[d * kTaskRows + r] * inv_sum[r]);
+    for (int64_t d = 0; d < D; ++d) out[row + d] = static_cast<T>(out_t[d * kTaskRows + r] * inv_sum[r]);
   }
 }
 
-template <typename T>
+template <typename T, typename Products>
 void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
          const torch::Tensor& slots, double scale, torch::Tensor& out) {
   Shapes s{};
@@ -212,10 +133,13 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
   // blocks fill in at the end and no thread is left with the long tail.
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    Scratch scratch(s.head_dim);
+    Products products(s.head_dim);
+    std::vector<float> out_buffer(s.head_dim * kTaskRows);
+    std::vector<__m512> scores_buffer(kKeyBlock * kRowVectors);
     for (int64_t t = next_task.fetch_add(1); t < tasks; t = next_task.fetch_add(1)) {
       const int64_t block = blocks - 1 - t / s.num_kv_heads, h = t % s.num_kv_heads;
-      attend_task(qp, kp, vp, sp, s, h, block * s.positions_per_task, static_cast<float>(scale), op, scratch);
+      attend_task(qp, kp, vp, sp, s, h, block * s.positions_per_task, static_cast<float>(scale), op, products,
+                  out_buffer, scores_buffer);
     }
   });
 }
@@ -224,9 +148,10 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
 
 // q (L, H, D) (rows may be strided, each row's heads contiguous); k_pool, v_pool (slots, KV, D);
 // context_slots (ctx,) int64, the chunk's own L slots last -> (L, H, D). Query i sits at context position
-// ctx - L + i and sees positions [0, ctx - L + i].
+// ctx - L + i and sees positions [0, ctx - L + i]. bf16_dot_products: bf16 inputs multiply in bf16
+// pairs (VDPBF16PS), on a CPU that has them.
 torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
-                                      const torch::Tensor& context_slots, double scale) {
+                                      const torch::Tensor& context_slots, double scale, bool bf16_dot_products) {
   TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu(), "paged_prefill_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(), "paged_prefill_attention: shapes");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_prefill_attention: each q row's heads contiguous");
@@ -239,18 +164,24 @@ torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tenso
   TORCH_CHECK(q.size(1) % k_pool.size(1) == 0 && q.size(1) / k_pool.size(1) <= kTaskRows,
               "query heads must be a multiple of KV heads, at most 64 per KV head");
   TORCH_CHECK(context_slots.size(0) >= q.size(0), "the context includes the chunk");
+  TORCH_CHECK(!bf16_dot_products || (q.scalar_type() == at::kBFloat16 && mili::cpu_has_bf16_dot_products()),
+              "paged_prefill_attention: bf16 dot products need bf16 inputs and a CPU with AVX512-BF16");
   const int64_t* slot = context_slots.data_ptr<int64_t>();
   const int64_t num_slots = k_pool.size(0);
   TORCH_CHECK(std::all_of(slot, slot + context_slots.size(0), [&](int64_t c) { return c >= 0 && c < num_slots; }),
               "paged_prefill_attention: a context slot lies outside the pool");
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (q.size(0) == 0) return out;
-  if (q.scalar_type() == at::kBFloat16) {
-    run<at::BFloat16>(q, k_pool, v_pool, context_slots, scale, out);
+  if (bf16_dot_products) {
+    run<at::BFloat16, mili::Bf16DotProducts>(q, k_pool, v_pool, context_slots, scale, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    run<at::BFloat16, mili::Fp32Products<at::BFloat16>>(q, k_pool, v_pool, context_slots, scale, out);
   } else if (q.scalar_type() == at::kFloat) {
-    run<float>(q, k_pool, v_pool, context_slots, scale, out);
+    run<float, mili::Fp32Products<float>>(q, k_pool, v_pool, context_slots, scale, out);
   } else {
     TORCH_CHECK(false, "paged_prefill_attention: bf16 or fp32 only");
   }
   return out;
 }
+
+bool cpu_has_bf16_dot_products() { return mili::cpu_has_bf16_dot_products(); }
