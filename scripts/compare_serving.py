@@ -41,6 +41,7 @@ from mili_openai.bench.prompt_tokens import TOKENIZER_FILE, load_tokenizer  # no
 from mili_openai.bench.report import format_table, write_json  # noqa: E402
 from mili_openai.bench.runner import run_benchmark  # noqa: E402
 from mili_openai.bench.server_process import LOCALHOST, ServerProcess, ServerSpec, free_port  # noqa: E402
+from serving_limits import measure_machine_limits, render_limits  # noqa: E402  (a sibling script)
 
 SERVERS = ("mili", "transformers")  # the first is "ours": ratios are mili ÷ peer
 BEGIN_MARKER = "<!-- compare_serving:begin -->"
@@ -52,8 +53,6 @@ STARTUP_TIMEOUT_S = 600.0  # model load (and mili's kernel build) on a cold mach
 TRANSFORMERS_NO_EOS = {"generation_config": json.dumps({"eos_token_id": -1})}
 LIMITS_FILE = "machine_limits.json"
 SINGLE_STREAM_WORKLOAD = "W3"  # the one the per-token floors apply to directly
-BF16_BYTES = 2
-MS_PER_S = 1000.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,65 +129,24 @@ def single_stream_bench():
     return next(w for w in WORKLOADS if w.name == SINGLE_STREAM_WORKLOAD).bench
 
 
-def measure_machine_limits(checkpoint: Path) -> dict:
-    """The floors a server cannot beat here: a decode step reads every weight once (bandwidth-bound), a
-    prefill token costs 2 flops per non-embedding parameter plus causal attention's two products over its
-    mean context, at the single-stream workload's prompt length (matmul-bound). Probes shared with
-    scripts/bench_engine.py."""
-    from bench_engine import measure_matmul_flops, measure_read_bandwidths  # a sibling script
-
-    weight_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
-    probes = measure_read_bandwidths()
-    bandwidth, flops = max(probes.values()), measure_matmul_flops()
-    config = json.loads((checkpoint / "config.json").read_text())
-    # A prompt token goes through every matmul but the LM head (applied to the last position only); the
-    # embedding is a row lookup. Tied or not, the file holds the vocab × hidden table at least once.
-    params = weight_bytes / BF16_BYTES - config["vocab_size"] * config["hidden_size"]
-    prompt_len = single_stream_bench().input_len
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    # q·k and p·v, 2 flops a multiply-add each, per head and layer, over the mean context of a causal prompt
-    attention = 2 * 2 * config["num_hidden_layers"] * config["num_attention_heads"] * head_dim * (prompt_len // 2)
-    return {"weight_bytes": weight_bytes, "read_bandwidth_bytes_per_s": bandwidth,
-            "read_bandwidth_probes": probes, "matmul_flops_per_s": flops,
-            "decode_step_floor_ms": weight_bytes / bandwidth * MS_PER_S,
-            "prefill_floor_ms_per_token": (2 * params + attention) / flops * MS_PER_S}
-
-
-def probe_text(limits: dict) -> str:
-    """' (the fastest of: float32 sum 23.1, ...)' from the probes, when the limits recorded them."""
-    probes = limits.get("read_bandwidth_probes")
-    if not probes:
-        return ""
-    return " (the fastest of: " + ", ".join(f"{name} {rate / 1e9:.1f}" for name, rate in probes.items()) + ")"
-
-
-def render_limits(limits: dict, results: dict[str, dict[str, dict]]) -> list[str]:
-    step, per_token = limits["decode_step_floor_ms"], limits["prefill_floor_ms_per_token"]
-    w3 = single_stream_bench()
-    prefill = per_token * w3.input_len
-    lines = ["", "### Against this machine's limits", "",
-             f"Measured: read bandwidth {limits['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s{probe_text(limits)}, "
-             f"best bf16-weight matmul "
-             f"{limits['matmul_flops_per_s'] / 1e9:.0f} GFLOP/s; weights {limits['weight_bytes'] / 1e9:.2f} GB. "
-             f"Floors: a decode step {step:.1f} ms (every weight read once), a {w3.input_len}-token prefill "
-             f"{prefill:.0f} ms. {SINGLE_STREAM_WORKLOAD} measured ÷ floor (1.0 = at the limit):", ""]
-    for server, data in results.get(SINGLE_STREAM_WORKLOAD, {}).items():
-        summary = data["summary"]
-        tpot, ttft = summary["tpot"]["mean_ms"], summary["ttft"]["mean_ms"]
-        if tpot is not None and ttft is not None:
-            lines.append(f"- {server}: TPOT {tpot:.1f} ms = {tpot / step:.2f}× the decode floor; "
-                         f"TTFT {ttft:.0f} ms = {ttft / prefill:.2f}× the prefill floor")
-    return lines
+def bracket_path(out_dir: Path, server: str) -> Path:
+    return out_dir / f"{SINGLE_STREAM_WORKLOAD}-{server}-limits.json"
 
 
 def run_server(server: str, workloads: list[Workload], checkpoint: Path, out_dir: Path, extra_args: list[str],
-               tokenizer) -> None:
+               tokenizer, bracket_limits: bool) -> None:
     spec = server_spec(server, checkpoint, free_port(), extra_args)
+    prompt_len = single_stream_bench().input_len
     with ServerProcess(spec, out_dir / f"{server}.log") as process:
         took = process.wait_healthy(STARTUP_TIMEOUT_S)
         print(f"{server} healthy after {took:.1f} s", file=sys.stderr)
         for workload in workloads:
+            bracketed = bracket_limits and workload.name == SINGLE_STREAM_WORKLOAD
+            before = measure_machine_limits(checkpoint, prompt_len) if bracketed else None
             run = asyncio.run(run_benchmark(bench_config(workload, server, spec, checkpoint), tokenizer))
+            if bracketed:
+                after = measure_machine_limits(checkpoint, prompt_len)
+                bracket_path(out_dir, server).write_text(json.dumps({"before": before, "after": after}, indent=2))
             print(f"\n{workload.name} on {server}\n{format_table(run)}")
             write_json(run, out_dir / f"{workload.name}-{server}.json")
     print(f"{server} stopped", file=sys.stderr)
@@ -225,8 +183,11 @@ def render_section(results: dict[str, dict[str, dict]], checkpoint: Path, out_di
         for server, data in results[workload.name].items():
             for error in data["summary"]["errors"]:
                 lines.append(f"\n- {server} error: `{error}`")
-    if limits is not None:
-        lines += render_limits(limits, results)
+    single = results.get(SINGLE_STREAM_WORKLOAD, {})
+    brackets = {server: json.loads(bracket_path(out_dir, server).read_text())
+                for server in single if bracket_path(out_dir, server).exists()}
+    if limits is not None or brackets:
+        lines += render_limits(SINGLE_STREAM_WORKLOAD, single_stream_bench().input_len, limits, single, brackets)
     return "\n".join(lines)
 
 
@@ -257,9 +218,9 @@ def main(argv: list[str] | None = None) -> int:
         workloads = [w for w in WORKLOADS if w.name in args.workloads]
         extra = {"mili": args.mili_arg, "transformers": args.transformers_arg}
         for server in args.servers:
-            run_server(server, workloads, checkpoint, args.out_dir, extra[server], tokenizer)
+            run_server(server, workloads, checkpoint, args.out_dir, extra[server], tokenizer, not args.no_limits)
         if not args.no_limits:  # with both servers stopped: nothing else on the cores
-            limits = measure_machine_limits(checkpoint)
+            limits = measure_machine_limits(checkpoint, single_stream_bench().input_len)
             (args.out_dir / LIMITS_FILE).write_text(json.dumps(limits, indent=2))
     limits_path = args.out_dir / LIMITS_FILE
     limits = json.loads(limits_path.read_text()) if limits_path.exists() and not args.no_limits else None

@@ -22,9 +22,8 @@ namespace {
 using mili::kLanes;
 using mili::widen_bf16;
 constexpr int kMaxChunkRows = 8;    // x rows sharing one widened weight tile (registers: 8 x 3 accumulators)
-constexpr int64_t kChunksPerThread = 8;   // weight-row chunks per thread: small enough to rebalance
-constexpr int64_t kRowsPerChunkMin = 48;  // long enough to stream (48 rows of K >= 1024: >= 96 KB)
 constexpr int64_t kRowsPerPass = 24;      // weight rows reused by every chunk of x rows before moving on
+constexpr int64_t kRowsPerChunkMin = kRowsPerPass;  // the last, smallest chunks (48 KB at K = 1024)
 constexpr int64_t kXBlockBytes = 256 * 1024;  // x rows per outer block are sized to stay in L2
 
 // Weight rows in flight per x chunk, and independent partial sums along K per (row, weight row): with
@@ -122,6 +121,23 @@ void rows_any(int64_t rows, const float* x, int64_t ldx, const at::BFloat16* w, 
   }
 }
 
+// Guided self-scheduling: each claim takes half of the remaining rows' fair share, so chunks start long
+// (few restarts of the prefetchers) and end short (one thread rarely waits at the end for the other's
+// last chunk). Measured on a 2-core Zen 4, one row of x through a decode step's 112 layer matmuls:
+// 45-47.5 GB/s against 43.5-46 for fixed chunks of an eighth of a thread's share.
+int64_t claim_rows(std::atomic<int64_t>& next_row, int64_t N, int64_t threads, int64_t& end) {
+  int64_t begin = next_row.load(std::memory_order_relaxed);
+  while (begin < N) {
+    const int64_t share = std::max(kRowsPerChunkMin, (N - begin) / (2 * threads));
+    const int64_t size = (share + kRowsPerPass - 1) / kRowsPerPass * kRowsPerPass;
+    if (next_row.compare_exchange_weak(begin, begin + size)) {
+      end = std::min(N, begin + size);
+      return begin;
+    }
+  }
+  return N;
+}
+
 }  // namespace
 
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w) {
@@ -146,11 +162,10 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w) {
     // shared machine a thread that loses its core for a while no longer holds up the whole step.
     std::atomic<int64_t> next_row{0};
     const int64_t threads = at::get_num_threads();
-    const int64_t per_thread = N / (threads * kChunksPerThread);
-    const int64_t chunk = std::max(kRowsPerChunkMin, (per_thread + kRowsPerPass - 1) / kRowsPerPass * kRowsPerPass);
     at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-      for (int64_t n_begin = next_row.fetch_add(chunk); n_begin < N; n_begin = next_row.fetch_add(chunk)) {
-        const int64_t n_end = std::min(N, n_begin + chunk);
+      int64_t n_end = 0;
+      for (int64_t n_begin = claim_rows(next_row, N, threads, n_end); n_begin < N;
+           n_begin = claim_rows(next_row, N, threads, n_end)) {
         for (int64_t n = n_begin; n < n_end; n += kRowsPerPass) {
           const int64_t n_stop = std::min(n_end, n + kRowsPerPass);
           for (int64_t m = m0; m < m_end; m += kMaxChunkRows) {
