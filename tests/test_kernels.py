@@ -21,17 +21,24 @@ def kernels():
     return loaded
 
 
+def product_kinds(kernels) -> list[bool]:
+    """Whether to multiply bf16 pairs: never (widened fp32), and also where the CPU has them (AVX512-BF16)."""
+    return [False, True] if kernels.bf16_dot_products else [False]
+
+
+# K: one vector, an odd multiple of 16 (the bf16-pair tail), the model's widths
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 64])
-@pytest.mark.parametrize("k,n", [(16, 7), (1024, 4096), (96, 130), (3072, 9)])
+@pytest.mark.parametrize("k,n", [(16, 7), (1024, 4096), (96, 130), (3072, 9), (48, 33)])
 def test_linear_kernel_matches_fp32_matmul(kernels, rows, k, n):
     torch.manual_seed(rows * 1000 + n)
     x = torch.randn(rows, k, dtype=torch.bfloat16)
     w = torch.randn(n, k, dtype=torch.bfloat16) * 0.05
-    got = kernels.linear(x, w)
     want = F.linear(x.float(), w.float())
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
-    # fp32 accumulation then one bf16 rounding: within 1% of the magnitude
-    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
+    for bf16_pairs in product_kinds(kernels):
+        got = kernels._module.linear_bf16(x, w, bf16_pairs)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        # fp32 accumulation then one bf16 rounding: within 1% of the magnitude
+        torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
 
 
 def test_linear_kernel_reads_strided_rows(kernels):
@@ -147,12 +154,16 @@ def test_paged_prefill_attention_matches_sdpa(kernels, length, ctx, heads, kv_he
         torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
 
 
-def test_prefill_attention_takes_bf16_pairs_where_the_cpu_has_them(kernels):
+def test_bf16_pairs_where_the_cpu_has_them(kernels):
     flags = open("/proc/cpuinfo").read().split()
     assert kernels.bf16_dot_products == ("avx512_bf16" in flags)
     pool, q = torch.randn(8, 1, 32), torch.randn(2, 2, 32)
     with pytest.raises(RuntimeError, match="bf16 dot products need bf16 inputs"):
         kernels._module.paged_prefill_attention(q, pool, pool, torch.arange(2), 1.0, True)  # fp32 inputs
+    if not kernels.bf16_dot_products:  # asked for anyway: refused, not an illegal instruction
+        with pytest.raises(RuntimeError, match="no AVX512-BF16"):
+            kernels._module.linear_bf16(torch.ones(2, 16, dtype=torch.bfloat16), torch.ones(3, 16, dtype=torch.bfloat16),
+                                        True)
 
 
 def test_paged_prefill_attention_refuses_slots_outside_the_pool(kernels):

@@ -18,7 +18,7 @@ SOURCES = ("bindings.cpp", "linear_bf16.cpp", "paged_decode_attention.cpp",
            "paged_prefill_attention.cpp", "rms_norm_bf16.cpp",
            "activation_bf16.cpp", "decode_stack.cpp")
 HEADERS = ("simd_bf16.h", "kernels.h", "prefill_products.h")  # torch hashes only SOURCES, hence the name bump
-EXTENSION_NAME = "mili_cpu_kernels_v21"  # bump when a source changes so torch's JIT cache rebuilds
+EXTENSION_NAME = "mili_cpu_kernels_v24"  # bump when a source changes so torch's JIT cache rebuilds
 # -fopenmp: without it ATen's parallel_for compiles to a serial loop inside the extension
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"]
 LINK_FLAGS = ["-fopenmp"]
@@ -96,7 +96,8 @@ class CpuKernels:
 
     @property
     def bf16_dot_products(self) -> bool:
-        """Whether bf16 prefill attention multiplies bf16 pairs (AVX512-BF16) rather than widened fp32."""
+        """Whether prefill attention and matmuls over several rows multiply bf16 pairs (AVX512-BF16) rather
+        than widened fp32."""
         return self._bf16_dot_products
 
     @property
@@ -106,7 +107,10 @@ class CpuKernels:
 
     def plan_matmuls(self) -> None:
         """Choose, by timing on this CPU, how many rows go to the kernel and the GEMM for the rest."""
-        self._max_kernel_rows, self._large_matmul = plan_matmuls(self._module.linear_bf16)
+        self._max_kernel_rows, self._large_matmul = plan_matmuls(self._kernel_matmul)
+
+    def _kernel_matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self._module.linear_bf16(x, weight, self._bf16_dot_products)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x @ weight.T; few-row bf16 inputs stream the weight once through the kernel."""
@@ -121,7 +125,7 @@ class CpuKernels:
         rows = x.numel() // x.shape[-1]
         if rows > self._max_kernel_rows:
             return self._large_matmul(x, weight)
-        out = self._module.linear_bf16(x.reshape(rows, x.shape[-1]), weight)
+        out = self._kernel_matmul(x.reshape(rows, x.shape[-1]), weight)
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -202,7 +206,8 @@ class CpuKernels:
         )
         if not supported:
             return None
-        stack = self._module.DecodeStack(embedding, weights, num_q_heads, num_kv_heads, head_dim, eps, scale)
+        stack = self._module.DecodeStack(embedding, weights, num_q_heads, num_kv_heads, head_dim, eps, scale,
+                                         self._bf16_dot_products)
         return CpuDecodeStack(stack, self)
 
 

@@ -8,7 +8,8 @@ void bind_decode_stack(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
-  m.def("linear_bf16", &linear_bf16, "y = x @ w.T for bf16 x (M, K) and w (N, K), fp32 accumulation", release_gil());
+  m.def("linear_bf16", &linear_bf16, "y = x @ w.T for bf16 x (M, K) and w (N, K), fp32 accumulation; "
+        "bf16_dot_products: several rows of x multiply bf16 pairs (AVX512-BF16)", release_gil());
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged K/V slots", release_gil());
   m.def("paged_prefill_attention", &paged_prefill_attention, "causal prefill attention over paged K/V slots",
         release_gil());

@@ -3,7 +3,7 @@
 
 #include <torch/extension.h>
 
-torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w);
+torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool bf16_dot_products);
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool,
                                      const torch::Tensor& v_pool, const torch::Tensor& slots,
                                      const torch::Tensor& ctx_lens, double scale);

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <atomic>
 
+#include "kernels.h"
 #include "simd_bf16.h"
 
 namespace {
@@ -40,12 +41,16 @@ template <int MC> constexpr int tile_rows() { return MC == 1 ? 1 : MC <= 6 ? 4 :
 template <int MC> constexpr int k_unroll() { return MC == 1 ? 8 : 1; }
 
 // The hardware prefetcher loses track of R interleaved row streams: while a tile is multiplied, ask for
-// the same K offset of the next tile's rows (one cache line per row per 32 bf16). Measured on a 2-core
-// Xeon over the model's weights: 8.5 -> 12 GB/s for eight rows of x.
+// the same K offset of the next tile's rows into L1, and of the two tiles after it into L2, which tracks
+// more misses (one cache line per row per 32 bf16). Measured over 1 GiB of weights: on a 2-core Xeon, the
+// next tile alone took eight rows of x from 8.5 to 12 GB/s; on a 2-core Zen 4 (bf16 `sum` at 51-60 GB/s)
+// the two further tiles took two rows from 23 to 50-54 GB/s, four from 22 to 46-47, and eight rows of
+// bf16 pair products (below) from 21 to 41-42.
 constexpr int64_t kPrefetchStride = 32;  // bf16 per 64-byte line
 template <int R>
-inline void prefetch_next_tile(const at::BFloat16* w, int64_t K, int64_t k) {
+inline void prefetch_tiles_ahead(const at::BFloat16* w, int64_t K, int64_t k) {
   for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (R + r) * K + k), _MM_HINT_T0);
+  for (int r = 2 * R; r < 4 * R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k), _MM_HINT_T1);
 }
 
 // The single-row stream also asks, once per 256 bytes it reads, for the line kStreamAheadBytes ahead into
@@ -70,7 +75,7 @@ inline void tile(const float* x, int64_t ldx, const at::BFloat16* w, int64_t K, 
     if constexpr (MC == 1)
       prefetch_stream(w + k);  // one line per 256 bytes (U = 8)
     else if (k % kPrefetchStride == 0)
-      prefetch_next_tile<R>(w, K, k);
+      prefetch_tiles_ahead<R>(w, K, k);
     for (int u = 0; u < U; ++u) {
       __m512 wv[R];
       for (int r = 0; r < R; ++r) wv[r] = widen_bf16(w + r * K + k + u * kLanes);
@@ -88,6 +93,66 @@ inline void tile(const float* x, int64_t ldx, const at::BFloat16* w, int64_t K, 
       for (int r = 0; r < R; ++r) acc[0][m][r] = _mm512_fmadd_ps(xv, wv[r], acc[0][m][r]);
     }
   }
+  for (int m = 0; m < MC; ++m)
+    for (int r = 0; r < R; ++r) {
+      __m512 sum = acc[0][m][r];
+      for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[u][m][r]);
+      y[m * ldy + r] = at::BFloat16(_mm512_reduce_add_ps(sum));
+    }
+}
+
+// The same tile with bf16 pair products (VDPBF16PS, AVX512-BF16): x stays bf16 and each instruction
+// multiplies 32 weights by 32 inputs, summing pairs into 16 fp32 lanes, where the fp32 tile widens every
+// weight and needs two FMAs. From ~4 rows of x the fp32 tile is bound by its FMAs, so this one reads the
+// weights up to twice as fast there (measured below, in linear_bf16). Partial sums along K run in
+// another order, so results differ from the fp32 tile's in rounding only.
+#define MILI_BF16_DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+constexpr int64_t kPairLanes = 2 * kLanes;  // bf16 values per 512-bit register
+
+// 32 bf16 from p; kHalf: the 16 at p, then zeros (the tail of a K that is an odd multiple of 16)
+template <bool kHalf>
+MILI_BF16_DOT inline __m512i load_pairs(const at::BFloat16* p) {
+  if constexpr (kHalf) return _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_loadu_si512(p);
+}
+
+template <int MC, int R, bool kHalf>
+MILI_BF16_DOT inline void dot_step(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t K, int64_t k,
+                                   __m512 (&acc)[MC][R]) {
+  __m512i wv[R];
+  for (int r = 0; r < R; ++r) wv[r] = load_pairs<kHalf>(w + r * K + k);
+  for (int m = 0; m < MC; ++m) {
+    const __m512bh xv = (__m512bh)load_pairs<kHalf>(x + m * ldx + k);
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, (__m512bh)wv[r]);
+  }
+}
+
+// Two rows of x read the weights fastest as one stream, a row at a time with two partial sums along K (as
+// the single-row fp32 tile does); from three, tiles of R weight rows share each load of x. Measured on a
+// 2-core Zen 4 over 1 GiB while bf16 `sum` read 57-59 GB/s: 2 rows 53-57 as a stream against 41-44 in
+// tiles; 3 rows 54-58 in tiles against 35; 4 rows 47-50 against 39-45; 8 rows 41-42 (the fp32 tile:
+// 17-18, bound by its FMAs).
+template <int MC> constexpr int dot_tile_rows() { return MC <= 2 ? 1 : MC <= 6 ? 4 : 3; }
+template <int MC> constexpr int dot_unroll() { return MC <= 2 ? 2 : 1; }
+
+template <int MC, int R>
+MILI_BF16_DOT inline void dot_tile(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t K,
+                                   at::BFloat16* y, int64_t ldy) {
+  constexpr int U = R == 1 ? dot_unroll<MC>() : 1;
+  __m512 acc[U][MC][R];
+  for (int u = 0; u < U; ++u)
+    for (int m = 0; m < MC; ++m)
+      for (int r = 0; r < R; ++r) acc[u][m][r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + U * kPairLanes <= K; k += U * kPairLanes) {
+    if constexpr (R == 1)
+      prefetch_stream(w + k);
+    else
+      prefetch_tiles_ahead<R>(w, K, k);  // one line per row per 32 values, as in the fp32 tile
+    for (int u = 0; u < U; ++u) dot_step<MC, R, false>(x, ldx, w, K, k + u * kPairLanes, acc[u]);
+  }
+  for (; k + kPairLanes <= K; k += kPairLanes) dot_step<MC, R, false>(x, ldx, w, K, k, acc[0]);
+  if (k < K) dot_step<MC, R, true>(x, ldx, w, K, k, acc[0]);  // K is a multiple of 16, not always of 32
   for (int m = 0; m < MC; ++m)
     for (int r = 0; r < R; ++r) {
       __m512 sum = acc[0][m][r];
@@ -121,6 +186,31 @@ void rows_any(int64_t rows, const float* x, int64_t ldx, const at::BFloat16* w, 
   }
 }
 
+template <int MC>
+MILI_BF16_DOT void dot_rows_chunk(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t K,
+                                  at::BFloat16* y, int64_t ldy, int64_t n_begin, int64_t n_end) {
+  constexpr int R = dot_tile_rows<MC>();
+  int64_t n = n_begin;
+  for (; n + R <= n_end; n += R) dot_tile<MC, R>(x, ldx, w + n * K, K, y + n, ldy);
+  for (; n < n_end; ++n) dot_tile<MC, 1>(x, ldx, w + n * K, K, y + n, ldy);
+}
+
+MILI_BF16_DOT __attribute__((noinline)) void dot_rows_any(int64_t rows, const at::BFloat16* x, int64_t ldx,
+                                                          const at::BFloat16* w, int64_t K, at::BFloat16* y,
+                                                          int64_t ldy, int64_t n_begin, int64_t n_end) {
+  switch (rows) {
+    case 1: dot_rows_chunk<1>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
+    case 2: dot_rows_chunk<2>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
+    case 3: dot_rows_chunk<3>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
+    case 4: dot_rows_chunk<4>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
+    case 5: dot_rows_chunk<5>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
+    case 6: dot_rows_chunk<6>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
+    case 7: dot_rows_chunk<7>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
+    default: dot_rows_chunk<8>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
+  }
+}
+#undef MILI_BF16_DOT
+
 // Guided self-scheduling: each claim takes half of the remaining rows' fair share, so chunks start long
 // (few restarts of the prefetchers) and end short (one thread rarely waits at the end for the other's
 // last chunk). Measured on a 2-core Zen 4, one row of x through a decode step's 112 layer matmuls:
@@ -140,17 +230,21 @@ int64_t claim_rows(std::atomic<int64_t>& next_row, int64_t N, int64_t threads, i
 
 }  // namespace
 
-torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w) {
+torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool bf16_dot_products) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "linear_bf16: bf16 inputs only");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_bf16: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_bf16: x (M, K) and w (N, K)");
   TORCH_CHECK(w.is_contiguous(), "linear_bf16: contiguous weight only");
+  TORCH_CHECK(!bf16_dot_products || cpu_has_bf16_dot_products(), "linear_bf16: this CPU has no AVX512-BF16");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(K % kLanes == 0, "linear_bf16: K must be a multiple of 16");
-  // Widen x once (M * K values) rather than once per weight tile.
-  const torch::Tensor xf = x.to(at::kFloat).contiguous();
+  // One row of x streams the weights with the fp32 tile (bound by memory, not by its FMAs).
+  const bool pairs = bf16_dot_products && M > 1;
+  // Widen x once (M * K values) rather than once per weight tile; pair products take it as it is.
+  const torch::Tensor xs = pairs ? x.contiguous() : x.to(at::kFloat).contiguous();
   auto y = torch::empty({M, N}, x.options());
-  const float* xp = xf.data_ptr<float>();
+  const float* xf = pairs ? nullptr : xs.data_ptr<float>();
+  const at::BFloat16* xb = pairs ? xs.data_ptr<at::BFloat16>() : nullptr;
   const auto* wp = w.data_ptr<at::BFloat16>();
   auto* yp = y.data_ptr<at::BFloat16>();
   // Rows of x per pass over the weights: as many as stay in L2 beside the weight tiles. Small batches
@@ -170,7 +264,10 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w) {
           const int64_t n_stop = std::min(n_end, n + kRowsPerPass);
           for (int64_t m = m0; m < m_end; m += kMaxChunkRows) {
             const int64_t rows = std::min<int64_t>(kMaxChunkRows, m_end - m);
-            rows_any(rows, xp + m * K, K, wp, K, yp + m * N, N, n, n_stop);
+            if (pairs)
+              dot_rows_any(rows, xb + m * K, K, wp, K, yp + m * N, N, n, n_stop);
+            else
+              rows_any(rows, xf + m * K, K, wp, K, yp + m * N, N, n, n_stop);
           }
         }
       }
