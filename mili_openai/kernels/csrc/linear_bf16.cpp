@@ -53,13 +53,13 @@ inline void prefetch_tiles_ahead(const at::BFloat16* w, int64_t K, int64_t k) {
   for (int r = 2 * R; r < 4 * R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k), _MM_HINT_T1);
 }
 
-// The single-row stream also asks, once per 256 bytes it reads, for the line kStreamAheadBytes ahead into
-// L2: a nudge that keeps the prefetchers ahead. Measured on a 2-core Zen 4 over 1 GiB, while bf16 `sum`
-// read 51-57 GB/s: none 27-29, every line 4 KB ahead 37-40, one line in four 4 KB ahead 47-52, 8 KB
-// ahead 56-60; while `sum` read 34-35, 32-34 with the last (into L1 it was slower than none).
-constexpr int64_t kStreamAheadBytes = 8192;
+// The single-row stream also asks, once per 256 bytes it reads, for the lines 8 and 16 KB ahead into L2:
+// a nudge that keeps the prefetchers ahead. Measured on a 2-core Zen 4 over 1 GiB, while bf16 `sum` read
+// 51-60 GB/s: none 27-29, every line 4 KB ahead 37-40, one line in four 4 KB ahead 47-52, 8 KB ahead
+// 51-60, 8 and 16 KB ahead 57; while `sum` read 30-36, 31-35 with the last two (into L1: slower than none).
+constexpr int64_t kStreamAheadBytes[] = {8192, 16384};
 inline void prefetch_stream(const at::BFloat16* w) {
-  _mm_prefetch(reinterpret_cast<const char*>(w) + kStreamAheadBytes, _MM_HINT_T1);
+  for (const int64_t ahead : kStreamAheadBytes) _mm_prefetch(reinterpret_cast<const char*>(w) + ahead, _MM_HINT_T1);
 }
 
 // y[m, n + r] for m < MC, r < R: x is fp32 (rows ldx apart), w bf16 rows K apart.
