@@ -31,26 +31,34 @@ BANDWIDTH_PROBE_ROW = 1024  # the matmul probe's K: Qwen3-0.6B's hidden size, th
 MATMUL_SHAPE = (512, 1024, 3072)  # a prefill-shaped bf16 GEMM (tokens, hidden, intermediate)
 
 
+class ReadProbes:
+    """Streaming reads over buffers far larger than the last-level cache, on huge pages (where the engine
+    keeps its weights): torch's fp32 and bf16 `sum`, and the engine's own one-row matmul kernel over a bf16
+    matrix where it loads. The kernel, which prefetches, measured the fastest of the three on the 2-core
+    Xeon VM (27-29 GB/s against `sum`'s 19-24), so a limit taken from `sum` alone would flatter a decode
+    step that reads at the kernel's speed. The buffers are allocated once, so a caller can probe often."""
+
+    def __init__(self) -> None:
+        # written before they are read: untouched anonymous memory reads as the kernel's shared zero page
+        self._buffers = {dtype: huge_page_zeros((BANDWIDTH_BYTES // dtype.itemsize,), dtype).fill_(1)
+                         for dtype in (torch.float32, torch.bfloat16)}
+        self._kernels = load_cpu_kernels()
+        self._row = torch.ones(1, BANDWIDTH_PROBE_ROW, dtype=torch.bfloat16)
+
+    def measure(self, repeats: int = 8) -> dict[str, float]:
+        """Bytes/s of each read, the fastest of `repeats` passes."""
+        rates = {f"{str(dtype).removeprefix('torch.')} sum": BANDWIDTH_BYTES / fastest_seconds(buffer.sum, repeats)
+                 for dtype, buffer in self._buffers.items()}
+        if self._kernels is not None:
+            matrix = self._buffers[torch.bfloat16].view(-1, BANDWIDTH_PROBE_ROW)
+            rates["matmul kernel, one row"] = BANDWIDTH_BYTES / fastest_seconds(
+                functools.partial(self._kernels.linear, self._row, matrix), repeats)
+        return rates
+
+
 def measure_read_bandwidths(repeats: int = 8) -> dict[str, float]:
-    """Bytes/s of each streaming read we know, over a buffer far larger than the last-level cache and on
-    huge pages (where the engine keeps its weights): torch's fp32 and bf16 `sum`, and the engine's own
-    one-row matmul kernel over a bf16 matrix where it loads. The kernel, which prefetches, measured the
-    fastest of the three on the 2-core Xeon VM (27-29 GB/s against `sum`'s 19-24), so a limit taken from
-    `sum` alone would flatter a decode step that reads at the kernel's speed."""
-    rates = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        # written before it is read: untouched anonymous memory reads as the kernel's shared zero page
-        buffer = huge_page_zeros((BANDWIDTH_BYTES // dtype.itemsize,), dtype).fill_(1)
-        rates[f"{str(dtype).removeprefix('torch.')} sum"] = BANDWIDTH_BYTES / fastest_seconds(buffer.sum, repeats)
-        del buffer
-    kernels = load_cpu_kernels()
-    if kernels is not None:
-        width = BANDWIDTH_PROBE_ROW
-        matrix = huge_page_zeros((BANDWIDTH_BYTES // 2 // width, width), torch.bfloat16).fill_(1)
-        row = torch.ones(1, width, dtype=torch.bfloat16)
-        rates["matmul kernel, one row"] = BANDWIDTH_BYTES / fastest_seconds(
-            functools.partial(kernels.linear, row, matrix), repeats)
-    return rates
+    """`ReadProbes` measured once."""
+    return ReadProbes().measure(repeats)
 
 
 def measure_read_bandwidth(repeats: int = 8) -> float:

@@ -41,7 +41,7 @@ from mili_openai.bench.prompt_tokens import TOKENIZER_FILE, load_tokenizer  # no
 from mili_openai.bench.report import format_table, write_json  # noqa: E402
 from mili_openai.bench.runner import run_benchmark  # noqa: E402
 from mili_openai.bench.server_process import LOCALHOST, ServerProcess, ServerSpec, free_port  # noqa: E402
-from serving_limits import measure_machine_limits, render_limits  # noqa: E402  (a sibling script)
+from serving_limits import measure_machine_limits, paired_rounds, render_limits, render_paired  # noqa: E402 (sibling)
 
 SERVERS = ("mili", "transformers")  # the first is "ours": ratios are mili ÷ peer
 BEGIN_MARKER = "<!-- compare_serving:begin -->"
@@ -53,6 +53,10 @@ STARTUP_TIMEOUT_S = 600.0  # model load (and mili's kernel build) on a cold mach
 TRANSFORMERS_NO_EOS = {"generation_config": json.dumps({"eos_token_id": -1})}
 LIMITS_FILE = "machine_limits.json"
 SINGLE_STREAM_WORKLOAD = "W3"  # the one the per-token floors apply to directly
+# Paired rounds (see serving_limits.py): the single-stream prompt with a short output, a prompt seed apiece
+PAIRED_ROUNDS = 8
+PAIRED_OUTPUT_LEN = 32
+PAIRED_SEED_BASE = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +137,26 @@ def bracket_path(out_dir: Path, server: str) -> Path:
     return out_dir / f"{SINGLE_STREAM_WORKLOAD}-{server}-limits.json"
 
 
+def paired_path(out_dir: Path, server: str) -> Path:
+    return out_dir / f"{SINGLE_STREAM_WORKLOAD}-{server}-paired.json"
+
+
+def paired_description() -> str:
+    return (f"{PAIRED_ROUNDS} requests of {single_stream_bench().input_len} prompt tokens and {PAIRED_OUTPUT_LEN} "
+            f"output tokens, one at a time")
+
+
+def run_paired(server: str, spec: ServerSpec, checkpoint: Path, tokenizer) -> list[dict]:
+    w3 = next(w for w in WORKLOADS if w.name == SINGLE_STREAM_WORKLOAD)
+
+    def run_request(index: int) -> dict:
+        bench = replace(bench_config(w3, server, spec, checkpoint), num_requests=1, output_len=PAIRED_OUTPUT_LEN,
+                        warmup=0, seed=PAIRED_SEED_BASE + index, progress=False)
+        return asyncio.run(run_benchmark(bench, tokenizer)).summary.to_json()
+
+    return paired_rounds(checkpoint, w3.bench.input_len, run_request, PAIRED_ROUNDS)
+
+
 def run_server(server: str, workloads: list[Workload], checkpoint: Path, out_dir: Path, extra_args: list[str],
                tokenizer, bracket_limits: bool) -> None:
     spec = server_spec(server, checkpoint, free_port(), extra_args)
@@ -147,6 +171,8 @@ def run_server(server: str, workloads: list[Workload], checkpoint: Path, out_dir
             if bracketed:
                 after = measure_machine_limits(checkpoint, prompt_len)
                 bracket_path(out_dir, server).write_text(json.dumps({"before": before, "after": after}, indent=2))
+                paired_path(out_dir, server).write_text(json.dumps(run_paired(server, spec, checkpoint, tokenizer),
+                                                                   indent=2))
             print(f"\n{workload.name} on {server}\n{format_table(run)}")
             write_json(run, out_dir / f"{workload.name}-{server}.json")
     print(f"{server} stopped", file=sys.stderr)
@@ -188,6 +214,10 @@ def render_section(results: dict[str, dict[str, dict]], checkpoint: Path, out_di
                 for server in single if bracket_path(out_dir, server).exists()}
     if limits is not None or brackets:
         lines += render_limits(SINGLE_STREAM_WORKLOAD, single_stream_bench().input_len, limits, single, brackets)
+    paired = {server: json.loads(paired_path(out_dir, server).read_text())
+              for server in SERVERS if paired_path(out_dir, server).exists()}
+    if paired:
+        lines += render_paired(paired_description(), paired, single_stream_bench().input_len)
     return "\n".join(lines)
 
 

@@ -6,27 +6,36 @@ The shared VMs this runs on change speed in phases of a second or more (the read
 can belong to another phase. The single-stream workload is therefore bracketed: its limits are measured
 right before and right after it, with its server up and idle, and each floor uses the faster of the two
 (the stricter floor). The whole run's limits, measured once at the end, are quoted beside them.
+
+Phases shorter than the workload still blur that bracket, so each server also runs paired rounds: one
+short single-stream request between two quick probes, a few seconds in all, and each request's TPOT and
+TTFT are held against the floors measured around it. Their median says how close a step comes to what
+the machine could do at that moment.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
+from collections.abc import Callable
 from pathlib import Path
 
-from bench_engine import measure_matmul_flops, measure_read_bandwidths  # a sibling script
+from bench_engine import ReadProbes, measure_matmul_flops  # a sibling script
 
 BF16_BYTES = 2
 MS_PER_S = 1000.0
 BRACKET_KEYS = ("before", "after")
+QUICK_REPEATS = 3  # passes per probe in a paired round: the probes must stay short beside the request
 
 
-def measure_machine_limits(checkpoint: Path, prompt_len: int) -> dict:
+def measure_machine_limits(checkpoint: Path, prompt_len: int, read_probes: ReadProbes | None = None,
+                           repeats: int = 8) -> dict:
     """The floors a server cannot beat here: a decode step reads every weight once (bandwidth-bound), a
     prefill token costs 2 flops per non-embedding parameter plus causal attention's two products over its
     mean context, at `prompt_len` (matmul-bound)."""
     weight_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
-    probes = measure_read_bandwidths()
-    bandwidth, flops = max(probes.values()), measure_matmul_flops()
+    probes = (read_probes or ReadProbes()).measure(repeats)
+    bandwidth, flops = max(probes.values()), measure_matmul_flops(repeats)
     config = json.loads((checkpoint / "config.json").read_text())
     # A prompt token goes through every matmul but the LM head (applied to the last position only); the
     # embedding is a row lookup. Tied or not, the file holds the vocab × hidden table at least once.
@@ -46,6 +55,50 @@ def strictest(bracket: dict[str, dict]) -> dict:
     fastest = max(measured, key=lambda limits: limits["read_bandwidth_bytes_per_s"])
     return {**fastest, "prefill_floor_ms_per_token": min(m["prefill_floor_ms_per_token"] for m in measured),
             "matmul_flops_per_s": max(m["matmul_flops_per_s"] for m in measured)}
+
+
+def paired_rounds(checkpoint: Path, prompt_len: int, run_request: Callable[[int], dict], rounds: int) -> list[dict]:
+    """`rounds` times: quick limits, one request (`run_request(round)` -> its summary JSON), quick limits.
+    Each round's request must have a prompt of its own (no prefix-cache hits)."""
+    probes = ReadProbes()
+    results = []
+    for index in range(rounds):
+        before = measure_machine_limits(checkpoint, prompt_len, probes, QUICK_REPEATS)
+        summary = run_request(index)
+        after = measure_machine_limits(checkpoint, prompt_len, probes, QUICK_REPEATS)
+        results.append({"before": before, "after": after, "summary": summary})
+    return results
+
+
+def paired_fractions(rounds: list[dict], prompt_len: int) -> dict[str, list[float]]:
+    """Per round, the decode and prefill floors (the stricter of the two probes) ÷ the request's TPOT, TTFT."""
+    fractions: dict[str, list[float]] = {"decode": [], "prefill": []}
+    for entry in rounds:
+        limits, summary = strictest(entry), entry["summary"]
+        if summary["tpot"]["mean_ms"] is None or summary["ttft"]["mean_ms"] is None:
+            continue  # a failed request: no figure
+        fractions["decode"].append(limits["decode_step_floor_ms"] / summary["tpot"]["mean_ms"])
+        fractions["prefill"].append(limits["prefill_floor_ms_per_token"] * prompt_len / summary["ttft"]["mean_ms"])
+    return fractions
+
+
+def spread_text(values: list[float]) -> str:
+    """'median 81% (quartiles 78-84%, 10 rounds)'"""
+    if len(values) < 2:
+        return f"{values[0]:.0%} (one round)" if values else "no round completed"
+    low, _, high = statistics.quantiles(values, n=4)
+    return f"median {statistics.median(values):.0%} (quartiles {low:.0%}-{high:.0%}, {len(values)} rounds)"
+
+
+def render_paired(description: str, paired: dict[str, list[dict]], prompt_len: int) -> list[str]:
+    """paired: {server: rounds from `paired_rounds`}."""
+    lines = ["", f"Paired rounds: {description}, each between two quick probes (the stricter floor of the "
+                 f"two, as above; 100% = at the limit):", ""]
+    for server, rounds in paired.items():
+        fractions = paired_fractions(rounds, prompt_len)
+        lines.append(f"- {server}: decode {spread_text(fractions['decode'])} of the bandwidth limit; prefill "
+                     f"{spread_text(fractions['prefill'])} of the matmul limit")
+    return lines
 
 
 def probe_text(limits: dict) -> str:

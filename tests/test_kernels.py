@@ -41,6 +41,26 @@ def test_linear_kernel_matches_fp32_matmul(kernels, rows, k, n):
         torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
 
 
+@pytest.mark.parametrize("threads", [1, 3, 5])
+@pytest.mark.parametrize("n", [7, 24, 49, 1000])
+def test_linear_kernel_covers_every_weight_row_whatever_the_threads(kernels, threads, n):
+    """Threads own ranges of weight rows and steal from each other's backs: every output is written once
+    (the output starts uninitialised), also with more threads than rows or cores."""
+    torch.manual_seed(n)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    w = torch.randn(n, 64, dtype=torch.bfloat16) * 0.05
+    want = F.linear(x.float(), w.float())
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for bf16_pairs in product_kinds(kernels):
+            for rows in (1, 3):
+                got = kernels._module.linear_bf16(x[:rows], w, bf16_pairs).float()
+                torch.testing.assert_close(got, want[:rows], rtol=1e-2, atol=1e-2 * float(want.abs().max()))
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_linear_kernel_reads_strided_rows(kernels):
     """Rows sliced out of a wider tensor (a view, not contiguous) give the same result as a copy."""
     wide = torch.randn(4, 256, dtype=torch.bfloat16)
