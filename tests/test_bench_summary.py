@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -120,3 +121,40 @@ def test_server_process_reports_early_exit(tmp_path):
     with ServerProcess(spec, tmp_path / "broken.log") as process:
         with pytest.raises(RuntimeError, match="(?s)broken exited with 0.*no model"):
             process.wait_healthy(timeout_s=20)
+
+
+# ---- scripts/serving_limits.py: W3 against the floors measured around it ----
+def _serving_limits():
+    scripts = str(Path(__file__).resolve().parent.parent / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    import serving_limits
+
+    return serving_limits
+
+
+def _limits(bandwidth: float, step_ms: float, prefill_ms_per_token: float, flops: float) -> dict:
+    return {"read_bandwidth_bytes_per_s": bandwidth, "decode_step_floor_ms": step_ms,
+            "prefill_floor_ms_per_token": prefill_ms_per_token, "matmul_flops_per_s": flops}
+
+
+def test_paired_rounds_hold_each_request_against_the_stricter_floor_around_it():
+    limits = _serving_limits()
+    slow, fast = _limits(30e9, 40.0, 2.0, 300e9), _limits(60e9, 20.0, 2.5, 400e9)
+    stricter = limits.strictest({"before": slow, "after": fast})
+    assert stricter["decode_step_floor_ms"] == 20.0  # the faster read, so the lower floor
+    assert stricter["prefill_floor_ms_per_token"] == 2.0 and stricter["matmul_flops_per_s"] == 400e9
+
+    def summary(tpot, ttft):
+        return {"tpot": {"mean_ms": tpot}, "ttft": {"mean_ms": ttft}}
+
+    rounds = [{"before": slow, "after": slow, "summary": summary(50.0, 1000.0)},
+              {"before": fast, "after": slow, "summary": summary(25.0, 800.0)},
+              {"before": slow, "after": slow, "summary": summary(None, None)}]  # a failed request
+    fractions = limits.paired_fractions(rounds, prompt_len=400)
+    assert fractions["decode"] == pytest.approx([0.8, 0.8])
+    assert fractions["prefill"] == pytest.approx([0.8, 1.0])
+    assert limits.spread_text([0.8, 0.8]).startswith("median 80% ")
+    assert limits.spread_text([]) == "no round completed"
+    lines = limits.render_paired("2 requests", {"mili": rounds}, prompt_len=400)
+    assert any(line.startswith("- mili: decode median 80%") for line in lines)
