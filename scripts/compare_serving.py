@@ -128,9 +128,13 @@ def checkpoint_shape(path: Path) -> str:
     return ", ".join(f"{key} {config[key]}" for key in keys if key in config)
 
 
-def single_stream_bench():
-    """The bench config of the workload the per-token floors apply to."""
-    return next(w for w in WORKLOADS if w.name == SINGLE_STREAM_WORKLOAD).bench
+def single_stream_workload() -> Workload:
+    """The workload the per-token floors apply to."""
+    return next(w for w in WORKLOADS if w.name == SINGLE_STREAM_WORKLOAD)
+
+
+def single_stream_bench() -> BenchConfig:
+    return single_stream_workload().bench
 
 
 def bracket_path(out_dir: Path, server: str) -> Path:
@@ -147,7 +151,7 @@ def paired_description() -> str:
 
 
 def run_paired(server: str, spec: ServerSpec, checkpoint: Path, tokenizer) -> list[dict]:
-    w3 = next(w for w in WORKLOADS if w.name == SINGLE_STREAM_WORKLOAD)
+    w3 = single_stream_workload()
 
     def run_request(index: int) -> dict:
         bench = replace(bench_config(w3, server, spec, checkpoint), num_requests=1, output_len=PAIRED_OUTPUT_LEN,

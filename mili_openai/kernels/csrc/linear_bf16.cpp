@@ -13,6 +13,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels.h"
 #include "row_ranges.h"
@@ -62,14 +63,31 @@ inline void prefetch_stream(const at::BFloat16* w) {
   for (const int64_t ahead : kStreamAheadBytes) _mm_prefetch(reinterpret_cast<const char*>(w) + ahead, _MM_HINT_T1);
 }
 
+// A tile's partial sums: U along K for each (x row m, weight row r), all zero to start.
+template <int U, int MC, int R>
+inline void zero_sums(__m512 (&acc)[U][MC][R]) {
+  for (int u = 0; u < U; ++u)
+    for (int m = 0; m < MC; ++m)
+      for (int r = 0; r < R; ++r) acc[u][m][r] = _mm512_setzero_ps();
+}
+
+// y[m, r] = bf16(sum over u and lanes of acc[u][m][r]), y rows ldy apart.
+template <int U, int MC, int R>
+inline void store_sums(const __m512 (&acc)[U][MC][R], at::BFloat16* y, int64_t ldy) {
+  for (int m = 0; m < MC; ++m)
+    for (int r = 0; r < R; ++r) {
+      __m512 sum = acc[0][m][r];
+      for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[u][m][r]);
+      y[m * ldy + r] = at::BFloat16(_mm512_reduce_add_ps(sum));
+    }
+}
+
 // y[m, n + r] for m < MC, r < R: x is fp32 (rows ldx apart), w bf16 rows K apart.
 template <int MC, int R>
 inline void tile(const float* x, int64_t ldx, const at::BFloat16* w, int64_t K, at::BFloat16* y, int64_t ldy) {
   constexpr int U = k_unroll<MC>();
   __m512 acc[U][MC][R];
-  for (int u = 0; u < U; ++u)
-    for (int m = 0; m < MC; ++m)
-      for (int r = 0; r < R; ++r) acc[u][m][r] = _mm512_setzero_ps();
+  zero_sums(acc);
   int64_t k = 0;
   for (; k + U * kLanes <= K; k += U * kLanes) {
     if constexpr (MC == 1)
@@ -93,12 +111,7 @@ inline void tile(const float* x, int64_t ldx, const at::BFloat16* w, int64_t K, 
       for (int r = 0; r < R; ++r) acc[0][m][r] = _mm512_fmadd_ps(xv, wv[r], acc[0][m][r]);
     }
   }
-  for (int m = 0; m < MC; ++m)
-    for (int r = 0; r < R; ++r) {
-      __m512 sum = acc[0][m][r];
-      for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[u][m][r]);
-      y[m * ldy + r] = at::BFloat16(_mm512_reduce_add_ps(sum));
-    }
+  store_sums(acc, y, ldy);
 }
 
 // The same tile with bf16 pair products (VDPBF16PS, AVX512-BF16): x stays bf16 and each instruction
@@ -140,9 +153,7 @@ MILI_BF16_DOT inline void dot_tile(const at::BFloat16* x, int64_t ldx, const at:
                                    at::BFloat16* y, int64_t ldy) {
   constexpr int U = R == 1 ? dot_unroll<MC>() : 1;
   __m512 acc[U][MC][R];
-  for (int u = 0; u < U; ++u)
-    for (int m = 0; m < MC; ++m)
-      for (int r = 0; r < R; ++r) acc[u][m][r] = _mm512_setzero_ps();
+  zero_sums(acc);
   int64_t k = 0;
   for (; k + U * kPairLanes <= K; k += U * kPairLanes) {
     if constexpr (R == 1)
@@ -153,12 +164,7 @@ MILI_BF16_DOT inline void dot_tile(const at::BFloat16* x, int64_t ldx, const at:
   }
   for (; k + kPairLanes <= K; k += kPairLanes) dot_step<MC, R, false>(x, ldx, w, K, k, acc[0]);
   if (k < K) dot_step<MC, R, true>(x, ldx, w, K, k, acc[0]);  // K is a multiple of 16, not always of 32
-  for (int m = 0; m < MC; ++m)
-    for (int r = 0; r < R; ++r) {
-      __m512 sum = acc[0][m][r];
-      for (int u = 1; u < U; ++u) sum = _mm512_add_ps(sum, acc[u][m][r]);
-      y[m * ldy + r] = at::BFloat16(_mm512_reduce_add_ps(sum));
-    }
+  store_sums(acc, y, ldy);
 }
 
 // Weight rows [n_begin, n_end) against x rows [0, rows): tiles of R weight rows, each reused for every
@@ -172,20 +178,6 @@ void rows_chunk(const float* x, int64_t ldx, const at::BFloat16* w, int64_t K, a
   for (; n < n_end; ++n) tile<MC, 1>(x, ldx, w + n * K, K, y + n, ldy);
 }
 
-void rows_any(int64_t rows, const float* x, int64_t ldx, const at::BFloat16* w, int64_t K, at::BFloat16* y,
-              int64_t ldy, int64_t n_begin, int64_t n_end) {
-  switch (rows) {
-    case 1: rows_chunk<1>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
-    case 2: rows_chunk<2>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
-    case 3: rows_chunk<3>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
-    case 4: rows_chunk<4>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
-    case 5: rows_chunk<5>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
-    case 6: rows_chunk<6>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
-    case 7: rows_chunk<7>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
-    default: rows_chunk<8>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
-  }
-}
-
 template <int MC>
 MILI_BF16_DOT void dot_rows_chunk(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t K,
                                   at::BFloat16* y, int64_t ldy, int64_t n_begin, int64_t n_end) {
@@ -195,18 +187,19 @@ MILI_BF16_DOT void dot_rows_chunk(const at::BFloat16* x, int64_t ldx, const at::
   for (; n < n_end; ++n) dot_tile<MC, 1>(x, ldx, w + n * K, K, y + n, ldy);
 }
 
-MILI_BF16_DOT __attribute__((noinline)) void dot_rows_any(int64_t rows, const at::BFloat16* x, int64_t ldx,
-                                                          const at::BFloat16* w, int64_t K, at::BFloat16* y,
-                                                          int64_t ldy, int64_t n_begin, int64_t n_end) {
+// f(std::integral_constant<int, MC>{}) with MC = rows (1 to 8, more counting as 8): a chunk's height as
+// the compile-time constant the tiles are built for.
+template <typename F>
+inline void with_chunk_rows(int64_t rows, F&& f) {
   switch (rows) {
-    case 1: dot_rows_chunk<1>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
-    case 2: dot_rows_chunk<2>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
-    case 3: dot_rows_chunk<3>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
-    case 4: dot_rows_chunk<4>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
-    case 5: dot_rows_chunk<5>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
-    case 6: dot_rows_chunk<6>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
-    case 7: dot_rows_chunk<7>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
-    default: dot_rows_chunk<8>(x, ldx, w, K, y, ldy, n_begin, n_end); break;
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, kMaxChunkRows>{}); break;
   }
 }
 #undef MILI_BF16_DOT
@@ -248,11 +241,13 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool b
         for (int64_t n = n_begin; n < n_end; n += kRowsPerPass) {
           const int64_t n_stop = std::min(n_end, n + kRowsPerPass);
           for (int64_t m = m0; m < m_end; m += kMaxChunkRows) {
-            const int64_t rows = std::min<int64_t>(kMaxChunkRows, m_end - m);
-            if (pairs)
-              dot_rows_any(rows, xb + m * K, K, wp, K, yp + m * N, N, n, n_stop);
-            else
-              rows_any(rows, xf + m * K, K, wp, K, yp + m * N, N, n, n_stop);
+            with_chunk_rows(m_end - m, [&](auto chunk) {
+              constexpr int MC = decltype(chunk)::value;
+              if (pairs)
+                dot_rows_chunk<MC>(xb + m * K, K, wp, K, yp + m * N, N, n, n_stop);
+              else
+                rows_chunk<MC>(xf + m * K, K, wp, K, yp + m * N, N, n, n_stop);
+            });
           }
         }
       };

@@ -36,6 +36,18 @@ struct QueryRows {
   const T* rows[kTaskRows];
 };
 
+// The running output of dims [d, d + kDimsPerPass) for a task's row vectors (out_t is dim-major: each
+// dim holds kRowVectors vectors of 16 rows), in the registers `accumulate` adds into.
+using OutBlock = __m512[kDimsPerPass][kRowVectors];
+inline void load_out_block(const float* out_t, int64_t d, OutBlock& acc) {
+  for (int64_t u = 0; u < kDimsPerPass; ++u)
+    for (int64_t v = 0; v < kRowVectors; ++v) acc[u][v] = _mm512_loadu_ps(out_t + ((d + u) * kRowVectors + v) * kLanes);
+}
+inline void store_out_block(float* out_t, int64_t d, const OutBlock& acc) {
+  for (int64_t u = 0; u < kDimsPerPass; ++u)
+    for (int64_t v = 0; v < kRowVectors; ++v) _mm512_storeu_ps(out_t + ((d + u) * kRowVectors + v) * kLanes, acc[u][v]);
+}
+
 template <typename T>
 class Fp32Products {
  public:
@@ -91,17 +103,15 @@ class Fp32Products {
   void accumulate(const __m512* probs, int64_t keys, float* out_t) const {
     const float* values = values_.data();
     for (int64_t d = 0; d < D_; d += kDimsPerPass) {
-      __m512 acc[kDimsPerPass][kRowVectors];
-      for (int64_t u = 0; u < kDimsPerPass; ++u)
-        for (int64_t v = 0; v < kRowVectors; ++v) acc[u][v] = _mm512_loadu_ps(out_t + ((d + u) * kRowVectors + v) * kLanes);
+      OutBlock acc;
+      load_out_block(out_t, d, acc);
       for (int64_t j = 0; j < keys; ++j) {
         for (int64_t u = 0; u < kDimsPerPass; ++u) {
           const __m512 vv = _mm512_set1_ps(values[j * D_ + d + u]);
           for (int64_t v = 0; v < kRowVectors; ++v) acc[u][v] = _mm512_fmadd_ps(probs[j * kRowVectors + v], vv, acc[u][v]);
         }
       }
-      for (int64_t u = 0; u < kDimsPerPass; ++u)
-        for (int64_t v = 0; v < kRowVectors; ++v) _mm512_storeu_ps(out_t + ((d + u) * kRowVectors + v) * kLanes, acc[u][v]);
+      store_out_block(out_t, d, acc);
     }
   }
 
@@ -176,17 +186,15 @@ class Bf16DotProducts {
       }
     const int64_t key_pairs = (keys + 1) / 2;
     for (int64_t d = 0; d < D_; d += kDimsPerPass) {
-      __m512 acc[kDimsPerPass][kRowVectors];
-      for (int64_t u = 0; u < kDimsPerPass; ++u)
-        for (int64_t v = 0; v < kRowVectors; ++v) acc[u][v] = _mm512_loadu_ps(out_t + ((d + u) * kRowVectors + v) * kLanes);
+      OutBlock acc;
+      load_out_block(out_t, d, acc);
       for (int64_t i = 0; i < key_pairs; ++i) {
         for (int64_t u = 0; u < kDimsPerPass; ++u) {
           const __m512bh vv = (__m512bh)_mm512_set1_epi32(static_cast<int>(value_pairs_[i * D_ + d + u]));
           for (int64_t v = 0; v < kRowVectors; ++v) acc[u][v] = _mm512_dpbf16_ps(acc[u][v], (__m512bh)pairs[i][v], vv);
         }
       }
-      for (int64_t u = 0; u < kDimsPerPass; ++u)
-        for (int64_t v = 0; v < kRowVectors; ++v) _mm512_storeu_ps(out_t + ((d + u) * kRowVectors + v) * kLanes, acc[u][v]);
+      store_out_block(out_t, d, acc);
     }
   }
 
