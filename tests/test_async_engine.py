@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 from engine_helpers import random_prompts
 from mili_openai.config import EngineConfig
@@ -174,3 +175,22 @@ def test_steps_planned_ahead_give_the_offline_engines_tokens(engine, tiny_checkp
         del engine.core.runner.prepare
     engine.core.check_integrity()
     assert engine.core.pages.tree.locked_pages == 0
+
+
+def test_loop_thread_runs_torch_serially_and_leaves_the_forward_its_threads(engine):
+    # a parallel op on the loop thread would give it an OpenMP team of its own, which makes libgomp
+    # stop spinning at the forward's barriers (engine/serial_thread.py)
+    forward_threads = engine._executor.submit(torch.get_num_threads).result()
+    main_threads = torch.get_num_threads()
+
+    async def go():
+        await asyncio.sleep(0)  # let the engine's loop task enter its body
+        loop_threads = torch.get_num_threads()
+        prompt = random_prompts(1, [20], seed=9)[0]
+        await collect(engine.submit(prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)))
+        return loop_threads, engine._executor.submit(torch.get_num_threads).result()
+
+    loop_threads, forward_threads_during = run(engine, go)
+    assert loop_threads == 1
+    assert forward_threads_during == forward_threads
+    assert torch.get_num_threads() == main_threads  # restored when the loop stopped

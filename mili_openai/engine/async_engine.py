@@ -24,6 +24,7 @@ from mili_openai.engine.outputs import EngineStats, SequenceDelta
 from mili_openai.engine.runner import PreparedStep
 from mili_openai.engine.sampling_params import SamplingParams
 from mili_openai.engine.scheduler import ScheduledBatch
+from mili_openai.engine.serial_thread import serial_torch_ops
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +183,10 @@ class AsyncEngine:
         stream.put(delta)
 
     async def _run(self) -> None:
+        with serial_torch_ops():  # see serial_thread: a parallel op here slows every forward after it
+            await self._loop()
+
+    async def _loop(self) -> None:
         launched = self._launched
         while True:
             if not launched:
