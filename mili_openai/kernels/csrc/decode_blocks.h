@@ -90,6 +90,16 @@ inline void prefetch_ahead(const T* pool, const int64_t* slots, int64_t n, int64
   }
 }
 
+// The rows of a span's first block, every head at once: no block before it in the span asked for them.
+template <typename T>
+inline void prefetch_first_block(const T* pool, const int64_t* slots, int64_t n, int64_t row_stride) {
+  const int64_t end = std::min(n, kBlock), bytes = row_stride * static_cast<int64_t>(sizeof(T));
+  for (int64_t j = 0; j < end; ++j) {
+    const char* p = reinterpret_cast<const char*>(pool + slots[j] * row_stride);
+    for (int64_t b = 0; b < bytes; b += kCacheLine) _mm_prefetch(p + b, _MM_HINT_T1);
+  }
+}
+
 // Query heads go two at a time: two heads' accumulators (2 * CH) and a V row (CH) fit the 32 registers.
 constexpr int64_t kHeadsPerPass = 2;
 
