@@ -56,14 +56,9 @@ class ReadProbes:
         return rates
 
 
-def measure_read_bandwidths(repeats: int = 8) -> dict[str, float]:
-    """`ReadProbes` measured once."""
-    return ReadProbes().measure(repeats)
-
-
 def measure_read_bandwidth(repeats: int = 8) -> float:
-    """The machine's read bandwidth: the fastest of `measure_read_bandwidths`."""
-    return max(measure_read_bandwidths(repeats).values())
+    """The machine's read bandwidth: the fastest of the `ReadProbes`."""
+    return max(ReadProbes().measure(repeats).values())
 
 
 def measure_matmul_flops(repeats: int = 10) -> float:

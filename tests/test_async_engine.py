@@ -182,6 +182,9 @@ def test_loop_thread_runs_torch_serially_and_leaves_the_forward_its_threads(engi
     # stop spinning at the forward's barriers (engine/serial_thread.py)
     forward_threads = engine._executor.submit(torch.get_num_threads).result()
     main_threads = torch.get_num_threads()
+    # asyncio.run makes this thread the loop thread: give it two threads, so that even on one core the
+    # loop would run torch in parallel unless the engine keeps it serial
+    torch.set_num_threads(2)
 
     async def go():
         await asyncio.sleep(0)  # let the engine's loop task enter its body
@@ -190,7 +193,11 @@ def test_loop_thread_runs_torch_serially_and_leaves_the_forward_its_threads(engi
         await collect(engine.submit(prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)))
         return loop_threads, engine._executor.submit(torch.get_num_threads).result()
 
-    loop_threads, forward_threads_during = run(engine, go)
+    try:
+        loop_threads, forward_threads_during = run(engine, go)
+        threads_after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(main_threads)
     assert loop_threads == 1
     assert forward_threads_during == forward_threads
-    assert torch.get_num_threads() == main_threads  # restored when the loop stopped
+    assert threads_after == 2  # restored when the loop stopped

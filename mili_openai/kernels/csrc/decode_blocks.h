@@ -78,26 +78,29 @@ inline __m512 sum_each(const __m512* v) {
 // asking for the next block into L1, 21-25 asking once three blocks ahead, 27-32 asking at 1, 2 and 3.
 constexpr int64_t kBlocksAhead = 3;
 
-// For blocks 1..kBlocksAhead after the one at `slots` (the span has n slots from there): the bytes of
-// each slot row that the head at `offset` covers.
+// Into L2: `bytes` from `offset` of the rows of slots [first, end) (elements of T, rows row_stride apart).
 template <typename T>
-inline void prefetch_ahead(const T* pool, const int64_t* slots, int64_t n, int64_t row_stride, int64_t offset,
-                           int64_t head_dim) {
-  const int64_t end = std::min(n, (kBlocksAhead + 1) * kBlock), bytes = head_dim * static_cast<int64_t>(sizeof(T));
-  for (int64_t j = kBlock; j < end; ++j) {
+inline void prefetch_rows(const T* pool, const int64_t* slots, int64_t first, int64_t end, int64_t row_stride,
+                          int64_t offset, int64_t bytes) {
+  for (int64_t j = first; j < end; ++j) {
     const char* p = reinterpret_cast<const char*>(pool + slots[j] * row_stride + offset);
     for (int64_t b = 0; b < bytes; b += kCacheLine) _mm_prefetch(p + b, _MM_HINT_T1);
   }
 }
 
+// For blocks 1..kBlocksAhead after the one at `slots` (the span has n slots from there): the bytes of
+// each slot row that the head at `offset` covers.
+template <typename T>
+inline void prefetch_ahead(const T* pool, const int64_t* slots, int64_t n, int64_t row_stride, int64_t offset,
+                           int64_t head_dim) {
+  prefetch_rows(pool, slots, kBlock, std::min(n, (kBlocksAhead + 1) * kBlock), row_stride, offset,
+                head_dim * static_cast<int64_t>(sizeof(T)));
+}
+
 // The rows of a span's first block, every head at once: no block before it in the span asked for them.
 template <typename T>
 inline void prefetch_first_block(const T* pool, const int64_t* slots, int64_t n, int64_t row_stride) {
-  const int64_t end = std::min(n, kBlock), bytes = row_stride * static_cast<int64_t>(sizeof(T));
-  for (int64_t j = 0; j < end; ++j) {
-    const char* p = reinterpret_cast<const char*>(pool + slots[j] * row_stride);
-    for (int64_t b = 0; b < bytes; b += kCacheLine) _mm_prefetch(p + b, _MM_HINT_T1);
-  }
+  prefetch_rows(pool, slots, 0, std::min(n, kBlock), row_stride, 0, row_stride * static_cast<int64_t>(sizeof(T)));
 }
 
 // Query heads go two at a time: two heads' accumulators (2 * CH) and a V row (CH) fit the 32 registers.
