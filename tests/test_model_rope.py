@@ -10,7 +10,7 @@ import torch
 
 from mili_openai.model import ForwardBatch, KVCache, ModelConfig, PrefillSegment, load_model
 from mili_openai.model.checkpoint import TINY_SHAPE, build_random_checkpoint, config_dict
-from mili_openai.model.rope import RotaryEmbedding
+from mili_openai.model.rope import RotaryEmbedding, RotaryTable
 
 SMALL_CONTEXT = 32  # original_max_position_embeddings: positions below 128 go well past it
 POSITIONS = 128
@@ -85,6 +85,32 @@ def test_dynamic_ntk_refuses_positions_past_the_pretraining_context():
     rotary(torch.arange(shape.max_position_embeddings), torch.float32)  # inside: fine
     with pytest.raises(NotImplementedError, match="dynamic NTK"):
         rotary(torch.tensor([3, shape.max_position_embeddings]), torch.float32)
+
+
+def test_rotary_table_rows_equal_each_position_computed_alone():
+    # Qwen3's head_dim: a row of 64 angles fills ATen's vector steps, so the table must match bit for bit
+    shape = dataclasses.replace(shape_for(ROPE_VARIANTS["yarn"]), head_dim=128)
+    rotary = RotaryEmbedding(ModelConfig.from_dicts(config_dict(shape, torch.float32)))
+    table = RotaryTable(rotary, torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)
+    for last in (3, 300, 1000, 5000):  # the table grows past its first block several times
+        positions = torch.randint(0, last + 1, (9,), generator=generator)
+        positions[0] = last
+        cos, signed_sin = table(positions, last)
+        for row, position in enumerate(positions.tolist()):
+            want_cos, want_sin = rotary(torch.tensor([position]), torch.bfloat16)
+            assert torch.equal(cos[row], want_cos[0]) and torch.equal(signed_sin[row], want_sin[0]), position
+
+
+def test_rotary_table_stops_at_the_dynamic_ntk_limit():
+    shape = shape_for(ROPE_VARIANTS["dynamic"])
+    rotary = RotaryEmbedding(ModelConfig.from_dicts(config_dict(shape, torch.float32)))
+    table = RotaryTable(rotary, torch.float32)
+    inside = shape.max_position_embeddings - 1
+    cos, _ = table(torch.tensor([inside]), inside)  # growing by doubling must not ask for rows past it
+    assert torch.equal(cos, rotary(torch.tensor([inside]), torch.float32)[0])
+    with pytest.raises(NotImplementedError, match="dynamic NTK"):
+        table(torch.tensor([inside + 1]), inside + 1)
 
 
 def test_unsupported_rope_type_is_a_clear_error():

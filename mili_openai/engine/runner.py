@@ -48,6 +48,7 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         self.page_size = config.page_size
         self.num_pages = config.num_pages or self._pages_for_budget(config)
+        self._rotary_table = self.model.rotary_table()  # grown and read on the loop thread only
         self.kv_cache = KVCache(self.model_config, self.num_pages, self.page_size, self.dtype, self.device)
         self.sampler = Sampler(
             vocab_size=self.model_config.vocab_size,
@@ -86,8 +87,9 @@ class ModelRunner:
         forward_batch = build_forward_batch(batch, self.page_size)
         if self.device.type == "cpu":
             # here rather than in the forward: see `_feed_pending_tokens`
+            last_position = max(start + count - 1 for start, count in zip(batch.positions, batch.num_new_tokens))
             with torch.inference_mode():
-                forward_batch.rotary = self.model.rotary(forward_batch.positions)
+                forward_batch.rotary = self._rotary_table(forward_batch.positions, last_position)
         return PreparedStep(forward_batch, rows, pending_rows, pending_sources)
 
     def execute(self, step: PreparedStep) -> SamplerOutput:

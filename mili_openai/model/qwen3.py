@@ -20,7 +20,7 @@ from mili_openai.model.config import ModelConfig
 from mili_openai.model.kv_cache import KVCache
 from mili_openai.model.layers import FusedOpKernel, Linear, MatmulFn, RMSNorm, SwiGLUMLP
 from mili_openai.model.paged_attention import AttentionKernel
-from mili_openai.model.rope import RotaryEmbedding
+from mili_openai.model.rope import RotaryEmbedding, RotaryTable
 
 
 class DecodeStack(Protocol):
@@ -96,10 +96,10 @@ class Qwen3ForCausalLM(nn.Module):
             raise ValueError(f"KV cache dtype {kv_cache.dtype} differs from the model's {weight_dtype}")
         return self.model(batch, kv_cache)
 
-    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, signed_sin) for a batch's positions: a forward given them in `ForwardBatch.rotary` skips
-        computing them."""
-        return self.model.rotary(positions)
+    def rotary_table(self) -> RotaryTable:
+        """A table of (cos, signed_sin) by position, for building `ForwardBatch.rotary` ahead of a forward
+        (which then skips computing them)."""
+        return RotaryTable(self.model.rotary_emb, self.model.embed_tokens.weight.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, hidden) -> logits (N, vocab) float32; computed in the weights' dtype like transformers."""
