@@ -80,7 +80,7 @@ class Sampler:
 
         greedy_rows = [i for i, row in enumerate(rows) if _is_greedy(row.params)]
         if len(greedy_rows) == len(rows):
-            token_ids = logits.argmax(dim=-1)  # (B,)
+            token_ids = lp.argmax_rows(logits)  # (B,)
         else:
             token_ids = self._sample_random(logits, rows, greedy_rows)  # (B,)
         token_list = token_ids.tolist()  # the step's one host sync, needed anyway
@@ -168,10 +168,10 @@ class Sampler:
 
         probs = x.softmax(dim=-1)  # (R, V)
         noise = self._exponential_noise([rows[i] for i in random_rows], width, probs.dtype)  # (R, V)
-        sampled = probs.div_(noise).argmax(dim=-1)  # (R,)
+        sampled = lp.argmax_rows(probs.div_(noise))  # (R,)
         if all_random:
             return sampled
-        token_ids = logits.argmax(dim=-1)  # (B,) greedy answer for every row, overwritten for random ones
+        token_ids = lp.argmax_rows(logits)  # (B,) greedy answer for every row, overwritten for random ones
         token_ids[subset_index] = sampled
         return token_ids
 
