@@ -120,11 +120,13 @@ def test_paged_decode_attention_matches_sdpa(kernels, dtype, heads, kv_heads, he
     ctx_lens = torch.tensor(lengths)
     slots = torch.stack([torch.randperm(num_slots)[:width] for _ in range(batch)])  # scattered pages
     scale = head_dim**-0.5
-    got = kernels.decode_attention(q, k_pool, v_pool, slots, ctx_lens, scale)
     want = reference_decode_attention(q, k_pool, v_pool, slots, ctx_lens, scale)
-    assert got.dtype == dtype and got.shape == q.shape
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
+    # pair products where the CPU has them (bf16 only: fp32 pools ignore the flag), and fp32 products
+    for bf16_pairs in product_kinds(kernels):
+        got = kernels._module.paged_decode_attention(q, k_pool, v_pool, slots, ctx_lens, scale, bf16_pairs)
+        assert got.dtype == dtype and got.shape == q.shape
+        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
 
 
 def test_paged_decode_attention_refuses_empty_or_overlong_contexts(kernels):
@@ -184,6 +186,10 @@ def test_bf16_pairs_where_the_cpu_has_them(kernels):
         with pytest.raises(RuntimeError, match="no AVX512-BF16"):
             kernels._module.linear_bf16(torch.ones(2, 16, dtype=torch.bfloat16), torch.ones(3, 16, dtype=torch.bfloat16),
                                         True)
+        bf16_pool = torch.ones(8, 1, 32, dtype=torch.bfloat16)
+        with pytest.raises(RuntimeError, match="no AVX512-BF16"):
+            kernels._module.paged_decode_attention(torch.ones(1, 2, 32, dtype=torch.bfloat16), bf16_pool, bf16_pool,
+                                                   torch.arange(4)[None], torch.tensor([4]), 1.0, True)
 
 
 def test_paged_prefill_attention_refuses_slots_outside_the_pool(kernels):

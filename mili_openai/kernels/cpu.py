@@ -19,7 +19,7 @@ SOURCES = ("bindings.cpp", "linear_bf16.cpp", "paged_decode_attention.cpp",
            "activation_bf16.cpp", "decode_stack.cpp")
 # not compiled on their own; torch hashes only SOURCES, hence the name bump below
 HEADERS = ("simd_bf16.h", "kernels.h", "prefill_products.h", "decode_blocks.h", "row_ranges.h")
-EXTENSION_NAME = "mili_cpu_kernels_v33"  # bump when a source changes so torch's JIT cache rebuilds
+EXTENSION_NAME = "mili_cpu_kernels_v34"  # bump when a source changes so torch's JIT cache rebuilds
 # -fopenmp: without it ATen's parallel_for compiles to a serial loop inside the extension
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"]
 LINK_FLAGS = ["-fopenmp"]
@@ -172,7 +172,8 @@ class CpuKernels:
     def decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
                          ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
         """q (B, H, D) against the pool rows at slots[b, :ctx_lens[b]] -> (B, H, D)."""
-        return self._module.paged_decode_attention(q.contiguous(), k_pool, v_pool, slots, ctx_lens, scale)
+        return self._module.paged_decode_attention(q.contiguous(), k_pool, v_pool, slots, ctx_lens, scale,
+                                                   self._bf16_dot_products and q.dtype == torch.bfloat16)
 
     @staticmethod
     def supports_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor) -> bool:

@@ -130,6 +130,35 @@ inline void score_block(const float* q, const T* k_pool, const int64_t* slots, i
     for (int64_t j = m; j < kBlock; ++j) partial[g][j] = _mm512_setzero_ps();
 }
 
+// score_block with bf16 pair products (AVX512-BF16): q stays bf16 in its own order (G heads, D apart),
+// and each instruction multiplies 32 values of a K row by 32 of q, summing pairs into 16 fp32 lanes, where
+// the fp32 block widens every K value and needs two FMAs. Sums run in another order, so scores differ
+// from score_block's in rounding only; the scale is applied to the summed score, not to q.
+#define MILI_DECODE_BF16_DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+template <int CH, int G>
+MILI_DECODE_BF16_DOT inline void score_block_pairs(const at::BFloat16* q, const at::BFloat16* k_pool,
+                                                   const int64_t* slots, int64_t m, int64_t row_stride,
+                                                   int64_t offset, __m512 (*partial)[kBlock]) {
+  static_assert(CH % 2 == 0, "a head row of whole 32-value pairs");
+  constexpr int P = CH / 2;
+  constexpr int64_t D = CH * kLanes;
+  for (int64_t j = 0; j < m; ++j) {
+    const at::BFloat16* row = k_pool + slots[j] * row_stride + offset;
+    __m512i k[P];
+    for (int i = 0; i < P; ++i) k[i] = _mm512_loadu_si512(reinterpret_cast<const void*>(row + 2 * kLanes * i));
+    for (int g = 0; g < G; ++g) {
+      __m512 sums[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};  // two chains of dependent sums
+      for (int i = 0; i < P; ++i) {
+        const __m512i qv = _mm512_loadu_si512(reinterpret_cast<const void*>(q + g * D + 2 * kLanes * i));
+        sums[i % 2] = _mm512_dpbf16_ps(sums[i % 2], (__m512bh)qv, (__m512bh)k[i]);
+      }
+      partial[g][j] = _mm512_add_ps(sums[0], sums[1]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int64_t j = m; j < kBlock; ++j) partial[g][j] = _mm512_setzero_ps();
+}
+
 // acc (G heads, D apart) += p[g][j] * V row of slot j, for the block's m slots; p rows `stride` apart.
 template <typename T, int CH, int G>
 inline void weigh_block(const float* p, int64_t stride, const T* v_pool, const int64_t* slots, int64_t m,

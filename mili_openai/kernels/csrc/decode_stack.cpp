@@ -83,7 +83,7 @@ class DecodeStack {
                qkv.data_ptr<at::BFloat16>() + heads * head_dim_, qkv.size(1), mapping, tokens, row, num_slots,
                k_pool.data_ptr<at::BFloat16>(), v_pool.data_ptr<at::BFloat16>());
       const torch::Tensor attended = paged_decode_attention(qk.narrow(1, 0, num_q_heads_).contiguous(), k_pool, v_pool,
-                                                            slots, ctx_lens, scale_);  // (B, H, D)
+                                                            slots, ctx_lens, scale_, bf16_dot_products_);  // (B, H, D)
       hidden = linear_bf16(attended.view({tokens, num_q_heads_ * head_dim_}), w.o, bf16_dot_products_).add_(hidden);
       const torch::Tensor gate_up =
           linear_bf16(rms_norm_bf16(hidden, w.post_norm, eps_), w.gate_up, bf16_dot_products_);
@@ -117,7 +117,7 @@ class DecodeStack {
   std::vector<LayerWeights> layers_;
   int64_t num_q_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
-  bool bf16_dot_products_;  // the matmuls' choice, as CpuKernels.linear makes it
+  bool bf16_dot_products_;  // the matmuls' and attention's choice, as CpuKernels makes it
 };
 
 void bind_decode_stack(pybind11::module& m) {

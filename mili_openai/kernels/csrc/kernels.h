@@ -6,7 +6,7 @@
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool bf16_dot_products);
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool,
                                      const torch::Tensor& v_pool, const torch::Tensor& slots,
-                                     const torch::Tensor& ctx_lens, double scale);
+                                     const torch::Tensor& ctx_lens, double scale, bool bf16_dot_products);
 torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                                       const torch::Tensor& context_slots, double scale, bool bf16_dot_products);
 bool cpu_has_bf16_dot_products();
