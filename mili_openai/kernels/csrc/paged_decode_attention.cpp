@@ -128,9 +128,9 @@ __attribute__((always_inline)) inline void attend_span(const float* q, const T* 
 // The span walk, compiled twice: with fp32 products for any CPU, and with pair products inside a function
 // built for AVX512-BF16, so that the pair-product blocks inline into it.
 template <typename T, int CH>
-void attend_span_fp32(const float* q, float scale, const T* k_pool, const T* v_pool, const int64_t* slots, int64_t n,
+void attend_span_fp32(const float* q, const T* k_pool, const T* v_pool, const int64_t* slots, int64_t n,
                       const Layout& s, float* scores, float* acc, float* max, float* sum) {
-  attend_span<T, CH, false>(q, nullptr, scale, k_pool, v_pool, slots, n, s, scores, acc, max, sum);
+  attend_span<T, CH, false>(q, nullptr, 1.f, k_pool, v_pool, slots, n, s, scores, acc, max, sum);
 }
 
 template <int CH>
@@ -144,6 +144,8 @@ template <typename T, int CH>
 void run_head_dim(const T* qp, const T* kp, const T* vp, const int64_t* sp, const int64_t* lp, int64_t batch,
                   int64_t width, const Layout& s, float scale, bool pairs, T* op) {
   constexpr int64_t D = CH * kLanes;
+  constexpr bool kCanPair = std::is_same_v<T, at::BFloat16> && CH % 2 == 0;  // whole 32-value pairs a row
+  pairs = pairs && kCanPair;
   const int64_t H = s.num_heads;
   // Span length: the batch's context split evenly over the threads, in whole blocks, at least kMinSpan.
   // Each span starts cold (nothing before it prefetched its first block), so fewer and longer spans read
@@ -179,13 +181,13 @@ void run_head_dim(const T* qp, const T* kp, const T* vp, const int64_t* sp, cons
       float* partial = base + task * partial_size;
       const int64_t* span_slots = sp + b * width + begin;
       float *acc = partial, *max = partial + H * D, *sum = partial + H * D + H;
-      if constexpr (std::is_same_v<T, at::BFloat16> && CH % 2 == 0) {
+      if constexpr (kCanPair) {
         if (pairs) {
           attend_span_pairs<CH>(qp + b * H * D, scale, kp, vp, span_slots, n, s, scores, acc, max, sum);
           continue;
         }
       }
-      attend_span_fp32<T, CH>(q, 1.f, kp, vp, span_slots, n, s, scores, acc, max, sum);
+      attend_span_fp32<T, CH>(q, kp, vp, span_slots, n, s, scores, acc, max, sum);
     }
   });
   // Merge each sequence's spans: weights exp(max_i - max) rescale both the sums and the weighted sums.
@@ -228,10 +230,10 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
   T* op = out.data_ptr<T>();
   const float f = static_cast<float>(scale);
   switch (head_dim / kLanes) {
-    case 1: run_head_dim<T, 1>(qp, kp, vp, sp, lp, batch, width, s, f, pairs && 1 % 2 == 0, op); break;
-    case 2: run_head_dim<T, 2>(qp, kp, vp, sp, lp, batch, width, s, f, pairs && 2 % 2 == 0, op); break;
-    case 4: run_head_dim<T, 4>(qp, kp, vp, sp, lp, batch, width, s, f, pairs && 4 % 2 == 0, op); break;
-    case 8: run_head_dim<T, 8>(qp, kp, vp, sp, lp, batch, width, s, f, pairs && 8 % 2 == 0, op); break;
+    case 1: run_head_dim<T, 1>(qp, kp, vp, sp, lp, batch, width, s, f, pairs, op); break;
+    case 2: run_head_dim<T, 2>(qp, kp, vp, sp, lp, batch, width, s, f, pairs, op); break;
+    case 4: run_head_dim<T, 4>(qp, kp, vp, sp, lp, batch, width, s, f, pairs, op); break;
+    case 8: run_head_dim<T, 8>(qp, kp, vp, sp, lp, batch, width, s, f, pairs, op); break;
     default: TORCH_CHECK(false, "paged_decode_attention: head_dim must be 16, 32, 64 or 128");
   }
 }
