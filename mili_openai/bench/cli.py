@@ -81,8 +81,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def bench_serve_main(args: argparse.Namespace) -> int:
     """Entry point of `bench serve`: prints the table, writes JSON if asked; exit 1 if requests failed."""
-    # Imported here so `mili --help` does not pay for httpx/tokenizers.
-    import httpx
+    # Imported here so `mili --help` does not pay for aiohttp/tokenizers.
+    import aiohttp
 
     from mili_openai.bench.report import format_table, write_json
     from mili_openai.bench.runner import run_benchmark
@@ -93,7 +93,7 @@ def bench_serve_main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"bench serve: error: {exc}", file=sys.stderr)
         return EXIT_BAD_ARGUMENTS
-    except httpx.HTTPError as exc:  # the server is unreachable (GET /v1/models); per-request errors are counted
+    except aiohttp.ClientError as exc:  # the server is unreachable (GET /v1/models); per-request errors are counted
         print(f"bench serve: error: {config.base_url}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILED_REQUESTS
     print(format_table(run))

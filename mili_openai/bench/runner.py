@@ -14,9 +14,10 @@ import random
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from http import HTTPStatus
 from typing import Any
 
-import httpx
+import aiohttp
 
 from mili_openai.bench.config import BenchConfig
 from mili_openai.bench.datasets import BenchRequest, build_workload
@@ -27,6 +28,9 @@ from mili_openai.bench.sse_client import RequestResult, stream_request
 from mili_openai.bench.summary import BenchSummary, summarize
 
 MODELS_PATH = "/v1/models"
+# Longest SSE line the client reads (aiohttp's default is 64 KiB): an event with logprobs or an echoed
+# long prompt can be larger.
+MAX_LINE_BYTES = 1 << 24
 # Keep the arrival schedule's RNG apart from the prompt RNG (same --seed, different stream).
 ARRIVAL_SEED_OFFSET = 7919
 
@@ -55,8 +59,10 @@ async def run_benchmark(config: BenchConfig, tokenizer=None) -> BenchRun:
     """Run the configured benchmark end to end; `tokenizer` (a `tokenizers.Tokenizer`) skips loading."""
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)
     warmup, measured = build_workload(config, tokenizer)  # before the clock: tokenising is not serving
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=config.concurrency)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(config.timeout_s), limits=limits) as client:
+    # no cap on connections (the concurrency cap is ours); per-read timeouts, the whole stream's is ours
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.timeout_s, sock_read=config.timeout_s)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout,
+                                     read_bufsize=MAX_LINE_BYTES) as client:
         model = config.model if config.model is not None else await first_model_id(client, config)
         warmup_failed = 0
         if warmup:
@@ -71,18 +77,18 @@ async def run_benchmark(config: BenchConfig, tokenizer=None) -> BenchRun:
                     warmup_failed=warmup_failed)
 
 
-async def first_model_id(client: httpx.AsyncClient, config: BenchConfig) -> str:
+async def first_model_id(client: aiohttp.ClientSession, config: BenchConfig) -> str:
     url = config.base_url.rstrip("/") + MODELS_PATH
-    response = await client.get(url, headers=request_headers(config))
-    if response.status_code != httpx.codes.OK:
-        raise ValueError(f"GET {url} answered {response.status_code}: {response.text[:200]}")
-    models = response.json().get("data") or []
+    async with client.get(url, headers=request_headers(config)) as response:
+        if response.status != HTTPStatus.OK:
+            raise ValueError(f"GET {url} answered {response.status}: {(await response.text())[:200]}")
+        models = (await response.json(content_type=None)).get("data") or []
     if not models:
         raise ValueError(f"GET {url} lists no model; pass --model")
     return models[0]["id"]
 
 
-async def send_all(client: httpx.AsyncClient, config: BenchConfig, model: str, requests: list[BenchRequest],
+async def send_all(client: aiohttp.ClientSession, config: BenchConfig, model: str, requests: list[BenchRequest],
                    label: str, rate: float) -> list[RequestResult]:
     """Send every request on its arrival time, at most `config.concurrency` in flight; results in order."""
     slots = asyncio.Semaphore(config.concurrency) if config.concurrency is not None else None
