@@ -35,9 +35,9 @@ constexpr int64_t kXBlockBytes = 256 * 1024;  // x rows per outer block are size
 // (24 accumulators) rather than 6 + 2, which re-widened every weight for two rows.
 // A single row of x (a decode step at batch 1, and every LM head, where the CPU lacks the pair products
 // below) is bound by memory, not FMAs: it reads the weights as one sequential stream, a row at a time
-// with eight partial sums along K, which the hardware prefetchers follow as they follow a plain `sum`. Measured on a 2-core Zen 4 over 1 GiB, with
-// the prefetch below: 33-36 GB/s against 31-32 for four interleaved rows while bf16 `sum` read 34-35,
-// and 56-60 against ~42 while it read 51-60.
+// with eight partial sums along K, which the hardware prefetchers follow as they follow a plain `sum`.
+// Measured on a 2-core Zen 4 over 1 GiB, with the prefetch below: 33-36 GB/s against 31-32 for four
+// interleaved rows while bf16 `sum` read 34-35, and 56-60 against ~42 while it read 51-60.
 template <int MC> constexpr int tile_rows() { return MC == 1 ? 1 : MC <= 6 ? 4 : 3; }
 template <int MC> constexpr int k_unroll() { return MC == 1 ? 8 : 1; }
 
