@@ -43,16 +43,14 @@ class PagedSequences:
         """One forward: a token of each `decode` key, then `n` tokens of each `(key, n)` prefill chunk.
         -> (batch, [(key, position)] per row, all rows wanted as logits)."""
         ids, positions, slot_mapping, rows = [], [], [], []
-        decode_slots = decode_mask = decode_ctx_lens = None
+        decode_slots = decode_ctx_lens = None
         if decode:
             contexts = [self._slots(key, self.computed[key] + 1) for key in decode]
             width = max(len(c) for c in contexts)
             decode_slots = torch.zeros(len(decode), width, dtype=torch.int64)
-            decode_mask = torch.zeros(len(decode), 1, 1, width, dtype=torch.bool)
             decode_ctx_lens = torch.tensor([len(c) for c in contexts])
             for i, (key, context) in enumerate(zip(decode, contexts)):
                 decode_slots[i, : len(context)] = context
-                decode_mask[i, ..., : len(context)] = True
                 position = self.computed[key]
                 ids.append(self.tokens[key][position])
                 positions.append(position)
@@ -71,7 +69,7 @@ class PagedSequences:
             self.computed[key] += count
         batch = ForwardBatch(
             input_ids=torch.tensor(ids), positions=torch.tensor(positions), slot_mapping=torch.tensor(slot_mapping),
-            num_decode=len(decode), decode_slots=decode_slots, decode_mask=decode_mask, prefills=segments,
+            num_decode=len(decode), decode_slots=decode_slots, prefills=segments,
             logits_indices=torch.arange(len(ids)), decode_ctx_lens=decode_ctx_lens,
         )
         return batch, rows

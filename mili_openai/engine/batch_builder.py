@@ -48,7 +48,6 @@ class _DecodeRows:
             table[row, : len(pages)] = pages
         offsets = np.arange(page_size, dtype=np.int64)
         self.slots = (table[:, :, None] * page_size + offsets).reshape(len(seqs), -1)[:, :max_ctx].copy()
-        self.mask = (np.arange(max_ctx)[None, :] < self.ctx_lens[:, None])[:, None, None, :]
         self.positions = self.ctx_lens - 1
         self.slot_mapping = self.slots[np.arange(len(seqs)), self.positions]
         # a token still being sampled by the step before gets 0 here (see `pending_inputs`)
@@ -59,7 +58,7 @@ def build_forward_batch(batch: ScheduledBatch, page_size: int) -> ForwardBatch:
     """The step's inputs; a decode whose token is pending gets 0 as its id (see `pending_inputs`)."""
     num_decode = batch.num_decode
     decode = _DecodeRows(batch.seqs[:num_decode], batch.positions[:num_decode], page_size) if num_decode else None
-    input_ids: list[int] = list(decode.input_ids) if decode else []
+    input_ids: list[int] = decode.input_ids if decode else []
     positions: list[np.ndarray] = [decode.positions] if decode else []
     slot_mapping: list[np.ndarray] = [decode.slot_mapping] if decode else []
     logits_indices: list[int] = list(range(num_decode))
@@ -86,7 +85,6 @@ def build_forward_batch(batch: ScheduledBatch, page_size: int) -> ForwardBatch:
         slot_mapping=torch.from_numpy(np.concatenate(slot_mapping)),
         num_decode=num_decode,
         decode_slots=torch.from_numpy(decode.slots) if decode else None,
-        decode_mask=torch.from_numpy(decode.mask) if decode else None,
         prefills=prefills,
         logits_indices=torch.from_numpy(np.array(logits_indices, dtype=np.int64)),
         decode_ctx_lens=torch.from_numpy(decode.ctx_lens) if decode else None,
@@ -107,7 +105,6 @@ def forward_batch_to(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
         slot_mapping=move(batch.slot_mapping),
         num_decode=batch.num_decode,
         decode_slots=move(batch.decode_slots),
-        decode_mask=move(batch.decode_mask),
         prefills=[PrefillSegment(p.start, p.length, move(p.context_slots)) for p in batch.prefills],
         logits_indices=move(batch.logits_indices),
         decode_ctx_lens=move(batch.decode_ctx_lens),

@@ -66,12 +66,10 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     With a compiled kernel the context is read in place from the pool; otherwise it is gathered into a
     padded (B, C) copy and masked.
     """
-    slots, mask = batch.decode_slots, batch.decode_mask
+    slots, ctx_lens = batch.decode_slots, batch.decode_ctx_lens
     if kernel is not None and kernel.supports_decode_attention(q, k_pool):
-        ctx_lens = batch.decode_ctx_lens
-        if ctx_lens is None:  # a hand-built batch: the mask says the same
-            ctx_lens = mask.reshape(mask.shape[0], -1).sum(dim=1)
         return kernel.decode_attention(q, k_pool, v_pool, slots, ctx_lens, scale)
+    mask = (torch.arange(slots.shape[1], device=slots.device)[None, :] < ctx_lens[:, None])[:, None, None, :]
     compute = decode_compute_dtype(q.dtype, q.device)
     keys = gather_slots(k_pool, slots).to(compute).transpose(1, 2)  # (B, kv_heads, C, D)
     values = gather_slots(v_pool, slots).to(compute).transpose(1, 2)  # (B, kv_heads, C, D)

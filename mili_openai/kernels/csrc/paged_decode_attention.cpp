@@ -53,7 +53,7 @@ struct Layout {
 };
 
 // One span of one sequence, slots [0, n) of it. The query is either q, (H, D) fp32 in lane_of order and
-// pre-scaled (scale is then 1), or, with kPairs, q_pairs, (H, D) bf16 as given, scored with pair
+// pre-scaled (scale unused), or, with kPairs, q_pairs, (H, D) bf16 as given, scored with pair
 // products and scaled after. Leaves, per query head, the span's unnormalised weighted sum of V (acc,
 // H * D in lane_of order), its max score (max) and the sum of exp(score - max) (sum).
 template <typename T, int CH, bool kPairs>
@@ -84,8 +84,10 @@ __attribute__((always_inline)) inline void attend_span(const float* q, const T* 
           else
             score_block<T, CH, 1>(q + head * D, k_pool, slots + c0, m, s.row_stride, h * D, partial);
         }
-        for (int64_t g = 0; g < (two ? 2 : 1); ++g)
-          _mm512_store_ps(scores + (head + g) * stride + c0, _mm512_mul_ps(sum_each(partial[g]), vscale));
+        for (int64_t g = 0; g < (two ? 2 : 1); ++g) {
+          const __m512 score = sum_each(partial[g]);
+          _mm512_store_ps(scores + (head + g) * stride + c0, kPairs ? _mm512_mul_ps(score, vscale) : score);
+        }
       }
     }
   }
@@ -130,7 +132,7 @@ __attribute__((always_inline)) inline void attend_span(const float* q, const T* 
 template <typename T, int CH>
 void attend_span_fp32(const float* q, const T* k_pool, const T* v_pool, const int64_t* slots, int64_t n,
                       const Layout& s, float* scores, float* acc, float* max, float* sum) {
-  attend_span<T, CH, false>(q, nullptr, 1.f, k_pool, v_pool, slots, n, s, scores, acc, max, sum);
+  attend_span<T, CH, false>(q, nullptr, 0.f, k_pool, v_pool, slots, n, s, scores, acc, max, sum);
 }
 
 template <int CH>
