@@ -184,8 +184,8 @@ def test_bf16_pairs_where_the_cpu_has_them(kernels):
         kernels._module.paged_prefill_attention(q, pool, pool, torch.arange(2), 1.0, True)  # fp32 inputs
     if not kernels.bf16_dot_products:  # asked for anyway: refused, not an illegal instruction
         with pytest.raises(RuntimeError, match="no AVX512-BF16"):
-            kernels._module.linear_bf16(torch.ones(2, 16, dtype=torch.bfloat16), torch.ones(3, 16, dtype=torch.bfloat16),
-                                        True)
+            x, w = torch.ones(2, 16, dtype=torch.bfloat16), torch.ones(3, 16, dtype=torch.bfloat16)
+            kernels._module.linear_bf16(x, w, True)
         bf16_pool = torch.ones(8, 1, 32, dtype=torch.bfloat16)
         with pytest.raises(RuntimeError, match="no AVX512-BF16"):
             kernels._module.paged_decode_attention(torch.ones(1, 2, 32, dtype=torch.bfloat16), bf16_pool, bf16_pool,

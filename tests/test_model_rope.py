@@ -132,7 +132,8 @@ def test_logits_match_transformers(tmp_path, variant):
     tokens = torch.randint(0, shape.vocab_size, (length,), generator=torch.Generator().manual_seed(6))
     slots = torch.arange(length)
     batch = ForwardBatch(input_ids=tokens, positions=torch.arange(length), slot_mapping=slots, num_decode=0,
-                         decode_slots=None, prefills=[PrefillSegment(0, length, slots)],
+                         decode_slots=None, decode_ctx_lens=None,
+                         prefills=[PrefillSegment(0, length, slots)],
                          logits_indices=torch.arange(length))
     cache = KVCache(config, num_pages=length // 16, page_size=16, dtype=torch.float32, device=torch.device("cpu"))
     got = model.compute_logits(model(batch, cache))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any
 
 import aiohttp
@@ -22,7 +23,6 @@ import orjson
 
 SSE_DATA_PREFIX = b"data:"
 SSE_DONE = b"[DONE]"
-HTTP_OK = 200
 # Enough of an error body to tell what went wrong, short enough for a table.
 MAX_ERROR_CHARS = 300
 # Chat delta fields that carry generated text; the reasoning ones hold Qwen3's thinking tokens.
@@ -135,7 +135,7 @@ async def _consume(client: aiohttp.ClientSession, url: str, body: dict[str, Any]
                    state: _StreamState) -> None:
     async with client.post(url, data=orjson.dumps(body),
                            headers={**headers, "Content-Type": "application/json"}) as response:
-        if response.status != HTTP_OK:
+        if response.status != HTTPStatus.OK:
             text = (await response.read()).decode("utf-8", "replace")
             raise StreamError(f"HTTP {response.status}: {text[:MAX_ERROR_CHARS]}")
         async for line in response.content:  # one line at a time, its end included

@@ -254,7 +254,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
               "paged_decode_attention: q and the pools share a dtype");
   TORCH_CHECK(slots.scalar_type() == at::kLong && ctx_lens.scalar_type() == at::kLong, "int64 slots and lengths");
   TORCH_CHECK(q.size(2) == k_pool.size(2), "q and the pools share head_dim");
-  TORCH_CHECK(!bf16_dot_products || cpu_has_bf16_dot_products(), "paged_decode_attention: this CPU has no AVX512-BF16");
+  TORCH_CHECK(!bf16_dot_products || cpu_has_bf16_dot_products(),
+              "paged_decode_attention: this CPU has no AVX512-BF16");
   TORCH_CHECK(q.size(1) % k_pool.size(1) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(slots.size(0) == q.size(0) && ctx_lens.size(0) == q.size(0), "one slot row and length per query");
   const int64_t* lp = ctx_lens.data_ptr<int64_t>();
