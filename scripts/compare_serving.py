@@ -262,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     if not results:
         print(f"no results in {args.out_dir}", file=sys.stderr)
         return 1
-    doc = update_marked_file(args.doc, BEGIN_MARKER, END_MARKER, render_section(results, checkpoint, args.out_dir, limits),
-                             DOC_TITLE)
+    section = render_section(results, checkpoint, args.out_dir, limits)
+    doc = update_marked_file(args.doc, BEGIN_MARKER, END_MARKER, section, DOC_TITLE)
     print(f"\nwrote {doc}", file=sys.stderr)
     return 0
 

@@ -90,7 +90,8 @@ def start_server(args: argparse.Namespace, model: Path, port: int, log_path: Pat
                "--max-model-len", str(args.max_model_len), "--debug-endpoints", "--log-level", "warning",
                "--shutdown-grace-period", "10"]
     with open(log_path, "w") as log:
-        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 def rss_bytes(pid: int) -> int:

@@ -162,7 +162,8 @@ def test_service_pdb_and_hpa_point_at_the_server_pods(name):
     objects = render(name)
     deployment = one(objects, "Deployment")
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
-    service, pdb, hpa = one(objects, "Service"), one(objects, "PodDisruptionBudget"), one(objects, "HorizontalPodAutoscaler")
+    service, pdb = one(objects, "Service"), one(objects, "PodDisruptionBudget")
+    hpa = one(objects, "HorizontalPodAutoscaler")
     assert service["spec"]["selector"].items() <= pod_labels.items()
     assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     assert {port["targetPort"] for port in service["spec"]["ports"]} <= {"http"}

@@ -77,7 +77,8 @@ async def test_context_overflow_says_the_numbers(fake_engine):
 
 async def test_malformed_json_and_non_object(fake_engine):
     async with client_for(fake_engine) as client:
-        broken = await client.post("/v1/completions", content=b'{"prompt": ', headers={"content-type": "application/json"})
+        broken = await client.post("/v1/completions", content=b'{"prompt": ',
+                                   headers={"content-type": "application/json"})
         listed = await client.post("/v1/completions", json=["prompt"])
     assert_error_shape(broken, 400)
     assert_error_shape(listed, 400)

@@ -129,7 +129,9 @@ class AsyncEngine:
         self._wakeup = None
 
     # ---- requests ----
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestStream:
+    def submit(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> RequestStream:
         if self._wakeup is None:
             raise RuntimeError("the engine is not started: await engine.start() first")
         seq = self.core.add(prompt_token_ids, params, request_id)

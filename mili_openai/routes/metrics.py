@@ -32,7 +32,8 @@ class EngineStatsCollector(Collector):
         if stats is None:  # the model is still loading
             return
         yield GaugeMetricFamily("mili_num_requests_running", "Sequences in the running batch.", value=stats.num_running)
-        yield GaugeMetricFamily("mili_num_requests_waiting", "Sequences waiting to be scheduled.", value=stats.num_waiting)
+        yield GaugeMetricFamily("mili_num_requests_waiting", "Sequences waiting to be scheduled.",
+                                value=stats.num_waiting)
         yield GaugeMetricFamily(
             "mili_kv_cache_usage_ratio", "Fraction of KV cache pages in use (by requests or the prefix cache).",
             value=stats.kv_cache_usage,

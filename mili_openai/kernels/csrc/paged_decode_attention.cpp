@@ -159,7 +159,8 @@ void run_head_dim(const T* qp, const T* kp, const T* vp, const int64_t* sp, cons
   const int64_t target = (total + threads - 1) / threads;
   const int64_t span = std::max(kMinSpan, (target + kBlock - 1) / kBlock * kBlock);
   std::vector<int64_t> first_task(batch + 1, 0);  // tasks of sequence b: [first_task[b], first_task[b + 1])
-  for (int64_t b = 0; b < batch; ++b) first_task[b + 1] = first_task[b] + std::max<int64_t>(1, (lp[b] + span - 1) / span);
+  for (int64_t b = 0; b < batch; ++b)
+    first_task[b + 1] = first_task[b] + std::max<int64_t>(1, (lp[b] + span - 1) / span);
   const int64_t tasks = first_task[batch];
   // Per task: H * D weighted sums, then H maxima and H sums.
   const int64_t partial_size = (H * D + 2 * H + kLanes - 1) / kLanes * kLanes;  // aligned for vector loads

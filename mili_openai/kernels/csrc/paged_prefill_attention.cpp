@@ -94,14 +94,16 @@ void attend_task(const T* q, const T* k_pool, const T* v_pool, const int64_t* sl
     for (int64_t j = 0; j < keys; ++j)
       for (int64_t v = 0; v < kRowVectors; ++v) {
         __m512& sc = scores[j * kRowVectors + v];
-        const __mmask16 seen = _mm512_cmp_ps_mask(sc, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ);
+        const __mmask16 seen =
+            _mm512_cmp_ps_mask(sc, _mm512_set1_ps(-std::numeric_limits<float>::infinity()), _CMP_NEQ_OQ);
         sc = _mm512_maskz_mov_ps(seen, exp_nonpositive(_mm512_sub_ps(sc, new_max[v])));  // hidden keys weigh 0
         row_sum[v] = _mm512_add_ps(row_sum[v], sc);
       }
     products.accumulate(scores, keys, out_t);
   }
   alignas(64) float inv_sum[kTaskRows];
-  for (int64_t v = 0; v < kRowVectors; ++v) _mm512_store_ps(inv_sum + v * kLanes, _mm512_div_ps(_mm512_set1_ps(1.f), row_sum[v]));
+  for (int64_t v = 0; v < kRowVectors; ++v)
+    _mm512_store_ps(inv_sum + v * kLanes, _mm512_div_ps(_mm512_set1_ps(1.f), row_sum[v]));
   const int64_t real_rows = s.group * P;  // lanes that are real (head, position) pairs
   for (int64_t r = 0; r < std::min(real_rows, kTaskRows); ++r) {
     if (p0 + r % P > last) continue;

@@ -108,7 +108,8 @@ class Fp32Products {
       for (int64_t j = 0; j < keys; ++j) {
         for (int64_t u = 0; u < kDimsPerPass; ++u) {
           const __m512 vv = _mm512_set1_ps(values[j * D_ + d + u]);
-          for (int64_t v = 0; v < kRowVectors; ++v) acc[u][v] = _mm512_fmadd_ps(probs[j * kRowVectors + v], vv, acc[u][v]);
+          for (int64_t v = 0; v < kRowVectors; ++v)
+            acc[u][v] = _mm512_fmadd_ps(probs[j * kRowVectors + v], vv, acc[u][v]);
         }
       }
       store_out_block(out_t, d, acc);
@@ -146,17 +147,20 @@ class Bf16DotProducts {
   void load_queries(const QueryRows<at::BFloat16>& q, float scale) {
     scale_ = scale;
     for (int64_t r = 0; r < kTaskRows; ++r)
-      for (int64_t i = 0; i < D_ / 2; ++i) std::memcpy(&q_pairs_[i * kTaskRows + r], q.rows[r] + 2 * i, sizeof(uint32_t));
+      for (int64_t i = 0; i < D_ / 2; ++i)
+        std::memcpy(&q_pairs_[i * kTaskRows + r], q.rows[r] + 2 * i, sizeof(uint32_t));
   }
 
   // K rows are read in place (`score` broadcasts a pair of each); V rows pair up along the keys:
   // value_pairs[j / 2][d] = (v[j, d], v[j + 1, d]), the last odd key paired with a zero
   MILI_BF16_DOT void load_block(const at::BFloat16* k_pool, const at::BFloat16* v_pool, const int64_t* slots,
                                 int64_t count, int64_t row_stride, int64_t offset) {
-    for (int64_t j = 0; j < count; ++j) key_rows_[j] = reinterpret_cast<const uint16_t*>(k_pool + slots[j] * row_stride + offset);
+    for (int64_t j = 0; j < count; ++j)
+      key_rows_[j] = reinterpret_cast<const uint16_t*>(k_pool + slots[j] * row_stride + offset);
     for (int64_t j = 0; j < count; j += 2) {
       const auto* even = reinterpret_cast<const __m256i*>(v_pool + slots[j] * row_stride + offset);
-      const auto* odd = j + 1 < count ? reinterpret_cast<const __m256i*>(v_pool + slots[j + 1] * row_stride + offset) : nullptr;
+      const auto* odd =
+          j + 1 < count ? reinterpret_cast<const __m256i*>(v_pool + slots[j + 1] * row_stride + offset) : nullptr;
       uint32_t* out = value_pairs_.data() + j / 2 * D_;
       for (int64_t d = 0; d < D_; d += kLanes) {
         const __m512i low = _mm512_cvtepu16_epi32(_mm256_loadu_si256(even + d / kLanes));
