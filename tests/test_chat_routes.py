@@ -56,7 +56,7 @@ class ScriptedEngine(FakeEngine):
                 self.tasks.pop(stream.request_id, None)
                 self.owned.pop(stream.request_id, None)
                 self.streams.pop(stream.request_id, None)
-            stream.queue.put_nowait(delta)
+            stream.put(delta)
 
 
 @pytest.fixture(scope="module")
