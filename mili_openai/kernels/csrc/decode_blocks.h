@@ -179,4 +179,52 @@ inline void weigh_block(const float* p, int64_t stride, const T* v_pool, const i
     for (int i = 0; i < CH; ++i) _mm512_store_ps(acc + g * D + i * kLanes, o[g][i]);
 }
 
+// n (a multiple of 32) fp32 values -> bf16 in order, two per 32 bits (round to nearest even).
+MILI_DECODE_BF16_DOT inline void pack_bf16_pairs(const float* row, int64_t n, uint32_t* pairs) {
+  for (int64_t c = 0; c < n; c += 2 * kLanes) {
+    const __m512bh packed = _mm512_cvtne2ps_pbh(_mm512_load_ps(row + c + kLanes), _mm512_load_ps(row + c));
+    _mm512_storeu_si512(reinterpret_cast<void*>(pairs + c / 2), (__m512i)packed);
+  }
+}
+
+// Where element e of a head row sits in weigh_block_pairs's accumulators: 16-bit unpacks interleave two
+// slots' rows per 128-bit lane, four values at a time (low half, then high half of each lane).
+inline int64_t pair_lane_of(int64_t e) {
+  const int64_t group = e / (2 * kLanes), within = e % (2 * kLanes), lane128 = within / 8, r = within % 8;
+  return (2 * group + (r >= 4)) * kLanes + 4 * lane128 + r % 4;
+}
+
+// weigh_block with bf16 pair products: acc (G heads, D apart, pair_lane_of order) += p[g][j] * V row of
+// slot j, where p holds each head's softmax numerators as bf16 pairs (pack_bf16_pairs; head rows
+// `stride` values apart, zero past the span). Each instruction takes two slots: their V rows are
+// interleaved value by value, and the pair (p[j], p[j + 1]) is broadcast.
+template <int CH, int G>
+MILI_DECODE_BF16_DOT inline void weigh_block_pairs(const uint32_t* p, int64_t stride, const at::BFloat16* v_pool,
+                                                   const int64_t* slots, int64_t m, int64_t row_stride,
+                                                   int64_t offset, bool first_block, float* acc) {
+  constexpr int64_t D = CH * kLanes;
+  __m512 o[G][CH];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < CH; ++i)
+      o[g][i] = first_block ? _mm512_setzero_ps() : _mm512_load_ps(acc + g * D + i * kLanes);
+  for (int64_t j = 0; j < m; j += 2) {
+    const at::BFloat16* a = v_pool + slots[j] * row_stride + offset;
+    const at::BFloat16* b = j + 1 < m ? v_pool + slots[j + 1] * row_stride + offset : nullptr;
+    __m512i w[G];
+    for (int g = 0; g < G; ++g) w[g] = _mm512_set1_epi32(static_cast<int>(p[g * stride / 2 + j / 2]));
+    for (int i = 0; i < CH / 2; ++i) {
+      const __m512i va = _mm512_loadu_si512(reinterpret_cast<const void*>(a + 2 * kLanes * i));
+      const __m512i vb =
+          b ? _mm512_loadu_si512(reinterpret_cast<const void*>(b + 2 * kLanes * i)) : _mm512_setzero_si512();
+      const __m512i lo = _mm512_unpacklo_epi16(va, vb), hi = _mm512_unpackhi_epi16(va, vb);
+      for (int g = 0; g < G; ++g) {
+        o[g][2 * i] = _mm512_dpbf16_ps(o[g][2 * i], (__m512bh)lo, (__m512bh)w[g]);
+        o[g][2 * i + 1] = _mm512_dpbf16_ps(o[g][2 * i + 1], (__m512bh)hi, (__m512bh)w[g]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < CH; ++i) _mm512_store_ps(acc + g * D + i * kLanes, o[g][i]);
+}
+
 }  // namespace mili::decode

@@ -13,6 +13,10 @@
 // Where the CPU has AVX512-BF16, bf16 scores are bf16 pair products (score_block_pairs). From cache
 // (28 layers' calls, 512 tokens, batch 1) they took a step's attention from 1.3-1.8 to 1.1 ms; from
 // memory, 28 cold layers: 1.95 vs 2.05 ms at batch 1, 18.3 vs 19.9 at batch 8 (medians of 16 rounds).
+// So is the weighted sum of V (weigh_block_pairs): the softmax numerators are rounded to bf16 for it,
+// as torch's CPU flash attention rounds its probabilities for bf16 inputs, and each instruction takes
+// two slots' V rows. 28 cold layers, 12 interleaved rounds: 0.938 of the fp32 sum's time at 544 tokens,
+// 0.963 at 2048 (batch 1), 0.986 at 512 tokens (batch 4); outputs as close to fp32 SDPA as before.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -55,14 +59,17 @@ struct Layout {
 // One span of one sequence, slots [0, n) of it. The query is either q, (H, D) fp32 in lane_of order and
 // pre-scaled (scale unused), or, with kPairs, q_pairs, (H, D) bf16 as given, scored with pair
 // products and scaled after. Leaves, per query head, the span's unnormalised weighted sum of V (acc,
-// H * D in lane_of order), its max score (max) and the sum of exp(score - max) (sum).
+// H * D in lane_of order, or pair_lane_of with kPairs), its max score (max) and the sum of
+// exp(score - max) (sum). `scores` holds H * stride floats, and as many again with kPairs.
 template <typename T, int CH, bool kPairs>
 __attribute__((always_inline)) inline void attend_span(const float* q, const T* q_pairs, float scale, const T* k_pool,
                                                       const T* v_pool, const int64_t* slots, int64_t n,
                                                       const Layout& s, float* scores, float* acc, float* max,
                                                       float* sum) {
   constexpr int64_t D = CH * kLanes;
-  const int64_t stride = (n + kBlock - 1) / kBlock * kBlock;  // a score row per query head
+  // a score row per query head, in whole 32-value pairs; with kPairs, its bf16 copy follows the rows
+  const int64_t stride = (n + 2 * kBlock - 1) / (2 * kBlock) * (2 * kBlock);
+  uint32_t* p_pairs = reinterpret_cast<uint32_t*>(scores + s.num_heads * stride);
   alignas(64) __m512 partial[kHeadsPerPass][kBlock];
   const __m512 vscale = _mm512_set1_ps(scale);
   prefetch_first_block(k_pool, slots, n, s.row_stride);
@@ -102,13 +109,16 @@ __attribute__((always_inline)) inline void attend_span(const float* q, const T* 
     const __m512 vm = _mm512_set1_ps(row_max);
     __m512 vsum = _mm512_setzero_ps();
     for (c = 0; c < stride; c += kLanes) {  // the tail past n is zeroed: it must not weigh in below
-      const __mmask16 valid = c + kLanes <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - c)) - 1);
+      const __mmask16 valid = c + kLanes <= n ? 0xFFFF : c >= n ? 0 : static_cast<__mmask16>((1u << (n - c)) - 1);
       const __m512 e = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(_mm512_load_ps(row + c), vm)));
       _mm512_store_ps(row + c, e);
       vsum = _mm512_add_ps(vsum, e);
     }
     max[head] = row_max;
     sum[head] = _mm512_reduce_add_ps(vsum);
+    if constexpr (kPairs) {  // the numerators as bf16, two per 32 bits, for the pair products below
+      pack_bf16_pairs(row, stride, p_pairs + head * stride / 2);
+    }
   }
   for (int64_t c0 = 0; c0 < n; c0 += kBlock) {
     const int64_t m = std::min(kBlock, n - c0);
@@ -116,6 +126,14 @@ __attribute__((always_inline)) inline void attend_span(const float* q, const T* 
       prefetch_ahead(v_pool, slots + c0, n - c0, s.row_stride, h * D, D);
       for (int64_t g0 = 0; g0 < s.group; g0 += kHeadsPerPass) {
         const int64_t head = h * s.group + g0;
+        if constexpr (kPairs) {
+          const uint32_t* p = p_pairs + head * stride / 2 + c0 / 2;
+          if (s.group - g0 >= 2)
+            weigh_block_pairs<CH, 2>(p, stride, v_pool, slots + c0, m, s.row_stride, h * D, c0 == 0, acc + head * D);
+          else
+            weigh_block_pairs<CH, 1>(p, stride, v_pool, slots + c0, m, s.row_stride, h * D, c0 == 0, acc + head * D);
+          continue;
+        }
         if (s.group - g0 >= 2)
           weigh_block<T, CH, 2>(scores + head * stride + c0, stride, v_pool, slots + c0, m, s.row_stride, h * D,
                                 c0 == 0, acc + head * D);
@@ -168,7 +186,8 @@ void run_head_dim(const T* qp, const T* kp, const T* vp, const int64_t* sp, cons
   float* base = partials.data();
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    AlignedFloats scores_buffer(H * span), q_buffer(H * D);
+    const int64_t row = (span + 2 * kBlock - 1) / (2 * kBlock) * (2 * kBlock);  // attend_span's stride, at most
+    AlignedFloats scores_buffer(H * row + H * row / 2), q_buffer(H * D);  // fp32 scores, then their bf16 pairs
     float* scores = scores_buffer.data();
     float* q = q_buffer.data();
     int64_t b = 0, q_of = -1;
@@ -214,7 +233,7 @@ void run_head_dim(const T* qp, const T* kp, const T* vp, const int64_t* sp, cons
       const __m512 inv = _mm512_set1_ps(1.f / total_sum);
       for (int i = 0; i < CH; ++i) _mm512_store_ps(out + i * kLanes, _mm512_mul_ps(o[i], inv));
       T* dst = op + (b * H + head) * D;
-      for (int64_t e = 0; e < D; ++e) dst[e] = static_cast<T>(out[lane_of<T, CH>(e)]);
+      for (int64_t e = 0; e < D; ++e) dst[e] = static_cast<T>(out[pairs ? pair_lane_of(e) : lane_of<T, CH>(e)]);
     }
   });
 }
