@@ -60,7 +60,7 @@ struct Layout {
 // pre-scaled (scale unused), or, with kPairs, q_pairs, (H, D) bf16 as given, scored with pair
 // products and scaled after. Leaves, per query head, the span's unnormalised weighted sum of V (acc,
 // H * D in lane_of order, or pair_lane_of with kPairs), its max score (max) and the sum of
-// exp(score - max) (sum). `scores` holds H * stride floats, and as many again with kPairs.
+// exp(score - max) (sum). `scores` holds H * stride floats, then (kPairs) their bf16 pairs.
 template <typename T, int CH, bool kPairs>
 __attribute__((always_inline)) inline void attend_span(const float* q, const T* q_pairs, float scale, const T* k_pool,
                                                       const T* v_pool, const int64_t* slots, int64_t n,
@@ -187,7 +187,7 @@ void run_head_dim(const T* qp, const T* kp, const T* vp, const int64_t* sp, cons
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     const int64_t row = (span + 2 * kBlock - 1) / (2 * kBlock) * (2 * kBlock);  // attend_span's stride, at most
-    AlignedFloats scores_buffer(H * row + H * row / 2), q_buffer(H * D);  // fp32 scores, then their bf16 pairs
+    AlignedFloats scores_buffer(H * row + (pairs ? H * row / 2 : 0)), q_buffer(H * D);  // then the bf16 pairs
     float* scores = scores_buffer.data();
     float* q = q_buffer.data();
     int64_t b = 0, q_of = -1;
