@@ -35,7 +35,7 @@ import orjson
 MODEL_NAME = "soak"
 SHARED_PREFIX = "You are a careful assistant. Answer briefly and precisely. " * 6  # several KV pages
 VOCAB_SAFE_IDS = (1000, 60000)  # plain BPE tokens of the Qwen3 vocabulary, far from special ones
-START_TIMEOUT_S = 120.0
+START_TIMEOUT_S = 600.0  # a first start JIT-builds the CPU kernels: ~5 min on 2 cores
 IDLE_TIMEOUT_S = 60.0
 POLL_S = 0.2
 REQUEST_TIMEOUT_S = 600.0

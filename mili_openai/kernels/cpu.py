@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from mili_openai.kernels.build_lock import build_directory, exclusive_build
+
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
@@ -240,8 +242,11 @@ def load_cpu_kernels() -> CpuKernels | None:
     try:
         from torch.utils.cpp_extension import load
 
-        module = load(name=EXTENSION_NAME, sources=[str(SOURCE_DIR / s) for s in SOURCES],
-                      extra_cflags=COMPILE_FLAGS, extra_ldflags=LINK_FLAGS, verbose=False)
+        directory = build_directory(EXTENSION_NAME)
+        with exclusive_build(directory):  # safe against a loader killed mid-build (build_lock.py)
+            module = load(name=EXTENSION_NAME, sources=[str(SOURCE_DIR / s) for s in SOURCES],
+                          extra_cflags=COMPILE_FLAGS, extra_ldflags=LINK_FLAGS, build_directory=str(directory),
+                          verbose=False)
     except Exception as exc:  # no compiler, no ninja, unsupported flags: torch's ops instead
         logger.warning("CPU kernels unavailable, using torch ops: %s", exc)
         return None

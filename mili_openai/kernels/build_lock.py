@@ -1,0 +1,53 @@
+"""Where the CPU kernels are built, and a build lock that dies with its holder.
+
+torch's JIT builder (`torch.utils.cpp_extension.load`) guards a build directory with a `lock` file: a
+loader creates it, builds or finds the build current, and removes it. A loader killed in between (Ctrl-C
+during the first, minutes-long build; a pod killed by its startup probe; a test's timeout) leaves the file
+behind, and every later load waits on it forever: the server stays at "loading" and says nothing. A
+container restarted in the same pod keeps its cache volume, and the file with it.
+
+So every load of these kernels first takes an flock on a file beside torch's. The kernel releases an
+flock when its holder dies, so while we hold it a torch lock file can only be a dead loader's, and we
+remove it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from torch.utils.cpp_extension import get_default_build_root
+
+logger = logging.getLogger(__name__)
+
+TORCH_LOCK_NAME = "lock"  # the file torch's FileBaton creates in the build directory
+OWN_LOCK_NAME = "mili-build.flock"
+
+
+def build_directory(extension_name: str) -> Path:
+    """The extension's build directory: under TORCH_EXTENSIONS_DIR when set (the Docker image sets it to
+    its cache volume), else under torch's per-user default root."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(get_default_build_root(), "mili-openai")
+    return Path(root) / extension_name
+
+
+@contextlib.contextmanager
+def exclusive_build(directory: Path) -> Iterator[None]:
+    """Hold the directory's build lock (waiting for a live loader to finish), with any lock file left by
+    a dead one removed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / OWN_LOCK_NAME, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process to finish building the CPU kernels in %s", directory)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = directory / TORCH_LOCK_NAME
+        if stale.exists():
+            logger.warning("removing %s, left by a kernel build that was killed before it finished", stale)
+            stale.unlink(missing_ok=True)
+        yield  # the flock goes with the file's close

@@ -1,0 +1,59 @@
+"""The kernels' build lock: a lock file left by a killed loader no longer hangs every later load, and a
+live loader is still waited for."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+from mili_openai.kernels.build_lock import OWN_LOCK_NAME, TORCH_LOCK_NAME, build_directory, exclusive_build
+
+
+def test_build_directory_follows_torch_extensions_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert build_directory("ext_v1") == tmp_path / "ext_v1"
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    assert build_directory("ext_v1").parts[-2:] == ("mili-openai", "ext_v1")
+
+
+def test_lock_file_of_a_killed_loader_is_removed(tmp_path):
+    # a loader that created torch's lock file and was killed: SIGKILL runs no cleanup
+    script = textwrap.dedent(f"""
+        import os, signal
+        from pathlib import Path
+        from mili_openai.kernels.build_lock import exclusive_build
+        with exclusive_build(Path({str(tmp_path)!r})):
+            os.close(os.open({str(tmp_path / TORCH_LOCK_NAME)!r}, os.O_CREAT | os.O_EXCL))
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    assert subprocess.run([sys.executable, "-c", script], timeout=60).returncode == -9
+    assert (tmp_path / TORCH_LOCK_NAME).exists()
+
+    with exclusive_build(tmp_path):
+        assert not (tmp_path / TORCH_LOCK_NAME).exists()
+    assert (tmp_path / OWN_LOCK_NAME).exists()  # kept: only its flock matters
+
+
+def test_a_live_loader_is_waited_for_not_robbed(tmp_path):
+    torch_lock = tmp_path / TORCH_LOCK_NAME
+    inside, events = threading.Event(), []
+
+    def live_loader():
+        with exclusive_build(tmp_path):
+            torch_lock.touch()  # torch's FileBaton, held while it builds
+            inside.set()
+            time.sleep(0.5)
+            events.append(("loader sees its lock", torch_lock.exists()))
+            torch_lock.unlink()
+            events.append(("loader done", None))
+
+    thread = threading.Thread(target=live_loader)
+    thread.start()
+    assert inside.wait(timeout=10)
+    with exclusive_build(tmp_path):  # a second open file description: blocks on the first one's flock
+        events.append(("second loader in", None))
+    thread.join(timeout=10)
+    assert events == [("loader sees its lock", True), ("loader done", None), ("second loader in", None)]
