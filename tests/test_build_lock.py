@@ -12,11 +12,14 @@ import time
 from mili_openai.kernels.build_lock import OWN_LOCK_NAME, TORCH_LOCK_NAME, build_directory, exclusive_build
 
 
-def test_build_directory_follows_torch_extensions_dir(tmp_path, monkeypatch):
+def test_build_directory_follows_torch_extensions_dir_one_per_checkout(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    assert build_directory("ext_v1") == tmp_path / "ext_v1"
+    first = build_directory("ext_v1", tmp_path / "checkout_a" / "csrc")
+    assert first.parent == tmp_path and first.name.startswith("ext_v1-")
+    assert build_directory("ext_v1", tmp_path / "checkout_a" / "csrc") == first
+    assert build_directory("ext_v1", tmp_path / "checkout_b" / "csrc") != first
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
-    assert build_directory("ext_v1").parts[-2:] == ("mili-openai", "ext_v1")
+    assert build_directory("ext_v1", tmp_path).parent.name == "mili-openai"
 
 
 def test_lock_file_of_a_killed_loader_is_removed(tmp_path):

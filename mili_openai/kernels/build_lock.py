@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import logging
 import os
 from collections.abc import Iterator
@@ -28,11 +29,14 @@ TORCH_LOCK_NAME = "lock"  # the file torch's FileBaton creates in the build dire
 OWN_LOCK_NAME = "mili-build.flock"
 
 
-def build_directory(extension_name: str) -> Path:
+def build_directory(extension_name: str, source_dir: Path) -> Path:
     """The extension's build directory: under TORCH_EXTENSIONS_DIR when set (the Docker image sets it to
-    its cache volume), else under torch's per-user default root."""
+    its cache volume), else under torch's per-user default root; one per source checkout. Two checkouts
+    sharing a directory (a CI clone beside a working tree) differ in their build files' source paths,
+    so ninja rebuilt everything, minutes on 2 cores, at every switch between them."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(get_default_build_root(), "mili-openai")
-    return Path(root) / extension_name
+    checkout = hashlib.sha256(str(source_dir.resolve()).encode()).hexdigest()[:12]
+    return Path(root) / f"{extension_name}-{checkout}"
 
 
 @contextlib.contextmanager

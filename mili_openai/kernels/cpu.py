@@ -242,7 +242,7 @@ def load_cpu_kernels() -> CpuKernels | None:
     try:
         from torch.utils.cpp_extension import load
 
-        directory = build_directory(EXTENSION_NAME)
+        directory = build_directory(EXTENSION_NAME, SOURCE_DIR)
         with exclusive_build(directory):  # safe against a loader killed mid-build (build_lock.py)
             module = load(name=EXTENSION_NAME, sources=[str(SOURCE_DIR / s) for s in SOURCES],
                           extra_cflags=COMPILE_FLAGS, extra_ldflags=LINK_FLAGS, build_directory=str(directory),
