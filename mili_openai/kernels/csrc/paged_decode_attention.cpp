@@ -39,6 +39,10 @@ using mili::kLanes;
 
 constexpr int64_t kMinSpan = 4 * kBlock;  // shorter spans cost more in merging than they balance
 
+// Floats between two query heads' score rows for a span of n slots: whole 32-value pairs, so that the
+// bf16 copy of a row packs without a tail. The scores buffer is sized from it too.
+inline int64_t score_row_stride(int64_t n) { return (n + 2 * kBlock - 1) / (2 * kBlock) * (2 * kBlock); }
+
 // n floats starting on a 64-byte boundary, for aligned vector loads and stores.
 class AlignedFloats {
  public:
@@ -67,8 +71,7 @@ __attribute__((always_inline)) inline void attend_span(const float* q, const T* 
                                                       const Layout& s, float* scores, float* acc, float* max,
                                                       float* sum) {
   constexpr int64_t D = CH * kLanes;
-  // a score row per query head, in whole 32-value pairs; with kPairs, its bf16 copy follows the rows
-  const int64_t stride = (n + 2 * kBlock - 1) / (2 * kBlock) * (2 * kBlock);
+  const int64_t stride = score_row_stride(n);  // a score row per query head; with kPairs, the bf16 copy follows
   uint32_t* p_pairs = reinterpret_cast<uint32_t*>(scores + s.num_heads * stride);
   alignas(64) __m512 partial[kHeadsPerPass][kBlock];
   const __m512 vscale = _mm512_set1_ps(scale);
@@ -186,7 +189,7 @@ void run_head_dim(const T* qp, const T* kp, const T* vp, const int64_t* sp, cons
   float* base = partials.data();
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    const int64_t row = (span + 2 * kBlock - 1) / (2 * kBlock) * (2 * kBlock);  // attend_span's stride, at most
+    const int64_t row = score_row_stride(span);  // attend_span's stride, at most
     AlignedFloats scores_buffer(H * row + (pairs ? H * row / 2 : 0)), q_buffer(H * D);  // then the bf16 pairs
     float* scores = scores_buffer.data();
     float* q = q_buffer.data();
