@@ -6,17 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sampler_helpers import CPU, EOS, VOCAB, logits_from_probs, make_sampler, random_logits, row
+from sampler_helpers import CHI2_CRITICAL_DF2, CPU, EOS, NUM_DRAWS, VOCAB, chi_square, logits_from_probs
+from sampler_helpers import make_sampler, random_logits, reference_kept, row
 
 from mili_openai.engine import logits_processing as lp
 from mili_openai.engine.sampler import Sampler
 from mili_openai.engine.sampling_params import SamplingParams
-
-NUM_DRAWS = 4000  # rows of one batch for frequency checks
-# Chi-square critical value, 2 degrees of freedom, p = 0.001: a correct sampler fails 1 time in 1000
-# seeds, and the seed is fixed, so the test is deterministic.
-CHI2_CRITICAL_DF2 = 13.82
-
 
 # ---- greedy ----
 def test_greedy_is_argmax():
@@ -76,19 +71,6 @@ def test_top_k_top_p_reference(top_k, top_p, expected):
     assert torch.equal(out[torch.isfinite(out)], logits[torch.isfinite(out)])  # survivors unchanged
 
 
-def reference_kept(row_logits: torch.Tensor, k: int, p: float) -> set[int]:
-    """Top-k then top-p by the definition, one row, with a full sort in float64."""
-    order = row_logits.double().sort(descending=True).indices.tolist()[:k]
-    probs = torch.softmax(row_logits.double()[order], dim=0).tolist()
-    kept_ids, mass = [], 0.0
-    for token, prob in zip(order, probs):
-        if kept_ids and mass >= p:
-            break
-        kept_ids.append(token)
-        mass += prob
-    return set(kept_ids)
-
-
 @pytest.mark.parametrize("scale", [8.0, 0.01])  # peaked: nucleus among the candidates; flat: full sort
 def test_top_k_top_p_match_the_definition_on_a_large_vocab(scale):
     vocab = 4 * lp.TOP_P_CANDIDATES
@@ -126,11 +108,6 @@ def test_sampling_only_picks_allowed_tokens(params, allowed):
 
 
 # ---- distribution ----
-def chi_square(counts: list[int], probs: list[float]) -> float:
-    total = sum(counts)
-    return sum((c - total * p) ** 2 / (total * p) for c, p in zip(counts, probs))
-
-
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 def test_temperature_sampling_matches_the_distribution(temperature):
     probs = [0.5, 0.3, 0.2]

@@ -16,6 +16,7 @@ from mili_openai.engine.batch_builder import build_forward_batch, forward_batch_
 from mili_openai.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from mili_openai.engine.scheduler import ScheduledBatch
 from mili_openai.engine.sequence import Sequence
+from mili_openai.kernels import load_cpu_kernels
 from mili_openai.model import KVCache, load_model, resolve_dtype
 from mili_openai.model.batch import ForwardBatch
 
@@ -55,6 +56,7 @@ class ModelRunner:
             eos_token_ids=self.model_config.eos_token_ids,
             device=self.device,
             seed=config.seed,
+            kernel=load_cpu_kernels() if self.device.type == "cpu" else None,  # None where the CPU cannot
         )
         # token ids sampled by the last step that ran; None after a failed step (the one after it, which
         # may feed on them, fails too)

@@ -18,10 +18,10 @@ logger = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("bindings.cpp", "linear_bf16.cpp", "paged_decode_attention.cpp",
            "paged_prefill_attention.cpp", "rms_norm_bf16.cpp",
-           "activation_bf16.cpp", "decode_stack.cpp")
+           "activation_bf16.cpp", "decode_stack.cpp", "sample_rows.cpp")
 # not compiled on their own; torch hashes only SOURCES, hence the name bump below
 HEADERS = ("simd_bf16.h", "kernels.h", "prefill_products.h", "decode_blocks.h", "row_ranges.h")
-EXTENSION_NAME = "mili_cpu_kernels_v43"  # bump when a source changes so torch's JIT cache rebuilds
+EXTENSION_NAME = "mili_cpu_kernels_v44"  # bump when a source changes so torch's JIT cache rebuilds
 # -fopenmp: without it ATen's parallel_for compiles to a serial loop inside the extension
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"]
 LINK_FLAGS = ["-fopenmp"]
@@ -191,6 +191,17 @@ class CpuKernels:
         """q (L, H, D), the last L of the context's slots -> causal attention over the context, (L, H, D)."""
         return self._module.paged_prefill_attention(q, k_pool, v_pool, context_slots, scale,
                                                     self._bf16_dot_products and q.dtype == torch.bfloat16)
+
+    def sample_rows(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    min_p: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+        """One token per row of float32 logits (R, V): temperature, then top-k (V where off), top-p and min-p
+        as the sampler's torch path cuts them, then an inverse-CDF draw with the row's uniform (float64)."""
+        return self._module.sample_rows(logits.contiguous(), temperature, top_k, top_p, min_p, uniform)
+
+    def truncation_thresholds(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                              top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+        """(R,) the lowest logit / temperature each row keeps after `sample_rows`' cuts (-inf: no cut)."""
+        return self._module.truncation_thresholds(logits.contiguous(), temperature, top_k, top_p, min_p)
 
     def decode_stack(self, embedding: torch.Tensor, weights: list[torch.Tensor], num_q_heads: int,
                      num_kv_heads: int, head_dim: int, eps: float, scale: float) -> CpuDecodeStack | None:

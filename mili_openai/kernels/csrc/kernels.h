@@ -15,3 +15,8 @@ torch::Tensor qk_norm_rope_bf16(const torch::Tensor& qk, const torch::Tensor& q_
                                 int64_t num_q_heads, double eps, const torch::Tensor& cos,
                                 const torch::Tensor& signed_sin);
 torch::Tensor silu_mul_bf16(const torch::Tensor& gate_up);
+torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& top_k,
+                          const torch::Tensor& top_p, const torch::Tensor& min_p, const torch::Tensor& uniform);
+torch::Tensor truncation_thresholds(const torch::Tensor& logits, const torch::Tensor& temperature,
+                                    const torch::Tensor& top_k, const torch::Tensor& top_p,
+                                    const torch::Tensor& min_p);
