@@ -79,8 +79,8 @@ def test_no_cut_keeps_every_finite_token_and_masked_ones_never(kernels):
     logits[:, ::7] = float("-inf")
     assert torch.equal(thresholds(kernels, logits, 1.0, LARGE_VOCAB, 1.0, 0.0), torch.full((3,), float("-inf")))
     draws = kernels.sample_rows(
-        logits.repeat(200, 1), torch.ones(600), torch.full((600,), LARGE_VOCAB, dtype=torch.long),
-        torch.ones(600), torch.zeros(600), torch.rand(600, dtype=torch.float64, generator=torch.Generator().manual_seed(2)))
+        logits.repeat(200, 1), torch.ones(600), torch.full((600,), LARGE_VOCAB, dtype=torch.long), torch.ones(600),
+        torch.zeros(600), torch.rand(600, dtype=torch.float64, generator=torch.Generator().manual_seed(2)))
     assert all(t % 7 != 0 for t in draws.tolist())
 
 

@@ -18,17 +18,41 @@ from mili_openai.engine.sampling_params import SamplingParams
 # ---- penalties ----
 def test_repetition_penalty_reference():
     logits = torch.tensor([[2.0, -1.0, 1.5, -0.5]])
-    seen = torch.tensor([[True, True, False, False]])
-    out = lp.apply_repetition_penalty(logits, seen, torch.tensor([2.0]))
-    assert out.tolist() == [[1.0, -2.0, 1.5, -0.5]]
+    lp.apply_repetition_penalty(logits, [0, 0], [0, 1], [2.0, 2.0])  # tokens 0 and 1 seen
+    assert logits.tolist() == [[1.0, -2.0, 1.5, -0.5]]
 
 
 def test_presence_frequency_penalties_reference():
     logits = torch.tensor([[1.0, 1.0, 1.0]])
-    counts = lp.token_counts([[0, 0, 0, 2]], 3, CPU, torch.float32)
-    assert counts.tolist() == [[3.0, 0.0, 1.0]]
-    out = lp.apply_presence_frequency_penalties(logits, counts, torch.tensor([0.5]), torch.tensor([0.25]))
-    assert out.tolist() == [[1.0 - 0.5 - 0.75, 1.0, 1.0 - 0.5 - 0.25]]
+    lp.apply_presence_frequency_penalties(logits, [0, 0], [0, 2], [3, 1], [0.5, 0.5], [0.25, 0.25])  # output 0,0,0,2
+    assert logits.tolist() == [[1.0 - 0.5 - 0.75, 1.0, 1.0 - 0.5 - 0.25]]
+
+
+def dense_penalties(logits: torch.Tensor, prompt: list[int], output: list[int], params: SamplingParams):
+    """The penalties over a whole row, as their definitions read (a reference for the sparse updates)."""
+    vocab = logits.shape[1]
+    counts = torch.zeros(vocab).index_add_(0, torch.tensor(output, dtype=torch.long), torch.ones(len(output)))
+    seen = counts > 0
+    seen[torch.tensor(prompt, dtype=torch.long)] = True
+    penalty = params.repetition_penalty
+    logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    return logits - params.presence_penalty * (counts > 0).float() - params.frequency_penalty * counts
+
+
+def test_penalties_equal_their_definitions_over_a_large_vocabulary():
+    generator = torch.Generator().manual_seed(3)
+    vocab = 5000
+    logits = torch.randn(3, vocab, generator=generator) * 4
+    prompts = [torch.randint(vocab, (300,), generator=generator).tolist() for _ in range(3)]
+    outputs = [torch.randint(vocab, (120,), generator=generator).tolist() for _ in range(3)]
+    params = [SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.1),
+              SamplingParams(temperature=0),
+              SamplingParams(temperature=0, presence_penalty=-0.5)]
+    sampler = make_sampler(vocab=vocab)
+    rows = [row(p, prompt, output) for p, prompt, output in zip(params, prompts, outputs)]
+    processed = sampler._process(logits, rows)
+    for i in range(3):
+        assert torch.equal(processed[i], dense_penalties(logits[i : i + 1], prompts[i], outputs[i], params[i])[0])
 
 
 def greedy_pick(logits_row: list[float], params: SamplingParams, prompt=(), output=()) -> int:

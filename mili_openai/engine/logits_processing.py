@@ -51,44 +51,40 @@ def mask_tokens(logits: torch.Tensor, row_indices: Sequence[int], token_ids: Seq
     logits.index_put_((rows, tokens), torch.tensor(NEG_INF, dtype=logits.dtype, device=device))
 
 
-def token_counts(
-    token_lists: Sequence[Sequence[int]], vocab_size: int, device: torch.device, dtype: torch.dtype
-) -> torch.Tensor:
-    """(R, V) occurrence counts of each token id in each row's list, built with one scatter."""
-    counts = torch.zeros(len(token_lists), vocab_size, dtype=dtype, device=device)
-    rows = [row for row, tokens in enumerate(token_lists) for _ in range(len(tokens))]
-    if rows:
-        flat = [token for tokens in token_lists for token in tokens]
-        index = (
-            torch.tensor(rows, dtype=torch.long, device=device),
-            torch.tensor(flat, dtype=torch.long, device=device),
-        )
-        counts.index_put_(index, torch.ones(len(flat), dtype=dtype, device=device), accumulate=True)
-    return counts  # (R, V)
-
-
 def apply_repetition_penalty(
-    logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor
-) -> torch.Tensor:
-    """HF/vLLM repetition penalty on tokens seen in the prompt or output.
+    logits: torch.Tensor, row_indices: Sequence[int], token_ids: Sequence[int], penalties: Sequence[float]
+) -> None:
+    """HF/vLLM repetition penalty on the tokens seen in a row's prompt or output, in place.
 
     A seen token's positive logit is divided by the penalty and a negative one multiplied, so a penalty
-    above 1 always makes it less likely. logits: (R, V); seen: (R, V) bool; penalty: (R,).
+    above 1 always makes it less likely. One (row, token, penalty) triple per distinct seen token:
+    only those entries are read and written, not the row's whole vocabulary.
     """
-    penalty = penalty.unsqueeze(1)  # (R, 1)
-    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)  # (R, V)
-    return torch.where(seen, penalised, logits)
+    device = logits.device
+    rows = torch.tensor(row_indices, dtype=torch.long, device=device)
+    tokens = torch.tensor(token_ids, dtype=torch.long, device=device)
+    penalty = torch.tensor(penalties, dtype=logits.dtype, device=device)
+    values = logits[rows, tokens]
+    logits[rows, tokens] = torch.where(values > 0, values / penalty, values * penalty)
 
 
 def apply_presence_frequency_penalties(
-    logits: torch.Tensor, output_counts: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor
-) -> torch.Tensor:
-    """OpenAI semantics: logits -= presence * (count > 0) + frequency * count, over output tokens only.
+    logits: torch.Tensor, row_indices: Sequence[int], token_ids: Sequence[int], counts: Sequence[int],
+    presence: Sequence[float], frequency: Sequence[float],
+) -> None:
+    """OpenAI semantics, in place: logit -= presence + frequency * count for each token of a row's output.
 
-    logits, output_counts: (R, V); presence, frequency: (R,).
+    One (row, token, count, presence, frequency) entry per distinct output token; tokens that never
+    appeared are left as they are (their penalty is 0).
     """
-    present = (output_counts > 0).to(logits.dtype)  # (R, V)
-    return logits - presence.unsqueeze(1) * present - frequency.unsqueeze(1) * output_counts
+    device = logits.device
+    rows = torch.tensor(row_indices, dtype=torch.long, device=device)
+    tokens = torch.tensor(token_ids, dtype=torch.long, device=device)
+
+    def column(values: Sequence[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=logits.dtype, device=device)
+
+    logits[rows, tokens] = logits[rows, tokens] - column(presence) - column(frequency) * column(counts)
 
 
 def apply_top_k_top_p(

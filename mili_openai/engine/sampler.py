@@ -16,6 +16,7 @@ not depend on which rows share the batch.
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -142,20 +143,32 @@ class Sampler:
             self._apply_penalties(logits, [rows[i] for i in penalty_rows], penalty_rows)
         return logits
 
-    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow], indices: list[int]) -> None:
-        device, width = logits.device, logits.shape[1]
-        index = torch.tensor(indices, dtype=torch.long, device=device)
-        subset = logits[index]  # (R, V)
-        output_counts = lp.token_counts([row.output_token_ids for row in rows], width, device, logits.dtype)
-        if any(row.params.repetition_penalty != 1 for row in rows):
-            prompt_seen = lp.token_counts([row.prompt_token_ids for row in rows], width, device, logits.dtype) > 0
-            penalty = self._row_tensor([row.params.repetition_penalty for row in rows], logits.dtype)
-            subset = lp.apply_repetition_penalty(subset, prompt_seen | (output_counts > 0), penalty)
-        if any(row.params.presence_penalty != 0 or row.params.frequency_penalty != 0 for row in rows):
-            presence = self._row_tensor([row.params.presence_penalty for row in rows], logits.dtype)
-            frequency = self._row_tensor([row.params.frequency_penalty for row in rows], logits.dtype)
-            subset = lp.apply_presence_frequency_penalties(subset, output_counts, presence, frequency)
-        logits[index] = subset
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], indices: list[int]) -> None:
+        """Penalties touch only the tokens a row has seen: a few hundred entries, not (R, V) tensors
+        (measured on Qwen3's vocabulary, one row with a 512-token prompt and 200 output tokens:
+        repetition_penalty ~1 ms a step over whole rows)."""
+        rep_rows, rep_tokens, rep_penalties = [], [], []
+        out_rows, out_tokens, out_counts, out_presence, out_frequency = [], [], [], [], []
+        for index, row in zip(indices, rows):
+            params = row.params
+            if params.repetition_penalty != 1:
+                seen = {*row.prompt_token_ids, *row.output_token_ids}
+                rep_rows.extend([index] * len(seen))
+                rep_tokens.extend(seen)
+                rep_penalties.extend([params.repetition_penalty] * len(seen))
+            if params.presence_penalty != 0 or params.frequency_penalty != 0:
+                counts = collections.Counter(row.output_token_ids)
+                out_rows.extend([index] * len(counts))
+                out_tokens.extend(counts.keys())
+                out_counts.extend(counts.values())
+                out_presence.extend([params.presence_penalty] * len(counts))
+                out_frequency.extend([params.frequency_penalty] * len(counts))
+        if rep_rows:  # first, as transformers and vLLM order them
+            lp.apply_repetition_penalty(logits, rep_rows, rep_tokens, rep_penalties)
+        if out_rows:
+            lp.apply_presence_frequency_penalties(logits, out_rows, out_tokens, out_counts, out_presence,
+                                                  out_frequency)
 
     def _row_tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)

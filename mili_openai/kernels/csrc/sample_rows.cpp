@@ -100,8 +100,8 @@ void weigh_row(RowScratch& s, int64_t vocab, float best, bool buckets) {
     const __mmask16 is_far = finite & ~near;
     // compressed in a register and stored whole: a compressing store to memory is slow on Zen 4, and
     // `near` has room for the 16 entries past the last token
-    _mm512_storeu_si512(s.near.data() + num_near,
-                        _mm512_maskz_compress_epi32(near, _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(i)))));
+    const __m512i tokens = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(i)));
+    _mm512_storeu_si512(s.near.data() + num_near, _mm512_maskz_compress_epi32(near, tokens));
     num_near += _mm_popcnt_u32(near);
     far_count += _mm_popcnt_u32(is_far);
     far_mass = _mm512_mask_add_ps(far_mass, is_far, far_mass, weight);
