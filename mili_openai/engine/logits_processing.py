@@ -2,8 +2,9 @@
 
 Each function takes per-row parameters as tensors (or flat index lists) and works on the whole batch at
 once; the sampler decides which rows need which processor and skips the ones no row asks for. Rows that
-do not use a processor carry its neutral value (penalty 0 / 1, top_k = V, top_p = 1), so a batch mixing
-users and non-users is still one tensor op.
+do not use top-k / top-p carry its neutral value (top_k = V, top_p = 1), so a batch mixing users and
+non-users is still one tensor op; logit_bias, min_tokens and the penalties take flat (row, token)
+entries and touch only those.
 """
 
 from __future__ import annotations

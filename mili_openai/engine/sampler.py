@@ -74,7 +74,7 @@ class Sampler:
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.device = torch.device(device)
         self.generator = self.make_generator(seed, self.device)  # the stream of rows without a seed
-        self.kernel = kernel if self.device.type == "cpu" else None
+        self.kernel = kernel  # for CPU samplers only (ModelRunner passes one on CPU)
 
     @staticmethod
     def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -180,7 +180,7 @@ class Sampler:
         subset_index = None if all_random else torch.tensor(random_rows, dtype=torch.long, device=logits.device)
         x = logits if all_random else logits[subset_index]  # (R, V)
         subset = [rows[i] for i in random_rows]
-        if self.kernel is not None and x.dtype == torch.float32:
+        if self.kernel is not None:
             sampled = self._sample_with_kernel(x, subset)
         else:
             sampled = self._sample_with_torch(x, subset)  # (R,)

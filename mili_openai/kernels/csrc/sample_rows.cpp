@@ -47,9 +47,8 @@ struct RowScratch {
   std::vector<float> weight;    // exp(x - best), 0 for excluded tokens
   std::vector<int32_t> bucket;  // histogram bucket of each token
   std::vector<int32_t> near;    // the tokens of the buckets before the far one, in vocabulary order
-  int64_t num_near = 0, far_count = 0;  // near's length; the far bucket's tokens and (below) mass
-  double far_mass = 0.0;
-  std::vector<int64_t> count;
+  int64_t num_near = 0;         // (the first num_near entries of `near`)
+  std::vector<int64_t> count;   // tokens and probability mass of each bucket
   std::vector<double> mass;
   std::vector<float> boundary;  // the values of the bucket where a cut falls
 
@@ -76,8 +75,8 @@ float scale_row(const float* logits, int64_t vocab, float temperature, float* x)
 }
 
 // weight = exp(x - best) for kept-able tokens (0 for -inf and NaN); with `buckets`, each token's bucket,
-// the near tokens' list and the far bucket's count and mass (most tokens of a peaked row are far: the
-// histogram then walks only the near ones).
+// the near tokens' list and the histogram (the far bucket counted here in vector lanes: most tokens of
+// a peaked row are far, and the histogram then walks only the near ones).
 void weigh_row(RowScratch& s, int64_t vocab, float best, bool buckets) {
   const __m512 b = _mm512_set1_ps(best), per_unit = _mm512_set1_ps(static_cast<float>(kBucketsPerUnit));
   const __m512 neg_inf = _mm512_set1_ps(kNegInf), far_distance = _mm512_set1_ps(static_cast<float>(kFarBucket));
@@ -106,9 +105,17 @@ void weigh_row(RowScratch& s, int64_t vocab, float best, bool buckets) {
     far_count += _mm_popcnt_u32(is_far);
     far_mass = _mm512_mask_add_ps(far_mass, is_far, far_mass, weight);
   }
+  if (!buckets) return;
   s.num_near = num_near;
-  s.far_count = far_count;
-  s.far_mass = _mm512_reduce_add_ps(far_mass);
+  std::fill(s.count.begin(), s.count.end(), 0);
+  std::fill(s.mass.begin(), s.mass.end(), 0.0);
+  for (int64_t j = 0; j < num_near; ++j) {
+    const int32_t token = s.near[j];
+    ++s.count[s.bucket[token]];
+    s.mass[s.bucket[token]] += s.weight[token];
+  }
+  s.count[kFarBucket] = far_count;
+  s.mass[kFarBucket] = _mm512_reduce_add_ps(far_mass);
 }
 
 // The values of bucket `target`, best first.
@@ -130,14 +137,6 @@ const std::vector<float>& bucket_values(RowScratch& s, int64_t vocab, int32_t ta
 // top-k keeps the k best (and their ties); top-p then keeps, of those k best first, each token whose
 // better ones' probability (normalised over the k) is still below p, so the best token always stays.
 float top_k_top_p_threshold(RowScratch& s, int64_t vocab, float best, const RowParams& p) {
-  std::fill(s.count.begin(), s.count.end(), 0);
-  std::fill(s.mass.begin(), s.mass.end(), 0.0);
-  for (int64_t j = 0; j < s.num_near; ++j) {
-    const int32_t i = s.near[j];
-    ++s.count[s.bucket[i]];
-    s.mass[s.bucket[i]] += s.weight[i];
-  }
-  s.count[kFarBucket] = s.far_count, s.mass[kFarBucket] = s.far_mass;
   // Top-k: buckets before k_bucket hold only tokens among the k best; of k_bucket, its k_rest best.
   int32_t k_bucket = kExcluded;
   int64_t k_rest = 0, seen = 0;
@@ -203,26 +202,20 @@ int64_t draw(const RowScratch& s, int64_t vocab, float threshold, double u) {
   for (int64_t i = 0; i < vocab; i += kLanes) lanes = _mm512_add_ps(lanes, kept_weights(i));
   const double target = u * _mm512_reduce_add_ps(lanes);
   double running = 0.0;
-  int64_t last_kept = 0;
   for (int64_t i = 0; i < vocab; i += kLanes) {
     alignas(64) float weights[kLanes];
     _mm512_store_ps(weights, kept_weights(i));
     const double block = _mm512_reduce_add_ps(_mm512_load_ps(weights));
-    if (block <= 0) continue;
     if (running + block <= target) {  // the running mass crosses no token of this vector
       running += block;
-      last_kept = i;
       continue;
     }
     for (int64_t j = 0; j < kLanes; ++j) {
-      if (weights[j] <= 0.f) continue;
       running += weights[j];
-      last_kept = i + j;
-      if (running > target) return i + j;
+      if (weights[j] > 0.f && running > target) return i + j;
     }
   }
-  // rounding kept the walk at or below u * total: the last kept token, found in its vector
-  for (int64_t j = std::min(vocab, last_kept - last_kept % kLanes + kLanes) - 1; j > 0; --j)
+  for (int64_t j = vocab - 1; j > 0; --j)  // rounding kept the walk at or below u * total: the last kept
     if (s.x[j] >= threshold && s.weight[j] > 0.f) return j;
   return 0;
 }
