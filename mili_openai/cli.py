@@ -63,6 +63,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="token budget of one forward (default: 512 on CPU, 2048 on CUDA)")
     eng.add_argument("--max-num-seqs", type=int, default=engine.max_num_seqs)
     eng.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    eng.add_argument("--generation-config", default=engine.generation_config,
+                     help="defaults for the sampling fields a request leaves out (temperature, top_p, top_k, "
+                          "min_p, repetition_penalty): 'auto' = the model's generation_config.json, 'none' = "
+                          "OpenAI's, or a directory holding a generation_config.json")
     eng.add_argument("--default-model-cache", default=None,
                      help="where the embedded default model is built (default: ~/.cache/mili-openai)")
     serve.set_defaults(func=run_serve, parser=serve)
@@ -96,6 +100,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_model_len=args.max_model_len,
         num_threads=args.num_threads,
         default_model_cache=args.default_model_cache,
+        generation_config=args.generation_config,
     )
     return ServerConfig(
         engine=engine,

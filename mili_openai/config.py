@@ -31,6 +31,9 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     seed: int = 0  # seed of the unseeded sampling stream
     default_model_cache: str | None = None  # where the embedded default model is built; None = ~/.cache/mili-openai
+    # where requests' omitted sampling fields come from: "auto" = the model's generation_config.json,
+    # "none" = OpenAI's defaults, or a directory holding a generation_config.json (as vLLM's flag)
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -49,6 +52,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if not self.generation_config:
+            raise ValueError("generation_config must be 'auto', 'none' or a directory")
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,7 @@ class FakeEngine:
         self.model_path = Path("/fake/Qwen3-fake")
         self.max_model_len = max_model_len
         self.vocab_size = FAKE_VOCAB_SIZE
+        self.sampling_defaults: dict[str, float | int] = {}  # a test may set the model's defaults
         self.eos_token_ids = (tokenizer.eos_token_id,)
         self.token_delay_s = token_delay_s
         self.fail_with = fail_with  # set: every request ends with this engine error

@@ -36,12 +36,13 @@ def test_every_flag_reaches_the_config():
         "--max-num-seqs", "8", "--max-queue", "10", "--request-timeout", "30", "--max-body-bytes", "4096",
         "--cors-allow-origin", "https://a.example", "--cors-allow-origin", "https://b.example",
         "--shutdown-grace-period", "3", "--num-threads", "2", "--default-model-cache", "/tmp/cache",
-        "--log-level", "debug",
+        "--log-level", "debug", "--generation-config", "none",
     )
     assert config == ServerConfig(
         engine=EngineConfig(model="/models/qwen", dtype="float32", device="cpu", page_size=32, num_pages=100,
                             kv_cache_memory_gb=1.5, max_num_batched_tokens=512, max_num_seqs=8,
-                            max_model_len=1024, num_threads=2, default_model_cache="/tmp/cache"),
+                            max_model_len=1024, num_threads=2, default_model_cache="/tmp/cache",
+                            generation_config="none"),
         host="0.0.0.0", port=9001, api_key="k", served_model_name="q", max_queue=10, request_timeout_s=30.0,
         max_body_bytes=4096, cors_allow_origins=("https://a.example", "https://b.example"), shutdown_grace_s=3.0,
         log_level="debug",
@@ -49,7 +50,8 @@ def test_every_flag_reaches_the_config():
 
 
 @pytest.mark.parametrize("argv", [["--page-size", "0"], ["--port", "70000"], ["--max-body-bytes", "10"],
-                                  ["--num-threads", "0"], ["--dtype", "int3"], ["--max-model-len", "1"]])
+                                  ["--num-threads", "0"], ["--dtype", "int3"], ["--max-model-len", "1"],
+                                  ["--generation-config", ""]])
 def test_bad_values_are_clean_argparse_errors(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["serve", *argv])

@@ -20,6 +20,7 @@ from mili_openai.engine.observer import EngineObserver
 from mili_openai.engine.outputs import EngineStats, RequestMetrics, SequenceDelta
 from mili_openai.engine.runner import ModelRunner, PreparedStep
 from mili_openai.engine.sampler import Sampler, SamplerOutput
+from mili_openai.engine.sampling_defaults import SamplingDefaults, read_sampling_defaults
 from mili_openai.engine.sampling_params import SamplingParams
 from mili_openai.engine.scheduler import ScheduledBatch, Scheduler
 from mili_openai.engine.sequence import Sequence
@@ -37,6 +38,8 @@ class EngineCore:
         self.config = config
         self.observer = observer
         self.model_path: Path | None = None
+        # what a request's omitted sampling fields become (from_config reads them from the checkpoint)
+        self.sampling_defaults: SamplingDefaults = {}
         self.runner = runner
         self.tokenizer = tokenizer
         model_config = runner.model_config
@@ -58,10 +61,16 @@ class EngineCore:
     def from_config(cls, config: EngineConfig, observer: EngineObserver | None = None) -> EngineCore:
         """Resolve the model (embedded default, local dir or hub id), load it and its tokenizer."""
         model_path = resolve_model_path(config.model, config.default_model_cache)
+        sampling_defaults = read_sampling_defaults(config.generation_config, model_path)  # before the slow load
         tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         core = cls(config, ModelRunner(config, model_path), tokenizer, observer)
         core.model_path = model_path
+        core.sampling_defaults = sampling_defaults
         return core
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams() with the model's defaults applied: what a request that sets nothing samples with."""
+        return SamplingParams(**self.sampling_defaults)
 
     # ---- requests in ----
     def add(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:

@@ -26,6 +26,11 @@ class LLM:
         self.core = EngineCore.from_config(self.config)
         self.tokenizer = self.core.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no SamplingParams: the model's generation_config.json
+        defaults (see engine/sampling_defaults.py), as vLLM's method of this name returns."""
+        return self.core.default_sampling_params()
+
     def generate(
         self,
         prompts: PromptInput | SequenceABC[PromptInput],
@@ -33,7 +38,7 @@ class LLM:
     ) -> list[RequestOutput]:
         prompt_list = self._normalise_prompts(prompts)
         if sampling_params is None:
-            params_list = [SamplingParams()] * len(prompt_list)
+            params_list = [self.get_default_sampling_params()] * len(prompt_list)
         elif isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompt_list)
         else:

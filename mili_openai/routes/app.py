@@ -76,6 +76,7 @@ def all_routes(config: ServerConfig, metrics_module: Any | None) -> list[BaseRou
 async def load_engine(server: ServerState) -> None:
     """Build the engine on a thread (seconds of blocking work), then start its loop."""
     from mili_openai.engine.async_engine import AsyncEngine  # torch and the model: only when serving
+    from mili_openai.engine.sampling_defaults import describe_sampling_defaults
 
     try:
         engine = await asyncio.to_thread(AsyncEngine, server.config.engine, server.metrics)
@@ -87,6 +88,7 @@ async def load_engine(server: ServerState) -> None:
     server.engine = engine
     logger.info("model %s loaded from %s; serving (max_model_len %d)", server.served_model_name,
                 engine.model_path, engine.max_model_len)
+    logger.info(describe_sampling_defaults(engine.sampling_defaults))
 
 
 def create_app(config: ServerConfig, engine: Any | None = None) -> Starlette:

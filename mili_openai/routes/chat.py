@@ -95,8 +95,8 @@ class ChatJob(GenerationJob):
         )
 
     def sampling_params(self) -> SamplingParams:
-        return self.body.to_sampling_params(self.engine.vocab_size, logprobs=self.top_k,
-                                            max_tokens=self.body.output_limit)
+        return self.body.to_sampling_params(self.engine.vocab_size, self.engine.sampling_defaults,
+                                            logprobs=self.top_k, max_tokens=self.body.output_limit)
 
     async def submit(self) -> None:
         params = self.sampling_params()

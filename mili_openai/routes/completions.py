@@ -61,7 +61,7 @@ class CompletionJob(GenerationJob):
 
     async def submit(self) -> None:
         engine = self.engine
-        params = self.body.to_sampling_params(engine.vocab_size, logprobs=self.body.logprobs)
+        params = self.body.to_sampling_params(engine.vocab_size, engine.sampling_defaults, logprobs=self.body.logprobs)
         self.prompt_ids = await prompt_token_ids(engine.tokenizer, self.prompts, engine.vocab_size)
         self.streams = submit_prompts(engine, self.prompt_ids, params, self.response_id)
 

@@ -63,7 +63,8 @@ class GenerateJob:
         self.record: RequestRecord | None = None
 
     async def submit(self) -> None:
-        params = self.body.to_sampling_params(self.engine.vocab_size, logprobs=self.body.logprobs)
+        params = self.body.to_sampling_params(self.engine.vocab_size, self.engine.sampling_defaults,
+                                             logprobs=self.body.logprobs)
         self.prompt_ids = (await prompt_token_ids(self.engine.tokenizer, [self.body.prompt], self.engine.vocab_size))[0]
         self.record = self.server.records.start(self.request_id, len(self.prompt_ids))
         try:

@@ -6,6 +6,7 @@ re-checks what it owns. Strict mode: `"5"` is not an integer here, as in OpenAI'
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -63,8 +64,10 @@ class SamplingFields(BaseModel):
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-    def to_sampling_params(self, vocab_size: int, logprobs: int | None = None, **overrides: Any) -> SamplingParams:
-        """The engine's parameters; token ids in `logit_bias` / `stop_token_ids` checked against the vocab."""
+    def to_sampling_params(self, vocab_size: int, defaults: Mapping[str, float | int], logprobs: int | None = None,
+                           **overrides: Any) -> SamplingParams:
+        """The engine's parameters; token ids in `logit_bias` / `stop_token_ids` checked against the vocab.
+        `defaults` (the model's, engine/sampling_defaults.py) fill the optional knobs the request leaves out."""
         bias = {int(k): v for k, v in (self.logit_bias or {}).items()}
         for token_id in bias:
             if not 0 <= token_id < vocab_size:
@@ -90,9 +93,11 @@ class SamplingFields(BaseModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
         )
-        # unset optional knobs keep SamplingParams' defaults
+        # unset optional knobs take the model's defaults, else keep SamplingParams' own
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
             value = getattr(self, name)
+            if value is None:
+                value = defaults.get(name)
             if value is not None:
                 fields[name] = value
         fields.update(overrides)
