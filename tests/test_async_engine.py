@@ -132,16 +132,24 @@ def test_stop_string_is_never_emitted(engine):
 def test_steps_planned_ahead_give_the_offline_engines_tokens(engine, tiny_checkpoint):
     """Decode steps scheduled while the step before runs feed on its tokens once they exist: greedy and
     seeded outputs match the offline engine's (which never plans ahead), through a stop mid-stream and
-    max lengths that differ; then beside a penalised request, whose steps are not planned ahead."""
+    max lengths that differ; then requests whose sampling reads their output so far (penalties, min_tokens),
+    which see the pending token too."""
     from mili_openai import LLM
 
     offline = LLM(str(tiny_checkpoint), dtype="float32", num_pages=64, page_size=8, max_num_batched_tokens=64,
                   max_model_len=256)
-    prompts = random_prompts(6, [9, 30, 17], seed=7)
+    prompts = random_prompts(8, [9, 30, 17], seed=7)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (14, 5, 9)]
     params.append(SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True))
     params.append(SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.3, ignore_eos=True))
     params.append(SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    params.append(SamplingParams(temperature=0.9, seed=11, max_tokens=12, presence_penalty=1.5,
+                                 frequency_penalty=1.0, ignore_eos=True))
+    # EOS made the likeliest token: it appears from the 6th token on exactly when the sampler counts the
+    # output so far right (one short, and the 6th would still be masked)
+    eos = engine.eos_token_ids[0]
+    params.append(SamplingParams(temperature=0, max_tokens=9, min_tokens=5, logit_bias={eos: 100.0},
+                                 ignore_eos=True))
     want = [out.outputs[0].token_ids for out in offline.generate(prompts, params)]
     # a stop token from the middle of the first output ends that request early, with a step in flight
     stop_at = want[0][6]
@@ -168,9 +176,9 @@ def test_steps_planned_ahead_give_the_offline_engines_tokens(engine, tiny_checkp
         assert generate([0, 1, 2, 3]) == want[:4]
         assert max(fed) >= 3  # several decodes fed on pending tokens in one step
         fed.clear()
-        assert generate([4, 5]) == want[4:]
-        # nothing planned ahead while the penalised request decoded (10 tokens), then the other went on
-        assert fed[:10] == [0] * 10 and max(fed) == 1
+        assert want[7] == want[7][:5] + [eos] * 4 and eos not in want[7][:5]
+        assert generate([4, 5, 6, 7]) == want[4:]
+        assert max(fed) == 4  # the penalised and min_tokens rows fed on pending tokens with the others
     finally:
         del engine.core.runner.prepare
     engine.core.check_integrity()

@@ -137,10 +137,11 @@ class EngineCore:
         can start it the moment `running` ends; None where it must wait for `running`'s outputs.
 
         Waits after a step with prefill chunks: sequences admitted meanwhile could not see the prefix
-        pages the chunks are computing, and would compute them again. And where the running step samples
-        for penalties or min_tokens, whose next sampling reads the tokens postprocessing appends.
+        pages the chunks are computing, and would compute them again. Rows whose sampling reads their
+        output so far (penalties, min_tokens) get it with the pending token added on the forward thread
+        (`ModelRunner.prepare`).
         """
-        if running.num_decode != len(running.seqs) or any(s.params.reads_output_history for s in running.seqs):
+        if running.num_decode != len(running.seqs):
             return None
         batch = self.scheduler.schedule(lookahead=True)
         if batch is None:

@@ -38,6 +38,9 @@ class PreparedStep:
     # input rows whose token the step before is sampling, and that token's index among its samples
     pending_rows: list[int] = field(default_factory=list)
     pending_sources: list[int] = field(default_factory=list)
+    # sampling rows that read their output so far (penalties, min_tokens) and whose last token is one of
+    # those: the row's own copy of its output ids, which the pending token joins, and the token's index
+    pending_histories: list[tuple[list[int], int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -75,24 +78,28 @@ class ModelRunner:
         sample_index: for a step planned while another runs, each sequence's index among that step's
         sampled rows, where decodes find the tokens still pending.
         """
-        rows = [
-            SamplingRow(
-                params=seq.params,
-                generator=seq.generator,
-                prompt_token_ids=seq.prompt_token_ids,
-                output_token_ids=seq.output_token_ids,
-            )
-            for index, seq in enumerate(batch.seqs)
-            if batch.samples[index]
-        ]
         pending_rows, pending_sources = pending_inputs(batch, sample_index) if sample_index else ([], [])
+        pending_source_of = dict(zip(pending_rows, pending_sources))
+        rows, pending_histories = [], []
+        for index, seq in enumerate(batch.seqs):
+            if not batch.samples[index]:
+                continue
+            history = seq.output_token_ids
+            source = pending_source_of.get(index)
+            if source is not None and seq.params.reads_output_history:
+                # A copy: the loop appends the pending token to the sequence when its step is
+                # postprocessed, which may be before or after this step samples.
+                history = list(history)
+                pending_histories.append((history, source))
+            rows.append(SamplingRow(params=seq.params, generator=seq.generator,
+                                    prompt_token_ids=seq.prompt_token_ids, output_token_ids=history))
         forward_batch = build_forward_batch(batch, self.page_size)
         if self.device.type == "cpu":
             # here rather than in the forward: see `_feed_pending_tokens`
             last_position = max(start + count - 1 for start, count in zip(batch.positions, batch.num_new_tokens))
             with torch.inference_mode():
                 forward_batch.rotary = self._rotary_table(forward_batch.positions, last_position)
-        return PreparedStep(forward_batch, rows, pending_rows, pending_sources)
+        return PreparedStep(forward_batch, rows, pending_rows, pending_sources, pending_histories)
 
     def execute(self, step: PreparedStep) -> SamplerOutput:
         """Run one step; steps run one after another on one thread, in the order they were scheduled."""
@@ -105,7 +112,8 @@ class ModelRunner:
         return output
 
     def _feed_pending_tokens(self, step: PreparedStep) -> None:
-        """Put the tokens the step before sampled into this step's input ids.
+        """Put the tokens the step before sampled into this step's input ids, and into the output so far
+        of the rows whose sampling reads it (`PreparedStep.pending_histories`).
 
         Through numpy, which keeps the GIL: from the end of one step (when the event loop wakes to
         postprocess it) to the compiled decode stack of the next, this thread calls no torch op. Each
@@ -119,6 +127,8 @@ class ModelRunner:
         input_ids = step.forward_batch.input_ids.numpy()
         for row, source in zip(step.pending_rows, step.pending_sources):
             input_ids[row] = self._last_sampled[source]
+        for history, source in step.pending_histories:
+            history.append(self._last_sampled[source])
 
     @torch.inference_mode()
     def _execute(self, step: PreparedStep) -> SamplerOutput:
