@@ -10,6 +10,8 @@ over page tables, never in Python loops over tokens.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -33,6 +35,34 @@ def pending_inputs(batch: ScheduledBatch, sample_index: dict[Sequence, int]) -> 
             rows.append(row)
             sources.append(sample_index[seq])
     return rows, sources
+
+
+@dataclass(frozen=True, slots=True)
+class PromptScoring:
+    """Prompt tokens a prefill chunk scores (params.prompt_logprobs): the hidden rows [row, row +
+    len(targets)) predict prompt tokens `targets`, the first of which is prompt token `first`."""
+
+    batch_index: int  # the sequence's place in the batch
+    row: int
+    first: int
+    targets: list[int]
+    top_k: int
+
+
+def prompt_scorings(batch: ScheduledBatch) -> list[PromptScoring]:
+    """The prefill chunks' prompt tokens to score. The row at position p predicts token p + 1, so a chunk
+    over positions [start, end) scores prompt tokens start + 1 .. min(end, prompt length - 1); the last
+    prompt position predicts the first output token, which is sampled, not scored."""
+    scorings = []
+    row = batch.num_decode
+    for index in range(batch.num_decode, len(batch.seqs)):
+        seq, start, num_new = batch.seqs[index], batch.positions[index], batch.num_new_tokens[index]
+        top_k = seq.params.prompt_logprobs
+        stop = min(start + num_new, seq.num_prompt_tokens - 1)
+        if top_k is not None and stop > start:
+            scorings.append(PromptScoring(index, row, start + 1, seq.prompt_token_ids[start + 1 : stop + 1], top_k))
+        row += num_new
+    return scorings
 
 
 class _DecodeRows:

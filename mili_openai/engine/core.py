@@ -153,11 +153,15 @@ class EngineCore:
         deltas: list[SequenceDelta] = []
         now = time.monotonic()
         sampled = iter(zip(output.token_ids, output.logprobs))
+        scored = output.prompt_logprobs or {}
         for index, seq in enumerate(batch.seqs):
             samples = batch.samples[index]
             token = next(sampled) if samples else None
             if seq.is_finished:  # aborted while the forward ran, or finished by the step before
                 continue
+            if index in scored and seq.prompt_logprobs is not None:
+                first, entries = scored[index]
+                seq.prompt_logprobs[first : first + len(entries)] = entries
             if index >= batch.num_decode:
                 self.pages.cache_computed_pages(seq)
             if token is None:
@@ -218,6 +222,8 @@ class EngineCore:
             num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=len(seq.output_token_ids),
             error=seq.error,
+            # once, with the first output token: by then every prompt chunk has been scored
+            prompt_logprobs=seq.prompt_logprobs if len(seq.output_token_ids) == 1 else None,
         )
 
     def _final_delta(self, seq: Sequence, text: str, token_ids: list[int], logprobs) -> SequenceDelta:

@@ -37,8 +37,8 @@ class KVPageManager:
 
         At least one token is left uncached, since the last one must run through the model for logits.
         """
-        if not self.enable_prefix_caching:
-            return 0
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return 0  # scoring the prompt needs every prompt position's logits, cached ones included
         match = self.tree.match_prefix(seq.token_ids[: seq.num_tokens - 1])
         self.tree.lock(match.node)
         seq.pages = list(match.pages)

@@ -79,6 +79,8 @@ class LLM:
                 completion.token_ids.extend(delta.token_ids)
                 if delta.logprobs is not None:
                     completion.logprobs = (completion.logprobs or []) + delta.logprobs
+                if delta.prompt_logprobs is not None:  # the same for every sample of the prompt
+                    result.prompt_logprobs = delta.prompt_logprobs
                 result.num_cached_tokens = max(result.num_cached_tokens, delta.num_cached_tokens)
                 if delta.finish_reason is not None:
                     completion.finish_reason = delta.finish_reason

@@ -26,6 +26,8 @@ class SequenceDelta:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     num_output_tokens: int
     error: str | None = None  # set with finish_reason "abort" when the engine refused the request
+    # with params.prompt_logprobs, on the delta of the first output token: one entry per prompt token
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(slots=True)
@@ -46,6 +48,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
     finished: bool = True
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with SamplingParams.prompt_logprobs
 
 
 @dataclass(slots=True)

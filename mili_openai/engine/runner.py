@@ -12,8 +12,15 @@ from pathlib import Path
 import torch
 
 from mili_openai.config import EngineConfig
-from mili_openai.engine.batch_builder import build_forward_batch, forward_batch_to, pending_inputs
-from mili_openai.engine.sampler import Sampler, SamplerOutput, SamplingRow
+from mili_openai.engine.batch_builder import (
+    PromptScoring,
+    build_forward_batch,
+    forward_batch_to,
+    pending_inputs,
+    prompt_scorings,
+)
+from mili_openai.engine.outputs import TokenLogprob
+from mili_openai.engine.sampler import Sampler, SamplerOutput, SamplingRow, token_logprobs
 from mili_openai.engine.scheduler import ScheduledBatch
 from mili_openai.engine.sequence import Sequence
 from mili_openai.kernels import load_cpu_kernels
@@ -21,6 +28,7 @@ from mili_openai.model import KVCache, load_model, resolve_dtype
 from mili_openai.model.batch import ForwardBatch
 
 BYTES_PER_GIB = 1 << 30
+PROMPT_SCORING_ROWS = 64  # prompt rows whose logits exist at once (64 x Qwen3's vocabulary: 39 MB)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -41,6 +49,7 @@ class PreparedStep:
     # sampling rows that read their output so far (penalties, min_tokens) and whose last token is one of
     # those: the row's own copy of its output ids, which the pending token joins, and the token's index
     pending_histories: list[tuple[list[int], int]] = field(default_factory=list)
+    prompt_scorings: list[PromptScoring] = field(default_factory=list)  # prompt tokens the step scores
 
 
 class ModelRunner:
@@ -99,7 +108,8 @@ class ModelRunner:
             last_position = max(start + count - 1 for start, count in zip(batch.positions, batch.num_new_tokens))
             with torch.inference_mode():
                 forward_batch.rotary = self._rotary_table(forward_batch.positions, last_position)
-        return PreparedStep(forward_batch, rows, pending_rows, pending_sources, pending_histories)
+        return PreparedStep(forward_batch, rows, pending_rows, pending_sources, pending_histories,
+                            prompt_scorings(batch))
 
     def execute(self, step: PreparedStep) -> SamplerOutput:
         """Run one step; steps run one after another on one thread, in the order they were scheduled."""
@@ -135,7 +145,23 @@ class ModelRunner:
         self._feed_pending_tokens(step)
         batch = forward_batch_to(step.forward_batch, self.device)
         hidden = self.model(batch, self.kv_cache)  # (T, hidden)
+        scored = self._score_prompts(hidden, step.prompt_scorings) if step.prompt_scorings else None
         if not step.rows:
-            return SamplerOutput(token_ids=[], logprobs=[])
+            return SamplerOutput(token_ids=[], logprobs=[], prompt_logprobs=scored)
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S, vocab) float32
-        return self.sampler(logits, step.rows)
+        return self.sampler(logits, step.rows)._replace(prompt_logprobs=scored)
+
+    def _score_prompts(self, hidden: torch.Tensor, scorings: list[PromptScoring]
+                       ) -> dict[int, tuple[int, list[TokenLogprob]]]:
+        """Each scored prompt token's logprob from its row's logits, a block of rows at a time: a whole
+        chunk's logits at once would be chunk x vocabulary floats (300 MB for 512 Qwen3 tokens)."""
+        scored = {}
+        for scoring in scorings:
+            entries: list[TokenLogprob] = []
+            for offset in range(0, len(scoring.targets), PROMPT_SCORING_ROWS):
+                targets = scoring.targets[offset : offset + PROMPT_SCORING_ROWS]
+                start = scoring.row + offset
+                logits = self.model.compute_logits(hidden[start : start + len(targets)])  # (R, vocab) float32
+                entries.extend(token_logprobs(logits, targets, [scoring.top_k] * len(targets)))
+            scored[scoring.batch_index] = (scoring.first, entries)
+        return scored

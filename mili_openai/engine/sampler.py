@@ -47,6 +47,27 @@ class SamplingRow:
 class SamplerOutput(NamedTuple):
     token_ids: list[int]  # one per row
     logprobs: list[TokenLogprob | None]  # per row; None unless params.logprobs is not None
+    # scored prompt tokens (params.prompt_logprobs), set by the model runner: batch index of the
+    # sequence -> (prompt index of the first entry, the entries)
+    prompt_logprobs: dict[int, tuple[int, list[TokenLogprob]]] | None = None
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], top_ks: Sequence[int]) -> list[TokenLogprob]:
+    """Row i's log-probability of token_ids[i] under log_softmax(logits[i]), with its top_ks[i] likeliest
+    tokens (one topk at the widest k; each row keeps its own first k)."""
+    logprobs = logits.log_softmax(dim=-1)  # (R, V)
+    targets = torch.tensor(list(token_ids), dtype=torch.long, device=logits.device).unsqueeze(1)
+    chosen = logprobs.gather(1, targets).squeeze(1).tolist()
+    top_values: list[list[float]] = []
+    top_ids: list[list[int]] = []
+    if max(top_ks) > 0:
+        values, ids = logprobs.topk(max(top_ks), dim=-1)  # (R, max k) each
+        top_values, top_ids = values.tolist(), ids.tolist()
+    return [
+        TokenLogprob(token_id=token_id, logprob=logprob,
+                     top=list(zip(top_ids[row][:k], top_values[row][:k])) if k else [])
+        for row, (token_id, logprob, k) in enumerate(zip(token_ids, chosen, top_ks))
+    ]
 
 
 class SamplingKernel(Protocol):
@@ -100,7 +121,7 @@ class Sampler:
         else:
             token_ids = self._sample_random(logits, rows, greedy_rows)  # (B,)
         token_list = token_ids.tolist()  # the step's one host sync, needed anyway
-        return SamplerOutput(token_ids=token_list, logprobs=self._logprobs(raw_logits, rows, token_ids, token_list))
+        return SamplerOutput(token_ids=token_list, logprobs=self._logprobs(raw_logits, rows, token_list))
 
     # ---- processing shared by greedy and random rows ----
     def _validate_logit_bias(self, rows: Sequence[SamplingRow], width: int) -> None:
@@ -243,26 +264,16 @@ class Sampler:
         return uniform
 
     # ---- log-probabilities ----
-    def _logprobs(
-        self, raw_logits: torch.Tensor, rows: Sequence[SamplingRow], token_ids: torch.Tensor, token_list: list[int]
-    ) -> list[TokenLogprob | None]:
+    @staticmethod
+    def _logprobs(raw_logits: torch.Tensor, rows: Sequence[SamplingRow], token_list: list[int]
+                  ) -> list[TokenLogprob | None]:
         wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
         result: list[TokenLogprob | None] = [None] * len(rows)
         if not wanted:
             return result
         index = torch.tensor(wanted, dtype=torch.long, device=raw_logits.device)
-        logprobs = raw_logits[index].log_softmax(dim=-1)  # (W, V) from the raw model logits
-        chosen = logprobs.gather(1, token_ids[index].unsqueeze(1)).squeeze(1).tolist()  # (W,)
-        max_top = max(rows[i].params.logprobs for i in wanted)
-        top_values: list[list[float]] = []
-        top_ids: list[list[int]] = []
-        if max_top > 0:  # one topk at the widest k asked for; each row keeps its own first k
-            values, ids = logprobs.topk(max_top, dim=-1)  # (W, max_top) each
-            top_values, top_ids = values.tolist(), ids.tolist()
-        for position, row_index in enumerate(wanted):
-            k = rows[row_index].params.logprobs
-            top = list(zip(top_ids[position][:k], top_values[position][:k])) if k else []
-            result[row_index] = TokenLogprob(
-                token_id=token_list[row_index], logprob=chosen[position], top=top
-            )
+        entries = token_logprobs(raw_logits[index], [token_list[i] for i in wanted],  # from the raw model logits
+                                 [rows[i].params.logprobs for i in wanted])
+        for row_index, entry in zip(wanted, entries):
+            result[row_index] = entry
         return result

@@ -26,6 +26,9 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None = no logprobs; k >= 0 = chosen token plus top-k alternatives
+    # None = prompt not scored; k >= 0 = each prompt token's logprob (the first has none) plus top-k. The
+    # whole prompt then runs through the model: a cached prefix has no logits to read.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -55,6 +58,8 @@ class SamplingParams:
             raise ValueError("seed must fit in a signed 64-bit integer")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 

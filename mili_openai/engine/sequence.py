@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     import torch
 
     from mili_openai.engine.detokenizer import IncrementalDetokenizer
+    from mili_openai.engine.outputs import TokenLogprob
     from mili_openai.engine.stop_strings import StopStringMatcher
     from mili_openai.radix import RadixNode
 
@@ -60,10 +61,15 @@ class Sequence:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # with params.prompt_logprobs: entry i scores prompt token i (entry 0 stays None), filled chunk by
+    # chunk as the prefill computes them (again, to the same values, when a preemption recomputes them)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,8 +1,8 @@
 """The legacy completions `logprobs` object: {"tokens", "token_logprobs", "top_logprobs", "text_offset"}.
 
 Each token is shown as its own decoded text. `top_logprobs[i]` maps the chosen token plus the top-k
-alternatives to their logprobs (k = the request's `logprobs`). Echoed prompt tokens carry `null`
-logprobs: the engine does not score prompts.
+alternatives to their logprobs (k = the request's `logprobs`). Echoed prompt tokens carry the engine's
+scores of the prompt (`SamplingParams.prompt_logprobs`); the first has none (`null`), as in OpenAI's API.
 """
 
 from __future__ import annotations
@@ -26,22 +26,29 @@ class CompletionLogprobs:
     def _empty(self) -> dict[str, list]:
         return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
 
-    def prompt(self, token_ids: list[int]) -> dict[str, list]:
-        """Echoed prompt tokens, with null logprobs."""
+    def prompt(self, token_ids: list[int], scored: list[TokenLogprob | None] | None) -> dict[str, list]:
+        """Echoed prompt tokens with their scores (one entry per token; None, or no list, = null)."""
         out = self._empty()
-        for token_id in token_ids:
-            self._append(out, self.token_text(token_id), None, None)
+        for index, token_id in enumerate(token_ids):
+            entry = scored[index] if scored is not None else None
+            if entry is None:
+                self._append(out, self.token_text(token_id), None, None)
+            else:
+                self._append_scored(out, entry)
         return out
 
     def generated(self, logprobs: list[TokenLogprob]) -> dict[str, list]:
         out = self._empty()
         for entry in logprobs:
-            text = self.token_text(entry.token_id)
-            top = {text: entry.logprob}
-            for token_id, logprob in entry.top[: self.top_k]:
-                top.setdefault(self.token_text(token_id), logprob)
-            self._append(out, text, entry.logprob, top)
+            self._append_scored(out, entry)
         return out
+
+    def _append_scored(self, out: dict[str, list], entry: TokenLogprob) -> None:
+        text = self.token_text(entry.token_id)
+        top = {text: entry.logprob}
+        for token_id, logprob in entry.top[: self.top_k]:
+            top.setdefault(self.token_text(token_id), logprob)
+        self._append(out, text, entry.logprob, top)
 
     def _append(self, out: dict[str, list], text: str, logprob: float | None, top: dict[str, float] | None) -> None:
         out["tokens"].append(text)

@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from mili_openai.engine.outputs import TokenLogprob
 from mili_openai.engine.sampling_params import SamplingParams
 from mili_openai.routes.completion_logprobs import CompletionLogprobs, merge_logprobs
 from mili_openai.routes.completions_protocol import CompletionRequest, choice_object, completion_object
@@ -61,7 +62,10 @@ class CompletionJob(GenerationJob):
 
     async def submit(self) -> None:
         engine = self.engine
-        params = self.body.to_sampling_params(engine.vocab_size, engine.sampling_defaults, logprobs=self.body.logprobs)
+        # echo with logprobs scores the prompt too, as OpenAI's legacy API and vLLM do
+        prompt_logprobs = self.body.logprobs if self.body.echo else None
+        params = self.body.to_sampling_params(engine.vocab_size, engine.sampling_defaults, logprobs=self.body.logprobs,
+                                              prompt_logprobs=prompt_logprobs)
         self.prompt_ids = await prompt_token_ids(engine.tokenizer, self.prompts, engine.vocab_size)
         self.streams = submit_prompts(engine, self.prompt_ids, params, self.response_id)
 
@@ -73,13 +77,15 @@ class CompletionJob(GenerationJob):
             return None
         return CompletionLogprobs(self.engine.tokenizer, self.body.logprobs)
 
-    def echo_prefix(self, choice: int, builder: CompletionLogprobs | None) -> tuple[str, dict | None]:
-        """The echoed prompt text of a choice, and its (null-logprob) tokens when logprobs are on."""
+    def echo_prefix(self, choice: int, builder: CompletionLogprobs | None,
+                    scored: list[TokenLogprob | None] | None) -> tuple[str, dict | None]:
+        """The echoed prompt text of a choice, and its tokens with the engine's scores (`scored`, one entry
+        per prompt token) when logprobs are on."""
         if not self.body.echo:
             return "", None
         prompt = self.prompts[self.prompt_of(choice)]
         text = prompt_text(self.engine.tokenizer, prompt)
-        logprobs = builder.prompt(self.prompt_ids[self.prompt_of(choice)]) if builder is not None else None
+        logprobs = builder.prompt(self.prompt_ids[self.prompt_of(choice)], scored) if builder is not None else None
         return text, logprobs
 
     def usage(self, cached_first_sample: list[int], completion_tokens: int) -> dict[str, Any]:
@@ -88,7 +94,7 @@ class CompletionJob(GenerationJob):
     # ---- whole response ----
     def choice(self, result: ChoiceResult) -> dict[str, Any]:
         builder = self.logprobs_builder()
-        text, logprobs = self.echo_prefix(result.index, builder)
+        text, logprobs = self.echo_prefix(result.index, builder, result.prompt_logprobs)
         if builder is not None:
             generated = builder.generated(result.logprobs or [])
             logprobs = merge_logprobs(logprobs, generated) if logprobs is not None else generated
@@ -118,7 +124,7 @@ class CompletionJob(GenerationJob):
                 text, logprobs = delta.text, None
                 if not started[index]:
                     started[index] = True
-                    echo_text, logprobs = self.echo_prefix(index, builders[index])
+                    echo_text, logprobs = self.echo_prefix(index, builders[index], delta.prompt_logprobs)
                     text = echo_text + text
                 builder = builders[index]
                 if builder is not None and delta.logprobs:

@@ -128,6 +128,7 @@ class ChoiceResult:
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # params.prompt_logprobs: per prompt token
 
     def add(self, delta: SequenceDelta) -> None:
         self.text += delta.text
@@ -138,6 +139,8 @@ class ChoiceResult:
         self.stop_reason = delta.stop_reason
         self.num_prompt_tokens = delta.num_prompt_tokens
         self.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
 
 
 @dataclass(frozen=True, slots=True)
