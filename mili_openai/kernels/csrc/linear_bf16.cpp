@@ -83,7 +83,7 @@ inline void store_sums(const __m512 (&acc)[U][MC][R], at::BFloat16* y, int64_t l
 }
 
 // y[m, n + r] for m < MC, r < R: x is fp32 (rows ldx apart), w bf16 rows K apart. kPrefetch: ask for the
-// weights ahead (the first chunk of x rows over a block of weight rows; see kFirstChunkPrefetches).
+// weights ahead (the first chunk of x rows over a block of weight rows; see multiply_chunk).
 template <int MC, int R, bool kPrefetch = true>
 inline void tile(const float* x, int64_t ldx, const at::BFloat16* w, int64_t K, at::BFloat16* y, int64_t ldy) {
   constexpr int U = k_unroll<MC>();
@@ -191,7 +191,9 @@ MILI_BF16_DOT void dot_rows_chunk(const at::BFloat16* x, int64_t ldx, const at::
 // Only the first chunk of x rows over a block of weight rows asks for the weights ahead: the chunks
 // after it find the block in L1/L2, where the tile prefetches (nine an iteration at eight rows) only
 // take load slots from the products. Measured on a 2-core Zen 4, one thread, an 8-row tile over 256 MB
-// of weights: 16 rows of x 160 -> 166 GFLOP/s, 32 rows 164 -> 178 (medians of three).
+// of weights: 16 rows of x 160 -> 166 GFLOP/s, 32 rows 164 -> 178 (medians of three); a decode step's
+// 112 layer matmuls, both threads, interleaved: 16 rows 290 -> 311-320, 32 rows 312 -> 333-340, 64 rows
+// 321-327 -> 350-354; 8 rows or fewer (one chunk) unchanged.
 template <int MC>
 MILI_BF16_DOT void multiply_chunk(bool first_chunk, bool pairs, const at::BFloat16* xb, const float* xf, int64_t K,
                                   const at::BFloat16* w, at::BFloat16* y, int64_t ldy, int64_t n_begin,
