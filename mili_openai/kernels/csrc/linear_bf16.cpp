@@ -192,7 +192,7 @@ MILI_BF16_DOT void dot_rows_chunk(const at::BFloat16* x, int64_t ldx, const at::
 // after it find the block in L1/L2, where the tile prefetches (nine an iteration at eight rows) only
 // take load slots from the products. Measured on a 2-core Zen 4, one thread, an 8-row tile over 256 MB
 // of weights: 16 rows of x 160 -> 166 GFLOP/s, 32 rows 164 -> 178 (medians of three); a decode step's
-// 112 layer matmuls, both threads, interleaved: 16 rows 290 -> 311-320, 32 rows 312 -> 333-340, 64 rows
+// 112 layer matmuls, both threads, interleaved: 16 rows 290-301 -> 295-320, 32 rows 307-319 -> 333-340, 64 rows
 // 321-327 -> 350-354; 8 rows or fewer (one chunk) unchanged.
 template <int MC>
 MILI_BF16_DOT void multiply_chunk(bool first_chunk, bool pairs, const at::BFloat16* xb, const float* xf, int64_t K,
