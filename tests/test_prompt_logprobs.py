@@ -96,3 +96,30 @@ def test_echo_with_logprobs_scores_the_prompt_through_a_real_server(tiny_checkpo
         for index in range(1, len(prompt)):
             assert logprobs[index] == pytest.approx(float(rows[index - 1][prompt[index]]), abs=LOGPROB_ATOL)
     assert all(len(top) >= TOP_K for top in whole.top_logprobs[1:])
+
+
+def test_max_tokens_zero_with_echo_scores_the_prompt_alone(tiny_checkpoint, prompts, oracle):
+    """`max_tokens: 0` with `echo`: the prompt and its scores, nothing generated, no completion tokens;
+    without `echo` it is a 400."""
+    import httpx
+
+    from mili_openai.engine.async_engine import AsyncEngine
+    from mili_openai.routes.app import create_app
+
+    engine = AsyncEngine(EngineConfig(model=str(tiny_checkpoint), dtype="float32", num_pages=64, page_size=4))
+    app = create_app(ServerConfig(served_model_name="tiny", request_timeout_s=60.0), engine=engine)
+    prompt, rows = prompts[0], oracle[0]
+    body = dict(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    with live_server(app) as live:
+        whole = httpx.post(f"{live.api_base}/completions", json=body, timeout=60).json()
+        streamed = httpx.post(f"{live.api_base}/completions", json=body | {"stream": True}, timeout=60).text
+        refused = httpx.post(f"{live.api_base}/completions", json=body | {"echo": False}, timeout=60)
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "length" and whole["usage"]["completion_tokens"] == 0
+    logprobs = choice["logprobs"]["token_logprobs"]
+    assert len(logprobs) == len(prompt) and logprobs[0] is None
+    assert logprobs[1:] == pytest.approx([float(rows[i - 1][prompt[i]]) for i in range(1, len(prompt))],
+                                         abs=LOGPROB_ATOL)
+    assert choice["text"] == engine.tokenizer.decode(prompt)
+    assert '"finish_reason":"length"' in streamed.replace(" ", "") and streamed.rstrip().endswith("[DONE]")
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"

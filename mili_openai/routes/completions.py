@@ -6,6 +6,7 @@ submitted before the response starts, so a bad request is a plain 400 and never 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -14,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from mili_openai.engine.outputs import TokenLogprob
+from mili_openai.engine.outputs import SequenceDelta, TokenLogprob
 from mili_openai.engine.sampling_params import SamplingParams
 from mili_openai.routes.completion_logprobs import CompletionLogprobs, merge_logprobs
 from mili_openai.routes.completions_protocol import CompletionRequest, choice_object, completion_object
@@ -49,6 +50,17 @@ def submit_prompts(engine: Any, prompts: list[list[int]], params: SamplingParams
     return streams
 
 
+def echo_only_finish(finish_reason: str | None) -> str | None:
+    """An echo-only choice ends as "length" (its budget of 0 tokens is spent), unless it was aborted."""
+    return finish_reason if finish_reason in (None, "abort") else "length"
+
+
+def shown_delta(delta: SequenceDelta) -> SequenceDelta:
+    """An echo-only request's delta as streamed: nothing generated."""
+    return dataclasses.replace(delta, text="", token_ids=[], logprobs=None,
+                               finish_reason=echo_only_finish(delta.finish_reason), stop_reason=None)
+
+
 class CompletionJob(GenerationJob):
     """One validated request bound to the engine: its prompts, parameters and submitted streams."""
 
@@ -64,8 +76,10 @@ class CompletionJob(GenerationJob):
         engine = self.engine
         # echo with logprobs scores the prompt too, as OpenAI's legacy API and vLLM do
         prompt_logprobs = self.body.logprobs if self.body.echo else None
+        # echo-only requests generate one token, never shown: the engine always samples after a prompt
+        limit = {"max_tokens": 1} if self.body.echo_only else {}
         params = self.body.to_sampling_params(engine.vocab_size, engine.sampling_defaults, logprobs=self.body.logprobs,
-                                              prompt_logprobs=prompt_logprobs)
+                                              prompt_logprobs=prompt_logprobs, **limit)
         self.prompt_ids = await prompt_token_ids(engine.tokenizer, self.prompts, engine.vocab_size)
         self.streams = submit_prompts(engine, self.prompt_ids, params, self.response_id)
 
@@ -91,6 +105,13 @@ class CompletionJob(GenerationJob):
     def usage(self, cached_first_sample: list[int], completion_tokens: int) -> dict[str, Any]:
         return usage_of([len(ids) for ids in self.prompt_ids], cached_first_sample, completion_tokens).to_dict()
 
+    def shown(self, result: ChoiceResult) -> ChoiceResult:
+        """What the response shows of a finished choice: for echo-only requests, the prompt alone."""
+        if not self.body.echo_only:
+            return result
+        return dataclasses.replace(result, text="", token_ids=[], logprobs=None,
+                                   finish_reason=echo_only_finish(result.finish_reason), stop_reason=None)
+
     # ---- whole response ----
     def choice(self, result: ChoiceResult) -> dict[str, Any]:
         builder = self.logprobs_builder()
@@ -102,6 +123,7 @@ class CompletionJob(GenerationJob):
 
     async def collect(self) -> dict[str, Any]:
         results = await collect_streams(self.engine, self.streams, self.server.config.request_timeout_s)
+        results = [self.shown(result) for result in results]
         cached = [results[p * self.n].num_cached_tokens for p in range(len(self.prompt_ids))]
         usage = self.usage(cached, sum(len(r.token_ids) for r in results))
         return completion_object(self.response_id, self.created, self.model, [self.choice(r) for r in results],
@@ -118,6 +140,8 @@ class CompletionJob(GenerationJob):
         async with aclosing(merged):  # closing us early must run merge_streams' aborts now
             async for index, delta in merged:
                 raise_engine_error(delta)
+                if self.body.echo_only:
+                    delta = shown_delta(delta)
                 completion_tokens += len(delta.token_ids)
                 if index % self.n == 0:
                     cached[self.prompt_of(index)] = delta.num_cached_tokens

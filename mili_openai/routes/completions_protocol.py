@@ -7,7 +7,8 @@ from typing import Annotated, Any
 from pydantic import Field, model_validator
 
 from mili_openai.engine.sampling_params import MAX_LOGPROBS
-from mili_openai.routes.sampling_protocol import MAX_N, SamplingFields, StreamOptions
+from mili_openai.routes.errors import APIError
+from mili_openai.routes.sampling_protocol import DEFAULT_MAX_TOKENS, MAX_N, SamplingFields, StreamOptions
 
 COMPLETION_OBJECT = "text_completion"
 SYSTEM_FINGERPRINT = "mili-openai"
@@ -20,6 +21,8 @@ PromptInput = str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROM
 
 
 class CompletionRequest(SamplingFields):
+    # 0 with `echo`: score the prompt and generate nothing (OpenAI's legacy API and vLLM accept it)
+    max_tokens: Annotated[int, Field(ge=0)] | None = DEFAULT_MAX_TOKENS
     model: str | None = None
     prompt: PromptInput
     stream: bool = False
@@ -37,7 +40,15 @@ class CompletionRequest(SamplingFields):
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of must equal n (ranking extra samples is not supported)")
+        if self.max_tokens == 0 and not self.echo:  # an APIError passes through pydantic, naming its field
+            raise APIError(400, "max_tokens: 0 is only allowed with echo (the prompt alone comes back)",
+                           param="max_tokens")
         return self
+
+    @property
+    def echo_only(self) -> bool:
+        """Echo the prompt (with its scores when logprobs are on) and return no generated token."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt field as a list of prompts, each text or token ids."""
