@@ -15,19 +15,12 @@ import math
 from pathlib import Path
 from typing import Any
 
-from mili_openai.engine.sampling_params import SamplingParams
+from mili_openai.engine.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams
 from mili_openai.model.config import GENERATION_CONFIG_FILE
 
 GENERATION_CONFIG_AUTO = "auto"  # the model directory's own file
 GENERATION_CONFIG_NONE = "none"  # ignore the file: OpenAI's defaults
-# the fields taken from the file, each with the type SamplingParams holds it as
-SAMPLING_FIELD_TYPES: dict[str, type] = {
-    "temperature": float,
-    "top_p": float,
-    "top_k": int,
-    "min_p": float,
-    "repetition_penalty": float,
-}
+INTEGER_FIELDS = ("top_k",)  # the others are floats in SamplingParams
 
 SamplingDefaults = dict[str, float | int]
 
@@ -57,7 +50,8 @@ def read_sampling_defaults(source: str, model_path: Path) -> SamplingDefaults:
 def sampling_defaults_from(generation: dict[str, Any], origin: str) -> SamplingDefaults:
     """The sampling fields `generation` sets (null counts as unset), checked as a request's would be."""
     defaults: SamplingDefaults = {}
-    for name, kind in SAMPLING_FIELD_TYPES.items():
+    for name in MODEL_DEFAULT_FIELDS:
+        kind = int if name in INTEGER_FIELDS else float
         value = generation.get(name)
         if value is None:
             continue

@@ -50,15 +50,11 @@ def submit_prompts(engine: Any, prompts: list[list[int]], params: SamplingParams
     return streams
 
 
-def echo_only_finish(finish_reason: str | None) -> str | None:
-    """An echo-only choice ends as "length" (its budget of 0 tokens is spent), unless it was aborted."""
-    return finish_reason if finish_reason in (None, "abort") else "length"
-
-
-def shown_delta(delta: SequenceDelta) -> SequenceDelta:
-    """An echo-only request's delta as streamed: nothing generated."""
-    return dataclasses.replace(delta, text="", token_ids=[], logprobs=None,
-                               finish_reason=echo_only_finish(delta.finish_reason), stop_reason=None)
+def without_generation(part: ChoiceResult | SequenceDelta) -> ChoiceResult | SequenceDelta:
+    """A choice of an echo-only request (a finished result, or a streamed delta) as shown: nothing
+    generated, and it ends as "length" (its budget of 0 tokens is spent) unless it was aborted."""
+    finish = part.finish_reason if part.finish_reason in (None, "abort") else "length"
+    return dataclasses.replace(part, text="", token_ids=[], logprobs=None, finish_reason=finish, stop_reason=None)
 
 
 class CompletionJob(GenerationJob):
@@ -105,13 +101,6 @@ class CompletionJob(GenerationJob):
     def usage(self, cached_first_sample: list[int], completion_tokens: int) -> dict[str, Any]:
         return usage_of([len(ids) for ids in self.prompt_ids], cached_first_sample, completion_tokens).to_dict()
 
-    def shown(self, result: ChoiceResult) -> ChoiceResult:
-        """What the response shows of a finished choice: for echo-only requests, the prompt alone."""
-        if not self.body.echo_only:
-            return result
-        return dataclasses.replace(result, text="", token_ids=[], logprobs=None,
-                                   finish_reason=echo_only_finish(result.finish_reason), stop_reason=None)
-
     # ---- whole response ----
     def choice(self, result: ChoiceResult) -> dict[str, Any]:
         builder = self.logprobs_builder()
@@ -123,7 +112,8 @@ class CompletionJob(GenerationJob):
 
     async def collect(self) -> dict[str, Any]:
         results = await collect_streams(self.engine, self.streams, self.server.config.request_timeout_s)
-        results = [self.shown(result) for result in results]
+        if self.body.echo_only:
+            results = [without_generation(result) for result in results]
         cached = [results[p * self.n].num_cached_tokens for p in range(len(self.prompt_ids))]
         usage = self.usage(cached, sum(len(r.token_ids) for r in results))
         return completion_object(self.response_id, self.created, self.model, [self.choice(r) for r in results],
@@ -141,7 +131,7 @@ class CompletionJob(GenerationJob):
             async for index, delta in merged:
                 raise_engine_error(delta)
                 if self.body.echo_only:
-                    delta = shown_delta(delta)
+                    delta = without_generation(delta)
                 completion_tokens += len(delta.token_ids)
                 if index % self.n == 0:
                     cached[self.prompt_of(index)] = delta.num_cached_tokens

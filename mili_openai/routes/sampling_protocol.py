@@ -11,7 +11,13 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from mili_openai.engine.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
+from mili_openai.engine.sampling_params import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGPROBS,
+    MODEL_DEFAULT_FIELDS,
+    SamplingParams,
+)
 from mili_openai.routes.errors import APIError
 
 MAX_TEMPERATURE = 2.0
@@ -94,7 +100,7 @@ class SamplingFields(BaseModel):
             skip_special_tokens=self.skip_special_tokens,
         )
         # unset optional knobs take the model's defaults, else keep SamplingParams' own
-        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        for name in MODEL_DEFAULT_FIELDS:
             value = getattr(self, name)
             if value is None:
                 value = defaults.get(name)
