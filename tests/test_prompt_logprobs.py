@@ -123,3 +123,40 @@ def test_max_tokens_zero_with_echo_scores_the_prompt_alone(tiny_checkpoint, prom
     assert choice["text"] == engine.tokenizer.decode(prompt)
     assert '"finish_reason":"length"' in streamed.replace(" ", "") and streamed.rstrip().endswith("[DONE]")
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+
+
+def test_vllm_prompt_logprobs_field_on_completions_and_chat(tiny_checkpoint, prompts, oracle):
+    """vLLM's `prompt_logprobs` extra: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}} with the prompt's own token (its rank over the vocabulary) and the top k; on each
+    completion choice, and on a chat response (over the rendered prompt); refused with stream."""
+    from openai import BadRequestError, OpenAI
+
+    from mili_openai.engine.async_engine import AsyncEngine
+    from mili_openai.routes.app import create_app
+
+    engine = AsyncEngine(EngineConfig(model=str(tiny_checkpoint), dtype="float32", num_pages=64, page_size=4))
+    app = create_app(ServerConfig(served_model_name="tiny", request_timeout_s=60.0), engine=engine)
+    prompt, rows = prompts[0], oracle[0]
+    with live_server(app) as live:
+        client = OpenAI(base_url=live.api_base, api_key="unused", max_retries=0)
+        completion = client.completions.create(model="tiny", prompt=prompt, max_tokens=1,
+                                               extra_body={"prompt_logprobs": 2})
+        chat = client.chat.completions.create(model="tiny", max_tokens=1, extra_body={"prompt_logprobs": 0},
+                                              messages=[{"role": "user", "content": "Hello there"}])
+        with pytest.raises(BadRequestError, match="prompt_logprobs"):
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=1, stream=True,
+                                      extra_body={"prompt_logprobs": 2})
+    scored = completion.choices[0].model_extra["prompt_logprobs"]
+    assert len(scored) == len(prompt) and scored[0] is None
+    for index in range(1, len(prompt)):
+        row, token = rows[index - 1], prompt[index]
+        position = scored[index]
+        own = position[str(token)]
+        assert own["logprob"] == pytest.approx(float(row[token]), abs=LOGPROB_ATOL)
+        assert own["rank"] == int((row > row[token]).sum()) + 1
+        top = row.topk(2).indices.tolist()
+        assert {str(t) for t in top} <= set(position) and len(position) == len({token, *top})
+        assert [position[str(t)]["rank"] for t in top] == [1, 2]
+    chat_scored = chat.model_extra["prompt_logprobs"]
+    assert chat_scored[0] is None and len(chat_scored) == chat.usage.prompt_tokens
+    assert all(len(position) == 1 for position in chat_scored[1:])  # k = 0: the prompt's own token only

@@ -10,6 +10,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[tuple[int, float]]  # (token_id, logprob) of the most likely alternatives, best first
+    rank: int | None = None  # 1 + how many tokens were likelier (set where asked: prompt scores)
 
 
 @dataclass(slots=True)

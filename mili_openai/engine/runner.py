@@ -162,6 +162,6 @@ class ModelRunner:
                 targets = scoring.targets[offset : offset + PROMPT_SCORING_ROWS]
                 start = scoring.row + offset
                 logits = self.model.compute_logits(hidden[start : start + len(targets)])  # (R, vocab) float32
-                entries.extend(token_logprobs(logits, targets, [scoring.top_k] * len(targets)))
+                entries.extend(token_logprobs(logits, targets, [scoring.top_k] * len(targets), with_ranks=True))
             scored[scoring.batch_index] = (scoring.first, entries)
         return scored

@@ -52,12 +52,15 @@ class SamplerOutput(NamedTuple):
     prompt_logprobs: dict[int, tuple[int, list[TokenLogprob]]] | None = None
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], top_ks: Sequence[int]) -> list[TokenLogprob]:
+def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], top_ks: Sequence[int],
+                   with_ranks: bool = False) -> list[TokenLogprob]:
     """Row i's log-probability of token_ids[i] under log_softmax(logits[i]), with its top_ks[i] likeliest
-    tokens (one topk at the widest k; each row keeps its own first k)."""
+    tokens (one topk at the widest k; each row keeps its own first k) and, with_ranks, its rank."""
     logprobs = logits.log_softmax(dim=-1)  # (R, V)
     targets = torch.tensor(list(token_ids), dtype=torch.long, device=logits.device).unsqueeze(1)
-    chosen = logprobs.gather(1, targets).squeeze(1).tolist()
+    chosen_column = logprobs.gather(1, targets)  # (R, 1)
+    chosen = chosen_column.squeeze(1).tolist()
+    ranks = ((logprobs > chosen_column).sum(dim=-1) + 1).tolist() if with_ranks else [None] * len(chosen)
     top_values: list[list[float]] = []
     top_ids: list[list[int]] = []
     if max(top_ks) > 0:
@@ -65,8 +68,8 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], top_ks: Seque
         top_values, top_ids = values.tolist(), ids.tolist()
     return [
         TokenLogprob(token_id=token_id, logprob=logprob,
-                     top=list(zip(top_ids[row][:k], top_values[row][:k])) if k else [])
-        for row, (token_id, logprob, k) in enumerate(zip(token_ids, chosen, top_ks))
+                     top=list(zip(top_ids[row][:k], top_values[row][:k])) if k else [], rank=rank)
+        for row, (token_id, logprob, k, rank) in enumerate(zip(token_ids, chosen, top_ks, ranks))
     ]
 
 

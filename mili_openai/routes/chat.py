@@ -45,6 +45,7 @@ from mili_openai.routes.generation import (
     submit_choices,
     usage_of,
 )
+from mili_openai.routes.prompt_logprobs import prompt_logprobs_object
 from mili_openai.routes.responses import json_response
 from mili_openai.routes.sse import sse_stream
 from mili_openai.routes.state import ServerState, request_id_of, server_state
@@ -96,7 +97,8 @@ class ChatJob(GenerationJob):
 
     def sampling_params(self) -> SamplingParams:
         return self.body.to_sampling_params(self.engine.vocab_size, self.engine.sampling_defaults,
-                                            logprobs=self.top_k, max_tokens=self.body.output_limit)
+                                            logprobs=self.top_k, max_tokens=self.body.output_limit,
+                                            prompt_logprobs=self.body.prompt_logprobs)
 
     async def submit(self) -> None:
         params = self.sampling_params()
@@ -131,8 +133,11 @@ class ChatJob(GenerationJob):
         results = await collect_streams(self.engine, self.streams, self.server.config.request_timeout_s)
         usage = self.usage(results[0].num_cached_tokens, sum(len(r.token_ids) for r in results))
         response = ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model,
-                                          choices=[self.choice(r) for r in results], usage=usage)
-        return response.model_dump()
+                                          choices=[self.choice(r) for r in results], usage=usage).model_dump()
+        if self.body.prompt_logprobs is not None:  # vLLM's extra, only when the request asked for it
+            response["prompt_logprobs"] = prompt_logprobs_object(self.engine.tokenizer, results[0].prompt_logprobs,
+                                                                 self.body.prompt_logprobs)
+        return response
 
     # ---- stream ----
     def chunk(self, choices: list[ChunkChoice], usage: UsageOut | None = None) -> dict[str, Any]:

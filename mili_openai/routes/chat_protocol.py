@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mili_openai.engine.sampling_params import MAX_LOGPROBS
+from mili_openai.routes.prompt_logprobs import PromptLogprobsField, check_prompt_logprobs
 from mili_openai.routes.sampling_protocol import SamplingFields, StreamOptions
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
@@ -131,6 +132,7 @@ class ChatCompletionRequest(SamplingFields):
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True  # vLLM: false drops the thinking text from the response
+    prompt_logprobs: PromptLogprobsField = None  # vLLM's: scores of the rendered prompt, on the response
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
@@ -140,6 +142,7 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs requires logprobs to be true")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        check_prompt_logprobs(self.prompt_logprobs, self.stream)
         if self.continue_final_message and self.add_generation_prompt:
             if "add_generation_prompt" in self.model_fields_set:
                 raise ValueError("continue_final_message and add_generation_prompt cannot both be true")

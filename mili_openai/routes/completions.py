@@ -31,6 +31,7 @@ from mili_openai.routes.generation import (
     submit_choices,
     usage_of,
 )
+from mili_openai.routes.prompt_logprobs import prompt_logprobs_object
 from mili_openai.routes.prompts import prompt_text, prompt_token_ids
 from mili_openai.routes.responses import json_response
 from mili_openai.routes.sse import sse_stream
@@ -71,7 +72,7 @@ class CompletionJob(GenerationJob):
     async def submit(self) -> None:
         engine = self.engine
         # echo with logprobs scores the prompt too, as OpenAI's legacy API and vLLM do
-        prompt_logprobs = self.body.logprobs if self.body.echo else None
+        prompt_logprobs = self.body.scored_prompt_top_k
         # echo-only requests generate one token, never shown: the engine always samples after a prompt
         limit = {"max_tokens": 1} if self.body.echo_only else {}
         params = self.body.to_sampling_params(engine.vocab_size, engine.sampling_defaults, logprobs=self.body.logprobs,
@@ -108,7 +109,12 @@ class CompletionJob(GenerationJob):
         if builder is not None:
             generated = builder.generated(result.logprobs or [])
             logprobs = merge_logprobs(logprobs, generated) if logprobs is not None else generated
-        return choice_object(result.index, text + result.text, logprobs, result.finish_reason, result.stop_reason)
+        prompt_logprobs = None
+        if self.body.prompt_logprobs is not None:
+            prompt_logprobs = prompt_logprobs_object(self.engine.tokenizer, result.prompt_logprobs,
+                                                     self.body.prompt_logprobs)
+        return choice_object(result.index, text + result.text, logprobs, result.finish_reason, result.stop_reason,
+                             prompt_logprobs)
 
     async def collect(self) -> dict[str, Any]:
         results = await collect_streams(self.engine, self.streams, self.server.config.request_timeout_s)

@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 
 from mili_openai.engine.sampling_params import MAX_LOGPROBS
 from mili_openai.routes.errors import APIError
+from mili_openai.routes.prompt_logprobs import PromptLogprobsField, check_prompt_logprobs
 from mili_openai.routes.sampling_protocol import DEFAULT_MAX_TOKENS, MAX_N, SamplingFields, StreamOptions
 
 COMPLETION_OBJECT = "text_completion"
@@ -29,6 +30,7 @@ class CompletionRequest(SamplingFields):
     stream_options: StreamOptions | None = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
+    prompt_logprobs: PromptLogprobsField = None  # vLLM's: scores of the prompt tokens, on each choice
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
 
@@ -38,12 +40,19 @@ class CompletionRequest(SamplingFields):
             raise ValueError("stream_options is only allowed when stream is true")
         if self.suffix is not None:
             raise ValueError("suffix is not supported")
+        check_prompt_logprobs(self.prompt_logprobs, self.stream)
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of must equal n (ranking extra samples is not supported)")
         if self.max_tokens == 0 and not self.echo:  # an APIError passes through pydantic, naming its field
             raise APIError(400, "max_tokens: 0 is only allowed with echo (the prompt alone comes back)",
                            param="max_tokens")
         return self
+
+    @property
+    def scored_prompt_top_k(self) -> int | None:
+        """The engine's prompt_logprobs: for vLLM's field, and for echo with logprobs (the wider of the two)."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(wanted) if wanted else None
 
     @property
     def echo_only(self) -> bool:
@@ -83,7 +92,10 @@ def completion_object(
 
 
 def choice_object(index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None,
-                  stop_reason: str | int | None = None) -> dict[str, Any]:
+                  stop_reason: str | int | None = None, prompt_logprobs: list | None = None) -> dict[str, Any]:
     # stop_reason is vLLM's extra: the stop string or token id that ended the choice
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
-            "stop_reason": stop_reason}
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+              "stop_reason": stop_reason}
+    if prompt_logprobs is not None:  # vLLM's extra, only when the request asked for it
+        choice["prompt_logprobs"] = prompt_logprobs
+    return choice
