@@ -23,7 +23,12 @@ from starlette.routing import Route
 
 from mili_openai.bench.cli import EXIT_FAILED_REQUESTS, EXIT_OK, main
 from mili_openai.bench.config import BenchConfig
-from mili_openai.bench.datasets import build_random_requests, build_shared_prefix_requests, build_workload
+from mili_openai.bench.datasets import (
+    build_random_requests,
+    build_shared_prefix_requests,
+    build_sharegpt_requests,
+    build_workload,
+)
 from mili_openai.bench.payloads import request_body
 from mili_openai.bench.prompt_tokens import PromptBuilder, load_tokenizer
 from mili_openai.bench.runner import run_benchmark
@@ -97,6 +102,58 @@ def test_warmup_prompts_are_not_measured_prompts(tokenizer):
     assert not {r.body for r in warmup} & {r.body for r in measured}
 
 
+SHAREGPT_KEPT = [  # (prompt, reply): each side at least 4 tokens
+    ("Explain how a hash map handles collisions in a few sentences.", "It keeps a list per bucket and walks it."),
+    ("Write a haiku about the sea at night, please.", "Dark water whispers under a silver moon tonight."),
+    ("What is the capital of France, and why is it famous?", "Paris, famous for art, food and its history."),
+    ("Summarise the plot of Hamlet in two short lines.", "A prince avenges his father, and nearly all die."),
+]
+
+
+def write_sharegpt(path) -> None:
+    entries = [{"id": str(i), "conversations": [{"from": "human", "value": p}, {"from": "gpt", "value": r}]}
+               for i, (p, r) in enumerate(SHAREGPT_KEPT)]
+    entries += [
+        {"id": "one-turn", "conversations": [{"from": "human", "value": "Only a question with no reply here"}]},
+        {"id": "short", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "Hello!"}]},
+        {"id": "long", "conversations": [{"from": "human", "value": " word" * 1100},
+                                         {"from": "gpt", "value": "A reply long enough to count."}]},
+        "not a conversation",
+    ]
+    path.write_text(json.dumps(entries))
+
+
+def test_sharegpt_dataset_reads_conversations_as_vllm_does(tokenizer, tmp_path):
+    """First turn = prompt, the reply's token count = max_tokens; entries vLLM skips are skipped; a seed
+    gives one order; asking for more than the file holds is an error."""
+    path = tmp_path / "sharegpt.json"
+    write_sharegpt(path)
+    requests = build_sharegpt_requests(PromptBuilder(tokenizer, 0), 4, path)
+    assert sorted(r.body.text for r in requests) == sorted(p for p, _ in SHAREGPT_KEPT)
+    replies = dict(SHAREGPT_KEPT)
+    for request in requests:
+        assert request.output_len == len(tokenizer.encode(replies[request.body.text], add_special_tokens=False).ids)
+        assert list(request.body.token_ids) == tokenizer.encode(request.body.text, add_special_tokens=False).ids
+    again = build_sharegpt_requests(PromptBuilder(tokenizer, 0), 4, path)
+    assert [r.body for r in again] == [r.body for r in requests]
+    fixed = build_sharegpt_requests(PromptBuilder(tokenizer, 0), 2, path, output_len=7)
+    assert [r.output_len for r in fixed] == [7, 7]
+    with pytest.raises(ValueError, match="4 usable conversations"):
+        build_sharegpt_requests(PromptBuilder(tokenizer, 0), 5, path)
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot be read"):
+        build_sharegpt_requests(PromptBuilder(tokenizer, 0), 1, tmp_path / "bad.json")
+
+
+def test_sharegpt_warmup_conversations_are_not_measured(tokenizer, tmp_path):
+    path = tmp_path / "sharegpt.json"
+    write_sharegpt(path)
+    config = BenchConfig(dataset="sharegpt", dataset_path=str(path), num_requests=3, warmup=1)
+    warmup, measured = build_workload(config, tokenizer)
+    assert len(warmup) == 1 and len(measured) == 3
+    assert not {r.body for r in warmup} & {r.body for r in measured}
+
+
 # ---- request bodies ----
 def test_chat_body_uses_system_message_for_prefix(tokenizer):
     requests = build_shared_prefix_requests(PromptBuilder(tokenizer, 0), 2, 1, 20, 5, 3)
@@ -122,7 +179,8 @@ def test_body_options_ids_ignore_eos_extra_body(tokenizer):
     dict(endpoint="embeddings"), dict(dataset="sharegpt"), dict(num_requests=0), dict(concurrency=0),
     dict(request_rate=0.0), dict(request_rate=math.nan), dict(endpoint="chat", prompt_as_ids=True),
     dict(extra_body="[1]"), dict(extra_body="{bad"), dict(timeout_s=0), dict(base_url="localhost:8000"),
-    dict(min_tokens=65, output_len=64),
+    dict(min_tokens=65, output_len=64), dict(dataset_path="conversations.json"),
+    dict(dataset="sharegpt", dataset_path="c.json", sharegpt_output_len=0),
 ])
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
@@ -258,6 +316,19 @@ def test_cli_chat_without_usage_counts_chunks_and_writes_json(tmp_path, capsys):
     assert data["summary"]["completed"] == 4 and data["summary"]["output_tokens_source"] == SOURCE_CHUNKS
     assert data["summary"]["total_output_tokens"] == 20 and len(data["requests"]) == 4
     assert data["summary"]["ttft"]["p50_ms"] >= TTFT_S * 1000
+
+
+def test_cli_sharegpt_against_fake_server(tmp_path, capsys):
+    path = tmp_path / "sharegpt.json"
+    write_sharegpt(path)
+    out = tmp_path / "bench.json"
+    with serve_in_thread(fake_openai_app()) as base_url:
+        code = main(["serve", "--base-url", base_url, "--dataset", "sharegpt", "--dataset-path", str(path),
+                     "--num-requests", "4", "--sharegpt-output-len", "3", "--json", str(out), "--no-progress"])
+    assert code == EXIT_OK, capsys.readouterr().err
+    data = json.loads(out.read_text())
+    assert data["config"]["dataset"] == "sharegpt" and data["summary"]["completed"] == 4
+    assert data["summary"]["total_output_tokens"] == 4 * 3
 
 
 def test_cli_exit_codes(capsys):

