@@ -12,6 +12,8 @@ Use from a test module by importing the fixtures (pytest picks up imported fixtu
 - `real_server` (module): `LiveServer` (a real uvicorn in a thread on 127.0.0.1) serving `real_engine`;
   `.base_url`, `.api_base` (for the openai SDK) and `.app`. Stopped at the end of the module.
 - `live_server(app)`: the context manager behind it, for tests that need their own config.
+- `served_engine(model, **engine_args)`: a fresh `AsyncEngine` on `model` (float32) behind a live server
+  named "tiny"; yields (LiveServer, engine).
 - `asgi_client(engine, **server_config)`: an httpx.AsyncClient on `create_app(...)` in-process, lifespan run.
 - `sse_data(text)`: the `data:` payloads of an SSE body, in order.
 """
@@ -92,6 +94,17 @@ def live_server(app: Any, ready_path: str | None = "/health") -> Iterator[LiveSe
         server.should_exit = True
         thread.join(timeout=SERVER_START_TIMEOUT_S)
         sock.close()
+
+
+@contextlib.contextmanager
+def served_engine(model: Any, **engine_args: Any) -> Iterator[tuple[LiveServer, Any]]:
+    from mili_openai.engine.async_engine import AsyncEngine
+    from mili_openai.routes.app import create_app
+
+    engine = AsyncEngine(EngineConfig(model=str(model), dtype="float32", **engine_args))
+    app = create_app(ServerConfig(served_model_name="tiny", request_timeout_s=60.0), engine=engine)
+    with live_server(app) as live:
+        yield live, engine
 
 
 # ---- in-process client and SSE parsing ----

@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from engine_helpers import load_hf, random_prompts
-from helpers_server import live_server
+from helpers_server import served_engine
 from mili_openai import LLM, SamplingParams
-from mili_openai.config import EngineConfig, ServerConfig
 
 LOGPROB_ATOL = 2e-4  # float32 on both sides, as in test_engine_parity
 TOP_K = 3
@@ -77,14 +76,8 @@ def test_echo_with_logprobs_scores_the_prompt_through_a_real_server(tiny_checkpo
     null logprob, the others with their scores and top alternatives; streamed the same."""
     from openai import OpenAI
 
-    from mili_openai.engine.async_engine import AsyncEngine
-    from mili_openai.routes.app import create_app
-
-    engine = AsyncEngine(EngineConfig(model=str(tiny_checkpoint), dtype="float32", num_pages=64, page_size=4,
-                                      max_num_batched_tokens=16))
-    app = create_app(ServerConfig(served_model_name="tiny", request_timeout_s=60.0), engine=engine)
     prompt, rows = prompts[0], oracle[0]
-    with live_server(app) as live:
+    with served_engine(tiny_checkpoint, num_pages=64, page_size=4, max_num_batched_tokens=16) as (live, _):
         client = OpenAI(base_url=live.api_base, api_key="unused", max_retries=0)
         request = dict(model="tiny", prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=TOP_K)
         whole = client.completions.create(**request).choices[0].logprobs
@@ -103,14 +96,9 @@ def test_max_tokens_zero_with_echo_scores_the_prompt_alone(tiny_checkpoint, prom
     without `echo` it is a 400."""
     import httpx
 
-    from mili_openai.engine.async_engine import AsyncEngine
-    from mili_openai.routes.app import create_app
-
-    engine = AsyncEngine(EngineConfig(model=str(tiny_checkpoint), dtype="float32", num_pages=64, page_size=4))
-    app = create_app(ServerConfig(served_model_name="tiny", request_timeout_s=60.0), engine=engine)
     prompt, rows = prompts[0], oracle[0]
     body = dict(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
-    with live_server(app) as live:
+    with served_engine(tiny_checkpoint, num_pages=64, page_size=4) as (live, engine):
         whole = httpx.post(f"{live.api_base}/completions", json=body, timeout=60).json()
         streamed = httpx.post(f"{live.api_base}/completions", json=body | {"stream": True}, timeout=60).text
         refused = httpx.post(f"{live.api_base}/completions", json=body | {"echo": False}, timeout=60)
@@ -131,13 +119,8 @@ def test_vllm_prompt_logprobs_field_on_completions_and_chat(tiny_checkpoint, pro
     completion choice, and on a chat response (over the rendered prompt); refused with stream."""
     from openai import BadRequestError, OpenAI
 
-    from mili_openai.engine.async_engine import AsyncEngine
-    from mili_openai.routes.app import create_app
-
-    engine = AsyncEngine(EngineConfig(model=str(tiny_checkpoint), dtype="float32", num_pages=64, page_size=4))
-    app = create_app(ServerConfig(served_model_name="tiny", request_timeout_s=60.0), engine=engine)
     prompt, rows = prompts[0], oracle[0]
-    with live_server(app) as live:
+    with served_engine(tiny_checkpoint, num_pages=64, page_size=4) as (live, _):
         client = OpenAI(base_url=live.api_base, api_key="unused", max_retries=0)
         completion = client.completions.create(model="tiny", prompt=prompt, max_tokens=1,
                                                extra_body={"prompt_logprobs": 2})

@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 
-from helpers_server import TEST_MODEL_NAME, asgi_client, fake_engine, live_server, qwen_tokenizer  # noqa: F401
+from helpers_server import TEST_MODEL_NAME, asgi_client, fake_engine, qwen_tokenizer, served_engine  # noqa: F401
 
-from mili_openai.config import EngineConfig, ServerConfig
+from mili_openai.config import EngineConfig
 from mili_openai.engine.sampling_defaults import (
     describe_sampling_defaults,
     read_sampling_defaults,
@@ -157,16 +157,10 @@ def test_real_server_samples_with_the_models_defaults_unless_told_not_to(tmp_pat
     are greedy (equal to temperature 0); `--generation-config none` brings back temperature-1 sampling."""
     from openai import OpenAI
 
-    from mili_openai.engine.async_engine import AsyncEngine
-    from mili_openai.routes.app import create_app
-
     checkpoint = checkpoint_with(tmp_path, tiny_checkpoint, GREEDY_BY_DEFAULT)
     outputs = {}
     for source in ("auto", "none"):
-        engine = AsyncEngine(EngineConfig(model=str(checkpoint), dtype="float32", num_pages=32,
-                                          generation_config=source))
-        app = create_app(ServerConfig(served_model_name="tiny", request_timeout_s=60.0), engine=engine)
-        with live_server(app) as live:
+        with served_engine(checkpoint, num_pages=32, generation_config=source) as (live, _):
             client = OpenAI(base_url=live.api_base, api_key="unused", max_retries=0)
             greedy = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0)
             defaulted = [client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, seed=seed)

@@ -49,19 +49,19 @@ class PromptScoring:
     top_k: int
 
 
-def prompt_scorings(batch: ScheduledBatch) -> list[PromptScoring]:
-    """The prefill chunks' prompt tokens to score. The row at position p predicts token p + 1, so a chunk
-    over positions [start, end) scores prompt tokens start + 1 .. min(end, prompt length - 1); the last
-    prompt position predicts the first output token, which is sampled, not scored."""
+def prompt_scorings(batch: ScheduledBatch, forward_batch: ForwardBatch) -> list[PromptScoring]:
+    """The prefill chunks' prompt tokens to score (rows from `forward_batch`'s segments). The row at
+    position p predicts token p + 1, so a chunk over positions [start, end) scores prompt tokens start + 1
+    .. min(end, prompt length - 1); the last prompt position predicts the first output token, which is
+    sampled, not scored."""
     scorings = []
-    row = batch.num_decode
-    for index in range(batch.num_decode, len(batch.seqs)):
-        seq, start, num_new = batch.seqs[index], batch.positions[index], batch.num_new_tokens[index]
+    for index, segment in enumerate(forward_batch.prefills, start=batch.num_decode):
+        seq, start = batch.seqs[index], batch.positions[index]
         top_k = seq.params.prompt_logprobs
-        stop = min(start + num_new, seq.num_prompt_tokens - 1)
+        stop = min(start + segment.length, seq.num_prompt_tokens - 1)
         if top_k is not None and stop > start:
-            scorings.append(PromptScoring(index, row, start + 1, seq.prompt_token_ids[start + 1 : stop + 1], top_k))
-        row += num_new
+            targets = seq.prompt_token_ids[start + 1 : stop + 1]
+            scorings.append(PromptScoring(index, segment.start, start + 1, targets, top_k))
     return scorings
 
 

@@ -109,7 +109,7 @@ class ModelRunner:
             with torch.inference_mode():
                 forward_batch.rotary = self._rotary_table(forward_batch.positions, last_position)
         return PreparedStep(forward_batch, rows, pending_rows, pending_sources, pending_histories,
-                            prompt_scorings(batch))
+                            prompt_scorings(batch, forward_batch))
 
     def execute(self, step: PreparedStep) -> SamplerOutput:
         """Run one step; steps run one after another on one thread, in the order they were scheduled."""
