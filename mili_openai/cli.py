@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import json
 import logging
 import math
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-from mili_openai.config import DEVICES, DTYPES, EngineConfig, ServerConfig
+from mili_openai.config import DEVICES, DTYPES, EngineConfig, ServerConfig, SpeculativeConfig, speculative_config_from
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 BENCH_MODULE = "mili_openai.bench.cli"  # provides add_bench_parser(subparsers) when the bench exists
@@ -67,6 +68,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="defaults for the sampling fields a request leaves out (temperature, top_p, top_k, "
                           "min_p, repetition_penalty): 'auto' = the model's generation_config.json, 'none' = "
                           "OpenAI's, or a directory holding a generation_config.json")
+    eng.add_argument("--speculative-config", default=None, metavar="JSON",
+                     help='speculative decoding, as vLLM\'s flag: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                          '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 4}\' (the last '
+                          'three optional)')
     eng.add_argument("--default-model-cache", default=None,
                      help="where the embedded default model is built (default: ~/.cache/mili-openai)")
     serve.set_defaults(func=run_serve, parser=serve)
@@ -101,6 +106,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         num_threads=args.num_threads,
         default_model_cache=args.default_model_cache,
         generation_config=args.generation_config,
+        speculative_config=parse_speculative_config(args.speculative_config),
     )
     return ServerConfig(
         engine=engine,
@@ -116,6 +122,16 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         log_level=args.log_level,
         debug_endpoints=args.debug_endpoints,
     )
+
+
+def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
+    if text is None:
+        return None
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--speculative-config is not valid JSON: {exc}") from None
+    return speculative_config_from(fields)
 
 
 def make_server(config: ServerConfig):

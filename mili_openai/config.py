@@ -15,6 +15,56 @@ DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's `--speculative-config`: each decode step proposes up to
+    `num_speculative_tokens` draft tokens and the model verifies them all in that one forward.
+
+    "ngram" (prompt lookup) drafts the tokens that followed the longest earlier occurrence of the
+    sequence's last n tokens, n in [prompt_lookup_min, prompt_lookup_max]. vLLM's defaults: an unset
+    bound takes the other's value, and both unset are 5.
+
+    Drafts pay where a decode step is bound by reading the weights, which one step reads once for all
+    its rows; in a large batch the step is bound by compute, and rows for rejected drafts slow it. So,
+    as vLLM's key of that name, steps with more running sequences than `disable_by_batch_size` decode
+    without drafts.
+    """
+
+    num_speculative_tokens: int
+    method: str = "ngram"
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    disable_by_batch_size: int | None = None  # None = draft at every batch size
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if not _is_count(self.num_speculative_tokens):
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low = high = 5
+        elif low is None:
+            low = high
+        elif high is None:
+            high = low
+        if not (_is_count(low) and _is_count(high) and low <= high):
+            raise ValueError(f"prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, "
+                             f"got {self.prompt_lookup_min!r} and {self.prompt_lookup_max!r}")
+        if self.disable_by_batch_size is not None and not _is_count(self.disable_by_batch_size):
+            raise ValueError(f"disable_by_batch_size must be an integer >= 1, got {self.disable_by_batch_size!r}")
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+
+
+def _is_count(value) -> bool:
+    """An int >= 1, and not a bool (JSON `true` would pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = None  # local checkpoint dir or hub id; None = the embedded default model
@@ -34,8 +84,13 @@ class EngineConfig:
     # where requests' omitted sampling fields come from: "auto" = the model's generation_config.json,
     # "none" = OpenAI's defaults, or a directory holding a generation_config.json (as vLLM's flag)
     generation_config: str = "auto"
+    speculative_config: SpeculativeConfig | None = None  # None = no speculative decoding
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative_config, dict):  # as the offline LLM(speculative_config={...}) takes it
+            object.__setattr__(self, "speculative_config", speculative_config_from(self.speculative_config))
+        if not isinstance(self.speculative_config, SpeculativeConfig | None):
+            raise ValueError("speculative_config must be a SpeculativeConfig, a dict of its fields, or None")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES:
@@ -82,3 +137,17 @@ class ServerConfig:
             raise ValueError("max_body_bytes must be >= 1024")
         if self.shutdown_grace_s < 0:
             raise ValueError("shutdown_grace_s must be >= 0")
+
+
+def speculative_config_from(fields: dict) -> SpeculativeConfig:
+    """vLLM's `--speculative-config` object (a dict of its JSON) -> SpeculativeConfig; ValueError names
+    what is wrong."""
+    if not isinstance(fields, dict):
+        raise ValueError("the speculative config must be a JSON object")
+    known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"unsupported speculative config keys {unknown}; this server takes {sorted(known)}")
+    if "num_speculative_tokens" not in fields:
+        raise ValueError("the speculative config needs num_speculative_tokens")
+    return SpeculativeConfig(**fields)

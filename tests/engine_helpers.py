@@ -5,7 +5,10 @@ from __future__ import annotations
 import inspect
 import random
 
+import pytest
 import torch
+
+LOGPROB_ATOL = 2e-4  # float32 on both sides; differences come only from summation order
 
 
 def random_prompts(count: int, lengths: list[int], seed: int = 0, vocab: int = 150000) -> list[list[int]]:
@@ -35,3 +38,14 @@ def load_hf(path, dtype=torch.float32):
     from transformers import Qwen3ForCausalLM
 
     return Qwen3ForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+
+
+def assert_matches(outputs, expected) -> None:
+    """Every completion of each output has the oracle's greedy tokens, and logprobs close to its rows."""
+    for output, (tokens, rows) in zip(outputs, expected):
+        for completion in output.outputs:
+            assert completion.token_ids == tokens and len(completion.logprobs) == len(tokens)
+            for got, row in zip(completion.logprobs, rows):
+                assert got.logprob == pytest.approx(float(row[got.token_id]), abs=LOGPROB_ATOL)
+                for alt_id, alt_logprob in got.top:
+                    assert alt_logprob == pytest.approx(float(row[alt_id]), abs=LOGPROB_ATOL)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from mili_openai import cli
-from mili_openai.config import EngineConfig, ServerConfig
+from mili_openai.config import EngineConfig, ServerConfig, SpeculativeConfig
 
 SERVE_START_TIMEOUT_S = 60.0
 
@@ -37,12 +37,14 @@ def test_every_flag_reaches_the_config():
         "--cors-allow-origin", "https://a.example", "--cors-allow-origin", "https://b.example",
         "--shutdown-grace-period", "3", "--num-threads", "2", "--default-model-cache", "/tmp/cache",
         "--log-level", "debug", "--generation-config", "none",
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}',
     )
     assert config == ServerConfig(
         engine=EngineConfig(model="/models/qwen", dtype="float32", device="cpu", page_size=32, num_pages=100,
                             kv_cache_memory_gb=1.5, max_num_batched_tokens=512, max_num_seqs=8,
                             max_model_len=1024, num_threads=2, default_model_cache="/tmp/cache",
-                            generation_config="none"),
+                            generation_config="none",
+                            speculative_config=SpeculativeConfig(3, prompt_lookup_min=4, prompt_lookup_max=4)),
         host="0.0.0.0", port=9001, api_key="k", served_model_name="q", max_queue=10, request_timeout_s=30.0,
         max_body_bytes=4096, cors_allow_origins=("https://a.example", "https://b.example"), shutdown_grace_s=3.0,
         log_level="debug",
@@ -51,7 +53,11 @@ def test_every_flag_reaches_the_config():
 
 @pytest.mark.parametrize("argv", [["--page-size", "0"], ["--port", "70000"], ["--max-body-bytes", "10"],
                                   ["--num-threads", "0"], ["--dtype", "int3"], ["--max-model-len", "1"],
-                                  ["--generation-config", ""]])
+                                  ["--generation-config", ""], ["--speculative-config", "{"],
+                                  ["--speculative-config", '{"num_speculative_tokens": 0}'],
+                                  ["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
+                                  ["--speculative-config", '{"num_speculative_tokens": 2, "draft_model": "x"}'],
+                                  ["--speculative-config", '[2]']])
 def test_bad_values_are_clean_argparse_errors(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["serve", *argv])

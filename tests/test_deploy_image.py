@@ -27,7 +27,8 @@ HISTOGRAMS = {"mili_time_to_first_token_seconds", "mili_time_per_output_token_se
               "mili_e2e_request_latency_seconds", "mili_request_queue_time_seconds"}
 COUNTERS = {"mili_prompt_tokens_total", "mili_generation_tokens_total", "mili_requests_finished_total",
             "mili_preemptions_total", "mili_prefix_cache_queries_total", "mili_prefix_cache_hits_total",
-            "mili_http_requests_total", "mili_rejected_requests_total"}
+            "mili_http_requests_total", "mili_rejected_requests_total", "mili_spec_decode_num_drafts_total",
+            "mili_spec_decode_num_draft_tokens_total", "mili_spec_decode_num_accepted_tokens_total"}
 GAUGES = {"mili_num_requests_running", "mili_num_requests_waiting", "mili_kv_cache_usage_ratio"}
 HISTOGRAM_SERIES = {f"{name}{suffix}" for name in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
 DASHBOARD_LABELS = {"le", "finish_reason", "reason", "path", "status", "instance", "job"}

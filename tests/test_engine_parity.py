@@ -6,13 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import hf_greedy, load_hf, random_prompts
+from engine_helpers import assert_matches, hf_greedy, load_hf, random_prompts
 from mili_openai import LLM, SamplingParams
 from mili_openai.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 PROMPT_LENGTHS = [1, 2, 7, 16, 17, 33, 64, 100, 150, 211, 256, 300]
 MAX_NEW = 8
-LOGPROB_ATOL = 2e-4  # float32 on both sides; differences come only from summation order
 
 
 def greedy(max_tokens: int = MAX_NEW, **kw) -> SamplingParams:
@@ -30,16 +29,6 @@ def oracle(checkpoint):
     prompts = random_prompts(len(PROMPT_LENGTHS), PROMPT_LENGTHS, seed=1)
     expected = [hf_greedy(model, p, MAX_NEW) for p in prompts]
     return prompts, expected
-
-
-def assert_matches(outputs, expected) -> None:
-    for output, (tokens, rows) in zip(outputs, expected):
-        for completion in output.outputs:
-            assert completion.token_ids == tokens
-            for got, row in zip(completion.logprobs, rows):
-                assert got.logprob == pytest.approx(float(row[got.token_id]), abs=LOGPROB_ATOL)
-                for alt_id, alt_logprob in got.top:
-                    assert alt_logprob == pytest.approx(float(row[alt_id]), abs=LOGPROB_ATOL)
 
 
 @pytest.mark.parametrize(

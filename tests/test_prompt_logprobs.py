@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import load_hf, random_prompts
+from engine_helpers import LOGPROB_ATOL, load_hf, random_prompts
 from helpers_server import served_engine
 from mili_openai import LLM, SamplingParams
 
-LOGPROB_ATOL = 2e-4  # float32 on both sides, as in test_engine_parity
 TOP_K = 3
 
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mili_openai.config import EngineConfig
+from mili_openai.config import EngineConfig, SpeculativeConfig
 from mili_openai.engine.kv_pages import KVPageManager
 from mili_openai.engine.sampling_params import SamplingParams
 from mili_openai.engine.scheduler import ScheduledBatch, Scheduler, common_prefix_length
@@ -38,15 +38,18 @@ def make_seq(request_id: str, prompt: list[int], max_tokens: int) -> Sequence:
 
 class FakeEngine:
     def __init__(self, num_pages: int, page_size: int, budget: int, max_seqs: int, caching: bool = True,
-                 lookahead: bool = False) -> None:
+                 lookahead: bool = False, speculative: int = 0) -> None:
+        drafting = SpeculativeConfig(speculative, prompt_lookup_min=1, prompt_lookup_max=2) if speculative else None
         config = EngineConfig(page_size=page_size, num_pages=num_pages, max_num_batched_tokens=budget,
-                              max_num_seqs=max_seqs, enable_prefix_caching=caching)
+                              max_num_seqs=max_seqs, enable_prefix_caching=caching, speculative_config=drafting)
         self.pages = KVPageManager(num_pages, page_size, caching)
         self.scheduler = Scheduler(config, self.pages)
         self.lookahead = lookahead
         self.live: dict[str, Sequence] = {}
         self.finished: list[Sequence] = []
-        self.next_token = itertools.count(1000)
+        # with drafts, a small alphabet, so that n-grams recur and the fake model agrees with some drafts
+        self.next_token = itertools.cycle([0, 1, 2, 1, 1]) if speculative else itertools.count(1000)
+        self.num_drafted = self.num_accepted = 0
         self.computed_tokens = 0
         self.in_flight: list[ScheduledBatch] = []  # scheduled, tokens not back yet (oldest first)
         self.fed_pending = 0  # decodes whose input token was still pending when they were scheduled
@@ -67,9 +70,13 @@ class FakeEngine:
             assert batch.positions[index] + batch.num_new_tokens[index] == seq.num_computed_tokens
             assert len(seq.pages) * self.pages.page_size >= seq.num_computed_tokens
             is_decode = index < batch.num_decode
-            assert (batch.num_new_tokens[index] == 1) if is_decode else batch.num_new_tokens[index] >= 1
+            drafts = len(batch.drafts(index))
+            assert (batch.num_new_tokens[index] == 1 + drafts) if is_decode else batch.num_new_tokens[index] >= 1
+            # drafts need the last token: never with a pending one, never past max_tokens
+            assert not drafts or (not lookahead and batch.positions[index] == seq.num_tokens - 1)
+            assert len(seq.output_token_ids) + 1 + drafts <= seq.max_tokens
             # only a decode feeds on a pending token, and only on one the step before samples
-            assert batch.positions[index] + batch.num_new_tokens[index] <= seq.num_tokens + is_decode
+            assert batch.positions[index] + batch.num_new_tokens[index] - drafts <= seq.num_tokens + is_decode
             self.fed_pending += batch.positions[index] == seq.num_tokens
         assert sum(batch.num_new_tokens) <= self.scheduler.config.max_num_batched_tokens
         assert len(self.scheduler.running) <= self.scheduler.config.max_num_seqs
@@ -84,7 +91,7 @@ class FakeEngine:
             assert batch is not None, "work remains but nothing was scheduled"
             self.in_flight.append(batch)
         running = self.in_flight[0]
-        if self.lookahead and len(self.in_flight) == 1 and running.num_decode == len(running.seqs):
+        if self.lookahead and len(self.in_flight) == 1 and self.scheduler.can_plan_ahead(running):
             ahead = self.schedule(lookahead=True)
             if ahead is not None:
                 self.in_flight.append(ahead)
@@ -98,10 +105,22 @@ class FakeEngine:
                 continue
             if index >= batch.num_decode:
                 self.pages.cache_computed_pages(seq)
-            if batch.samples[index]:
-                seq.append_token(next(self.next_token))
+            if not batch.samples[index]:
+                continue
+            drafts = batch.drafts(index)
+            sampled = [next(self.next_token) for _ in range(1 + len(drafts))]
+            accepted = 0
+            while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
+                accepted += 1
+            if drafts:
+                seq.settle_drafts(len(drafts), accepted)
+                self.num_drafted += len(drafts)
+                self.num_accepted += accepted
+            for token in sampled[: accepted + 1]:
+                seq.append_token(token)
                 if len(seq.output_token_ids) >= seq.max_tokens:
                     self.finish(seq, "length")
+                    break
 
     def finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
@@ -168,6 +187,7 @@ def test_preemption_under_page_pressure_finishes_everything(lookahead):
     max_seqs=st.integers(1, 5),
     caching=st.booleans(),
     lookahead=st.booleans(),
+    speculative=st.sampled_from([0, 0, 1, 3]),
     requests=st.lists(
         st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=14), st.integers(1, 8), st.integers(0, 6),
                   st.booleans()),
@@ -175,10 +195,11 @@ def test_preemption_under_page_pressure_finishes_everything(lookahead):
         max_size=8,
     ),
 )
-def test_random_workloads_conserve_pages(page_size, extra_pages, budget, max_seqs, caching, lookahead, requests):
+def test_random_workloads_conserve_pages(page_size, extra_pages, budget, max_seqs, caching, lookahead, speculative,
+                                        requests):
     longest = max(len(p) + m for p, m, _, _ in requests)
     num_pages = -(-longest // page_size) + extra_pages
-    engine = FakeEngine(num_pages, page_size, budget, max_seqs, caching, lookahead)
+    engine = FakeEngine(num_pages, page_size, budget, max_seqs, caching, lookahead, speculative)
     pending = [(arrival, i, make_seq(f"r{i}", p, m), abort) for i, (p, m, arrival, abort) in enumerate(requests)]
     pending.sort(key=lambda item: (item[0], item[1]))
     step = 0
@@ -197,3 +218,65 @@ def test_random_workloads_conserve_pages(page_size, extra_pages, budget, max_seq
         step += 1
         assert step < MAX_STEPS
     engine.run()
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_drafts_roll_back_and_finish_at_max_tokens(caching):
+    """Decodes verify drafts (some kept, some rolled back), under page pressure, and stop exactly at
+    max_tokens; every page comes back."""
+    engine = FakeEngine(num_pages=14, page_size=4, budget=16, max_seqs=4, caching=caching, speculative=3)
+    for i in range(4):
+        engine.add(make_seq(f"r{i}", [0, 1, 2, 1, 1] * 2 + [i], max_tokens=17 + i))
+    engine.run()
+    assert engine.num_accepted > 0 and engine.num_drafted > engine.num_accepted
+    assert sorted(len(s.output_token_ids) for s in engine.finished) == [17, 18, 19, 20]
+    assert all(s.num_pending_tokens == 0 for s in engine.finished)
+
+
+def test_drafts_take_free_pages_only_and_fit_the_budget():
+    pages = KVPageManager(num_pages=3, page_size=4, enable_prefix_caching=True)
+    config = EngineConfig(page_size=4, num_pages=3, max_num_batched_tokens=64,
+                          speculative_config=SpeculativeConfig(8, prompt_lookup_min=1, prompt_lookup_max=1))
+    scheduler = Scheduler(config, pages)
+    seq = make_seq("r", [5, 6, 7, 5, 6, 7, 5], max_tokens=40)
+    scheduler.add(seq)
+    scheduler.schedule()  # the prompt: 7 tokens in 2 pages
+    seq.append_token(6)
+    batch = scheduler.schedule()  # drafts [7, 5, 6, 7, 5, 6, 7, 5] want 3 pages; 1 is free
+    assert batch.draft_tokens == [[7, 5, 6, 7]] and batch.num_new_tokens == [5]
+    assert len(seq.pages) == 3 and seq.num_computed_tokens == 12
+    seq.settle_drafts(4, 1)
+    assert seq.num_computed_tokens == 9 and seq.num_pending_tokens == 2
+    for token in (7, 5):
+        seq.append_token(token)
+
+    small = Scheduler(EngineConfig(page_size=4, num_pages=8, max_num_batched_tokens=3, speculative_config=
+                                   SpeculativeConfig(8, prompt_lookup_min=1, prompt_lookup_max=1)),
+                      KVPageManager(num_pages=8, page_size=4, enable_prefix_caching=True))
+    seq = make_seq("s", [5, 6, 5], max_tokens=3)
+    small.add(seq)
+    small.schedule()
+    seq.append_token(6)
+    batch = small.schedule()  # budget 3 allows 2 drafts; max_tokens 3 leaves room for 1 (and its sample)
+    assert batch.draft_tokens == [[5]]
+
+
+def test_drafts_stop_above_disable_by_batch_size():
+    """Above the batch size, steps decode without drafts and may be planned ahead again."""
+    config = EngineConfig(page_size=4, num_pages=32, max_num_batched_tokens=64, speculative_config=
+                          SpeculativeConfig(3, prompt_lookup_min=1, prompt_lookup_max=1, disable_by_batch_size=1))
+    scheduler = Scheduler(config, KVPageManager(num_pages=32, page_size=4, enable_prefix_caching=False))
+    first, second = make_seq("a", [5, 6, 5], max_tokens=9), make_seq("b", [7, 8, 7], max_tokens=9)
+    scheduler.add(first)
+    scheduler.schedule()
+    first.append_token(6)
+    alone = scheduler.schedule()  # one running sequence: drafts
+    assert alone.draft_tokens == [[5, 6]] and not scheduler.can_plan_ahead(alone)
+    first.settle_drafts(2, 0)
+    first.append_token(1)
+    scheduler.add(second)
+    scheduler.schedule()  # first decodes (no drafts: two running now), second's prompt
+    for seq, token in ((first, 2), (second, 8)):
+        seq.append_token(token)
+    both = scheduler.schedule()
+    assert both.num_decode == 2 and both.draft_tokens == [[], []] and scheduler.can_plan_ahead(both)

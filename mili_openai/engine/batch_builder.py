@@ -30,10 +30,12 @@ def pending_inputs(batch: ScheduledBatch, sample_index: dict[Sequence, int]) -> 
     """(rows, sources): the decode rows whose input token is still pending, and for each the index of
     its sequence among the sampled rows of the step before (`sample_index`), which is sampling it."""
     rows, sources = [], []
-    for row, (seq, position) in enumerate(zip(batch.seqs[: batch.num_decode], batch.positions)):
+    row = 0
+    for seq, position, num_new in zip(batch.seqs[: batch.num_decode], batch.positions, batch.num_new_tokens):
         if position == seq.num_tokens:
             rows.append(row)
             sources.append(sample_index[seq])
+        row += num_new  # a decode with drafts has one row for each
     return rows, sources
 
 
@@ -66,35 +68,53 @@ def prompt_scorings(batch: ScheduledBatch, forward_batch: ForwardBatch) -> list[
 
 
 class _DecodeRows:
-    """The decode rows' inputs: one token per sequence at `position`, attending to slots [0, position]."""
+    """The decode rows' inputs: a sequence's row at `position` attends to slots [0, position]. A decode
+    with drafts has a row for its last token and one for each draft, at consecutive positions, all reading
+    its page table (each row sees the K/V the rows before it write in the same layer)."""
 
-    def __init__(self, seqs: list[Sequence], positions: list[int], page_size: int) -> None:
-        self.ctx_lens = np.asarray(positions, dtype=np.int64) + 1  # (Bd,)
+    def __init__(self, batch: ScheduledBatch, page_size: int) -> None:
+        num_decode = batch.num_decode
+        seqs, starts = batch.seqs[:num_decode], batch.positions[:num_decode]
+        counts = batch.num_new_tokens[:num_decode]
+        num_rows = sum(counts)
+        if num_rows == num_decode:  # no drafts: one row per sequence
+            self.positions = np.asarray(starts, dtype=np.int64)
+            seq_of_row = None
+        else:
+            seq_of_row = np.repeat(np.arange(num_decode), counts)
+            offset_in_seq = np.arange(num_rows) - (np.cumsum(counts) - counts)[seq_of_row]
+            self.positions = np.asarray(starts, dtype=np.int64)[seq_of_row] + offset_in_seq
+        self.ctx_lens = self.positions + 1  # (rows,)
         max_ctx = int(self.ctx_lens.max())
         width = -(-max_ctx // page_size)  # pages that cover the longest context
-        table = np.zeros((len(seqs), width), dtype=np.int64)  # padded with page 0 (masked out)
-        for row, seq in enumerate(seqs):
+        table = np.zeros((num_decode, width), dtype=np.int64)  # padded with page 0 (masked out)
+        for index, seq in enumerate(seqs):
             pages = seq.pages[:width]
-            table[row, : len(pages)] = pages
+            table[index, : len(pages)] = pages
+        if seq_of_row is not None:
+            table = table[seq_of_row]
         offsets = np.arange(page_size, dtype=np.int64)
-        self.slots = (table[:, :, None] * page_size + offsets).reshape(len(seqs), -1)[:, :max_ctx].copy()
-        self.positions = self.ctx_lens - 1
-        self.slot_mapping = self.slots[np.arange(len(seqs)), self.positions]
+        self.slots = (table[:, :, None] * page_size + offsets).reshape(num_rows, -1)[:, :max_ctx].copy()
+        self.slot_mapping = self.slots[np.arange(num_rows), self.positions]
         # a token still being sampled by the step before gets 0 here (see `pending_inputs`)
-        self.input_ids = [seq.token_ids[p] if p < seq.num_tokens else 0 for seq, p in zip(seqs, positions)]
+        self.input_ids = [seq.token_ids[p] if p < seq.num_tokens else 0 for seq, p in zip(seqs, starts)]
+        if seq_of_row is not None:
+            self.input_ids = [token for first, drafts in zip(self.input_ids, batch.draft_tokens)
+                              for token in (first, *drafts)]
 
 
 def build_forward_batch(batch: ScheduledBatch, page_size: int) -> ForwardBatch:
     """The step's inputs; a decode whose token is pending gets 0 as its id (see `pending_inputs`)."""
     num_decode = batch.num_decode
-    decode = _DecodeRows(batch.seqs[:num_decode], batch.positions[:num_decode], page_size) if num_decode else None
+    decode = _DecodeRows(batch, page_size) if num_decode else None
     input_ids: list[int] = decode.input_ids if decode else []
     positions: list[np.ndarray] = [decode.positions] if decode else []
     slot_mapping: list[np.ndarray] = [decode.slot_mapping] if decode else []
-    logits_indices: list[int] = list(range(num_decode))
+    num_decode_rows = len(input_ids)
+    logits_indices: list[int] = list(range(num_decode_rows))  # every decode row samples (drafts are verified)
 
     prefills: list[PrefillSegment] = []
-    row = num_decode
+    row = num_decode_rows
     for index in range(num_decode, len(batch.seqs)):
         seq, num_new, start = batch.seqs[index], batch.num_new_tokens[index], batch.positions[index]
         end = start + num_new
@@ -113,7 +133,7 @@ def build_forward_batch(batch: ScheduledBatch, page_size: int) -> ForwardBatch:
         input_ids=torch.from_numpy(np.array(input_ids, dtype=np.int64)),
         positions=torch.from_numpy(np.concatenate(positions)),
         slot_mapping=torch.from_numpy(np.concatenate(slot_mapping)),
-        num_decode=num_decode,
+        num_decode=num_decode_rows,
         decode_slots=torch.from_numpy(decode.slots) if decode else None,
         prefills=prefills,
         logits_indices=torch.from_numpy(np.array(logits_indices, dtype=np.int64)),

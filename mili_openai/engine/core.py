@@ -17,7 +17,7 @@ from mili_openai.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from mili_openai.engine.detokenizer import IncrementalDetokenizer
 from mili_openai.engine.kv_pages import KVPageManager, pages_for
 from mili_openai.engine.observer import EngineObserver
-from mili_openai.engine.outputs import EngineStats, RequestMetrics, SequenceDelta
+from mili_openai.engine.outputs import EngineStats, RequestMetrics, SequenceDelta, SpeculationCounts, merge_deltas
 from mili_openai.engine.runner import ModelRunner, PreparedStep
 from mili_openai.engine.sampler import Sampler, SamplerOutput
 from mili_openai.engine.sampling_defaults import SamplingDefaults, read_sampling_defaults
@@ -56,6 +56,7 @@ class EngineCore:
         self._request_ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.spec_decode = SpeculationCounts()
 
     @classmethod
     def from_config(cls, config: EngineConfig, observer: EngineObserver | None = None) -> EngineCore:
@@ -134,14 +135,11 @@ class EngineCore:
 
     def schedule_ahead(self, running: ScheduledBatch) -> tuple[ScheduledBatch, PreparedStep] | None:
         """The step after `running` (scheduled, not yet postprocessed), planned while it runs so the runner
-        can start it the moment `running` ends; None where it must wait for `running`'s outputs.
-
-        Waits after a step with prefill chunks: sequences admitted meanwhile could not see the prefix
-        pages the chunks are computing, and would compute them again. Rows whose sampling reads their
-        output so far (penalties, min_tokens) get it with the pending token added on the forward thread
-        (`ModelRunner.prepare`).
+        can start it the moment `running` ends; None where it must wait for `running`'s outputs
+        (`Scheduler.can_plan_ahead`). Rows whose sampling reads their output so far (penalties,
+        min_tokens) get it with the pending token added on the forward thread (`ModelRunner.prepare`).
         """
-        if running.num_decode != len(running.seqs):
+        if not self.scheduler.can_plan_ahead(running):
             return None
         batch = self.scheduler.schedule(lookahead=True)
         if batch is None:
@@ -155,8 +153,8 @@ class EngineCore:
         sampled = iter(zip(output.token_ids, output.logprobs))
         scored = output.prompt_logprobs or {}
         for index, seq in enumerate(batch.seqs):
-            samples = batch.samples[index]
-            token = next(sampled) if samples else None
+            drafts = batch.drafts(index)
+            tokens = [next(sampled) for _ in range(1 + len(drafts))] if batch.samples[index] else []
             if seq.is_finished:  # aborted while the forward ran, or finished by the step before
                 continue
             if index in scored and seq.prompt_logprobs is not None:
@@ -164,12 +162,40 @@ class EngineCore:
                 seq.prompt_logprobs[first : first + len(entries)] = entries
             if index >= batch.num_decode:
                 self.pages.cache_computed_pages(seq)
-            if token is None:
+            if not tokens:
                 continue
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            deltas.append(self._append_token(seq, *token))
+            if drafts:
+                tokens = self._verify_drafts(seq, drafts, tokens)
+            deltas.append(self._append_tokens(seq, tokens))
         return deltas
+
+    def _verify_drafts(self, seq: Sequence, drafts: list[int], sampled: list[tuple]) -> list[tuple]:
+        """The tokens a decode with drafts produced: the drafts its rows sampled too, then the first
+        sample that differs (or the one after the last draft).
+
+        Comparing a draft with the token sampled in its place is the rejection sampling of speculative
+        decoding for a draft that is one token for sure (as n-gram drafts are): the draft is kept with
+        the target's probability of it, and otherwise the sample is a draw from the target without it,
+        so the tokens have the distribution of plain decoding. Greedy rows keep exactly plain decoding's
+        tokens.
+        """
+        accepted = 0
+        while accepted < len(drafts) and sampled[accepted][0] == drafts[accepted]:
+            accepted += 1
+        seq.settle_drafts(len(drafts), accepted)
+        self.spec_decode.record(len(drafts), accepted)
+        return sampled[: accepted + 1]
+
+    def _append_tokens(self, seq: Sequence, tokens: list[tuple]) -> SequenceDelta:
+        """Append a step's tokens (one, or more after drafts) up to the one that finishes seq; one delta."""
+        deltas = []
+        for token in tokens:
+            deltas.append(self._append_token(seq, *token))
+            if seq.is_finished:
+                break
+        return deltas[0] if len(deltas) == 1 else merge_deltas(deltas)
 
     def _append_token(self, seq: Sequence, token_id: int, logprob) -> SequenceDelta:
         seq.append_token(token_id)
@@ -263,6 +289,9 @@ class EngineCore:
             prefix_cache_hits_total=self.scheduler.prefix_cache_hits_total,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            spec_decode_num_drafts_total=self.spec_decode.num_drafts,
+            spec_decode_num_draft_tokens_total=self.spec_decode.num_draft_tokens,
+            spec_decode_num_accepted_tokens_total=self.spec_decode.num_accepted_tokens,
         )
 
     def check_integrity(self) -> None:

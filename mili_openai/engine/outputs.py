@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(slots=True)
@@ -29,6 +29,18 @@ class SequenceDelta:
     error: str | None = None  # set with finish_reason "abort" when the engine refused the request
     # with params.prompt_logprobs, on the delta of the first output token: one entry per prompt token
     prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+def merge_deltas(deltas: list[SequenceDelta]) -> SequenceDelta:
+    """Consecutive deltas of one sequence as one (a step that kept draft tokens produced several)."""
+    last = deltas[-1]
+    logprobs = None
+    if all(delta.logprobs is not None for delta in deltas):
+        logprobs = [entry for delta in deltas for entry in delta.logprobs]
+    prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
+    return replace(last, text="".join(delta.text for delta in deltas),
+                   token_ids=[token for delta in deltas for token in delta.token_ids],
+                   logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 @dataclass(slots=True)
@@ -83,3 +95,21 @@ class EngineStats:
     prefix_cache_hits_total: int  # of those, tokens found cached
     prompt_tokens_total: int
     generation_tokens_total: int
+    # speculative decoding (vLLM's spec_decode counters): decodes that verified drafts, drafts, kept drafts
+    spec_decode_num_drafts_total: int = 0
+    spec_decode_num_draft_tokens_total: int = 0
+    spec_decode_num_accepted_tokens_total: int = 0
+
+
+@dataclass(slots=True)
+class SpeculationCounts:
+    """Running totals of draft verification, for `EngineStats` and the acceptance rate."""
+
+    num_drafts: int = 0  # decodes that verified at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def record(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens

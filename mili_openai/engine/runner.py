@@ -42,7 +42,7 @@ def resolve_device(name: str) -> torch.device:
 @dataclass(slots=True)
 class PreparedStep:
     forward_batch: ForwardBatch
-    rows: list[SamplingRow]  # one per sequence that samples this step, in logits_indices order
+    rows: list[SamplingRow]  # per sampling sequence, one, or one per row with drafts; in logits_indices order
     # input rows whose token the step before is sampling, and that token's index among its samples
     pending_rows: list[int] = field(default_factory=list)
     pending_sources: list[int] = field(default_factory=list)
@@ -102,6 +102,13 @@ class ModelRunner:
                 pending_histories.append((history, source))
             rows.append(SamplingRow(params=seq.params, generator=seq.generator,
                                     prompt_token_ids=seq.prompt_token_ids, output_token_ids=history))
+            drafts = batch.drafts(index)
+            for count in range(1, len(drafts) + 1):
+                # the row after the count-th draft: its sample counts only if the drafts before it are
+                # accepted, so it samples as if they were (penalties and min_tokens see them)
+                draft_history = [*history, *drafts[:count]] if seq.params.reads_output_history else history
+                rows.append(SamplingRow(params=seq.params, generator=seq.generator,
+                                        prompt_token_ids=seq.prompt_token_ids, output_token_ids=draft_history))
         forward_batch = build_forward_batch(batch, self.page_size)
         if self.device.type == "cpu":
             # here rather than in the forward: see `_feed_pending_tokens`

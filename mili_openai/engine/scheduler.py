@@ -10,6 +10,11 @@ pending until `Sequence.append_token`. So the next step can be planned while thi
 a decode then feeds the token its sequence has pending, which the model runner takes from the step
 before. A lookahead step never preempts (the victim may be in the running step): a sequence that finds
 no page waits for the next step instead.
+
+With speculative decoding on, a decode may also verify draft tokens (`ngram_proposer`): it computes its
+last token and the drafts, and its pending token becomes the sampled tokens that the drafts agree with,
+plus one. The K/V of rejected drafts is rolled back in `EngineCore.postprocess`. Drafts need the last
+token's id, so a lookahead step never has them.
 """
 
 from __future__ import annotations
@@ -20,19 +25,26 @@ from dataclasses import dataclass, field
 
 from mili_openai.config import EngineConfig
 from mili_openai.engine.kv_pages import KVPageManager
+from mili_openai.engine.ngram_proposer import NgramProposer
 from mili_openai.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
 class ScheduledBatch:
-    seqs: list[Sequence]  # decodes (one new token each) first, then prefill chunks
-    num_new_tokens: list[int]  # tokens computed for each sequence in this step
+    seqs: list[Sequence]  # decodes (one new token each, plus any drafts) first, then prefill chunks
+    num_new_tokens: list[int]  # tokens computed for each sequence in this step (a decode's drafts included)
     positions: list[int]  # position of each sequence's first new token
     num_decode: int  # seqs[:num_decode] are decodes
     # whether each sequence gets a new token after this step (its chunk reaches its last token); fixed
     # at scheduling time, since an abort during the forward resets the sequence's counters
     samples: list[bool]
     preempted: list[Sequence] = field(default_factory=list)
+    # per decode (seqs[:num_decode]), the draft tokens it verifies after its last token ([] for none)
+    draft_tokens: list[list[int]] = field(default_factory=list)
+
+    def drafts(self, index: int) -> list[int]:
+        """The draft tokens seqs[index] verifies: [] for a prefill chunk or a decode without drafts."""
+        return self.draft_tokens[index] if index < self.num_decode else []
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -56,6 +68,9 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.prefix_cache_queries_total = 0
         self.prefix_cache_hits_total = 0
+        speculative = config.speculative_config
+        self.proposer = NgramProposer(speculative) if speculative is not None else None
+        self.max_drafting_batch = speculative.disable_by_batch_size if speculative is not None else None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -79,6 +94,8 @@ class Scheduler:
         decodes: list[tuple[Sequence, int]] = []
         prefills: list[tuple[Sequence, int]] = []
         preempted: list[Sequence] = []
+        draft_tokens: list[list[int]] = []
+        drafting = not lookahead and self._drafts_at(len(self.running))
 
         for seq in list(self.running):  # oldest first; preemption takes from the newest end
             if budget == 0:
@@ -88,8 +105,14 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not self._reserve(seq, num_new, preempted, can_preempt=not lookahead):
                 continue  # seq itself was preempted, or found no page
-            budget -= num_new
-            (decodes if seq.num_uncomputed_tokens == 1 else prefills).append((seq, num_new))
+            if seq.num_uncomputed_tokens == 1:
+                drafts = self._drafts(seq, budget - 1) if drafting else []
+                draft_tokens.append(drafts)
+                decodes.append((seq, 1 + len(drafts)))
+                budget -= 1 + len(drafts)
+            else:
+                prefills.append((seq, num_new))
+                budget -= num_new
 
         if not preempted:
             budget = self._admit(budget, prefills)
@@ -102,13 +125,48 @@ class Scheduler:
             num_new_tokens=[n for _, n in scheduled],
             positions=[seq.num_computed_tokens for seq, _ in scheduled],
             num_decode=len(decodes),
-            samples=[seq.num_uncomputed_tokens == n for seq, n in scheduled],
+            # a decode always samples (its drafts are computed, not pending); a chunk does at the prompt's end
+            samples=[True] * len(decodes) + [seq.num_uncomputed_tokens == n for seq, n in prefills],
             preempted=preempted,
+            draft_tokens=draft_tokens,
         )
         for seq, num_new, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
             seq.num_computed_tokens += num_new
             seq.num_pending_tokens += samples
         return batch
+
+    def can_plan_ahead(self, running: ScheduledBatch) -> bool:
+        """Whether the step after `running` may be planned before running's tokens are back.
+
+        Not after prefill chunks (sequences admitted meanwhile could not see the prefix pages the chunks
+        are computing, and would compute them again). With speculative decoding, not after a step with
+        drafts (how many tokens it keeps is unknown until verified), nor where a sequence's known tokens
+        end in an n-gram seen before: its text repeats itself, so its next step would likely draft, and a
+        step planned ahead cannot (it does not know its last token). Elsewhere the overlap is worth more.
+        """
+        if running.num_decode != len(running.seqs) or any(running.draft_tokens):
+            return False
+        if not self._drafts_at(len(self.running)):
+            return True
+        return not any(self.proposer.propose(seq.token_ids, 1) for seq in running.seqs)
+
+    def _drafts_at(self, batch_size: int) -> bool:
+        """Whether a step with batch_size running sequences drafts (SpeculativeConfig.disable_by_batch_size)."""
+        return self.proposer is not None and (self.max_drafting_batch is None or batch_size <= self.max_drafting_batch)
+
+    def _drafts(self, seq: Sequence, budget: int) -> list[int]:
+        """The draft tokens seq verifies in this step: as many as the budget, its max_tokens (the drafts and
+        the token sampled after them) and the pages it holds or finds free allow. A guess never evicts a
+        cached prefix nor preempts a sequence."""
+        if seq.num_pending_tokens:
+            return []  # its last token is still being sampled
+        room = seq.max_tokens - len(seq.output_token_ids) - 1
+        drafts = self.proposer.propose(seq.token_ids, min(budget, room))
+        if drafts:
+            slots = (len(seq.pages) + self.pages.pool.num_free) * self.pages.page_size
+            drafts = drafts[: slots - seq.num_computed_tokens - 1]
+            self.pages.allocate(seq, self.pages.pages_needed(seq, 1 + len(drafts)))  # from free pages
+        return drafts
 
     @staticmethod
     def _awaits_last_token(seq: Sequence) -> bool:

@@ -96,6 +96,13 @@ class Sequence:
     def owned_pages(self) -> list[int]:
         return self.pages[self.num_tree_pages :]
 
+    def settle_drafts(self, num_drafts: int, num_accepted: int) -> None:
+        """A decode verified num_drafts draft tokens (counted computed when it was scheduled) and kept the
+        first num_accepted: the rest's K/V slots go back to uncomputed (the next steps overwrite them), and
+        the kept ones join the pending token, as tokens to append."""
+        self.num_computed_tokens -= num_drafts - num_accepted
+        self.num_pending_tokens += num_accepted
+
     def append_token(self, token_id: int) -> None:
         """A sampled token came back: it was pending since its step was scheduled."""
         self.token_ids.append(token_id)

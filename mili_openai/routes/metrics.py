@@ -21,6 +21,20 @@ TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 
 REQUEST_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
+# (metric name, help, EngineStats field) of the engine-wide counters; the client adds "_total" to names
+ENGINE_COUNTERS = (
+    ("mili_prompt_tokens", "Prompt tokens of finished sequences.", "prompt_tokens_total"),
+    ("mili_generation_tokens", "Tokens generated.", "generation_tokens_total"),
+    ("mili_preemptions", "Sequences preempted for lack of KV pages.", "num_preemptions_total"),
+    ("mili_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", "prefix_cache_queries_total"),
+    ("mili_prefix_cache_hits", "Prompt tokens found in the prefix cache.", "prefix_cache_hits_total"),
+    ("mili_spec_decode_num_drafts", "Decodes that verified speculative draft tokens.", "spec_decode_num_drafts_total"),
+    ("mili_spec_decode_num_draft_tokens", "Speculative draft tokens verified.", "spec_decode_num_draft_tokens_total"),
+    ("mili_spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.",
+     "spec_decode_num_accepted_tokens_total"),
+)
+
+
 class EngineStatsCollector(Collector):
     """Gauges and counters read from the engine at scrape time."""
 
@@ -42,15 +56,8 @@ class EngineStatsCollector(Collector):
         yield GaugeMetricFamily(
             "mili_prefix_cache_pages", "KV pages held by the radix prefix cache.", value=stats.num_cached_pages
         )
-        yield CounterMetricFamily("mili_prompt_tokens", "Prompt tokens of finished sequences.",
-                                  value=stats.prompt_tokens_total)
-        yield CounterMetricFamily("mili_generation_tokens", "Tokens generated.", value=stats.generation_tokens_total)
-        yield CounterMetricFamily("mili_preemptions", "Sequences preempted for lack of KV pages.",
-                                  value=stats.num_preemptions_total)
-        yield CounterMetricFamily("mili_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                  value=stats.prefix_cache_queries_total)
-        yield CounterMetricFamily("mili_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                                  value=stats.prefix_cache_hits_total)
+        for name, documentation, field in ENGINE_COUNTERS:
+            yield CounterMetricFamily(name, documentation, value=getattr(stats, field))
 
 
 class ServerMetrics:
