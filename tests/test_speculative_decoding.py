@@ -203,6 +203,12 @@ def test_drafts_through_a_real_server(tiny_checkpoint, prompts, plain_llm):
             tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
             assert text == want.outputs[0].text and len(tokens) == MAX_NEW
             assert chunks[-1].usage.completion_tokens == MAX_NEW
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "ab " * 12}],
+                                              max_tokens=MAX_NEW, temperature=0, logprobs=True, stream=True,
+                                              stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        chunks = list(chat)
+        entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+        assert len(entries) == chunks[-1].usage.completion_tokens == MAX_NEW
         metrics = httpx.get(f"{live.base_url}/metrics").text
     values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
               if line.startswith("mili_spec_decode_")}
