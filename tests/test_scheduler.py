@@ -280,3 +280,20 @@ def test_drafts_stop_above_disable_by_batch_size():
         seq.append_token(token)
     both = scheduler.schedule()
     assert both.num_decode == 2 and both.draft_tokens == [[], []] and scheduler.can_plan_ahead(both)
+
+
+def test_drafts_leave_every_running_sequence_its_token():
+    """The older sequence's drafts could take the last free page, which the newer one's own token needs:
+    drafts come after every running sequence's token, so nothing is preempted for a guess."""
+    config = EngineConfig(page_size=4, num_pages=4, max_num_batched_tokens=64,
+                          speculative_config=SpeculativeConfig(3, prompt_lookup_min=1, prompt_lookup_max=1))
+    scheduler = Scheduler(config, KVPageManager(num_pages=4, page_size=4, enable_prefix_caching=False))
+    older, newer = make_seq("a", [5, 6, 5, 6, 5, 6, 5], max_tokens=9), make_seq("b", [9, 8, 7, 6], max_tokens=9)
+    for seq in (older, newer):
+        scheduler.add(seq)
+    scheduler.schedule()  # both prompts: 2 pages + 1 page, 1 page free
+    older.append_token(6)
+    newer.append_token(1)
+    batch = scheduler.schedule()  # newer's token needs the free page; older's drafts fit its own page
+    assert not batch.preempted and batch.seqs == [older, newer]
+    assert batch.draft_tokens == [[], []]

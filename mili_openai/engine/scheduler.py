@@ -94,7 +94,6 @@ class Scheduler:
         decodes: list[tuple[Sequence, int]] = []
         prefills: list[tuple[Sequence, int]] = []
         preempted: list[Sequence] = []
-        draft_tokens: list[list[int]] = []
         drafting = not lookahead and self._drafts_at(len(self.running))
 
         for seq in list(self.running):  # oldest first; preemption takes from the newest end
@@ -105,14 +104,14 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not self._reserve(seq, num_new, preempted, can_preempt=not lookahead):
                 continue  # seq itself was preempted, or found no page
-            if seq.num_uncomputed_tokens == 1:
-                drafts = self._drafts(seq, budget - 1) if drafting else []
-                draft_tokens.append(drafts)
-                decodes.append((seq, 1 + len(drafts)))
-                budget -= 1 + len(drafts)
-            else:
-                prefills.append((seq, num_new))
-                budget -= num_new
+            budget -= num_new
+            (decodes if seq.num_uncomputed_tokens == 1 else prefills).append((seq, num_new))
+        # drafts after every running sequence has its token and pages: a guess never takes those
+        draft_tokens: list[list[int]] = []
+        for seq, _ in decodes:
+            draft_tokens.append(self._drafts(seq, budget) if drafting else [])
+            budget -= len(draft_tokens[-1])
+        decodes = [(seq, 1 + len(drafts)) for (seq, _), drafts in zip(decodes, draft_tokens)]
 
         if not preempted:
             budget = self._admit(budget, prefills)
@@ -155,9 +154,10 @@ class Scheduler:
         return self.proposer is not None and (self.max_drafting_batch is None or batch_size <= self.max_drafting_batch)
 
     def _drafts(self, seq: Sequence, budget: int) -> list[int]:
-        """The draft tokens seq verifies in this step: as many as the budget, its max_tokens (the drafts and
-        the token sampled after them) and the pages it holds or finds free allow. A guess never evicts a
-        cached prefix nor preempts a sequence."""
+        """The draft tokens seq verifies in this step: as many as the budget left (after every running
+        sequence's own tokens and the drafts before), its max_tokens (the drafts and the token sampled
+        after them) and the pages it holds or finds free allow. A guess never evicts a cached prefix nor
+        preempts a sequence."""
         if seq.num_pending_tokens:
             return []  # its last token is still being sampled
         room = seq.max_tokens - len(seq.output_token_ids) - 1
