@@ -19,9 +19,11 @@ from hypothesis import strategies as st
 from engine_helpers import assert_matches, hf_greedy, load_hf, random_prompts
 from helpers_server import served_engine
 from mili_openai import LLM, SamplingParams
-from mili_openai.config import EngineConfig, SpeculativeConfig
+from mili_openai.config import EngineConfig, ServerConfig, SpeculativeConfig
 from mili_openai.engine.async_engine import AsyncEngine
 from mili_openai.engine.ngram_proposer import propose_ngram_draft
+from mili_openai.routes.app import load_engine
+from mili_openai.routes.state import ServerState
 
 SPECULATIVE = {"num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 MAX_NEW = 24
@@ -256,3 +258,19 @@ def test_async_engine_plans_ahead_until_the_text_repeats(tiny_checkpoint, plain_
     stats = engine.stats()
     assert 0 < stats.spec_decode_num_accepted_tokens_total < stats.spec_decode_num_draft_tokens_total
     engine.core.check_integrity()
+
+
+def test_the_server_logs_its_drafting_at_start(tiny_checkpoint, caplog):
+    speculative = SpeculativeConfig(3, prompt_lookup_min=2, prompt_lookup_max=4, disable_by_batch_size=4)
+    config = ServerConfig(engine=EngineConfig(model=str(tiny_checkpoint), dtype="float32", num_pages=16,
+                                              speculative_config=speculative))
+    state = ServerState(config, "tiny")
+
+    async def load():
+        await load_engine(state)
+        await state.engine.shutdown()
+
+    with caplog.at_level("INFO", logger="mili_openai.routes.app"):
+        asyncio.run(load())
+    assert "speculative decoding: ngram, up to 3 draft tokens from n-grams of 2-4 tokens, off above 4 running " \
+           "sequences" in caplog.text

@@ -89,6 +89,12 @@ async def load_engine(server: ServerState) -> None:
     logger.info("model %s loaded from %s; serving (max_model_len %d)", server.served_model_name,
                 engine.model_path, engine.max_model_len)
     logger.info(describe_sampling_defaults(engine.sampling_defaults))
+    speculative = server.config.engine.speculative_config
+    if speculative is not None:
+        limit = speculative.disable_by_batch_size
+        logger.info("speculative decoding: %s, up to %d draft tokens from n-grams of %d-%d tokens%s",
+                    speculative.method, speculative.num_speculative_tokens, speculative.prompt_lookup_min,
+                    speculative.prompt_lookup_max, f", off above {limit} running sequences" if limit else "")
 
 
 def create_app(config: ServerConfig, engine: Any | None = None) -> Starlette:
