@@ -117,13 +117,16 @@ def test_speculative_config_defaults_and_checks():
         dict(page_size=8, max_num_batched_tokens=4096),  # every sequence decodes in one batch
         dict(page_size=4, max_num_batched_tokens=20),  # chunked prefill beside drafting decodes, drafts cut
         dict(page_size=8, max_num_batched_tokens=4096, enable_prefix_caching=False),
+        dict(page_size=4, max_num_batched_tokens=4096, num_pages=36),  # preempted and recomputed
     ],
-    ids=["batched", "chunked", "no-prefix-cache"],
+    ids=["batched", "chunked", "no-prefix-cache", "preemption"],
 )
 def test_greedy_with_drafts_matches_transformers(tiny_checkpoint, prompts, oracle, engine_args):
-    llm = LLM(str(tiny_checkpoint), dtype="float32", num_pages=256, speculative_config=SPECULATIVE, **engine_args)
+    engine_args = {"num_pages": 256, **engine_args}
+    llm = LLM(str(tiny_checkpoint), dtype="float32", speculative_config=SPECULATIVE, **engine_args)
     assert_matches(llm.generate(prompts, greedy()), oracle)
     assert_drafts_kept_and_rejected(llm)
+    assert (llm.core.stats().num_preemptions_total > 0) == (engine_args["num_pages"] < 64)
 
 
 def test_penalties_min_tokens_and_stops_see_the_drafts(tiny_checkpoint, prompts, plain_llm):
@@ -258,6 +261,37 @@ def test_async_engine_plans_ahead_until_the_text_repeats(tiny_checkpoint, plain_
     stats = engine.stats()
     assert 0 < stats.spec_decode_num_accepted_tokens_total < stats.spec_decode_num_draft_tokens_total
     engine.core.check_integrity()
+
+
+def test_aborts_while_drafting_steps_run_return_every_page(tiny_checkpoint, prompts):
+    """Requests aborted mid-stream (their drafting step still on the worker) and finished ones leave
+    the pool whole."""
+    engine = AsyncEngine(EngineConfig(model=str(tiny_checkpoint), dtype="float32", num_pages=128, page_size=4,
+                                      speculative_config=SPECULATIVE))
+
+    async def main():
+        await engine.start()
+        try:
+            async def read(prompt, stop_after):
+                stream = engine.submit(prompt, greedy(MAX_NEW))
+                count = 0
+                async for delta in stream:
+                    count += len(delta.token_ids)
+                    if count >= stop_after:
+                        await stream.aclose()  # the client went away
+                        break
+                return count
+            return await asyncio.gather(*(read(p, 5 + 3 * i) for i, p in enumerate(prompts)))
+        finally:
+            await engine.shutdown()
+
+    counts = asyncio.run(main())
+    assert all(count >= 5 for count in counts)
+    stats = engine.stats()
+    assert stats.spec_decode_num_accepted_tokens_total > 0 and stats.num_running == stats.num_waiting == 0
+    engine.core.check_integrity()
+    pages = engine.core.pages
+    assert pages.tree.locked_pages == 0 and pages.pool.num_free + pages.tree.cached_pages == pages.num_pages
 
 
 def test_the_server_logs_its_drafting_at_start(tiny_checkpoint, caplog):
