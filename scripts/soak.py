@@ -66,6 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=24, help="output tokens of the mixed requests")
     parser.add_argument("--deadline-s", type=float, default=1800.0, help="the whole soak stops after this")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.8,
+                        help="of the mixed requests (0: greedy, whose loops on a random model make drafts)")
+    parser.add_argument("--serve-arg", action="append", default=[],
+                        help="extra `mili serve` argument, e.g. --serve-arg=--speculative-config=JSON (repeat)")
     return parser.parse_args(argv)
 
 
@@ -88,7 +92,7 @@ def start_server(args: argparse.Namespace, model: Path, port: int, log_path: Pat
     command = [sys.executable, "-m", "mili_openai", "serve", str(model), "--port", str(port),
                "--served-model-name", MODEL_NAME, "--dtype", args.dtype, "--num-pages", str(args.num_pages),
                "--max-model-len", str(args.max_model_len), "--debug-endpoints", "--log-level", "warning",
-               "--shutdown-grace-period", "10"]
+               "--shutdown-grace-period", "10", *args.serve_arg]
     with open(log_path, "w") as log:
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
@@ -141,10 +145,11 @@ async def plain_ok(client: httpx.AsyncClient, path: str, body: dict) -> tuple[bo
     return all(c.get("finish_reason") in ("length", "stop") for c in choices), 200
 
 
-async def one_request(client: httpx.AsyncClient, index: int, max_tokens: int, seed: int) -> tuple[str, bool, int]:
-    kind = index % 9
-    rng = random.Random(f"{seed}-{index}")  # the same request in every round, whatever the interleaving
-    sampling = {"model": MODEL_NAME, "max_tokens": max_tokens, "temperature": 0.8, "seed": index, "ignore_eos": True}
+async def one_request(client: httpx.AsyncClient, index: int, args: argparse.Namespace) -> tuple[str, bool, int]:
+    kind, max_tokens = index % 9, args.max_tokens
+    rng = random.Random(f"{args.seed}-{index}")  # the same request in every round, whatever the interleaving
+    sampling = {"model": MODEL_NAME, "max_tokens": max_tokens, "temperature": args.temperature, "seed": index,
+                "ignore_eos": True}
     prompt = f"Request {index}: tell me about number {rng.randrange(10**6)}."
     messages = [{"role": "user", "content": prompt}]
     if kind == 0:
@@ -179,7 +184,7 @@ async def run_round(client: httpx.AsyncClient, args: argparse.Namespace) -> dict
 
     async def limited(index: int):
         async with limit:
-            return await one_request(client, index, args.max_tokens, args.seed)
+            return await one_request(client, index, args)
 
     started = time.monotonic()
     mixed = await asyncio.gather(*(limited(i) for i in range(args.requests)))
@@ -215,6 +220,11 @@ async def wait_idle(client: httpx.AsyncClient) -> dict:
         await asyncio.sleep(POLL_S)
 
 
+# engine totals after each round (drafts show what --serve-arg=--speculative-config=... exercised)
+REPORTED_COUNTERS = ("generation_tokens_total", "num_preemptions_total", "spec_decode_num_draft_tokens_total",
+                     "spec_decode_num_accepted_tokens_total")
+
+
 def page_problems(state: dict) -> list[str]:
     pages, problems = state["pages"], []
     if state["stats"]["num_running"] or state["stats"]["num_waiting"]:
@@ -237,7 +247,8 @@ async def soak(args: argparse.Namespace, proc: subprocess.Popen, base_url: str) 
         for _ in range(args.rounds):
             result = await run_round(client, args)
             state = await wait_idle(client)
-            result.update(pages=state["pages"], page_problems=page_problems(state), rss_bytes=rss_bytes(proc.pid))
+            result.update(pages=state["pages"], page_problems=page_problems(state), rss_bytes=rss_bytes(proc.pid),
+                          counters={name: state["stats"][name] for name in REPORTED_COUNTERS})
             rounds.append(result)
     return {"rss_start_bytes": rss_start, "rounds": rounds}
 
