@@ -1,10 +1,10 @@
 """mili-openai: a small OpenAI-compatible inference server for Qwen3."""
 
 from mili_openai.engine.outputs import CompletionOutput, RequestOutput
-from mili_openai.engine.sampling_params import SamplingParams
+from mili_openai.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "__version__"]
 
 
 def __getattr__(name: str):

@@ -25,6 +25,7 @@ from mili_openai.engine.sampling_params import SamplingParams
 from mili_openai.engine.scheduler import ScheduledBatch, Scheduler
 from mili_openai.engine.sequence import Sequence
 from mili_openai.engine.stop_strings import StopStringMatcher
+from mili_openai.engine.structured_output import GrammarCompiler
 from mili_openai.model import resolve_model_path
 
 
@@ -57,6 +58,7 @@ class EngineCore:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.spec_decode = SpeculationCounts()
+        self.grammars = GrammarCompiler(tokenizer, self.vocab_size)
 
     @classmethod
     def from_config(cls, config: EngineConfig, observer: EngineObserver | None = None) -> EngineCore:
@@ -110,6 +112,7 @@ class EngineCore:
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, params.skip_special_tokens),
             stop_matcher=StopStringMatcher(params.stop) if params.stop else None,
             generator=Sampler.make_generator(params.seed, self.runner.device) if params.seed is not None else None,
+            grammar=self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None,
         )
         self.sequences[request_id] = seq
         self.scheduler.add(seq)
@@ -173,14 +176,10 @@ class EngineCore:
 
     def _verify_drafts(self, seq: Sequence, drafts: list[int], sampled: list[tuple]) -> list[tuple]:
         """The tokens a decode with drafts produced: the drafts its rows sampled too, then the first
-        sample that differs (or the one after the last draft).
-
-        Comparing a draft with the token sampled in its place is the rejection sampling of speculative
-        decoding for a draft that is one token for sure (as n-gram drafts are): the draft is kept with
-        the target's probability of it, and otherwise the sample is a draw from the target without it,
-        so the tokens have the distribution of plain decoding. Greedy rows keep exactly plain decoding's
-        tokens.
-        """
+        sample that differs (or the one after the last draft). For a draft that is one token for sure (an
+        n-gram's), this is speculative decoding's rejection sampling: the draft is kept with the target's
+        probability of it, else the sample is a draw from the target without it; so the tokens have plain
+        decoding's distribution, and greedy rows its very tokens."""
         accepted = 0
         while accepted < len(drafts) and sampled[accepted][0] == drafts[accepted]:
             accepted += 1

@@ -101,7 +101,8 @@ class ModelRunner:
                 history = list(history)
                 pending_histories.append((history, source))
             rows.append(SamplingRow(params=seq.params, generator=seq.generator,
-                                    prompt_token_ids=seq.prompt_token_ids, output_token_ids=history))
+                                    prompt_token_ids=seq.prompt_token_ids, output_token_ids=history,
+                                    grammar=seq.grammar))
             drafts = batch.drafts(index)
             for count in range(1, len(drafts) + 1):
                 # the row after the count-th draft: its sample counts only if the drafts before it are

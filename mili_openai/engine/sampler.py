@@ -1,6 +1,7 @@
 """The batch sampler: one call per engine step turns (B, V) logits into one token per sequence.
 
-Order of operations (vLLM's): logit_bias and the min_tokens mask, then penalties, then greedy rows take
+Order of operations (vLLM's): logit_bias and the min_tokens mask, then penalties, then a structured
+output's grammar mask (the sampled token then advances its matcher), then greedy rows take
 the argmax; random rows go on through temperature, top-k / top-p and min-p, and draw with the
 exponential race (argmax of probs / Exp(1) noise), which needs no multinomial and no host sync.
 Log-probabilities are taken from the raw model logits, before any of this.
@@ -19,11 +20,12 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from mili_openai.engine import logits_processing as lp
+from mili_openai.engine import structured_output
 from mili_openai.engine.outputs import TokenLogprob
 from mili_openai.engine.sampling_params import SamplingParams
 
@@ -42,6 +44,7 @@ class SamplingRow:
     generator: torch.Generator | None  # the request's own generator when params.seed is set
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
+    grammar: Any = None  # the sequence's structured-output matcher (engine/structured_output.py), if any
 
 
 class SamplerOutput(NamedTuple):
@@ -124,6 +127,10 @@ class Sampler:
         else:
             token_ids = self._sample_random(logits, rows, greedy_rows)  # (B,)
         token_list = token_ids.tolist()  # the step's one host sync, needed anyway
+        constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
+        if constrained:
+            structured_output.consume_tokens([rows[i].grammar for i in constrained],
+                                             [token_list[i] for i in constrained])
         return SamplerOutput(token_ids=token_list, logprobs=self._logprobs(raw_logits, rows, token_list))
 
     # ---- processing shared by greedy and random rows ----
@@ -154,7 +161,8 @@ class Sampler:
                 penalty_rows.append(index)
 
         padded = width > self.vocab_size
-        if not (bias_rows or masked_rows or penalty_rows or padded):
+        constrained = [index for index, row in enumerate(rows) if row.grammar is not None]
+        if not (bias_rows or masked_rows or penalty_rows or padded or constrained):
             return logits
         logits = logits.clone()  # the caller's tensor stays the raw logits (logprobs read them)
         if padded:  # columns past the real vocabulary (a padded lm_head) are never sampled
@@ -165,6 +173,8 @@ class Sampler:
             lp.mask_tokens(logits, masked_rows, masked_tokens)
         if penalty_rows:
             self._apply_penalties(logits, [rows[i] for i in penalty_rows], penalty_rows)
+        if constrained:  # last: a format's mask is absolute, whatever the biases did
+            structured_output.mask_rows(logits, constrained, [rows[i].grammar for i in constrained])
         return logits
 
     @staticmethod

@@ -10,6 +10,31 @@ MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_pe
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """Constrain the output to a format (vLLM's `StructuredOutputsParams`); exactly one field set:
+    `json` a JSON schema (a dict, or its JSON text), `json_object` any JSON object, `regex` a regular
+    expression the whole output matches, `choice` one of the given strings."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None  # a list is taken too
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, list):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [name for name, value in (("json", self.json), ("json_object", self.json_object or None),
+                                          ("regex", self.regex), ("choice", self.choice)) if value is not None]
+        if len(given) != 1:
+            raise ValueError(f"structured outputs take exactly one of json, json_object, regex and choice; got "
+                             f"{given or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("choice must be a non-empty list of strings")
+        if self.json is not None and not isinstance(self.json, dict | str):
+            raise ValueError("json must be a JSON schema: an object, or its JSON text")
+
+
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
@@ -32,6 +57,7 @@ class SamplingParams:
     # whole prompt then runs through the model: a cached prefix has no logits to read.
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # None = free text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

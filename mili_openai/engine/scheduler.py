@@ -158,8 +158,8 @@ class Scheduler:
         sequence's own tokens and the drafts before), its max_tokens (the drafts and the token sampled
         after them) and the pages it holds or finds free allow. A guess never evicts a cached prefix nor
         preempts a sequence."""
-        if seq.num_pending_tokens:
-            return []  # its last token is still being sampled
+        if seq.num_pending_tokens or seq.grammar is not None:
+            return []  # its last token is still being sampled; a format's matcher takes one token a step
         room = seq.max_tokens - len(seq.output_token_ids) - 1
         drafts = self.proposer.propose(seq.token_ids, min(budget, room))
         if drafts:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mili_openai.engine.sampling_params import SamplingParams
 
@@ -37,6 +37,8 @@ class Sequence:
     detokenizer: IncrementalDetokenizer
     stop_matcher: StopStringMatcher | None
     generator: torch.Generator | None  # the request's own sampling stream when seeded
+    # params.structured_outputs' matcher (engine/structured_output.py): touched only on the forward thread
+    grammar: Any = None
 
     # tokens: prompt followed by outputs. num_computed_tokens counts the tokens whose K/V is in `pages`
     # or is being written by a step already handed to the model runner (steps run in order, so nothing

@@ -1,7 +1,7 @@
 """Wire types of `POST /v1/chat/completions`: the request (validated) and the response shapes.
 
 Field names are OpenAI's; vLLM's sampling extras are accepted too. Anything this server cannot do
-is refused with a 400 that says so (image/audio parts, `response_format` json modes) rather than
+is refused with a 400 that says so (image/audio parts, for one) rather than
 silently ignored. Unknown top-level fields are ignored, as OpenAI-compatible servers commonly do.
 """
 
@@ -104,17 +104,6 @@ class NamedToolChoice(_Lenient):
     function: NamedFunction
 
 
-class ResponseFormat(_Lenient):
-    type: Literal["text", "json_object", "json_schema"]
-
-    @model_validator(mode="after")
-    def _only_text(self) -> ResponseFormat:
-        if self.type != "text":
-            raise ValueError(f"response_format {self.type!r} is not supported: this server has no "
-                             "constrained decoding; describe the format in the prompt instead")
-        return self
-
-
 class ChatCompletionRequest(SamplingFields):
     """The sampling fields shared with /v1/completions (OpenAI's and vLLM's), plus the chat ones."""
 
@@ -129,7 +118,6 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoiceMode | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     include_reasoning: bool = True  # vLLM: false drops the thinking text from the response
     prompt_logprobs: PromptLogprobsField = None  # vLLM's: scores of the rendered prompt, on the response

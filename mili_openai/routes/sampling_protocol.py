@@ -7,7 +7,7 @@ re-checks what it owns. Strict mode: `"5"` is not an integer here, as in OpenAI'
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -17,6 +17,7 @@ from mili_openai.engine.sampling_params import (
     MAX_LOGPROBS,
     MODEL_DEFAULT_FIELDS,
     SamplingParams,
+    StructuredOutputsParams,
 )
 from mili_openai.routes.errors import APIError
 
@@ -30,6 +31,31 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: "text", "json_object", or "json_schema" with its `json_schema`."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(BaseModel):
+    """vLLM's `structured_outputs` request field (one of its keys)."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
 
 
 class SamplingFields(BaseModel):
@@ -55,6 +81,12 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     min_tokens: Annotated[int, Field(ge=0)] = 0
     skip_special_tokens: bool = True
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -69,6 +101,33 @@ class SamplingFields(BaseModel):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one output format the request asks for, from whichever field; a 400 naming the fields when
+        it asks for more than one."""
+        formats: dict[str, StructuredOutputsParams] = {}
+        response_format = self.response_format
+        if response_format is not None and response_format.type != "text":
+            schema = response_format.json_schema.schema_ if response_format.json_schema is not None else None
+            if response_format.type == "json_schema" and schema is None:
+                raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
+            formats["response_format"] = (StructuredOutputsParams(json=schema) if schema is not None
+                                          else StructuredOutputsParams(json_object=True))
+        if self.structured_outputs is not None:
+            field = self.structured_outputs
+            try:
+                formats["structured_outputs"] = StructuredOutputsParams(
+                    json=field.json_, json_object=bool(field.json_object), regex=field.regex, choice=field.choice)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="structured_outputs") from None
+        for name in ("guided_json", "guided_regex", "guided_choice"):
+            value = getattr(self, name)
+            if value is not None:
+                formats[name] = StructuredOutputsParams(**{name.removeprefix("guided_"): value})
+        if len(formats) > 1:
+            raise APIError(400, f"ask for one output format, not {len(formats)}: {sorted(formats)}",
+                           param=sorted(formats)[1])
+        return next(iter(formats.values()), None)
 
     def to_sampling_params(self, vocab_size: int, defaults: Mapping[str, float | int], logprobs: int | None = None,
                            **overrides: Any) -> SamplingParams:
@@ -98,6 +157,7 @@ class SamplingFields(BaseModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structured_outputs_params(),
         )
         # unset optional knobs take the model's defaults, else keep SamplingParams' own
         for name in MODEL_DEFAULT_FIELDS:

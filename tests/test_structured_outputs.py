@@ -1,0 +1,137 @@
+"""Structured outputs (llguidance grammars): a JSON schema, any JSON object, a regex or a choice, through
+the offline engine, speculative decoding, and a real server driven by the openai SDK and LangChain.
+The tiny random model writes no JSON on its own (checked), so a valid output is the grammar's doing."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import openai
+import pytest
+from langchain_openai import ChatOpenAI
+
+from helpers_server import served_engine
+from mili_openai import LLM, SamplingParams, StructuredOutputsParams
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"color": {"enum": ["red", "green", "blue"]}, "count": {"type": "integer", "minimum": 0,
+                                                                        "maximum": 99}},
+    "required": ["color", "count"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-c]{3}-[0-9]{2}"
+CHOICES = ["yes", "no", "maybe later"]
+
+
+def conforms(text: str) -> bool:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return (isinstance(value, dict) and set(value) == {"color", "count"} and value["color"] in ("red", "green", "blue")
+            and isinstance(value["count"], int) and 0 <= value["count"] <= 99)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_checkpoint):
+    return LLM(str(tiny_checkpoint), dtype="float32", num_pages=256, page_size=8)
+
+
+def test_format_params_are_checked():
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="non-empty"):
+        StructuredOutputsParams(choice=[])
+    with pytest.raises(ValueError, match="JSON schema"):
+        StructuredOutputsParams(json=3)
+    assert StructuredOutputsParams(choice=["a", "b"]).choice == ("a", "b")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_every_format_holds_greedy_and_sampled(llm, temperature):
+    def texts(spec: StructuredOutputsParams) -> list[tuple[str, str]]:
+        params = SamplingParams(temperature=temperature, max_tokens=40, n=4, seed=3, structured_outputs=spec)
+        return [(c.text, c.finish_reason) for c in llm.generate(["Tell me something."], params)[0].outputs]
+
+    free = llm.generate(["Tell me something."], SamplingParams(temperature=temperature, max_tokens=40, seed=3))
+    assert not conforms(free[0].outputs[0].text) and not re.fullmatch(REGEX, free[0].outputs[0].text)
+    assert all(conforms(text) and finish == "stop" for text, finish in texts(StructuredOutputsParams(json=SCHEMA)))
+    assert all(re.fullmatch(REGEX, text) and finish == "stop"
+               for text, finish in texts(StructuredOutputsParams(regex=REGEX)))
+    assert all(text in CHOICES and finish == "stop" for text, finish in texts(StructuredOutputsParams(choice=CHOICES)))
+    for text, finish in texts(StructuredOutputsParams(json_object=True)):
+        assert text.startswith("{")  # a random model's object may run to max_tokens; a finished one parses
+        assert finish == "length" or isinstance(json.loads(text), dict)
+    llm.core.check_integrity()
+
+
+def test_a_bad_format_is_refused_before_it_runs(llm):
+    for spec in (StructuredOutputsParams(regex="[ab"), StructuredOutputsParams(json={"type": "objectx"})):
+        with pytest.raises(ValueError, match="structured output format"):
+            llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=spec))
+    assert not llm.core.has_work()
+
+
+def test_formats_do_not_draft_and_drafting_neighbours_keep_their_tokens(tiny_checkpoint, llm):
+    """With speculative decoding on, a constrained sequence decodes a token a step (its matcher takes one),
+    beside unconstrained sequences that draft and keep plain decoding's tokens."""
+    drafting = LLM(str(tiny_checkpoint), dtype="float32", num_pages=256, page_size=8,
+                   speculative_config={"num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1})
+    looping = [[1000, 2000, 3000] * 6, [4000, 5000] * 8]
+    free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    constrained = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    outputs = drafting.generate([*looping, looping[0]], [free, free, constrained])
+    plain = llm.generate(looping, free)
+    assert [o.outputs[0].token_ids for o in outputs[:2]] == [o.outputs[0].token_ids for o in plain]
+    assert conforms(outputs[2].outputs[0].text)
+    assert drafting.core.stats().spec_decode_num_drafts_total > 0
+
+
+def test_formats_through_a_real_server(tiny_checkpoint):
+    """OpenAI's response_format on chat (whole and streamed), vLLM's structured_outputs and guided_* on
+    completions, LangChain's with_structured_output; bad formats are 400s, and an unconstrained request
+    beside a constrained one keeps its tokens."""
+    with served_engine(tiny_checkpoint, num_pages=128, page_size=8) as (live, _):
+        client = openai.OpenAI(base_url=live.api_base, api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "Pick a color."}]
+        json_schema = {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA, "strict": True}}
+        reply = client.chat.completions.create(model="tiny", messages=messages, response_format=json_schema,
+                                               max_tokens=60, temperature=0)
+        assert conforms(reply.choices[0].message.content) and reply.choices[0].finish_reason == "stop"
+        stream = client.chat.completions.create(model="tiny", messages=messages, response_format=json_schema,
+                                                max_tokens=60, temperature=0.9, seed=5, stream=True)
+        assert conforms("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
+        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=60, temperature=0,
+                                               response_format={"type": "json_object"})
+        assert reply.choices[0].message.content.startswith("{")
+
+        def complete(**extra):
+            return client.completions.create(model="tiny", prompt="Answer:", max_tokens=30, temperature=0,
+                                             extra_body=extra).choices[0].text
+
+        assert complete(structured_outputs={"choice": CHOICES}) in CHOICES
+        assert complete(guided_choice=CHOICES) in CHOICES
+        assert re.fullmatch(REGEX, complete(structured_outputs={"regex": REGEX}))
+        assert re.fullmatch(REGEX, complete(guided_regex=REGEX))
+        assert conforms(complete(guided_json=SCHEMA))
+        free = client.completions.create(model="tiny", prompt="Answer:", max_tokens=12, temperature=0)
+
+        for extra, param in [({"guided_regex": "[ab"}, None), ({"guided_regex": "a", "guided_choice": ["a"]}, None),
+                             ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+                             ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+                              "response_format")]:
+            with pytest.raises(openai.BadRequestError) as error:
+                complete(**extra)
+            if param is not None:
+                assert error.value.body["param"] == param
+
+        chat_model = ChatOpenAI(base_url=live.api_base, api_key="unused", model="tiny", temperature=0, max_tokens=60,
+                                max_retries=0)
+        picked = chat_model.with_structured_output({**SCHEMA, "title": "Pick"}, method="json_schema").invoke("Pick.")
+        assert conforms(json.dumps(picked))
+        again = client.completions.create(model="tiny", prompt="Answer:", max_tokens=12, temperature=0)
+        assert again.choices[0].text == free.choices[0].text
