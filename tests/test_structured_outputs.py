@@ -23,6 +23,8 @@ SCHEMA = {
 }
 REGEX = r"[a-c]{3}-[0-9]{2}"
 CHOICES = ["yes", "no", "maybe later"]
+GRAMMAR = 'start: pair pair? pair? "!"\npair: "ab" | "cd"'  # Lark, llguidance's dialect
+GRAMMAR_REGEX = r"(ab|cd){1,3}!"
 
 
 def conforms(text: str) -> bool:
@@ -63,6 +65,8 @@ def test_every_format_holds_greedy_and_sampled(llm, temperature):
     assert all(re.fullmatch(REGEX, text) and finish == "stop"
                for text, finish in texts(StructuredOutputsParams(regex=REGEX)))
     assert all(text in CHOICES and finish == "stop" for text, finish in texts(StructuredOutputsParams(choice=CHOICES)))
+    assert all(re.fullmatch(GRAMMAR_REGEX, text) and finish == "stop"
+               for text, finish in texts(StructuredOutputsParams(grammar=GRAMMAR)))
     for text, finish in texts(StructuredOutputsParams(json_object=True)):
         assert text.startswith("{")  # a random model's object may run to max_tokens; a finished one parses
         assert finish == "length" or isinstance(json.loads(text), dict)
@@ -118,6 +122,8 @@ def test_formats_through_a_real_server(tiny_checkpoint):
         assert re.fullmatch(REGEX, complete(structured_outputs={"regex": REGEX}))
         assert re.fullmatch(REGEX, complete(guided_regex=REGEX))
         assert conforms(complete(guided_json=SCHEMA))
+        assert re.fullmatch(GRAMMAR_REGEX, complete(structured_outputs={"grammar": GRAMMAR}))
+        assert re.fullmatch(GRAMMAR_REGEX, complete(guided_grammar=GRAMMAR))
         free = client.completions.create(model="tiny", prompt="Answer:", max_tokens=12, temperature=0)
 
         for extra, param in [({"guided_regex": "[ab"}, None), ({"guided_regex": "a", "guided_choice": ["a"]}, None),

@@ -14,21 +14,24 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 class StructuredOutputsParams:
     """Constrain the output to a format (vLLM's `StructuredOutputsParams`); exactly one field set:
     `json` a JSON schema (a dict, or its JSON text), `json_object` any JSON object, `regex` a regular
-    expression the whole output matches, `choice` one of the given strings."""
+    expression the whole output matches, `choice` one of the given strings, `grammar` a Lark grammar
+    (llguidance's dialect: rule `start`, regexes between slashes)."""
 
     json: dict | str | None = None
     json_object: bool = False
     regex: str | None = None
     choice: tuple[str, ...] | None = None  # a list is taken too
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.choice, list):
             object.__setattr__(self, "choice", tuple(self.choice))
         given = [name for name, value in (("json", self.json), ("json_object", self.json_object or None),
-                                          ("regex", self.regex), ("choice", self.choice)) if value is not None]
+                                          ("regex", self.regex), ("choice", self.choice), ("grammar", self.grammar))
+                 if value is not None]
         if len(given) != 1:
-            raise ValueError(f"structured outputs take exactly one of json, json_object, regex and choice; got "
-                             f"{given or 'none'}")
+            raise ValueError(f"structured outputs take exactly one of json, json_object, regex, choice and grammar; "
+                             f"got {given or 'none'}")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
             raise ValueError("choice must be a non-empty list of strings")
         if self.json is not None and not isinstance(self.json, dict | str):

@@ -30,6 +30,8 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
         return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=compact)
     if spec.regex is not None:
         return llguidance.LLMatcher.grammar_from_regex(spec.regex)
+    if spec.grammar is not None:
+        return llguidance.LLMatcher.grammar_from_lark(spec.grammar)
     alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in spec.choice)
     return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
 

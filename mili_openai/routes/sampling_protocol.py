@@ -56,6 +56,7 @@ class StructuredOutputsField(BaseModel):
     json_object: bool | None = None
     regex: str | None = None
     choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: str | None = None
 
 
 class SamplingFields(BaseModel):
@@ -87,6 +88,7 @@ class SamplingFields(BaseModel):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -117,10 +119,11 @@ class SamplingFields(BaseModel):
             field = self.structured_outputs
             try:
                 formats["structured_outputs"] = StructuredOutputsParams(
-                    json=field.json_, json_object=bool(field.json_object), regex=field.regex, choice=field.choice)
+                    json=field.json_, json_object=bool(field.json_object), regex=field.regex, choice=field.choice,
+                    grammar=field.grammar)
             except ValueError as exc:
                 raise APIError(400, str(exc), param="structured_outputs") from None
-        for name in ("guided_json", "guided_regex", "guided_choice"):
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
             value = getattr(self, name)
             if value is not None:
                 formats[name] = StructuredOutputsParams(**{name.removeprefix("guided_"): value})
