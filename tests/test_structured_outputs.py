@@ -103,14 +103,17 @@ def test_formats_through_a_real_server(tiny_checkpoint):
         client = openai.OpenAI(base_url=live.api_base, api_key="unused", max_retries=0)
         messages = [{"role": "user", "content": "Pick a color."}]
         json_schema = {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA, "strict": True}}
+        # no thinking: a random model given the choice would think until max_tokens (see the test below)
+        no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}
         reply = client.chat.completions.create(model="tiny", messages=messages, response_format=json_schema,
-                                               max_tokens=60, temperature=0)
+                                               max_tokens=60, temperature=0, extra_body=no_thinking)
         assert conforms(reply.choices[0].message.content) and reply.choices[0].finish_reason == "stop"
         stream = client.chat.completions.create(model="tiny", messages=messages, response_format=json_schema,
-                                                max_tokens=60, temperature=0.9, seed=5, stream=True)
+                                                max_tokens=60, temperature=0.9, seed=5, stream=True,
+                                                extra_body=no_thinking)
         assert conforms("".join(c.choices[0].delta.content or "" for c in stream if c.choices))
         reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=60, temperature=0,
-                                               response_format={"type": "json_object"})
+                                               response_format={"type": "json_object"}, extra_body=no_thinking)
         assert reply.choices[0].message.content.startswith("{")
 
         def complete(**extra):
@@ -136,8 +139,40 @@ def test_formats_through_a_real_server(tiny_checkpoint):
                 assert error.value.body["param"] == param
 
         chat_model = ChatOpenAI(base_url=live.api_base, api_key="unused", model="tiny", temperature=0, max_tokens=60,
-                                max_retries=0)
+                                max_retries=0, extra_body=no_thinking)
         picked = chat_model.with_structured_output({**SCHEMA, "title": "Pick"}, method="json_schema").invoke("Pick.")
         assert conforms(json.dumps(picked))
         again = client.completions.create(model="tiny", prompt="Answer:", max_tokens=12, temperature=0)
         assert again.choices[0].text == free.choices[0].text
+
+
+def test_a_reasoning_models_thinking_goes_before_the_format(llm, tiny_checkpoint):
+    """With `reasoning`, the `<think>...</think>` block goes unmasked and the format starts after it; the
+    chat route sets the mode from the rendered prompt. Logit biases stand in for a model that thinks."""
+    tokenizer = llm.tokenizer
+    think, end = (tokenizer.convert_tokens_to_ids(tag) for tag in ("<think>", "</think>"))
+    thinks = {think: 40.0, end: 45.0}  # `</think>` is likelier, but the format allows only `<think>` first
+
+    def text(reasoning: str, bias: dict[int, float]) -> str:
+        spec = StructuredOutputsParams(json=SCHEMA, reasoning=reasoning)
+        params = SamplingParams(temperature=0, max_tokens=60, logit_bias=bias, structured_outputs=spec,
+                                skip_special_tokens=False)
+        return llm.generate(["Pick."], params)[0].outputs[0].text
+
+    assert text("optional", thinks).startswith("<think></think>") and conforms(text("optional", thinks)[15:])
+    assert text("open", {end: 45.0}).startswith("</think>") and conforms(text("open", {end: 45.0})[8:])
+    assert conforms(text("optional", {}))  # no thinking: the format from the first token
+    assert conforms(text("off", thinks))  # the tags are no part of the format
+    with pytest.raises(ValueError, match="reasoning"):
+        StructuredOutputsParams(regex="a", reasoning="maybe")
+
+    with served_engine(tiny_checkpoint, num_pages=64, page_size=8) as (live, _):
+        client = openai.OpenAI(base_url=live.api_base, api_key="unused", max_retries=0)
+        json_schema = {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA}}
+        bias = {str(token): value for token, value in thinks.items()}
+        for kwargs, first in (({}, "<think>"), ({"chat_template_kwargs": {"enable_thinking": False}}, "{")):
+            reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Pick."}],
+                                                   response_format=json_schema, max_tokens=60, temperature=0,
+                                                   logit_bias=bias, logprobs=True, extra_body=kwargs)
+            assert conforms(reply.choices[0].message.content), reply.choices[0].message
+            assert reply.choices[0].logprobs.content[0].token.startswith(first)  # thinks only where it may

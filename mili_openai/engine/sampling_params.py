@@ -8,6 +8,7 @@ MAX_LOGPROBS = 20  # OpenAI's cap on logprobs / top_logprobs
 # the knobs a request may leave unset for the model's generation_config.json to fill (vLLM's list)
 MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+REASONING_MODES = ("off", "optional", "open")
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +23,10 @@ class StructuredOutputsParams:
     regex: str | None = None
     choice: tuple[str, ...] | None = None  # a list is taken too
     grammar: str | None = None
+    # where the format starts in a reasoning model's output: "off" at its first token; "optional" after
+    # a `<think>...</think>` block if the output opens one first; "open" after the `</think>` that
+    # closes the block the prompt opened (the chat route sets this from the rendered prompt)
+    reasoning: str = "off"
 
     def __post_init__(self) -> None:
         if isinstance(self.choice, list):
@@ -34,6 +39,8 @@ class StructuredOutputsParams:
                              f"got {given or 'none'}")
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
             raise ValueError("choice must be a non-empty list of strings")
+        if self.reasoning not in REASONING_MODES:
+            raise ValueError(f"reasoning must be one of {REASONING_MODES}, got {self.reasoning!r}")
         if self.json is not None and not isinstance(self.json, dict | str):
             raise ValueError("json must be a JSON schema: an object, or its JSON text")
 

@@ -37,7 +37,7 @@ class Sequence:
     detokenizer: IncrementalDetokenizer
     stop_matcher: StopStringMatcher | None
     generator: torch.Generator | None  # the request's own sampling stream when seeded
-    # params.structured_outputs' matcher (engine/structured_output.py): touched only on the forward thread
+    # params.structured_outputs' ConstrainedOutput (engine/structured_output.py), used on the forward thread only
     grammar: Any = None
 
     # tokens: prompt followed by outputs. num_computed_tokens counts the tokens whose K/V is in `pages`

@@ -36,15 +36,63 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
     return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
 
 
+THINK_START, THINK_END = "<think>", "</think>"  # Qwen3's reasoning tags, one token each
+
+
+class ConstrainedOutput:
+    """A sequence's matcher, and whether the format has started: a reasoning model's thinking block
+    (`StructuredOutputsParams.reasoning`) goes unmasked, and the format begins after its `</think>`."""
+
+    ACTIVE, WAITING, THINKING = "active", "waiting", "thinking"
+
+    def __init__(self, matcher: Any, reasoning: str, think_start: int | None, think_end: int | None) -> None:
+        self.matcher = matcher
+        self.think_start, self.think_end = think_start, think_end
+        has_tags = think_start is not None and think_end is not None
+        self.state = {"optional": self.WAITING, "open": self.THINKING}.get(reasoning, self.ACTIVE)
+        if not has_tags:
+            self.state = self.ACTIVE
+
+    def fill_mask(self, bitmask: torch.Tensor, index: int) -> None:
+        """Row `index` of an int32 bitmask: the tokens this output may take next."""
+        import llguidance.torch
+
+        if self.state == self.THINKING:
+            bitmask[index].fill_(-1)  # every token
+            return
+        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, index)
+        if self.state == self.WAITING:  # the format's first tokens, or `<think>` to reason first
+            word, bit = divmod(self.think_start, 32)
+            value = int(bitmask[index, word]) | (1 << bit)
+            bitmask[index, word] = value - (1 << 32) if value >= 1 << 31 else value
+
+    def consume(self, token_id: int) -> None:
+        if self.state == self.THINKING:
+            if token_id == self.think_end:
+                self.state = self.ACTIVE
+            return
+        if self.state == self.WAITING:
+            if token_id == self.think_start:
+                self.state = self.THINKING
+                return
+            self.state = self.ACTIVE
+        self.matcher.consume_token(token_id)
+
+
 class GrammarCompiler:
-    """Matchers for sequences' formats, over one model's tokenizer."""
+    """Constrained outputs for sequences' formats, over one model's tokenizer."""
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._vocabulary = None  # llguidance's view of the tokenizer: ~1 s to build, so on first use
+        self._think_tags = [self._token_id(tag) for tag in (THINK_START, THINK_END)]
 
-    def matcher(self, spec: StructuredOutputsParams) -> Any:
+    def _token_id(self, text: str) -> int | None:
+        ids = self._tokenizer.encode(text, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
+
+    def matcher(self, spec: StructuredOutputsParams) -> ConstrainedOutput:
         """A fresh matcher at the start of the output; ValueError naming what is wrong with the format."""
         import llguidance
         import llguidance.hf
@@ -58,25 +106,25 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self._vocabulary, grammar)
         if matcher.is_error():
             raise ValueError(f"structured output format: {matcher.get_error()}")
-        return matcher
+        return ConstrainedOutput(matcher, spec.reasoning, *self._think_tags)
 
 
-def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
-    """Set every token the rows' matchers disallow to -inf, in place. logits (B, V) float32 on any device."""
+def mask_rows(logits: torch.Tensor, rows: list[int], outputs: list[ConstrainedOutput]) -> None:
+    """Set every token the rows' formats disallow to -inf, in place. logits (B, V) float32 on any device."""
     import llguidance.torch
 
     bitmask = llguidance.torch.allocate_token_bitmask(len(rows), logits.shape[1])  # (R, ceil(V / 32)) int32
-    for index, matcher in enumerate(matchers):
-        llguidance.torch.fill_next_token_bitmask(matcher, bitmask, index)
+    for index, output in enumerate(outputs):
+        output.fill_mask(bitmask, index)
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
     subset = logits[index]
     llguidance.torch.apply_token_bitmask_inplace(subset, bitmask.to(logits.device))
     logits[index] = subset
 
 
-def consume_tokens(matchers: list[Any], token_ids: list[int]) -> None:
-    """Advance each matcher by its row's sampled token. A token against the grammar (possible only when
+def consume_tokens(outputs: list[ConstrainedOutput], token_ids: list[int]) -> None:
+    """Advance each format by its row's sampled token. A token against the grammar (possible only when
     other processors left no allowed token, e.g. min_tokens blocking the EOS a finished format needs)
     puts the matcher in error, after which it allows EOS alone: the sequence ends, other rows unharmed."""
-    for matcher, token_id in zip(matchers, token_ids):
-        matcher.consume_token(token_id)
+    for output, token_id in zip(outputs, token_ids):
+        output.consume(token_id)

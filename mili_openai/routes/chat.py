@@ -8,6 +8,7 @@ usage chunk when `stream_options.include_usage` asks for it, then `[DONE]`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -46,6 +47,7 @@ from mili_openai.routes.generation import (
     usage_of,
 )
 from mili_openai.routes.prompt_logprobs import prompt_logprobs_object
+from mili_openai.routes.reasoning import output_reasoning_mode
 from mili_openai.routes.responses import json_response
 from mili_openai.routes.sse import sse_stream
 from mili_openai.routes.state import ServerState, request_id_of, server_state
@@ -104,6 +106,11 @@ class ChatJob(GenerationJob):
         params = self.sampling_params()
         self.prompt = await render_chat_prompt(self.engine.tokenizer, self.body)
         check_context(len(self.prompt.token_ids), params.max_tokens, self.engine.max_model_len)
+        if params.structured_outputs is not None and self.options.split_reasoning:
+            # the format starts after the model's thinking, as vLLM's with a reasoning parser
+            mode = output_reasoning_mode(self.prompt.assistant_tail)
+            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
+                params.structured_outputs, reasoning=mode))
         self.streams = submit_choices(self.engine, self.prompt.token_ids, params, self.response_id)
 
     def parser(self) -> ChatOutputParser:

@@ -97,6 +97,16 @@ class ReasoningStreamParser:
         return "", held
 
 
+def output_reasoning_mode(prompt_tail: str) -> str:
+    """How an output after `prompt_tail` may reason, as `StructuredOutputsParams.reasoning` takes it:
+    "optional" (it may open a `<think>` block), "open" (it starts inside one) or "off" (it is all answer)."""
+    parser = ReasoningStreamParser()
+    parser.prime(prompt_tail)
+    if parser.in_reasoning:
+        return "open"
+    return "optional" if parser._state is _State.START else "off"
+
+
 def split_reasoning(text: str, prompt_tail: str = "") -> tuple[str | None, str]:
     """Whole-output form of the stream parser: `(reasoning, content)`; reasoning None when empty."""
     parser = ReasoningStreamParser()
