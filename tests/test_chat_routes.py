@@ -157,12 +157,15 @@ def test_parallel_tool_calls_false_keeps_the_first_call(scripted_server):
     assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [{"city": "Paris"}]
 
 
-def test_named_tool_choice_prefills_the_call_and_parses_its_completion(scripted_server):
-    scripted_server.engine.script = '{"city": "Oslo"}}\n</tool_call>'
+def test_named_tool_choice_sends_a_grammar_and_parses_the_call(scripted_server):
+    scripted_server.engine.script = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     body = chat(scripted_server, tools=[WEATHER_TOOL],
                 tool_choice={"type": "function", "function": {"name": "get_weather"}}).json()
-    prompt = scripted_server.engine.tokenizer.decode(scripted_server.engine.submitted[-1][0])
-    assert prompt.endswith('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": ')
+    prompt_ids, params, _ = scripted_server.engine.submitted[-1]
+    assert scripted_server.engine.tokenizer.decode(prompt_ids).endswith("<|im_start|>assistant\n")  # no prefill
+    grammar = params.structured_outputs.grammar
+    assert '"const": "get_weather"' in grammar and "call_1" not in grammar  # this function, one call
+    assert params.structured_outputs.reasoning == "optional"  # the template lets Qwen3 think first
     choice = body["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}

@@ -176,3 +176,37 @@ def test_a_reasoning_models_thinking_goes_before_the_format(llm, tiny_checkpoint
                                                    logit_bias=bias, logprobs=True, extra_body=kwargs)
             assert conforms(reply.choices[0].message.content), reply.choices[0].message
             assert reply.choices[0].logprobs.content[0].token.startswith(first)  # thinks only where it may
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
+    "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 12}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def test_required_and_named_tool_choice_are_enforced(tiny_checkpoint):
+    """A random model never writes a tool call by itself; with tool_choice "required" or a named function
+    its output is held to calls whose arguments meet the function's schema, and comes back as tool_calls."""
+    with served_engine(tiny_checkpoint, num_pages=64, page_size=8) as (live, _):
+        client = openai.OpenAI(base_url=live.api_base, api_key="unused", max_retries=0)
+
+        def calls(**kwargs):
+            reply = client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=[WEATHER, TIME],
+                max_tokens=80, temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+                **kwargs)
+            choice = reply.choices[0]
+            assert choice.finish_reason == "tool_calls", choice
+            return [(call.function.name, json.loads(call.function.arguments)) for call in choice.message.tool_calls]
+
+        named = calls(tool_choice={"type": "function", "function": {"name": "get_time"}})
+        assert len(named) == 1 and named[0][0] == "get_time" and -12 <= named[0][1]["zone"] <= 12
+        required = calls(tool_choice="required", parallel_tool_calls=False)
+        assert len(required) == 1 and required[0][0] in ("get_weather", "get_time")
+        name, args = required[0]
+        assert args in ({"city": "Paris"}, {"city": "Oslo"}) if name == "get_weather" else -12 <= args["zone"] <= 12
+        with pytest.raises(openai.BadRequestError) as error:
+            calls(tool_choice="required", response_format={"type": "json_object"})
+        assert error.value.body["param"] == "tool_choice"

@@ -17,7 +17,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from mili_openai.engine.outputs import SequenceDelta
-from mili_openai.engine.sampling_params import SamplingParams
+from mili_openai.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from mili_openai.routes.chat_logprobs import chat_logprobs
 from mili_openai.routes.chat_output import ChatDelta, ChatOutputParser, OutputOptions, parse_whole_output
 from mili_openai.routes.chat_protocol import (
@@ -51,6 +51,7 @@ from mili_openai.routes.reasoning import output_reasoning_mode
 from mili_openai.routes.responses import json_response
 from mili_openai.routes.sse import sse_stream
 from mili_openai.routes.state import ServerState, request_id_of, server_state
+from mili_openai.routes.tool_grammar import tool_call_grammar
 
 TOOL_CALLS_FINISH = "tool_calls"
 ABORT_FINISH = "abort"
@@ -106,6 +107,14 @@ class ChatJob(GenerationJob):
         params = self.sampling_params()
         self.prompt = await render_chat_prompt(self.engine.tokenizer, self.body)
         check_context(len(self.prompt.token_ids), params.max_tokens, self.engine.max_model_len)
+        choice = self.body.effective_tool_choice
+        if self.options.parse_tools and choice != "auto":  # "required" or a named function: enforced
+            if params.structured_outputs is not None:
+                raise APIError(400, "tool_choice 'required' or a named function cannot be combined with an output "
+                                    "format", param="tool_choice")
+            parallel = self.body.parallel_tool_calls and choice == "required"  # a named function: one call
+            grammar = tool_call_grammar(self.engine.tokenizer, self.body.tools, choice, parallel)
+            params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(grammar=grammar))
         if params.structured_outputs is not None and self.options.split_reasoning:
             # the format starts after the model's thinking, as vLLM's with a reasoning parser
             mode = output_reasoning_mode(self.prompt.assistant_tail)

@@ -5,11 +5,8 @@ send JSON strings, so history arguments are parsed here. `developer` is OpenAI's
 `system`. A template that raises (the Qwen3 one does for an empty message list, others for
 unsupported roles) is the client's problem: a 400 with the template's own message.
 
-`tool_choice` "required" or a named function is honoured by prefilling the assistant turn with the
-start of a call (`<tool_call>\\n{"name": "` or up to the arguments of the named function): without
-constrained decoding that is the strongest push a prompt can give, and the output parser continues
-from the prefill (see `RenderedPrompt.assistant_tail`). The model may still write malformed JSON,
-which then comes back as content.
+`tool_choice` "required" or a named function leaves the prompt as the template renders it: a grammar
+holds the output to tool calls (routes/tool_grammar.py), so a thinking model may still think first.
 """
 
 from __future__ import annotations
@@ -20,8 +17,8 @@ from typing import Any
 
 import jinja2
 
-from mili_openai.routes.chat_protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
-from mili_openai.routes.chat_tags import ASSISTANT_TURN_START, TOOL_CALL_START
+from mili_openai.routes.chat_protocol import ChatCompletionRequest, ChatMessage
+from mili_openai.routes.chat_tags import ASSISTANT_TURN_START
 from mili_openai.routes.prompts import encode_text
 
 # chat_template_kwargs may not override what the route itself passes to the template
@@ -71,18 +68,6 @@ def message_dict(message: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def tool_choice_prefill(request: ChatCompletionRequest) -> str:
-    """The start of a tool call that "required" / a named tool_choice writes into the assistant turn."""
-    choice = request.effective_tool_choice
-    if request.continue_final_message or not request.add_generation_prompt:
-        return ""  # the client wrote the assistant turn itself
-    if isinstance(choice, NamedToolChoice):
-        return f'{TOOL_CALL_START}\n{{"name": {json.dumps(choice.function.name)}, "arguments": '
-    if choice == "required":
-        return f'{TOOL_CALL_START}\n{{"name": "'
-    return ""
-
-
 def render_chat_text(tokenizer: Any, request: ChatCompletionRequest) -> tuple[str, str]:
     """`(prompt text, assistant tail)`; ValueError (a 400) for anything the template refuses."""
     extra = dict(request.chat_template_kwargs or {})
@@ -103,7 +88,6 @@ def render_chat_text(tokenizer: Any, request: ChatCompletionRequest) -> tuple[st
         )
     except jinja2.TemplateError as exc:
         raise ValueError(f"the chat template failed: {exc}") from None
-    text += tool_choice_prefill(request)
     continues_assistant = request.add_generation_prompt or request.continue_final_message
     tail = text.rsplit(ASSISTANT_TURN_START, 1)[-1] if continues_assistant and ASSISTANT_TURN_START in text else ""
     return text, tail
