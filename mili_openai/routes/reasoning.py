@@ -41,6 +41,11 @@ class ReasoningStreamParser:
     def in_reasoning(self) -> bool:
         return self._state is _State.REASONING
 
+    @property
+    def at_start(self) -> bool:
+        """Nothing but whitespace seen: a `<think>` may still open a block."""
+        return self._state is _State.START
+
     def prime(self, text: str) -> None:
         """Advance the state over text that is already in the prompt; nothing of it is emitted."""
         self.feed(text)
@@ -104,7 +109,7 @@ def output_reasoning_mode(prompt_tail: str) -> str:
     parser.prime(prompt_tail)
     if parser.in_reasoning:
         return "open"
-    return "optional" if parser._state is _State.START else "off"
+    return "optional" if parser.at_start else "off"
 
 
 def split_reasoning(text: str, prompt_tail: str = "") -> tuple[str | None, str]:
