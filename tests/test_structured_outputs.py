@@ -24,6 +24,7 @@ SCHEMA = {
 REGEX = r"[a-c]{3}-[0-9]{2}"
 CHOICES = ["yes", "no", "maybe later"]
 GRAMMAR = 'start: pair pair? pair? "!"\npair: "ab" | "cd"'  # Lark, llguidance's dialect
+GBNF = 'root ::= pair pair? pair? "!"\npair ::= "ab" | "cd"'  # the same in GBNF (vLLM's xgrammar dialect)
 GRAMMAR_REGEX = r"(ab|cd){1,3}!"
 
 
@@ -127,6 +128,7 @@ def test_formats_through_a_real_server(tiny_checkpoint):
         assert conforms(complete(guided_json=SCHEMA))
         assert re.fullmatch(GRAMMAR_REGEX, complete(structured_outputs={"grammar": GRAMMAR}))
         assert re.fullmatch(GRAMMAR_REGEX, complete(guided_grammar=GRAMMAR))
+        assert re.fullmatch(GRAMMAR_REGEX, complete(guided_grammar=GBNF))
         free = client.completions.create(model="tiny", prompt="Answer:", max_tokens=12, temperature=0)
 
         for extra, param in [({"guided_regex": "[ab"}, None), ({"guided_regex": "a", "guided_choice": ["a"]}, None),

@@ -16,7 +16,7 @@ class StructuredOutputsParams:
     """Constrain the output to a format (vLLM's `StructuredOutputsParams`); exactly one field set:
     `json` a JSON schema (a dict, or its JSON text), `json_object` any JSON object, `regex` a regular
     expression the whole output matches, `choice` one of the given strings, `grammar` a Lark grammar
-    (llguidance's dialect: rule `start`, regexes between slashes)."""
+    (llguidance's dialect: rule `start`, regexes between slashes) or a GBNF one (rule `root`, `::=`)."""
 
     json: dict | str | None = None
     json_object: bool = False

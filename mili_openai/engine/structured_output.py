@@ -30,8 +30,10 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
         return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=compact)
     if spec.regex is not None:
         return llguidance.LLMatcher.grammar_from_regex(spec.regex)
-    if spec.grammar is not None:
-        return llguidance.LLMatcher.grammar_from_lark(spec.grammar)
+    if spec.grammar is not None:  # Lark, or GBNF as vLLM's xgrammar backend takes it (converted)
+        from llguidance.gbnf_to_lark import any_to_lark
+
+        return llguidance.LLMatcher.grammar_from_lark(any_to_lark(spec.grammar))
     alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in spec.choice)
     return llguidance.LLMatcher.grammar_from_lark(f"start: {alternatives}")
 
