@@ -110,8 +110,9 @@ class SamplingFields(BaseModel):
         formats: dict[str, StructuredOutputsParams] = {}
         response_format = self.response_format
         if response_format is not None and response_format.type != "text":
-            schema = response_format.json_schema.schema_ if response_format.json_schema is not None else None
-            if response_format.type == "json_schema" and schema is None:
+            wants_schema = response_format.type == "json_schema"
+            schema = response_format.json_schema.schema_ if wants_schema and response_format.json_schema else None
+            if wants_schema and schema is None:
                 raise APIError(400, "response_format json_schema needs json_schema.schema", param="response_format")
             formats["response_format"] = (StructuredOutputsParams(json=schema) if schema is not None
                                           else StructuredOutputsParams(json_object=True))
