@@ -119,7 +119,8 @@ class Sampler:
             return SamplerOutput(token_ids=[], logprobs=[])
         self._validate_logit_bias(rows, logits.shape[1])
         raw_logits = logits
-        logits = self._process(logits, rows)  # (B, V), a new tensor whenever anything changed
+        constrained = [i for i, row in enumerate(rows) if row.grammar is not None]  # structured outputs
+        logits = self._process(logits, rows, constrained)  # (B, V), a new tensor whenever anything changed
 
         greedy_rows = [i for i, row in enumerate(rows) if _is_greedy(row.params)]
         if len(greedy_rows) == len(rows):
@@ -127,7 +128,6 @@ class Sampler:
         else:
             token_ids = self._sample_random(logits, rows, greedy_rows)  # (B,)
         token_list = token_ids.tolist()  # the step's one host sync, needed anyway
-        constrained = [i for i, row in enumerate(rows) if row.grammar is not None]
         if constrained:
             structured_output.consume_tokens([rows[i].grammar for i in constrained],
                                              [token_list[i] for i in constrained])
@@ -141,7 +141,9 @@ class Sampler:
                 if not 0 <= token_id < width:
                     raise ValueError(f"logit_bias token id {token_id} is outside the vocabulary [0, {width})")
 
-    def _process(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    def _process(self, logits: torch.Tensor, rows: Sequence[SamplingRow],
+                 constrained: Sequence[int] = ()) -> torch.Tensor:
+        """`constrained`: the rows with a structured output (`SamplingRow.grammar`)."""
         width = logits.shape[1]
         bias_rows, bias_tokens, bias_values = [], [], []
         masked_rows, masked_tokens = [], []
@@ -161,8 +163,8 @@ class Sampler:
                 penalty_rows.append(index)
 
         padded = width > self.vocab_size
-        constrained = [index for index, row in enumerate(rows) if row.grammar is not None]
-        if not (bias_rows or masked_rows or penalty_rows or padded or constrained):
+        masked_formats = [index for index in constrained if rows[index].grammar.masks]  # not while thinking
+        if not (bias_rows or masked_rows or penalty_rows or padded or masked_formats):
             return logits
         logits = logits.clone()  # the caller's tensor stays the raw logits (logprobs read them)
         if padded:  # columns past the real vocabulary (a padded lm_head) are never sampled
@@ -173,8 +175,8 @@ class Sampler:
             lp.mask_tokens(logits, masked_rows, masked_tokens)
         if penalty_rows:
             self._apply_penalties(logits, [rows[i] for i in penalty_rows], penalty_rows)
-        if constrained:  # last: a format's mask is absolute, whatever the biases did
-            structured_output.mask_rows(logits, constrained, [rows[i].grammar for i in constrained])
+        if masked_formats:  # last: a format's mask is absolute, whatever the biases did
+            structured_output.mask_rows(logits, masked_formats, [rows[i].grammar for i in masked_formats])
         return logits
 
     @staticmethod

@@ -41,6 +41,12 @@ def grammar_text(spec: StructuredOutputsParams) -> str:
 THINK_START, THINK_END = "<think>", "</think>"  # Qwen3's reasoning tags, one token each
 
 
+def single_token_id(tokenizer: Any, text: str) -> int | None:
+    """The id of the one token `text` encodes to (a tag such as `<think>`), or None if it takes several."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
+
+
 class ConstrainedOutput:
     """A sequence's matcher, and whether the format has started: a reasoning model's thinking block
     (`StructuredOutputsParams.reasoning`) goes unmasked, and the format begins after its `</think>`."""
@@ -51,17 +57,18 @@ class ConstrainedOutput:
         self.matcher = matcher
         self.think_start, self.think_end = think_start, think_end
         has_tags = think_start is not None and think_end is not None
-        self.state = {"optional": self.WAITING, "open": self.THINKING}.get(reasoning, self.ACTIVE)
-        if not has_tags:
-            self.state = self.ACTIVE
+        modes = {"optional": self.WAITING, "open": self.THINKING}
+        self.state = modes.get(reasoning, self.ACTIVE) if has_tags else self.ACTIVE
+
+    @property
+    def masks(self) -> bool:
+        """Whether the next token is masked at all (not while the model thinks)."""
+        return self.state != self.THINKING
 
     def fill_mask(self, bitmask: torch.Tensor, index: int) -> None:
-        """Row `index` of an int32 bitmask: the tokens this output may take next."""
+        """Row `index` of an int32 bitmask: the tokens this output may take next (it `masks`)."""
         import llguidance.torch
 
-        if self.state == self.THINKING:
-            bitmask[index].fill_(-1)  # every token
-            return
         llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, index)
         if self.state == self.WAITING:  # the format's first tokens, or `<think>` to reason first
             word, bit = divmod(self.think_start, 32)
@@ -88,11 +95,7 @@ class GrammarCompiler:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._vocabulary = None  # llguidance's view of the tokenizer: ~1 s to build, so on first use
-        self._think_tags = [self._token_id(tag) for tag in (THINK_START, THINK_END)]
-
-    def _token_id(self, text: str) -> int | None:
-        ids = self._tokenizer.encode(text, add_special_tokens=False)
-        return ids[0] if len(ids) == 1 else None
+        self._think_tags = [single_token_id(tokenizer, tag) for tag in (THINK_START, THINK_END)]
 
     def matcher(self, spec: StructuredOutputsParams) -> ConstrainedOutput:
         """A fresh matcher at the start of the output; ValueError naming what is wrong with the format."""
@@ -112,7 +115,8 @@ class GrammarCompiler:
 
 
 def mask_rows(logits: torch.Tensor, rows: list[int], outputs: list[ConstrainedOutput]) -> None:
-    """Set every token the rows' formats disallow to -inf, in place. logits (B, V) float32 on any device."""
+    """Set every token the rows' formats disallow to -inf, in place. logits (B, V) float32 on any device;
+    the outputs all `mask`."""
     import llguidance.torch
 
     bitmask = llguidance.torch.allocate_token_bitmask(len(rows), logits.shape[1])  # (R, ceil(V / 32)) int32

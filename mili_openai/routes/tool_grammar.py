@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from mili_openai.engine.structured_output import single_token_id
 from mili_openai.routes.chat_protocol import NamedToolChoice, ToolDefinition
 from mili_openai.routes.chat_tags import TOOL_CALL_END, TOOL_CALL_START
 
@@ -15,8 +16,8 @@ from mili_openai.routes.chat_tags import TOOL_CALL_END, TOOL_CALL_START
 def tag_terminal(tokenizer: Any, tag: str) -> str:
     """A Lark terminal for a tag: the token itself where the vocabulary has it as one (llguidance sees
     such added tokens as special, not as their text), else the text."""
-    ids = tokenizer.encode(tag, add_special_tokens=False)
-    return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(tag)
+    token_id = single_token_id(tokenizer, tag)
+    return f"<[{token_id}]>" if token_id is not None else json.dumps(tag)
 
 
 def tool_call_grammar(tokenizer: Any, tools: list[ToolDefinition], choice: str | NamedToolChoice,
