@@ -74,6 +74,10 @@ class FakeEngine:
             best = max(best, common)
         return min(best, len(prompt) - 1) // self.page_size * self.page_size
 
+    async def compile_format(self, params: SamplingParams) -> None:
+        """The fake writes its canned tokens whatever the format, so it has no grammar to compile."""
+        return None
+
     def submit(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> RequestStream:

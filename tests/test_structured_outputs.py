@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import openai
 import pytest
@@ -79,6 +80,93 @@ def test_a_bad_format_is_refused_before_it_runs(llm):
         with pytest.raises(ValueError, match="structured output format"):
             llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=spec))
     assert not llm.core.has_work()
+
+
+def test_compiled_formats_are_cached_and_only_copies_run(llm):
+    """A format is compiled once and each sequence gets its own copy: one sequence's tokens never move
+    another's matcher. A bad format is not cached, and the cache drops its oldest format when full."""
+    grammars = llm.core.grammars
+    spec = StructuredOutputsParams(choice=["yes", "no"])
+    compiled = grammars.compile(spec)
+    assert grammars.compile(StructuredOutputsParams(choice=["yes", "no"])) is compiled
+    first, second = grammars.matcher(spec), grammars.matcher(spec)
+    for token in llm.tokenizer.encode("yes", add_special_tokens=False):
+        first.consume(token)
+    assert first.matcher.is_accepting() and not second.matcher.is_accepting() and not compiled.is_accepting()
+    for _ in range(2):
+        with pytest.raises(ValueError, match="structured output format"):
+            grammars.compile(StructuredOutputsParams(regex="[ab"))
+    grammars.CACHED_FORMATS = 2  # on this instance only
+    try:
+        grammars.compile(StructuredOutputsParams(regex="a+"))
+        grammars.compile(StructuredOutputsParams(regex="b+"))
+        assert grammars.compile(spec) is not compiled  # the oldest, evicted: compiled anew
+    finally:
+        del grammars.CACHED_FORMATS
+
+
+def test_masks_are_llguidances_own(llm):
+    """mask_rows (numpy bit unpacking) blocks exactly the tokens llguidance's reference kernel blocks, on
+    the masked rows only; a row waiting for thinking also allows `<think>`."""
+    import llguidance.numpy
+    import numpy as np
+    import torch
+
+    from mili_openai.engine.structured_output import mask_rows
+
+    grammars, vocab = llm.core.grammars, llm.core.vocab_size
+    outputs = [grammars.matcher(StructuredOutputsParams(regex=REGEX)),
+               grammars.matcher(StructuredOutputsParams(json=SCHEMA, reasoning="optional"))]
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    expected = logits.numpy().copy()
+    reference = llguidance.numpy.allocate_token_bitmask(2, vocab)
+    for index, output in enumerate(outputs):
+        output.fill_mask(reference, index)
+    masked = expected[[0, 2]]  # fancy indexing copies: masked, then written back
+    llguidance.numpy.apply_token_bitmask_inplace(masked, reference)
+    expected[[0, 2]] = masked
+    mask_rows(logits, [0, 2], outputs)
+    assert np.array_equal(logits.numpy(), expected)
+    think = llm.tokenizer.convert_tokens_to_ids("<think>")
+    assert torch.isfinite(logits[2, think]) and torch.isinf(logits[0, think]) and torch.isfinite(logits[1]).all()
+
+
+class CallRecorder:
+    """Stands in for a callable (a class too: attributes pass through) and records the threads it ran on."""
+
+    def __init__(self, wrapped) -> None:
+        self.wrapped, self.threads = wrapped, []
+
+    def __call__(self, *args, **kwargs):
+        self.threads.append(threading.current_thread().name)
+        return self.wrapped(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.wrapped, name)
+
+
+def test_the_server_compiles_formats_off_its_event_loop(tiny_checkpoint, monkeypatch):
+    """The server builds llguidance's view of the tokenizer while loading, and compiles each request's
+    format on a worker thread: the event loop, which every stream shares, only copies compiled matchers."""
+    import llguidance
+    import llguidance.hf
+
+    with served_engine(tiny_checkpoint, num_pages=64, page_size=8) as (live, _):
+        compiles, views = CallRecorder(llguidance.LLMatcher), CallRecorder(llguidance.hf.from_tokenizer)
+        monkeypatch.setattr(llguidance, "LLMatcher", compiles)
+        monkeypatch.setattr(llguidance.hf, "from_tokenizer", views)
+        client = openai.OpenAI(base_url=live.api_base, api_key="unused", max_retries=0)
+        for n in (1, 3):  # the second request and its three samples copy the first one's compiled format
+            reply = client.completions.create(model="tiny", prompt="Answer:", max_tokens=8, temperature=0, n=n,
+                                              extra_body={"structured_outputs": {"regex": "[xyz]{4}"}})
+            assert all(re.fullmatch("[xyz]{4}", choice.text) for choice in reply.choices)
+        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                               max_tokens=8, temperature=0, extra_body={
+                                                   "guided_choice": CHOICES,
+                                                   "chat_template_kwargs": {"enable_thinking": False}})
+        assert reply.choices[0].message.content in CHOICES
+    assert views.threads == []  # built at load
+    assert len(compiles.threads) == 2 and "uvicorn-test" not in compiles.threads  # the loop's thread
 
 
 def test_formats_do_not_draft_and_drafting_neighbours_keep_their_tokens(tiny_checkpoint, llm):

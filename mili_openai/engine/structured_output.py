@@ -10,8 +10,11 @@ its matcher advanced by the step before.
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from typing import Any
 
+import numpy as np
 import torch
 
 from mili_openai.engine.sampling_params import StructuredOutputsParams
@@ -65,15 +68,15 @@ class ConstrainedOutput:
         """Whether the next token is masked at all (not while the model thinks)."""
         return self.state != self.THINKING
 
-    def fill_mask(self, bitmask: torch.Tensor, index: int) -> None:
-        """Row `index` of an int32 bitmask: the tokens this output may take next (it `masks`)."""
-        import llguidance.torch
+    def fill_mask(self, bitmask: np.ndarray, index: int) -> None:
+        """Row `index` of an int32 bitmask (bit j of word w: token 32 w + j): the tokens this output may
+        take next (it `masks`)."""
+        import llguidance.numpy
 
-        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, index)
+        llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask, index)
         if self.state == self.WAITING:  # the format's first tokens, or `<think>` to reason first
             word, bit = divmod(self.think_start, 32)
-            value = int(bitmask[index, word]) | (1 << bit)
-            bitmask[index, word] = value - (1 << 32) if value >= 1 << 31 else value
+            bitmask.view(np.uint32)[index, word] |= np.uint32(1 << bit)
 
     def consume(self, token_id: int) -> None:
         if self.state == self.THINKING:
@@ -89,43 +92,81 @@ class ConstrainedOutput:
 
 
 class GrammarCompiler:
-    """Constrained outputs for sequences' formats, over one model's tokenizer."""
+    """Constrained outputs for sequences' formats, over one model's tokenizer.
+
+    Compiling is the slow part: llguidance's view of the tokenizer takes ~1 s once, a JSON schema up to
+    tens of ms. So the server builds the view while loading (`load_vocabulary`) and compiles a
+    request's format on a worker thread (`compile`); the engine loop then only copies the compiled
+    matcher (`matcher`, ~0.1-0.3 ms). The cache keeps the latest formats, as the same schema tends to
+    come back (an app's one response type, n > 1 samples). Its lock is held for dictionary work and
+    copies only, never for a compile, so the loop never waits behind another request's compile."""
+
+    CACHED_FORMATS = 64
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
-        self._vocabulary = None  # llguidance's view of the tokenizer: ~1 s to build, so on first use
+        self._vocabulary = None  # llguidance's view of the tokenizer, built once
+        self._vocabulary_lock = threading.Lock()
         self._think_tags = [single_token_id(tokenizer, tag) for tag in (THINK_START, THINK_END)]
+        self._compiled: OrderedDict[str, Any] = OrderedDict()  # grammar text -> matcher at its start
+        self._cache_lock = threading.Lock()
 
-    def matcher(self, spec: StructuredOutputsParams) -> ConstrainedOutput:
-        """A fresh matcher at the start of the output; ValueError naming what is wrong with the format."""
-        import llguidance
+    def load_vocabulary(self) -> Any:
+        """llguidance's view of the tokenizer, built on first call. It holds the GIL for most of its ~1 s,
+        so the server calls this while loading: built on a request, it would stall every stream once."""
         import llguidance.hf
 
-        if self._vocabulary is None:
-            self._vocabulary = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self._vocab_size)
+        with self._vocabulary_lock:
+            if self._vocabulary is None:
+                self._vocabulary = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self._vocab_size)
+            return self._vocabulary
+
+    def compile(self, spec: StructuredOutputsParams) -> Any:
+        """The format's matcher at the start of the output, from the cache or compiled now (and cached);
+        ValueError naming what is wrong with the format. Only copies of it are handed out."""
+        import llguidance
+
         try:
             grammar = grammar_text(spec)
         except (ValueError, TypeError) as exc:  # the schema is not JSON, the regex does not parse
             raise ValueError(f"structured output format: {exc}") from None
-        matcher = llguidance.LLMatcher(self._vocabulary, grammar)
-        if matcher.is_error():
-            raise ValueError(f"structured output format: {matcher.get_error()}")
-        return ConstrainedOutput(matcher, spec.reasoning, *self._think_tags)
+        with self._cache_lock:
+            compiled = self._compiled.get(grammar)
+            if compiled is not None:
+                self._compiled.move_to_end(grammar)
+                return compiled
+        compiled = llguidance.LLMatcher(self.load_vocabulary(), grammar)
+        if compiled.is_error():
+            raise ValueError(f"structured output format: {compiled.get_error()}")
+        with self._cache_lock:
+            self._compiled[grammar] = compiled
+            while len(self._compiled) > self.CACHED_FORMATS:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def matcher(self, spec: StructuredOutputsParams) -> ConstrainedOutput:
+        """A fresh matcher at the start of the output; ValueError naming what is wrong with the format."""
+        compiled = self.compile(spec)
+        with self._cache_lock:  # copied while no other thread copies the same cached matcher
+            return ConstrainedOutput(compiled.deep_copy(), spec.reasoning, *self._think_tags)
 
 
 def mask_rows(logits: torch.Tensor, rows: list[int], outputs: list[ConstrainedOutput]) -> None:
     """Set every token the rows' formats disallow to -inf, in place. logits (B, V) float32 on any device;
-    the outputs all `mask`."""
-    import llguidance.torch
+    the outputs all `mask`. llguidance's numpy helpers, not its torch ones: those apply the mask with
+    torch.compile, which on CPU costs a ~2 s C++ compile on the first constrained step (stalling every
+    stream) and a compiler wherever the server runs."""
+    import llguidance.numpy
 
-    bitmask = llguidance.torch.allocate_token_bitmask(len(rows), logits.shape[1])  # (R, ceil(V / 32)) int32
+    bitmask = llguidance.numpy.allocate_token_bitmask(len(rows), logits.shape[1])  # (R, ceil(V / 32)) int32
     for index, output in enumerate(outputs):
         output.fill_mask(bitmask, index)
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    subset = logits[index]
-    llguidance.torch.apply_token_bitmask_inplace(subset, bitmask.to(logits.device))
-    logits[index] = subset
+    # little-endian words: bit j of word w is bit j % 8 of byte 4 w + j // 8, i.e. unpacked bit 32 w + j
+    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :logits.shape[1]]
+    blocked = torch.from_numpy(allowed).to(logits.device) == 0
+    for index, row in enumerate(rows):
+        logits[row].masked_fill_(blocked[index], float("-inf"))
 
 
 def consume_tokens(outputs: list[ConstrainedOutput], token_ids: list[int]) -> None:

@@ -120,6 +120,7 @@ class ChatJob(GenerationJob):
             mode = output_reasoning_mode(self.prompt.assistant_tail)
             params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
                 params.structured_outputs, reasoning=mode))
+        await self.engine.compile_format(params)
         self.streams = submit_choices(self.engine, self.prompt.token_ids, params, self.response_id)
 
     def parser(self) -> ChatOutputParser:

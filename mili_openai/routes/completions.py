@@ -78,6 +78,7 @@ class CompletionJob(GenerationJob):
         params = self.body.to_sampling_params(engine.vocab_size, engine.sampling_defaults, logprobs=self.body.logprobs,
                                               prompt_logprobs=prompt_logprobs, **limit)
         self.prompt_ids = await prompt_token_ids(engine.tokenizer, self.prompts, engine.vocab_size)
+        await engine.compile_format(params)
         self.streams = submit_prompts(engine, self.prompt_ids, params, self.response_id)
 
     def prompt_of(self, choice: int) -> int:
