@@ -22,7 +22,7 @@ import torch
 
 from mili_openai import LLM, SamplingParams
 from mili_openai.kernels import load_cpu_kernels
-from mili_openai.kernels.cpu import fastest_seconds
+from mili_openai.kernels.planning import fastest_seconds
 from mili_openai.model.checkpoint import QWEN3_0_6B_SHAPE, build_random_checkpoint
 from mili_openai.model.huge_pages import huge_page_zeros
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from mili_openai.kernels import cpu_supports_kernels, load_cpu_kernels
-from mili_openai.kernels.cpu import KERNEL_ROWS_CHOICES, linear_via_fp32
+from mili_openai.kernels.planning import (KERNEL_ROWS_CHOICES, KernelPlan, linear_via_fp32, plan_matmuls,
+                                          plan_prefill_attention)
 from mili_openai.model.layers import rms_normalize
 from mili_openai.model.rope import apply_rotary
 
@@ -87,13 +90,47 @@ def test_every_matmul_plan_agrees(kernels):
     """Whichever split the load-time timing picks, results match an fp32 matmul."""
     x, w = torch.randn(100, 64, dtype=torch.bfloat16), torch.randn(24, 64, dtype=torch.bfloat16)
     want = F.linear(x.float(), w.float())
-    for max_rows in KERNEL_ROWS_CHOICES:
-        for large in (F.linear, linear_via_fp32):
-            kernels._max_kernel_rows, kernels._large_matmul = max_rows, large
-            for rows in (1, max_rows, max_rows + 1, 100):
-                got = kernels.linear(x[:rows], w).float()
-                torch.testing.assert_close(got, want[:rows], rtol=1e-2, atol=1e-2 * float(want.abs().max()))
-    kernels.plan_matmuls()
+    planned = kernels.plan
+    try:
+        for max_rows in KERNEL_ROWS_CHOICES:
+            for large in (F.linear, linear_via_fp32):
+                kernels.plan = KernelPlan(max_rows, large, planned.prefill_attention_dtypes)
+                for rows in (1, max_rows, max_rows + 1, 100):
+                    got = kernels.linear(x[:rows], w).float()
+                    torch.testing.assert_close(got, want[:rows], rtol=1e-2, atol=1e-2 * float(want.abs().max()))
+    finally:
+        kernels.plan = planned
+
+
+def slow(seconds: float):
+    """A stand-in kernel that takes `seconds` and returns nothing (the plans only time their candidates)."""
+    def run(*args):
+        time.sleep(seconds)
+    return run
+
+
+def test_plans_pick_whichever_is_faster():
+    """The load-time plans follow the timings: a kernel faster than torch at every size takes every row
+    count and every dtype; one slower than torch takes only the decode batches it always takes (up to 8
+    rows) and no prefill attention."""
+    assert plan_matmuls(slow(0.0))[0] == KERNEL_ROWS_CHOICES[-1]
+    assert plan_matmuls(slow(0.05))[0] == KERNEL_ROWS_CHOICES[0]
+    dtypes = (torch.bfloat16, torch.float32)
+    assert plan_prefill_attention(slow(0.0), dtypes) == frozenset(dtypes)
+    assert plan_prefill_attention(slow(0.05), dtypes) == frozenset()
+
+
+def test_prefill_attention_follows_the_plan(kernels):
+    """Where the plan leaves a dtype's prefill attention to SDPA, the kernel declines it (the model then
+    gathers K/V and calls SDPA); where the plan takes it, the kernel runs it."""
+    q, k_pool = torch.randn(4, 2, 64, dtype=torch.bfloat16), torch.randn(8, 1, 64, dtype=torch.bfloat16)
+    planned = kernels.plan
+    try:
+        for dtypes in (frozenset(), frozenset({torch.bfloat16})):
+            kernels.plan = KernelPlan(planned.max_kernel_rows, planned.large_matmul, dtypes)
+            assert kernels.supports_prefill_attention(q, k_pool) == (torch.bfloat16 in dtypes)
+    finally:
+        kernels.plan = planned
 
 
 def reference_decode_attention(q, k_pool, v_pool, slots, ctx_lens, scale):
@@ -167,7 +204,7 @@ def test_paged_prefill_attention_matches_sdpa(kernels, length, ctx, heads, kv_he
         context_slots = torch.randperm(num_slots)[:ctx]  # scattered pages
         qk = torch.randn(length, heads + kv_heads, head_dim, dtype=dtype)
         q = qk[:, :heads]  # as the model passes it: rows strided, each row's heads contiguous
-        assert kernels.supports_prefill_attention(q, k_pool)
+        assert kernels.prefill_attention_fits(q, k_pool)
         scale = head_dim**-0.5
         got = kernels._module.paged_prefill_attention(q, k_pool, v_pool, context_slots, scale, bf16_pairs)
         want = reference_prefill_attention(q, k_pool, v_pool, context_slots, scale)

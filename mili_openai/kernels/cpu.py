@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from mili_openai.kernels.build_lock import build_directory, exclusive_build
+from mili_openai.kernels.planning import KernelPlan, plan_matmuls, plan_prefill_attention
 
 logger = logging.getLogger(__name__)
 
@@ -28,14 +27,6 @@ LINK_FLAGS = ["-fopenmp"]
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
 # fp32 values per AVX-512 register: the kernels work in whole vectors along K and along normed rows
 VECTOR_LANES = 16
-# Rows of x the kernel takes: decode batches, where its single pass over the weights wins. Measured on a
-# 2-core Xeon without BF16 dot products it also beats both GEMMs up to 64 rows (145-166 GFLOP/s); where
-# the CPU has them, oneDNN's bf16 GEMM may win sooner, so the limit is chosen at load.
-KERNEL_ROWS_CHOICES = (8, 64)
-CALIBRATION_K, CALIBRATION_N = 1024, 3072  # an MLP-sized weight
-CALIBRATION_LARGE_ROWS = 256  # a prefill chunk
-
-MatmulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, weight) -> x @ weight.T
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # the attention kernel keeps a head in registers
 ATTENTION_DTYPES = (torch.bfloat16, torch.float32)
 PREFILL_ATTENTION_MAX_GROUP = 64  # query heads per KV head: a prefill task spreads them over 64 lanes
@@ -51,50 +42,12 @@ def cpu_supports_kernels() -> bool:
     return all(flag in flags for flag in REQUIRED_CPU_FLAGS)
 
 
-def linear_via_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """bf16 x @ weight.T as an fp32 GEMM: where the CPU lacks bf16 dot products, oneDNN's bf16 GEMM runs
-    well below its fp32 GEMM (measured 57 vs 148 GFLOP/s on a 2-core Xeon), and widening the operands
-    first costs a few percent of a prefill chunk's matmul."""
-    return F.linear(x.float(), weight.float()).to(x.dtype)
-
-
-def fastest_seconds(work: Callable[[], object], repeats: int = 3) -> float:
-    """The fastest of `repeats` timed runs after a warm-up (first-call allocation, oneDNN primitive
-    creation): on a shared machine the slower runs measure the neighbours."""
-    work()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        work()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def plan_matmuls(kernel: MatmulFn) -> tuple[int, MatmulFn]:
-    """(rows up to which `kernel` is used, the matmul for more rows), timed on this CPU at load (~0.2 s)."""
-    generator = torch.Generator().manual_seed(0)  # leave the global RNG as the caller seeded it
-
-    def operand(rows: int) -> torch.Tensor:
-        return torch.randn(rows, CALIBRATION_K, generator=generator).to(torch.bfloat16)
-
-    weight, prefill = operand(CALIBRATION_N), operand(CALIBRATION_LARGE_ROWS)
-
-    def seconds(matmul: MatmulFn, x: torch.Tensor) -> float:
-        return fastest_seconds(functools.partial(matmul, x, weight))
-
-    fp32_faster = seconds(linear_via_fp32, prefill) < seconds(F.linear, prefill)
-    large_matmul = linear_via_fp32 if fp32_faster else F.linear
-    batch = operand(KERNEL_ROWS_CHOICES[-1] // 2)
-    kernel_faster = seconds(kernel, batch) < seconds(large_matmul, batch)
-    return KERNEL_ROWS_CHOICES[-1 if kernel_faster else 0], large_matmul
-
-
 class CpuKernels:
     """Decode-shaped CPU kernels with torch fallbacks outside their domain."""
 
     def __init__(self, module) -> None:
         self._module = module
-        self._max_kernel_rows, self._large_matmul = KERNEL_ROWS_CHOICES[0], F.linear
+        self.plan = KernelPlan()
         self._bf16_dot_products = bool(module.cpu_has_bf16_dot_products())
 
     @property
@@ -106,11 +59,14 @@ class CpuKernels:
     @property
     def max_kernel_rows(self) -> int:
         """Rows of x up to which `linear` runs the kernel (beyond it, a GEMM)."""
-        return self._max_kernel_rows
+        return self.plan.max_kernel_rows
 
-    def plan_matmuls(self) -> None:
-        """Choose, by timing on this CPU, how many rows go to the kernel and the GEMM for the rest."""
-        self._max_kernel_rows, self._large_matmul = plan_matmuls(self._kernel_matmul)
+    def plan_work(self) -> None:
+        """Choose, by timing on this CPU, how many rows go to the matmul kernel (the GEMM for the rest) and
+        in which dtypes prefill attention runs the kernel rather than torch's SDPA."""
+        max_rows, large_matmul = plan_matmuls(self._kernel_matmul)
+        prefill_dtypes = plan_prefill_attention(self.prefill_attention, ATTENTION_DTYPES)
+        self.plan = KernelPlan(max_rows, large_matmul, prefill_dtypes)
 
     def _kernel_matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self._module.linear_bf16(x, weight, self._bf16_dot_products)
@@ -126,8 +82,8 @@ class CpuKernels:
         ):
             return F.linear(x, weight)
         rows = x.numel() // x.shape[-1]
-        if rows > self._max_kernel_rows:
-            return self._large_matmul(x, weight)
+        if rows > self.plan.max_kernel_rows:
+            return self.plan.large_matmul(x, weight)
         out = self._kernel_matmul(x.reshape(rows, x.shape[-1]), weight)
         return out.view(*x.shape[:-1], weight.shape[0])
 
@@ -177,8 +133,12 @@ class CpuKernels:
         return self._module.paged_decode_attention(q.contiguous(), k_pool, v_pool, slots, ctx_lens, scale,
                                                    self._bf16_dot_products and q.dtype == torch.bfloat16)
 
+    def supports_prefill_attention(self, q: torch.Tensor, k_pool: torch.Tensor) -> bool:
+        """Whether prefill attention runs here: the kernel takes the shapes and, timed at load, beats SDPA."""
+        return q.dtype in self.plan.prefill_attention_dtypes and self.prefill_attention_fits(q, k_pool)
+
     @staticmethod
-    def supports_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
+    def prefill_attention_fits(q: torch.Tensor, k_pool: torch.Tensor) -> bool:
         num_heads, num_kv_heads = q.shape[1], k_pool.shape[1]
         return (
             CpuKernels.supports_decode_attention(q, k_pool)
@@ -262,5 +222,7 @@ def load_cpu_kernels() -> CpuKernels | None:
         logger.warning("CPU kernels unavailable, using torch ops: %s", exc)
         return None
     kernels = CpuKernels(module)
-    kernels.plan_matmuls()
+    kernels.plan_work()
+    logger.info("CPU kernels: matmuls of up to %d rows, prefill attention in %s", kernels.max_kernel_rows,
+                sorted(str(dtype) for dtype in kernels.plan.prefill_attention_dtypes) or "torch's SDPA")
     return kernels

@@ -1,0 +1,106 @@
+"""Which of the compiled kernels and torch's own ops run what, timed on this CPU at load.
+
+The kernels were measured fastest on CPUs with AVX512 and no matrix units. Where the CPU has AMX, oneDNN's
+bf16 GEMM and torch's flash attention (tiles of AMX products) overtake them at prefill shapes, so the
+split is timed rather than assumed (~0.3 s at load).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+MatmulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, weight) -> x @ weight.T
+# prefill attention: (q (L, H, D), k_pool, v_pool (slots, KV, D), the context's slots, scale) -> (L, H, D)
+PrefillAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+# Rows of x the matmul kernel takes: decode batches, where its single pass over the weights wins, and the
+# decode stack (every layer in one call) runs batches of up to that many rows. Measured on a 2-core Xeon
+# without BF16 dot products the kernel beats both GEMMs up to 64 rows (145-166 GFLOP/s). On a 2-core Xeon
+# with AMX, oneDNN's GEMM beats it from 8 rows on (0.43 against 0.49 ms for an 8-row MLP matmul), yet
+# batch-8 decode steps layer by layer with that GEMM were slower than the stack (W1: 61 against 73
+# output tok/s), so 8 stays the floor.
+KERNEL_ROWS_CHOICES = (8, 64)
+CALIBRATION_K, CALIBRATION_N = 1024, 3072  # an MLP-sized weight
+CALIBRATION_LARGE_ROWS = 256  # a prefill chunk
+# a prefill chunk after a cached prefix, in Qwen3-0.6B's attention shape (heads, KV heads, head dim)
+CALIBRATION_CHUNK, CALIBRATION_CONTEXT, CALIBRATION_HEADS = 128, 384, (16, 8, 128)
+
+
+def linear_via_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """bf16 x @ weight.T as an fp32 GEMM: where the CPU lacks bf16 dot products, oneDNN's bf16 GEMM runs
+    well below its fp32 GEMM (measured 57 vs 148 GFLOP/s on a 2-core Xeon), and widening the operands
+    first costs a few percent of a prefill chunk's matmul."""
+    return F.linear(x.float(), weight.float()).to(x.dtype)
+
+
+def fastest_seconds(work: Callable[[], object], repeats: int = 3) -> float:
+    """The fastest of `repeats` timed runs after a warm-up (first-call allocation, oneDNN primitive
+    creation): on a shared machine the slower runs measure the neighbours."""
+    work()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        work()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    max_kernel_rows: int = KERNEL_ROWS_CHOICES[0]  # rows of x up to which `linear` runs the kernel
+    large_matmul: MatmulFn = F.linear  # the GEMM for more rows
+    # dtypes whose prefill attention the kernel runs (elsewhere torch's SDPA over gathered K/V)
+    prefill_attention_dtypes: frozenset[torch.dtype] = field(default_factory=frozenset)
+
+
+def plan_matmuls(kernel: MatmulFn) -> tuple[int, MatmulFn]:
+    """(rows up to which `kernel` is used, the matmul for more rows)."""
+    generator = torch.Generator().manual_seed(0)  # leave the global RNG as the caller seeded it
+
+    def operand(rows: int) -> torch.Tensor:
+        return torch.randn(rows, CALIBRATION_K, generator=generator).to(torch.bfloat16)
+
+    weight, prefill = operand(CALIBRATION_N), operand(CALIBRATION_LARGE_ROWS)
+
+    def seconds(matmul: MatmulFn, x: torch.Tensor) -> float:
+        return fastest_seconds(lambda: matmul(x, weight))
+
+    fp32_faster = seconds(linear_via_fp32, prefill) < seconds(F.linear, prefill)
+    large_matmul = linear_via_fp32 if fp32_faster else F.linear
+    batch = operand(KERNEL_ROWS_CHOICES[-1] // 2)
+    kernel_faster = seconds(kernel, batch) < seconds(large_matmul, batch)
+    return KERNEL_ROWS_CHOICES[-1 if kernel_faster else 0], large_matmul
+
+
+def sdpa_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                           context_slots: torch.Tensor, scale: float) -> torch.Tensor:
+    """The torch path's cost (model.paged_attention.prefill_attention without a kernel): K/V gathered from
+    the pool, then SDPA under a bottom-right causal mask. Timing only; its output is not used."""
+    length, context = q.shape[0], context_slots.shape[0]
+    keys, values = k_pool[context_slots], v_pool[context_slots]
+    mask = torch.arange(context)[None, :] <= torch.arange(context - length, context)[:, None]
+    return F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+                                          values.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale,
+                                          enable_gqa=True)
+
+
+def plan_prefill_attention(kernel: PrefillAttentionFn, dtypes: tuple[torch.dtype, ...]) -> frozenset[torch.dtype]:
+    """The dtypes in which `kernel` beats torch's SDPA on a prefill chunk after a cached prefix."""
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, head_dim = CALIBRATION_HEADS
+    faster = set()
+    for dtype in dtypes:
+        q = torch.randn(CALIBRATION_CHUNK, heads, head_dim, generator=generator).to(dtype)
+        k_pool, v_pool = (torch.randn(CALIBRATION_CONTEXT, kv_heads, head_dim, generator=generator).to(dtype)
+                          for _ in range(2))
+        slots = torch.arange(CALIBRATION_CONTEXT)
+        timings = [fastest_seconds(lambda run=run: run(q, k_pool, v_pool, slots, head_dim ** -0.5))
+                   for run in (kernel, sdpa_prefill_attention)]
+        if timings[0] < timings[1]:
+            faster.add(dtype)
+    return frozenset(faster)
