@@ -29,23 +29,28 @@ def product_kinds(kernels) -> list[bool]:
     return [False, True] if kernels.bf16_dot_products else [False]
 
 
+def matmul_kinds(kernels) -> list[tuple[bool, bool]]:
+    """(bf16 pairs, AMX tiles) for linear_bf16: each product kind, and AMX tiles where the CPU has them."""
+    return [(pairs, False) for pairs in product_kinds(kernels)] + ([(True, True)] if kernels.amx_tiles else [])
+
+
 # K: one vector, an odd multiple of 16 (the bf16-pair tail), the model's widths
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 64])
-@pytest.mark.parametrize("k,n", [(16, 7), (1024, 4096), (96, 130), (3072, 9), (48, 33)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 16, 64])
+@pytest.mark.parametrize("k,n", [(16, 7), (1024, 4096), (96, 130), (3072, 9), (48, 33), (64, 96)])
 def test_linear_kernel_matches_fp32_matmul(kernels, rows, k, n):
     torch.manual_seed(rows * 1000 + n)
     x = torch.randn(rows, k, dtype=torch.bfloat16)
     w = torch.randn(n, k, dtype=torch.bfloat16) * 0.05
     want = F.linear(x.float(), w.float())
-    for bf16_pairs in product_kinds(kernels):
-        got = kernels._module.linear_bf16(x, w, bf16_pairs)
+    for kind in matmul_kinds(kernels):
+        got = kernels._module.linear_bf16(x, w, *kind)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
         # fp32 accumulation then one bf16 rounding: within 1% of the magnitude
         torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
 
 
 @pytest.mark.parametrize("threads", [1, 3, 5])
-@pytest.mark.parametrize("n", [7, 24, 49, 1000])
+@pytest.mark.parametrize("n", [7, 24, 49, 96, 1000, 1024])
 def test_linear_kernel_covers_every_weight_row_whatever_the_threads(kernels, threads, n):
     """Threads own ranges of weight rows and steal from each other's backs: every output is written once
     (the output starts uninitialised), also with more threads than rows or cores."""
@@ -56,9 +61,9 @@ def test_linear_kernel_covers_every_weight_row_whatever_the_threads(kernels, thr
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for bf16_pairs in product_kinds(kernels):
+        for kind in matmul_kinds(kernels):
             for rows in (1, 3):
-                got = kernels._module.linear_bf16(x[:rows], w, bf16_pairs).float()
+                got = kernels._module.linear_bf16(x[:rows], w, *kind).float()
                 torch.testing.assert_close(got, want[:rows], rtol=1e-2, atol=1e-2 * float(want.abs().max()))
     finally:
         torch.set_num_threads(before)
@@ -222,11 +227,17 @@ def test_bf16_pairs_where_the_cpu_has_them(kernels):
     if not kernels.bf16_dot_products:  # asked for anyway: refused, not an illegal instruction
         with pytest.raises(RuntimeError, match="no AVX512-BF16"):
             x, w = torch.ones(2, 16, dtype=torch.bfloat16), torch.ones(3, 16, dtype=torch.bfloat16)
-            kernels._module.linear_bf16(x, w, True)
+            kernels._module.linear_bf16(x, w, True, False)
         bf16_pool = torch.ones(8, 1, 32, dtype=torch.bfloat16)
         with pytest.raises(RuntimeError, match="no AVX512-BF16"):
             kernels._module.paged_decode_attention(torch.ones(1, 2, 32, dtype=torch.bfloat16), bf16_pool, bf16_pool,
                                                    torch.arange(4)[None], torch.tensor([4]), 1.0, True)
+    if kernels.amx_tiles:
+        assert "amx_bf16" in flags and "amx_tile" in flags
+    else:  # asked for anyway: refused, not an illegal instruction
+        with pytest.raises(RuntimeError, match="no AMX tiles"):
+            x, w = torch.ones(2, 32, dtype=torch.bfloat16), torch.ones(32, 32, dtype=torch.bfloat16)
+            kernels._module.linear_bf16(x, w, True, True)
 
 
 def test_paged_prefill_attention_refuses_slots_outside_the_pool(kernels):

@@ -15,12 +15,12 @@ from mili_openai.kernels.planning import KernelPlan, plan_matmuls, plan_prefill_
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
-SOURCES = ("bindings.cpp", "linear_bf16.cpp", "paged_decode_attention.cpp",
+SOURCES = ("bindings.cpp", "linear_bf16.cpp", "linear_amx.cpp", "paged_decode_attention.cpp",
            "paged_prefill_attention.cpp", "rms_norm_bf16.cpp",
            "activation_bf16.cpp", "decode_stack.cpp", "sample_rows.cpp")
 # not compiled on their own; torch hashes only SOURCES, hence the name bump below
 HEADERS = ("simd_bf16.h", "kernels.h", "prefill_products.h", "decode_blocks.h", "row_ranges.h")
-EXTENSION_NAME = "mili_cpu_kernels_v45"  # bump when a source changes so torch's JIT cache rebuilds
+EXTENSION_NAME = "mili_cpu_kernels_v46"  # bump when a source changes so torch's JIT cache rebuilds
 # -fopenmp: without it ATen's parallel_for compiles to a serial loop inside the extension
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"]
 LINK_FLAGS = ["-fopenmp"]
@@ -49,12 +49,18 @@ class CpuKernels:
         self._module = module
         self.plan = KernelPlan()
         self._bf16_dot_products = bool(module.cpu_has_bf16_dot_products())
+        self._amx_tiles = bool(module.cpu_has_amx_tiles())
 
     @property
     def bf16_dot_products(self) -> bool:
         """Whether prefill attention and matmuls over several rows multiply bf16 pairs (AVX512-BF16) rather
         than widened fp32."""
         return self._bf16_dot_products
+
+    @property
+    def amx_tiles(self) -> bool:
+        """Whether matmuls over up to 16 rows of x run on AMX tiles (Intel Sapphire Rapids and later)."""
+        return self._amx_tiles
 
     @property
     def max_kernel_rows(self) -> int:
@@ -69,7 +75,7 @@ class CpuKernels:
         self.plan = KernelPlan(max_rows, large_matmul, prefill_dtypes)
 
     def _kernel_matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return self._module.linear_bf16(x, weight, self._bf16_dot_products)
+        return self._module.linear_bf16(x, weight, self._bf16_dot_products, self._amx_tiles)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x @ weight.T; few-row bf16 inputs stream the weight once through the kernel."""
@@ -182,7 +188,7 @@ class CpuKernels:
         if not supported:
             return None
         stack = self._module.DecodeStack(embedding, weights, num_q_heads, num_kv_heads, head_dim, eps, scale,
-                                         self._bf16_dot_products)
+                                         self._bf16_dot_products, self._amx_tiles)
         return CpuDecodeStack(stack, self)
 
 
@@ -223,6 +229,7 @@ def load_cpu_kernels() -> CpuKernels | None:
         return None
     kernels = CpuKernels(module)
     kernels.plan_work()
-    logger.info("CPU kernels: matmuls of up to %d rows, prefill attention in %s", kernels.max_kernel_rows,
+    logger.info("CPU kernels: matmuls of up to %d rows (%s), prefill attention in %s", kernels.max_kernel_rows,
+                "AMX tiles up to 16" if kernels.amx_tiles else "AVX-512",
                 sorted(str(dtype) for dtype in kernels.plan.prefill_attention_dtypes) or "torch's SDPA")
     return kernels

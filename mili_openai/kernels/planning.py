@@ -19,12 +19,14 @@ MatmulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, weight) -
 PrefillAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 # Rows of x the matmul kernel takes: decode batches, where its single pass over the weights wins, and the
-# decode stack (every layer in one call) runs batches of up to that many rows. Measured on a 2-core Xeon
-# without BF16 dot products the kernel beats both GEMMs up to 64 rows (145-166 GFLOP/s). On a 2-core Xeon
-# with AMX, oneDNN's GEMM beats it from 8 rows on (0.43 against 0.49 ms for an 8-row MLP matmul), yet
-# batch-8 decode steps layer by layer with that GEMM were slower than the stack (W1: 61 against 73
-# output tok/s), so 8 stays the floor.
-KERNEL_ROWS_CHOICES = (8, 64)
+# decode stack (every layer in one call) runs batches of up to that many rows; the largest choice at
+# which the kernel still beats the GEMM (timed at the choice's rows, 32 for 64). Measured on a 2-core
+# Xeon without BF16 dot products the kernel beats both GEMMs up to 64 rows (145-166 GFLOP/s). On a 2-core
+# Xeon with AMX, oneDNN's GEMM beat the AVX512-BF16 kernel from 8 rows on (0.43 against 0.49 ms for an
+# 8-row MLP matmul), yet batch-8 decode steps layer by layer with that GEMM were slower than the stack
+# (W1: 61 against 73 output tok/s), so 8 is the floor; there the kernel now runs up to 16 rows on AMX
+# tiles (linear_amx.cpp).
+KERNEL_ROWS_CHOICES = (8, 16, 64)
 CALIBRATION_K, CALIBRATION_N = 1024, 3072  # an MLP-sized weight
 CALIBRATION_LARGE_ROWS = 256  # a prefill chunk
 # a prefill chunk after a cached prefix, in Qwen3-0.6B's attention shape (heads, KV heads, head dim)
@@ -72,9 +74,13 @@ def plan_matmuls(kernel: MatmulFn) -> tuple[int, MatmulFn]:
 
     fp32_faster = seconds(linear_via_fp32, prefill) < seconds(F.linear, prefill)
     large_matmul = linear_via_fp32 if fp32_faster else F.linear
-    batch = operand(KERNEL_ROWS_CHOICES[-1] // 2)
-    kernel_faster = seconds(kernel, batch) < seconds(large_matmul, batch)
-    return KERNEL_ROWS_CHOICES[-1 if kernel_faster else 0], large_matmul
+    max_rows = KERNEL_ROWS_CHOICES[0]
+    for rows in KERNEL_ROWS_CHOICES[1:]:
+        batch = operand(min(rows, 32))  # batches up to 64 are mostly far below it
+        if seconds(kernel, batch) >= seconds(large_matmul, batch):
+            break
+        max_rows = rows
+    return max_rows, large_matmul
 
 
 def sdpa_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,

@@ -9,11 +9,13 @@ void bind_decode_stack(pybind11::module& m);
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("linear_bf16", &linear_bf16, "y = x @ w.T for bf16 x (M, K) and w (N, K), fp32 accumulation; "
-        "bf16_dot_products: several rows of x multiply bf16 pairs (AVX512-BF16)", release_gil());
+        "bf16_dot_products: several rows of x multiply bf16 pairs (AVX512-BF16); amx_tiles: up to 16 rows on "
+        "AMX tiles", release_gil());
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged K/V slots", release_gil());
   m.def("paged_prefill_attention", &paged_prefill_attention, "causal prefill attention over paged K/V slots",
         release_gil());
   m.def("cpu_has_bf16_dot_products", &cpu_has_bf16_dot_products, "whether the CPU has AVX512-BF16");
+  m.def("cpu_has_amx_tiles", &cpu_has_amx_tiles, "whether the CPU has AMX-BF16 tiles that Linux lets us use");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm with transformers' bf16 rounding", release_gil());
   m.def("qk_norm_rope_bf16", &qk_norm_rope_bf16, "per-head RMSNorm of q and k, then RoPE", release_gil());
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up over a fused gate/up projection's output", release_gil());

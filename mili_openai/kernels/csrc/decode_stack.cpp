@@ -43,9 +43,10 @@ class DecodeStack {
   // embedding (vocab, hidden); weights: per layer input_layernorm, qkv_proj, q_norm, k_norm, o_proj,
   // post_attention_layernorm, gate_up_proj, down_proj (all bf16, held, not copied)
   DecodeStack(const torch::Tensor& embedding, const std::vector<torch::Tensor>& weights, int64_t num_q_heads,
-              int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool bf16_dot_products)
+              int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool bf16_dot_products,
+              bool amx_tiles)
       : embedding_(embedding), num_q_heads_(num_q_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
-        eps_(eps), scale_(scale), bf16_dot_products_(bf16_dot_products) {
+        eps_(eps), scale_(scale), bf16_dot_products_(bf16_dot_products), amx_tiles_(amx_tiles) {
     TORCH_CHECK(!weights.empty() && weights.size() % kWeightsPerLayer == 0, "decode_stack: 8 weights per layer");
     TORCH_CHECK(embedding.dim() == 2, "decode_stack: embedding (vocab, hidden)");
     for (const auto& w : weights) check_weight(w);
@@ -75,7 +76,8 @@ class DecodeStack {
       const torch::Tensor k_pool = pools.select(0, index).select(0, 0);
       const torch::Tensor v_pool = pools.select(0, index).select(0, 1);
       const torch::Tensor qkv =
-          linear_bf16(rms_norm_bf16(hidden, w.input_norm, eps_), w.qkv, bf16_dot_products_);  // (B, (H+2KV)D)
+          linear_bf16(rms_norm_bf16(hidden, w.input_norm, eps_), w.qkv, bf16_dot_products_,
+                      amx_tiles_);  // (B, (H+2KV)D)
       const torch::Tensor qk = qk_norm_rope_bf16(
           qkv.narrow(1, 0, heads * head_dim_).reshape({tokens, heads, head_dim_}).contiguous(), w.q_norm, w.k_norm,
           num_q_heads_, eps_, cos, signed_sin);  // (B, H + KV, D)
@@ -84,10 +86,11 @@ class DecodeStack {
                k_pool.data_ptr<at::BFloat16>(), v_pool.data_ptr<at::BFloat16>());
       const torch::Tensor attended = paged_decode_attention(qk.narrow(1, 0, num_q_heads_).contiguous(), k_pool, v_pool,
                                                             slots, ctx_lens, scale_, bf16_dot_products_);  // (B, H, D)
-      hidden = linear_bf16(attended.view({tokens, num_q_heads_ * head_dim_}), w.o, bf16_dot_products_).add_(hidden);
+      hidden = linear_bf16(attended.view({tokens, num_q_heads_ * head_dim_}), w.o, bf16_dot_products_, amx_tiles_)
+                   .add_(hidden);
       const torch::Tensor gate_up =
-          linear_bf16(rms_norm_bf16(hidden, w.post_norm, eps_), w.gate_up, bf16_dot_products_);
-      hidden = linear_bf16(silu_mul_bf16(gate_up), w.down, bf16_dot_products_).add_(hidden);
+          linear_bf16(rms_norm_bf16(hidden, w.post_norm, eps_), w.gate_up, bf16_dot_products_, amx_tiles_);
+      hidden = linear_bf16(silu_mul_bf16(gate_up), w.down, bf16_dot_products_, amx_tiles_).add_(hidden);
     }
     return hidden;
   }
@@ -118,11 +121,12 @@ class DecodeStack {
   int64_t num_q_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
   bool bf16_dot_products_;  // the matmuls' and attention's choice, as CpuKernels makes it
+  bool amx_tiles_;  // the matmuls' (linear_amx.cpp), as CpuKernels makes it
 };
 
 void bind_decode_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<const torch::Tensor&, const std::vector<torch::Tensor>&, int64_t, int64_t, int64_t, double,
-                          double, bool>())
+                          double, bool, bool>())
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

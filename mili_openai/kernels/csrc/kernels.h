@@ -3,7 +3,10 @@
 
 #include <torch/extension.h>
 
-torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool bf16_dot_products);
+torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool bf16_dot_products, bool amx_tiles);
+bool cpu_has_amx_tiles();  // AMX-BF16, with Linux's leave to use the tiles (asked once per process)
+bool amx_linear_fits(int64_t M, int64_t N, int64_t K);
+torch::Tensor linear_amx(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool,
                                      const torch::Tensor& v_pool, const torch::Tensor& slots,
                                      const torch::Tensor& ctx_lens, double scale, bool bf16_dot_products);

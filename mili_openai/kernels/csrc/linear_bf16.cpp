@@ -229,7 +229,7 @@ inline void with_chunk_rows(int64_t rows, F&& f) {
 
 }  // namespace
 
-torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool bf16_dot_products) {
+torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool bf16_dot_products, bool amx_tiles) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "linear_bf16: bf16 inputs only");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_bf16: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear_bf16: x (M, K) and w (N, K)");
@@ -238,6 +238,7 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool b
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   TORCH_CHECK(K % kLanes == 0, "linear_bf16: K must be a multiple of 16");
   TORCH_CHECK(N < (int64_t{1} << 31), "linear_bf16: at most 2^31 weight rows");  // RowRanges packs two in 64 bits
+  if (amx_tiles && amx_linear_fits(M, N, K)) return linear_amx(x, w);  // see linear_amx.cpp
   // Pair products for one row of x too, though it is bound by memory: they issue about a third of the fp32
   // tile's instructions per weight byte, which keeps the core's loads ahead in fast phases. Measured on a
   // 2-core Zen 4 over a decode step's 112 layer matmuls at batch 1, interleaved, as a share of a bf16
