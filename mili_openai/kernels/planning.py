@@ -54,6 +54,8 @@ def fastest_seconds(work: Callable[[], object], repeats: int = 3) -> float:
 
 @dataclass(frozen=True)
 class KernelPlan:
+    """What runs where on this CPU; the defaults (before timing) use the kernels least."""
+
     max_kernel_rows: int = KERNEL_ROWS_CHOICES[0]  # rows of x up to which `linear` runs the kernel
     large_matmul: MatmulFn = F.linear  # the GEMM for more rows
     # dtypes whose prefill attention the kernel runs (elsewhere torch's SDPA over gathered K/V)
