@@ -165,10 +165,52 @@ def test_paged_decode_attention_matches_sdpa(kernels, dtype, heads, kv_heads, he
     want = reference_decode_attention(q, k_pool, v_pool, slots, ctx_lens, scale)
     # pair products where the CPU has them (bf16 only: fp32 pools ignore the flag), and fp32 products
     for bf16_pairs in product_kinds(kernels):
-        got = kernels._module.paged_decode_attention(q, k_pool, v_pool, slots, ctx_lens, scale, bf16_pairs)
+        got = kernels._module.paged_decode_attention(q, k_pool, v_pool, slots, ctx_lens, scale, bf16_pairs, False)
         assert got.dtype == dtype and got.shape == q.shape
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
+
+
+def shared_prefix_slots(num_slots, prefix_len, suffix_lens, pages):
+    """Slot rows that begin with the same prefix_len slots (as radix-shared pages do), then each its own.
+    pages: the pool's slots in runs of 16 side by side (a page), or scattered one by one."""
+    order = torch.randperm(num_slots // 16)[:, None] * 16 + torch.arange(16) if pages else torch.randperm(num_slots)
+    order = order.flatten()
+    prefix, taken = order[:prefix_len], prefix_len
+    rows = []
+    for length in suffix_lens:
+        rows.append(torch.cat([prefix, order[taken:taken + length]]))
+        taken += length
+    width = max(len(row) for row in rows)
+    return torch.stack([F.pad(row, (0, width - len(row))) for row in rows]), torch.tensor([len(r) for r in rows])
+
+
+# groups of sequences that share a prefix (cascade attention on AMX tiles): prefixes that are and are not
+# whole 32-slot steps, members that share too little to join, more members than a score tile holds
+# (16 query heads), and head shapes: Qwen3-0.6B's, a group of 4, MHA at head_dim 64
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (8, 2, 64), (4, 4, 64)])
+@pytest.mark.parametrize("prefix_len,suffix_lens", [(960, [64] * 8), (203, [1, 70, 5, 300]),
+                                                    (100, [3] * 20), (64, [1, 1])])
+@pytest.mark.parametrize("pages", [True, False])
+def test_paged_decode_attention_attends_shared_prefixes_once(kernels, heads, kv_heads, head_dim, prefix_len,
+                                                             suffix_lens, pages):
+    if not kernels.amx_tiles:
+        pytest.skip("this CPU has no AMX tiles")
+    torch.manual_seed(prefix_len + heads)
+    num_slots = 4096
+    k_pool = torch.randn(num_slots, kv_heads, head_dim, dtype=torch.bfloat16)
+    v_pool = torch.randn(num_slots, kv_heads, head_dim, dtype=torch.bfloat16)
+    slots, ctx_lens = shared_prefix_slots(num_slots, prefix_len, suffix_lens, pages)
+    stranger, stranger_len = shared_prefix_slots(num_slots, 40, [30], pages)  # shares 40 slots: too few
+    width = max(slots.shape[1], stranger.shape[1])
+    slots = torch.cat([F.pad(slots, (0, width - slots.shape[1])), F.pad(stranger, (0, width - stranger.shape[1]))])
+    slots[-1, :40] = slots[0, :40]
+    ctx_lens = torch.cat([ctx_lens, stranger_len])
+    q = torch.randn(len(ctx_lens), heads, head_dim, dtype=torch.bfloat16)
+    scale = head_dim**-0.5
+    want = reference_decode_attention(q, k_pool, v_pool, slots, ctx_lens, scale)
+    got = kernels._module.paged_decode_attention(q, k_pool, v_pool, slots, ctx_lens, scale, True, True)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
 def test_paged_decode_attention_refuses_empty_or_overlong_contexts(kernels):
@@ -231,7 +273,7 @@ def test_bf16_pairs_where_the_cpu_has_them(kernels):
         bf16_pool = torch.ones(8, 1, 32, dtype=torch.bfloat16)
         with pytest.raises(RuntimeError, match="no AVX512-BF16"):
             kernels._module.paged_decode_attention(torch.ones(1, 2, 32, dtype=torch.bfloat16), bf16_pool, bf16_pool,
-                                                   torch.arange(4)[None], torch.tensor([4]), 1.0, True)
+                                                   torch.arange(4)[None], torch.tensor([4]), 1.0, True, False)
     if kernels.amx_tiles:
         assert "amx_bf16" in flags and "amx_tile" in flags
     else:  # asked for anyway: refused, not an illegal instruction

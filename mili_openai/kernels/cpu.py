@@ -16,11 +16,12 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("bindings.cpp", "linear_bf16.cpp", "linear_amx.cpp", "paged_decode_attention.cpp",
-           "paged_prefill_attention.cpp", "rms_norm_bf16.cpp",
+           "decode_shared_amx.cpp", "paged_prefill_attention.cpp", "rms_norm_bf16.cpp",
            "activation_bf16.cpp", "decode_stack.cpp", "sample_rows.cpp")
 # not compiled on their own; torch hashes only SOURCES, hence the name bump below
-HEADERS = ("simd_bf16.h", "kernels.h", "prefill_products.h", "decode_blocks.h", "row_ranges.h")
-EXTENSION_NAME = "mili_cpu_kernels_v46"  # bump when a source changes so torch's JIT cache rebuilds
+HEADERS = ("simd_bf16.h", "kernels.h", "prefill_products.h", "decode_blocks.h", "row_ranges.h", "amx_tiles.h",
+           "decode_shared_amx.h")
+EXTENSION_NAME = "mili_cpu_kernels_v47"  # bump when a source changes so torch's JIT cache rebuilds
 # -fopenmp: without it ATen's parallel_for compiles to a serial loop inside the extension
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"]
 LINK_FLAGS = ["-fopenmp"]
@@ -59,7 +60,8 @@ class CpuKernels:
 
     @property
     def amx_tiles(self) -> bool:
-        """Whether matmuls over up to 16 rows of x run on AMX tiles (Intel Sapphire Rapids and later)."""
+        """Whether matmuls over up to 16 rows of x, and decode attention over prefixes several sequences
+        share, run on AMX tiles (Intel Sapphire Rapids and later)."""
         return self._amx_tiles
 
     @property
@@ -136,8 +138,9 @@ class CpuKernels:
     def decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
                          ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
         """q (B, H, D) against the pool rows at slots[b, :ctx_lens[b]] -> (B, H, D)."""
-        return self._module.paged_decode_attention(q.contiguous(), k_pool, v_pool, slots, ctx_lens, scale,
-                                                   self._bf16_dot_products and q.dtype == torch.bfloat16)
+        pairs = self._bf16_dot_products and q.dtype == torch.bfloat16
+        return self._module.paged_decode_attention(q.contiguous(), k_pool, v_pool, slots, ctx_lens, scale, pairs,
+                                                   pairs and self._amx_tiles)
 
     def supports_prefill_attention(self, q: torch.Tensor, k_pool: torch.Tensor) -> bool:
         """Whether prefill attention runs here: the kernel takes the shapes and, timed at load, beats SDPA."""

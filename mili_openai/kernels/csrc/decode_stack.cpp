@@ -85,7 +85,8 @@ class DecodeStack {
                qkv.data_ptr<at::BFloat16>() + heads * head_dim_, qkv.size(1), mapping, tokens, row, num_slots,
                k_pool.data_ptr<at::BFloat16>(), v_pool.data_ptr<at::BFloat16>());
       const torch::Tensor attended = paged_decode_attention(qk.narrow(1, 0, num_q_heads_).contiguous(), k_pool, v_pool,
-                                                            slots, ctx_lens, scale_, bf16_dot_products_);  // (B, H, D)
+                                                            slots, ctx_lens, scale_, bf16_dot_products_,
+                                                            amx_tiles_);  // (B, H, D)
       hidden = linear_bf16(attended.view({tokens, num_q_heads_ * head_dim_}), w.o, bf16_dot_products_, amx_tiles_)
                    .add_(hidden);
       const torch::Tensor gate_up =
@@ -121,7 +122,7 @@ class DecodeStack {
   int64_t num_q_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
   bool bf16_dot_products_;  // the matmuls' and attention's choice, as CpuKernels makes it
-  bool amx_tiles_;  // the matmuls' (linear_amx.cpp), as CpuKernels makes it
+  bool amx_tiles_;  // the matmuls' (linear_amx.cpp) and shared prefixes' attention, as CpuKernels makes it
 };
 
 void bind_decode_stack(pybind11::module& m) {

@@ -9,7 +9,8 @@ bool amx_linear_fits(int64_t M, int64_t N, int64_t K);
 torch::Tensor linear_amx(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool,
                                      const torch::Tensor& v_pool, const torch::Tensor& slots,
-                                     const torch::Tensor& ctx_lens, double scale, bool bf16_dot_products);
+                                     const torch::Tensor& ctx_lens, double scale, bool bf16_dot_products,
+                                     bool amx_tiles);
 torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                                       const torch::Tensor& context_slots, double scale, bool bf16_dot_products);
 bool cpu_has_bf16_dot_products();

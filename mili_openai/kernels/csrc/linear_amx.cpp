@@ -19,6 +19,7 @@
 
 #include <cstring>
 
+#include "amx_tiles.h"
 #include "kernels.h"
 #include "row_ranges.h"
 
@@ -35,11 +36,6 @@ constexpr int64_t kBlockRows = 2 * kTileRows;  // weight rows per pass over K: t
 constexpr int64_t kPrefetchSteps = 4;
 constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // Linux: ask to use the tile registers
 
-struct TileConfig {  // the LDTILECFG operand (palette 1)
-  uint8_t palette_id, start_row, reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
 // tile registers (the intrinsics take them as literals, hence macros)
 #define MILI_SUMS_LOW 0
 #define MILI_SUMS_HIGH 1
@@ -48,7 +44,7 @@ struct TileConfig {  // the LDTILECFG operand (palette 1)
 #define MILI_INPUTS 4
 
 MILI_AMX void configure_tiles(int64_t M) {
-  TileConfig config;
+  mili::TileConfig config;
   std::memset(&config, 0, sizeof(config));
   config.palette_id = 1;
   for (const int t : {MILI_SUMS_LOW, MILI_SUMS_HIGH, MILI_INPUTS}) config.rows[t] = kTileRows, config.colsb[t] = M * 4;

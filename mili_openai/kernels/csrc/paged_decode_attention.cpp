@@ -28,12 +28,13 @@
 #include <vector>
 
 #include "decode_blocks.h"
+#include "decode_shared_amx.h"
 #include "kernels.h"
 #include "simd_bf16.h"
 
 namespace {
 
-using namespace mili::decode;  // the block-level pieces this kernel is built from
+using namespace mili::decode;  // the block-level pieces this kernel is built from, and the shared spans
 using mili::exp_nonpositive;
 using mili::kLanes;
 
@@ -163,30 +164,76 @@ MILI_DECODE_BF16_DOT void attend_span_pairs(const at::BFloat16* q, float scale, 
   attend_span<at::BFloat16, CH, true>(nullptr, q, scale, k_pool, v_pool, slots, n, s, scores, acc, max, sum);
 }
 
+// Where each task's partial goes: per task, H * D weighted sums, then H maxima and H sums.
+class Partials {
+ public:
+  Partials(int64_t count, int64_t num_heads, int64_t head_dim)
+      : heads_(num_heads), head_dim_(head_dim),
+        size_((num_heads * head_dim + 2 * num_heads + kLanes - 1) / kLanes * kLanes),  // aligned for vector loads
+        storage_(count * size_) {}
+  float* acc(int64_t entry) { return storage_.data() + entry * size_; }
+  float* max(int64_t entry) { return acc(entry) + heads_ * head_dim_; }
+  float* sum(int64_t entry) { return max(entry) + heads_; }
+  SpanPartial span(int64_t entry) { return {acc(entry), max(entry), sum(entry)}; }
+
+ private:
+  int64_t heads_, head_dim_, size_;
+  AlignedFloats storage_;
+};
+
+// A shared prefix's span, attended once for all its members (cascade attention, decode_shared_amx.cpp);
+// its members' partials are entries [first_entry, first_entry + members).
+struct SharedTask {
+  const SharedPrefix* prefix;
+  int64_t begin, n, first_entry;
+};
+
 template <typename T, int CH>
 void run_head_dim(const T* qp, const T* kp, const T* vp, const int64_t* sp, const int64_t* lp, int64_t batch,
-                  int64_t width, const Layout& s, float scale, bool pairs, T* op) {
+                  int64_t width, const Layout& s, float scale, bool pairs, bool amx, T* op) {
   constexpr int64_t D = CH * kLanes;
   constexpr bool kCanPair = std::is_same_v<T, at::BFloat16> && CH % 2 == 0;  // whole 32-value pairs a row
   pairs = pairs && kCanPair;
   const int64_t H = s.num_heads;
+  const SharedSpanShape shape{H, s.num_kv_heads, D, s.row_stride};
+  // Prefixes that several sequences share go to AMX tiles once for all of them; each member's own tasks
+  // start after its prefix (skip). The partials merge as any spans do.
+  std::vector<SharedPrefix> prefixes;
+  if (pairs && amx && shared_span_fits(shape))
+    prefixes = find_shared_prefixes(sp, lp, batch, width, kMaxSharedRows / s.group);
+  std::vector<int64_t> skip(batch, 0);
+  for (const SharedPrefix& prefix : prefixes)
+    for (const int64_t b : prefix.members) skip[b] = prefix.length;
   // Span length: the batch's context split evenly over the threads, in whole blocks, at least kMinSpan.
   // Each span starts cold (nothing before it prefetched its first block), so fewer and longer spans read
   // faster: one a thread gave 2.2-2.4 vs 3.0-3.2 ms a decode step (28 layers, batch 1, 512 tokens) and
   // 7.9 vs 8.7 ms at 2048 tokens, against four a thread; batch 8 unchanged (2-core Zen 4).
   int64_t total = 0;
-  for (int64_t b = 0; b < batch; ++b) total += lp[b];
+  for (int64_t b = 0; b < batch; ++b) total += lp[b] - skip[b];
+  for (const SharedPrefix& prefix : prefixes) total += prefix.length;
   const int64_t threads = at::get_num_threads();
   const int64_t target = (total + threads - 1) / threads;
   const int64_t span = std::max(kMinSpan, (target + kBlock - 1) / kBlock * kBlock);
-  std::vector<int64_t> first_task(batch + 1, 0);  // tasks of sequence b: [first_task[b], first_task[b + 1])
-  for (int64_t b = 0; b < batch; ++b)
-    first_task[b + 1] = first_task[b] + std::max<int64_t>(1, (lp[b] + span - 1) / span);
-  const int64_t tasks = first_task[batch];
-  // Per task: H * D weighted sums, then H maxima and H sums.
-  const int64_t partial_size = (H * D + 2 * H + kLanes - 1) / kLanes * kLanes;  // aligned for vector loads
-  AlignedFloats partials(tasks * partial_size);
-  float* base = partials.data();
+  // Shared spans first (the longest tasks), then each sequence's own: tasks of sequence b are
+  // [first_task[b], first_task[b + 1]) after the shared ones, and its partials are entries_of[b].
+  std::vector<SharedTask> shared_tasks;
+  std::vector<std::vector<int64_t>> entries_of(batch);
+  const int64_t shared_span = (span + kSharedStep - 1) / kSharedStep * kSharedStep;
+  int64_t entries = 0;
+  for (const SharedPrefix& prefix : prefixes) {
+    for (int64_t begin = 0; begin < prefix.length; begin += shared_span) {
+      shared_tasks.push_back({&prefix, begin, std::min(shared_span, prefix.length - begin), entries});
+      for (const int64_t b : prefix.members) entries_of[b].push_back(entries++);
+    }
+  }
+  const int64_t num_shared = static_cast<int64_t>(shared_tasks.size());
+  std::vector<int64_t> first_task(batch + 1, 0);
+  for (int64_t b = 0; b < batch; ++b) {
+    first_task[b + 1] = first_task[b] + std::max<int64_t>(1, (lp[b] - skip[b] + span - 1) / span);
+    for (int64_t t = first_task[b]; t < first_task[b + 1]; ++t) entries_of[b].push_back(entries + t);
+  }
+  const int64_t tasks = num_shared + first_task[batch];
+  Partials partials(entries + first_task[batch], H, D);
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     const int64_t row = score_row_stride(span);  // attend_span's stride, at most
@@ -195,17 +242,29 @@ void run_head_dim(const T* qp, const T* kp, const T* vp, const int64_t* sp, cons
     float* q = q_buffer.data();
     int64_t b = 0, q_of = -1;
     for (int64_t task = next_task.fetch_add(1); task < tasks; task = next_task.fetch_add(1)) {
-      while (first_task[b + 1] <= task) ++b;  // tasks are handed out in order
+      if (task < num_shared) {
+        if constexpr (kCanPair) {
+          const SharedTask& shared = shared_tasks[task];
+          const std::vector<int64_t>& members = shared.prefix->members;
+          std::vector<SpanPartial> out;
+          for (size_t i = 0; i < members.size(); ++i) out.push_back(partials.span(shared.first_entry + i));
+          attend_shared_span(qp, members.data(), members.size(), shape, scale, kp, vp,
+                             sp + members[0] * width + shared.begin, shared.n, out.data());
+        }
+        continue;
+      }
+      const int64_t own = task - num_shared;
+      while (first_task[b + 1] <= own) ++b;  // tasks are handed out in order
       if (q_of != b && !pairs) {
         for (int64_t head = 0; head < H; ++head)
           for (int64_t e = 0; e < D; ++e)
             q[head * D + lane_of<T, CH>(e)] = static_cast<float>(qp[(b * H + head) * D + e]) * scale;
         q_of = b;
       }
-      const int64_t begin = (task - first_task[b]) * span, n = std::min(span, lp[b] - begin);
-      float* partial = base + task * partial_size;
+      const int64_t begin = skip[b] + (own - first_task[b]) * span, n = std::min(span, lp[b] - begin);
+      const int64_t entry = entries + own;
       const int64_t* span_slots = sp + b * width + begin;
-      float *acc = partial, *max = partial + H * D, *sum = partial + H * D + H;
+      float *acc = partials.acc(entry), *max = partials.max(entry), *sum = partials.sum(entry);
       if constexpr (kCanPair) {
         if (pairs) {
           attend_span_pairs<CH>(qp + b * H * D, scale, kp, vp, span_slots, n, s, scores, acc, max, sum);
@@ -220,18 +279,17 @@ void run_head_dim(const T* qp, const T* kp, const T* vp, const int64_t* sp, cons
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / H, head = item % H;
       float global_max = -std::numeric_limits<float>::infinity();
-      for (int64_t t = first_task[b]; t < first_task[b + 1]; ++t)
-        global_max = std::max(global_max, base[t * partial_size + H * D + head]);
+      for (const int64_t entry : entries_of[b]) global_max = std::max(global_max, partials.max(entry)[head]);
       alignas(64) float out[D];
       __m512 o[CH];
       for (int i = 0; i < CH; ++i) o[i] = _mm512_setzero_ps();
       float total_sum = 0.f;
-      for (int64_t t = first_task[b]; t < first_task[b + 1]; ++t) {
-        const float* partial = base + t * partial_size;
-        const float weight = std::exp(partial[H * D + head] - global_max);
-        total_sum += weight * partial[H * D + H + head];
+      for (const int64_t entry : entries_of[b]) {
+        const float weight = std::exp(partials.max(entry)[head] - global_max);
+        total_sum += weight * partials.sum(entry)[head];
         const __m512 w = _mm512_set1_ps(weight);
-        for (int i = 0; i < CH; ++i) o[i] = _mm512_fmadd_ps(w, _mm512_load_ps(partial + head * D + i * kLanes), o[i]);
+        const float* acc = partials.acc(entry) + head * D;
+        for (int i = 0; i < CH; ++i) o[i] = _mm512_fmadd_ps(w, _mm512_load_ps(acc + i * kLanes), o[i]);
       }
       const __m512 inv = _mm512_set1_ps(1.f / total_sum);
       for (int i = 0; i < CH; ++i) _mm512_store_ps(out + i * kLanes, _mm512_mul_ps(o[i], inv));
@@ -243,7 +301,8 @@ void run_head_dim(const T* qp, const T* kp, const T* vp, const int64_t* sp, cons
 
 template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
-         const torch::Tensor& slots, const torch::Tensor& ctx_lens, double scale, bool pairs, torch::Tensor& out) {
+         const torch::Tensor& slots, const torch::Tensor& ctx_lens, double scale, bool pairs, bool amx,
+         torch::Tensor& out) {
   const int64_t batch = q.size(0), head_dim = q.size(2);
   Layout s{q.size(1), k_pool.size(1), q.size(1) / k_pool.size(1), head_dim, k_pool.size(1) * head_dim};
   const T* qp = q.data_ptr<T>();
@@ -255,20 +314,22 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
   T* op = out.data_ptr<T>();
   const float f = static_cast<float>(scale);
   switch (head_dim / kLanes) {
-    case 1: run_head_dim<T, 1>(qp, kp, vp, sp, lp, batch, width, s, f, pairs, op); break;
-    case 2: run_head_dim<T, 2>(qp, kp, vp, sp, lp, batch, width, s, f, pairs, op); break;
-    case 4: run_head_dim<T, 4>(qp, kp, vp, sp, lp, batch, width, s, f, pairs, op); break;
-    case 8: run_head_dim<T, 8>(qp, kp, vp, sp, lp, batch, width, s, f, pairs, op); break;
+    case 1: run_head_dim<T, 1>(qp, kp, vp, sp, lp, batch, width, s, f, pairs, amx, op); break;
+    case 2: run_head_dim<T, 2>(qp, kp, vp, sp, lp, batch, width, s, f, pairs, amx, op); break;
+    case 4: run_head_dim<T, 4>(qp, kp, vp, sp, lp, batch, width, s, f, pairs, amx, op); break;
+    case 8: run_head_dim<T, 8>(qp, kp, vp, sp, lp, batch, width, s, f, pairs, amx, op); break;
     default: TORCH_CHECK(false, "paged_decode_attention: head_dim must be 16, 32, 64 or 128");
   }
 }
 
 }  // namespace
 
-// q (B, H, D); k_pool, v_pool (slots, KV, D); slots (B, C) int64; ctx_lens (B,) int64 -> (B, H, D)
+// q (B, H, D); k_pool, v_pool (slots, KV, D); slots (B, C) int64; ctx_lens (B,) int64 -> (B, H, D).
+// amx_tiles (with bf16_dot_products): prefixes several sequences share are attended on AMX tiles.
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool,
                                      const torch::Tensor& v_pool, const torch::Tensor& slots,
-                                     const torch::Tensor& ctx_lens, double scale, bool bf16_dot_products) {
+                                     const torch::Tensor& ctx_lens, double scale, bool bf16_dot_products,
+                                     bool amx_tiles) {
   TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu(), "paged_decode_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(), "paged_decode_attention: shapes");
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() && slots.is_contiguous() &&
@@ -279,6 +340,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(q.size(2) == k_pool.size(2), "q and the pools share head_dim");
   TORCH_CHECK(!bf16_dot_products || cpu_has_bf16_dot_products(),
               "paged_decode_attention: this CPU has no AVX512-BF16");
+  TORCH_CHECK(!amx_tiles || cpu_has_amx_tiles(),
+              "paged_decode_attention: this CPU has no AMX tiles (or Linux did not grant them)");
   TORCH_CHECK(q.size(1) % k_pool.size(1) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(slots.size(0) == q.size(0) && ctx_lens.size(0) == q.size(0), "one slot row and length per query");
   const int64_t* lp = ctx_lens.data_ptr<int64_t>();
@@ -286,9 +349,9 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
               "paged_decode_attention: each context holds 1 to slots.size(1) tokens");
   auto out = torch::empty_like(q);
   if (q.scalar_type() == at::kBFloat16) {
-    run<at::BFloat16>(q, k_pool, v_pool, slots, ctx_lens, scale, bf16_dot_products, out);
+    run<at::BFloat16>(q, k_pool, v_pool, slots, ctx_lens, scale, bf16_dot_products, amx_tiles, out);
   } else if (q.scalar_type() == at::kFloat) {
-    run<float>(q, k_pool, v_pool, slots, ctx_lens, scale, false, out);
+    run<float>(q, k_pool, v_pool, slots, ctx_lens, scale, false, false, out);
   } else {
     TORCH_CHECK(false, "paged_decode_attention: bf16 or fp32 only");
   }
