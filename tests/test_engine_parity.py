@@ -9,6 +9,7 @@ import torch
 from engine_helpers import assert_matches, hf_greedy, load_hf, random_prompts
 from mili_openai import LLM, SamplingParams
 from mili_openai.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from mili_openai.model.checkpoint import ModelShape, build_random_checkpoint
 
 PROMPT_LENGTHS = [1, 2, 7, 16, 17, 33, 64, 100, 150, 211, 256, 300]
 MAX_NEW = 8
@@ -122,6 +123,24 @@ def test_bf16_greedy_close_to_transformers(tiny_checkpoint):
         _, rows = hf_greedy(model, prompt, 1)
         got = output.outputs[0].logprobs[0]
         assert got.logprob == pytest.approx(float(rows[0][got.token_id]), abs=0.1)
+
+
+@torch.inference_mode()
+def test_samples_sharing_a_prompt_decode_close_to_transformers_in_bf16(tmp_path):
+    """n=4 samples decode against the prompt pages they share: in bf16 at head_dim 64, where a CPU with AMX
+    tiles attends the shared prefix once for all four (cascade attention). Each sample's log-probabilities
+    match HF's on the same tokens (teacher-forced), step by step."""
+    shape = ModelShape(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=64)
+    checkpoint = build_random_checkpoint(tmp_path, shape, seed=5, dtype=torch.bfloat16)
+    model = load_hf(checkpoint, dtype=torch.bfloat16)
+    prompt = random_prompts(1, [150], seed=4)[0]
+    llm = LLM(str(checkpoint), dtype="bfloat16", num_pages=128, page_size=16)
+    (output,) = llm.generate([prompt], greedy(n=4))
+    for sample in output.outputs:
+        rows = torch.log_softmax(model(torch.tensor([prompt + sample.token_ids])).logits[0].float(), dim=-1)
+        for step, got in enumerate(sample.logprobs):
+            assert got.logprob == pytest.approx(float(rows[len(prompt) - 1 + step, got.token_id]), abs=0.1)
 
 
 def test_token_budget_defaults_to_the_devices(tiny_checkpoint):

@@ -209,8 +209,11 @@ def test_paged_decode_attention_attends_shared_prefixes_once(kernels, heads, kv_
     q = torch.randn(len(ctx_lens), heads, head_dim, dtype=torch.bfloat16)
     scale = head_dim**-0.5
     want = reference_decode_attention(q, k_pool, v_pool, slots, ctx_lens, scale)
-    got = kernels._module.paged_decode_attention(q, k_pool, v_pool, slots, ctx_lens, scale, True, True)
-    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    got = kernels._module.paged_decode_attention(q, k_pool, v_pool, slots, ctx_lens, scale, True, True).float()
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    # outputs average many V rows, so they are small: also hold the error to 1% of their overall size
+    for row_got, row_want in zip(got, want):
+        assert float((row_got - row_want).norm() / row_want.norm()) < 1e-2
 
 
 def test_paged_decode_attention_refuses_empty_or_overlong_contexts(kernels):

@@ -8,26 +8,27 @@
 // a block each query head shares its KV head's widened row with the rest of its group (grouped-query
 // attention). A task softmaxes its span in fp32 and keeps the span's max and sum; a second pass merges
 // the spans of each sequence. Measured on a 2-core Zen 4 (Qwen3-0.6B heads, batch 1 to 8, 768-2048
-// tokens): 27-32 GB/s of K/V read, against 17-21 GB/s for one task per (sequence, KV head).
+// tokens): 27-32 GB/s of K/V read, against 17-21 GB/s for one task per (sequence, KV head). Where the
+// CPU has AMX tiles, a prefix several sequences share is one more span, attended for all of them at
+// once (cascade attention, decode_shared_amx.cpp), and each member's own spans start after it.
 //
-// Where the CPU has AVX512-BF16, bf16 scores are bf16 pair products (score_block_pairs). From cache
-// (28 layers' calls, 512 tokens, batch 1) they took a step's attention from 1.3-1.8 to 1.1 ms; from
-// memory, 28 cold layers: 1.95 vs 2.05 ms at batch 1, 18.3 vs 19.9 at batch 8 (medians of 16 rounds).
-// So is the weighted sum of V (weigh_block_pairs): the softmax numerators are rounded to bf16 for it,
-// as torch's CPU flash attention rounds its probabilities for bf16 inputs, and each instruction takes
-// two slots' V rows. 28 cold layers, 12 interleaved rounds: 0.938 of the fp32 sum's time at 544 tokens,
-// 0.963 at 2048 (batch 1), 0.986 at 512 tokens (batch 4); outputs within the same tolerance of fp32 SDPA.
+// With AVX512-BF16, bf16 scores are bf16 pair products (score_block_pairs): 28 layers' calls from
+// cache (512 tokens, batch 1) 1.3-1.8 -> 1.1 ms; 28 cold layers 1.95 vs 2.05 ms at batch 1, 18.3 vs 19.9
+// at batch 8 (medians of 16 rounds). So is the weighted sum of V (weigh_block_pairs), its numerators
+// rounded to bf16 as torch's CPU flash attention rounds them, two slots' V rows an instruction: 0.938 of
+// the fp32 sum's time at 544 tokens, 0.963 at 2048 (batch 1), 0.986 at 512 (batch 4); outputs within the
+// same tolerance of fp32 SDPA.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <limits>
 #include <vector>
 
 #include "decode_blocks.h"
+#include "decode_partials.h"
 #include "decode_shared_amx.h"
 #include "kernels.h"
 #include "simd_bf16.h"
@@ -43,19 +44,6 @@ constexpr int64_t kMinSpan = 4 * kBlock;  // shorter spans cost more in merging 
 // Floats between two query heads' score rows for a span of n slots: whole 32-value pairs, so that the
 // bf16 copy of a row packs without a tail. The scores buffer is sized from it too.
 inline int64_t score_row_stride(int64_t n) { return (n + 2 * kBlock - 1) / (2 * kBlock) * (2 * kBlock); }
-
-// n floats starting on a 64-byte boundary, for aligned vector loads and stores.
-class AlignedFloats {
- public:
-  explicit AlignedFloats(int64_t n) : storage_(n + kLanes) {
-    data_ = storage_.data() + (-reinterpret_cast<uintptr_t>(storage_.data()) / sizeof(float) % kLanes);
-  }
-  float* data() { return data_; }
-
- private:
-  std::vector<float> storage_;
-  float* data_;
-};
 
 struct Layout {
   int64_t num_heads, num_kv_heads, group, head_dim, row_stride;  // row_stride: elements between slots
@@ -164,30 +152,6 @@ MILI_DECODE_BF16_DOT void attend_span_pairs(const at::BFloat16* q, float scale, 
   attend_span<at::BFloat16, CH, true>(nullptr, q, scale, k_pool, v_pool, slots, n, s, scores, acc, max, sum);
 }
 
-// Where each task's partial goes: per task, H * D weighted sums, then H maxima and H sums.
-class Partials {
- public:
-  Partials(int64_t count, int64_t num_heads, int64_t head_dim)
-      : heads_(num_heads), head_dim_(head_dim),
-        size_((num_heads * head_dim + 2 * num_heads + kLanes - 1) / kLanes * kLanes),  // aligned for vector loads
-        storage_(count * size_) {}
-  float* acc(int64_t entry) { return storage_.data() + entry * size_; }
-  float* max(int64_t entry) { return acc(entry) + heads_ * head_dim_; }
-  float* sum(int64_t entry) { return max(entry) + heads_; }
-  SpanPartial span(int64_t entry) { return {acc(entry), max(entry), sum(entry)}; }
-
- private:
-  int64_t heads_, head_dim_, size_;
-  AlignedFloats storage_;
-};
-
-// A shared prefix's span, attended once for all its members (cascade attention, decode_shared_amx.cpp);
-// its members' partials are entries [first_entry, first_entry + members).
-struct SharedTask {
-  const SharedPrefix* prefix;
-  int64_t begin, n, first_entry;
-};
-
 template <typename T, int CH>
 void run_head_dim(const T* qp, const T* kp, const T* vp, const int64_t* sp, const int64_t* lp, int64_t batch,
                   int64_t width, const Layout& s, float scale, bool pairs, bool amx, T* op) {
@@ -196,8 +160,8 @@ void run_head_dim(const T* qp, const T* kp, const T* vp, const int64_t* sp, cons
   pairs = pairs && kCanPair;
   const int64_t H = s.num_heads;
   const SharedSpanShape shape{H, s.num_kv_heads, D, s.row_stride};
-  // Prefixes that several sequences share go to AMX tiles once for all of them; each member's own tasks
-  // start after its prefix (skip). The partials merge as any spans do.
+  // Prefixes several sequences share go to AMX tiles once for all of them; each member's own tasks start
+  // after its prefix (skip). The partials merge as any spans do.
   std::vector<SharedPrefix> prefixes;
   if (pairs && amx && shared_span_fits(shape))
     prefixes = find_shared_prefixes(sp, lp, batch, width, kMaxSharedRows / s.group);
@@ -274,29 +238,7 @@ void run_head_dim(const T* qp, const T* kp, const T* vp, const int64_t* sp, cons
       attend_span_fp32<T, CH>(q, kp, vp, span_slots, n, s, scores, acc, max, sum);
     }
   });
-  // Merge each sequence's spans: weights exp(max_i - max) rescale both the sums and the weighted sums.
-  at::parallel_for(0, batch * H, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / H, head = item % H;
-      float global_max = -std::numeric_limits<float>::infinity();
-      for (const int64_t entry : entries_of[b]) global_max = std::max(global_max, partials.max(entry)[head]);
-      alignas(64) float out[D];
-      __m512 o[CH];
-      for (int i = 0; i < CH; ++i) o[i] = _mm512_setzero_ps();
-      float total_sum = 0.f;
-      for (const int64_t entry : entries_of[b]) {
-        const float weight = std::exp(partials.max(entry)[head] - global_max);
-        total_sum += weight * partials.sum(entry)[head];
-        const __m512 w = _mm512_set1_ps(weight);
-        const float* acc = partials.acc(entry) + head * D;
-        for (int i = 0; i < CH; ++i) o[i] = _mm512_fmadd_ps(w, _mm512_load_ps(acc + i * kLanes), o[i]);
-      }
-      const __m512 inv = _mm512_set1_ps(1.f / total_sum);
-      for (int i = 0; i < CH; ++i) _mm512_store_ps(out + i * kLanes, _mm512_mul_ps(o[i], inv));
-      T* dst = op + (b * H + head) * D;
-      for (int64_t e = 0; e < D; ++e) dst[e] = static_cast<T>(out[pairs ? pair_lane_of(e) : lane_of<T, CH>(e)]);
-    }
-  });
+  merge_partials<T, CH>(partials, entries_of, H, pairs, op);
 }
 
 template <typename T>
