@@ -13,7 +13,13 @@
 // softmax down each column of S^T (one query head each), its bf16 numerators scattered into P tiles
 // (16 heads x 32 slots); then O = P . V, with V's rows for two slots interleaved value by value into B
 // tiles by the same 16-bit unpacks the AVX-512 kernel weighs with, so O comes out in its pair_lane_of
-// order and the partials merge with that kernel's.
+// order and the partials merge with that kernel's. Both passes walk the span in chunks of 128 slots,
+// every KV head inside a chunk, so a slot's row (all heads side by side) is read in one go.
+//
+// 28 cold layers, batch 8, 1024-token contexts, 2-core Xeon with AMX (/tmp scripts, see
+// docs/performance.md): one 960-token prefix shared by all eight 31.4 -> 11.7-12.7 ms; two prefixes
+// shared by four each 35.4-37.2 -> 17.1-20.9 ms; no prefix shared 48-50 ms either way (not taken).
+// Prefetching the next chunk's rows into L2 made no difference, so nothing is prefetched.
 #include "decode_shared_amx.h"
 
 #include <immintrin.h>
@@ -25,7 +31,6 @@
 #include <vector>
 
 #include "amx_tiles.h"
-#include "decode_blocks.h"
 #include "simd_bf16.h"
 
 namespace mili::decode {
@@ -42,7 +47,7 @@ constexpr int64_t kChunk = 128;            // slots whose rows (every head) are 
 // Weighing: C = 0-3, P 4, V 5.
 
 // `floats` of 64-byte aligned scratch that stays with the calling thread: a span's buffers take hundreds
-// of KB, which a fresh allocation maps and faults in on every call (~60 us a call, more than the work).
+// of KB, which a fresh allocation would map and fault in again on every call.
 float* thread_scratch(int64_t floats) {
   thread_local std::vector<float> storage;
   if (static_cast<int64_t>(storage.size()) < floats + kTile) storage.resize(floats + kTile);
@@ -74,14 +79,6 @@ bool consecutive(const int64_t* slots) {
   for (int64_t j = 1; j < kTile; ++j)
     if (slots[j] != slots[0] + j) return false;
   return true;
-}
-
-// Into L2: the whole rows (every KV head) of slots [j0, j1), which the chunk after this one reads.
-void prefetch_chunk(const at::BFloat16* pool, const int64_t* slots, int64_t j0, int64_t j1, int64_t row_stride) {
-  for (int64_t j = j0; j < j1; ++j) {
-    const char* row = reinterpret_cast<const char*>(pool + slots[j] * row_stride);
-    for (int64_t byte = 0; byte < row_stride * 2; byte += kCacheLine) _mm_prefetch(row + byte, _MM_HINT_T1);
-  }
 }
 
 // Scores of slots [j0, j1) against each KV head's stacked query heads, unscaled: head h's (n, 16) at
@@ -211,20 +208,16 @@ MILI_AMX void attend(const at::BFloat16* q, const int64_t* members, int64_t coun
   float* sum = max + KV * kTile;                                            // KV x 16
   for (int64_t h = 0; h < KV; ++h) pack_queries(q, members, count, s, h, packed_q + h * (D / kValuesPerTileRow) * kTileFloats);
   configure_tiles();  // tile state is per thread
-  prefetch_chunk(k_pool, slots, 0, std::min(n, kChunk), s.row_stride);
   for (int64_t j0 = 0; j0 < n; j0 += kChunk) {
     const int64_t j1 = std::min(n, j0 + kChunk);
-    prefetch_chunk(k_pool, slots, j1, std::min(n, j1 + kChunk), s.row_stride);
     score_chunk<D>(packed_q, k_pool, slots, j0, j1, n, s.row_stride, KV, reinterpret_cast<at::BFloat16*>(staged),
                    scores);
   }
-  prefetch_chunk(v_pool, slots, 0, std::min(n, kChunk), s.row_stride);
   for (int64_t h = 0; h < KV; ++h)
     softmax_columns(scores + h * n * kTile, n, scale, p_tiles + h * steps * kTileFloats, max + h * kTile,
                     sum + h * kTile);
   for (int64_t j0 = 0; j0 < n; j0 += kChunk) {
     const int64_t j1 = std::min(n, j0 + kChunk);
-    prefetch_chunk(v_pool, slots, j1, std::min(n, j1 + kChunk), s.row_stride);
     weigh_chunk<D>(p_tiles, v_pool, slots, j0, j1, n, s.row_stride, KV, staged, acc);
   }
   _tile_release();
