@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from mili_openai.kernels import cpu_supports_kernels, load_cpu_kernels
-from mili_openai.kernels.planning import (KERNEL_ROWS_CHOICES, KernelPlan, linear_via_fp32, plan_matmuls,
+from mili_openai.kernels.planning import (DECODE_PREFETCH_CHOICES, KERNEL_ROWS_CHOICES, KernelPlan,
+                                          linear_via_fp32, plan_decode_prefetch, plan_matmuls,
                                           plan_prefill_attention)
 from mili_openai.model.layers import rms_normalize
 from mili_openai.model.rope import apply_rotary
@@ -123,6 +124,12 @@ def test_plans_pick_whichever_is_faster():
     dtypes = (torch.bfloat16, torch.float32)
     assert plan_prefill_attention(slow(0.0), dtypes) == frozenset(dtypes)
     assert plan_prefill_attention(slow(0.05), dtypes) == frozenset()
+    for fastest in DECODE_PREFETCH_CHOICES:  # only the chosen distance runs without the 5 ms
+
+        def decode(*args, fastest=fastest):
+            time.sleep(0.0 if args[-1] == fastest else 0.005)
+
+        assert plan_decode_prefetch(decode) == fastest
 
 
 def test_prefill_attention_follows_the_plan(kernels):
@@ -165,10 +172,12 @@ def test_paged_decode_attention_matches_sdpa(kernels, dtype, heads, kv_heads, he
     want = reference_decode_attention(q, k_pool, v_pool, slots, ctx_lens, scale)
     # pair products where the CPU has them (bf16 only: fp32 pools ignore the flag), and fp32 products
     for bf16_pairs in product_kinds(kernels):
-        got = kernels._module.paged_decode_attention(q, k_pool, v_pool, slots, ctx_lens, scale, bf16_pairs, False)
-        assert got.dtype == dtype and got.shape == q.shape
-        tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-        torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
+        for prefetch in DECODE_PREFETCH_CHOICES:
+            got = kernels._module.paged_decode_attention(q, k_pool, v_pool, slots, ctx_lens, scale, bf16_pairs, False,
+                                                         prefetch)
+            assert got.dtype == dtype and got.shape == q.shape
+            tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got.float(), want, rtol=tolerance, atol=tolerance)
 
 
 def shared_prefix_slots(num_slots, prefix_len, suffix_lens, pages):
@@ -209,7 +218,7 @@ def test_paged_decode_attention_attends_shared_prefixes_once(kernels, heads, kv_
     q = torch.randn(len(ctx_lens), heads, head_dim, dtype=torch.bfloat16)
     scale = head_dim**-0.5
     want = reference_decode_attention(q, k_pool, v_pool, slots, ctx_lens, scale)
-    got = kernels._module.paged_decode_attention(q, k_pool, v_pool, slots, ctx_lens, scale, True, True).float()
+    got = kernels._module.paged_decode_attention(q, k_pool, v_pool, slots, ctx_lens, scale, True, True, 1).float()
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     # outputs average many V rows, so they are small: also hold the error to 1% of their overall size
     for row_got, row_want in zip(got, want):
@@ -276,7 +285,7 @@ def test_bf16_pairs_where_the_cpu_has_them(kernels):
         bf16_pool = torch.ones(8, 1, 32, dtype=torch.bfloat16)
         with pytest.raises(RuntimeError, match="no AVX512-BF16"):
             kernels._module.paged_decode_attention(torch.ones(1, 2, 32, dtype=torch.bfloat16), bf16_pool, bf16_pool,
-                                                   torch.arange(4)[None], torch.tensor([4]), 1.0, True, False)
+                                                   torch.arange(4)[None], torch.tensor([4]), 1.0, True, False, 3)
     if kernels.amx_tiles:
         assert "amx_bf16" in flags and "amx_tile" in flags
     else:  # asked for anyway: refused, not an illegal instruction

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from mili_openai.kernels.build_lock import build_directory, exclusive_build
-from mili_openai.kernels.planning import KernelPlan, plan_matmuls, plan_prefill_attention
+from mili_openai.kernels.planning import KernelPlan, plan_decode_prefetch, plan_matmuls, plan_prefill_attention
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ SOURCES = ("bindings.cpp", "linear_bf16.cpp", "linear_amx.cpp", "paged_decode_at
 # not compiled on their own; torch hashes only SOURCES, hence the name bump below
 HEADERS = ("simd_bf16.h", "kernels.h", "prefill_products.h", "decode_blocks.h", "row_ranges.h", "amx_tiles.h",
            "decode_shared_amx.h", "decode_partials.h")
-EXTENSION_NAME = "mili_cpu_kernels_v48"  # bump when a source changes so torch's JIT cache rebuilds
+EXTENSION_NAME = "mili_cpu_kernels_v49"  # bump when a source changes so torch's JIT cache rebuilds
 # -fopenmp: without it ATen's parallel_for compiles to a serial loop inside the extension
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"]
 LINK_FLAGS = ["-fopenmp"]
@@ -70,11 +70,13 @@ class CpuKernels:
         return self.plan.max_kernel_rows
 
     def plan_work(self) -> None:
-        """Choose, by timing on this CPU, how many rows go to the matmul kernel (the GEMM for the rest) and
-        in which dtypes prefill attention runs the kernel rather than torch's SDPA."""
+        """Choose, by timing on this CPU, how many rows go to the matmul kernel (the GEMM for the rest), in
+        which dtypes prefill attention runs the kernel rather than torch's SDPA, and how far ahead decode
+        attention prefetches."""
         max_rows, large_matmul = plan_matmuls(self._kernel_matmul)
         prefill_dtypes = plan_prefill_attention(self.prefill_attention, ATTENTION_DTYPES)
-        self.plan = KernelPlan(max_rows, large_matmul, prefill_dtypes)
+        prefetch_blocks = plan_decode_prefetch(self._decode_attention)
+        self.plan = KernelPlan(max_rows, large_matmul, prefill_dtypes, prefetch_blocks)
 
     def _kernel_matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self._module.linear_bf16(x, weight, self._bf16_dot_products, self._amx_tiles)
@@ -138,9 +140,13 @@ class CpuKernels:
     def decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
                          ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
         """q (B, H, D) against the pool rows at slots[b, :ctx_lens[b]] -> (B, H, D)."""
+        return self._decode_attention(q, k_pool, v_pool, slots, ctx_lens, scale, self.plan.decode_prefetch_blocks)
+
+    def _decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
+                          ctx_lens: torch.Tensor, scale: float, prefetch_blocks: int) -> torch.Tensor:
         pairs = self._bf16_dot_products and q.dtype == torch.bfloat16
         return self._module.paged_decode_attention(q.contiguous(), k_pool, v_pool, slots, ctx_lens, scale, pairs,
-                                                   pairs and self._amx_tiles)
+                                                   pairs and self._amx_tiles, prefetch_blocks)
 
     def supports_prefill_attention(self, q: torch.Tensor, k_pool: torch.Tensor) -> bool:
         """Whether prefill attention runs here: the kernel takes the shapes and, timed at load, beats SDPA."""
@@ -191,7 +197,7 @@ class CpuKernels:
         if not supported:
             return None
         stack = self._module.DecodeStack(embedding, weights, num_q_heads, num_kv_heads, head_dim, eps, scale,
-                                         self._bf16_dot_products, self._amx_tiles)
+                                         self._bf16_dot_products, self._amx_tiles, self.plan.decode_prefetch_blocks)
         return CpuDecodeStack(stack, self)
 
 
@@ -232,7 +238,9 @@ def load_cpu_kernels() -> CpuKernels | None:
         return None
     kernels = CpuKernels(module)
     kernels.plan_work()
-    logger.info("CPU kernels: matmuls of up to %d rows (%s), prefill attention in %s", kernels.max_kernel_rows,
+    logger.info("CPU kernels: matmuls of up to %d rows (%s), prefill attention in %s, decode attention "
+                "prefetching %d blocks ahead", kernels.max_kernel_rows,
                 "AMX tiles up to 16" if kernels.amx_tiles else "AVX-512",
-                sorted(str(dtype) for dtype in kernels.plan.prefill_attention_dtypes) or "torch's SDPA")
+                sorted(str(dtype) for dtype in kernels.plan.prefill_attention_dtypes) or "torch's SDPA",
+                kernels.plan.decode_prefetch_blocks)
     return kernels

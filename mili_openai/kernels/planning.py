@@ -17,6 +17,10 @@ import torch.nn.functional as F
 MatmulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, weight) -> x @ weight.T
 # prefill attention: (q (L, H, D), k_pool, v_pool (slots, KV, D), the context's slots, scale) -> (L, H, D)
 PrefillAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+# decode attention: (q (B, H, D), k_pool, v_pool (slots, KV, D), slots (B, C), ctx_lens (B,), scale,
+# prefetch distance) -> (B, H, D)
+DecodeAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int],
+                             torch.Tensor]
 
 # Rows of x the matmul kernel takes: decode batches, where its single pass over the weights wins, and the
 # decode stack (every layer in one call) runs batches of up to that many rows; the largest choice at
@@ -31,6 +35,13 @@ CALIBRATION_K, CALIBRATION_N = 1024, 3072  # an MLP-sized weight
 CALIBRATION_LARGE_ROWS = 256  # a prefill chunk
 # a prefill chunk after a cached prefix, in Qwen3-0.6B's attention shape (heads, KV heads, head dim)
 CALIBRATION_CHUNK, CALIBRATION_CONTEXT, CALIBRATION_HEADS = 128, 384, (16, 8, 128)
+# Decode attention's prefetch distance, in blocks of 16 slots (csrc/decode_blocks.h): three was fastest on
+# a 2-core Zen 4, one on a 2-core Xeon with AMX (12-15% less time at batch 1 and 8), the first choice
+# wins a tie. Timed on batch-8 steps over distinct 256-token contexts in several layers' pools (64 MB),
+# read cold: a larger read evicts them before each run.
+DECODE_PREFETCH_CHOICES = (3, 1)
+CALIBRATION_DECODE_BATCH, CALIBRATION_DECODE_CONTEXT, CALIBRATION_DECODE_LAYERS = 8, 256, 8
+CALIBRATION_EVICT_BYTES = 256 << 20
 
 
 def linear_via_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -60,6 +71,7 @@ class KernelPlan:
     large_matmul: MatmulFn = F.linear  # the GEMM for more rows
     # dtypes whose prefill attention the kernel runs (elsewhere torch's SDPA over gathered K/V)
     prefill_attention_dtypes: frozenset[torch.dtype] = field(default_factory=frozenset)
+    decode_prefetch_blocks: int = DECODE_PREFETCH_CHOICES[0]  # decode attention's prefetch distance
 
 
 def plan_matmuls(kernel: MatmulFn) -> tuple[int, MatmulFn]:
@@ -112,3 +124,29 @@ def plan_prefill_attention(kernel: PrefillAttentionFn, dtypes: tuple[torch.dtype
         if timings[0] < timings[1]:
             faster.add(dtype)
     return frozenset(faster)
+
+
+def plan_decode_prefetch(kernel: DecodeAttentionFn) -> int:
+    """The prefetch distance at which `kernel` runs batch-8 decode steps fastest from memory."""
+    heads, kv_heads, head_dim = CALIBRATION_HEADS
+    batch, context = CALIBRATION_DECODE_BATCH, CALIBRATION_DECODE_CONTEXT
+    # constant K/V time as random ones do (the work does not depend on the values), without drawing 64 MB
+    pools = [(torch.ones(batch * context, kv_heads, head_dim, dtype=torch.bfloat16),
+              torch.ones(batch * context, kv_heads, head_dim, dtype=torch.bfloat16))
+             for _ in range(CALIBRATION_DECODE_LAYERS)]
+    q = torch.ones(batch, heads, head_dim, dtype=torch.bfloat16)
+    slots = torch.arange(batch * context).view(batch, context)
+    ctx_lens = torch.full((batch,), context)
+    evict = torch.ones(CALIBRATION_EVICT_BYTES // 2, dtype=torch.bfloat16)
+
+    def seconds(blocks: int) -> float:
+        best = float("inf")
+        for _ in range(3):
+            evict.sum()
+            start = time.perf_counter()
+            for k_pool, v_pool in pools:
+                kernel(q, k_pool, v_pool, slots, ctx_lens, head_dim ** -0.5, blocks)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    return min(DECODE_PREFETCH_CHOICES, key=seconds)

@@ -72,11 +72,13 @@ inline __m512 sum_each(const __m512* v) {
 
 // The hardware prefetcher does not follow a walk over pages scattered in the pool, and a core's L1
 // tracks too few misses to keep its share of the memory busy. So for each head, while a block is
-// scored, ask for that head's part of the next kBlocksAhead blocks into L2, which tracks more; each
+// scored, ask for that head's part of the next `blocks_ahead` blocks into L2, which tracks more; each
 // block is asked for once at every distance, as an L2 prefetch may be dropped while too many misses are
 // outstanding. Measured on a 2-core Zen 4 (Qwen3-0.6B heads, batch 1 to 8, 768-2048 tokens): 15-19 GB/s
 // asking for the next block into L1, 21-25 asking once three blocks ahead, 27-32 asking at 1, 2 and 3.
-constexpr int64_t kBlocksAhead = 3;
+// On a 2-core Xeon with AMX one block ahead is 12-15% faster than three (batch 1 and 8), so the distance
+// is timed at load (kernels/planning.py) and passed in.
+constexpr int64_t kMaxBlocksAhead = 8;
 
 // Into L2: `bytes` from `offset` of the rows of slots [first, end) (elements of T, rows row_stride apart).
 template <typename T>
@@ -88,12 +90,12 @@ inline void prefetch_rows(const T* pool, const int64_t* slots, int64_t first, in
   }
 }
 
-// For blocks 1..kBlocksAhead after the one at `slots` (the span has n slots from there): the bytes of
+// For blocks 1..blocks_ahead after the one at `slots` (the span has n slots from there): the bytes of
 // each slot row that the head at `offset` covers.
 template <typename T>
 inline void prefetch_ahead(const T* pool, const int64_t* slots, int64_t n, int64_t row_stride, int64_t offset,
-                           int64_t head_dim) {
-  prefetch_rows(pool, slots, kBlock, std::min(n, (kBlocksAhead + 1) * kBlock), row_stride, offset,
+                           int64_t head_dim, int64_t blocks_ahead) {
+  prefetch_rows(pool, slots, kBlock, std::min(n, (blocks_ahead + 1) * kBlock), row_stride, offset,
                 head_dim * static_cast<int64_t>(sizeof(T)));
 }
 

@@ -44,9 +44,10 @@ class DecodeStack {
   // post_attention_layernorm, gate_up_proj, down_proj (all bf16, held, not copied)
   DecodeStack(const torch::Tensor& embedding, const std::vector<torch::Tensor>& weights, int64_t num_q_heads,
               int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool bf16_dot_products,
-              bool amx_tiles)
+              bool amx_tiles, int64_t prefetch_blocks)
       : embedding_(embedding), num_q_heads_(num_q_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
-        eps_(eps), scale_(scale), bf16_dot_products_(bf16_dot_products), amx_tiles_(amx_tiles) {
+        eps_(eps), scale_(scale), bf16_dot_products_(bf16_dot_products), amx_tiles_(amx_tiles),
+        prefetch_blocks_(prefetch_blocks) {
     TORCH_CHECK(!weights.empty() && weights.size() % kWeightsPerLayer == 0, "decode_stack: 8 weights per layer");
     TORCH_CHECK(embedding.dim() == 2, "decode_stack: embedding (vocab, hidden)");
     for (const auto& w : weights) check_weight(w);
@@ -86,7 +87,7 @@ class DecodeStack {
                k_pool.data_ptr<at::BFloat16>(), v_pool.data_ptr<at::BFloat16>());
       const torch::Tensor attended = paged_decode_attention(qk.narrow(1, 0, num_q_heads_).contiguous(), k_pool, v_pool,
                                                             slots, ctx_lens, scale_, bf16_dot_products_,
-                                                            amx_tiles_);  // (B, H, D)
+                                                            amx_tiles_, prefetch_blocks_);  // (B, H, D)
       hidden = linear_bf16(attended.view({tokens, num_q_heads_ * head_dim_}), w.o, bf16_dot_products_, amx_tiles_)
                    .add_(hidden);
       const torch::Tensor gate_up =
@@ -123,11 +124,12 @@ class DecodeStack {
   double eps_, scale_;
   bool bf16_dot_products_;  // the matmuls' and attention's choice, as CpuKernels makes it
   bool amx_tiles_;  // the matmuls' (linear_amx.cpp) and shared prefixes' attention, as CpuKernels makes it
+  int64_t prefetch_blocks_;  // decode attention's prefetch distance, as the kernel plan times it
 };
 
 void bind_decode_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<const torch::Tensor&, const std::vector<torch::Tensor>&, int64_t, int64_t, int64_t, double,
-                          double, bool, bool>())
+                          double, bool, bool, int64_t>())
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -10,7 +10,7 @@ torch::Tensor linear_amx(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool,
                                      const torch::Tensor& v_pool, const torch::Tensor& slots,
                                      const torch::Tensor& ctx_lens, double scale, bool bf16_dot_products,
-                                     bool amx_tiles);
+                                     bool amx_tiles, int64_t prefetch_blocks);
 torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                                       const torch::Tensor& context_slots, double scale, bool bf16_dot_products);
 bool cpu_has_bf16_dot_products();

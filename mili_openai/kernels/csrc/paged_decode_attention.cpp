@@ -47,6 +47,7 @@ inline int64_t score_row_stride(int64_t n) { return (n + 2 * kBlock - 1) / (2 * 
 
 struct Layout {
   int64_t num_heads, num_kv_heads, group, head_dim, row_stride;  // row_stride: elements between slots
+  int64_t blocks_ahead;  // the prefetch distance (decode_blocks.h)
 };
 
 // One span of one sequence, slots [0, n) of it. The query is either q, (H, D) fp32 in lane_of order and
@@ -68,7 +69,7 @@ __attribute__((always_inline)) inline void attend_span(const float* q, const T* 
   for (int64_t c0 = 0; c0 < n; c0 += kBlock) {
     const int64_t m = std::min(kBlock, n - c0);
     for (int64_t h = 0; h < s.num_kv_heads; ++h) {
-      prefetch_ahead(k_pool, slots + c0, n - c0, s.row_stride, h * D, D);
+      prefetch_ahead(k_pool, slots + c0, n - c0, s.row_stride, h * D, D, s.blocks_ahead);
       for (int64_t g0 = 0; g0 < s.group; g0 += kHeadsPerPass) {
         const int64_t head = h * s.group + g0;
         const bool two = s.group - g0 >= 2;
@@ -115,7 +116,7 @@ __attribute__((always_inline)) inline void attend_span(const float* q, const T* 
   for (int64_t c0 = 0; c0 < n; c0 += kBlock) {
     const int64_t m = std::min(kBlock, n - c0);
     for (int64_t h = 0; h < s.num_kv_heads; ++h) {
-      prefetch_ahead(v_pool, slots + c0, n - c0, s.row_stride, h * D, D);
+      prefetch_ahead(v_pool, slots + c0, n - c0, s.row_stride, h * D, D, s.blocks_ahead);
       for (int64_t g0 = 0; g0 < s.group; g0 += kHeadsPerPass) {
         const int64_t head = h * s.group + g0;
         if constexpr (kPairs) {
@@ -244,9 +245,9 @@ void run_head_dim(const T* qp, const T* kp, const T* vp, const int64_t* sp, cons
 template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
          const torch::Tensor& slots, const torch::Tensor& ctx_lens, double scale, bool pairs, bool amx,
-         torch::Tensor& out) {
+         int64_t blocks_ahead, torch::Tensor& out) {
   const int64_t batch = q.size(0), head_dim = q.size(2);
-  Layout s{q.size(1), k_pool.size(1), q.size(1) / k_pool.size(1), head_dim, k_pool.size(1) * head_dim};
+  Layout s{q.size(1), k_pool.size(1), q.size(1) / k_pool.size(1), head_dim, k_pool.size(1) * head_dim, blocks_ahead};
   const T* qp = q.data_ptr<T>();
   const T* kp = k_pool.data_ptr<T>();
   const T* vp = v_pool.data_ptr<T>();
@@ -268,10 +269,11 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
 
 // q (B, H, D); k_pool, v_pool (slots, KV, D); slots (B, C) int64; ctx_lens (B,) int64 -> (B, H, D).
 // amx_tiles (with bf16_dot_products): prefixes several sequences share are attended on AMX tiles.
+// prefetch_blocks: how many blocks of 16 slots ahead the walk asks for (decode_blocks.h).
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool,
                                      const torch::Tensor& v_pool, const torch::Tensor& slots,
                                      const torch::Tensor& ctx_lens, double scale, bool bf16_dot_products,
-                                     bool amx_tiles) {
+                                     bool amx_tiles, int64_t prefetch_blocks) {
   TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu(), "paged_decode_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(), "paged_decode_attention: shapes");
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() && slots.is_contiguous() &&
@@ -282,6 +284,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(q.size(2) == k_pool.size(2), "q and the pools share head_dim");
   TORCH_CHECK(!bf16_dot_products || cpu_has_bf16_dot_products(),
               "paged_decode_attention: this CPU has no AVX512-BF16");
+  TORCH_CHECK(prefetch_blocks >= 1 && prefetch_blocks <= kMaxBlocksAhead,
+              "paged_decode_attention: prefetch_blocks from 1 to ", kMaxBlocksAhead);
   TORCH_CHECK(!amx_tiles || cpu_has_amx_tiles(),
               "paged_decode_attention: this CPU has no AMX tiles (or Linux did not grant them)");
   TORCH_CHECK(q.size(1) % k_pool.size(1) == 0, "query heads must be a multiple of KV heads");
@@ -291,9 +295,9 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
               "paged_decode_attention: each context holds 1 to slots.size(1) tokens");
   auto out = torch::empty_like(q);
   if (q.scalar_type() == at::kBFloat16) {
-    run<at::BFloat16>(q, k_pool, v_pool, slots, ctx_lens, scale, bf16_dot_products, amx_tiles, out);
+    run<at::BFloat16>(q, k_pool, v_pool, slots, ctx_lens, scale, bf16_dot_products, amx_tiles, prefetch_blocks, out);
   } else if (q.scalar_type() == at::kFloat) {
-    run<float>(q, k_pool, v_pool, slots, ctx_lens, scale, false, false, out);
+    run<float>(q, k_pool, v_pool, slots, ctx_lens, scale, false, false, prefetch_blocks, out);
   } else {
     TORCH_CHECK(false, "paged_decode_attention: bf16 or fp32 only");
   }
