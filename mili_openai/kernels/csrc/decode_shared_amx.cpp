@@ -69,7 +69,8 @@ void pack_queries(const at::BFloat16* q, const int64_t* members, int64_t count, 
   const int64_t group = s.num_heads / s.num_kv_heads, D = s.head_dim;
   std::memset(packed, 0, D / kValuesPerTileRow * kTileFloats * sizeof(uint32_t));
   for (int64_t n = 0; n < count * group; ++n) {
-    const auto* row = reinterpret_cast<const uint32_t*>(q + (members[n / group] * s.num_heads + h * group + n % group) * D);
+    const int64_t head = members[n / group] * s.num_heads + h * group + n % group;
+    const auto* row = reinterpret_cast<const uint32_t*>(q + head * D);
     for (int64_t p = 0; p < D / 2; ++p) packed[p * kTile + n] = row[p];  // pair p: chunk p / 16, row p % 16
   }
 }
@@ -206,7 +207,8 @@ MILI_AMX void attend(const at::BFloat16* q, const int64_t* members, int64_t coun
   float* acc = reinterpret_cast<float*>(staged + 4 * kTileFloats);          // KV x (16, D)
   float* max = acc + KV * kTile * D;                                        // KV x 16
   float* sum = max + KV * kTile;                                            // KV x 16
-  for (int64_t h = 0; h < KV; ++h) pack_queries(q, members, count, s, h, packed_q + h * (D / kValuesPerTileRow) * kTileFloats);
+  for (int64_t h = 0; h < KV; ++h)
+    pack_queries(q, members, count, s, h, packed_q + h * (D / kValuesPerTileRow) * kTileFloats);
   configure_tiles();  // tile state is per thread
   for (int64_t j0 = 0; j0 < n; j0 += kChunk) {
     const int64_t j1 = std::min(n, j0 + kChunk);
@@ -234,11 +236,8 @@ MILI_AMX void attend(const at::BFloat16* q, const int64_t* members, int64_t coun
 
 #undef MILI_AMX
 
-}  // namespace
-
-namespace {
-
-// How many leading slots two rows have in common, up to `limit`: memcmp over 32-slot chunks, then slot by slot.
+// How many leading slots two rows have in common, up to `limit`: memcmp over 32-slot chunks, then slot
+// by slot.
 int64_t common_prefix(const int64_t* a, const int64_t* b, int64_t limit) {
   int64_t n = 0;
   while (n + kSharedStep <= limit && std::memcmp(a + n, b + n, kSharedStep * sizeof(int64_t)) == 0) n += kSharedStep;
