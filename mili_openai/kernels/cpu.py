@@ -239,7 +239,7 @@ def load_cpu_kernels() -> CpuKernels | None:
     kernels = CpuKernels(module)
     kernels.plan_work()
     logger.info("CPU kernels: matmuls of up to %d rows (%s), prefill attention in %s, decode attention "
-                "prefetching %d blocks ahead", kernels.max_kernel_rows,
+                "prefetch distance %d (blocks of 16 slots)", kernels.max_kernel_rows,
                 "AMX tiles up to 16" if kernels.amx_tiles else "AVX-512",
                 sorted(str(dtype) for dtype in kernels.plan.prefill_attention_dtypes) or "torch's SDPA",
                 kernels.plan.decode_prefetch_blocks)
