@@ -51,12 +51,16 @@ def linear_via_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), weight.float()).to(x.dtype)
 
 
-def fastest_seconds(work: Callable[[], object], repeats: int = 3) -> float:
+def fastest_seconds(work: Callable[[], object], repeats: int = 3,
+                    before: Callable[[], object] | None = None) -> float:
     """The fastest of `repeats` timed runs after a warm-up (first-call allocation, oneDNN primitive
-    creation): on a shared machine the slower runs measure the neighbours."""
+    creation): on a shared machine the slower runs measure the neighbours. `before`, untimed, runs ahead
+    of each (say, to evict the caches)."""
     work()
     best = float("inf")
     for _ in range(repeats):
+        if before is not None:
+            before()
         start = time.perf_counter()
         work()
         best = min(best, time.perf_counter() - start)
@@ -139,14 +143,9 @@ def plan_decode_prefetch(kernel: DecodeAttentionFn) -> int:
     ctx_lens = torch.full((batch,), context)
     evict = torch.ones(CALIBRATION_EVICT_BYTES // 2, dtype=torch.bfloat16)
 
-    def seconds(blocks: int) -> float:
-        best = float("inf")
-        for _ in range(3):
-            evict.sum()
-            start = time.perf_counter()
-            for k_pool, v_pool in pools:
-                kernel(q, k_pool, v_pool, slots, ctx_lens, head_dim ** -0.5, blocks)
-            best = min(best, time.perf_counter() - start)
-        return best
+    def step(blocks: int) -> None:
+        for k_pool, v_pool in pools:
+            kernel(q, k_pool, v_pool, slots, ctx_lens, head_dim ** -0.5, blocks)
 
-    return min(DECODE_PREFETCH_CHOICES, key=seconds)
+    return min(DECODE_PREFETCH_CHOICES,
+               key=lambda blocks: fastest_seconds(lambda: step(blocks), before=evict.sum))
