@@ -244,9 +244,14 @@ def reference_prefill_attention(q, k_pool, v_pool, context_slots, scale):
 
 
 def prefill_products(kernels):
-    """(dtype, multiply bf16 pairs) that this CPU can run: fp32; bf16 widened; bf16 pairs where it has them."""
-    combos = [(torch.float32, False), (torch.bfloat16, False)]
-    return combos + [(torch.bfloat16, True)] if kernels.bf16_dot_products else combos
+    """(dtype, multiply bf16 pairs, AMX tiles) that this CPU can run: fp32; bf16 widened; bf16 pairs where it
+    has them; bf16 on AMX tiles (head_dim 64 and 128; other heads fall back to pairs) where it has those."""
+    combos = [(torch.float32, False, False), (torch.bfloat16, False, False)]
+    if kernels.bf16_dot_products:
+        combos.append((torch.bfloat16, True, False))
+    if kernels.amx_tiles:
+        combos.append((torch.bfloat16, True, True))
+    return combos
 
 
 # (chunk length, context length): a whole prompt, a chunk after a cached prefix, one token, lengths that
@@ -255,7 +260,7 @@ def prefill_products(kernels):
 @pytest.mark.parametrize("length,ctx", [(130, 130), (64, 1000), (1, 7), (37, 100)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (4, 4, 16), (40, 8, 32), (8, 1, 64)])
 def test_paged_prefill_attention_matches_sdpa(kernels, length, ctx, heads, kv_heads, head_dim):
-    for dtype, bf16_pairs in prefill_products(kernels):
+    for dtype, bf16_pairs, amx_tiles in prefill_products(kernels):
         torch.manual_seed(length + heads)
         num_slots = ctx + 40
         k_pool = torch.randn(num_slots, kv_heads, head_dim, dtype=dtype)
@@ -265,7 +270,8 @@ def test_paged_prefill_attention_matches_sdpa(kernels, length, ctx, heads, kv_he
         q = qk[:, :heads]  # as the model passes it: rows strided, each row's heads contiguous
         assert kernels.prefill_attention_fits(q, k_pool)
         scale = head_dim**-0.5
-        got = kernels._module.paged_prefill_attention(q, k_pool, v_pool, context_slots, scale, bf16_pairs)
+        got = kernels._module.paged_prefill_attention(q, k_pool, v_pool, context_slots, scale, bf16_pairs,
+                                                      amx_tiles)
         want = reference_prefill_attention(q, k_pool, v_pool, context_slots, scale)
         assert got.dtype == dtype and got.shape == q.shape
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
@@ -277,7 +283,7 @@ def test_bf16_pairs_where_the_cpu_has_them(kernels):
     assert kernels.bf16_dot_products == ("avx512_bf16" in flags)
     pool, q = torch.randn(8, 1, 32), torch.randn(2, 2, 32)
     with pytest.raises(RuntimeError, match="bf16 dot products need bf16 inputs"):
-        kernels._module.paged_prefill_attention(q, pool, pool, torch.arange(2), 1.0, True)  # fp32 inputs
+        kernels._module.paged_prefill_attention(q, pool, pool, torch.arange(2), 1.0, True, False)  # fp32 inputs
     if not kernels.bf16_dot_products:  # asked for anyway: refused, not an illegal instruction
         with pytest.raises(RuntimeError, match="no AVX512-BF16"):
             x, w = torch.ones(2, 16, dtype=torch.bfloat16), torch.ones(3, 16, dtype=torch.bfloat16)
@@ -292,6 +298,10 @@ def test_bf16_pairs_where_the_cpu_has_them(kernels):
         with pytest.raises(RuntimeError, match="no AMX tiles"):
             x, w = torch.ones(2, 32, dtype=torch.bfloat16), torch.ones(32, 32, dtype=torch.bfloat16)
             kernels._module.linear_bf16(x, w, True, True)
+        with pytest.raises(RuntimeError, match="a CPU that grants the tiles"):
+            bf16_pool = torch.ones(8, 1, 64, dtype=torch.bfloat16)
+            kernels._module.paged_prefill_attention(torch.ones(2, 2, 64, dtype=torch.bfloat16), bf16_pool,
+                                                    bf16_pool, torch.arange(2), 1.0, kernels.bf16_dot_products, True)
 
 
 def test_paged_prefill_attention_refuses_slots_outside_the_pool(kernels):

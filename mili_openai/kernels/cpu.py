@@ -16,12 +16,12 @@ logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("bindings.cpp", "linear_bf16.cpp", "linear_amx.cpp", "paged_decode_attention.cpp",
-           "decode_shared_amx.cpp", "paged_prefill_attention.cpp", "rms_norm_bf16.cpp",
+           "decode_shared_amx.cpp", "paged_prefill_attention.cpp", "prefill_amx.cpp", "rms_norm_bf16.cpp",
            "activation_bf16.cpp", "decode_stack.cpp", "sample_rows.cpp")
 # not compiled on their own; torch hashes only SOURCES, hence the name bump below
 HEADERS = ("simd_bf16.h", "kernels.h", "prefill_products.h", "decode_blocks.h", "row_ranges.h", "amx_tiles.h",
-           "decode_shared_amx.h", "decode_partials.h")
-EXTENSION_NAME = "mili_cpu_kernels_v49"  # bump when a source changes so torch's JIT cache rebuilds
+           "decode_shared_amx.h", "decode_partials.h", "prefill_amx.h")
+EXTENSION_NAME = "mili_cpu_kernels_v50"  # bump when a source changes so torch's JIT cache rebuilds
 # -fopenmp: without it ATen's parallel_for compiles to a serial loop inside the extension
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"]
 LINK_FLAGS = ["-fopenmp"]
@@ -60,8 +60,8 @@ class CpuKernels:
 
     @property
     def amx_tiles(self) -> bool:
-        """Whether matmuls over up to 16 rows of x, and decode attention over prefixes several sequences
-        share, run on AMX tiles (Intel Sapphire Rapids and later)."""
+        """Whether matmuls over up to 16 rows of x, decode attention over prefixes several sequences share, and
+        bf16 prefill attention (head_dim 64 or 128) run on AMX tiles (Intel Sapphire Rapids and later)."""
         return self._amx_tiles
 
     @property
@@ -164,8 +164,9 @@ class CpuKernels:
     def prefill_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                           context_slots: torch.Tensor, scale: float) -> torch.Tensor:
         """q (L, H, D), the last L of the context's slots -> causal attention over the context, (L, H, D)."""
-        return self._module.paged_prefill_attention(q, k_pool, v_pool, context_slots, scale,
-                                                    self._bf16_dot_products and q.dtype == torch.bfloat16)
+        pairs = self._bf16_dot_products and q.dtype == torch.bfloat16
+        return self._module.paged_prefill_attention(q, k_pool, v_pool, context_slots, scale, pairs,
+                                                    pairs and self._amx_tiles)
 
     def sample_rows(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                     min_p: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:

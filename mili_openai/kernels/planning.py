@@ -1,8 +1,9 @@
 """Which of the compiled kernels and torch's own ops run what, timed on this CPU at load.
 
 The kernels were measured fastest on CPUs with AVX512 and no matrix units. Where the CPU has AMX, oneDNN's
-bf16 GEMM and torch's flash attention (tiles of AMX products) overtake them at prefill shapes, so the
-split is timed rather than assumed (~0.3 s at load).
+bf16 GEMM overtakes them at prefill shapes, and torch's flash attention overtook the AVX-512 prefill
+attention (the AMX one beats it: prefill_amx.cpp), so the split is timed rather than assumed (~0.3 s at
+load).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "AMX tiles", release_gil());
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged K/V slots; amx_tiles: "
         "prefixes several sequences share on AMX tiles, once for all of them", release_gil());
-  m.def("paged_prefill_attention", &paged_prefill_attention, "causal prefill attention over paged K/V slots",
+  m.def("paged_prefill_attention", &paged_prefill_attention, "causal prefill attention over paged K/V slots; "
+        "amx_tiles: bf16 on AMX tiles",
         release_gil());
   m.def("cpu_has_bf16_dot_products", &cpu_has_bf16_dot_products, "whether the CPU has AVX512-BF16");
   m.def("cpu_has_amx_tiles", &cpu_has_amx_tiles, "whether the CPU has AMX-BF16 tiles that Linux lets us use");

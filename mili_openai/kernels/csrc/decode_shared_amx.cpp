@@ -38,29 +38,14 @@ namespace {
 
 #define MILI_AMX __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
 
-constexpr int64_t kTile = 16;              // rows of every tile; fp32 columns of a C tile; slots a score block
-constexpr int64_t kTileFloats = kTile * kTile;  // 1 KB: a tile of 16 rows of 64 bytes
+constexpr int64_t kTile = kTileRows;       // rows of every tile; fp32 columns of a C tile; slots a score block
 constexpr int64_t kValuesPerTileRow = 32;  // bf16 values in a row of 64 bytes
 constexpr int64_t kHalf = 64;              // output values a pass over V covers: four C tiles of 16
 constexpr int64_t kChunk = 128;            // slots whose rows (every head) are read together
 // Tile registers (the intrinsics take them as literals). Scoring: C = 0, Q^T chunks 1-4, K rows 5.
 // Weighing: C = 0-3, P 4, V 5.
-
-// `floats` of 64-byte aligned scratch that stays with the calling thread: a span's buffers take hundreds
-// of KB, which a fresh allocation would map and fault in again on every call.
-float* thread_scratch(int64_t floats) {
-  thread_local std::vector<float> storage;
-  if (static_cast<int64_t>(storage.size()) < floats + kTile) storage.resize(floats + kTile);
-  return storage.data() + (-reinterpret_cast<uintptr_t>(storage.data()) / sizeof(float) % kTile);
-}
-
-MILI_AMX void configure_tiles() {
-  TileConfig config;
-  std::memset(&config, 0, sizeof(config));
-  config.palette_id = 1;
-  for (int t = 0; t < 6; ++t) config.rows[t] = kTile, config.colsb[t] = kValuesPerTileRow * 2;
-  _tile_loadconfig(&config);
-}
+constexpr int kTilesUsed = 6;
+struct SpanScratch;  // thread_scratch's tag: a span's scores, P tiles, packed queries and sums
 
 // Q^T for KV head h in VNNI pairs: per 32 values of D, a tile whose row p holds, for each stacked query
 // head n (member n / group, head h * group + n % group), its values 2p and 2p + 1. Unused columns are zero.
@@ -209,7 +194,7 @@ MILI_AMX void attend(const at::BFloat16* q, const int64_t* members, int64_t coun
   float* sum = max + KV * kTile;                                            // KV x 16
   for (int64_t h = 0; h < KV; ++h)
     pack_queries(q, members, count, s, h, packed_q + h * (D / kValuesPerTileRow) * kTileFloats);
-  configure_tiles();  // tile state is per thread
+  configure_whole_tiles(kTilesUsed);
   for (int64_t j0 = 0; j0 < n; j0 += kChunk) {
     const int64_t j1 = std::min(n, j0 + kChunk);
     score_chunk<D>(packed_q, k_pool, slots, j0, j1, n, s.row_stride, KV, reinterpret_cast<at::BFloat16*>(staged),
@@ -281,7 +266,7 @@ void attend_shared_span(const at::BFloat16* q, const int64_t* members, int64_t c
   TORCH_CHECK(shared_span_fits(s) && n % kSharedStep == 0 && count * (s.num_heads / s.num_kv_heads) <= kMaxSharedRows,
               "attend_shared_span: shapes");
   const int64_t KV = s.num_kv_heads, tiles = KV * (n / kValuesPerTileRow + s.head_dim / kValuesPerTileRow) + 4;
-  float* scratch = thread_scratch(KV * n * kTile + tiles * kTileFloats + KV * kTile * s.head_dim + 2 * KV * kTile);
+  float* scratch = thread_scratch<SpanScratch>(KV * n * kTile + tiles * kTileFloats + KV * kTile * s.head_dim + 2 * KV * kTile);
   if (s.head_dim == 128)
     attend<128>(q, members, count, s, scale, k_pool, v_pool, slots, n, scratch, out);
   else

@@ -12,7 +12,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& ctx_lens, double scale, bool bf16_dot_products,
                                      bool amx_tiles, int64_t prefetch_blocks);
 torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
-                                      const torch::Tensor& context_slots, double scale, bool bf16_dot_products);
+                                      const torch::Tensor& context_slots, double scale, bool bf16_dot_products,
+                                      bool amx_tiles);
 bool cpu_has_bf16_dot_products();
 torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor qk_norm_rope_bf16(const torch::Tensor& qk, const torch::Tensor& q_weight, const torch::Tensor& k_weight,

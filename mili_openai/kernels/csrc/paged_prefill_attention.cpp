@@ -19,6 +19,8 @@
 #include <atomic>
 #include <limits>
 
+#include "kernels.h"
+#include "prefill_amx.h"
 #include "prefill_products.h"
 
 namespace {
@@ -151,9 +153,11 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
 // q (L, H, D) (rows may be strided, each row's heads contiguous); k_pool, v_pool (slots, KV, D);
 // context_slots (ctx,) int64, the chunk's own L slots last -> (L, H, D). Query i sits at context position
 // ctx - L + i and sees positions [0, ctx - L + i]. bf16_dot_products: bf16 inputs multiply in bf16
-// pairs (VDPBF16PS), on a CPU that has them.
+// pairs (VDPBF16PS), on a CPU that has them; amx_tiles: with them, on AMX tiles where the heads fit
+// (prefill_amx.cpp).
 torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
-                                      const torch::Tensor& context_slots, double scale, bool bf16_dot_products) {
+                                      const torch::Tensor& context_slots, double scale, bool bf16_dot_products,
+                                      bool amx_tiles) {
   TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu(), "paged_prefill_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(), "paged_prefill_attention: shapes");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_prefill_attention: each q row's heads contiguous");
@@ -172,9 +176,17 @@ torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tenso
   const int64_t num_slots = k_pool.size(0);
   TORCH_CHECK(std::all_of(slot, slot + context_slots.size(0), [&](int64_t c) { return c >= 0 && c < num_slots; }),
               "paged_prefill_attention: a context slot lies outside the pool");
+  TORCH_CHECK(!amx_tiles || (bf16_dot_products && cpu_has_amx_tiles()),
+              "paged_prefill_attention: AMX tiles need bf16 dot products and a CPU that grants the tiles");
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (q.size(0) == 0) return out;
-  if (bf16_dot_products) {
+  if (amx_tiles && mili::prefill::amx_prefill_fits(q.size(1), k_pool.size(1), q.size(2))) {
+    const mili::prefill::AmxPrefillShape shape{q.size(0), context_slots.size(0), q.size(1), k_pool.size(1),
+                                               q.size(2), q.stride(0), k_pool.stride(0)};
+    mili::prefill::attend_prefill_amx(q.data_ptr<at::BFloat16>(), k_pool.data_ptr<at::BFloat16>(),
+                                      v_pool.data_ptr<at::BFloat16>(), slot, shape, static_cast<float>(scale),
+                                      out.data_ptr<at::BFloat16>());
+  } else if (bf16_dot_products) {
     run<at::BFloat16, mili::Bf16DotProducts>(q, k_pool, v_pool, context_slots, scale, out);
   } else if (q.scalar_type() == at::kBFloat16) {
     run<at::BFloat16, mili::Fp32Products<at::BFloat16>>(q, k_pool, v_pool, context_slots, scale, out);

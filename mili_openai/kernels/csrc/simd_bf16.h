@@ -1,8 +1,11 @@
-// AVX-512 helpers shared by the CPU kernels: bf16 <-> fp32 in registers, and exp for softmax/SiLU.
+// AVX-512 helpers shared by the CPU kernels: bf16 <-> fp32 in registers, exp for softmax/SiLU, and a
+// 16 x 16 transpose.
 #pragma once
 
 #include <torch/extension.h>
 #include <immintrin.h>
+
+#include <algorithm>
 
 namespace mili {
 
@@ -46,6 +49,31 @@ inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);  // p * 2^n
+}
+
+// 16 x 16 dwords in place: r[i] lane j <- r[j] lane i (pairs within 128-bit lanes, then quads, then lanes).
+inline void transpose_dwords(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[i + j], lane L: column 4L + j of rows i .. i + 3
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i u0 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), u1 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
+    const __m512i u2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44);
+    const __m512i u3 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
+    t[j] = _mm512_shuffle_i32x4(u0, u2, 0x88);
+    t[4 + j] = _mm512_shuffle_i32x4(u0, u2, 0xDD);
+    t[8 + j] = _mm512_shuffle_i32x4(u1, u3, 0x88);
+    t[12 + j] = _mm512_shuffle_i32x4(u1, u3, 0xDD);
+  }
+  std::copy(t, t + 16, r);
 }
 
 }  // namespace mili
