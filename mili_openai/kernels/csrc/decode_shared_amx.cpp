@@ -266,7 +266,8 @@ void attend_shared_span(const at::BFloat16* q, const int64_t* members, int64_t c
   TORCH_CHECK(shared_span_fits(s) && n % kSharedStep == 0 && count * (s.num_heads / s.num_kv_heads) <= kMaxSharedRows,
               "attend_shared_span: shapes");
   const int64_t KV = s.num_kv_heads, tiles = KV * (n / kValuesPerTileRow + s.head_dim / kValuesPerTileRow) + 4;
-  float* scratch = thread_scratch<SpanScratch>(KV * n * kTile + tiles * kTileFloats + KV * kTile * s.head_dim + 2 * KV * kTile);
+  float* scratch =
+      thread_scratch<SpanScratch>(KV * n * kTile + tiles * kTileFloats + KV * kTile * s.head_dim + 2 * KV * kTile);
   if (s.head_dim == 128)
     attend<128>(q, members, count, s, scale, k_pool, v_pool, slots, n, scratch, out);
   else
