@@ -325,10 +325,13 @@ def test_rms_norm_matches_transformers_rounding(kernels):
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (4, 2, 32), (2, 1, 64)])
-def test_qk_norm_rope_matches_torch_ops(kernels, heads, kv_heads, head_dim):
+@pytest.mark.parametrize("strided", [False, True])
+def test_qk_norm_rope_matches_torch_ops(kernels, heads, kv_heads, head_dim, strided):
     torch.manual_seed(head_dim)
     tokens = 7
-    qk = torch.randn(tokens, heads + kv_heads, head_dim, dtype=torch.bfloat16)
+    # strided: the q/k heads of a fused q/k/v projection's output, as the model passes them (read in place)
+    fused = torch.randn(tokens, heads + 2 * kv_heads, head_dim, dtype=torch.bfloat16)
+    qk = fused[:, : heads + kv_heads] if strided else fused[:, : heads + kv_heads].contiguous()
     q_weight = (torch.rand(head_dim) + 0.5).to(torch.bfloat16)
     k_weight = (torch.rand(head_dim) + 0.5).to(torch.bfloat16)
     angles = torch.arange(tokens)[:, None] * torch.rand(head_dim // 2)[None, :]

@@ -21,7 +21,7 @@ SOURCES = ("bindings.cpp", "linear_bf16.cpp", "linear_amx.cpp", "paged_decode_at
 # not compiled on their own; torch hashes only SOURCES, hence the name bump below
 HEADERS = ("simd_bf16.h", "kernels.h", "prefill_products.h", "decode_blocks.h", "row_ranges.h", "amx_tiles.h",
            "decode_shared_amx.h", "decode_partials.h", "prefill_amx.h")
-EXTENSION_NAME = "mili_cpu_kernels_v50"  # bump when a source changes so torch's JIT cache rebuilds
+EXTENSION_NAME = "mili_cpu_kernels_v51"  # bump when a source changes so torch's JIT cache rebuilds
 # -fopenmp: without it ATen's parallel_for compiles to a serial loop inside the extension
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"]
 LINK_FLAGS = ["-fopenmp"]
@@ -123,7 +123,8 @@ class CpuKernels:
     def qk_norm_rope(self, qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int,
                      eps: float, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """qk (T, Hq + Hk, D): q heads normalised by q_weight, k heads by k_weight, then rotated."""
-        return self._module.qk_norm_rope_bf16(qk.contiguous(), q_weight.to(qk.dtype).contiguous(),
+        qk = qk if qk.stride(-1) == 1 and qk.stride(-2) == qk.shape[-1] else qk.contiguous()  # rows may lie apart
+        return self._module.qk_norm_rope_bf16(qk, q_weight.to(qk.dtype).contiguous(),
                                               k_weight.to(qk.dtype).contiguous(), num_q_heads, eps,
                                               cos.contiguous(), signed_sin.contiguous())
 

@@ -42,10 +42,12 @@ inline void normalize_row(const at::BFloat16* x, const at::BFloat16* weight, int
   }
 }
 
-void check_rows(const torch::Tensor& x, const torch::Tensor& weight, const char* name) {
+// rows_contiguous: x's rows may lie apart (only its last dim need be contiguous) where the caller says so
+void check_rows(const torch::Tensor& x, const torch::Tensor& weight, const char* name, bool rows_contiguous = true) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, name, ": bf16 only");
   TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), name, ": CPU tensors only");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), name, ": contiguous inputs only");
+  TORCH_CHECK((rows_contiguous ? x.is_contiguous() : x.stride(-1) == 1) && weight.is_contiguous(), name,
+              ": contiguous inputs only");
   TORCH_CHECK(weight.dim() == 1 && x.size(-1) == weight.size(0), name, ": weight (D,) over x (..., D)");
   TORCH_CHECK(weight.size(0) % kLanes == 0, name, ": D must be a multiple of 16");
 }
@@ -72,19 +74,23 @@ torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight,
 }
 
 // qk (T, Hq + Hk, D): heads [0, Hq) normalised with q_weight, the rest with k_weight, then each rotated
-// by its token's cos and signed_sin (T, D), where signed_sin = [-sin, sin] over the two halves.
+// by its token's cos and signed_sin (T, D), where signed_sin = [-sin, sin] over the two halves. qk's
+// tokens may lie apart (the q/k columns of the fused projection's output, read in place: copying them
+// first took a third as long as the kernel at 512 tokens); each token's heads are contiguous.
 torch::Tensor qk_norm_rope_bf16(const torch::Tensor& qk, const torch::Tensor& q_weight, const torch::Tensor& k_weight,
                                 int64_t num_q_heads, double eps, const torch::Tensor& cos,
                                 const torch::Tensor& signed_sin) {
-  check_rows(qk, q_weight, "qk_norm_rope_bf16");
-  check_rows(qk, k_weight, "qk_norm_rope_bf16");
+  check_rows(qk, q_weight, "qk_norm_rope_bf16", false);
+  check_rows(qk, k_weight, "qk_norm_rope_bf16", false);
   TORCH_CHECK(qk.dim() == 3 && num_q_heads < qk.size(1), "qk_norm_rope_bf16: qk (T, Hq + Hk, D)");
+  TORCH_CHECK(qk.stride(1) == qk.size(2), "qk_norm_rope_bf16: each token's heads contiguous");
   const int64_t tokens = qk.size(0), heads = qk.size(1), dim = qk.size(2), half = dim / 2;
   TORCH_CHECK(dim <= kMaxHeadDim && half % kLanes == 0, "qk_norm_rope_bf16: D a multiple of 32, at most 256");
   TORCH_CHECK(cos.scalar_type() == at::kBFloat16 && signed_sin.scalar_type() == at::kBFloat16 && cos.is_contiguous() &&
               signed_sin.is_contiguous() && cos.numel() == tokens * dim && signed_sin.numel() == tokens * dim,
               "qk_norm_rope_bf16: contiguous bf16 cos and signed_sin of (T, D)");
-  auto out = torch::empty_like(qk);
+  auto out = torch::empty({tokens, heads, dim}, qk.options());
+  const int64_t token_stride = qk.stride(0);
   const auto* xp = qk.data_ptr<at::BFloat16>();
   const auto* qw = q_weight.data_ptr<at::BFloat16>();
   const auto* kw = k_weight.data_ptr<at::BFloat16>();
@@ -95,7 +101,8 @@ torch::Tensor qk_norm_rope_bf16(const torch::Tensor& qk, const torch::Tensor& q_
     alignas(64) float normed[kMaxHeadDim];
     for (int64_t r = begin; r < end; ++r) {
       const int64_t token = r / heads, head = r % heads;
-      normalize_row(xp + r * dim, head < num_q_heads ? qw : kw, dim, static_cast<float>(eps), normed);
+      normalize_row(xp + token * token_stride + head * dim, head < num_q_heads ? qw : kw, dim, static_cast<float>(eps),
+                    normed);
       for (int64_t i = 0; i < dim; i += kLanes) {
         const int64_t partner = i < half ? i + half : i - half;  // rotate_half pairs the two halves
         const __m512 a = round_bf16(_mm512_mul_ps(_mm512_load_ps(normed + i), load_bf16(cp + token * dim + i)));
