@@ -76,7 +76,7 @@ torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight,
 // qk (T, Hq + Hk, D): heads [0, Hq) normalised with q_weight, the rest with k_weight, then each rotated
 // by its token's cos and signed_sin (T, D), where signed_sin = [-sin, sin] over the two halves. qk's
 // tokens may lie apart (the q/k columns of the fused projection's output, read in place: copying them
-// first took a third as long as the kernel at 512 tokens); each token's heads are contiguous.
+// first cost a fifth of the kernel's time at 512 tokens); each token's heads are contiguous.
 torch::Tensor qk_norm_rope_bf16(const torch::Tensor& qk, const torch::Tensor& q_weight, const torch::Tensor& k_weight,
                                 int64_t num_q_heads, double eps, const torch::Tensor& cos,
                                 const torch::Tensor& signed_sin) {
