@@ -21,7 +21,7 @@ SOURCES = ("bindings.cpp", "linear_bf16.cpp", "linear_amx.cpp", "paged_decode_at
 # not compiled on their own; torch hashes only SOURCES, hence the name bump below
 HEADERS = ("simd_bf16.h", "kernels.h", "prefill_products.h", "decode_blocks.h", "row_ranges.h", "amx_tiles.h",
            "decode_shared_amx.h", "decode_partials.h", "prefill_amx.h")
-EXTENSION_NAME = "mili_cpu_kernels_v51"  # bump when a source changes so torch's JIT cache rebuilds
+EXTENSION_NAME = "mili_cpu_kernels_v52"  # bump when a source changes so torch's JIT cache rebuilds
 # -fopenmp: without it ATen's parallel_for compiles to a serial loop inside the extension
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"]
 LINK_FLAGS = ["-fopenmp"]

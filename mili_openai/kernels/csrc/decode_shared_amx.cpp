@@ -43,7 +43,7 @@ constexpr int64_t kValuesPerTileRow = 32;  // bf16 values in a row of 64 bytes
 constexpr int64_t kHalf = 64;              // output values a pass over V covers: four C tiles of 16
 constexpr int64_t kChunk = 128;            // slots whose rows (every head) are read together
 // Tile registers (the intrinsics take them as literals). Scoring: C = 0, Q^T chunks 1-4, K rows 5.
-// Weighing: C = 0-3, P 4, V 5.
+// Weighing: C = 0-3, P 4, V 5 (amx_tiles.h's accumulate_four).
 constexpr int kTilesUsed = 6;
 struct SpanScratch;  // thread_scratch's tag: a span's scores, P tiles, packed queries and sums
 
@@ -141,17 +141,10 @@ MILI_AMX void weigh_chunk(const uint32_t* p_tiles, const at::BFloat16* v_pool, c
     const uint32_t* p = p_tiles + h * (n / kValuesPerTileRow) * kTileFloats;
     float* head_acc = acc + h * kTile * D;
     for (int64_t half = 0; half < D; half += kHalf) {
-      if (j0 == 0) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-      } else {
-        _tile_loadd(0, head_acc + half, D * 4);
-        _tile_loadd(1, head_acc + half + kTile, D * 4);
-        _tile_loadd(2, head_acc + half + 2 * kTile, D * 4);
-        _tile_loadd(3, head_acc + half + 3 * kTile, D * 4);
-      }
+      if (j0 == 0)
+        zero_accumulators();
+      else
+        load_accumulators(head_acc + half, kTile, D * 4);
       for (int64_t j = j0; j < j1; j += kValuesPerTileRow) {
         for (int64_t r = 0; r < kTile; ++r) {
           const at::BFloat16* a = v_pool + slots[j + 2 * r] * row_stride + h * D + half;
@@ -162,20 +155,9 @@ MILI_AMX void weigh_chunk(const uint32_t* p_tiles, const at::BFloat16* v_pool, c
             _mm512_store_si512(staged + (2 * i + 1) * kTileFloats + r * kTile, _mm512_unpackhi_epi16(va, vb));
           }
         }
-        _tile_loadd(4, p + j / kValuesPerTileRow * kTileFloats, 64);
-        _tile_loadd(5, staged, 64);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_loadd(5, staged + kTileFloats, 64);
-        _tile_dpbf16ps(1, 4, 5);
-        _tile_loadd(5, staged + 2 * kTileFloats, 64);
-        _tile_dpbf16ps(2, 4, 5);
-        _tile_loadd(5, staged + 3 * kTileFloats, 64);
-        _tile_dpbf16ps(3, 4, 5);
+        accumulate_four(p + j / kValuesPerTileRow * kTileFloats, 64, staged, kTileFloats, 64);
       }
-      _tile_stored(0, head_acc + half, D * 4);
-      _tile_stored(1, head_acc + half + kTile, D * 4);
-      _tile_stored(2, head_acc + half + 2 * kTile, D * 4);
-      _tile_stored(3, head_acc + half + 3 * kTile, D * 4);
+      store_accumulators(head_acc + half, kTile, D * 4);
     }
   }
 }

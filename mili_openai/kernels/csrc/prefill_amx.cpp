@@ -41,8 +41,8 @@ constexpr int64_t kDimChunk = 32;   // head dims a Q tile's row covers
 constexpr int64_t kOutCols = 16;    // output dims a weighing C tile covers
 constexpr int64_t kOutHalf = 4 * kOutCols;  // output dims one pass over P covers: four C tiles
 // Tile registers (the intrinsics take them as literals). Scoring: C = 0-3 (two row tiles x two key blocks),
-// Q 4-5, K^T 6. Weighing: C = 0-3 (four runs of output dims), P 4, V 5. Four accumulators in flight hide
-// the products' latency, and each K^T tile loaded serves 32 query rows.
+// Q 4-5, K^T 6. Weighing (amx_tiles.h): C = 0-3 (four runs of output dims), P 4, V 5. Four accumulators
+// in flight hide the products' latency, and each K^T tile loaded serves 32 query rows.
 constexpr int kTilesUsed = 7;
 
 struct PackedKV;     // thread_scratch tags: a worker's packed K^T and V of one head, and its task buffers
@@ -110,10 +110,7 @@ MILI_AMX void score(const at::BFloat16* queries, const uint32_t* packed, const P
   float* lower_scores = scores + kTileRows * stride;
   for (int64_t j = 0; j < keys; j += kScoreStep) {
     const int64_t block = j / kKeys;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    zero_accumulators();
     for (int64_t c = 0; c < D / kDimChunk; ++c) {
       _tile_loadd(4, queries + c * kDimChunk, D * 2);
       _tile_loadd(5, lower + c * kDimChunk, D * 2);
@@ -177,26 +174,10 @@ template <int64_t D>
 MILI_AMX void weigh(const at::BFloat16* p, int64_t stride, const uint32_t* packed, const PackedLayout& layout,
                     int64_t width, float* acc) {
   for (int64_t half = 0; half < D; half += kOutHalf) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t j = 0; j < width; j += kPairKeys) {
-      const uint32_t* rows = packed + layout.value_row(j / 2) + half;
-      _tile_loadd(4, p + j, stride * 2);
-      _tile_loadd(5, rows, D * 4);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(5, rows + kOutCols, D * 4);
-      _tile_dpbf16ps(1, 4, 5);
-      _tile_loadd(5, rows + 2 * kOutCols, D * 4);
-      _tile_dpbf16ps(2, 4, 5);
-      _tile_loadd(5, rows + 3 * kOutCols, D * 4);
-      _tile_dpbf16ps(3, 4, 5);
-    }
-    _tile_stored(0, acc + half, D * 4);
-    _tile_stored(1, acc + half + kOutCols, D * 4);
-    _tile_stored(2, acc + half + 2 * kOutCols, D * 4);
-    _tile_stored(3, acc + half + 3 * kOutCols, D * 4);
+    zero_accumulators();
+    for (int64_t j = 0; j < width; j += kPairKeys)
+      accumulate_four(p + j, stride * 2, packed + layout.value_row(j / 2) + half, kOutCols, D * 4);
+    store_accumulators(acc + half, kOutCols, D * 4);
   }
 }
 
