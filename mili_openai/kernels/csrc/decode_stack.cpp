@@ -79,9 +79,9 @@ class DecodeStack {
       const torch::Tensor qkv =
           linear_bf16(rms_norm_bf16(hidden, w.input_norm, eps_), w.qkv, bf16_dot_products_,
                       amx_tiles_);  // (B, (H+2KV)D)
-      const torch::Tensor qk = qk_norm_rope_bf16(
-          qkv.narrow(1, 0, heads * head_dim_).reshape({tokens, heads, head_dim_}).contiguous(), w.q_norm, w.k_norm,
-          num_q_heads_, eps_, cos, signed_sin);  // (B, H + KV, D)
+      const torch::Tensor qk = qk_norm_rope_bf16(qkv.narrow(1, 0, heads * head_dim_).view({tokens, heads, head_dim_}),
+                                                 w.q_norm, w.k_norm, num_q_heads_, eps_, cos,
+                                                 signed_sin);  // (B, H + KV, D), read from qkv in place
       write_kv(qk.data_ptr<at::BFloat16>() + num_q_heads_ * head_dim_, heads * head_dim_,
                qkv.data_ptr<at::BFloat16>() + heads * head_dim_, qkv.size(1), mapping, tokens, row, num_slots,
                k_pool.data_ptr<at::BFloat16>(), v_pool.data_ptr<at::BFloat16>());
