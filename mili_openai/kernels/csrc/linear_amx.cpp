@@ -23,6 +23,7 @@
 #include "amx_tiles.h"
 #include "kernels.h"
 #include "row_ranges.h"
+#include "simd_bf16.h"
 
 namespace {
 
@@ -57,6 +58,8 @@ MILI_AMX void configure_tiles(int64_t M) {
 MILI_AMX void multiply_rows(const at::BFloat16* packed, const at::BFloat16* w, at::BFloat16* y, int64_t M,
                             int64_t N, int64_t K, int64_t n_begin, int64_t n_end) {
   alignas(64) float sums[kBlockRows * kTileRows];
+  const __m512i rows_apart =
+      _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(M));
   for (int64_t n = n_begin; n < n_end; n += kBlockRows) {
     _tile_zero(MILI_SUMS_LOW);
     _tile_zero(MILI_SUMS_HIGH);
@@ -76,8 +79,13 @@ MILI_AMX void multiply_rows(const at::BFloat16* packed, const at::BFloat16* w, a
     }
     _tile_stored(MILI_SUMS_LOW, sums, M * 4);
     _tile_stored(MILI_SUMS_HIGH, sums + kTileRows * M, M * 4);
-    for (int64_t r = 0; r < kBlockRows; ++r)
-      for (int64_t m = 0; m < M; ++m) y[m * N + n + r] = at::BFloat16(sums[r * M + m]);
+    // sums is (weight row, x row): each x row's 16 sums of a tile are M floats apart, gathered into one
+    // register, rounded and stored as 16 bf16 (a value at a time, this took ~4% of a batch-8 LM head).
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t half = 0; half < kBlockRows / kTileRows; ++half) {
+        const __m512 row = _mm512_i32gather_ps(rows_apart, sums + half * kTileRows * M + m, sizeof(float));
+        mili::store_bf16(y + m * N + n + half * kTileRows, mili::round_bf16(row));
+      }
   }
 }
 
