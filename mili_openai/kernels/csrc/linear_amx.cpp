@@ -97,7 +97,8 @@ MILI_AMX void multiply_share(mili::RowRanges& ranges, int64_t first, int64_t las
   const int64_t threads = ranges.parts();
   int64_t n_begin = 0, n_end = 0;
   for (int64_t part = first; part < last; ++part)
-    while (ranges.claim_front(part, 2 * kBlockRows, n_begin, n_end)) multiply_rows(packed, w, y, M, N, K, n_begin, n_end);
+    while (ranges.claim_front(part, 2 * kBlockRows, n_begin, n_end))
+      multiply_rows(packed, w, y, M, N, K, n_begin, n_end);
   for (int64_t step = 1; step < threads; ++step) {
     const int64_t part = (first + step) % threads;
     while (ranges.claim_back(part, kBlockRows, n_begin, n_end)) multiply_rows(packed, w, y, M, N, K, n_begin, n_end);
@@ -135,7 +136,8 @@ torch::Tensor linear_amx(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(cpu_has_amx_tiles(), "linear_amx: this CPU has no AMX tiles (or Linux did not grant them)");
   TORCH_CHECK(amx_linear_fits(M, N, K), "linear_amx: 1 to 16 rows, K a multiple of 32, N of 32");
   // X^T in VNNI pairs, (K/2, M, 2): a transpose of 32-bit pairs, looped here because two torch copies
-  // (contiguous, transpose, contiguous) cost 10-20 us a call from two rows of x on, ~2 ms of a batch-8 step.
+  // (contiguous, transpose, contiguous) cost 10-20 us a call from two rows of x on: a batch-8 decode
+  // stack took 54.5 ms with them, 49.9 without.
   const torch::Tensor xc = x.contiguous();
   std::vector<uint32_t> packed(M * K / 2);
   const auto* pairs = reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>());
