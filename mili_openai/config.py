@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
 # Default token budget per forward. A step's prefill chunk stalls every running stream until it ends: on
-# a 2-core CPU 512 tokens take ~2.5 s (2048 took ~10 s, all of it added to each stream's inter-token
-# gap), and matmuls are already at full speed from a few hundred rows. GPUs finish 2048 in milliseconds.
+# the 2-core CPUs measured, 512 tokens take 0.35-2.5 s (2048 took ~10 s on the slowest, all of it added to
+# each stream's inter-token gap). On a Xeon with AMX, 1024 prefilled 8% faster per token but gave W1 1%
+# more throughput for a quarter more first-token latency (docs/performance.md). GPUs finish 2048 in
+# milliseconds.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
 
 
