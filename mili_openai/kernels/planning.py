@@ -54,49 +54,43 @@ def linear_via_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), weight.float()).to(x.dtype)
 
 
+def run_seconds(work: Callable[[], object], before: Callable[[], object] | None = None) -> float:
+    """Seconds of one run of `work`; `before`, untimed, runs ahead of it (say, to evict the caches)."""
+    if before is not None:
+        before()
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
 def fastest_seconds(work: Callable[[], object], repeats: int = 3,
                     before: Callable[[], object] | None = None) -> float:
     """The fastest of `repeats` timed runs after a warm-up (first-call allocation, oneDNN primitive
     creation): on a shared machine the slower runs measure the neighbours. `before`, untimed, runs ahead
     of each (say, to evict the caches)."""
     work()
-    best = float("inf")
-    for _ in range(repeats):
-        if before is not None:
-            before()
-        start = time.perf_counter()
-        work()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return min(run_seconds(work, before) for _ in range(repeats))
 
 
 def median_time_ratio(first: Callable[[], object], second: Callable[[], object], rounds: int = PLAN_ROUNDS,
                       before: Callable[[], object] | None = None) -> float:
     """The median, over `rounds` rounds, of `first`'s time over `second`'s, the two run back to back in each
-    round (in turns which goes first), after a warm-up of each; `before`, untimed, runs ahead of each run.
-    On a VM whose memory moves between speeds from second to second (a 2-core Zen 4 read 33 and 60 GB/s
+    round (in turns which goes first), after a warm-up of each; `before`, untimed, runs ahead of each timed
+    run. On a VM whose memory moves between speeds from second to second (a 2-core Zen 4 read 33 and 60 GB/s
     minutes apart), the fastest of a few runs of each can catch one candidate in a fast moment and the
     other not: so timed, the decode prefetch plan picked the distance 20-25% slower there in one load of
     three. Two runs moments apart see the same machine, and the median drops the rounds split by a change.
     """
     first()
     second()
-
-    def seconds(work: Callable[[], object]) -> float:
-        if before is not None:
-            before()
-        start = time.perf_counter()
-        work()
-        return time.perf_counter() - start
-
     ratios = []
     for round_index in range(rounds):
         if round_index % 2 == 0:
-            first_seconds = seconds(first)
-            second_seconds = seconds(second)
+            first_seconds = run_seconds(first, before)
+            second_seconds = run_seconds(second, before)
         else:
-            second_seconds = seconds(second)
-            first_seconds = seconds(first)
+            second_seconds = run_seconds(second, before)
+            first_seconds = run_seconds(first, before)
         ratios.append(first_seconds / second_seconds)
     return statistics.median(ratios)
 
@@ -182,6 +176,7 @@ def plan_decode_prefetch(kernel: DecodeAttentionFn) -> int:
 
     best = DECODE_PREFETCH_CHOICES[0]
     for blocks in DECODE_PREFETCH_CHOICES[1:]:  # the earlier choice keeps a tie
-        if median_time_ratio(lambda blocks=blocks: step(blocks), lambda: step(best), before=evict.sum) < 1.0:
+        if median_time_ratio(lambda blocks=blocks: step(blocks), lambda best=best: step(best),
+                             before=evict.sum) < 1.0:
             best = blocks
     return best
