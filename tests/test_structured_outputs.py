@@ -75,6 +75,22 @@ def test_every_format_holds_greedy_and_sampled(llm, temperature):
     llm.core.check_integrity()
 
 
+def test_ignore_eos_ends_at_the_eos_that_completes_a_format(llm):
+    """ignore_eos keeps an unconstrained stream going past EOS, but a finished format allows EOS alone:
+    the EOS that completes it ends the sequence, as without ignore_eos (SGLang ends a request whose
+    grammar has terminated), rather than EOS after EOS up to max_tokens."""
+    for spec in (StructuredOutputsParams(choice=CHOICES), StructuredOutputsParams(json=SCHEMA),
+                 StructuredOutputsParams(regex=REGEX)):
+        plain, ignoring = (llm.generate(["Tell me something."], SamplingParams(
+            temperature=0, max_tokens=40, ignore_eos=ignore, structured_outputs=spec))[0].outputs[0]
+            for ignore in (False, True))
+        assert ignoring.finish_reason == plain.finish_reason == "stop"
+        assert ignoring.token_ids == plain.token_ids and ignoring.text == plain.text
+        assert ignoring.token_ids[-1] in llm.core.eos_token_ids and len(ignoring.token_ids) < 40
+    unconstrained = llm.generate(["Tell me something."], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert unconstrained[0].outputs[0].finish_reason == "length"
+
+
 def test_a_bad_format_is_refused_before_it_runs(llm):
     for spec in (StructuredOutputsParams(regex="[ab"), StructuredOutputsParams(json={"type": "objectx"})):
         with pytest.raises(ValueError, match="structured output format"):

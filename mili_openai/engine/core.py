@@ -202,7 +202,7 @@ class EngineCore:
         params = seq.params
         past_min = len(seq.output_token_ids) >= params.min_tokens
         text, finish, stop_reason = "", None, None
-        if past_min and not params.ignore_eos and token_id in self.eos_token_ids:
+        if past_min and token_id in self.eos_token_ids and (not params.ignore_eos or self._format_done(seq)):
             finish = "stop"
         elif past_min and token_id in params.stop_token_ids:
             finish, stop_reason = "stop", token_id
@@ -225,6 +225,13 @@ class EngineCore:
         seq.stop_reason = stop_reason
         self.scheduler.finish(seq, finish)
         return self._final_delta(seq, text, [token_id], logprobs)
+
+    @staticmethod
+    def _format_done(seq: Sequence) -> bool:
+        """Whether seq's structured output takes nothing but EOS now (complete, or in error), its latest
+        token counted: an EOS then ends seq even under ignore_eos (as SGLang ends a request whose grammar
+        has terminated), where it would otherwise emit EOS after EOS up to max_tokens."""
+        return seq.grammar is not None and seq.grammar.finished_by(len(seq.output_token_ids))
 
     @staticmethod
     def _finish_text(seq: Sequence) -> tuple[str, str | None]:

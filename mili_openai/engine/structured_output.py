@@ -62,6 +62,11 @@ class ConstrainedOutput:
         has_tags = think_start is not None and think_end is not None
         modes = {"optional": self.WAITING, "open": self.THINKING}
         self.state = modes.get(reasoning, self.ACTIVE) if has_tags else self.ACTIVE
+        self.consumed = 0  # tokens consumed, thinking included: the sequence's output tokens so far
+        # How many output tokens there were when the format came to take nothing but EOS (it is complete,
+        # or in error); None before. A count rather than a flag: the engine loop reads it for a token
+        # while the forward thread, a step ahead, may already have consumed the next one.
+        self.finished_at: int | None = None
 
     @property
     def masks(self) -> bool:
@@ -78,7 +83,12 @@ class ConstrainedOutput:
             word, bit = divmod(self.think_start, 32)
             bitmask.view(np.uint32)[index, word] |= np.uint32(1 << bit)
 
+    def finished_by(self, num_output_tokens: int) -> bool:
+        """Whether the format took nothing but EOS after the first `num_output_tokens` output tokens."""
+        return self.finished_at is not None and self.finished_at <= num_output_tokens
+
     def consume(self, token_id: int) -> None:
+        self.consumed += 1
         if self.state == self.THINKING:
             if token_id == self.think_end:
                 self.state = self.ACTIVE
@@ -89,6 +99,8 @@ class ConstrainedOutput:
                 return
             self.state = self.ACTIVE
         self.matcher.consume_token(token_id)
+        if self.finished_at is None and self.matcher.is_stopped():
+            self.finished_at = self.consumed
 
 
 class GrammarCompiler:
