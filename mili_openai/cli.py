@@ -121,6 +121,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         shutdown_grace_s=args.shutdown_grace_period,
         log_level=args.log_level,
         debug_endpoints=args.debug_endpoints,
+        freeze_gc_after_load=True,  # this process only serves
     )
 
 

@@ -25,7 +25,7 @@ def parse(*argv: str):
 
 def test_defaults_match_the_config_dataclasses():
     config = parse()
-    assert config == ServerConfig(engine=EngineConfig())
+    assert config == ServerConfig(engine=EngineConfig(), freeze_gc_after_load=True)  # `mili serve` only serves
 
 
 def test_every_flag_reaches_the_config():
@@ -47,7 +47,7 @@ def test_every_flag_reaches_the_config():
                             speculative_config=SpeculativeConfig(3, prompt_lookup_min=4, prompt_lookup_max=4)),
         host="0.0.0.0", port=9001, api_key="k", served_model_name="q", max_queue=10, request_timeout_s=30.0,
         max_body_bytes=4096, cors_allow_origins=("https://a.example", "https://b.example"), shutdown_grace_s=3.0,
-        log_level="debug",
+        log_level="debug", freeze_gc_after_load=True,
     )
 
 
