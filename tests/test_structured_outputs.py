@@ -87,8 +87,10 @@ def test_ignore_eos_ends_at_the_eos_that_completes_a_format(llm):
         assert ignoring.finish_reason == plain.finish_reason == "stop"
         assert ignoring.token_ids == plain.token_ids and ignoring.text == plain.text
         assert ignoring.token_ids[-1] in llm.core.eos_token_ids and len(ignoring.token_ids) < 40
-    unconstrained = llm.generate(["Tell me something."], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    assert unconstrained[0].outputs[0].finish_reason == "length"
+    eos = llm.core.eos_token_ids[0]  # unconstrained, an EOS made certain still does not end the stream
+    forced = llm.generate(["Tell me something."], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                                                 logit_bias={eos: 100.0}))[0].outputs[0]
+    assert forced.finish_reason == "length" and forced.token_ids == [eos] * 12
 
 
 def test_a_bad_format_is_refused_before_it_runs(llm):
