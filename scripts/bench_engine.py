@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,6 +31,7 @@ from mili_openai.model.huge_pages import huge_page_zeros
 BANDWIDTH_BYTES = 1 << 30  # per read-bandwidth probe pass; far larger than the caches
 BANDWIDTH_PROBE_ROW = 1024  # the matmul probe's K: Qwen3-0.6B's hidden size, the LM head's shape
 MATMUL_SHAPE = (512, 1024, 3072)  # a prefill-shaped bf16 GEMM (tokens, hidden, intermediate)
+CUDA_PEAK_MATMUL_SHAPE = (8192, 8192, 8192)
 
 
 class ReadProbes:
@@ -56,19 +59,52 @@ class ReadProbes:
         return rates
 
 
+class CudaReadProbes:
+    """The GPU's read bandwidth: torch's fp32 and bf16 `sum` over buffers far larger than its L2, each pass
+    timed to the end of its kernels. A decode step on the GPU reads its weights through torch's kernels,
+    so these are the reads it can match."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._buffers = {dtype: torch.ones(BANDWIDTH_BYTES // dtype.itemsize, dtype=dtype, device=device)
+                         for dtype in (torch.float32, torch.bfloat16)}
+
+    def measure(self, repeats: int = 8) -> dict[str, float]:
+        """Bytes/s of each read, the fastest of `repeats` passes."""
+        return {f"{str(dtype).removeprefix('torch.')} sum":
+                BANDWIDTH_BYTES / fastest_seconds(synchronized(buffer.sum, self._device), repeats)
+                for dtype, buffer in self._buffers.items()}
+
+
+def make_read_probes(device: torch.device) -> ReadProbes | CudaReadProbes:
+    return CudaReadProbes(device) if device.type == "cuda" else ReadProbes()
+
+
+def synchronized(work: Callable[[], object], device: torch.device) -> Callable[[], object]:
+    """`work`, returning only once the device has finished it (CUDA kernels run after their launch returns)."""
+    if device.type != "cuda":
+        return work
+    return lambda: (work(), torch.cuda.synchronize(device))
+
+
 def measure_read_bandwidth(repeats: int = 8) -> float:
     """The machine's read bandwidth: the fastest of the `ReadProbes`."""
     return max(ReadProbes().measure(repeats).values())
 
 
-def measure_matmul_flops(repeats: int = 10) -> float:
-    """The best matmul throughput for bf16 weights on this CPU: oneDNN's bf16 GEMM, or an fp32 GEMM on
-    widened operands where the CPU has no bf16 dot products (what the engine's prefill then uses)."""
-    m, k, n = MATMUL_SHAPE
+def measure_matmul_flops(repeats: int = 10, device: torch.device = torch.device("cpu")) -> float:
+    """The best matmul throughput for bf16 weights on this device. On CPU: oneDNN's bf16 GEMM, or an fp32
+    GEMM on widened operands where the CPU has no bf16 dot products (what the engine's prefill then uses).
+    On CUDA: cuBLAS's bf16 GEMM, at the prefill's shape and at a large one that reaches the tensor cores'
+    peak (the prefill shape alone is too small to fill an H100-class GPU, and the floor is the peak)."""
+    shapes, dtypes = [MATMUL_SHAPE], (torch.bfloat16, torch.float32)
+    if device.type == "cuda":
+        shapes, dtypes = [MATMUL_SHAPE, CUDA_PEAK_MATMUL_SHAPE], (torch.bfloat16,)
     rates = []
-    for dtype in (torch.bfloat16, torch.float32):
-        a, b = torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype)
-        rates.append(2 * m * k * n / fastest_seconds(functools.partial(torch.matmul, a, b.T), repeats))
+    for (m, k, n), dtype in itertools.product(shapes, dtypes):
+        a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(n, k, dtype=dtype, device=device)
+        seconds = fastest_seconds(synchronized(functools.partial(torch.matmul, a, b.T), device), repeats)
+        rates.append(2 * m * k * n / seconds)
     return max(rates)
 
 

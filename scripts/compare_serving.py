@@ -13,6 +13,10 @@ and per-token rates always come from each server's own usage counts (shown in th
     .venv/bin/python scripts/compare_serving.py                        # everything
     .venv/bin/python scripts/compare_serving.py --servers mili --workloads W3
     .venv/bin/python scripts/compare_serving.py --render-only          # tables from existing JSON
+    python scripts/compare_serving.py --device cuda                    # both servers on the GPU
+
+On CUDA the limits are the GPU's (its read bandwidth, its bf16 GEMM peak) and the tables go to a section
+of their own in the doc, beside the CPU one.
 
 The peer needs transformers' serving extras: `.venv/bin/pip install "transformers[serving]"`.
 """
@@ -30,6 +34,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import orjson
+import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if importlib.util.find_spec("mili_openai") is None:  # a checkout without `pip install -e .`
@@ -44,8 +49,7 @@ from mili_openai.bench.server_process import LOCALHOST, ServerProcess, ServerSpe
 from serving_limits import measure_machine_limits, paired_rounds, render_limits, render_paired  # noqa: E402 (sibling)
 
 SERVERS = ("mili", "transformers")  # the first is "ours": ratios are mili ÷ peer
-BEGIN_MARKER = "<!-- compare_serving:begin -->"
-END_MARKER = "<!-- compare_serving:end -->"
+DEVICES = ("cpu", "cuda")
 DOC_TITLE = "Performance"
 REQUEST_TIMEOUT_S = 900.0  # a whole workload on 2 CPU cores takes tens of seconds; this only stops hangs
 STARTUP_TIMEOUT_S = 600.0  # model load (and mili's kernel build) on a cold machine
@@ -82,15 +86,22 @@ WORKLOADS = (
 )
 
 
-def server_spec(name: str, checkpoint: Path, port: int, extra_args: list[str]) -> ServerSpec:
+def doc_markers(device: str) -> tuple[str, str]:
+    """The comments between which the device's section sits in the doc (the CPU's name has no suffix)."""
+    name = "compare_serving" if device == "cpu" else f"compare_serving_{device}"
+    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+
+
+def server_spec(name: str, checkpoint: Path, port: int, extra_args: list[str], device: str) -> ServerSpec:
     base_url = f"http://{LOCALHOST}:{port}"
-    common = ["--host", LOCALHOST, "--port", str(port), "--dtype", "bfloat16"]
+    common = ["--host", LOCALHOST, "--port", str(port), "--dtype", "bfloat16", "--device", device]
     if name == "mili":
         argv = [sys.executable, "-m", "mili_openai", "serve", str(checkpoint), *common, "--log-level", "warning"]
     else:
-        cli = Path(sys.executable).with_name("transformers")
-        argv = [str(cli), "serve", str(checkpoint), "--continuous-batching", *common, "--device", "cpu",
-                "--log-level", "warning"]
+        # its CLI module rather than the `transformers` script: the one this interpreter imports, wherever the
+        # package was installed (a --target dir on PYTHONPATH holds no script beside the interpreter)
+        argv = [sys.executable, "-m", "transformers.cli.transformers", "serve", str(checkpoint),
+                "--continuous-batching", *common, "--log-level", "warning"]
     # Offline: the checkpoint is local and no machine of this project reaches the hub.
     python_path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     return ServerSpec(name=name, argv=tuple(argv + extra_args), base_url=base_url,
@@ -113,8 +124,6 @@ def ensure_checkpoint(path: Path, seed: int) -> Path:
         if not (path / TOKENIZER_FILE).exists() or not any(path.glob("*.safetensors")):
             raise ValueError(f"{path} holds no complete checkpoint (an interrupted build? delete it)")
         return path
-    import torch
-
     from mili_openai.model.checkpoint import QWEN3_0_6B_SHAPE, build_random_checkpoint
 
     print(f"building a random Qwen3-0.6B-shaped checkpoint in {path}", file=sys.stderr)
@@ -150,7 +159,7 @@ def paired_description() -> str:
             f"output tokens, one at a time")
 
 
-def run_paired(server: str, spec: ServerSpec, checkpoint: Path, tokenizer) -> list[dict]:
+def run_paired(server: str, spec: ServerSpec, checkpoint: Path, tokenizer, device: torch.device) -> list[dict]:
     w3 = single_stream_workload()
 
     def run_request(index: int) -> dict:
@@ -158,25 +167,26 @@ def run_paired(server: str, spec: ServerSpec, checkpoint: Path, tokenizer) -> li
                         warmup=0, seed=PAIRED_SEED_BASE + index, progress=False)
         return asyncio.run(run_benchmark(bench, tokenizer)).summary.to_json()
 
-    return paired_rounds(checkpoint, w3.bench.input_len, run_request, PAIRED_ROUNDS)
+    return paired_rounds(checkpoint, w3.bench.input_len, run_request, PAIRED_ROUNDS, device)
 
 
 def run_server(server: str, workloads: list[Workload], checkpoint: Path, out_dir: Path, extra_args: list[str],
-               tokenizer, bracket_limits: bool) -> None:
-    spec = server_spec(server, checkpoint, free_port(), extra_args)
+               tokenizer, bracket_limits: bool, device: str) -> None:
+    spec = server_spec(server, checkpoint, free_port(), extra_args, device)
+    limits_device = torch.device(device)
     prompt_len = single_stream_bench().input_len
     with ServerProcess(spec, out_dir / f"{server}.log") as process:
         took = process.wait_healthy(STARTUP_TIMEOUT_S)
         print(f"{server} healthy after {took:.1f} s", file=sys.stderr)
         for workload in workloads:
             bracketed = bracket_limits and workload.name == SINGLE_STREAM_WORKLOAD
-            before = measure_machine_limits(checkpoint, prompt_len) if bracketed else None
+            before = measure_machine_limits(checkpoint, prompt_len, device=limits_device) if bracketed else None
             run = asyncio.run(run_benchmark(bench_config(workload, server, spec, checkpoint), tokenizer))
             if bracketed:
-                after = measure_machine_limits(checkpoint, prompt_len)
+                after = measure_machine_limits(checkpoint, prompt_len, device=limits_device)
                 bracket_path(out_dir, server).write_text(json.dumps({"before": before, "after": after}, indent=2))
-                paired_path(out_dir, server).write_text(json.dumps(run_paired(server, spec, checkpoint, tokenizer),
-                                                                   indent=2))
+                paired = run_paired(server, spec, checkpoint, tokenizer, limits_device)
+                paired_path(out_dir, server).write_text(json.dumps(paired, indent=2))
             print(f"\n{workload.name} on {server}\n{format_table(run)}")
             write_json(run, out_dir / f"{workload.name}-{server}.json")
     print(f"{server} stopped", file=sys.stderr)
@@ -193,14 +203,25 @@ def load_results(out_dir: Path) -> dict[str, dict[str, dict]]:
     return results
 
 
+def hardware_text(device: str) -> str:
+    """What the run's servers ran on: '2 CPU cores', or '1 NVIDIA H200 (16 CPU cores beside it)'. Named by
+    the machine that renders: `--render-only` elsewhere than the run's machine names that one."""
+    if device == "cpu":
+        return f"{os.cpu_count()} CPU cores"
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CUDA GPU (none here to name)"
+    return f"1 {gpu} ({os.cpu_count()} CPU cores beside it)"
+
+
 def render_section(results: dict[str, dict[str, dict]], checkpoint: Path, out_dir: Path,
-                   limits: dict[str, float] | None) -> str:
+                   limits: dict[str, float] | None, device: str) -> str:
+    title = "## Serving: mili vs `transformers serve --continuous-batching`"
     lines = [
-        "## Serving: mili vs `transformers serve --continuous-batching`",
+        title if device == "cpu" else f"{title}, on {device.upper()}",
         "",
-        f"Generated by `scripts/compare_serving.py` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
-        f"{os.cpu_count()} CPU cores, one server at a time, same random-weight checkpoint "
-        f"`{checkpoint.name}` ({checkpoint_shape(checkpoint)}), completions endpoint, greedy, streaming. EOS "
+        f"Generated by `scripts/compare_serving.py --device {device}` on "
+        f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {hardware_text(device)}, one server at a time, "
+        f"same random-weight checkpoint `{checkpoint.name}` ({checkpoint_shape(checkpoint)}), completions "
+        "endpoint, greedy, streaming. EOS "
         "ignored on both sides; token counts from each server's usage. Advantage columns: > 1 means mili is "
         f"better (throughput ratio mili ÷ peer, latency ratio peer ÷ mili). Raw JSON: `{out_dir}/`.",
     ]
@@ -228,6 +249,8 @@ def render_section(results: dict[str, dict[str, dict]], checkpoint: Path, out_di
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
+    parser.add_argument("--device", choices=DEVICES, default="cpu", help="where both servers run, and whose "
+                        "limits are measured")
     parser.add_argument("--workloads", nargs="+", choices=[w.name for w in WORKLOADS],
                         default=[w.name for w in WORKLOADS])
     parser.add_argument("--checkpoint", type=Path, default=None,
@@ -252,9 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         workloads = [w for w in WORKLOADS if w.name in args.workloads]
         extra = {"mili": args.mili_arg, "transformers": args.transformers_arg}
         for server in args.servers:
-            run_server(server, workloads, checkpoint, args.out_dir, extra[server], tokenizer, not args.no_limits)
+            run_server(server, workloads, checkpoint, args.out_dir, extra[server], tokenizer, not args.no_limits,
+                       args.device)
         if not args.no_limits:  # with both servers stopped: nothing else on the cores
-            limits = measure_machine_limits(checkpoint, single_stream_bench().input_len)
+            limits = measure_machine_limits(checkpoint, single_stream_bench().input_len,
+                                            device=torch.device(args.device))
             (args.out_dir / LIMITS_FILE).write_text(json.dumps(limits, indent=2))
     limits_path = args.out_dir / LIMITS_FILE
     limits = json.loads(limits_path.read_text()) if limits_path.exists() and not args.no_limits else None
@@ -262,8 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     if not results:
         print(f"no results in {args.out_dir}", file=sys.stderr)
         return 1
-    section = render_section(results, checkpoint, args.out_dir, limits)
-    doc = update_marked_file(args.doc, BEGIN_MARKER, END_MARKER, section, DOC_TITLE)
+    section = render_section(results, checkpoint, args.out_dir, limits, args.device)
+    doc = update_marked_file(args.doc, *doc_markers(args.device), section, DOC_TITLE)
     print(f"\nwrote {doc}", file=sys.stderr)
     return 0
 

@@ -20,7 +20,9 @@ import statistics
 from collections.abc import Callable
 from pathlib import Path
 
-from bench_engine import ReadProbes, measure_matmul_flops  # a sibling script
+import torch
+
+from bench_engine import CudaReadProbes, ReadProbes, make_read_probes, measure_matmul_flops  # a sibling
 
 BF16_BYTES = 2
 MS_PER_S = 1000.0
@@ -28,14 +30,15 @@ BRACKET_KEYS = ("before", "after")
 QUICK_REPEATS = 3  # passes per probe in a paired round: the probes must stay short beside the request
 
 
-def measure_machine_limits(checkpoint: Path, prompt_len: int, read_probes: ReadProbes | None = None,
-                           repeats: int = 8) -> dict:
+def measure_machine_limits(checkpoint: Path, prompt_len: int,
+                           read_probes: ReadProbes | CudaReadProbes | None = None, repeats: int = 8,
+                           device: torch.device = torch.device("cpu")) -> dict:
     """The floors a server cannot beat here: a decode step reads every weight once (bandwidth-bound), a
     prefill token costs 2 flops per non-embedding parameter plus causal attention's two products over its
     mean context, at `prompt_len` (matmul-bound)."""
     weight_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
-    probes = (read_probes or ReadProbes()).measure(repeats)
-    bandwidth, flops = max(probes.values()), measure_matmul_flops(repeats)
+    probes = (read_probes or make_read_probes(device)).measure(repeats)
+    bandwidth, flops = max(probes.values()), measure_matmul_flops(repeats, device)
     config = json.loads((checkpoint / "config.json").read_text())
     # A prompt token goes through every matmul but the LM head (applied to the last position only); the
     # embedding is a row lookup. Tied or not, the file holds the vocab × hidden table at least once.
@@ -57,15 +60,16 @@ def strictest(bracket: dict[str, dict]) -> dict:
             "matmul_flops_per_s": max(m["matmul_flops_per_s"] for m in measured)}
 
 
-def paired_rounds(checkpoint: Path, prompt_len: int, run_request: Callable[[int], dict], rounds: int) -> list[dict]:
+def paired_rounds(checkpoint: Path, prompt_len: int, run_request: Callable[[int], dict], rounds: int,
+                  device: torch.device = torch.device("cpu")) -> list[dict]:
     """`rounds` times: quick limits, one request (`run_request(round)` -> its summary JSON), quick limits.
     Each round's request must have a prompt of its own (no prefix-cache hits)."""
-    probes = ReadProbes()
+    probes = make_read_probes(device)
     results = []
     for index in range(rounds):
-        before = measure_machine_limits(checkpoint, prompt_len, probes, QUICK_REPEATS)
+        before = measure_machine_limits(checkpoint, prompt_len, probes, QUICK_REPEATS, device)
         summary = run_request(index)
-        after = measure_machine_limits(checkpoint, prompt_len, probes, QUICK_REPEATS)
+        after = measure_machine_limits(checkpoint, prompt_len, probes, QUICK_REPEATS, device)
         results.append({"before": before, "after": after, "summary": summary})
     return results
 
