@@ -72,6 +72,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help='speculative decoding, as vLLM\'s flag: \'{"method": "ngram", "num_speculative_tokens": 4, '
                           '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 4}\' (the last '
                           'three optional)')
+    eng.add_argument("--enforce-eager", action="store_true",
+                     help="CUDA: run decode steps op by op rather than replay them from CUDA graphs")
     eng.add_argument("--default-model-cache", default=None,
                      help="where the embedded default model is built (default: ~/.cache/mili-openai)")
     serve.set_defaults(func=run_serve, parser=serve)
@@ -107,6 +109,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         default_model_cache=args.default_model_cache,
         generation_config=args.generation_config,
         speculative_config=parse_speculative_config(args.speculative_config),
+        enforce_eager=args.enforce_eager,
     )
     return ServerConfig(
         engine=engine,

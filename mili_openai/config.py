@@ -87,6 +87,7 @@ class EngineConfig:
     # "none" = OpenAI's defaults, or a directory holding a generation_config.json (as vLLM's flag)
     generation_config: str = "auto"
     speculative_config: SpeculativeConfig | None = None  # None = no speculative decoding
+    enforce_eager: bool = False  # CUDA: run decode steps op by op instead of from CUDA graphs (vLLM's flag)
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):  # as the offline LLM(speculative_config={...}) takes it

@@ -18,11 +18,12 @@ def random_prompts(count: int, lengths: list[int], seed: int = 0, vocab: int = 1
 
 @torch.inference_mode()
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy tokens and per-step log-softmax rows from HF transformers' Qwen3 (the oracle)."""
+    """Greedy tokens and per-step log-softmax rows from HF transformers' Qwen3 (the oracle), on the model's
+    device."""
     # transformers 5.24 renamed past_key_values to cache, in the arguments and the output (the old
     # argument warns, and goes in 5.40); earlier versions know only the old name
     cache = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    out = model(torch.tensor([prompt]), use_cache=True)
+    out = model(torch.tensor([prompt], device=model.device), use_cache=True)
     tokens: list[int] = []
     logprob_rows: list[torch.Tensor] = []
     for _ in range(max_new_tokens):
@@ -30,7 +31,7 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int],
         token = int(row.argmax())
         tokens.append(token)
         logprob_rows.append(row)
-        out = model(torch.tensor([[token]]), use_cache=True, **{cache: getattr(out, cache)})
+        out = model(torch.tensor([[token]], device=model.device), use_cache=True, **{cache: getattr(out, cache)})
     return tokens, logprob_rows
 
 

@@ -3,81 +3,16 @@ over shuffled pages, and decode rows batched with prefill chunks of other sequen
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
+from model_helpers import PagedSequences, random_tokens
+
 from mili_openai.kernels import cpu_supports_kernels
-from mili_openai.model import ForwardBatch, KVCache, PrefillSegment, load_model
+from mili_openai.model import KVCache, load_model
 
 FP32_ATOL = 1e-4
 BF16_ERROR_RATIO = 1.5  # our bf16 error vs the float32 oracle, relative to transformers' own bf16 error
-VOCAB_SAMPLE = 150000  # ids drawn below the special tokens
-
-
-class PagedSequences:
-    """Hands pages to sequences from a shuffled free list and builds `ForwardBatch`es like the engine's
-    runner does, so the model is tested on non-contiguous page tables."""
-
-    def __init__(self, num_pages: int, page_size: int, seed: int = 0) -> None:
-        self.page_size = page_size
-        self.free = list(range(num_pages))
-        random.Random(seed).shuffle(self.free)
-        self.tokens: dict[str, list[int]] = {}
-        self.pages: dict[str, list[int]] = {}
-        self.computed: dict[str, int] = {}
-
-    def add(self, key: str, tokens: list[int]) -> None:
-        self.tokens[key], self.pages[key], self.computed[key] = list(tokens), [], 0
-
-    def _slots(self, key: str, end: int) -> torch.Tensor:
-        """Slots of positions [0, end) of `key`, allocating pages as needed."""
-        while len(self.pages[key]) * self.page_size < end:
-            self.pages[key].append(self.free.pop())
-        positions = torch.arange(end)
-        pages = torch.tensor(self.pages[key], dtype=torch.int64)
-        return pages[positions // self.page_size] * self.page_size + positions % self.page_size
-
-    def batch(self, decode: list[str] = (), prefill: list[tuple[str, int]] = ()) -> tuple[ForwardBatch, list]:
-        """One forward: a token of each `decode` key, then `n` tokens of each `(key, n)` prefill chunk.
-        -> (batch, [(key, position)] per row, all rows wanted as logits)."""
-        ids, positions, slot_mapping, rows = [], [], [], []
-        decode_slots = decode_ctx_lens = None
-        if decode:
-            contexts = [self._slots(key, self.computed[key] + 1) for key in decode]
-            width = max(len(c) for c in contexts)
-            decode_slots = torch.zeros(len(decode), width, dtype=torch.int64)
-            decode_ctx_lens = torch.tensor([len(c) for c in contexts])
-            for i, (key, context) in enumerate(zip(decode, contexts)):
-                decode_slots[i, : len(context)] = context
-                position = self.computed[key]
-                ids.append(self.tokens[key][position])
-                positions.append(position)
-                slot_mapping.append(int(context[-1]))
-                rows.append((key, position))
-                self.computed[key] += 1
-        segments = []
-        for key, count in prefill:
-            start = self.computed[key]
-            context = self._slots(key, start + count)
-            segments.append(PrefillSegment(start=len(ids), length=count, context_slots=context))
-            ids.extend(self.tokens[key][start: start + count])
-            positions.extend(range(start, start + count))
-            slot_mapping.extend(context[start:].tolist())
-            rows.extend((key, p) for p in range(start, start + count))
-            self.computed[key] += count
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids), positions=torch.tensor(positions), slot_mapping=torch.tensor(slot_mapping),
-            num_decode=len(decode), decode_slots=decode_slots, prefills=segments,
-            logits_indices=torch.arange(len(ids)), decode_ctx_lens=decode_ctx_lens,
-        )
-        return batch, rows
-
-
-def random_tokens(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(VOCAB_SAMPLE) for _ in range(length)]
 
 
 @torch.inference_mode()

@@ -6,6 +6,8 @@ event loop keeps streaming. Everything it reads was built on the loop thread bef
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from mili_openai.engine.batch_builder import (
     pending_inputs,
     prompt_scorings,
 )
+from mili_openai.engine.cuda_graphs import AHEAD_CONTEXT, DecodeGraphs
 from mili_openai.engine.outputs import TokenLogprob
 from mili_openai.engine.sampler import Sampler, SamplerOutput, SamplingRow, token_logprobs
 from mili_openai.engine.scheduler import ScheduledBatch
@@ -26,6 +29,8 @@ from mili_openai.engine.sequence import Sequence
 from mili_openai.kernels import load_cpu_kernels
 from mili_openai.model import KVCache, load_model, resolve_dtype
 from mili_openai.model.batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
 
 BYTES_PER_GIB = 1 << 30
 PROMPT_SCORING_ROWS = 64  # prompt rows whose logits exist at once (64 x Qwen3's vocabulary: 39 MB)
@@ -62,7 +67,20 @@ class ModelRunner:
         self.page_size = config.page_size
         self.num_pages = config.num_pages or self._pages_for_budget(config)
         self._rotary_table = self.model.rotary_table()  # grown and read on the loop thread only
-        self.kv_cache = KVCache(self.model_config, self.num_pages, self.page_size, self.dtype, self.device)
+        # Dynamic NTK RoPE checks each forward's positions on the host, which a graph cannot capture
+        use_graphs = (self.device.type == "cuda" and not config.enforce_eager
+                      and self.model.model.rotary_emb.dynamic_limit is None)
+        # with graphs, one page more than the engine hands out: its first slot takes padded rows' K/V
+        pool_pages = self.num_pages + (1 if use_graphs else 0)
+        self.kv_cache = KVCache(self.model_config, pool_pages, self.page_size, self.dtype, self.device)
+        self.decode_graphs = (DecodeGraphs(self.model, self.kv_cache, self.num_pages * self.page_size)
+                              if use_graphs else None)
+        if self.decode_graphs is not None:
+            start = time.perf_counter()
+            with torch.inference_mode():
+                count = self.decode_graphs.capture_ahead(
+                    config.max_num_seqs, min(AHEAD_CONTEXT, self.num_pages * self.page_size))
+            logger.info("captured %d CUDA graphs of decode steps in %.1f s", count, time.perf_counter() - start)
         self.sampler = Sampler(
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=self.model_config.eos_token_ids,
@@ -152,7 +170,10 @@ class ModelRunner:
     def _execute(self, step: PreparedStep) -> SamplerOutput:
         self._feed_pending_tokens(step)
         batch = forward_batch_to(step.forward_batch, self.device)
-        hidden = self.model(batch, self.kv_cache)  # (T, hidden)
+        if self.decode_graphs is not None and self.decode_graphs.fits(batch):
+            hidden = self.decode_graphs.run(batch)  # (T, hidden)
+        else:
+            hidden = self.model(batch, self.kv_cache)
         scored = self._score_prompts(hidden, step.prompt_scorings) if step.prompt_scorings else None
         if not step.rows:
             return SamplerOutput(token_ids=[], logprobs=[], prompt_logprobs=scored)

@@ -1,0 +1,95 @@
+"""Decode steps through `DecodeGraphs`' padded buckets. On the CPU it runs the padded batch eagerly, so
+these tests check the padding without a GPU: padded rows and context change no real row's output and
+write no K/V but the scratch slot's. Capture and replay themselves run in tests/test_cuda_path.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_helpers import PagedSequences, random_tokens
+
+from mili_openai.engine.cuda_graphs import MAX_GATHERED_SLOTS, DecodeGraphs, context_bucket, row_bucket
+from mili_openai.model import KVCache, load_model
+
+NUM_PAGES, PAGE_SIZE = 48, 4
+SCRATCH_SLOT = NUM_PAGES * PAGE_SIZE  # the first slot of the one page past those handed out
+PROMPTS = {"a": 9, "b": 30, "c": 17, "d": 5}
+FP32_ATOL = 1e-5  # a padded batch is a taller matmul, which may sum in another order
+
+
+def test_buckets():
+    assert [row_bucket(n) for n in (1, 2, 3, 4, 5, 256)] == [1, 2, 4, 4, 8, 256]
+    assert row_bucket(257) is None
+    assert [context_bucket(n) for n in (1, 256, 257, 1000, 1024, 1025)] == [256, 256, 512, 1024, 1024, 2048]
+
+
+@pytest.fixture(scope="module")
+def model_and_config(tiny_checkpoint):
+    return load_model(tiny_checkpoint, torch.float32, torch.device("cpu"))
+
+
+def prefilled(config, model) -> tuple[PagedSequences, KVCache]:
+    """Every prompt prefilled, on the same shuffled pages each call (seeded)."""
+    pages = PagedSequences(NUM_PAGES, PAGE_SIZE, seed=3)
+    cache = KVCache(config, NUM_PAGES + 1, PAGE_SIZE, torch.float32, torch.device("cpu"))
+    for index, (key, length) in enumerate(PROMPTS.items()):
+        pages.add(key, random_tokens(length + 8, seed=index))
+        batch, _ = pages.batch(prefill=[(key, length)])
+        model(batch, cache)
+    return pages, cache
+
+
+@torch.inference_mode()
+def test_padded_decode_matches_eager_and_writes_only_the_scratch_slot(model_and_config):
+    model, config = model_and_config
+    eager_pages, eager_cache = prefilled(config, model)
+    graph_pages, graph_cache = prefilled(config, model)
+    graphs = DecodeGraphs(model, graph_cache, SCRATCH_SLOT)
+    # four rows (bucket 4), then three in the same bucket: the fourth row's slots from the step before
+    # must not be written again; then one row (bucket 1)
+    steps = [["a", "b", "c", "d"], ["a", "b", "c", "d"], ["b", "c", "a"], ["c"], ["a", "d", "b"]]
+    for keys in steps:
+        eager_batch, _ = eager_pages.batch(decode=keys)
+        graph_batch, _ = graph_pages.batch(decode=keys)
+        assert graphs.fits(graph_batch)
+        expected = model(eager_batch, eager_cache)
+        got = graphs.run(graph_batch)
+        torch.testing.assert_close(got, expected, rtol=0, atol=FP32_ATOL)
+    assert set(graphs.graphs) == {(4, 256), (1, 256)} and graphs.steps_run == len(steps)
+    real_slots = slice(0, SCRATCH_SLOT)
+    torch.testing.assert_close(graph_cache.pools[:, :, real_slots], eager_cache.pools[:, :, real_slots],
+                               rtol=0, atol=FP32_ATOL)
+    assert graph_cache.pools[:, :, SCRATCH_SLOT].abs().sum() > 0  # the padded rows wrote there
+    assert eager_cache.pools[:, :, SCRATCH_SLOT:].abs().sum() == 0
+
+
+def test_fits_decode_only_batches_within_the_buckets(model_and_config):
+    model, config = model_and_config
+    pages, cache = prefilled(config, model)
+    graphs = DecodeGraphs(model, cache, SCRATCH_SLOT)
+    decode, _ = pages.batch(decode=["a"])
+    assert graphs.fits(decode)
+    mixed, _ = pages.batch(decode=["a"], prefill=[("b", 2)])
+    assert not graphs.fits(mixed)  # a prefill chunk: eager
+    prefill, _ = pages.batch(prefill=[("c", 3)])
+    assert not graphs.fits(prefill)
+    decode.rotary = model.model.rotary(decode.positions)
+    assert not graphs.fits(decode)  # rotary built ahead (the CPU path): eager
+    decode.rotary = None
+    wide = decode.decode_slots.new_zeros(1, MAX_GATHERED_SLOTS + 1)
+    decode.decode_slots = wide
+    assert not graphs.fits(decode)  # a gather past the cap
+    with pytest.raises(ValueError, match="scratch slot"):
+        DecodeGraphs(model, cache, cache.num_slots)
+
+
+def test_capture_ahead_takes_every_bucket_up_to_the_limits_once(model_and_config):
+    model, config = model_and_config
+    _, cache = prefilled(config, model)
+    graphs = DecodeGraphs(model, cache, SCRATCH_SLOT)
+    assert graphs.capture_ahead(max_rows=5, max_context=600) == 4 * 3  # rows 1, 2, 4, 8; contexts 256-1024
+    assert set(graphs.graphs) == {(rows, context) for rows in (1, 2, 4, 8) for context in (256, 512, 1024)}
+    assert graphs.capture_ahead(max_rows=5, max_context=600) == 0
+    assert graphs.capture_ahead(max_rows=1, max_context=MAX_GATHERED_SLOTS * 4) == 8  # 2048 .. 2^18 slots
+    assert max(rows * context for rows, context in graphs.graphs) == MAX_GATHERED_SLOTS
