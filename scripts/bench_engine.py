@@ -35,49 +35,38 @@ CUDA_PEAK_MATMUL_SHAPE = (8192, 8192, 8192)
 
 
 class ReadProbes:
-    """Streaming reads over buffers far larger than the last-level cache, on huge pages (where the engine
-    keeps its weights): torch's fp32 and bf16 `sum`, and the engine's own one-row matmul kernel over a bf16
-    matrix where it loads. The kernel, which prefetches, measured the fastest of the three on the 2-core
-    Xeon VM (27-29 GB/s against `sum`'s 19-24), so a limit taken from `sum` alone would flatter a decode
-    step that reads at the kernel's speed. The buffers are allocated once, so a caller can probe often."""
+    """Streaming reads over buffers far larger than the last-level cache.
 
-    def __init__(self) -> None:
-        # written before they are read: untouched anonymous memory reads as the kernel's shared zero page
-        self._buffers = {dtype: huge_page_zeros((BANDWIDTH_BYTES // dtype.itemsize,), dtype).fill_(1)
-                         for dtype in (torch.float32, torch.bfloat16)}
-        self._kernels = load_cpu_kernels()
+    On CPU, on huge pages (where the engine keeps its weights): torch's fp32 and bf16 `sum`, and the
+    engine's own one-row matmul kernel over a bf16 matrix where it loads. The kernel, which prefetches,
+    measured the fastest of the three on the 2-core Xeon VM (27-29 GB/s against `sum`'s 19-24), so a limit
+    taken from `sum` alone would flatter a decode step that reads at the kernel's speed.
+    On CUDA, the two `sum`s over GPU memory, each pass timed to the end of its kernels: a decode step there
+    reads its weights through torch's kernels. The buffers are allocated once, so a caller can probe often."""
+
+    def __init__(self, device: torch.device = torch.device("cpu")) -> None:
+        self._device = device
+        self._kernels = None
+        if device.type == "cpu":
+            # written before they are read: untouched anonymous memory reads as the kernel's shared zero page
+            self._buffers = {dtype: huge_page_zeros((BANDWIDTH_BYTES // dtype.itemsize,), dtype).fill_(1)
+                             for dtype in (torch.float32, torch.bfloat16)}
+            self._kernels = load_cpu_kernels()
+        else:
+            self._buffers = {dtype: torch.ones(BANDWIDTH_BYTES // dtype.itemsize, dtype=dtype, device=device)
+                             for dtype in (torch.float32, torch.bfloat16)}
         self._row = torch.ones(1, BANDWIDTH_PROBE_ROW, dtype=torch.bfloat16)
 
     def measure(self, repeats: int = 8) -> dict[str, float]:
         """Bytes/s of each read, the fastest of `repeats` passes."""
-        rates = {f"{str(dtype).removeprefix('torch.')} sum": BANDWIDTH_BYTES / fastest_seconds(buffer.sum, repeats)
+        rates = {f"{str(dtype).removeprefix('torch.')} sum":
+                 BANDWIDTH_BYTES / fastest_seconds(synchronized(buffer.sum, self._device), repeats)
                  for dtype, buffer in self._buffers.items()}
         if self._kernels is not None:
             matrix = self._buffers[torch.bfloat16].view(-1, BANDWIDTH_PROBE_ROW)
             rates["matmul kernel, one row"] = BANDWIDTH_BYTES / fastest_seconds(
                 functools.partial(self._kernels.linear, self._row, matrix), repeats)
         return rates
-
-
-class CudaReadProbes:
-    """The GPU's read bandwidth: torch's fp32 and bf16 `sum` over buffers far larger than its L2, each pass
-    timed to the end of its kernels. A decode step on the GPU reads its weights through torch's kernels,
-    so these are the reads it can match."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._device = device
-        self._buffers = {dtype: torch.ones(BANDWIDTH_BYTES // dtype.itemsize, dtype=dtype, device=device)
-                         for dtype in (torch.float32, torch.bfloat16)}
-
-    def measure(self, repeats: int = 8) -> dict[str, float]:
-        """Bytes/s of each read, the fastest of `repeats` passes."""
-        return {f"{str(dtype).removeprefix('torch.')} sum":
-                BANDWIDTH_BYTES / fastest_seconds(synchronized(buffer.sum, self._device), repeats)
-                for dtype, buffer in self._buffers.items()}
-
-
-def make_read_probes(device: torch.device) -> ReadProbes | CudaReadProbes:
-    return CudaReadProbes(device) if device.type == "cuda" else ReadProbes()
 
 
 def synchronized(work: Callable[[], object], device: torch.device) -> Callable[[], object]:

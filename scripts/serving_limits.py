@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from bench_engine import CudaReadProbes, ReadProbes, make_read_probes, measure_matmul_flops  # a sibling
+from bench_engine import ReadProbes, measure_matmul_flops  # a sibling script
 
 BF16_BYTES = 2
 MS_PER_S = 1000.0
@@ -30,14 +30,13 @@ BRACKET_KEYS = ("before", "after")
 QUICK_REPEATS = 3  # passes per probe in a paired round: the probes must stay short beside the request
 
 
-def measure_machine_limits(checkpoint: Path, prompt_len: int,
-                           read_probes: ReadProbes | CudaReadProbes | None = None, repeats: int = 8,
-                           device: torch.device = torch.device("cpu")) -> dict:
+def measure_machine_limits(checkpoint: Path, prompt_len: int, read_probes: ReadProbes | None = None,
+                           repeats: int = 8, device: torch.device = torch.device("cpu")) -> dict:
     """The floors a server cannot beat here: a decode step reads every weight once (bandwidth-bound), a
     prefill token costs 2 flops per non-embedding parameter plus causal attention's two products over its
     mean context, at `prompt_len` (matmul-bound)."""
     weight_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
-    probes = (read_probes or make_read_probes(device)).measure(repeats)
+    probes = (read_probes or ReadProbes(device)).measure(repeats)
     bandwidth, flops = max(probes.values()), measure_matmul_flops(repeats, device)
     config = json.loads((checkpoint / "config.json").read_text())
     # A prompt token goes through every matmul but the LM head (applied to the last position only); the
@@ -64,7 +63,7 @@ def paired_rounds(checkpoint: Path, prompt_len: int, run_request: Callable[[int]
                   device: torch.device = torch.device("cpu")) -> list[dict]:
     """`rounds` times: quick limits, one request (`run_request(round)` -> its summary JSON), quick limits.
     Each round's request must have a prompt of its own (no prefix-cache hits)."""
-    probes = make_read_probes(device)
+    probes = ReadProbes(device)
     results = []
     for index in range(rounds):
         before = measure_machine_limits(checkpoint, prompt_len, probes, QUICK_REPEATS, device)

@@ -52,9 +52,10 @@ def test_padded_decode_matches_eager_and_writes_only_the_scratch_slot(model_and_
     for keys in steps:
         eager_batch, _ = eager_pages.batch(decode=keys)
         graph_batch, _ = graph_pages.batch(decode=keys)
-        assert graphs.fits(graph_batch)
+        bucket = graphs.bucket(graph_batch)
+        assert bucket is not None
         expected = model(eager_batch, eager_cache)
-        got = graphs.run(graph_batch)
+        got = graphs.run(graph_batch, bucket)
         torch.testing.assert_close(got, expected, rtol=0, atol=FP32_ATOL)
     assert set(graphs.graphs) == {(4, 256), (1, 256)} and graphs.steps_run == len(steps)
     real_slots = slice(0, SCRATCH_SLOT)
@@ -64,22 +65,22 @@ def test_padded_decode_matches_eager_and_writes_only_the_scratch_slot(model_and_
     assert eager_cache.pools[:, :, SCRATCH_SLOT:].abs().sum() == 0
 
 
-def test_fits_decode_only_batches_within_the_buckets(model_and_config):
+def test_only_decode_batches_within_the_buckets_run_from_graphs(model_and_config):
     model, config = model_and_config
     pages, cache = prefilled(config, model)
     graphs = DecodeGraphs(model, cache, SCRATCH_SLOT)
     decode, _ = pages.batch(decode=["a"])
-    assert graphs.fits(decode)
+    assert graphs.bucket(decode) == (1, 256)
     mixed, _ = pages.batch(decode=["a"], prefill=[("b", 2)])
-    assert not graphs.fits(mixed)  # a prefill chunk: eager
+    assert graphs.bucket(mixed) is None  # a prefill chunk: eager
     prefill, _ = pages.batch(prefill=[("c", 3)])
-    assert not graphs.fits(prefill)
+    assert graphs.bucket(prefill) is None
     decode.rotary = model.model.rotary(decode.positions)
-    assert not graphs.fits(decode)  # rotary built ahead (the CPU path): eager
+    assert graphs.bucket(decode) is None  # rotary built ahead (the CPU path): eager
     decode.rotary = None
     wide = decode.decode_slots.new_zeros(1, MAX_GATHERED_SLOTS + 1)
     decode.decode_slots = wide
-    assert not graphs.fits(decode)  # a gather past the cap
+    assert graphs.bucket(decode) is None  # a gather past the cap
     with pytest.raises(ValueError, match="scratch slot"):
         DecodeGraphs(model, cache, cache.num_slots)
 

@@ -79,28 +79,30 @@ class DecodeGraphs:
             self.graphs[rows, context] = self._capture(rows, context)
         return len(keys)
 
-    def fits(self, batch: ForwardBatch) -> bool:
-        """Whether the batch can run from a graph: decode rows only (one token each, drafts included), with
-        positions' rotary computed in the forward, within the largest bucket."""
+    def bucket(self, batch: ForwardBatch) -> tuple[int, int] | None:
+        """The (rows, context) bucket whose graph runs the batch, or None where it must run eagerly: only
+        decode rows (one token each, drafts included), with positions' rotary computed in the forward,
+        within the largest bucket."""
         if batch.prefills or batch.decode_slots is None or batch.rotary is not None:
-            return False
-        rows = row_bucket(batch.num_tokens)
-        return rows is not None and rows * context_bucket(int(batch.decode_slots.shape[1])) <= MAX_GATHERED_SLOTS
+            return None
+        rows, context = row_bucket(batch.num_tokens), context_bucket(int(batch.decode_slots.shape[1]))
+        if rows is None or rows * context > MAX_GATHERED_SLOTS:
+            return None
+        return rows, context
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
+    def run(self, batch: ForwardBatch, bucket: tuple[int, int]) -> torch.Tensor:
         """-> (rows, hidden) after the final norm, as `model(batch, kv_cache)`; a view of the graph's output,
-        valid until the next run. `batch` must fit (`fits`) and live on the cache's device."""
-        rows, context = batch.num_tokens, int(batch.decode_slots.shape[1])
-        key = (row_bucket(rows), context_bucket(context))
-        entry = self.graphs.get(key)
+        valid until the next run. `bucket` is the batch's (from `bucket`); the batch lives on the cache's
+        device."""
+        entry = self.graphs.get(bucket)
         if entry is None:
-            entry = self.graphs[key] = self._capture(*key)
+            entry = self.graphs[bucket] = self._capture(*bucket)
         self._fill(entry.inputs, batch)
         self.steps_run += 1
         if entry.graph is None:
-            return self.model(entry.inputs, self.kv_cache)[:rows]
+            return self.model(entry.inputs, self.kv_cache)[:batch.num_tokens]
         entry.graph.replay()
-        return entry.hidden[:rows]
+        return entry.hidden[:batch.num_tokens]
 
     def _fill(self, inputs: ForwardBatch, batch: ForwardBatch) -> None:
         """The step's rows into the static inputs; the rows past them write and read the scratch slot.

@@ -170,8 +170,9 @@ class ModelRunner:
     def _execute(self, step: PreparedStep) -> SamplerOutput:
         self._feed_pending_tokens(step)
         batch = forward_batch_to(step.forward_batch, self.device)
-        if self.decode_graphs is not None and self.decode_graphs.fits(batch):
-            hidden = self.decode_graphs.run(batch)  # (T, hidden)
+        bucket = self.decode_graphs.bucket(batch) if self.decode_graphs is not None else None
+        if bucket is not None:
+            hidden = self.decode_graphs.run(batch, bucket)  # (T, hidden)
         else:
             hidden = self.model(batch, self.kv_cache)
         scored = self._score_prompts(hidden, step.prompt_scorings) if step.prompt_scorings else None
