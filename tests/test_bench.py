@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from mili_openai.bench.cli import EXIT_FAILED_REQUESTS, EXIT_OK, main
-from mili_openai.bench.config import BenchConfig
+from mili_openai.bench.config import BenchConfig, length_range
 from mili_openai.bench.datasets import (
     build_random_requests,
     build_shared_prefix_requests,
@@ -74,6 +74,26 @@ def test_random_dataset_lengths(tokenizer):
     requests = build_random_requests(PromptBuilder(tokenizer, 0), 5, input_len=100, output_len=9)
     assert len(requests) == 5
     assert all(abs(r.prompt_len - 100) <= 1 and r.output_len == 9 and r.prefix is None for r in requests)
+
+
+def test_random_range_ratio_draws_lengths_within_bounds(tokenizer):
+    requests = build_random_requests(PromptBuilder(tokenizer, 0), 40, input_len=40, output_len=10,
+                                     range_ratio=0.5)
+    prompt_lens, output_lens = [r.prompt_len for r in requests], [r.output_len for r in requests]
+    assert all(20 - 1 <= n <= 60 + 1 for n in prompt_lens) and all(5 <= n <= 15 for n in output_lens)
+    assert len(set(prompt_lens)) > 5 and len(set(output_lens)) > 3  # drawn, not fixed
+    again = build_random_requests(PromptBuilder(tokenizer, 0), 40, input_len=40, output_len=10, range_ratio=0.5)
+    assert again == requests  # seeded
+    # at 0 no length is drawn: the prompts are those of a run without the option
+    plain = build_random_requests(PromptBuilder(tokenizer, 0), 3, input_len=12, output_len=4)
+    assert build_random_requests(PromptBuilder(tokenizer, 0), 3, input_len=12, output_len=4, range_ratio=0) == plain
+
+
+def test_length_range_bounds():
+    assert length_range(100, 0.1) == (90, 110)  # not 111: 100 * 1.1 is not exact in floats
+    assert length_range(64, 0.5) == (32, 96)
+    assert length_range(1, 0.9) == (1, 2)
+    assert length_range(7, 0.0) == (7, 7)
 
 
 def test_shared_prefix_dataset_groups(tokenizer):
@@ -181,6 +201,8 @@ def test_body_options_ids_ignore_eos_extra_body(tokenizer):
     dict(extra_body="[1]"), dict(extra_body="{bad"), dict(timeout_s=0), dict(base_url="localhost:8000"),
     dict(min_tokens=65, output_len=64), dict(dataset_path="conversations.json"),
     dict(dataset="sharegpt", dataset_path="c.json", sharegpt_output_len=0),
+    dict(burstiness=0), dict(burstiness=math.inf), dict(random_range_ratio=1.0), dict(random_range_ratio=-0.1),
+    dict(min_tokens=40, output_len=64, random_range_ratio=0.5),  # a drawn max_tokens may be 32
 ])
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):
@@ -316,6 +338,22 @@ def test_cli_chat_without_usage_counts_chunks_and_writes_json(tmp_path, capsys):
     assert data["summary"]["completed"] == 4 and data["summary"]["output_tokens_source"] == SOURCE_CHUNKS
     assert data["summary"]["total_output_tokens"] == 20 and len(data["requests"]) == 4
     assert data["summary"]["ttft"]["p50_ms"] >= TTFT_S * 1000
+
+
+def test_cli_bursty_arrivals_and_drawn_lengths(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    with serve_in_thread(fake_openai_app()) as base_url:
+        code = main(["serve", "--base-url", base_url, "--num-requests", "12", "--input-len", "16",
+                     "--output-len", "4", "--random-range-ratio", "0.5", "--request-rate", "200",
+                     "--burstiness", "0.5", "--json", str(out), "--no-progress"])
+    assert code == EXIT_OK, capsys.readouterr().err
+    table = capsys.readouterr().out
+    assert "burstiness 0.5" in table and "lengths within ±0.5" in table
+    data = json.loads(out.read_text())
+    assert data["config"]["burstiness"] == 0.5 and data["config"]["random_range_ratio"] == 0.5
+    outputs = [r["output_tokens"] for r in data["requests"]]
+    assert all(2 <= n <= 6 for n in outputs) and len(set(outputs)) > 1  # each request's own max_tokens
+    assert data["summary"]["total_output_tokens"] == sum(outputs)
 
 
 def test_cli_sharegpt_against_fake_server(tmp_path, capsys):

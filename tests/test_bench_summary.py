@@ -4,6 +4,7 @@ comparison tables and server processes that scripts/compare_serving.py builds on
 from __future__ import annotations
 
 import math
+import random
 import sys
 from pathlib import Path
 
@@ -58,6 +59,31 @@ def test_arrival_times():
     assert times[0] == 0 and all(g >= 0 for g in gaps)
     assert sum(gaps) / len(gaps) == pytest.approx(1 / 20.0, rel=0.1)
     assert arrival_times(10, 5.0, 1) == arrival_times(10, 5.0, 1)
+
+
+@pytest.mark.parametrize("burstiness", [0.25, 1.0, 4.0])
+def test_arrival_gaps_keep_the_rate_and_spread_by_burstiness(burstiness):
+    """Gamma gaps of shape b (vLLM's --burstiness): mean 1 / rate whatever b, and a coefficient of
+    variation of 1 / sqrt(b), so b < 1 bunches requests and b > 1 spaces them evenly."""
+    times = arrival_times(20000, 10.0, 3, burstiness)
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    mean = sum(gaps) / len(gaps)
+    spread = math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps)) / mean
+    assert mean == pytest.approx(0.1, rel=0.05)
+    assert spread == pytest.approx(1 / math.sqrt(burstiness), rel=0.1)
+    assert arrival_times(50, 10.0, 3, burstiness) == times[:50]  # seeded
+    with pytest.raises(ValueError):
+        arrival_times(3, 1.0, 0, 0.0)
+
+
+def test_poisson_schedule_is_unchanged_by_the_burstiness_option():
+    """burstiness 1 draws the same exponential gaps as before the option existed (reruns compare)."""
+    rng = random.Random(5)
+    expected, now = [], 0.0
+    for _ in range(6):
+        expected.append(now)
+        now += rng.expovariate(2.0)
+    assert arrival_times(6, 2.0, 5) == arrival_times(6, 2.0, 5, 1.0) == expected
 
 
 # ---- comparison tables and the server process helper (used by scripts/compare_serving.py) ----

@@ -17,6 +17,13 @@ EXIT_FAILED_REQUESTS = 1  # the run finished but some requests failed
 EXIT_BAD_ARGUMENTS = 2  # argparse's own convention
 
 
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each option's default, unless its help already says it in words ("default: unbounded")."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return action.help if "default:" in (action.help or "") else super()._get_help_string(action)
+
+
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add `bench` (with its `serve` subcommand) to a parent command's subparsers."""
     bench = subparsers.add_parser("bench", help="benchmark tools")
@@ -28,7 +35,7 @@ def add_bench_subcommands(bench: argparse.ArgumentParser) -> None:
     commands = bench.add_subparsers(dest="bench_command", metavar="{serve}", required=True)
     serve = commands.add_parser(
         "serve", help="load-test an OpenAI-compatible server (streaming; TTFT/TPOT/ITL/throughput)",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=DefaultsHelpFormatter)
     add_serve_arguments(serve)
     serve.set_defaults(func=bench_serve_main)
 
@@ -42,16 +49,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--api-key", default=None, help="sent as a Bearer token")
     target.add_argument("--timeout", type=float, default=d.timeout_s, help="per-request limit (s), whole stream")
     load = parser.add_argument_group("load")
-    load.add_argument("--num-requests", type=int, default=d.num_requests)
+    load.add_argument("--num-requests", type=int, default=d.num_requests, help="requests measured")
     load.add_argument("--concurrency", type=int, default=None, help="max requests in flight (default: unbounded)")
     load.add_argument("--request-rate", type=float, default=d.request_rate,
                       help="requests/s, Poisson arrivals; inf = all at once")
+    load.add_argument("--burstiness", type=float, default=d.burstiness,
+                      help="with --request-rate: gamma-distributed gaps of this shape, same mean rate "
+                           "(1 = Poisson, below 1 burstier, above 1 more even), as vLLM's")
     load.add_argument("--warmup", type=int, default=d.warmup, help="requests sent before measuring")
-    load.add_argument("--seed", type=int, default=d.seed)
+    load.add_argument("--seed", type=int, default=d.seed, help="seeds the prompts, lengths and arrival times")
     data = parser.add_argument_group("dataset")
     data.add_argument("--dataset", choices=DATASETS, default=d.dataset)
     data.add_argument("--input-len", type=int, default=d.input_len, help="random: prompt tokens")
     data.add_argument("--output-len", type=int, default=d.output_len, help="max_tokens of each request")
+    data.add_argument("--random-range-ratio", type=float, default=d.random_range_ratio,
+                      help="random: each request's input and output lengths drawn from [len * (1 - r), len * (1 + r)]")
     data.add_argument("--num-groups", type=int, default=d.num_groups, help="shared-prefix: distinct prefixes")
     data.add_argument("--prefix-len", type=int, default=d.prefix_len, help="shared-prefix: shared tokens")
     data.add_argument("--suffix-len", type=int, default=d.suffix_len, help="shared-prefix: tokens per request")
@@ -74,8 +86,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         base_url=args.base_url, model=args.model, endpoint=args.endpoint, num_requests=args.num_requests,
-        concurrency=args.concurrency, request_rate=args.request_rate, dataset=args.dataset,
-        input_len=args.input_len, output_len=args.output_len, num_groups=args.num_groups,
+        concurrency=args.concurrency, request_rate=args.request_rate, burstiness=args.burstiness,
+        dataset=args.dataset, input_len=args.input_len, output_len=args.output_len,
+        random_range_ratio=args.random_range_ratio, num_groups=args.num_groups,
         prefix_len=args.prefix_len, suffix_len=args.suffix_len, dataset_path=args.dataset_path,
         sharegpt_output_len=args.sharegpt_output_len, ignore_eos=args.ignore_eos,
         min_tokens=args.min_tokens, extra_body=args.extra_body, prompt_as_ids=args.prompt_as_ids,

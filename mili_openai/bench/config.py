@@ -17,6 +17,12 @@ DATASETS = ("random", "shared-prefix", "sharegpt")
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
+def length_range(center: int, ratio: float) -> tuple[int, int]:
+    """The lengths a `random` request may draw around `center` (both ends included, at least 1)."""
+    slack = 1e-9  # 100 * 1.1 is 110.00000000000001 in floats: not a reason to allow 111
+    return max(1, math.floor(center * (1 - ratio) + slack)), math.ceil(center * (1 + ratio) - slack)
+
+
 @dataclass(frozen=True, slots=True)
 class BenchConfig:
     base_url: str = "http://127.0.0.1:8000"
@@ -25,9 +31,11 @@ class BenchConfig:
     num_requests: int = 64
     concurrency: int | None = None  # max requests in flight; None = unbounded
     request_rate: float = math.inf  # requests/s with Poisson arrivals; inf = all at once
+    burstiness: float = 1.0  # vLLM's: shape of the gamma gaps between arrivals; 1 = Poisson, < 1 burstier
     dataset: str = "random"
     input_len: int = 256  # random: prompt tokens per request
-    output_len: int = 64  # max_tokens of every request (both datasets)
+    random_range_ratio: float = 0.0  # random: lengths drawn from [len * (1 - r), len * (1 + r)], as vLLM's
+    output_len: int = 64  # max_tokens of every request (random: the centre of the drawn ones, as input_len)
     num_groups: int = 4  # shared-prefix: number of distinct prefixes
     prefix_len: int = 960  # shared-prefix: tokens of the shared prefix (system message on chat)
     suffix_len: int = 64  # shared-prefix: tokens unique to each request
@@ -64,8 +72,12 @@ class BenchConfig:
             raise ValueError("concurrency must be >= 1")
         if not self.request_rate > 0:
             raise ValueError("request_rate must be > 0 (use inf for all at once)")
-        if self.min_tokens is not None and not 0 <= self.min_tokens <= self.output_len:
-            raise ValueError("min_tokens must be in [0, output_len]")
+        if not 0 < self.burstiness < math.inf:
+            raise ValueError("burstiness must be > 0 and finite")
+        if not 0 <= self.random_range_ratio < 1:
+            raise ValueError("random_range_ratio must be in [0, 1)")
+        if self.min_tokens is not None and not 0 <= self.min_tokens <= self.shortest_output_len:
+            raise ValueError(f"min_tokens must be in [0, {self.shortest_output_len}] (the shortest max_tokens sent)")
         if self.extra_body is not None:
             self.extra_fields()  # raises ValueError on bad JSON
         if self.prompt_as_ids and self.endpoint != "completions":
@@ -76,6 +88,13 @@ class BenchConfig:
             raise ValueError("warmup must be >= 0")
         if self.max_error_messages < 0:
             raise ValueError("max_error_messages must be >= 0")
+
+    @property
+    def shortest_output_len(self) -> int:
+        """The smallest max_tokens a request of this run may carry."""
+        if self.dataset == "random":
+            return length_range(self.output_len, self.random_range_ratio)[0]
+        return self.output_len
 
     @property
     def url(self) -> str:

@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from mili_openai.bench.config import BenchConfig
+from mili_openai.bench.config import BenchConfig, length_range
 from mili_openai.bench.prompt_tokens import PromptBuilder, TokenPrompt
 
 # Warmup prompts come from a seed stream apart from the measured ones, so warming up never pre-caches
@@ -37,9 +37,20 @@ class BenchRequest:
 
 
 def build_random_requests(builder: PromptBuilder, num_requests: int, input_len: int, output_len: int,
-                          as_ids: bool = False) -> list[BenchRequest]:
+                          as_ids: bool = False, range_ratio: float = 0.0) -> list[BenchRequest]:
+    """`num_requests` independent prompts. With `range_ratio` r > 0 each request's prompt and output lengths
+    are drawn uniformly from [len * (1 - r), len * (1 + r)] (at least 1), as vLLM's --random-range-ratio
+    draws them; at 0 every request has the given lengths and no length is drawn."""
     make = builder.id_prompt if as_ids else builder.prompt
-    return [BenchRequest(body=make(input_len), output_len=output_len) for _ in range(num_requests)]
+
+    def length(center: int) -> int:
+        return builder.rng.randint(*length_range(center, range_ratio)) if range_ratio else center
+
+    requests = []
+    for _ in range(num_requests):
+        prompt_len, max_tokens = length(input_len), length(output_len)
+        requests.append(BenchRequest(body=make(prompt_len), output_len=max_tokens))
+    return requests
 
 
 def build_shared_prefix_requests(builder: PromptBuilder, num_requests: int, num_groups: int, prefix_len: int,
@@ -99,7 +110,7 @@ def build_requests(config: BenchConfig, builder: PromptBuilder, num_requests: in
         return build_sharegpt_requests(builder, num_requests, config.dataset_path, config.sharegpt_output_len)
     if config.dataset == "random":
         return build_random_requests(builder, num_requests, config.input_len, config.output_len,
-                                     as_ids=config.prompt_as_ids)
+                                     as_ids=config.prompt_as_ids, range_ratio=config.random_range_ratio)
     return build_shared_prefix_requests(builder, num_requests, min(config.num_groups, num_requests),
                                         config.prefix_len, config.suffix_len, config.output_len,
                                         as_ids=config.prompt_as_ids)

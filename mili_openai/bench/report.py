@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import orjson
@@ -19,8 +20,11 @@ def format_table(run: BenchRun) -> str:
     rows: list[tuple[str, str]] = [
         ("Endpoint", c.url),
         ("Model", run.model),
-        ("Dataset", c.dataset),
-        ("Concurrency / request rate", f"{c.concurrency or 'unbounded'} / {c.to_json()['request_rate']} req/s"),
+        ("Dataset", c.dataset + (f" (lengths within ±{c.random_range_ratio:g})"
+                                 if c.dataset == "random" and c.random_range_ratio else "")),
+        ("Concurrency / request rate", f"{c.concurrency or 'unbounded'} / {c.to_json()['request_rate']} req/s"
+                                       + (f", burstiness {c.burstiness:g}"
+                                          if c.burstiness != 1 and not math.isinf(c.request_rate) else "")),
         ("Duration (s)", f"{s.duration_s:.2f}"),
         ("Completed requests", str(s.completed)),
         ("Failed requests", str(s.failed)),

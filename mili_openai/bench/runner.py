@@ -2,7 +2,8 @@
 collect per-request results and summarise them.
 
 Arrivals follow a Poisson process at `request_rate` (exponential gaps from a seeded RNG, so a rerun sends
-the same schedule); `concurrency` caps how many are in flight, later arrivals wait for a free slot.
+the same schedule), or with `burstiness` other than 1 vLLM's gamma process at the same mean rate;
+`concurrency` caps how many are in flight, later arrivals wait for a free slot.
 """
 
 from __future__ import annotations
@@ -106,22 +107,27 @@ async def send_all(client: aiohttp.ClientSession, config: BenchConfig, model: st
         progress.advance(result.success)
         return result
 
-    arrivals = arrival_times(len(requests), rate, config.seed + ARRIVAL_SEED_OFFSET)
+    arrivals = arrival_times(len(requests), rate, config.seed + ARRIVAL_SEED_OFFSET, config.burstiness)
     try:
         return list(await asyncio.gather(*(send_one(r, t) for r, t in zip(requests, arrivals))))
     finally:
         progress.close()
 
 
-def arrival_times(num_requests: int, rate: float, seed: int) -> list[float]:
-    """Send offsets (s) of a Poisson process at `rate` req/s, first at 0; all zero for an infinite rate."""
+def arrival_times(num_requests: int, rate: float, seed: int, burstiness: float = 1.0) -> list[float]:
+    """Send offsets (s), first at 0; all zero for an infinite rate. The gaps are gamma-distributed with
+    shape `burstiness` and mean 1 / `rate` (vLLM's arrivals): exponential, a Poisson process, at 1; their
+    coefficient of variation is 1 / sqrt(burstiness), so below 1 requests come in bursts."""
     if not rate > 0:
         raise ValueError("rate must be > 0")
+    if not burstiness > 0:
+        raise ValueError("burstiness must be > 0")
     if math.isinf(rate):
         return [0.0] * num_requests
     rng = random.Random(seed)
     times, now = [], 0.0
     for _ in range(num_requests):
         times.append(now)
-        now += rng.expovariate(rate)
+        # expovariate at 1 keeps a Poisson schedule the same as before burstiness existed
+        now += rng.expovariate(rate) if burstiness == 1 else rng.gammavariate(burstiness, 1 / (rate * burstiness))
     return times
