@@ -340,12 +340,13 @@ def test_cli_chat_without_usage_counts_chunks_and_writes_json(tmp_path, capsys):
     assert data["summary"]["ttft"]["p50_ms"] >= TTFT_S * 1000
 
 
-def test_cli_bursty_arrivals_and_drawn_lengths(tmp_path, capsys):
+def test_cli_bursty_arrivals_drawn_lengths_and_goodput(tmp_path, capsys):
     out = tmp_path / "bench.json"
     with serve_in_thread(fake_openai_app()) as base_url:
         code = main(["serve", "--base-url", base_url, "--num-requests", "12", "--input-len", "16",
                      "--output-len", "4", "--random-range-ratio", "0.5", "--request-rate", "200",
-                     "--burstiness", "0.5", "--json", str(out), "--no-progress"])
+                     "--burstiness", "0.5", "--goodput", "ttft:60000", "e2el:60000", "--json", str(out),
+                     "--no-progress"])
     assert code == EXIT_OK, capsys.readouterr().err
     table = capsys.readouterr().out
     assert "burstiness 0.5" in table and "lengths within ±0.5" in table
@@ -354,6 +355,10 @@ def test_cli_bursty_arrivals_and_drawn_lengths(tmp_path, capsys):
     outputs = [r["output_tokens"] for r in data["requests"]]
     assert all(2 <= n <= 6 for n in outputs) and len(set(outputs)) > 1  # each request's own max_tokens
     assert data["summary"]["total_output_tokens"] == sum(outputs)
+    # every request is well within a minute: goodput is the request throughput
+    assert data["config"]["goodput_slos"] == {"ttft": 60000.0, "e2el": 60000.0}
+    assert data["summary"]["request_goodput"] == pytest.approx(data["summary"]["request_throughput"])
+    assert "ttft <= 60000 ms, e2el <= 60000 ms" in table
 
 
 def test_cli_sharegpt_against_fake_server(tmp_path, capsys):
@@ -375,6 +380,8 @@ def test_cli_exit_codes(capsys):
                      "--output-len", "2", "--no-progress"])
     assert code == EXIT_FAILED_REQUESTS and "Failed requests" in capsys.readouterr().out
     assert main(["serve", "--num-requests", "0", "--no-progress"]) == 2
+    assert main(["serve", "--goodput", "itl:5", "--no-progress"]) == 2  # not one of vLLM's goodput metrics
+    assert "goodput metric" in capsys.readouterr().err
 
 
 # ---- end to end against the real server ----

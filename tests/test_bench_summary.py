@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from mili_openai.bench.config import BenchConfig, parse_goodput
 from mili_openai.bench.runner import arrival_times
 from mili_openai.bench.sse_client import SOURCE_CHUNKS, SOURCE_USAGE, RequestResult
 from mili_openai.bench.summary import percentile, summarize
@@ -43,6 +44,31 @@ def test_summarize_known_results():
     assert summary.e2e.p50_ms == pytest.approx(600.0)
     assert summary.errors == ["HTTP 500: boom (x2)"]
     assert summary.output_tokens_source == SOURCE_USAGE
+
+
+def test_goodput_counts_completed_requests_within_every_bound():
+    def done(ttft_s, e2e_s, tokens):
+        return RequestResult(success=True, prompt_len=1, output_tokens=tokens, output_tokens_source=SOURCE_USAGE,
+                             ttft_s=ttft_s, e2e_s=e2e_s)
+    results = [done(0.1, 0.5, 5),  # TPOT 100 ms
+               done(0.3, 0.5, 5),  # TTFT over 200 ms
+               done(0.1, 1.3, 5),  # TPOT 300 ms
+               done(0.1, 0.1, 1),  # one token: no TPOT to miss
+               RequestResult(success=False, error="HTTP 500")]  # failed: never counted
+    assert summarize(results, 2.0, 5).request_goodput is None
+    assert summarize(results, 2.0, 5, {"ttft": 200, "tpot": 150}).request_goodput == 2 / 2.0
+    assert summarize(results, 2.0, 5, {"e2el": 600}).request_goodput == 3 / 2.0
+    assert summarize(results, 2.0, 5, {"ttft": 50}).request_goodput == 0.0
+
+
+def test_goodput_arguments():
+    assert parse_goodput(["ttft:500", "tpot:50.5"]) == {"ttft": 500.0, "tpot": 50.5}
+    for bad in (["ttft"], ["ttft:fast"], ["ttft:"]):
+        with pytest.raises(ValueError, match="METRIC:MS"):
+            parse_goodput(bad)
+    for slos in ({"itl": 5.0}, {"ttft": 0.0}, {"tpot": math.inf}):
+        with pytest.raises(ValueError, match="goodput"):
+            BenchConfig(goodput_slos=slos)
 
 
 def test_summarize_single_token_outputs_have_no_tpot():

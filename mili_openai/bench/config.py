@@ -15,6 +15,23 @@ DATASETS = ("random", "shared-prefix", "sharegpt")
 
 # Paths of the two OpenAI endpoints relative to the base URL.
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+# vLLM's --goodput keys: a request counts towards goodput when each named latency (ms) is within its bound
+GOODPUT_METRICS = ("ttft", "tpot", "e2el")
+
+
+def parse_goodput(pairs: list[str]) -> dict[str, float]:
+    """vLLM's `--goodput ttft:500 tpot:50` (ms) as {"ttft": 500.0, "tpot": 50.0}; ValueError if malformed
+    (the metrics and bounds themselves are checked by BenchConfig)."""
+    slos = {}
+    for pair in pairs:
+        metric, sep, bound = pair.partition(":")
+        try:
+            if not sep:
+                raise ValueError(pair)
+            slos[metric] = float(bound)
+        except ValueError:
+            raise ValueError(f"goodput takes METRIC:MS pairs, got {pair!r}") from None
+    return slos
 
 
 def length_range(center: int, ratio: float) -> tuple[int, int]:
@@ -53,6 +70,7 @@ class BenchConfig:
     warmup: int = 0  # requests sent (and awaited) before measuring
     progress: bool = True
     max_error_messages: int = 5  # how many distinct failure messages the report keeps
+    goodput_slos: dict[str, float] | None = None  # vLLM's --goodput: metric -> bound in ms (GOODPUT_METRICS)
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -88,6 +106,11 @@ class BenchConfig:
             raise ValueError("warmup must be >= 0")
         if self.max_error_messages < 0:
             raise ValueError("max_error_messages must be >= 0")
+        for metric, bound_ms in (self.goodput_slos or {}).items():
+            if metric not in GOODPUT_METRICS:
+                raise ValueError(f"goodput metric must be one of {GOODPUT_METRICS}, got {metric!r}")
+            if not 0 < bound_ms < math.inf:
+                raise ValueError(f"goodput bound of {metric} must be a positive number of ms, got {bound_ms}")
 
     @property
     def shortest_output_len(self) -> int:

@@ -31,6 +31,8 @@ def format_table(run: BenchRun) -> str:
         ("Total input tokens", str(s.total_input_tokens)),
         (f"Total output tokens (from {s.output_tokens_source})", str(s.total_output_tokens)),
         ("Request throughput (req/s)", f"{s.request_throughput:.3f}"),
+        *([("Goodput bounds", _bounds(c.goodput_slos)), ("Request goodput (req/s)", f"{s.request_goodput:.3f}")]
+          if s.request_goodput is not None else []),
         ("Input token throughput (tok/s)", f"{s.input_throughput:.1f}"),
         ("Output token throughput (tok/s)", f"{s.output_throughput:.1f}"),
         ("Total token throughput (tok/s)", f"{s.total_token_throughput:.1f}"),
@@ -59,3 +61,7 @@ def write_json(run: BenchRun, path: str | Path) -> Path:
 
 def _ms(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}"
+
+
+def _bounds(slos: dict[str, float]) -> str:
+    return ", ".join(f"{metric} <= {bound:g} ms" for metric, bound in slos.items())

@@ -1,4 +1,5 @@
-"""Aggregate figures of a run: throughputs and mean/p50/p99 of TTFT, TPOT, ITL and end-to-end latency.
+"""Aggregate figures of a run: throughputs and mean/p50/p99 of TTFT, TPOT, ITL and end-to-end latency, and
+with latency bounds vLLM's goodput (completed requests within every bound, per second).
 
 Percentiles interpolate linearly between order statistics (numpy's default), so p50 of [1, 2, 3, 4] is
 2.5 and small samples give stable, comparable numbers.
@@ -65,12 +66,14 @@ class BenchSummary:
     itl: LatencyStats
     e2e: LatencyStats
     errors: list[str] = field(default_factory=list)  # the first few distinct messages, with counts
+    request_goodput: float | None = None  # requests/s within every goodput bound; None without bounds
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def summarize(results: list[RequestResult], duration_s: float, max_error_messages: int) -> BenchSummary:
+def summarize(results: list[RequestResult], duration_s: float, max_error_messages: int,
+              goodput_slos: dict[str, float] | None = None) -> BenchSummary:
     if duration_s <= 0:
         raise ValueError("duration_s must be > 0")
     done = [r for r in results if r.success]
@@ -92,7 +95,16 @@ def summarize(results: list[RequestResult], duration_s: float, max_error_message
         itl=LatencyStats.of_seconds([gap for r in done for gap in r.itl_s]),
         e2e=LatencyStats.of_seconds([r.e2e_s for r in done]),
         errors=_first_errors(results, max_error_messages),
+        request_goodput=sum(meets_slos(r, goodput_slos) for r in done) / duration_s if goodput_slos else None,
     )
+
+
+def meets_slos(result: RequestResult, slos: dict[str, float]) -> bool:
+    """Whether a completed request's latencies are within every bound (ms). A one-token output has no
+    TPOT, so no TPOT bound to miss (vLLM counts its TPOT as 0)."""
+    latency_s = {"ttft": result.ttft_s, "tpot": result.tpot_s or 0.0, "e2el": result.e2e_s}
+    return all(latency_s[metric] is not None and latency_s[metric] * MS_PER_S <= bound
+               for metric, bound in slos.items())
 
 
 def _token_source(done: list[RequestResult]) -> str:
