@@ -340,13 +340,13 @@ def test_cli_chat_without_usage_counts_chunks_and_writes_json(tmp_path, capsys):
     assert data["summary"]["ttft"]["p50_ms"] >= TTFT_S * 1000
 
 
-def test_cli_bursty_arrivals_drawn_lengths_and_goodput(tmp_path, capsys):
+def test_cli_bursty_arrivals_drawn_lengths_goodput_and_percentiles(tmp_path, capsys):
     out = tmp_path / "bench.json"
     with serve_in_thread(fake_openai_app()) as base_url:
         code = main(["serve", "--base-url", base_url, "--num-requests", "12", "--input-len", "16",
                      "--output-len", "4", "--random-range-ratio", "0.5", "--request-rate", "200",
                      "--burstiness", "0.5", "--goodput", "ttft:60000", "e2el:60000", "--json", str(out),
-                     "--no-progress"])
+                     "--metric-percentiles", "50,90", "--no-progress"])
     assert code == EXIT_OK, capsys.readouterr().err
     table = capsys.readouterr().out
     assert "burstiness 0.5" in table and "lengths within ±0.5" in table
@@ -359,6 +359,8 @@ def test_cli_bursty_arrivals_drawn_lengths_and_goodput(tmp_path, capsys):
     assert data["config"]["goodput_slos"] == {"ttft": 60000.0, "e2el": 60000.0}
     assert data["summary"]["request_goodput"] == pytest.approx(data["summary"]["request_throughput"])
     assert "ttft <= 60000 ms, e2el <= 60000 ms" in table
+    assert "P90 TTFT (ms)" in table and "P99 TTFT (ms)" not in table
+    assert set(data["summary"]["ttft"]["percentiles_ms"]) == {"p50", "p90"}
 
 
 def test_cli_sharegpt_against_fake_server(tmp_path, capsys):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mili_openai.bench.config import BenchConfig, parse_goodput
+from mili_openai.bench.config import BenchConfig, parse_goodput, parse_percentiles
 from mili_openai.bench.runner import arrival_times
 from mili_openai.bench.sse_client import SOURCE_CHUNKS, SOURCE_USAGE, RequestResult
 from mili_openai.bench.summary import percentile, summarize
@@ -69,6 +69,21 @@ def test_goodput_arguments():
     for slos in ({"itl": 5.0}, {"ttft": 0.0}, {"tpot": math.inf}):
         with pytest.raises(ValueError, match="goodput"):
             BenchConfig(goodput_slos=slos)
+
+
+def test_requested_percentiles_beside_p50_and_p99():
+    ok = [RequestResult(success=True, prompt_len=1, output_tokens=2, output_tokens_source=SOURCE_USAGE,
+                        ttft_s=0.01 * (i + 1), e2e_s=1.0, itl_s=[0.5]) for i in range(101)]  # TTFTs 10..1010 ms
+    summary = summarize(ok, 1.0, 5, percentiles=(90, 99.9))
+    assert summary.ttft.percentiles_ms == {"p90": pytest.approx(910.0), "p99.9": pytest.approx(1009.0)}
+    assert summary.ttft.p50_ms == pytest.approx(510.0) and summary.ttft.p99_ms == pytest.approx(1000.0)
+    assert summarize(ok, 1.0, 5).ttft.percentiles_ms.keys() == {"p50", "p99"}
+    assert parse_percentiles("50,90,99.9") == (50.0, 90.0, 99.9)
+    with pytest.raises(ValueError, match="comma-separated"):
+        parse_percentiles("50;90")
+    for bad in ((), (101,), (-1, 50)):
+        with pytest.raises(ValueError, match="metric_percentiles"):
+            BenchConfig(metric_percentiles=bad)
 
 
 def test_summarize_single_token_outputs_have_no_tpot():

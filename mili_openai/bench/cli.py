@@ -10,7 +10,7 @@ import argparse
 import asyncio
 import sys
 
-from mili_openai.bench.config import DATASETS, ENDPOINTS, GOODPUT_METRICS, BenchConfig, parse_goodput
+from mili_openai.bench.config import DATASETS, ENDPOINTS, GOODPUT_METRICS, BenchConfig, parse_goodput, parse_percentiles
 
 EXIT_OK = 0
 EXIT_FAILED_REQUESTS = 1  # the run finished but some requests failed
@@ -79,6 +79,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     body.add_argument("--min-tokens", type=int, default=None, help="send vLLM's min_tokens")
     body.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
     out = parser.add_argument_group("output")
+    out.add_argument("--metric-percentiles", default=",".join(f"{p:g}" for p in d.metric_percentiles), metavar="P,P",
+                     help="percentiles of each latency in the table and the JSON, as vLLM's")
     out.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                      help=f"also report requests/s within every bound, as vLLM's; metrics {', '.join(GOODPUT_METRICS)}")
     out.add_argument("--json", dest="json_path", default=None, metavar="FILE", help="write the full result here")
@@ -97,6 +99,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed, tokenizer=args.tokenizer, api_key=args.api_key, json_path=args.json_path,
         timeout_s=args.timeout, warmup=args.warmup, progress=not args.no_progress,
         goodput_slos=parse_goodput(args.goodput) if args.goodput else None,
+        metric_percentiles=parse_percentiles(args.metric_percentiles),
     )
 
 

@@ -34,6 +34,14 @@ def parse_goodput(pairs: list[str]) -> dict[str, float]:
     return slos
 
 
+def parse_percentiles(text: str) -> tuple[float, ...]:
+    """vLLM's `--metric-percentiles 50,90,99` as (50.0, 90.0, 99.0); ValueError if not numbers."""
+    try:
+        return tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"metric percentiles are comma-separated numbers, got {text!r}") from None
+
+
 def length_range(center: int, ratio: float) -> tuple[int, int]:
     """The lengths a `random` request may draw around `center` (both ends included, at least 1)."""
     slack = 1e-9  # 100 * 1.1 is 110.00000000000001 in floats: not a reason to allow 111
@@ -71,6 +79,7 @@ class BenchConfig:
     progress: bool = True
     max_error_messages: int = 5  # how many distinct failure messages the report keeps
     goodput_slos: dict[str, float] | None = None  # vLLM's --goodput: metric -> bound in ms (GOODPUT_METRICS)
+    metric_percentiles: tuple[float, ...] = (50, 99)  # vLLM's --metric-percentiles: reported for every latency
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
@@ -106,6 +115,8 @@ class BenchConfig:
             raise ValueError("warmup must be >= 0")
         if self.max_error_messages < 0:
             raise ValueError("max_error_messages must be >= 0")
+        if not self.metric_percentiles or not all(0 <= p <= 100 for p in self.metric_percentiles):
+            raise ValueError("metric_percentiles must be one or more values in [0, 100]")
         for metric, bound_ms in (self.goodput_slos or {}).items():
             if metric not in GOODPUT_METRICS:
                 raise ValueError(f"goodput metric must be one of {GOODPUT_METRICS}, got {metric!r}")

@@ -8,7 +8,7 @@ from pathlib import Path
 import orjson
 
 from mili_openai.bench.runner import BenchRun
-from mili_openai.bench.summary import LatencyStats
+from mili_openai.bench.summary import LatencyStats, percentile_key
 
 LABEL_WIDTH = 40
 RULE_WIDTH = 60
@@ -39,8 +39,9 @@ def format_table(run: BenchRun) -> str:
     ]
     for key, name in LATENCY_ROWS:
         stats: LatencyStats = getattr(s, key)
-        rows += [(f"Mean {name} (ms)", _ms(stats.mean_ms)), (f"P50 {name} (ms)", _ms(stats.p50_ms)),
-                 (f"P99 {name} (ms)", _ms(stats.p99_ms))]
+        rows.append((f"Mean {name} (ms)", _ms(stats.mean_ms)))
+        rows += [(f"P{pct:g} {name} (ms)", _ms(stats.percentiles_ms.get(percentile_key(pct))))
+                 for pct in c.metric_percentiles]
     lines = [" Serving Benchmark Result ".center(RULE_WIDTH, "=")]
     lines += [f"{label:<{LABEL_WIDTH}}{value}" for label, value in rows]
     if run.warmup_failed:

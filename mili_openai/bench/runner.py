@@ -73,7 +73,7 @@ async def run_benchmark(config: BenchConfig, tokenizer=None) -> BenchRun:
         started = time.perf_counter()
         results = await send_all(client, config, model, measured, "bench", rate=config.request_rate)
         duration = time.perf_counter() - started
-    summary = summarize(results, duration, config.max_error_messages, config.goodput_slos)
+    summary = summarize(results, duration, config.max_error_messages, config.goodput_slos, config.metric_percentiles)
     return BenchRun(config=config, model=model, started_at=started_at, summary=summary, results=results,
                     warmup_failed=warmup_failed)
 

@@ -1,4 +1,5 @@
-"""Aggregate figures of a run: throughputs and mean/p50/p99 of TTFT, TPOT, ITL and end-to-end latency, and
+"""Aggregate figures of a run: throughputs and the mean and percentiles (p50 and p99 unless asked for others)
+of TTFT, TPOT, ITL and end-to-end latency, and
 with latency bounds vLLM's goodput (completed requests within every bound, per second).
 
 Percentiles interpolate linearly between order statistics (numpy's default), so p50 of [1, 2, 3, 4] is
@@ -31,22 +32,30 @@ def percentile(values: list[float], pct: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
 
 
+def percentile_key(pct: float) -> str:
+    """The name of a percentile in `LatencyStats.percentiles_ms`: "p90", "p99.9"."""
+    return f"p{pct:g}"
+
+
 @dataclass(frozen=True, slots=True)
 class LatencyStats:
-    """Milliseconds; all None when no request gave a value (e.g. TPOT with one-token outputs)."""
+    """Milliseconds; all None when no request gave a value (e.g. TPOT with one-token outputs). p50 and p99
+    are always there (the comparison tables read them); `percentiles_ms` holds the ones the run asked for."""
 
     mean_ms: float | None = None
     p50_ms: float | None = None
     p99_ms: float | None = None
     count: int = 0
+    percentiles_ms: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def of_seconds(cls, values: list[float]) -> LatencyStats:
+    def of_seconds(cls, values: list[float], percentiles: tuple[float, ...] = REPORTED_PERCENTILES) -> LatencyStats:
         if not values:
             return cls()
         ms = [v * MS_PER_S for v in values]
         p50, p99 = (percentile(ms, p) for p in REPORTED_PERCENTILES)
-        return cls(mean_ms=sum(ms) / len(ms), p50_ms=p50, p99_ms=p99, count=len(ms))
+        return cls(mean_ms=sum(ms) / len(ms), p50_ms=p50, p99_ms=p99, count=len(ms),
+                   percentiles_ms={percentile_key(p): percentile(ms, p) for p in percentiles})
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +82,8 @@ class BenchSummary:
 
 
 def summarize(results: list[RequestResult], duration_s: float, max_error_messages: int,
-              goodput_slos: dict[str, float] | None = None) -> BenchSummary:
+              goodput_slos: dict[str, float] | None = None,
+              percentiles: tuple[float, ...] = REPORTED_PERCENTILES) -> BenchSummary:
     if duration_s <= 0:
         raise ValueError("duration_s must be > 0")
     done = [r for r in results if r.success]
@@ -90,10 +100,10 @@ def summarize(results: list[RequestResult], duration_s: float, max_error_message
         output_throughput=output_tokens / duration_s,
         total_token_throughput=(input_tokens + output_tokens) / duration_s,
         output_tokens_source=_token_source(done),
-        ttft=LatencyStats.of_seconds([r.ttft_s for r in done if r.ttft_s is not None]),
-        tpot=LatencyStats.of_seconds([r.tpot_s for r in done if r.tpot_s is not None]),
-        itl=LatencyStats.of_seconds([gap for r in done for gap in r.itl_s]),
-        e2e=LatencyStats.of_seconds([r.e2e_s for r in done]),
+        ttft=LatencyStats.of_seconds([r.ttft_s for r in done if r.ttft_s is not None], percentiles),
+        tpot=LatencyStats.of_seconds([r.tpot_s for r in done if r.tpot_s is not None], percentiles),
+        itl=LatencyStats.of_seconds([gap for r in done for gap in r.itl_s], percentiles),
+        e2e=LatencyStats.of_seconds([r.e2e_s for r in done], percentiles),
         errors=_first_errors(results, max_error_messages),
         request_goodput=sum(meets_slos(r, goodput_slos) for r in done) / duration_s if goodput_slos else None,
     )
