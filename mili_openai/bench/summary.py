@@ -1,6 +1,6 @@
-"""Aggregate figures of a run: throughputs and the mean and percentiles (p50 and p99 unless asked for others)
-of TTFT, TPOT, ITL and end-to-end latency, and
-with latency bounds vLLM's goodput (completed requests within every bound, per second).
+"""Aggregate figures of a run: throughputs; the mean and percentiles (p50 and p99 unless others are asked
+for) of TTFT, TPOT, ITL and end-to-end latency; and, given latency bounds, vLLM's goodput (completed
+requests within every bound, per second).
 
 Percentiles interpolate linearly between order statistics (numpy's default), so p50 of [1, 2, 3, 4] is
 2.5 and small samples give stable, comparable numbers.
