@@ -13,9 +13,9 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mili_openai.bench.config import REPORTED_PERCENTILES
 from mili_openai.bench.sse_client import SOURCE_CHUNKS, SOURCE_USAGE, RequestResult
 
-REPORTED_PERCENTILES = (50, 99)
 MS_PER_S = 1000.0
 
 
