@@ -20,7 +20,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from mili_openai.config import DEVICES, DTYPES, EngineConfig, ServerConfig, SpeculativeConfig, speculative_config_from
+from mili_openai.config import (
+    ATTENTION_BACKENDS,
+    DEVICES,
+    DTYPES,
+    EngineConfig,
+    ServerConfig,
+    SpeculativeConfig,
+    speculative_config_from,
+)
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 BENCH_MODULE = "mili_openai.bench.cli"  # provides add_bench_parser(subparsers) when the bench exists
@@ -59,10 +67,15 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     eng.add_argument("--device", choices=DEVICES, default=engine.device)
     eng.add_argument("--page-size", type=int, default=engine.page_size, help="tokens per KV page")
     eng.add_argument("--num-pages", type=int, default=None, help="KV pages (overrides --kv-cache-memory-gb)")
-    eng.add_argument("--kv-cache-memory-gb", type=float, default=engine.kv_cache_memory_gb)
+    eng.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                     help="KV pool size (default: 2 on CPU; on CUDA what --gpu-memory-utilization leaves)")
+    eng.add_argument("--gpu-memory-utilization", type=float, default=engine.gpu_memory_utilization,
+                     help="CUDA: the share of GPU memory for the weights, the peak activation (profiled at start) "
+                          "and the KV pool, which takes the rest (unless --kv-cache-memory-gb or --num-pages)")
     eng.add_argument("--max-num-batched-tokens", type=int, default=None,
-                     help="token budget of one forward (default: 512 on CPU, 2048 on CUDA)")
-    eng.add_argument("--max-num-seqs", type=int, default=engine.max_num_seqs)
+                     help="token budget of one forward (default: 512 on CPU, 8192 on CUDA)")
+    eng.add_argument("--max-num-seqs", type=int, default=None,
+                     help="cap on running sequences (default: 64 on CPU, 256 on CUDA)")
     eng.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     eng.add_argument("--generation-config", default=engine.generation_config,
                      help="defaults for the sampling fields a request leaves out (temperature, top_p, top_k, "
@@ -74,6 +87,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                           'three optional)')
     eng.add_argument("--enforce-eager", action="store_true",
                      help="CUDA: run decode steps op by op rather than replay them from CUDA graphs")
+    eng.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=engine.attention_backend,
+                     help="auto: Triton kernels reading the KV pages in place on CUDA, the compiled kernels on CPU; "
+                          "torch: torch's SDPA over gathered K/V on CUDA")
     eng.add_argument("--default-model-cache", default=None,
                      help="where the embedded default model is built (default: ~/.cache/mili-openai)")
     serve.set_defaults(func=run_serve, parser=serve)
@@ -102,6 +118,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         page_size=args.page_size,
         num_pages=args.num_pages,
         kv_cache_memory_gb=args.kv_cache_memory_gb,
+        gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
@@ -110,6 +127,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         generation_config=args.generation_config,
         speculative_config=parse_speculative_config(args.speculative_config),
         enforce_eager=args.enforce_eager,
+        attention_backend=args.attention_backend,
     )
     return ServerConfig(
         engine=engine,

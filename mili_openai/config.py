@@ -5,6 +5,7 @@ Nothing else in the package reads the environment or keeps mutable module state;
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -12,9 +13,14 @@ DEVICES = ("auto", "cpu", "cuda")
 # Default token budget per forward. A step's prefill chunk stalls every running stream until it ends: on
 # the 2-core CPUs measured, 512 tokens take 0.35-2.5 s (2048 took ~10 s on the slowest, all of it added to
 # each stream's inter-token gap). On a Xeon with AMX, 1024 prefilled 8% faster per token but gave W1 1%
-# more throughput for a quarter more first-token latency (docs/performance.md). GPUs finish 2048 in
-# milliseconds.
-DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
+# more throughput for a quarter more first-token latency (docs/performance.md). On CUDA, vLLM's: a GPU
+# finishes thousands of tokens in milliseconds, and a large budget fills it.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 8192}
+DEFAULT_MAX_NUM_SEQS = {"cpu": 64, "cuda": 256}  # running sequences; on CUDA vLLM's default
+DEFAULT_CPU_KV_CACHE_MEMORY_GB = 2.0  # on CUDA the pool takes what gpu_memory_utilization leaves
+# "auto": Triton page-table kernels on CUDA, the compiled CPU kernels on CPU; "triton": Triton (CUDA, or the
+# CPU under TRITON_INTERPRET=1 for tests); "torch": torch's SDPA over gathered K/V on CUDA
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
 
 
 SPECULATIVE_METHODS = ("ngram",)
@@ -74,10 +80,14 @@ class EngineConfig:
     device: str = "auto"  # auto = cuda when available, else cpu
     page_size: int = 16  # tokens per KV page
     num_pages: int | None = None  # explicit pool size; overrides kv_cache_memory_gb
-    kv_cache_memory_gb: float = 2.0  # pool budget when num_pages is not given
+    # pool budget when num_pages is not given; None = 2 GB on CPU, on CUDA what gpu_memory_utilization leaves
+    kv_cache_memory_gb: float | None = None
+    # CUDA: the share of the GPU's memory this engine may fill: weights, the peak activation of a forward
+    # at max_num_batched_tokens (profiled at start) and the KV pool, which takes the rest (vLLM's flag)
+    gpu_memory_utilization: float = 0.9
     # token budget of one forward (decode tokens + prefill chunks); None = the device's default
     max_num_batched_tokens: int | None = None
-    max_num_seqs: int = 64  # cap on running sequences
+    max_num_seqs: int | None = None  # cap on running sequences; None = the device's default
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
@@ -88,6 +98,7 @@ class EngineConfig:
     generation_config: str = "auto"
     speculative_config: SpeculativeConfig | None = None  # None = no speculative decoding
     enforce_eager: bool = False  # CUDA: run decode steps op by op instead of from CUDA graphs (vLLM's flag)
+    attention_backend: str = "auto"  # which attention kernels run (ATTENTION_BACKENDS)
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):  # as the offline LLM(speculative_config={...}) takes it
@@ -102,16 +113,32 @@ class EngineConfig:
             raise ValueError("page_size must be >= 1")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError("num_pages must be >= 1")
-        if self.kv_cache_memory_gb <= 0:
+        if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ValueError("kv_cache_memory_gb must be > 0")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
-        if self.max_num_seqs < 1:
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         if not self.generation_config:
             raise ValueError("generation_config must be 'auto', 'none' or a directory")
+
+    def for_device(self, device_type: str) -> EngineConfig:
+        """This config with the defaults that depend on the device ("cpu" or "cuda") filled in; what is set
+        stays. On CUDA the KV pool's size stays unset unless given: the runner sizes it from the GPU."""
+        defaults = {}
+        if self.max_num_batched_tokens is None:
+            defaults["max_num_batched_tokens"] = DEFAULT_MAX_NUM_BATCHED_TOKENS[device_type]
+        if self.max_num_seqs is None:
+            defaults["max_num_seqs"] = DEFAULT_MAX_NUM_SEQS[device_type]
+        if self.kv_cache_memory_gb is None and device_type != "cuda":
+            defaults["kv_cache_memory_gb"] = DEFAULT_CPU_KV_CACHE_MEMORY_GB
+        return dataclasses.replace(self, **defaults) if defaults else self
 
 
 @dataclass(frozen=True, slots=True)

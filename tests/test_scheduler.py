@@ -235,7 +235,7 @@ def test_drafts_roll_back_and_finish_at_max_tokens(caching):
 
 def test_drafts_take_free_pages_only_and_fit_the_budget():
     pages = KVPageManager(num_pages=3, page_size=4, enable_prefix_caching=True)
-    config = EngineConfig(page_size=4, num_pages=3, max_num_batched_tokens=64,
+    config = EngineConfig(page_size=4, num_pages=3, max_num_seqs=8, max_num_batched_tokens=64,
                           speculative_config=SpeculativeConfig(8, prompt_lookup_min=1, prompt_lookup_max=1))
     scheduler = Scheduler(config, pages)
     seq = make_seq("r", [5, 6, 7, 5, 6, 7, 5], max_tokens=40)
@@ -250,7 +250,7 @@ def test_drafts_take_free_pages_only_and_fit_the_budget():
     for token in (7, 5):
         seq.append_token(token)
 
-    small = Scheduler(EngineConfig(page_size=4, num_pages=8, max_num_batched_tokens=3, speculative_config=
+    small = Scheduler(EngineConfig(page_size=4, num_pages=8, max_num_seqs=8, max_num_batched_tokens=3, speculative_config=
                                    SpeculativeConfig(8, prompt_lookup_min=1, prompt_lookup_max=1)),
                       KVPageManager(num_pages=8, page_size=4, enable_prefix_caching=True))
     seq = make_seq("s", [5, 6, 5], max_tokens=3)
@@ -263,7 +263,7 @@ def test_drafts_take_free_pages_only_and_fit_the_budget():
 
 def test_drafts_stop_above_disable_by_batch_size():
     """Above the batch size, steps decode without drafts and may be planned ahead again."""
-    config = EngineConfig(page_size=4, num_pages=32, max_num_batched_tokens=64, speculative_config=
+    config = EngineConfig(page_size=4, num_pages=32, max_num_seqs=8, max_num_batched_tokens=64, speculative_config=
                           SpeculativeConfig(3, prompt_lookup_min=1, prompt_lookup_max=1, disable_by_batch_size=1))
     scheduler = Scheduler(config, KVPageManager(num_pages=32, page_size=4, enable_prefix_caching=False))
     first, second = make_seq("a", [5, 6, 5], max_tokens=9), make_seq("b", [7, 8, 7], max_tokens=9)
@@ -285,7 +285,7 @@ def test_drafts_stop_above_disable_by_batch_size():
 def test_drafts_leave_every_running_sequence_its_token():
     """The older sequence's drafts could take the last free page, which the newer one's own token needs:
     drafts come after every running sequence's token, so nothing is preempted for a guess."""
-    config = EngineConfig(page_size=4, num_pages=4, max_num_batched_tokens=64,
+    config = EngineConfig(page_size=4, num_pages=4, max_num_seqs=8, max_num_batched_tokens=64,
                           speculative_config=SpeculativeConfig(3, prompt_lookup_min=1, prompt_lookup_max=1))
     scheduler = Scheduler(config, KVPageManager(num_pages=4, page_size=4, enable_prefix_caching=False))
     older, newer = make_seq("a", [5, 6, 5, 6, 5, 6, 5], max_tokens=9), make_seq("b", [9, 8, 7, 6], max_tokens=9)

@@ -17,7 +17,7 @@ import torch
 
 from mili_openai.engine.scheduler import ScheduledBatch
 from mili_openai.engine.sequence import Sequence
-from mili_openai.model.batch import ForwardBatch, PrefillSegment
+from mili_openai.model.batch import ForwardBatch, PageTables, PrefillSegment
 
 
 def _context_slots(pages: list[int], length: int, page_size: int) -> np.ndarray:
@@ -70,9 +70,10 @@ def prompt_scorings(batch: ScheduledBatch, forward_batch: ForwardBatch) -> list[
 class _DecodeRows:
     """The decode rows' inputs: a sequence's row at `position` attends to slots [0, position]. A decode
     with drafts has a row for its last token and one for each draft, at consecutive positions, all reading
-    its page table (each row sees the K/V the rows before it write in the same layer)."""
+    its page table (each row sees the K/V the rows before it write in the same layer). With `page_tables`
+    the rows keep their page table (`table`) and no slot table is built (`slots` is None)."""
 
-    def __init__(self, batch: ScheduledBatch, page_size: int) -> None:
+    def __init__(self, batch: ScheduledBatch, page_size: int, page_tables: bool = False) -> None:
         num_decode = batch.num_decode
         seqs, starts = batch.seqs[:num_decode], batch.positions[:num_decode]
         counts = batch.num_new_tokens[:num_decode]
@@ -93,9 +94,15 @@ class _DecodeRows:
             table[index, : len(pages)] = pages
         if seq_of_row is not None:
             table = table[seq_of_row]
-        offsets = np.arange(page_size, dtype=np.int64)
-        self.slots = (table[:, :, None] * page_size + offsets).reshape(num_rows, -1)[:, :max_ctx].copy()
-        self.slot_mapping = self.slots[np.arange(num_rows), self.positions]
+        self.table = table if page_tables else None  # (rows, width)
+        if page_tables:
+            self.slots = None
+            self.slot_mapping = (table[np.arange(num_rows), self.positions // page_size] * page_size
+                                 + self.positions % page_size)
+        else:
+            offsets = np.arange(page_size, dtype=np.int64)
+            self.slots = (table[:, :, None] * page_size + offsets).reshape(num_rows, -1)[:, :max_ctx].copy()
+            self.slot_mapping = self.slots[np.arange(num_rows), self.positions]
         # a token still being sampled by the step before gets 0 here (see `pending_inputs`)
         self.input_ids = [seq.token_ids[p] if p < seq.num_tokens else 0 for seq, p in zip(seqs, starts)]
         if seq_of_row is not None:
@@ -103,10 +110,13 @@ class _DecodeRows:
                               for token in (first, *drafts)]
 
 
-def build_forward_batch(batch: ScheduledBatch, page_size: int) -> ForwardBatch:
-    """The step's inputs; a decode whose token is pending gets 0 as its id (see `pending_inputs`)."""
+def build_forward_batch(batch: ScheduledBatch, page_size: int, page_tables: bool = False) -> ForwardBatch:
+    """The step's inputs; a decode whose token is pending gets 0 as its id (see `pending_inputs`).
+
+    page_tables: the contexts as page tables (`ForwardBatch.pages`), for a model whose attention kernel
+    reads them; otherwise as slot tables."""
     num_decode = batch.num_decode
-    decode = _DecodeRows(batch, page_size) if num_decode else None
+    decode = _DecodeRows(batch, page_size, page_tables) if num_decode else None
     input_ids: list[int] = decode.input_ids if decode else []
     positions: list[np.ndarray] = [decode.positions] if decode else []
     slot_mapping: list[np.ndarray] = [decode.slot_mapping] if decode else []
@@ -114,48 +124,63 @@ def build_forward_batch(batch: ScheduledBatch, page_size: int) -> ForwardBatch:
     logits_indices: list[int] = list(range(num_decode_rows))  # every decode row samples (drafts are verified)
 
     prefills: list[PrefillSegment] = []
+    prefill_pages: list[list[int]] = []  # with page_tables: each chunk's pages up to its end
     row = num_decode_rows
     for index in range(num_decode, len(batch.seqs)):
         seq, num_new, start = batch.seqs[index], batch.num_new_tokens[index], batch.positions[index]
         end = start + num_new
         if end > seq.num_tokens:
             raise RuntimeError("a prefill chunk reached a pending token: only decodes can feed one")
-        context_slots = _context_slots(seq.pages, end, page_size)
         input_ids.extend(seq.token_ids[start:end])
-        positions.append(np.arange(start, end, dtype=np.int64))
-        slot_mapping.append(context_slots[start:])
-        prefills.append(PrefillSegment(start=row, length=num_new, context_slots=torch.from_numpy(context_slots)))
+        chunk_positions = np.arange(start, end, dtype=np.int64)
+        positions.append(chunk_positions)
+        if page_tables:
+            chunk_pages = seq.pages[: -(-end // page_size)]
+            prefill_pages.append(chunk_pages)
+            slot_mapping.append(np.asarray(chunk_pages, dtype=np.int64)[chunk_positions // page_size] * page_size
+                                + chunk_positions % page_size)
+            context_slots = None
+        else:
+            context = _context_slots(seq.pages, end, page_size)
+            slot_mapping.append(context[start:])
+            context_slots = torch.from_numpy(context)
+        prefills.append(PrefillSegment(start=row, length=num_new, context_slots=context_slots))
         row += num_new
         if batch.samples[index]:
             logits_indices.append(row - 1)
 
+    pages = _page_tables(page_size, decode, prefills, prefill_pages, batch) if page_tables else None
     return ForwardBatch(
         input_ids=torch.from_numpy(np.array(input_ids, dtype=np.int64)),
         positions=torch.from_numpy(np.concatenate(positions)),
         slot_mapping=torch.from_numpy(np.concatenate(slot_mapping)),
         num_decode=num_decode_rows,
-        decode_slots=torch.from_numpy(decode.slots) if decode else None,
+        decode_slots=torch.from_numpy(decode.slots) if decode and decode.slots is not None else None,
         prefills=prefills,
         logits_indices=torch.from_numpy(np.array(logits_indices, dtype=np.int64)),
         decode_ctx_lens=torch.from_numpy(decode.ctx_lens) if decode else None,
+        pages=pages,
     )
 
 
-def forward_batch_to(batch: ForwardBatch, device: torch.device) -> ForwardBatch:
-    """Copy a CPU-built batch to the model's device (a no-op on CPU)."""
-    if device.type == "cpu":
-        return batch
-
-    def move(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(device, non_blocking=True)
-
-    return ForwardBatch(
-        input_ids=move(batch.input_ids),
-        positions=move(batch.positions),
-        slot_mapping=move(batch.slot_mapping),
-        num_decode=batch.num_decode,
-        decode_slots=move(batch.decode_slots),
-        prefills=[PrefillSegment(p.start, p.length, move(p.context_slots)) for p in batch.prefills],
-        logits_indices=move(batch.logits_indices),
-        decode_ctx_lens=move(batch.decode_ctx_lens),
+def _page_tables(page_size: int, decode: _DecodeRows | None, prefills: list[PrefillSegment],
+                 prefill_pages: list[list[int]], batch: ScheduledBatch) -> PageTables:
+    """The step's page tables: the decode rows' (built with them), then one row per prefill chunk."""
+    prefill_table = cu_seqlens = ctx_lens = None
+    if prefills:
+        prefill_table = np.zeros((len(prefills), max(len(pages) for pages in prefill_pages)), dtype=np.int64)
+        for index, pages in enumerate(prefill_pages):
+            prefill_table[index, : len(pages)] = pages
+        lengths = np.asarray([segment.length for segment in prefills], dtype=np.int64)
+        cu_seqlens = torch.from_numpy(np.concatenate(([0], np.cumsum(lengths))))
+        ends = np.asarray(batch.positions[batch.num_decode :], dtype=np.int64) + lengths
+        ctx_lens = torch.from_numpy(ends)
+        prefill_table = torch.from_numpy(prefill_table)
+    return PageTables(
+        page_size=page_size,
+        decode=torch.from_numpy(decode.table) if decode is not None else None,
+        prefill=prefill_table,
+        prefill_cu_seqlens=cu_seqlens,
+        prefill_ctx_lens=ctx_lens,
+        max_prefill_len=max((segment.length for segment in prefills), default=0),
     )

@@ -6,14 +6,13 @@ caller of the offline `LLM`); `runner.execute` between them is the only heavy wo
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import time
 from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from mili_openai.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from mili_openai.config import EngineConfig
 from mili_openai.engine.detokenizer import IncrementalDetokenizer
 from mili_openai.engine.kv_pages import KVPageManager, pages_for
 from mili_openai.engine.observer import EngineObserver
@@ -33,9 +32,7 @@ class EngineCore:
     def __init__(
         self, config: EngineConfig, runner: ModelRunner, tokenizer, observer: EngineObserver | None = None
     ) -> None:
-        if config.max_num_batched_tokens is None:  # the device is known only now
-            budget = DEFAULT_MAX_NUM_BATCHED_TOKENS.get(runner.device.type, DEFAULT_MAX_NUM_BATCHED_TOKENS["cuda"])
-            config = dataclasses.replace(config, max_num_batched_tokens=budget)
+        config = config.for_device(runner.device.type)  # the device is known only now
         self.config = config
         self.observer = observer
         self.model_path: Path | None = None

@@ -14,18 +14,14 @@ from pathlib import Path
 import torch
 
 from mili_openai.config import EngineConfig
-from mili_openai.engine.batch_builder import (
-    PromptScoring,
-    build_forward_batch,
-    forward_batch_to,
-    pending_inputs,
-    prompt_scorings,
-)
+from mili_openai.engine.batch_builder import PromptScoring, build_forward_batch, pending_inputs, prompt_scorings
 from mili_openai.engine.cuda_graphs import AHEAD_CONTEXT, DecodeGraphs
+from mili_openai.engine.memory_profile import profile_gpu_memory
 from mili_openai.engine.outputs import TokenLogprob
 from mili_openai.engine.sampler import Sampler, SamplerOutput, SamplingRow, token_logprobs
 from mili_openai.engine.scheduler import ScheduledBatch
 from mili_openai.engine.sequence import Sequence
+from mili_openai.engine.step_inputs import forward_batch_to, stage_forward_batch
 from mili_openai.kernels import load_cpu_kernels
 from mili_openai.model import KVCache, load_model, resolve_dtype
 from mili_openai.model.batch import ForwardBatch
@@ -55,6 +51,7 @@ class PreparedStep:
     # those: the row's own copy of its output ids, which the pending token joins, and the token's index
     pending_histories: list[tuple[list[int], int]] = field(default_factory=list)
     prompt_scorings: list[PromptScoring] = field(default_factory=list)  # prompt tokens the step scores
+    staged: torch.Tensor | None = None  # on CUDA: the pinned buffer holding forward_batch's tensors
 
 
 class ModelRunner:
@@ -62,9 +59,12 @@ class ModelRunner:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
-        self.model, self.model_config = load_model(model_path, resolve_dtype(config.dtype, model_path), self.device)
+        config = config.for_device(self.device.type)
+        self.model, self.model_config = load_model(model_path, resolve_dtype(config.dtype, model_path), self.device,
+                                                   attention_backend=config.attention_backend)
         self.dtype = next(self.model.parameters()).dtype
         self.page_size = config.page_size
+        self.page_tables = self.model.uses_page_tables  # build page tables, not slot tables, for its kernel
         self.num_pages = config.num_pages or self._pages_for_budget(config)
         self._rotary_table = self.model.rotary_table()  # grown and read on the loop thread only
         # Dynamic NTK RoPE checks each forward's positions on the host, which a graph cannot capture
@@ -73,14 +73,9 @@ class ModelRunner:
         # with graphs, one page more than the engine hands out: its first slot takes padded rows' K/V
         pool_pages = self.num_pages + (1 if use_graphs else 0)
         self.kv_cache = KVCache(self.model_config, pool_pages, self.page_size, self.dtype, self.device)
-        self.decode_graphs = (DecodeGraphs(self.model, self.kv_cache, self.num_pages * self.page_size)
-                              if use_graphs else None)
-        if self.decode_graphs is not None:
-            start = time.perf_counter()
-            with torch.inference_mode():
-                count = self.decode_graphs.capture_ahead(
-                    config.max_num_seqs, min(AHEAD_CONTEXT, self.num_pages * self.page_size))
-            logger.info("captured %d CUDA graphs of decode steps in %.1f s", count, time.perf_counter() - start)
+        self.decode_graphs = None
+        if use_graphs:
+            self._capture_decode_graphs(config)
         self.sampler = Sampler(
             vocab_size=self.model_config.vocab_size,
             eos_token_ids=self.model_config.eos_token_ids,
@@ -92,12 +87,43 @@ class ModelRunner:
         # may feed on them, fails too)
         self._last_sampled: list[int] | None = []
 
+    def _max_model_len(self, config: EngineConfig, num_pages: int) -> int:
+        return min(config.max_model_len or self.model_config.max_position_embeddings, num_pages * self.page_size)
+
     def _pages_for_budget(self, config: EngineConfig) -> int:
+        """Pages of the pool: in kv_cache_memory_gb where given (always on CPU), else on CUDA what
+        gpu_memory_utilization leaves after the weights and a profiled step (memory_profile.py)."""
         per_page = KVCache.bytes_per_page(self.model_config, self.page_size, self.dtype)
-        num_pages = int(config.kv_cache_memory_gb * BYTES_PER_GIB // per_page)
+        if config.kv_cache_memory_gb is not None:
+            num_pages = int(config.kv_cache_memory_gb * BYTES_PER_GIB // per_page)
+            if num_pages < 1:
+                raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds no page of {per_page} bytes")
+            return num_pages
+        start = time.perf_counter()
+        profile = profile_gpu_memory(self.model, self.model_config, self.page_size, config.max_num_batched_tokens,
+                                     config.max_num_seqs, self._max_model_len(config, 1 << 62),
+                                     config.gpu_memory_utilization, self.device)
+        num_pages = profile.kv_cache // per_page
+        logger.info("%s: %d KV pages of %d tokens (profiled in %.1f s)", profile.describe(), max(num_pages, 0),
+                    self.page_size, time.perf_counter() - start)
         if num_pages < 1:
-            raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds no page of {per_page} bytes")
+            raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization} leaves no room for the KV "
+                             f"cache ({profile.describe()}); raise it, or lower max_num_batched_tokens")
         return num_pages
+
+    def _capture_decode_graphs(self, config: EngineConfig) -> None:
+        """Decode steps' CUDA graphs for up to max_num_seqs rows, captured before serving (cuda_graphs.py)."""
+        scratch_slot = self.num_pages * self.page_size  # the first slot of the page past those handed out
+        width = None
+        if self.page_tables:  # every context the engine admits fits the graphs' page tables
+            width = -(-self._max_model_len(config, self.num_pages) // self.page_size)
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, scratch_slot, width)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            count = self.decode_graphs.capture_ahead(config.max_num_seqs,
+                                                     min(AHEAD_CONTEXT, self.num_pages * self.page_size))
+        logger.info("captured %d CUDA graphs of decode steps (up to %d rows, %s) in %.1f s", count,
+                    config.max_num_seqs, "any context" if width else "contexts by bucket", time.perf_counter() - start)
 
     def prepare(self, batch: ScheduledBatch, sample_index: dict[Sequence, int] | None = None) -> PreparedStep:
         """Build the step's inputs on the loop thread (it owns the sequences being read).
@@ -128,14 +154,17 @@ class ModelRunner:
                 draft_history = [*history, *drafts[:count]] if seq.params.reads_output_history else history
                 rows.append(SamplingRow(params=seq.params, generator=seq.generator,
                                         prompt_token_ids=seq.prompt_token_ids, output_token_ids=draft_history))
-        forward_batch = build_forward_batch(batch, self.page_size)
+        forward_batch = build_forward_batch(batch, self.page_size, self.page_tables)
+        staged = None
         if self.device.type == "cpu":
             # here rather than in the forward: see `_feed_pending_tokens`
             last_position = max(start + count - 1 for start, count in zip(batch.positions, batch.num_new_tokens))
             with torch.inference_mode():
                 forward_batch.rotary = self._rotary_table(forward_batch.positions, last_position)
+        else:  # packed for one copy to the GPU, while the step before runs (step_inputs.py)
+            forward_batch, staged = stage_forward_batch(forward_batch)
         return PreparedStep(forward_batch, rows, pending_rows, pending_sources, pending_histories,
-                            prompt_scorings(batch, forward_batch))
+                            prompt_scorings(batch, forward_batch), staged)
 
     def execute(self, step: PreparedStep) -> SamplerOutput:
         """Run one step; steps run one after another on one thread, in the order they were scheduled."""
@@ -169,7 +198,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _execute(self, step: PreparedStep) -> SamplerOutput:
         self._feed_pending_tokens(step)
-        batch = forward_batch_to(step.forward_batch, self.device)
+        batch = forward_batch_to(step.forward_batch, self.device, step.staged)
         bucket = self.decode_graphs.bucket(batch) if self.decode_graphs is not None else None
         if bucket is not None:
             hidden = self.decode_graphs.run(batch, bucket)  # (T, hidden)

@@ -127,7 +127,7 @@ class Sampler:
             token_ids = lp.argmax_rows(logits)  # (B,)
         else:
             token_ids = self._sample_random(logits, rows, greedy_rows)  # (B,)
-        token_list = token_ids.tolist()  # the step's one host sync, needed anyway
+        token_list = self._to_host(token_ids)  # the step's one host sync, needed anyway
         if constrained:
             structured_output.consume_tokens([rows[i].grammar for i in constrained],
                                              [token_list[i] for i in constrained])
@@ -207,7 +207,23 @@ class Sampler:
                                                   out_frequency)
 
     def _row_tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
+        if self.device.type == "cpu":
+            return torch.tensor(values, dtype=dtype)
+        # from pinned memory: an asynchronous copy, where a pageable one would make the host wait for it
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
+
+    @staticmethod
+    def _to_host(token_ids: torch.Tensor) -> list[int]:
+        """The sampled ids as a list. From a GPU only they travel back, into pinned memory, and the host
+        waits on an event (the GIL released) rather than in a synchronous copy."""
+        if token_ids.device.type != "cuda":
+            return token_ids.tolist()
+        host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+        host.copy_(token_ids, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        copied.synchronize()
+        return host.tolist()
 
     # ---- random rows ----
     def _sample_random(self, logits: torch.Tensor, rows: Sequence[SamplingRow], greedy_rows: list[int]) -> torch.Tensor:

@@ -61,6 +61,8 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, pages: KVPageManager) -> None:
+        if config.max_num_batched_tokens is None or config.max_num_seqs is None:
+            raise ValueError("the scheduler needs a config with the device's defaults (EngineConfig.for_device)")
         self.config = config
         self.pages = pages
         self.waiting: deque[Sequence] = deque()

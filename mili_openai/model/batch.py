@@ -3,6 +3,10 @@
 The engine's runner builds it; the model only reads it. Token rows are ordered decode sequences first
 (one token each), then prefill chunks (several tokens each). A KV *slot* is `page * page_size + offset`
 in the flat per-layer cache of `KVCache`.
+
+Contexts come in one of two forms, whichever the model's attention kernel reads: slot tables
+(`decode_slots`, `PrefillSegment.context_slots`; the CPU kernels and torch's SDPA), or page tables
+(`pages`; the Triton kernels, which then get every decode row in one call and every prefill chunk in one).
 """
 
 from __future__ import annotations
@@ -16,7 +20,23 @@ import torch
 class PrefillSegment:
     start: int  # first row of this chunk in the flat batch
     length: int  # tokens in this chunk
-    context_slots: torch.Tensor  # (ctx_len,) int64: slots of the cached prefix followed by this chunk
+    # (ctx_len,) int64: slots of the cached prefix followed by this chunk; None in a batch with page tables
+    context_slots: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class PageTables:
+    """The step's contexts as page tables, built once per step for every layer: position p of a context
+    is at slot `table[p // page_size] * page_size + p % page_size`. Tables are int64, padded with page 0
+    past each context (never read)."""
+
+    page_size: int
+    decode: torch.Tensor | None  # (decode rows, W): each decode row's pages (rows with drafts repeat them)
+    prefill: torch.Tensor | None  # (segments, W): each prefill chunk's pages, its cached prefix included
+    # (segments + 1,) int64: segment s has rows [cu[s], cu[s + 1]) counted from the first prefill row
+    prefill_cu_seqlens: torch.Tensor | None
+    prefill_ctx_lens: torch.Tensor | None  # (segments,) int64: context length after each chunk
+    max_prefill_len: int = 0  # the longest chunk (sizes the extend kernel's grid)
 
 
 @dataclass(slots=True)
@@ -27,13 +47,14 @@ class ForwardBatch:
     # rows [0, num_decode) are single-token decodes: one per sequence, or, for a sequence verifying draft
     # tokens, consecutive rows at consecutive positions (each attends to the rows before it)
     num_decode: int
-    decode_slots: torch.Tensor | None  # (num_decode, max_ctx) int64 context slots, padded with 0
-    # (num_decode,) int64 valid context of each decode row (slots past it are padding); None with decode_slots
+    decode_slots: torch.Tensor | None  # (num_decode, max_ctx) int64 context slots, padded with 0; None with pages
+    # (num_decode,) int64 valid context of each decode row (slots past it are padding); None without decodes
     decode_ctx_lens: torch.Tensor | None
     prefills: list[PrefillSegment]  # rows [num_decode, T) in order; each attends causally to its context
     logits_indices: torch.Tensor  # (S,) int64 rows whose logits are wanted (decode rows, last token of sampled chunks)
     # (cos, signed_sin) of `positions`, (T, 1, D) each, where the builder computed them ahead (else the model does)
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+    pages: PageTables | None = None  # the contexts as page tables instead of slot tables (see the docstring)
 
     @property
     def num_tokens(self) -> int:

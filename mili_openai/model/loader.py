@@ -5,6 +5,7 @@ and assign the tensors in place of the meta parameters."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from mili_openai.model.config import ModelConfig
 from mili_openai.model.huge_pages import move_parameters_to_huge_pages
 from mili_openai.model.qwen3 import Qwen3ForCausalLM
 from mili_openai.model.weights import CheckpointError, checkpoint_to_model_state
+
+logger = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -66,13 +69,17 @@ def read_checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(
-    path: str | os.PathLike, dtype: torch.dtype, device: torch.device, use_decode_kernel: bool = True
+    path: str | os.PathLike, dtype: torch.dtype, device: torch.device, use_decode_kernel: bool = True,
+    attention_backend: str = "auto",
 ) -> tuple[Qwen3ForCausalLM, ModelConfig]:
     """-> (model in eval mode on `device` with weights in `dtype`, its config).
 
     `use_decode_kernel`: on a CPU with AVX512, use the compiled kernels: decode and prefill attention from
     the paged pool, and with bf16 weights the matmuls, RMSNorms, q/k norm + RoPE and SwiGLU's activation (the model
     falls back to torch when they cannot be built).
+    `attention_backend` (EngineConfig.attention_backend): "auto" runs the Triton kernels on CUDA where they
+    take the model's shapes; "triton" insists on them (and takes the CPU under Triton's interpreter);
+    "torch" keeps torch's SDPA on CUDA.
     """
     directory = Path(path)
     config = ModelConfig.from_pretrained(directory)
@@ -92,9 +99,36 @@ def load_model(
     del tensors, state  # the parameters hold the only references: each frees as it moves below
     if device.type == "cpu":
         move_parameters_to_huge_pages(model)
-    if use_decode_kernel and device.type == "cpu":
+    if attention_backend == "triton" or (attention_backend == "auto" and device.type == "cuda"):
+        _use_triton_attention(model, config, dtype, device, required=attention_backend == "triton")
+    elif use_decode_kernel and device.type == "cpu":
         _use_cpu_kernels(model, dtype)
     return model, config
+
+
+def _use_triton_attention(model: Qwen3ForCausalLM, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                          required: bool) -> None:
+    """Attention through the Triton page-table kernels; where they cannot run, a ValueError if `required`,
+    else torch's SDPA stays."""
+    try:
+        from mili_openai.kernels.triton_attention import TritonAttention
+    except ImportError as exc:  # torch's CUDA wheels ship Triton; a CPU install may not have it
+        if required:
+            raise ValueError(f"the Triton attention backend needs the triton package: {exc}") from exc
+        logger.warning("Triton is not installed: attention runs through torch's SDPA")
+        return
+    kernel = TritonAttention()
+    probe_q = torch.empty(1, config.num_attention_heads, config.head_dim, dtype=dtype, device=device)
+    probe_pool = torch.empty(1, config.num_key_value_heads, config.head_dim, dtype=dtype, device=device)
+    if kernel.supports_paged_attention(probe_q, probe_pool):
+        model.set_attention_kernel(kernel)
+        return
+    reason = (f"the Triton attention kernels run on {kernel.device_type} (the CPU only under TRITON_INTERPRET=1), "
+              f"in float16, bfloat16 or float32, head_dim <= 256; this model is {dtype} on {device.type}, head_dim "
+              f"{config.head_dim}, {config.num_attention_heads} query and {config.num_key_value_heads} KV heads")
+    if required:
+        raise ValueError(reason)
+    logger.warning("%s: attention runs through torch's SDPA", reason)
 
 
 def _use_cpu_kernels(model: Qwen3ForCausalLM, dtype: torch.dtype) -> None:

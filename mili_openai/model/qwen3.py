@@ -19,7 +19,7 @@ from mili_openai.model.batch import ForwardBatch
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.kv_cache import KVCache
 from mili_openai.model.layers import FusedOpKernel, Linear, MatmulFn, RMSNorm, SwiGLUMLP
-from mili_openai.model.paged_attention import AttentionKernel
+from mili_openai.model.paged_attention import AttentionKernel, PagedAttentionKernel
 from mili_openai.model.rope import RotaryEmbedding, RotaryTable
 
 
@@ -88,6 +88,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.model = Qwen3Model(config)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
         self._logits_matmul: MatmulFn = F.linear
+        self.uses_page_tables = False  # whether forward batches must carry page tables (set_attention_kernel)
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Run every token of the batch, writing its K/V into `kv_cache`; -> (T, hidden) after the final norm."""
@@ -107,9 +108,11 @@ class Qwen3ForCausalLM(nn.Module):
         return self._logits_matmul(hidden, weight).float()
 
     def set_attention_kernel(self, kernel: AttentionKernel | None) -> None:
-        """Let decode rows and prefill chunks attend straight from the paged pool through a compiled kernel."""
+        """Let decode rows and prefill chunks attend straight from the paged pool through a compiled kernel.
+        One that reads page tables (`PagedAttentionKernel`) gets batches that carry them (`uses_page_tables`)."""
         for layer in self.model.layers:
             layer.self_attn.attention_kernel = kernel
+        self.uses_page_tables = isinstance(kernel, PagedAttentionKernel)
 
     def set_fused_op_kernel(self, kernel: FusedOpKernel | None) -> None:
         """Run every RMSNorm, each layer's q/k norm + RoPE and SwiGLU activation through a compiled kernel."""

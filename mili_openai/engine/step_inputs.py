@@ -1,0 +1,76 @@
+"""A step's inputs on their way to the GPU: one pinned host buffer, one asynchronous copy.
+
+The builder (batch_builder.py) makes each input a small CPU tensor: token ids, positions, slots, page
+tables. Copied one by one from pageable memory, each is a synchronous transfer the host waits on, a
+dozen a step. `stage_forward_batch` packs them into one pinned buffer on the event loop thread, while the
+step before runs; `forward_batch_to` then issues one non-blocking copy on the forward thread and hands
+the model views of the device buffer. torch's pinned allocator keeps a buffer out of reuse until the
+copy that reads it has finished, so a fresh one per step is safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from mili_openai.model.batch import ForwardBatch, PageTables, PrefillSegment
+
+TensorMap = Callable[[torch.Tensor], torch.Tensor]
+
+
+def map_tensors(batch: ForwardBatch, move: TensorMap) -> ForwardBatch:
+    """A copy of `batch` with `move` applied to each of its index tensors (not `rotary`, which only the CPU
+    path builds ahead)."""
+
+    def apply(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else move(t)
+
+    pages = batch.pages
+    if pages is not None:
+        pages = PageTables(pages.page_size, apply(pages.decode), apply(pages.prefill),
+                           apply(pages.prefill_cu_seqlens), apply(pages.prefill_ctx_lens), pages.max_prefill_len)
+    return ForwardBatch(
+        input_ids=move(batch.input_ids),
+        positions=move(batch.positions),
+        slot_mapping=move(batch.slot_mapping),
+        num_decode=batch.num_decode,
+        decode_slots=apply(batch.decode_slots),
+        decode_ctx_lens=apply(batch.decode_ctx_lens),
+        prefills=[PrefillSegment(p.start, p.length, apply(p.context_slots)) for p in batch.prefills],
+        logits_indices=move(batch.logits_indices),
+        rotary=batch.rotary,
+        pages=pages,
+    )
+
+
+def stage_forward_batch(batch: ForwardBatch) -> tuple[ForwardBatch, torch.Tensor]:
+    """-> (the batch with every index tensor a view of one pinned int64 buffer, that buffer). The views
+    stay writable through numpy (the runner feeds pending token ids into `input_ids` before the copy)."""
+    tensors: list[torch.Tensor] = []
+    map_tensors(batch, lambda t: tensors.append(t) or t)
+    buffer = torch.empty(sum(t.numel() for t in tensors), dtype=torch.int64, pin_memory=True)
+    host = buffer.numpy()
+    offset = 0
+
+    def place(t: torch.Tensor) -> torch.Tensor:
+        nonlocal offset
+        count = t.numel()
+        host[offset : offset + count] = t.numpy().reshape(-1)
+        view = buffer[offset : offset + count].view(t.shape)
+        offset += count
+        return view
+
+    return map_tensors(batch, place), buffer
+
+
+def forward_batch_to(batch: ForwardBatch, device: torch.device, staged: torch.Tensor | None = None) -> ForwardBatch:
+    """The batch on the model's device (itself on CPU). `staged`: the pinned buffer `stage_forward_batch`
+    packed the batch into, copied over in one transfer; without it each tensor is copied on its own."""
+    if device.type == "cpu":
+        return batch
+    if staged is None:
+        return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
+    on_device = staged.to(device, non_blocking=True)
+    return map_tensors(batch, lambda t: on_device.as_strided(t.shape, t.stride(), t.storage_offset()))
+

@@ -1,0 +1,183 @@
+"""Triton kernel bodies for paged attention: decode (split-K over the context, then a reduce) and varlen
+extend (every prefill chunk of a step in one launch). Launchers and shape checks: triton_attention.py.
+
+The bodies are plain functions; `TritonAttention` wraps them with `triton.jit` when it is built, so the
+choice between the GPU compiler and Triton's CPU interpreter (TRITON_INTERPRET=1, read by `triton.jit`)
+is made per instance, not once at import. A body therefore calls no helper function of its own.
+
+Shared conventions:
+- K/V are read in place from a pool (slots, kv_heads, head_dim) through a page table: position p of a
+  sequence lives at slot `table[p // page_size] * page_size + p % page_size` (a slot table is a page table
+  with page_size 1).
+- Softmax runs online in float32, in base 2: scores are scaled by `scale * log2(e)` once, so every
+  exponential is an exp2, and a split's log-sum-exp is in base 2 too.
+- GQA: a program owns one KV head and every query head of its group, so each K/V row is read once for
+  the whole group; the group's heads (padded to a power of two) are rows of the score matrix.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+def decode_partial_kernel(
+    q, k_pool, v_pool, page_table, ctx_lens, out, part_acc, part_lse,
+    scale_log2, page_size, num_heads,
+    stride_q_row, stride_q_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+    stride_table_row, stride_out_row, stride_out_head,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (rows, kv_heads, NUM_SPLITS): one query row's group of heads over one split of its context.
+
+    The context [0, ctx) is cut into NUM_SPLITS pieces of equal length rounded up to BLOCK_N; trailing
+    splits may be empty and write nothing (the reduce recomputes which ones hold work). With one split
+    the normalised output goes straight to `out`; otherwise each split writes its normalised partial
+    (rows, heads, splits, head_dim) and its base-2 log-sum-exp (rows, heads, splits).
+    """
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(ctx_lens + row)
+    split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, ctx)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    head_ok = offs_h < GROUP
+    heads = kv_head * GROUP + offs_h
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q_mask = head_ok[:, None] & d_ok[None, :]
+    q_block = tl.load(q + row * stride_q_row + heads[:, None] * stride_q_head + offs_d[None, :], mask=q_mask,
+                      other=0.0)  # (BLOCK_H, BLOCK_D)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    table_row = page_table + row * stride_table_row
+    for block_start in range(start, end, BLOCK_N):
+        pos = block_start + tl.arange(0, BLOCK_N)
+        pos_ok = pos < end
+        page = tl.load(table_row + pos // page_size, mask=pos_ok, other=0)
+        slot = page * page_size + pos % page_size  # (BLOCK_N,)
+        kv_mask = pos_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_pool + slot[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :],
+                    mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+        scores = tl.dot(q_block, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BLOCK_H, BLOCK_N)
+        scores = tl.where(pos_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_pool + slot[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
+                    mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out_ptrs = out + row * stride_out_row + heads[:, None] * stride_out_head + offs_d[None, :]
+        tl.store(out_ptrs, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=q_mask)
+    elif end > start:
+        index = (row * num_heads + heads) * NUM_SPLITS + split  # (BLOCK_H,)
+        tl.store(part_acc + index[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None], mask=q_mask)
+        tl.store(part_lse + index, m_i + tl.log2(l_i), mask=head_ok)
+
+
+def decode_reduce_kernel(
+    part_acc, part_lse, ctx_lens, out, num_heads, stride_out_row, stride_out_head,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    """Grid (rows, heads): merge a row's split partials, each weighted by its share of the softmax mass."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    ctx = tl.load(ctx_lens + row)
+    split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    used = tl.cdiv(ctx, split_len)  # the splits that held work (as decode_partial_kernel cut them)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    s_ok = offs_s < used
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    base = (row * num_heads + head) * NUM_SPLITS
+    lse = tl.load(part_lse + base + offs_s, mask=s_ok, other=float("-inf"))  # (NUM_SPLITS,)
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    partial = tl.load(part_acc + (base + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
+                      mask=s_ok[:, None] & d_ok[None, :], other=0.0)  # (NUM_SPLITS, BLOCK_D)
+    merged = tl.sum(weight[:, None] * partial, 0) / tl.sum(weight, 0)
+    tl.store(out + row * stride_out_row + head * stride_out_head + offs_d, merged.to(out.dtype.element_ty),
+             mask=d_ok)
+
+
+def extend_kernel(
+    q, k_pool, v_pool, out, page_table, cu_seqlens, ctx_lens,
+    scale_log2, page_size,
+    stride_q_row, stride_q_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
+    stride_table_row, stride_out_row, stride_out_head,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Grid (segments, kv_heads, token blocks of the longest segment): BLOCK_T new tokens of one segment
+    times the GROUP query heads of one KV head (BLOCK_M = BLOCK_T * GROUP_PAD score rows), causally over
+    the segment's whole context: its cached prefix and its own new tokens, all already in the pool.
+
+    Segment s owns query rows [cu_seqlens[s], cu_seqlens[s + 1]) and a context of ctx_lens[s] positions
+    whose last rows are those new tokens, so new token i sits at position ctx - length + i.
+    """
+    segment = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    block = tl.program_id(2)
+    q_start = tl.load(cu_seqlens + segment)
+    length = tl.load(cu_seqlens + segment + 1) - q_start
+    ctx = tl.load(ctx_lens + segment)
+    prefix = ctx - length
+
+    offs_m = tl.arange(0, BLOCK_M)
+    token = block * BLOCK_T + offs_m // GROUP_PAD  # (BLOCK_M,) index of the row's token in the segment
+    group_index = offs_m % GROUP_PAD
+    row_ok = (token < length) & (group_index < GROUP)
+    heads = kv_head * GROUP + group_index
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    q_rows = q_start + token
+    q_block = tl.load(q + q_rows[:, None] * stride_q_row + heads[:, None] * stride_q_head + offs_d[None, :],
+                      mask=q_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
+    q_pos = prefix + token  # (BLOCK_M,)
+    # the keys this block's last token sees; none for a block past the segment's end
+    kv_end = tl.minimum(ctx, prefix + (block + 1) * BLOCK_T)
+    kv_end = tl.where(block * BLOCK_T < length, kv_end, 0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table_row = page_table + segment * stride_table_row
+    for block_start in range(0, kv_end, BLOCK_N):
+        pos = block_start + tl.arange(0, BLOCK_N)
+        pos_ok = pos < kv_end
+        page = tl.load(table_row + pos // page_size, mask=pos_ok, other=0)
+        slot = page * page_size + pos % page_size
+        kv_mask = pos_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_pool + slot[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :],
+                    mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+        scores = tl.dot(q_block, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N)
+        visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        scores = tl.where(visible, scores, float("-inf"))
+        # every row sees position 0 in the first block, so m_new is finite from there on
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_pool + slot[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
+                    mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    out_ptrs = out + q_rows[:, None] * stride_out_row + heads[:, None] * stride_out_head + offs_d[None, :]
+    tl.store(out_ptrs, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=q_mask)
+
+
+def jit_kernels() -> tuple[triton.runtime.KernelInterface, ...]:
+    """(decode partial, decode reduce, extend), compiled for the GPU, or interpreted on the CPU where
+    TRITON_INTERPRET=1 is set when this is called."""
+    return tuple(triton.jit(body) for body in (decode_partial_kernel, decode_reduce_kernel, extend_kernel))
