@@ -60,6 +60,10 @@ class TritonAttention:
         interpreted = type(self._extend).__name__ == "InterpretedFunction"
         self.device_type = "cpu" if interpreted else "cuda"
 
+    def _widen(self, q: torch.Tensor) -> bool:
+        """Multiply half-precision tiles as float32: only under the interpreter (see the kernels' docstring)."""
+        return self.device_type == "cpu" and q.dtype != torch.float32
+
     # ---- which calls it takes ----
     def supports_paged_attention(self, q: torch.Tensor, k_pool: torch.Tensor) -> bool:
         """q (T, H, D), k_pool (slots, KV, D) of one layer: on this backend's device, a dtype it computes
@@ -96,16 +100,17 @@ class TritonAttention:
     # ---- page-table addressed, every row of a kind in one launch ----
     def paged_decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                page_table: torch.Tensor, page_size: int, ctx_lens: torch.Tensor, scale: float,
-                               out: torch.Tensor | None = None) -> torch.Tensor:
+                               out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
         """One query row each against its context: q (B, H, D); page_table (B, W) pages of row b's context,
-        whose first ctx_lens[b] (>= 1) positions it attends -> (B, H, D), into `out` where given."""
+        whose first ctx_lens[b] (>= 1) positions it attends -> (B, H, D), into `out` where given.
+        num_splits: a power of two; None = `decode_splits` of the batch's shape."""
         rows, num_heads, head_dim = q.shape
         kv_heads = k_pool.shape[1]
         group = num_heads // kv_heads
         out = torch.empty_like(q) if out is None else out
         if rows == 0:
             return out
-        splits = decode_splits(rows, kv_heads)
+        splits = num_splits or decode_splits(rows, kv_heads)
         block_d = next_power_of_two(head_dim)
         if splits > 1:
             part_acc = torch.empty(rows, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
@@ -118,7 +123,7 @@ class TritonAttention:
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
             page_table.stride(0), out.stride(0), out.stride(1),
             GROUP=group, BLOCK_H=max(MIN_DOT_ROWS, next_power_of_two(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=splits, PRECISION=_dot_precision(q.dtype),
+            BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=splits, PRECISION=_dot_precision(q.dtype), WIDEN=self._widen(q),
             num_warps=DECODE_WARPS, num_stages=PIPELINE_STAGES,
         )
         if splits > 1:
@@ -154,7 +159,7 @@ class TritonAttention:
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
             page_table.stride(0), out.stride(0), out.stride(1),
             GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_M=block_t * group_pad, HEAD_DIM=head_dim,
-            BLOCK_D=block_d, BLOCK_N=EXTEND_BLOCK_N, PRECISION=_dot_precision(q.dtype),
+            BLOCK_D=block_d, BLOCK_N=EXTEND_BLOCK_N, PRECISION=_dot_precision(q.dtype), WIDEN=self._widen(q),
             num_warps=EXTEND_WARPS, num_stages=PIPELINE_STAGES,
         )
         return out

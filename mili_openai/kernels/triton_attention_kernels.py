@@ -13,6 +13,8 @@ Shared conventions:
   exponential is an exp2, and a split's log-sum-exp is in base 2 too.
 - GQA: a program owns one KV head and every query head of its group, so each K/V row is read once for
   the whole group; the group's heads (padded to a power of two) are rows of the score matrix.
+- WIDEN multiplies half-precision tiles as float32 (after the same rounding). Only for Triton's CPU
+  interpreter, whose tl.dot gives wrong products for bfloat16 tiles; on the GPU it is off.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def decode_partial_kernel(
     stride_q_row, stride_q_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
     stride_table_row, stride_out_row, stride_out_head,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr,
 ):
     """Grid (rows, kv_heads, NUM_SPLITS): one query row's group of heads over one split of its context.
 
@@ -52,6 +54,8 @@ def decode_partial_kernel(
     q_mask = head_ok[:, None] & d_ok[None, :]
     q_block = tl.load(q + row * stride_q_row + heads[:, None] * stride_q_head + offs_d[None, :], mask=q_mask,
                       other=0.0)  # (BLOCK_H, BLOCK_D)
+    if WIDEN:
+        q_block = q_block.to(tl.float32)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -65,6 +69,8 @@ def decode_partial_kernel(
         kv_mask = pos_ok[:, None] & d_ok[None, :]
         k = tl.load(k_pool + slot[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :],
                     mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+        if WIDEN:
+            k = k.to(tl.float32)
         scores = tl.dot(q_block, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BLOCK_H, BLOCK_N)
         scores = tl.where(pos_ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -73,7 +79,10 @@ def decode_partial_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_pool + slot[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
                     mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        weights = p.to(v.dtype)  # rounded as the half-precision product on the GPU takes it
+        if WIDEN:
+            weights, v = weights.to(tl.float32), v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(weights, v, input_precision=PRECISION)
         m_i = m_new
 
     if NUM_SPLITS == 1:
@@ -116,6 +125,7 @@ def extend_kernel(
     stride_table_row, stride_out_row, stride_out_head,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+    WIDEN: tl.constexpr,
 ):
     """Grid (segments, kv_heads, token blocks of the longest segment): BLOCK_T new tokens of one segment
     times the GROUP query heads of one KV head (BLOCK_M = BLOCK_T * GROUP_PAD score rows), causally over
@@ -143,6 +153,8 @@ def extend_kernel(
     q_rows = q_start + token
     q_block = tl.load(q + q_rows[:, None] * stride_q_row + heads[:, None] * stride_q_head + offs_d[None, :],
                       mask=q_mask, other=0.0)  # (BLOCK_M, BLOCK_D)
+    if WIDEN:
+        q_block = q_block.to(tl.float32)
     q_pos = prefix + token  # (BLOCK_M,)
     # the keys this block's last token sees; none for a block past the segment's end
     kv_end = tl.minimum(ctx, prefix + (block + 1) * BLOCK_T)
@@ -160,6 +172,8 @@ def extend_kernel(
         kv_mask = pos_ok[:, None] & d_ok[None, :]
         k = tl.load(k_pool + slot[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :],
                     mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+        if WIDEN:
+            k = k.to(tl.float32)
         scores = tl.dot(q_block, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N)
         visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         scores = tl.where(visible, scores, float("-inf"))
@@ -170,7 +184,10 @@ def extend_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_pool + slot[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
                     mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        weights = p.to(v.dtype)  # rounded as the half-precision product on the GPU takes it
+        if WIDEN:
+            weights, v = weights.to(tl.float32), v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(weights, v, input_precision=PRECISION)
         m_i = m_new
 
     out_ptrs = out + q_rows[:, None] * stride_out_row + heads[:, None] * stride_out_head + offs_d[None, :]

@@ -1,0 +1,81 @@
+"""The Triton attention backend without a GPU.
+
+- Its kernels, the model and the engine through them, under Triton's CPU interpreter: the cases live in
+  tests/triton_attention_cases.py and run in a subprocess with TRITON_INTERPRET=1, because Triton reads
+  that variable when it is imported and keeps it for the process (this one must stay uninterpreted).
+- Its kernels compile for the GPU it serves on (Hopper, sm_90), with the compiler and ptxas Triton ships,
+  which need no GPU: what the interpreter does not check (tl.dot's shape rules, shared memory, types).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from mili_openai.kernels import triton_attention_kernels  # noqa: E402
+
+CASES = Path(__file__).with_name("triton_attention_cases.py")
+INTERPRETER_TIMEOUT_S = 900  # the cases take well under this on a loaded 2-core machine
+HOPPER = (90, 32)  # compute capability 9.0 (H100, H200), warp size
+
+
+def test_kernels_match_their_reference_under_the_interpreter(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", str(CASES), "-q", "-p", "no:cacheprovider", "-W", "ignore::UserWarning"],
+        cwd=CASES.parent.parent, env=env, capture_output=True, text=True, timeout=INTERPRETER_TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
+
+
+def _ptxas_available() -> bool:
+    nvidia = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    return nvidia.exists()
+
+
+def _signature(kernel, pointer_dtype: str, constexprs: dict) -> dict:
+    pointers = {"q": pointer_dtype, "k_pool": pointer_dtype, "v_pool": pointer_dtype, "out": pointer_dtype,
+                "page_table": "*i64", "ctx_lens": "*i64", "cu_seqlens": "*i64", "part_acc": "*fp32",
+                "part_lse": "*fp32", "scale_log2": "fp32"}
+    return {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in kernel.arg_names}
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="this Triton install carries no ptxas for NVIDIA targets")
+def test_kernels_compile_for_hopper(tmp_path, monkeypatch):
+    """bf16, head_dim 128 (Qwen3's): decode with and without splits, the reduce, and extend for GQA groups
+    of 2 and 8, with the launch parameters TritonAttention uses."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mili_openai.kernels.triton_attention import DECODE_WARPS, EXTEND_WARPS, PIPELINE_STAGES
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # the default; unset, Triton 3.9 warns that it will change
+    decode, reduce, extend = triton_attention_kernels.jit_kernels()
+    shape = dict(HEAD_DIM=128, BLOCK_D=128)
+    variants = [
+        (decode, dict(GROUP=2, BLOCK_H=16, BLOCK_N=64, NUM_SPLITS=1, PRECISION="tf32", WIDEN=False,
+                     **shape), DECODE_WARPS),
+        (decode, dict(GROUP=8, BLOCK_H=16, BLOCK_N=64, NUM_SPLITS=16, PRECISION="tf32", WIDEN=False,
+                     **shape), DECODE_WARPS),
+        (reduce, dict(BLOCK_N=64, NUM_SPLITS=16, **shape), DECODE_WARPS),
+        (extend, dict(GROUP=2, GROUP_PAD=2, BLOCK_T=64, BLOCK_M=128, BLOCK_N=64, PRECISION="tf32",
+                     WIDEN=False, **shape),
+         EXTEND_WARPS),
+        (extend, dict(GROUP=8, GROUP_PAD=8, BLOCK_T=16, BLOCK_M=128, BLOCK_N=64, PRECISION="tf32",
+                     WIDEN=False, **shape),
+         EXTEND_WARPS),
+    ]
+    for kernel, constexprs, warps in variants:
+        source = ASTSource(kernel, _signature(kernel, "*bf16", constexprs), constexprs=constexprs)
+        compiled = triton.compile(source, target=GPUTarget("cuda", *HOPPER),
+                                  options=dict(num_warps=warps, num_stages=PIPELINE_STAGES))
+        assert compiled.asm["cubin"], kernel.__name__
+        assert compiled.metadata.shared <= 227 * 1024, kernel.__name__  # a Hopper block's shared memory

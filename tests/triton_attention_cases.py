@@ -1,0 +1,285 @@
+"""The Triton paged attention kernels against their torch reference, and the engine through them.
+
+Not collected by the suite itself (no `test_` prefix): tests/test_triton_attention.py runs this file in a
+subprocess with TRITON_INTERPRET=1, where Triton runs the kernels on CPU tensors; the variable must be set
+before Triton is imported and stays for the whole process, so it cannot share one with other tests. On a
+GPU machine run it directly (`pytest tests/triton_attention_cases.py`): the same cases on CUDA.
+
+Shapes stay small: the interpreter runs every program of a launch in Python.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_helpers import assert_matches, hf_greedy, load_hf, random_prompts
+from model_helpers import PagedSequences, random_tokens
+
+pytest.importorskip("triton")
+
+from mili_openai import LLM, SamplingParams  # noqa: E402
+from mili_openai.engine.cuda_graphs import DecodeGraphs  # noqa: E402
+from mili_openai.engine.memory_profile import dummy_prefill_batch  # noqa: E402
+from mili_openai.kernels.attention_reference import (  # noqa: E402
+    paged_decode_reference,
+    paged_prefill_reference,
+)
+from mili_openai.kernels.triton_attention import TritonAttention, decode_splits  # noqa: E402
+from mili_openai.model import KVCache, load_model  # noqa: E402
+from mili_openai.model.batch import ForwardBatch, PageTables, PrefillSegment  # noqa: E402
+from mili_openai.model.paged_attention import paged_attention  # noqa: E402
+
+BACKEND = TritonAttention()
+DEVICE = torch.device(BACKEND.device_type)
+if DEVICE.type == "cuda" and not torch.cuda.is_available():
+    pytest.skip("Triton compiles for CUDA here and torch sees no GPU (set TRITON_INTERPRET=1 to run on the CPU)",
+                allow_module_level=True)
+
+PAGE_SIZE = 16
+NUM_PAGES = 160  # 2560 slots: room for a 1000+ token context and a few short ones, on shuffled pages
+CONTEXTS = [1, 15, 16, 17, 1030]  # a page boundary either side, and a long context over many pages
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+GQA_SHAPES = [(2, 2), (4, 2), (8, 1)]  # (query heads, KV heads): ratios 1, 2 and 8
+
+
+def pools(kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    shape = (NUM_PAGES * PAGE_SIZE, kv_heads, head_dim)
+    return tuple(torch.randn(shape, generator=generator).to(dtype).to(DEVICE) for _ in range(2))
+
+
+def page_tables(lengths: list[int], seed: int) -> torch.Tensor:
+    """(len(lengths), W): disjoint random pages for each context, zero-padded."""
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(NUM_PAGES, generator=generator)
+    needed = [-(-length // PAGE_SIZE) for length in lengths]
+    table = torch.zeros(len(lengths), max(needed), dtype=torch.int64)
+    start = 0
+    for row, count in enumerate(needed):
+        table[row, :count] = order[start : start + count]
+        start += count
+    return table.to(DEVICE)
+
+
+def queries(rows: int, heads: int, head_dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, heads, head_dim, generator=generator).to(dtype).to(DEVICE)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert not got.isnan().any()
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=TOLERANCE[got.dtype])
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", GQA_SHAPES)
+def test_decode_matches_the_reference(heads, kv_heads, head_dim):
+    k_pool, v_pool = pools(kv_heads, head_dim, torch.float32, seed=1)
+    table = page_tables(CONTEXTS, seed=2)
+    ctx_lens = torch.tensor(CONTEXTS, device=DEVICE)
+    q = queries(len(CONTEXTS), heads, head_dim, torch.float32, seed=3)
+    scale = head_dim ** -0.5
+    want = paged_decode_reference(q, k_pool, v_pool, table, PAGE_SIZE, ctx_lens, scale)
+    assert decode_splits(len(CONTEXTS), kv_heads) > 1  # the long context is split, then reduced
+    assert_close(BACKEND.paged_decode_attention(q, k_pool, v_pool, table, PAGE_SIZE, ctx_lens, scale), want)
+    # one split: the partial kernel writes the output itself, no reduce
+    assert_close(BACKEND.paged_decode_attention(q, k_pool, v_pool, table, PAGE_SIZE, ctx_lens, scale,
+                                                num_splits=1), want)
+
+
+def test_decode_in_bfloat16_and_into_a_strided_output():
+    heads, kv_heads, head_dim = 4, 2, 64
+    k_pool, v_pool = pools(kv_heads, head_dim, torch.bfloat16, seed=4)
+    table = page_tables(CONTEXTS, seed=5)
+    ctx_lens = torch.tensor(CONTEXTS, device=DEVICE)
+    qk = queries(len(CONTEXTS), heads + kv_heads, head_dim, torch.bfloat16, seed=6)
+    q = qk[:, :heads]  # rows apart, as the model's q is a view of its fused q/k projection
+    out = torch.full((len(CONTEXTS) + 2, heads, head_dim), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    BACKEND.paged_decode_attention(q, k_pool, v_pool, table, PAGE_SIZE, ctx_lens, 0.125, out=out[1:-1])
+    assert_close(out[1:-1], paged_decode_reference(q, k_pool, v_pool, table, PAGE_SIZE, ctx_lens, 0.125))
+    assert out[0].isnan().all() and out[-1].isnan().all()  # nothing written outside the view
+
+
+# (cached prefix, new tokens) per segment: whole prompts, chunks across page edges, a radix hit of 1000+
+SEGMENTS = [(0, 1), (0, 17), (15, 1), (16, 16), (1013, 20), (3, 37)]
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", GQA_SHAPES)
+def test_varlen_prefill_matches_the_reference(heads, kv_heads, head_dim):
+    k_pool, v_pool = pools(kv_heads, head_dim, torch.float32, seed=7)
+    ctx = [prefix + new for prefix, new in SEGMENTS]
+    lengths = torch.tensor([new for _, new in SEGMENTS])
+    table = page_tables(ctx, seed=8)
+    cu_seqlens = torch.cat((torch.zeros(1, dtype=torch.int64), lengths.cumsum(0))).to(DEVICE)
+    ctx_lens = torch.tensor(ctx, device=DEVICE)
+    q = queries(int(lengths.sum()), heads, head_dim, torch.float32, seed=9)
+    scale = head_dim ** -0.5
+    got = BACKEND.paged_prefill_attention(q, k_pool, v_pool, table, PAGE_SIZE, cu_seqlens, ctx_lens,
+                                          int(lengths.max()), scale)
+    assert_close(got, paged_prefill_reference(q, k_pool, v_pool, table, PAGE_SIZE, cu_seqlens, ctx_lens, scale))
+
+
+def test_slot_addressed_calls_match_the_reference():
+    """The CPU kernels' interface (slot tables, one prefill chunk a call): page size 1."""
+    heads, kv_heads, head_dim = 4, 2, 64
+    k_pool, v_pool = pools(kv_heads, head_dim, torch.float32, seed=10)
+    generator = torch.Generator().manual_seed(11)
+    slots = torch.randperm(NUM_PAGES * PAGE_SIZE, generator=generator)[:3 * 40].view(3, 40).to(DEVICE)
+    ctx_lens = torch.tensor([40, 1, 23], device=DEVICE)
+    q = queries(3, heads, head_dim, torch.float32, seed=12)
+    assert_close(BACKEND.decode_attention(q, k_pool, v_pool, slots, ctx_lens, 0.125),
+                 paged_decode_reference(q, k_pool, v_pool, slots, 1, ctx_lens, 0.125))
+    chunk = queries(9, heads, head_dim, torch.float32, seed=13)
+    cu_seqlens, context = torch.tensor([0, 9], device=DEVICE), torch.tensor([40], device=DEVICE)
+    assert_close(BACKEND.prefill_attention(chunk, k_pool, v_pool, slots[0], 0.125),
+                 paged_prefill_reference(chunk, k_pool, v_pool, slots[:1], 1, cu_seqlens, context, 0.125))
+
+
+def test_a_mixed_step_writes_its_new_tokens_and_attends_every_row():
+    """Decode rows and two prefill chunks (one after a cached prefix) in one batch: K/V written at the
+    slots, then one decode call and one varlen call fill the rows in place."""
+    heads, kv_heads, head_dim = 4, 2, 64
+    k_pool, v_pool = pools(kv_heads, head_dim, torch.float32, seed=14)
+    decode_ctx, prefill = [17, 1, 33], [(0, 5), (40, 12)]
+    prefill_ctx = [prefix + new for prefix, new in prefill]
+    table = page_tables(decode_ctx + prefill_ctx, seed=15)
+    decode_table, prefill_table = table[:3], table[3:]
+
+    def slots(table_row: torch.Tensor, positions: range) -> list[int]:
+        return [int(table_row[p // PAGE_SIZE]) * PAGE_SIZE + p % PAGE_SIZE for p in positions]
+
+    slot_mapping = [s for row, ctx in zip(decode_table, decode_ctx) for s in slots(row, range(ctx - 1, ctx))]
+    slot_mapping += [s for row, (prefix, new) in zip(prefill_table, prefill)
+                     for s in slots(row, range(prefix, prefix + new))]
+    tokens = len(slot_mapping)
+    q = queries(tokens, heads, head_dim, torch.float32, seed=16)
+    k_new, v_new = (queries(tokens, kv_heads, head_dim, torch.float32, seed=seed) for seed in (17, 18))
+    lengths = [new for _, new in prefill]
+    pages = PageTables(PAGE_SIZE, decode=decode_table, prefill=prefill_table,
+                       prefill_cu_seqlens=torch.tensor([0, lengths[0], sum(lengths)], device=DEVICE),
+                       prefill_ctx_lens=torch.tensor(prefill_ctx, device=DEVICE), max_prefill_len=max(lengths))
+    segments = [PrefillSegment(3, lengths[0], None), PrefillSegment(3 + lengths[0], lengths[1], None)]
+    batch = ForwardBatch(input_ids=torch.zeros(tokens, dtype=torch.int64, device=DEVICE),
+                         positions=torch.zeros(tokens, dtype=torch.int64, device=DEVICE),
+                         slot_mapping=torch.tensor(slot_mapping, device=DEVICE), num_decode=3, decode_slots=None,
+                         decode_ctx_lens=torch.tensor(decode_ctx, device=DEVICE), prefills=segments,
+                         logits_indices=torch.arange(tokens, device=DEVICE), pages=pages)
+    got = paged_attention(q, k_new, v_new, k_pool, v_pool, batch, 0.125, BACKEND)
+    assert torch.equal(k_pool[batch.slot_mapping], k_new) and torch.equal(v_pool[batch.slot_mapping], v_new)
+    assert_close(got[:3], paged_decode_reference(q[:3], k_pool, v_pool, decode_table, PAGE_SIZE,
+                                                 batch.decode_ctx_lens, 0.125))
+    assert_close(got[3:], paged_prefill_reference(q[3:], k_pool, v_pool, prefill_table, PAGE_SIZE,
+                                                  pages.prefill_cu_seqlens, pages.prefill_ctx_lens, 0.125))
+
+
+# ---- the model and the engine through the Triton backend, float32 against the torch path and transformers ----
+
+PROMPT_LENGTHS = [1, 9, 40]
+MAX_NEW = 4
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def oracle(tiny_checkpoint):
+    model = load_hf(tiny_checkpoint)
+    prompts = random_prompts(len(PROMPT_LENGTHS), PROMPT_LENGTHS, seed=41)
+    return prompts, [hf_greedy(model, prompt, MAX_NEW) for prompt in prompts]
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(page_size=16, max_num_batched_tokens=4096),  # whole prompts in one step, then batched decodes
+    dict(page_size=4, max_num_batched_tokens=24),  # chunked prefill mixed with decodes, on small pages
+], ids=["batched", "chunked"])
+def test_engine_on_triton_matches_transformers(tiny_checkpoint, oracle, engine_args):
+    prompts, expected = oracle
+    llm = LLM(str(tiny_checkpoint), dtype="float32", device=DEVICE.type, attention_backend="triton", num_pages=96,
+              **engine_args)
+    assert llm.core.runner.page_tables
+    assert_matches(llm.generate(prompts, greedy()), expected)
+    second = llm.generate(prompts, greedy())  # the prompts' pages are cached now: prefix hits
+    assert_matches(second, expected)
+    assert sum(output.num_cached_tokens for output in second) > 0
+    llm.core.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def models(tiny_checkpoint):
+    """(the model on the Triton backend, the same weights on torch's SDPA over slot tables)."""
+    triton_model, config = load_model(tiny_checkpoint, torch.float32, DEVICE, attention_backend="triton")
+    torch_model, _ = load_model(tiny_checkpoint, torch.float32, DEVICE, use_decode_kernel=False,
+                                attention_backend="torch")
+    assert triton_model.uses_page_tables and not torch_model.uses_page_tables
+    return triton_model, torch_model, config
+
+
+@torch.inference_mode()
+def test_the_profiling_step_runs_either_form(models):
+    """memory_profile's dummy step (several prefill chunks) gives the same hidden states as slot tables
+    through SDPA and as page tables through Triton."""
+    triton_model, torch_model, config = models
+    hidden = []
+    for model in (triton_model, torch_model):
+        batch = dummy_prefill_batch(70, 32, 8, model.uses_page_tables, DEVICE)
+        cache = KVCache(config, 3 * 4, 8, torch.float32, DEVICE)
+        hidden.append(model(batch, cache))
+    torch.testing.assert_close(hidden[0], hidden[1], rtol=0, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_page_table_graph_buckets_pad_without_touching_real_slots(models):
+    """DecodeGraphs with page tables (eager on the CPU): padded rows change no real row's output and
+    write only the scratch page; one bucket per row count, whatever the context."""
+    triton_model, _, config = models
+    num_pages, page_size = 48, 4
+    scratch_slot = num_pages * page_size
+
+    def prefilled() -> tuple[PagedSequences, KVCache]:
+        sequences = PagedSequences(num_pages, page_size, seed=3)
+        cache = KVCache(config, num_pages + 1, page_size, torch.float32, DEVICE)
+        for index, length in enumerate((9, 30, 17)):
+            key = "abc"[index]
+            sequences.add(key, random_tokens(length + 4, seed=index))
+            batch, _ = sequences.batch(prefill=[(key, length)])
+            triton_model(with_page_tables(batch, sequences, [key]), cache)
+        return sequences, cache
+
+    eager_sequences, eager_cache = prefilled()
+    graph_sequences, graph_cache = prefilled()
+    graphs = DecodeGraphs(triton_model, graph_cache, scratch_slot, page_table_width=16)
+    for keys in (["a", "b", "c"], ["b", "c"], ["c"]):
+        eager = with_page_tables(eager_sequences.batch(decode=keys)[0], eager_sequences, keys)
+        batch = with_page_tables(graph_sequences.batch(decode=keys)[0], graph_sequences, keys)
+        bucket = graphs.bucket(batch)
+        assert bucket == ({3: 4, 2: 2, 1: 1}[len(keys)], 0)
+        torch.testing.assert_close(graphs.run(batch, bucket), triton_model(eager, eager_cache), rtol=0, atol=1e-5)
+    real = slice(0, scratch_slot)
+    torch.testing.assert_close(graph_cache.pools[:, :, real], eager_cache.pools[:, :, real], rtol=0, atol=1e-5)
+
+
+def with_page_tables(batch: ForwardBatch, sequences: PagedSequences, keys: list[str]) -> ForwardBatch:
+    """A PagedSequences batch (slot tables) with page tables instead, as the engine builds them; `keys`: the
+    sequence of each decode row, then of each prefill chunk."""
+    width = max(len(sequences.pages[key]) for key in keys)
+    table = torch.zeros(len(keys), width, dtype=torch.int64)
+    for row, key in enumerate(keys):
+        table[row, : len(sequences.pages[key])] = torch.tensor(sequences.pages[key])
+    table = table.to(DEVICE)
+    lengths = torch.tensor([segment.length for segment in batch.prefills], dtype=torch.int64)
+    prefill = None
+    if batch.prefills:
+        prefill = dict(prefill=table[batch.num_decode:],
+                       prefill_cu_seqlens=torch.cat((torch.zeros(1, dtype=torch.int64), lengths.cumsum(0))).to(DEVICE),
+                       prefill_ctx_lens=torch.tensor([len(s.context_slots) for s in batch.prefills], device=DEVICE),
+                       max_prefill_len=int(lengths.max()))
+    pages = PageTables(sequences.page_size,
+                       decode=table[: batch.num_decode] if batch.num_decode else None,
+                       **(prefill or dict(prefill=None, prefill_cu_seqlens=None, prefill_ctx_lens=None)))
+    decode_ctx_lens = None if batch.decode_ctx_lens is None else batch.decode_ctx_lens.to(DEVICE)
+    return ForwardBatch(batch.input_ids.to(DEVICE), batch.positions.to(DEVICE), batch.slot_mapping.to(DEVICE),
+                        batch.num_decode, None, decode_ctx_lens, batch.prefills, batch.logits_indices.to(DEVICE),
+                        pages=pages)
