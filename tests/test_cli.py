@@ -32,7 +32,8 @@ def test_every_flag_reaches_the_config():
     config = parse(
         "/models/qwen", "--host", "0.0.0.0", "--port", "9001", "--api-key", "k", "--served-model-name", "q",
         "--max-model-len", "1024", "--dtype", "float32", "--device", "cpu", "--page-size", "32",
-        "--num-pages", "100", "--kv-cache-memory-gb", "1.5", "--max-num-batched-tokens", "512",
+        "--num-pages", "100", "--kv-cache-memory-gb", "1.5", "--gpu-memory-utilization", "0.8",
+        "--attention-backend", "torch", "--max-num-batched-tokens", "512",
         "--max-num-seqs", "8", "--max-queue", "10", "--request-timeout", "30", "--max-body-bytes", "4096",
         "--cors-allow-origin", "https://a.example", "--cors-allow-origin", "https://b.example",
         "--shutdown-grace-period", "3", "--num-threads", "2", "--default-model-cache", "/tmp/cache",
@@ -41,7 +42,8 @@ def test_every_flag_reaches_the_config():
     )
     assert config == ServerConfig(
         engine=EngineConfig(model="/models/qwen", dtype="float32", device="cpu", page_size=32, num_pages=100,
-                            kv_cache_memory_gb=1.5, max_num_batched_tokens=512, max_num_seqs=8,
+                            kv_cache_memory_gb=1.5, gpu_memory_utilization=0.8, attention_backend="torch",
+                            max_num_batched_tokens=512, max_num_seqs=8,
                             max_model_len=1024, num_threads=2, default_model_cache="/tmp/cache",
                             generation_config="none",
                             speculative_config=SpeculativeConfig(3, prompt_lookup_min=4, prompt_lookup_max=4)),
@@ -51,13 +53,28 @@ def test_every_flag_reaches_the_config():
     )
 
 
+
+def test_device_defaults_fill_only_what_is_unset():
+    """CPU keeps its defaults; CUDA gets vLLM's batch sizes and leaves the KV pool to the GPU's memory."""
+    unset = EngineConfig()
+    assert (unset.max_num_seqs, unset.max_num_batched_tokens, unset.kv_cache_memory_gb) == (None, None, None)
+    cpu, cuda = unset.for_device("cpu"), unset.for_device("cuda")
+    assert (cpu.max_num_seqs, cpu.max_num_batched_tokens, cpu.kv_cache_memory_gb) == (64, 512, 2.0)
+    assert (cuda.max_num_seqs, cuda.max_num_batched_tokens, cuda.kv_cache_memory_gb) == (256, 8192, None)
+    assert cuda.gpu_memory_utilization == 0.9 and cuda.attention_backend == "auto"
+    given = EngineConfig(max_num_seqs=8, max_num_batched_tokens=100, kv_cache_memory_gb=1.0).for_device("cuda")
+    assert (given.max_num_seqs, given.max_num_batched_tokens, given.kv_cache_memory_gb) == (8, 100, 1.0)
+    assert given.for_device("cuda") is given
+
 @pytest.mark.parametrize("argv", [["--page-size", "0"], ["--port", "70000"], ["--max-body-bytes", "10"],
                                   ["--num-threads", "0"], ["--dtype", "int3"], ["--max-model-len", "1"],
                                   ["--generation-config", ""], ["--speculative-config", "{"],
                                   ["--speculative-config", '{"num_speculative_tokens": 0}'],
                                   ["--speculative-config", '{"method": "eagle", "num_speculative_tokens": 2}'],
                                   ["--speculative-config", '{"num_speculative_tokens": 2, "draft_model": "x"}'],
-                                  ["--speculative-config", '[2]']])
+                                  ["--speculative-config", '[2]'], ["--gpu-memory-utilization", "1.5"],
+                                  ["--gpu-memory-utilization", "0"], ["--attention-backend", "flash"],
+                                  ["--max-num-seqs", "0"], ["--kv-cache-memory-gb", "0"]])
 def test_bad_values_are_clean_argparse_errors(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["serve", *argv])

@@ -1,10 +1,11 @@
 """The engine and server on a CUDA device, against HF transformers: skipped where torch sees no GPU (CI
 has none; run it on a GPU machine with `pytest tests/test_cuda_path.py`).
 
-The CPU tests cover the same logic through the compiled CPU kernels; here the torch path runs on the GPU
-(SDPA over gathered pages, cuBLAS matmuls, sampling on device, batches copied over per step, decode
-steps replayed from CUDA graphs), which no CPU test reaches. The float32 oracle stays on the CPU: a token
-that differs is then the GPU path's. Run on an H200 (2026-11-26): 11 passed with tests/test_cuda_graphs.py.
+The CPU tests cover the same logic through the compiled CPU kernels (and the Triton kernels under its
+interpreter); here the GPU path runs: the Triton page-table attention kernels (and torch's SDPA over
+gathered pages with `attention_backend="torch"`), cuBLAS matmuls, sampling on device, step inputs copied
+over from pinned memory, decode steps replayed from CUDA graphs, the KV pool sized from GPU memory. The
+float32 oracle stays on the CPU: a token that differs is then the GPU path's.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from engine_helpers import LOGPROB_ATOL, assert_matches, hf_greedy, load_hf, random_prompts
 from helpers_server import served_engine
 from mili_openai import LLM, SamplingParams
+from mili_openai.engine.cuda_graphs import CAPTURE_SIZES
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
 
@@ -42,8 +44,9 @@ def oracle(tiny_checkpoint):
         dict(page_size=4, max_num_batched_tokens=48),  # chunked prefill mixed with decodes
         dict(page_size=4, max_num_batched_tokens=64, num_pages=100),  # too few pages: preemption
         dict(page_size=16, max_num_batched_tokens=4096, enforce_eager=True),  # decode op by op, no graphs
+        dict(page_size=4, max_num_batched_tokens=48, attention_backend="torch"),  # SDPA over gathered pages
     ],
-    ids=["batched", "chunked", "preempting", "eager"],
+    ids=["batched", "chunked", "preempting", "eager", "torch-attention"],
 )
 def test_greedy_on_cuda_matches_transformers(tiny_checkpoint, oracle, engine_args):
     prompts, expected = oracle
@@ -53,6 +56,7 @@ def test_greedy_on_cuda_matches_transformers(tiny_checkpoint, oracle, engine_arg
     assert_matches(first, expected)
     graphs = llm.core.runner.decode_graphs
     assert (graphs is None) == engine_args.get("enforce_eager", False)
+    assert llm.core.runner.page_tables == (engine_args.get("attention_backend") != "torch")
     assert graphs is None or graphs.steps_run > 0  # decode steps ran from captured graphs
     # again: the prompts' pages are cached now, and reusing them must not change a token
     second = llm.generate(prompts, greedy())
@@ -103,3 +107,21 @@ def test_served_on_cuda_through_the_sdk(tiny_checkpoint, oracle):
     assert "".join(chunk.choices[0].text for chunk in streamed) == expected_text
     for got, token, row in zip(whole.choices[0].logprobs.token_logprobs, tokens, rows, strict=True):
         assert got == pytest.approx(float(row[token]), abs=LOGPROB_ATOL)
+
+
+def test_cuda_defaults_size_the_pool_from_gpu_memory_and_graph_every_batch_size(tiny_checkpoint):
+    """Plain `LLM(..., device="cuda")`: vLLM's batch sizes, a KV pool within the memory share, one page-table
+    graph per capture size up to 256 rows, and a context past the graphs' old 2048-slot buckets still
+    decodes from them, token for token as transformers."""
+    llm = LLM(str(tiny_checkpoint), dtype="float32", device="cuda", gpu_memory_utilization=0.5)
+    runner, config = llm.core.runner, llm.core.config
+    assert (config.max_num_seqs, config.max_num_batched_tokens) == (256, 8192)
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert runner.num_pages > 0 and runner.kv_cache.nbytes <= 0.5 * total
+    graphs = runner.decode_graphs
+    assert set(graphs.graphs) == {(size, 0) for size in CAPTURE_SIZES}
+    prompt = random_prompts(1, [2100], seed=35)[0]
+    expected = hf_greedy(load_hf(tiny_checkpoint), prompt, MAX_NEW)
+    before = graphs.steps_run
+    assert_matches(llm.generate([prompt], greedy()), [expected])
+    assert graphs.steps_run > before and len(graphs.graphs) == len(CAPTURE_SIZES)  # no capture for the long one

@@ -1,0 +1,137 @@
+"""The GPU serving benchmark of issue 30: five workloads through the HTTP API with `mili bench serve`.
+
+Builds (once) a random-weight checkpoint in Qwen3-0.6B shapes (bf16), then for each server configuration
+in turn starts `mili serve CKPT --device cuda ...`, waits for /health, runs the workloads, stops it, and
+prints one table with every figure beside the issue's target:
+
+    python3 scripts/bench_gpu.py --out-dir /tmp/bench-gpu                 # issue flags, then the defaults
+    python3 scripts/bench_gpu.py --configs issue torch --workloads c64    # Triton against torch's SDPA
+
+Configurations: "issue" (`--kv-cache-memory-gb 40 --max-num-seqs 256 --max-num-batched-tokens 8192`, as the
+issue measured), "defaults" (plain `mili serve CKPT --device cuda`), "torch" (the issue's flags with
+`--attention-backend torch`, the gathered-K/V path as the peer of the Triton kernels). Random weights hit
+EOS at random, so every request sets `ignore_eos`. Raw results: `<out-dir>/<config>-<workload>.json`,
+server logs beside them. It needs a CUDA GPU; it measures nothing on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if importlib.util.find_spec("mili_openai") is None:  # a checkout without `pip install -e .`
+    sys.path.insert(0, str(REPO_ROOT))
+
+import torch  # noqa: E402
+
+from mili_openai.bench.server_process import LOCALHOST, ServerProcess, ServerSpec, free_port  # noqa: E402
+from mili_openai.model import QWEN3_0_6B_SHAPE, build_random_checkpoint  # noqa: E402
+
+STARTUP_TIMEOUT_S = 600.0  # model load, memory profile, Triton compiles and graph capture on a cold machine
+REQUEST_TIMEOUT_S = 600.0
+CHECKPOINT_SEED = 0
+ISSUE_FLAGS = ("--kv-cache-memory-gb", "40", "--max-num-seqs", "256", "--max-num-batched-tokens", "8192")
+CONFIGS = {
+    "issue": ISSUE_FLAGS,
+    "defaults": (),
+    "torch": (*ISSUE_FLAGS, "--attention-backend", "torch"),
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    flags: tuple[str, ...]  # `mili bench serve` flags
+    metric: str  # what the issue judges it by: a key of the run's summary
+    target: float
+    higher_is_better: bool = True
+
+
+WORKLOADS = {
+    "single": Workload(("--num-requests", "4", "--concurrency", "1", "--input-len", "512", "--output-len", "256"),
+                       "tpot_p50_ms", 2.0, higher_is_better=False),
+    "c64": Workload(("--num-requests", "128", "--concurrency", "64", "--input-len", "512", "--output-len", "256"),
+                    "output_throughput", 10_000),
+    "c256": Workload(("--num-requests", "512", "--concurrency", "256", "--input-len", "512", "--output-len", "256"),
+                     "output_throughput", 20_000),
+    "prefill": Workload(("--num-requests", "256", "--concurrency", "64", "--input-len", "2048", "--output-len", "1"),
+                        "input_throughput", 250_000),
+    "prefix": Workload(("--dataset", "shared-prefix", "--num-groups", "8", "--prefix-len", "4000", "--suffix-len",
+                        "100", "--num-requests", "256", "--concurrency", "64", "--output-len", "64"),
+                       "input_throughput", 150_000),
+}
+
+
+def run_workload(name: str, workload: Workload, base_url: str, out: Path) -> dict:
+    """`mili bench serve` as a user runs it; -> the summary of its JSON result."""
+    argv = [sys.executable, "-m", "mili_openai", "bench", "serve", "--base-url", base_url, "--ignore-eos",
+            "--warmup", "2", "--no-progress", "--timeout", str(REQUEST_TIMEOUT_S), "--json", str(out),
+            *workload.flags]
+    result = subprocess.run(argv, capture_output=True, text=True, cwd=REPO_ROOT)
+    print(result.stdout, flush=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"bench serve {name} failed ({result.returncode}):\n{result.stderr[-4000:]}")
+    summary = json.loads(out.read_text())["summary"]
+    summary["tpot_p50_ms"] = summary["tpot"]["p50_ms"]
+    return summary
+
+
+def serve(checkpoint: Path, flags: tuple[str, ...], log: Path) -> tuple[ServerProcess, str]:
+    port = free_port()
+    base_url = f"http://{LOCALHOST}:{port}"
+    argv = (sys.executable, "-m", "mili_openai", "serve", str(checkpoint), "--device", "cuda", "--host", LOCALHOST,
+            "--port", str(port), *flags)
+    return ServerProcess(ServerSpec("mili", argv, base_url), log), base_url
+
+
+def verdict(workload: Workload, value: float) -> str:
+    met = value >= workload.target if workload.higher_is_better else value <= workload.target
+    return "met" if met else "missed"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out-dir", default="bench-results/gpu", help="JSON results and server logs")
+    parser.add_argument("--checkpoint", default=None, help="a checkpoint dir (default: build a random 0.6B one)")
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=["issue", "defaults"])
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("torch sees no CUDA device: this benchmark measures the GPU path")
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint = Path(args.checkpoint) if args.checkpoint else out_dir / "qwen3-0.6b-random"
+    if not (checkpoint / "config.json").exists():
+        build_random_checkpoint(checkpoint, QWEN3_0_6B_SHAPE, seed=CHECKPOINT_SEED, dtype=torch.bfloat16)
+    device = torch.cuda.get_device_name()
+    rows = []
+    for config in args.configs:
+        server, base_url = serve(checkpoint, CONFIGS[config], out_dir / f"server-{config}.log")
+        with server:
+            started = server.wait_healthy(STARTUP_TIMEOUT_S)
+            print(f"== {config}: healthy after {started:.1f} s (`mili serve CKPT --device cuda "
+                  f"{' '.join(CONFIGS[config])}`)", flush=True)
+            for name in args.workloads:
+                workload = WORKLOADS[name]
+                begun = time.monotonic()
+                summary = run_workload(name, workload, base_url, out_dir / f"{config}-{name}.json")
+                value = summary[workload.metric]
+                rows.append((config, name, workload.metric, value, workload, summary, time.monotonic() - begun))
+    print(f"\n## mili on {device}, random Qwen3-0.6B-shaped bf16 checkpoint, `mili bench serve --ignore-eos`\n")
+    print("| config | workload | metric | value | target | | failed | wall s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for config, name, metric, value, workload, summary, wall in rows:
+        bound = ">=" if workload.higher_is_better else "<="
+        print(f"| {config} | {name} | {metric} | {value:,.1f} | {bound} {workload.target:,g} | "
+              f"{verdict(workload, value)} | {summary['failed']} | {wall:.0f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Issue 30's GPU check in one call on a lent GPU machine (at most ~8 minutes): the CUDA tests, the Triton
+# kernels against their reference on the GPU, the five serving workloads (scripts/bench_gpu.py) at the
+# issue's flags and at the defaults, and a torch profile of busy steps (scripts/profile_gpu_step.py).
+#
+# Prepare here first (the device has no network and lacks the serving dependencies):
+#     python scripts/gpu_wheels.py && echo /.whl/ >> .git/info/exclude
+# then, from the repository root on the device (carry: [".whl"], timeout_s 600):
+#     bash scripts/gpu_check.sh
+# Logs and JSON land in $OUT (the device tool's output folder), or in bench-results/gpu-check elsewhere.
+# Each stage has its own time limit, so a slow one cannot starve the rest; the last lines are a summary.
+set -u -o pipefail
+OUT="${OUT:-bench-results/gpu-check}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+START=$(date +%s)
+stage() { echo "== $1 ($(( $(date +%s) - START )) s in)"; }
+
+stage "install the carried wheels"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "wheel install failed: run scripts/gpu_wheels.py here and carry .whl"; exit 1; }
+export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+
+stage "CUDA tests and the Triton kernels on the GPU"
+timeout 170 python3 -m pytest tests/test_cuda_path.py tests/test_cuda_graphs.py tests/triton_attention_cases.py \
+  -k "not engine_on_triton" -q -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"
+TESTS=$?
+
+stage "serving benchmark: five workloads, issue flags then defaults"
+timeout 300 python3 scripts/bench_gpu.py --out-dir /tmp/bench-gpu --configs issue defaults 2>&1 | tee "$OUT/bench.log"
+BENCH=$?
+cp /tmp/bench-gpu/*.log "$OUT/" 2>/dev/null
+(cd /tmp/bench-gpu && tar czf "$OUT/bench-json.tgz" ./*.json) 2>/dev/null
+
+stage "torch profile of a prefill step and decode steps at batch 64"
+timeout 75 python3 scripts/profile_gpu_step.py --checkpoint /tmp/bench-gpu/qwen3-0.6b-random 2>&1 \
+  | tee "$OUT/profile.txt" | tail -80
+PROFILE=$?
+
+stage "done"
+echo "tests rc=$TESTS (log: tests.log; 124 = out of time)"
+tail -1 "$OUT/tests.log"
+echo "bench rc=$BENCH (bench.log, server-*.log)"
+grep -E '^\| ' "$OUT/bench.log"
+echo "profile rc=$PROFILE (profile.txt)"
