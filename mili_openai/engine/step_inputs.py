@@ -44,12 +44,13 @@ def map_tensors(batch: ForwardBatch, move: TensorMap) -> ForwardBatch:
     )
 
 
-def stage_forward_batch(batch: ForwardBatch) -> tuple[ForwardBatch, torch.Tensor]:
-    """-> (the batch with every index tensor a view of one pinned int64 buffer, that buffer). The views
-    stay writable through numpy (the runner feeds pending token ids into `input_ids` before the copy)."""
+def stage_forward_batch(batch: ForwardBatch, pin_memory: bool = True) -> tuple[ForwardBatch, torch.Tensor]:
+    """-> (the batch with every index tensor a view of one int64 buffer, pinned unless told otherwise, that
+    buffer). The views stay writable through numpy (the runner feeds pending token ids into `input_ids`
+    before the copy)."""
     tensors: list[torch.Tensor] = []
     map_tensors(batch, lambda t: tensors.append(t) or t)
-    buffer = torch.empty(sum(t.numel() for t in tensors), dtype=torch.int64, pin_memory=True)
+    buffer = torch.empty(sum(t.numel() for t in tensors), dtype=torch.int64, pin_memory=pin_memory)
     host = buffer.numpy()
     offset = 0
 
@@ -71,6 +72,10 @@ def forward_batch_to(batch: ForwardBatch, device: torch.device, staged: torch.Te
         return batch
     if staged is None:
         return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
-    on_device = staged.to(device, non_blocking=True)
-    return map_tensors(batch, lambda t: on_device.as_strided(t.shape, t.stride(), t.storage_offset()))
+    return views_of(batch, staged.to(device, non_blocking=True))
+
+
+def views_of(staged_batch: ForwardBatch, buffer: torch.Tensor) -> ForwardBatch:
+    """The staged batch's tensors as the same views of `buffer`, a copy of the staged buffer (on the GPU)."""
+    return map_tensors(staged_batch, lambda t: buffer.as_strided(t.shape, t.stride(), t.storage_offset()))
 

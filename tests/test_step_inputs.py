@@ -1,0 +1,87 @@
+"""A step's inputs in the page-table form the Triton kernels read, and packed for one copy to the GPU.
+
+The page-table form must address exactly the slots the slot-table form (the CPU kernels', SDPA's) does:
+decode rows (drafts included), and prefill chunks after a cached prefix. Packing must hand the model the
+same values, as views of one buffer that the runner can still write pending token ids into.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mili_openai.engine.batch_builder import build_forward_batch
+from mili_openai.engine.sampling_params import SamplingParams
+from mili_openai.engine.scheduler import ScheduledBatch
+from mili_openai.engine.sequence import Sequence
+from mili_openai.engine.step_inputs import map_tensors, stage_forward_batch, views_of
+from mili_openai.kernels.attention_reference import context_slots
+from mili_openai.model.batch import ForwardBatch
+
+PAGE_SIZE = 4
+
+
+def sequence(name: str, length: int, pages: list[int]) -> Sequence:
+    seq = Sequence(request_id=name, prompt_token_ids=list(range(100, 100 + length)),
+                   params=SamplingParams(max_tokens=8), max_tokens=8, arrival_time=0.0, detokenizer=None,
+                   stop_matcher=None, generator=None)
+    seq.pages = pages
+    return seq
+
+
+def mixed_batch() -> ScheduledBatch:
+    """A decode, a decode verifying two drafts, a chunk after a 6-token cached prefix, a whole short prompt;
+    pages scattered."""
+    decode = sequence("decode", 9, [7, 2, 11])
+    drafting = sequence("drafting", 6, [5, 0])
+    chunked = sequence("chunked", 20, [9, 3, 14, 1])
+    short = sequence("short", 3, [6])
+    return ScheduledBatch(seqs=[decode, drafting, chunked, short], num_new_tokens=[1, 3, 10, 3],
+                          positions=[8, 5, 6, 0], num_decode=2, samples=[True, True, False, True],
+                          draft_tokens=[[], [42, 43]])
+
+
+def test_page_tables_address_the_same_slots_as_slot_tables():
+    batch = mixed_batch()
+    slots = build_forward_batch(batch, PAGE_SIZE)
+    paged = build_forward_batch(batch, PAGE_SIZE, page_tables=True)
+    assert paged.decode_slots is None and all(s.context_slots is None for s in paged.prefills)
+    for name in ("input_ids", "positions", "slot_mapping", "logits_indices", "decode_ctx_lens"):
+        assert torch.equal(getattr(paged, name), getattr(slots, name)), name
+    pages = paged.pages
+    assert pages.page_size == PAGE_SIZE and pages.decode.shape[0] == paged.num_decode == 4  # 1 + (1 + 2 drafts)
+    for row, ctx in enumerate(paged.decode_ctx_lens.tolist()):
+        assert torch.equal(context_slots(pages.decode[row], PAGE_SIZE, ctx), slots.decode_slots[row, :ctx])
+    assert pages.prefill_cu_seqlens.tolist() == [0, 10, 13] and pages.prefill_ctx_lens.tolist() == [16, 3]
+    assert pages.max_prefill_len == 10
+    for row, segment in enumerate(slots.prefills):
+        ctx = int(pages.prefill_ctx_lens[row])
+        assert torch.equal(context_slots(pages.prefill[row], PAGE_SIZE, ctx), segment.context_slots)
+
+
+def test_staged_inputs_are_views_of_one_buffer_with_the_same_values():
+    for page_tables in (False, True):
+        batch = build_forward_batch(mixed_batch(), PAGE_SIZE, page_tables)
+        expected = map_tensors(batch, torch.clone)
+        staged, buffer = stage_forward_batch(batch, pin_memory=False)
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        collect(staged, expected, pairs)
+        for got, want in pairs:
+            assert got.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+            assert torch.equal(got, want)
+        staged.input_ids.numpy()[1] = 7  # the runner feeds a pending token after staging
+        moved = views_of(staged, buffer.clone())  # as the GPU copy is
+        pairs.clear()
+        collect(moved, staged, pairs)
+        assert all(torch.equal(got, want) for got, want in pairs) and int(moved.input_ids[1]) == 7
+        assert moved.pages is None if not page_tables else moved.pages.max_prefill_len == 10
+
+
+def collect(batch: ForwardBatch, other: ForwardBatch, pairs: list) -> None:
+    """(batch's tensor, other's) for every index tensor, in map_tensors' order."""
+    mine: list[torch.Tensor] = []
+    theirs: list[torch.Tensor] = []
+    map_tensors(batch, lambda t: mine.append(t) or t)
+    map_tensors(other, lambda t: theirs.append(t) or t)
+    assert len(mine) == len(theirs) and mine
+    pairs.extend(zip(mine, theirs))
+    assert all(m.shape == t.shape for m, t in zip(mine, theirs))
