@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -104,6 +105,8 @@ def main() -> int:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("torch sees no CUDA device: this benchmark measures the GPU path")
+    # stopped by a deadline (`timeout`), still stop the server: it runs in a session of its own
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"{parser.prog}: terminated"))
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = Path(args.checkpoint) if args.checkpoint else out_dir / "qwen3-0.6b-random"
