@@ -58,7 +58,8 @@ def test_kernels_compile_for_hopper(tmp_path, monkeypatch):
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # the default; unset, Triton 3.9 warns that it will change
-    decode, reduce, extend = triton_attention_kernels.jit_kernels()
+    kernels = triton_attention_kernels
+    decode, reduce, extend = kernels.decode_partial_kernel, kernels.decode_reduce_kernel, kernels.extend_kernel
     shape = dict(HEAD_DIM=128, BLOCK_D=128)
     variants = [
         (decode, dict(GROUP=2, BLOCK_H=16, BLOCK_N=64, NUM_SPLITS=1, PRECISION="tf32", WIDEN=False,

@@ -9,14 +9,15 @@
 
 It also takes the slot-addressed calls of the CPU kernels' interface (a slot table is a page table with
 page size 1), so it can stand in wherever those run. Outside CUDA it runs only under Triton's CPU
-interpreter (TRITON_INTERPRET=1 set while it is built), which is how the tests check it on any machine.
+interpreter (TRITON_INTERPRET=1 for the whole process, set before Triton is imported), which is how the
+tests check it on any machine.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mili_openai.kernels.triton_attention_kernels import jit_kernels
+from mili_openai.kernels.triton_attention_kernels import decode_partial_kernel, decode_reduce_kernel, extend_kernel
 
 LOG2_E = 1.4426950408889634  # softmax runs in base 2 inside the kernels
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -55,9 +56,8 @@ class TritonAttention:
     """The Triton attention backend (implements model.paged_attention.PagedAttentionKernel)."""
 
     def __init__(self) -> None:
-        self._decode_partial, self._decode_reduce, self._extend = jit_kernels()
         # The interpreter runs on CPU tensors, the compiled kernels on CUDA ones.
-        interpreted = type(self._extend).__name__ == "InterpretedFunction"
+        interpreted = type(extend_kernel).__name__ == "InterpretedFunction"
         self.device_type = "cpu" if interpreted else "cuda"
 
     def _widen(self, q: torch.Tensor) -> bool:
@@ -117,7 +117,7 @@ class TritonAttention:
             part_lse = torch.empty(rows, num_heads, splits, dtype=torch.float32, device=q.device)
         else:  # the partial kernel writes `out` itself; these are never read
             part_acc = part_lse = out
-        self._decode_partial[(rows, kv_heads, splits)](
+        decode_partial_kernel[(rows, kv_heads, splits)](
             q, k_pool, v_pool, page_table, ctx_lens, out, part_acc, part_lse,
             scale * LOG2_E, page_size, num_heads,
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
@@ -127,7 +127,7 @@ class TritonAttention:
             num_warps=DECODE_WARPS, num_stages=PIPELINE_STAGES,
         )
         if splits > 1:
-            self._decode_reduce[(rows, num_heads)](
+            decode_reduce_kernel[(rows, num_heads)](
                 part_acc, part_lse, ctx_lens, out, num_heads, out.stride(0), out.stride(1),
                 HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=splits,
                 num_warps=DECODE_WARPS,
@@ -153,7 +153,7 @@ class TritonAttention:
         rows = max(MIN_DOT_ROWS, EXTEND_ROWS * EXTEND_ROW_BYTES // max(EXTEND_ROW_BYTES, block_d * q.element_size()))
         block_t = max(1, rows // group_pad)
         grid = (segments, kv_heads, -(-max_length // block_t))
-        self._extend[grid](
+        extend_kernel[grid](
             q, k_pool, v_pool, out, page_table, cu_seqlens, ctx_lens,
             scale * LOG2_E, page_size,
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),

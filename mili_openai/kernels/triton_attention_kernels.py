@@ -1,9 +1,5 @@
-"""Triton kernel bodies for paged attention: decode (split-K over the context, then a reduce) and varlen
-extend (every prefill chunk of a step in one launch). Launchers and shape checks: triton_attention.py.
-
-The bodies are plain functions; `TritonAttention` wraps them with `triton.jit` when it is built, so the
-choice between the GPU compiler and Triton's CPU interpreter (TRITON_INTERPRET=1, read by `triton.jit`)
-is made per instance, not once at import. A body therefore calls no helper function of its own.
+"""Triton kernels for paged attention: decode (split-K over the context, then a reduce) and varlen
+extend (every prefill chunk of a step in one launch). Launchers and shape rules: triton_attention.py.
 
 Shared conventions:
 - K/V are read in place from a pool (slots, kv_heads, head_dim) through a page table: position p of a
@@ -14,7 +10,8 @@ Shared conventions:
 - GQA: a program owns one KV head and every query head of its group, so each K/V row is read once for
   the whole group; the group's heads (padded to a power of two) are rows of the score matrix.
 - WIDEN multiplies half-precision tiles as float32 (after the same rounding). Only for Triton's CPU
-  interpreter, whose tl.dot gives wrong products for bfloat16 tiles; on the GPU it is off.
+  interpreter (TRITON_INTERPRET=1, set for the whole process before Triton is imported), whose tl.dot
+  gives wrong products for bfloat16 tiles; on the GPU it is off.
 """
 
 from __future__ import annotations
@@ -23,6 +20,25 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _attend_block(q_block, k, v, visible, m_i, l_i, acc, scale_log2, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+    """One block of keys into the running softmax of a tile of query rows: q_block (M, D); k, v (N, D);
+    visible (M or 1, N) the keys each row may see -> the new (row max, row sum, unnormalised output)."""
+    if WIDEN:
+        k = k.to(tl.float32)
+    scores = tl.dot(q_block, tl.trans(k), input_precision=PRECISION) * scale_log2  # (M, N)
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))  # finite once a row has seen a key
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    weights = p.to(v.dtype)  # rounded as the half-precision product on the GPU takes it
+    if WIDEN:
+        weights, v = weights.to(tl.float32), v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(weights, v, input_precision=PRECISION)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
 def decode_partial_kernel(
     q, k_pool, v_pool, page_table, ctx_lens, out, part_acc, part_lse,
     scale_log2, page_size, num_heads,
@@ -69,21 +85,9 @@ def decode_partial_kernel(
         kv_mask = pos_ok[:, None] & d_ok[None, :]
         k = tl.load(k_pool + slot[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :],
                     mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-        if WIDEN:
-            k = k.to(tl.float32)
-        scores = tl.dot(q_block, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BLOCK_H, BLOCK_N)
-        scores = tl.where(pos_ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_pool + slot[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
-                    mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-        weights = p.to(v.dtype)  # rounded as the half-precision product on the GPU takes it
-        if WIDEN:
-            weights, v = weights.to(tl.float32), v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(weights, v, input_precision=PRECISION)
-        m_i = m_new
+                    mask=kv_mask, other=0.0)
+        m_i, l_i, acc = _attend_block(q_block, k, v, pos_ok[None, :], m_i, l_i, acc, scale_log2, PRECISION, WIDEN)
 
     if NUM_SPLITS == 1:
         out_ptrs = out + row * stride_out_row + heads[:, None] * stride_out_head + offs_d[None, :]
@@ -94,6 +98,7 @@ def decode_partial_kernel(
         tl.store(part_lse + index, m_i + tl.log2(l_i), mask=head_ok)
 
 
+@triton.jit
 def decode_reduce_kernel(
     part_acc, part_lse, ctx_lens, out, num_heads, stride_out_row, stride_out_head,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -118,6 +123,7 @@ def decode_reduce_kernel(
              mask=d_ok)
 
 
+@triton.jit
 def extend_kernel(
     q, k_pool, v_pool, out, page_table, cu_seqlens, ctx_lens,
     scale_log2, page_size,
@@ -172,29 +178,12 @@ def extend_kernel(
         kv_mask = pos_ok[:, None] & d_ok[None, :]
         k = tl.load(k_pool + slot[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :],
                     mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-        if WIDEN:
-            k = k.to(tl.float32)
-        scores = tl.dot(q_block, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BLOCK_M, BLOCK_N)
-        visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        # every row sees position 0 in the first block, so m_new is finite from there on
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_pool + slot[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
                     mask=kv_mask, other=0.0)
-        weights = p.to(v.dtype)  # rounded as the half-precision product on the GPU takes it
-        if WIDEN:
-            weights, v = weights.to(tl.float32), v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(weights, v, input_precision=PRECISION)
-        m_i = m_new
+        # causal: a row sees the keys up to its own position (every row sees position 0 in the first block)
+        visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        m_i, l_i, acc = _attend_block(q_block, k, v, visible, m_i, l_i, acc, scale_log2, PRECISION, WIDEN)
 
     out_ptrs = out + q_rows[:, None] * stride_out_row + heads[:, None] * stride_out_head + offs_d[None, :]
     tl.store(out_ptrs, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=q_mask)
 
-
-def jit_kernels() -> tuple[triton.runtime.KernelInterface, ...]:
-    """(decode partial, decode reduce, extend), compiled for the GPU, or interpreted on the CPU where
-    TRITON_INTERPRET=1 is set when this is called."""
-    return tuple(triton.jit(body) for body in (decode_partial_kernel, decode_reduce_kernel, extend_kernel))
