@@ -250,8 +250,8 @@ def test_drafts_take_free_pages_only_and_fit_the_budget():
     for token in (7, 5):
         seq.append_token(token)
 
-    small = Scheduler(EngineConfig(page_size=4, num_pages=8, max_num_seqs=8, max_num_batched_tokens=3, speculative_config=
-                                   SpeculativeConfig(8, prompt_lookup_min=1, prompt_lookup_max=1)),
+    small = Scheduler(EngineConfig(page_size=4, num_pages=8, max_num_seqs=8, max_num_batched_tokens=3,
+                                   speculative_config=SpeculativeConfig(8, prompt_lookup_min=1, prompt_lookup_max=1)),
                       KVPageManager(num_pages=8, page_size=4, enable_prefix_caching=True))
     seq = make_seq("s", [5, 6, 5], max_tokens=3)
     small.add(seq)
