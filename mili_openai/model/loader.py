@@ -1,6 +1,6 @@
 """Load a Qwen3 checkpoint directory: build the model on the meta device (no memory, no random init),
 read `model.safetensors` or the shards named by `model.safetensors.index.json`, map the names, cast,
-and assign the tensors in place of the meta parameters."""
+and assign the tensors in place of the meta parameters. A tensor-parallel rank reads only its slices."""
 
 from __future__ import annotations
 
@@ -10,11 +10,14 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
+from mili_openai.distributed import TensorParallelGroup
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.huge_pages import move_parameters_to_huge_pages
 from mili_openai.model.qwen3 import Qwen3ForCausalLM
+from mili_openai.model.tensor_parallel import CheckpointShard, shard_config
 from mili_openai.model.weights import CheckpointError, checkpoint_to_model_state
 
 logger = logging.getLogger(__name__)
@@ -57,10 +60,11 @@ def checkpoint_files(path: Path) -> list[Path]:
     raise CheckpointError(f"{path} holds no weights: neither {SINGLE_FILE} nor {INDEX_FILE}")
 
 
-def read_checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
+def read_checkpoint_tensors(path: Path, rank_slices: CheckpointShard | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, or with `rank_slices`, a tensor-parallel rank's slice of each."""
     tensors: dict[str, torch.Tensor] = {}
     for file in checkpoint_files(path):
-        shard = load_file(str(file), device="cpu")
+        shard = load_file(str(file), device="cpu") if rank_slices is None else _read_slices(file, rank_slices)
         repeated = tensors.keys() & shard.keys()
         if repeated:
             raise CheckpointError(f"weights stored twice across shards: {', '.join(sorted(repeated))}")
@@ -68,11 +72,19 @@ def read_checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _read_slices(file: Path, rank_slices: CheckpointShard) -> dict[str, torch.Tensor]:
+    with safe_open(str(file), framework="pt", device="cpu") as stored:
+        return {name: rank_slices.read(name, stored.get_slice(name)) for name in stored.keys()}  # noqa: SIM118
+
+
 def load_model(
     path: str | os.PathLike, dtype: torch.dtype, device: torch.device, use_decode_kernel: bool = True,
-    attention_backend: str = "auto",
+    attention_backend: str = "auto", parallel: TensorParallelGroup | None = None,
 ) -> tuple[Qwen3ForCausalLM, ModelConfig]:
     """-> (model in eval mode on `device` with weights in `dtype`, its config).
+
+    `parallel`: this process is one rank of a tensor-parallel group; the model holds its shard
+    (model/tensor_parallel.py). The config returned is the whole model's.
 
     `use_decode_kernel`: on a CPU with AVX512, use the compiled kernels: decode and prefill attention from
     the paged pool, and with bf16 weights the matmuls, RMSNorms, q/k norm + RoPE and SwiGLU's activation (the model
@@ -85,9 +97,10 @@ def load_model(
     config = ModelConfig.from_pretrained(directory)
     device = torch.device(device)
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(config)
+        model = Qwen3ForCausalLM(config, parallel)
     expected = model.state_dict().keys()
-    tensors = {name: t.to(dtype=dtype) for name, t in read_checkpoint_tensors(directory).items()}
+    rank_slices = CheckpointShard(config, parallel.rank, parallel.size) if parallel is not None else None
+    tensors = {name: t.to(dtype=dtype) for name, t in read_checkpoint_tensors(directory, rank_slices).items()}
     state = checkpoint_to_model_state(tensors, config, expected)
     state = {name: t.to(device) for name, t in state.items()}
     try:
@@ -99,11 +112,24 @@ def load_model(
     del tensors, state  # the parameters hold the only references: each frees as it moves below
     if device.type == "cpu":
         move_parameters_to_huge_pages(model)
+    rank_config = shard_config(config, parallel.size) if parallel is not None else config
     if attention_backend == "triton" or (attention_backend == "auto" and device.type == "cuda"):
-        _use_triton_attention(model, config, dtype, device, required=attention_backend == "triton")
+        _use_triton_attention(model, rank_config, dtype, device, required=attention_backend == "triton")
     elif use_decode_kernel and device.type == "cpu":
         _use_cpu_kernels(model, dtype)
+    if device.type == "cuda" and config.moe is not None:
+        _use_triton_moe(model)
     return model, config
+
+
+def _use_triton_moe(model: Qwen3ForCausalLM) -> None:
+    """The experts through the Triton fused-MoE kernel; without Triton, the grouped torch matmuls stay."""
+    try:
+        from mili_openai.kernels.triton_moe import TritonMoe
+    except ImportError as exc:
+        logger.warning("Triton is not installed: the experts run as torch matmuls (%s)", exc)
+        return
+    model.set_experts_kernel(TritonMoe())
 
 
 def _use_triton_attention(model: Qwen3ForCausalLM, config: ModelConfig, dtype: torch.dtype, device: torch.device,

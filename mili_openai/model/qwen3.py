@@ -4,6 +4,11 @@ Module names follow transformers' (`model.embed_tokens`, `model.layers.N.self_at
 `lm_head`) except two fusions the loader maps: `qkv_proj` = [q_proj; k_proj; v_proj] and
 `gate_up_proj` = [gate_proj; up_proj], so a decode step reads each layer's input-side weights in two
 matmuls instead of five. With tied embeddings there is no `lm_head`: logits use the embedding matrix.
+
+Qwen3-MoE is the same model with `SparseMoeBlock`s in place of the MLP in the layers its config names.
+Under tensor parallelism (`parallel` given) every module is built in this rank's shapes
+(model/tensor_parallel.py); the attention and MLP outputs are summed over the ranks before each residual
+add, the embedding is vocabulary-parallel, and the logits are gathered from every rank's vocabulary slice.
 """
 
 from __future__ import annotations
@@ -14,13 +19,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mili_openai.distributed import TensorParallelGroup
 from mili_openai.model.attention import Qwen3Attention
 from mili_openai.model.batch import ForwardBatch
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.kv_cache import KVCache
 from mili_openai.model.layers import FusedOpKernel, Linear, MatmulFn, RMSNorm, SwiGLUMLP
+from mili_openai.model.moe import ExpertsKernel, GroupedExperts, SparseMoeBlock
 from mili_openai.model.paged_attention import AttentionKernel, PagedAttentionKernel
 from mili_openai.model.rope import RotaryEmbedding, RotaryTable
+from mili_openai.model.tensor_parallel import VocabParallelEmbedding, shard_config
 
 
 class DecodeStack(Protocol):
@@ -39,25 +47,35 @@ class DecodeStackKernel(Protocol):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, index: int, parallel: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Qwen3Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+        moe = config.moe
+        self.mlp = (SparseMoeBlock(config.hidden_size, moe.num_experts, moe.num_experts_per_tok,
+                                   moe.moe_intermediate_size, moe.norm_topk_prob)
+                    if config.is_sparse_layer(index) else SwiGLUMLP(config.hidden_size, config.intermediate_size))
+        self.parallel = parallel
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         # residual adds land in the projections' fresh outputs: no new (T, hidden) buffer per add
-        hidden = self.self_attn(self.input_layernorm(hidden), cos, sin, batch, k_pool, v_pool).add_(hidden)
-        return self.mlp(self.post_attention_layernorm(hidden)).add_(hidden)  # (T, hidden)
+        hidden = self._sum(self.self_attn(self.input_layernorm(hidden), cos, sin, batch, k_pool, v_pool)).add_(hidden)
+        return self._sum(self.mlp(self.post_attention_layernorm(hidden))).add_(hidden)  # (T, hidden)
+
+    def _sum(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel output summed over the ranks (in place); as is without tensor parallelism."""
+        return partial if self.parallel is None else self.parallel.all_reduce(partial)
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.embed_tokens = (nn.Embedding(config.vocab_size, config.hidden_size) if parallel is None
+                             else VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, index, parallel)
+                                    for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
         self.decode_stack: DecodeStack | None = None  # set by Qwen3ForCausalLM.set_decode_stack_kernel
@@ -82,11 +100,13 @@ class Qwen3Model(nn.Module):
 
 
 class Qwen3ForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.config = config
-        self.model = Qwen3Model(config)
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        self.config = config  # the whole model's; the modules hold this rank's shapes under `parallel`
+        self.parallel = parallel
+        local = shard_config(config, parallel.size) if parallel is not None else config
+        self.model = Qwen3Model(local, parallel)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, local.vocab_size)
         self._logits_matmul: MatmulFn = F.linear
         self.uses_page_tables = False  # whether forward batches must carry page tables (set_attention_kernel)
 
@@ -105,7 +125,21 @@ class Qwen3ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, hidden) -> logits (N, vocab) float32; computed in the weights' dtype like transformers."""
         weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        return self._logits_matmul(hidden, weight).float()
+        logits = self._logits_matmul(hidden, weight)  # (N, vocab slice)
+        if self.parallel is not None:  # every rank's slice, the padding past the vocabulary cut off
+            logits = self.parallel.all_gather_last(logits)[:, : self.config.vocab_size]
+        return logits.float()
+
+    def expert_load(self) -> dict[int, list[int]]:
+        """{layer index: (token, expert) pairs routed to each expert since load} for every sparse layer."""
+        return {index: layer.mlp.expert_load.tolist() for index, layer in enumerate(self.model.layers)
+                if isinstance(layer.mlp, SparseMoeBlock)}
+
+    def set_experts_kernel(self, kernel: ExpertsKernel | None) -> None:
+        """Run every sparse layer's experts through a grouped kernel (the Triton fused-MoE on CUDA)."""
+        for module in self.modules():
+            if isinstance(module, GroupedExperts):
+                module.experts_kernel = kernel
 
     def set_attention_kernel(self, kernel: AttentionKernel | None) -> None:
         """Let decode rows and prefill chunks attend straight from the paged pool through a compiled kernel.
@@ -117,15 +151,16 @@ class Qwen3ForCausalLM(nn.Module):
     def set_fused_op_kernel(self, kernel: FusedOpKernel | None) -> None:
         """Run every RMSNorm, each layer's q/k norm + RoPE and SwiGLU activation through a compiled kernel."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, SwiGLUMLP)):
+            if isinstance(module, (RMSNorm, SwiGLUMLP, GroupedExperts)):
                 module.kernel = kernel
         for layer in self.model.layers:
             layer.self_attn.norm_kernel = kernel
 
     def set_decode_stack_kernel(self, kernel: DecodeStackKernel | None) -> None:
         """Run decode-only steps through every layer in one compiled call, with the same kernels and rounding
-        as the modules (set the matmul and fused-op kernels too, or the two paths round differently)."""
-        if kernel is None:
+        as the modules (set the matmul and fused-op kernels too, or the two paths round differently). Dense
+        single-rank models only: the compiled stack has neither experts nor collectives."""
+        if kernel is None or self.parallel is not None or self.config.moe is not None:
             self.model.decode_stack = None
             return
         weights = []
@@ -142,6 +177,6 @@ class Qwen3ForCausalLM(nn.Module):
     def set_matmul(self, matmul: MatmulFn) -> None:
         """Route every projection and the LM head through `matmul` (e.g. the bf16 decode kernel)."""
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, GroupedExperts)):
                 module.matmul = matmul
         self._logits_matmul = matmul

@@ -1,6 +1,7 @@
-"""The map between a transformers Qwen3 state dict and ours: q/k/v and gate/up concatenated into the
-fused projections, everything else by the same name. Missing or unexpected weights are an error that
-names them in the checkpoint's own spelling."""
+"""The map between a transformers Qwen3 / Qwen3-MoE state dict and ours: q/k/v and gate/up concatenated
+into the fused projections, each sparse layer's experts stacked into two (E, ...) tensors, everything
+else by the same name. Missing or unexpected weights are an error that names them in the checkpoint's
+own spelling."""
 
 from __future__ import annotations
 
@@ -18,6 +19,14 @@ FUSED_PARTS: dict[str, tuple[str, ...]] = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
+DENSE_MLP = "mlp.gate_up_proj"
+# stacked experts (relative to a layer) -> the parts of expert e, in row order, each under `EXPERT_PREFIX.e.`;
+# a checkpoint may also hold them stacked already (transformers 5's in-memory layout), under the same name
+STACKED_EXPERTS: dict[str, tuple[str, ...]] = {
+    "mlp.experts.gate_up_proj": ("gate_proj", "up_proj"),
+    "mlp.experts.down_proj": ("down_proj",),
+}
+EXPERT_PREFIX = "mlp.experts"
 
 
 class CheckpointError(ValueError):
@@ -45,7 +54,12 @@ def checkpoint_to_model_state(
     missing: list[str] = []
     for layer in range(config.num_hidden_layers):
         prefix = f"{LAYER_PREFIX}.{layer}"
+        sparse = config.is_sparse_layer(layer)
+        if sparse:
+            _stack_experts(tensors, prefix, config.moe.num_experts, state, missing)
         for fused, parts in FUSED_PARTS.items():
+            if sparse and fused == DENSE_MLP:
+                continue
             names = [f"{prefix}.{part}.weight" for part in parts]
             absent = [name for name in names if name not in tensors]
             if absent:
@@ -66,6 +80,22 @@ def checkpoint_to_model_state(
     return state
 
 
+def _stack_experts(tensors: dict[str, torch.Tensor], prefix: str, num_experts: int, state: dict[str, torch.Tensor],
+                   missing: list[str]) -> None:
+    """Expert e's [gate; up] rows -> gate_up_proj[e] (E, 2I, H), its down -> down_proj[e] (E, H, I)."""
+    for stacked, parts in STACKED_EXPERTS.items():
+        if f"{prefix}.{stacked}" in tensors:  # stored stacked: taken by name
+            continue
+        names = [[f"{prefix}.{EXPERT_PREFIX}.{expert}.{part}.weight" for part in parts]
+                 for expert in range(num_experts)]
+        absent = [name for group in names for name in group if name not in tensors]
+        if absent:
+            missing.extend(absent)
+            continue
+        state[f"{prefix}.{stacked}"] = torch.stack([torch.cat([tensors.pop(name) for name in group])
+                                                    for group in names])
+
+
 def _is_fused(name: str) -> bool:
-    return any(f".{fused}." in name for fused in FUSED_PARTS)
+    return any(f".{fused}." in name for fused in FUSED_PARTS) or name.endswith(tuple(STACKED_EXPERTS))
 
