@@ -90,6 +90,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     eng.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=engine.attention_backend,
                      help="auto: Triton kernels reading the KV pages in place on CUDA, the compiled kernels on CPU; "
                           "torch: torch's SDPA over gathered K/V on CUDA")
+    eng.add_argument("--tensor-parallel-size", "-tp", type=int, default=engine.tensor_parallel_size,
+                     help="shard the model over this many worker processes (one GPU each on CUDA; gloo between "
+                          "processes on CPU)")
     eng.add_argument("--default-model-cache", default=None,
                      help="where the embedded default model is built (default: ~/.cache/mili-openai)")
     serve.set_defaults(func=run_serve, parser=serve)
@@ -128,6 +131,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         speculative_config=parse_speculative_config(args.speculative_config),
         enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     return ServerConfig(
         engine=engine,

@@ -99,6 +99,9 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None  # None = no speculative decoding
     enforce_eager: bool = False  # CUDA: run decode steps op by op instead of from CUDA graphs (vLLM's flag)
     attention_backend: str = "auto"  # which attention kernels run (ATTENTION_BACKENDS)
+    # worker processes that each hold a shard of the model (one GPU each on CUDA); 1 = the model runs in the
+    # engine process itself (engine/tp_runner.py)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):  # as the offline LLM(speculative_config={...}) takes it
@@ -123,6 +126,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if not _is_count(self.tensor_parallel_size):
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         if not self.generation_config:

@@ -37,6 +37,7 @@ class FakeEngine:
         self.eos_token_ids = (tokenizer.eos_token_id,)
         self.token_delay_s = token_delay_s
         self.fail_with = fail_with  # set: every request ends with this engine error
+        self.fatal_error: str | None = None  # as AsyncEngine's: set, the server exits non-zero
         self.words = tokenizer.encode(FAKE_WORDS)
         self.num_pages, self.page_size = num_pages, page_size
         self.owned: dict[str, int] = {}  # request id -> pages held

@@ -30,6 +30,13 @@ class TensorParallelGroup:
         dist.all_reduce(x, group=self.group)
         return x
 
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of every rank's `value` (each rank calls it with its own)."""
+        device = "cuda" if dist.get_backend(self.group) == BACKENDS["cuda"] else "cpu"
+        tensor = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.group)
+        return int(tensor.item())
+
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Each rank's (..., n) -> (..., size * n), rank 0's columns first, on every rank."""
         parts = [torch.empty_like(x) for _ in range(self.size)]

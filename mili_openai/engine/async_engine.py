@@ -115,6 +115,12 @@ class AsyncEngine:
     def is_ready(self) -> bool:
         return self._loop_task is not None and not self._loop_task.done()
 
+    @property
+    def fatal_error(self) -> str | None:
+        """Why the engine can run no more steps (a tensor-parallel worker died), or None. The server exits
+        non-zero when this is set (routes/drain.py)."""
+        return self.core.runner.failure
+
     async def shutdown(self) -> None:
         """Stop the loop and abort every request; the model stays loaded and `start` may run again."""
         if self._loop_task is not None:
@@ -219,6 +225,9 @@ class AsyncEngine:
                 output = await asyncio.wrap_future(step.future)
             except Exception as exc:  # a failed forward fails its batch, not the server
                 launched.popleft()
+                if self.fatal_error is not None:  # ... unless the runner cannot go on: then it fails everything
+                    self._fail_everything(self.fatal_error)
+                    return
                 logger.exception("forward failed; aborting the %d sequences of the batch", len(step.batch.seqs))
                 for seq in step.batch.seqs:
                     seq.error = f"engine error: {exc}"
@@ -227,6 +236,14 @@ class AsyncEngine:
             launched.popleft()  # not on cancellation: shutdown waits for every step still on the worker
             for delta in self.core.postprocess(step.batch, output):
                 self._deliver(delta)
+
+    def _fail_everything(self, reason: str) -> None:
+        logger.error("the engine stopped (%s); failing its %d request(s)", reason.splitlines()[0], len(self._streams))
+        for request_id in list(self._streams):
+            seq = self.core.sequences.get(request_id)
+            if seq is not None:
+                seq.error = f"engine error: {reason.splitlines()[0]}"
+            self.abort(request_id)
 
     def _launch(self, batch: ScheduledBatch, step: PreparedStep) -> LaunchedStep:
         return LaunchedStep(batch, self._executor.submit(self.core.runner.execute, step))

@@ -28,6 +28,15 @@ from mili_openai.engine.structured_output import GrammarCompiler
 from mili_openai.model import resolve_model_path
 
 
+def make_runner(config: EngineConfig, model_path: Path) -> ModelRunner:
+    """The model in this process, or sharded over `tensor_parallel_size` worker processes."""
+    if config.tensor_parallel_size > 1:
+        from mili_openai.engine.tp_runner import TensorParallelRunner  # spawns processes: only when asked
+
+        return TensorParallelRunner(config, model_path)
+    return ModelRunner(config, model_path)
+
+
 class EngineCore:
     def __init__(
         self, config: EngineConfig, runner: ModelRunner, tokenizer, observer: EngineObserver | None = None
@@ -63,7 +72,7 @@ class EngineCore:
         model_path = resolve_model_path(config.model, config.default_model_cache)
         sampling_defaults = read_sampling_defaults(config.generation_config, model_path)  # before the slow load
         tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-        core = cls(config, ModelRunner(config, model_path), tokenizer, observer)
+        core = cls(config, make_runner(config, model_path), tokenizer, observer)
         core.model_path = model_path
         core.sampling_defaults = sampling_defaults
         return core

@@ -26,6 +26,13 @@ class LLM:
         self.core = EngineCore.from_config(self.config)
         self.tokenizer = self.core.tokenizer
 
+    def expert_load(self) -> dict[int, list[int]]:
+        """For a Qwen3-MoE model, {sparse layer index: how many (token, expert) pairs each expert has received
+        since load}, to debug routing balance; empty for a dense model. Counted in the forward (prefill and
+        decode tokens, recomputed ones included). Under CUDA graphs the decode steps' counts also include the
+        padding rows of each step's graph bucket (--enforce-eager counts exactly)."""
+        return self.core.runner.expert_load()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` samples with when given no SamplingParams: the model's generation_config.json
         defaults (see engine/sampling_defaults.py), as vLLM's method of this name returns."""

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from mili_openai.config import EngineConfig
+from mili_openai.distributed import TensorParallelGroup
 from mili_openai.engine.batch_builder import PromptScoring, build_forward_batch, pending_inputs, prompt_scorings
 from mili_openai.engine.cuda_graphs import AHEAD_CONTEXT, DecodeGraphs
 from mili_openai.engine.memory_profile import profile_gpu_memory
@@ -25,6 +26,7 @@ from mili_openai.engine.step_inputs import forward_batch_to, stage_forward_batch
 from mili_openai.kernels import load_cpu_kernels
 from mili_openai.model import KVCache, load_model, resolve_dtype
 from mili_openai.model.batch import ForwardBatch
+from mili_openai.model.tensor_parallel import shard_config
 
 logger = logging.getLogger(__name__)
 
@@ -55,16 +57,24 @@ class PreparedStep:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_path: Path) -> None:
+    # why this runner can run no more steps (None while it can): set by a tensor-parallel runner whose worker died
+    failure: str | None = None
+
+    def __init__(self, config: EngineConfig, model_path: Path, parallel: TensorParallelGroup | None = None) -> None:
+        """`parallel`: this process is one rank of a tensor-parallel group (engine/tp_worker.py) and holds its
+        shard of the model and of the KV cache (its KV heads)."""
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         config = config.for_device(self.device.type)
         self.model, self.model_config = load_model(model_path, resolve_dtype(config.dtype, model_path), self.device,
-                                                   attention_backend=config.attention_backend)
+                                                   attention_backend=config.attention_backend, parallel=parallel)
         self.dtype = next(self.model.parameters()).dtype
         self.page_size = config.page_size
         self.page_tables = self.model.uses_page_tables  # build page tables, not slot tables, for its kernel
+        self.parallel = parallel
+        # the KV heads this process holds: all of them, or a tensor-parallel rank's
+        self.kv_config = shard_config(self.model_config, parallel.size) if parallel is not None else self.model_config
         self.num_pages = config.num_pages or self._pages_for_budget(config)
         self._rotary_table = self.model.rotary_table()  # grown and read on the loop thread only
         # Dynamic NTK RoPE checks each forward's positions on the host, which a graph cannot capture
@@ -72,7 +82,7 @@ class ModelRunner:
                       and self.model.model.rotary_emb.dynamic_limit is None)
         # with graphs, one page more than the engine hands out: its first slot takes padded rows' K/V
         pool_pages = self.num_pages + (1 if use_graphs else 0)
-        self.kv_cache = KVCache(self.model_config, pool_pages, self.page_size, self.dtype, self.device)
+        self.kv_cache = KVCache(self.kv_config, pool_pages, self.page_size, self.dtype, self.device)
         self.decode_graphs = None
         if use_graphs:
             self._capture_decode_graphs(config)
@@ -92,15 +102,20 @@ class ModelRunner:
 
     def _pages_for_budget(self, config: EngineConfig) -> int:
         """Pages of the pool: in kv_cache_memory_gb where given (always on CPU), else on CUDA what
-        gpu_memory_utilization leaves after the weights and a profiled step (memory_profile.py)."""
-        per_page = KVCache.bytes_per_page(self.model_config, self.page_size, self.dtype)
+        gpu_memory_utilization leaves after the weights and a profiled step (memory_profile.py). Tensor-parallel
+        ranks take the fewest any of them has room for: they share one page table."""
+        num_pages = self._pages_for_this_process(config)
+        return num_pages if self.parallel is None else self.parallel.min_over_ranks(num_pages)
+
+    def _pages_for_this_process(self, config: EngineConfig) -> int:
+        per_page = KVCache.bytes_per_page(self.kv_config, self.page_size, self.dtype)
         if config.kv_cache_memory_gb is not None:
             num_pages = int(config.kv_cache_memory_gb * BYTES_PER_GIB // per_page)
             if num_pages < 1:
                 raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds no page of {per_page} bytes")
             return num_pages
         start = time.perf_counter()
-        profile = profile_gpu_memory(self.model, self.model_config, self.page_size, config.max_num_batched_tokens,
+        profile = profile_gpu_memory(self.model, self.kv_config, self.page_size, config.max_num_batched_tokens,
                                      config.max_num_seqs, self._max_model_len(config, 1 << 62),
                                      config.gpu_memory_utilization, self.device)
         num_pages = profile.kv_cache // per_page
@@ -204,14 +219,18 @@ class ModelRunner:
             hidden = self.decode_graphs.run(batch, bucket)  # (T, hidden)
         else:
             hidden = self.model(batch, self.kv_cache)
-        scored = self._score_prompts(hidden, step.prompt_scorings) if step.prompt_scorings else None
+        scored = self.score_prompts(hidden, step.prompt_scorings) if step.prompt_scorings else None
         if not step.rows:
             return SamplerOutput(token_ids=[], logprobs=[], prompt_logprobs=scored)
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S, vocab) float32
         return self.sampler(logits, step.rows)._replace(prompt_logprobs=scored)
 
-    def _score_prompts(self, hidden: torch.Tensor, scorings: list[PromptScoring]
-                       ) -> dict[int, tuple[int, list[TokenLogprob]]]:
+    def expert_load(self) -> dict[int, list[int]]:
+        """{sparse layer: (token, expert) pairs each expert received since load}; empty for a dense model."""
+        return self.model.expert_load()
+
+    def score_prompts(self, hidden: torch.Tensor, scorings: list[PromptScoring]
+                      ) -> dict[int, tuple[int, list[TokenLogprob]]]:
         """Each scored prompt token's logprob from its row's logits, a block of rows at a time: a whole
         chunk's logits at once would be chunk x vocabulary floats (300 MB for 512 Qwen3 tokens)."""
         scored = {}

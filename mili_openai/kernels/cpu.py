@@ -49,6 +49,7 @@ class CpuKernels:
     def __init__(self, module) -> None:
         self._module = module
         self.plan = KernelPlan()
+        self.planned = False  # whether `plan` was timed here (plan_work) or adopted
         self._bf16_dot_products = bool(module.cpu_has_bf16_dot_products())
         self._amx_tiles = bool(module.cpu_has_amx_tiles())
 
@@ -77,6 +78,7 @@ class CpuKernels:
         prefill_dtypes = plan_prefill_attention(self.prefill_attention, ATTENTION_DTYPES)
         prefetch_blocks = plan_decode_prefetch(self._decode_attention)
         self.plan = KernelPlan(max_rows, large_matmul, prefill_dtypes, prefetch_blocks)
+        self.planned = True
 
     def _kernel_matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self._module.linear_bf16(x, weight, self._bf16_dot_products, self._amx_tiles)
@@ -224,7 +226,32 @@ class CpuDecodeStack:
 
 @functools.lru_cache(maxsize=1)
 def load_cpu_kernels() -> CpuKernels | None:
-    """Build (once per machine, cached by torch) and load the kernels; None when they cannot be had."""
+    """Build (once per machine, cached by torch) and load the kernels, and plan their use (unless a plan was
+    adopted); None when they cannot be had."""
+    kernels = _compiled_kernels()
+    if kernels is None:
+        return None
+    if not kernels.planned:
+        kernels.plan_work()
+    logger.info("CPU kernels: matmuls of up to %d rows (%s), prefill attention in %s, decode attention "
+                "prefetch distance %d (blocks of 16 slots)", kernels.max_kernel_rows,
+                "AMX tiles up to 16" if kernels.amx_tiles else "AVX-512",
+                sorted(str(dtype) for dtype in kernels.plan.prefill_attention_dtypes) or "torch's SDPA",
+                kernels.plan.decode_prefetch_blocks)
+    return kernels
+
+
+def adopt_cpu_kernel_plan(plan: KernelPlan) -> None:
+    """Use `plan`, timed by another process on this machine, rather than timing one (seconds): for
+    tensor-parallel workers, which then also all choose alike. Call before `load_cpu_kernels`."""
+    kernels = _compiled_kernels()
+    if kernels is not None:
+        kernels.plan = plan
+        kernels.planned = True
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_kernels() -> CpuKernels | None:
     if not cpu_supports_kernels():
         return None
     try:
@@ -238,11 +265,4 @@ def load_cpu_kernels() -> CpuKernels | None:
     except Exception as exc:  # no compiler, no ninja, unsupported flags: torch's ops instead
         logger.warning("CPU kernels unavailable, using torch ops: %s", exc)
         return None
-    kernels = CpuKernels(module)
-    kernels.plan_work()
-    logger.info("CPU kernels: matmuls of up to %d rows (%s), prefill attention in %s, decode attention "
-                "prefetch distance %d (blocks of 16 slots)", kernels.max_kernel_rows,
-                "AMX tiles up to 16" if kernels.amx_tiles else "AVX-512",
-                sorted(str(dtype) for dtype in kernels.plan.prefill_attention_dtypes) or "torch's SDPA",
-                kernels.plan.decode_prefetch_blocks)
-    return kernels
+    return CpuKernels(module)

@@ -73,13 +73,20 @@ class DrainingServer(uvicorn.Server):
         self.state = state
         self.grace_s = grace_s
         self.drain_task: asyncio.Task | None = None
-        self.model_failed = False  # the model never loaded: the process should exit non-zero
+        # the model never loaded, or the engine stopped for good: the process should exit non-zero
+        self.model_failed = False
 
     async def on_tick(self, counter: int) -> bool:
         # A server without a model only answers 503s; exiting lets a supervisor (Kubernetes, systemd)
         # restart it and show the failure, as vLLM does, instead of a pod that looks alive.
         if self.state.load_error is not None and not self.model_failed:
             logger.error("exiting: the model failed to load (%s)", self.state.load_error)
+            self.model_failed = True
+            self.should_exit = True
+        engine = self.state.engine
+        fatal = engine.fatal_error if engine is not None else None
+        if fatal is not None and not self.model_failed:  # e.g. a tensor-parallel rank died
+            logger.error("exiting: the engine cannot continue (%s)", fatal.splitlines()[0])
             self.model_failed = True
             self.should_exit = True
         return await super().on_tick(counter)

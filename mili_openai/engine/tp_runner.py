@@ -1,0 +1,263 @@
+"""Tensor parallelism from the engine's side: `TensorParallelRunner` is the engine's `ModelRunner` when
+`tensor_parallel_size` > 1, with the forward moved to N worker processes (engine/tp_worker.py).
+
+The engine process keeps everything else as with one device: the scheduler, the radix tree and the page
+table (which every rank shares, as the slots in each step's inputs), building each step's inputs
+(`ModelRunner.prepare`), feeding the tokens the step before sampled, and the sampler with each
+request's generator and grammar state. Only the forward and the logits run in the workers.
+
+Each step's inputs are encoded once and written to every worker's pipe, rather than broadcast by a
+collective from a rank living in the engine: an idle worker then blocks in a pipe read (not in a
+collective, which times out under gloo and spins under NCCL), the engine process is never inside a
+collective itself, so a dead worker cannot hang it, and the payload is kilobytes.
+
+A dead rank: the engine waits for rank 0's reply together with every worker's pipe and process sentinel,
+and a watcher thread waits on the sentinels between steps. A worker that dies or reports an error stops
+them all, one log line names the rank, its pid and how it ended, `failure` is set and `execute` raises
+`RunnerFailed`; the server then exits non-zero (engine/async_engine.py, routes/drain.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import signal
+import tempfile
+import threading
+import weakref
+from multiprocessing import connection
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing
+
+from mili_openai.config import EngineConfig
+from mili_openai.engine.runner import ModelRunner, PreparedStep, resolve_device
+from mili_openai.engine.sampler import Sampler, SamplerOutput
+from mili_openai.engine.tp_worker import (
+    REPLYING_RANK,
+    ExpertLoadReply,
+    ExpertLoadRequest,
+    Shutdown,
+    StepReply,
+    StepRequest,
+    WorkerFailed,
+    WorkerReady,
+    decode,
+    encode,
+    worker_main,
+)
+from mili_openai.kernels import load_cpu_kernels
+from mili_openai.kernels.planning import KernelPlan
+from mili_openai.model import ModelConfig, resolve_dtype
+from mili_openai.model.rope import RotaryEmbedding, RotaryTable
+from mili_openai.model.tensor_parallel import check_tensor_parallel, shard_config
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN_TIMEOUT_S = 10.0  # a worker asked to stop gets this long before it is terminated
+KILL_TIMEOUT_S = 5.0  # then this long after SIGTERM before SIGKILL
+
+
+class RunnerFailed(RuntimeError):
+    """The runner can run no more steps (a tensor-parallel worker died or failed): the engine must stop."""
+
+
+def _stop_processes(processes: list, conns: list[Connection], rendezvous: str, stopping: threading.Event,
+                    graceful: bool) -> None:
+    """Ask each worker to exit (graceful), then terminate and kill whatever is left; remove the rendezvous.
+    `stopping` is set first, so the watcher takes these exits for what they are."""
+    stopping.set()
+    if graceful:
+        for conn in conns:
+            try:
+                conn.send_bytes(encode(Shutdown()))
+            except OSError:  # that worker is gone already
+                pass
+        for process in processes:
+            process.join(SHUTDOWN_TIMEOUT_S)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(KILL_TIMEOUT_S)
+        if process.is_alive():
+            process.kill()
+            process.join()
+    for conn in conns:
+        conn.close()
+    shutil.rmtree(rendezvous, ignore_errors=True)
+
+
+class WorkerGroup:
+    """N spawned workers, one pipe each, and the watch over them."""
+
+    def __init__(self, config: EngineConfig, model_path: Path, size: int, kernel_plan: KernelPlan | None) -> None:
+        """`kernel_plan`: the CPU kernels' plan the workers adopt rather than each timing its own."""
+        context = torch.multiprocessing.get_context("spawn")
+        self._rendezvous = tempfile.mkdtemp(prefix="mili-tp-")
+        init_method = f"file://{self._rendezvous}/store"  # a file rendezvous: no port to race for
+        self._lock = threading.Lock()
+        self._reap_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self.failure: str | None = None
+        self._processes = []
+        self._conns: list[Connection] = []
+        log_level = logging.getLogger().getEffectiveLevel()
+        for rank in range(size):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=worker_main, name=f"mili-tp-rank-{rank}", daemon=True,
+                                      args=(rank, size, config, str(model_path), init_method, theirs, log_level,
+                                            kernel_plan))
+            process.start()
+            theirs.close()
+            self._processes.append(process)
+            self._conns.append(ours)
+        self._finalizer = weakref.finalize(self, _stop_processes, self._processes, self._conns, self._rendezvous,
+                                           self._stopping, True)
+        pending = set(range(size))
+        while pending:
+            rank, message = self._next_message()
+            if isinstance(message, WorkerReady):
+                pending.discard(rank)
+                logger.info("tensor-parallel rank %d of %d ready (pid %d)", rank, size, message.pid)
+        self._watcher = threading.Thread(target=self._watch, name="mili-tp-watch", daemon=True)
+        self._watcher.start()
+
+    @property
+    def size(self) -> int:
+        return len(self._processes)
+
+    def request(self, message: Any, reply_type: type) -> Any:
+        """Send `message` to every worker; -> rank 0's reply. Raises RunnerFailed if any worker dies or fails."""
+        if self.failure is not None:
+            raise RunnerFailed(self.failure)
+        data = encode(message)
+        for rank, conn in enumerate(self._conns):
+            try:
+                conn.send_bytes(data)
+            except OSError:
+                self._fail(self._death(rank))
+        while True:
+            rank, reply = self._next_message()
+            if rank == REPLYING_RANK and isinstance(reply, reply_type):
+                return reply
+
+    def stop(self, graceful: bool = True) -> None:
+        with self._lock:
+            if self._finalizer.detach() is None:  # stopped already
+                return
+        _stop_processes(self._processes, self._conns, self._rendezvous, self._stopping, graceful)
+
+    def _next_message(self) -> tuple[int, Any]:
+        """The next message any worker sends, as (rank, message); a worker's error or death raises RunnerFailed.
+        A worker's pipe is read before its death is concluded: its last words (an error) come first."""
+        ranks: dict[Any, int] = {conn: rank for rank, conn in enumerate(self._conns)}
+        ranks.update({process.sentinel: rank for rank, process in enumerate(self._processes)})
+        while True:
+            if self.failure is not None:
+                raise RunnerFailed(self.failure)
+            try:
+                ready = connection.wait(list(ranks))
+            except OSError:  # the watcher stopped the group and closed the pipes meanwhile
+                raise RunnerFailed(self.failure or "the tensor-parallel workers were stopped") from None
+            pipes = [item for item in ready if isinstance(item, Connection)]
+            for pipe in pipes:
+                rank = ranks[pipe]
+                try:
+                    message = decode(pipe.recv_bytes())
+                except (EOFError, OSError):
+                    self._fail(self._death(rank))
+                if isinstance(message, WorkerFailed):
+                    self._fail(f"tensor-parallel rank {rank} failed:\n{message.error.rstrip()}")
+                return rank, message
+            for item in ready:  # only sentinels are left: a worker exited without a word
+                self._fail(self._death(ranks[item]))
+
+    def _death(self, rank: int) -> str:
+        process = self._processes[rank]
+        with self._reap_lock:  # one waitpid at a time: the thread that lost a race would read no exit code
+            process.join(KILL_TIMEOUT_S)
+            code = process.exitcode
+        if code is None:
+            how = "closed its pipe"
+        elif code < 0:
+            how = f"was killed by signal {-code} ({signal.Signals(-code).name})"
+        else:
+            how = f"exited with code {code}"
+        return f"tensor-parallel rank {rank} (pid {process.pid}) {how}"
+
+    def _fail(self, reason: str) -> None:
+        self._mark_failed(reason)
+        raise RunnerFailed(self.failure)
+
+    def _mark_failed(self, reason: str) -> None:
+        with self._lock:
+            if self.failure is not None or self._stopping.is_set():
+                return
+            self.failure = reason
+        logger.error("%s; stopping every rank: the engine cannot continue", reason)
+        self.stop(graceful=False)
+
+    def _watch(self) -> None:
+        """Between steps nobody reads the pipes: notice a worker's death here, within the moment."""
+        sentinels = {process.sentinel: rank for rank, process in enumerate(self._processes)}
+        ready = connection.wait(list(sentinels))
+        if not self._stopping.is_set():
+            self._mark_failed(self._death(sentinels[ready[0]]))
+
+
+class TensorParallelRunner(ModelRunner):
+    """A `ModelRunner` whose model lives in `tensor_parallel_size` worker processes (see the module doc).
+
+    `ModelRunner.__init__` is not called: this process loads no weights and holds no KV cache; it sets what
+    `prepare`, `execute` and the engine read."""
+
+    def __init__(self, config: EngineConfig, model_path: Path) -> None:  # noqa: super-init-not-called
+        size = config.tensor_parallel_size
+        self.device = resolve_device(config.device)
+        if self.device.type == "cuda" and torch.cuda.device_count() < size:
+            raise ValueError(f"tensor_parallel_size {size} needs {size} GPUs; torch sees "
+                             f"{torch.cuda.device_count()}")
+        self.model_config = ModelConfig.from_pretrained(model_path)
+        check_tensor_parallel(self.model_config, size)
+        self.dtype = resolve_dtype(config.dtype, model_path)
+        self.page_size = config.page_size
+        self.num_pages = config.num_pages or self._pages_for_budget(config, shard_config(self.model_config, size))
+        self._rotary_table = RotaryTable(RotaryEmbedding(self.model_config), self.dtype)
+        self.decode_graphs = None
+        cpu_kernels = load_cpu_kernels() if self.device.type == "cpu" else None
+        self.sampler = Sampler(vocab_size=self.model_config.vocab_size, eos_token_ids=self.model_config.eos_token_ids,
+                               device=self.device, seed=config.seed, kernel=cpu_kernels)
+        self._last_sampled: list[int] | None = []
+        threads = config.num_threads
+        if threads is None and self.device.type == "cpu":  # the cores shared out between the workers
+            threads = max(1, torch.get_num_threads() // size)
+        worker_config = dataclasses.replace(config, device=self.device.type, num_pages=self.num_pages,
+                                            num_threads=threads)
+        self.workers = WorkerGroup(worker_config, model_path, size,
+                                   cpu_kernels.plan if cpu_kernels is not None else None)
+
+    @property
+    def failure(self) -> str | None:
+        return self.workers.failure
+
+    def close(self) -> None:
+        """Stop the workers (also done when the runner is collected, and at interpreter exit)."""
+        self.workers.stop()
+
+    def expert_load(self) -> dict[int, list[int]]:
+        return self.workers.request(ExpertLoadRequest(), ExpertLoadReply).expert_load
+
+    @torch.inference_mode()
+    def _execute(self, step: PreparedStep) -> SamplerOutput:
+        self._feed_pending_tokens(step)
+        request = StepRequest(step.forward_batch, num_sampled=len(step.rows), prompt_scorings=step.prompt_scorings)
+        reply: StepReply = self.workers.request(request, StepReply)
+        scored = reply.prompt_logprobs
+        if not step.rows:
+            return SamplerOutput(token_ids=[], logprobs=[], prompt_logprobs=scored)
+        return self.sampler(reply.logits.to(self.device), step.rows)._replace(prompt_logprobs=scored)

@@ -1,0 +1,188 @@
+"""A tensor-parallel worker process: one rank's shard of the model and of the KV cache, running the steps the
+engine process sends it.
+
+The engine writes each step's inputs (the `ForwardBatch` it built, with every rank's page table the same)
+once, as one encoded message, to every worker's pipe. All ranks run the forward, whose collectives
+(model/qwen3.py) meet over torch.distributed, and the logits of the sampled rows, gathered from the
+vocabulary shards; rank 0 alone replies, with those logits and any prompt log-probabilities, and the
+engine samples. A rank that fails replies with its traceback and exits; the engine stops them all.
+
+Messages are pickled with tensors as raw bytes (`encode`), not through torch.multiprocessing's shared
+memory reductions: a step's inputs are kilobytes, and a shared-memory segment per tensor per step would
+cost more than the copy.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import multiprocessing
+import os
+import pickle
+import threading
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mili_openai.config import EngineConfig
+from mili_openai.distributed import init_tensor_parallel
+from mili_openai.engine.batch_builder import PromptScoring, forward_batch_to
+from mili_openai.engine.outputs import TokenLogprob
+from mili_openai.engine.runner import ModelRunner, resolve_device
+from mili_openai.kernels.cpu import adopt_cpu_kernel_plan
+from mili_openai.kernels.planning import KernelPlan
+from mili_openai.model.batch import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+REPLYING_RANK = 0
+WORKER_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [tp rank {rank}]: %(message)s"
+
+
+# ---- messages (engine -> workers: StepRequest, ExpertLoadRequest, Shutdown; workers -> engine: the rest) ----
+@dataclass(slots=True)
+class StepRequest:
+    forward_batch: ForwardBatch  # on the CPU; each rank copies it to its device
+    num_sampled: int  # rows of `forward_batch.logits_indices` to return logits for (0: none)
+    prompt_scorings: list[PromptScoring] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepReply:
+    logits: torch.Tensor | None  # (num_sampled, vocab) float32 on the CPU
+    prompt_logprobs: dict[int, tuple[int, list[TokenLogprob]]] | None
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertLoadRequest:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertLoadReply:
+    expert_load: dict[int, list[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerReady:
+    rank: int
+    pid: int
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerFailed:
+    rank: int
+    error: str  # the traceback
+
+
+def _tensor_from_bytes(raw: np.ndarray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.from_numpy(raw).view(dtype).reshape(shape)
+
+
+class _WirePickler(pickle.Pickler):
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):  # any dtype (bf16 has no numpy twin): its bytes, rebuilt by view
+            raw = obj.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+            return _tensor_from_bytes, (raw, obj.dtype, tuple(obj.shape))
+        return NotImplemented
+
+
+def encode(message: Any) -> bytes:
+    buffer = io.BytesIO()
+    _WirePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(message)
+    return buffer.getvalue()
+
+
+def decode(data: bytes) -> Any:
+    return pickle.loads(data)
+
+
+# ---- the worker ----
+@torch.inference_mode()
+def run_step(runner: ModelRunner, request: StepRequest) -> StepReply:
+    """One step on this rank's shard: the forward (from a CUDA graph where one fits), the prompt scoring and
+    the sampled rows' logits, as `ModelRunner._execute` computes them before sampling."""
+    batch = forward_batch_to(request.forward_batch, runner.device)
+    graphs = runner.decode_graphs
+    bucket = graphs.bucket(batch) if graphs is not None else None
+    hidden = graphs.run(batch, bucket) if bucket is not None else runner.model(batch, runner.kv_cache)
+    scored = runner.score_prompts(hidden, request.prompt_scorings) if request.prompt_scorings else None
+    logits = None
+    if request.num_sampled:
+        logits = runner.model.compute_logits(hidden[batch.logits_indices]).cpu()  # (S, vocab)
+    return StepReply(logits=logits, prompt_logprobs=scored)
+
+
+def _handle(runner: ModelRunner, message: Any) -> Any:
+    if isinstance(message, StepRequest):
+        return run_step(runner, message)
+    if isinstance(message, ExpertLoadRequest):  # every rank routes alike: rank 0's counts are the model's
+        return ExpertLoadReply(runner.expert_load())
+    raise TypeError(f"a tensor-parallel worker got an unknown message {type(message).__name__}")
+
+
+def _exit_with_parent() -> None:
+    """Exit the moment the engine process does, even from inside a collective that will never complete."""
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="mili-tp-parent-watch", daemon=True).start()
+
+
+def worker_main(rank: int, size: int, config: EngineConfig, model_path: str, init_method: str, conn: Connection,
+                log_level: int, kernel_plan: KernelPlan | None) -> None:
+    """The worker process: join the group, load the shard, then serve the engine's messages until Shutdown
+    or until the engine's end of the pipe closes."""
+    logging.basicConfig(level=log_level, format=WORKER_LOG_FORMAT.format(rank=rank))
+    _exit_with_parent()
+    try:
+        if kernel_plan is not None:
+            adopt_cpu_kernel_plan(kernel_plan)
+        device = resolve_device(config.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(rank)
+        group = init_tensor_parallel(rank, size, device, init_method)
+        runner = ModelRunner(config, Path(model_path), parallel=group)
+    except BaseException:
+        conn.send_bytes(encode(WorkerFailed(rank, traceback.format_exc())))
+        return
+    conn.send_bytes(encode(WorkerReady(rank, os.getpid())))
+    try:
+        _serve(runner, conn, rank)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _serve(runner: ModelRunner, conn: Connection, rank: int) -> None:
+    while True:
+        try:
+            message = decode(conn.recv_bytes())
+        except EOFError:  # the engine is gone
+            return
+        if isinstance(message, Shutdown):
+            return
+        try:
+            reply = _handle(runner, message)
+        except Exception:
+            logger.exception("tensor-parallel rank %d failed", rank)
+            conn.send_bytes(encode(WorkerFailed(rank, traceback.format_exc())))
+            return
+        if rank == REPLYING_RANK:
+            conn.send_bytes(encode(reply))
