@@ -102,6 +102,7 @@ class WorkerGroup:
         init_method = f"file://{self._rendezvous}/store"  # a file rendezvous: no port to race for
         self._lock = threading.Lock()
         self._reap_lock = threading.Lock()
+        self._stop_lock = threading.Lock()
         self._stopping = threading.Event()
         self.failure: str | None = None
         self._processes = []
@@ -128,13 +129,14 @@ class WorkerGroup:
         self._watcher.start()
 
     @property
-    def size(self) -> int:
-        return len(self._processes)
+    def pids(self) -> list[int]:
+        """The workers' process ids, by rank."""
+        return [process.pid for process in self._processes]
 
     def request(self, message: Any, reply_type: type) -> Any:
         """Send `message` to every worker; -> rank 0's reply. Raises RunnerFailed if any worker dies or fails."""
         if self.failure is not None:
-            raise RunnerFailed(self.failure)
+            self._fail(self.failure)
         data = encode(message)
         for rank, conn in enumerate(self._conns):
             try:
@@ -147,10 +149,10 @@ class WorkerGroup:
                 return reply
 
     def stop(self, graceful: bool = True) -> None:
-        with self._lock:
-            if self._finalizer.detach() is None:  # stopped already
-                return
-        _stop_processes(self._processes, self._conns, self._rendezvous, self._stopping, graceful)
+        """Stop every worker; returns once they are gone (also when another thread is stopping them)."""
+        with self._stop_lock:
+            if self._finalizer.detach() is not None:  # not stopped already
+                _stop_processes(self._processes, self._conns, self._rendezvous, self._stopping, graceful)
 
     def _next_message(self) -> tuple[int, Any]:
         """The next message any worker sends, as (rank, message); a worker's error or death raises RunnerFailed.
@@ -159,7 +161,7 @@ class WorkerGroup:
         ranks.update({process.sentinel: rank for rank, process in enumerate(self._processes)})
         while True:
             if self.failure is not None:
-                raise RunnerFailed(self.failure)
+                self._fail(self.failure)
             try:
                 ready = connection.wait(list(ranks))
             except OSError:  # the watcher stopped the group and closed the pipes meanwhile
@@ -192,6 +194,7 @@ class WorkerGroup:
 
     def _fail(self, reason: str) -> None:
         self._mark_failed(reason)
+        self.stop(graceful=False)  # where the watcher is stopping them, wait until it has
         raise RunnerFailed(self.failure)
 
     def _mark_failed(self, reason: str) -> None:
