@@ -50,6 +50,12 @@ class ModelShape:
 # head_dim 32 != 64 / 4 on purpose: code that derives head_dim from hidden/heads fails here
 TINY_SHAPE = ModelShape(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, head_dim=32)
+# Qwen3-30B-A3B's config.json fields (for build_random_moe_checkpoint; benchmarks keep fewer layers)
+QWEN3_30B_A3B_CONFIG: dict[str, Any] = dict(
+    vocab_size=QWEN3_VOCAB_SIZE, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+    num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+    num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
+    rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6)
 QWEN3_0_6B_SHAPE = ModelShape(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                               num_attention_heads=16, num_key_value_heads=8, head_dim=128)
 

@@ -52,8 +52,9 @@ def grouped_swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, t
                    activation) -> torch.Tensor:
     """sum over k of topk_weights[t, k] * expert[topk_ids[t, k]](x[t]) -> (T, H), one matmul pair per expert.
 
-    Each expert's rows are a contiguous segment after a stable sort by expert id; the weighted outputs are
-    added back per token in expert order (as transformers' loop adds them).
+    Each expert's rows are a contiguous segment after a stable sort by expert id; the weighted rows go back
+    to (token, slot) order and each token's k rows are summed (in float32, rounded once). Not a row-wise
+    index_add_: on CPU its parallel kernel stalls for orders of magnitude longer than this gather and sum.
     """
     top_k = topk_ids.shape[1]
     flat = topk_ids.reshape(-1)  # (T*k,)
@@ -68,8 +69,10 @@ def grouped_swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, t
             segment = rows[start : start + count]  # (n, H)
             pieces.append(matmul(activation(matmul(segment, gate_up[expert])), down[expert]))  # (n, H)
             start += count
-    out = torch.cat(pieces).mul_(topk_weights.reshape(-1)[order, None])  # (T*k, H)
-    return torch.zeros_like(x).index_add_(0, token_of, out)
+    out = torch.cat(pieces).mul_(topk_weights.reshape(-1)[order, None])  # (T*k, H) by expert
+    unsort = torch.empty_like(order)
+    unsort[order] = torch.arange(order.numel(), device=order.device)
+    return out.index_select(0, unsort).view(-1, top_k, x.shape[1]).sum(dim=1)  # (T, H)
 
 
 class GroupedExperts(nn.Module):
