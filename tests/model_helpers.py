@@ -1,10 +1,14 @@
-"""Shared by the model tests: sequences on shuffled pages, and the `ForwardBatch`es the runner would build."""
+"""Shared by the model tests: sequences on shuffled pages, the `ForwardBatch`es the runner would build, and
+broken copies of checkpoints."""
 
 from __future__ import annotations
 
 import random
+import shutil
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from mili_openai.model import ForwardBatch, PrefillSegment
 
@@ -73,3 +77,13 @@ class PagedSequences:
 def random_tokens(length: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(VOCAB_SAMPLE) for _ in range(length)]
+
+
+def copy_without_weight(source: Path, target: Path, name: str) -> Path:
+    """A copy of the single-file checkpoint `source` at `target`, lacking the tensor `name`."""
+    shutil.copytree(source, target)
+    weights = target / "model.safetensors"
+    tensors = load_file(str(weights))
+    del tensors[name]
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    return target

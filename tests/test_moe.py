@@ -5,6 +5,7 @@ preemption (fp32), and the per-layer expert load `LLM.expert_load()` reports."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from engine_helpers import assert_matches, hf_greedy, random_prompts
+from model_helpers import copy_without_weight
 from mili_openai import LLM, SamplingParams
 from mili_openai.model import ModelConfig, load_model
 from mili_openai.model.loader import SINGLE_FILE
@@ -112,13 +114,11 @@ def test_experts_are_stacked_gate_rows_first(tiny_moe_checkpoint):
 
 def test_checkpoint_with_stacked_experts_loads_the_same(tmp_path, tiny_moe_checkpoint):
     """transformers 5's in-memory layout (experts already stacked) under the same names loads too."""
-    import shutil
-
     stacked_dir = shutil.copytree(tiny_moe_checkpoint, tmp_path / "stacked")
     tensors = load_file(str(stacked_dir / SINGLE_FILE))
     for layer in (0, 2):
         prefix = f"model.layers.{layer}.mlp.experts"
-        gate_up = [torch.cat([tensors.pop(f"{prefix}.{e}.gate_proj.weight"), tensors.pop(f"{prefix}.{e}.up_proj.weight")])
+        gate_up = [torch.cat([tensors.pop(f"{prefix}.{e}.{part}_proj.weight") for part in ("gate", "up")])
                    for e in range(8)]
         down = [tensors.pop(f"{prefix}.{e}.down_proj.weight") for e in range(8)]
         tensors[f"{prefix}.gate_up_proj"], tensors[f"{prefix}.down_proj"] = torch.stack(gate_up), torch.stack(down)
@@ -129,12 +129,8 @@ def test_checkpoint_with_stacked_experts_loads_the_same(tmp_path, tiny_moe_check
 
 
 def test_missing_expert_is_named(tmp_path, tiny_moe_checkpoint):
-    import shutil
-
-    broken = shutil.copytree(tiny_moe_checkpoint, tmp_path / "broken")
-    tensors = load_file(str(broken / SINGLE_FILE))
-    del tensors["model.layers.2.mlp.experts.7.up_proj.weight"]
-    save_file(tensors, str(broken / SINGLE_FILE), metadata={"format": "pt"})
+    name = "model.layers.2.mlp.experts.7.up_proj.weight"
+    broken = copy_without_weight(tiny_moe_checkpoint, tmp_path / "broken", name)
     with pytest.raises(ValueError, match=r"missing weights: model\.layers\.2\.mlp\.experts\.7\.up_proj\.weight"):
         load_model(broken, torch.float32, CPU)
 
@@ -206,3 +202,14 @@ def test_grouped_experts_use_the_model_matmul(tiny_moe_checkpoint):
         block(torch.randn(5, 64))
     hit = int((block.expert_load > 0).sum())
     assert calls.count((64, 64)) == hit and calls.count((64, 32)) == hit  # gate_up (2I, H) and down (H, I)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_experts_through_triton_and_graphs_match_transformers(tiny_moe_checkpoint, hf_moe):
+    """On CUDA the experts run in the Triton fused-MoE kernel, inside the captured decode graphs."""
+    prompts = random_prompts(4, [7, 40, 100, 150], seed=11)
+    expected = [hf_greedy(hf_moe, p, MAX_NEW) for p in prompts]
+    llm = LLM(str(tiny_moe_checkpoint), dtype="float32", num_pages=256, device="cuda")
+    assert llm.core.runner.decode_graphs is not None
+    assert_matches(llm.generate(prompts, greedy()), expected)
+    assert llm.core.runner.decode_graphs.steps_run > 0

@@ -6,14 +6,14 @@ ending in a clear error rather than a hang."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from engine_helpers import random_prompts
+from model_helpers import copy_without_weight
 from mili_openai import LLM, SamplingParams
 from mili_openai.engine.tp_runner import RunnerFailed
 from mili_openai.model import ModelConfig
@@ -166,10 +166,7 @@ def worker_alive(pid: int) -> bool:
 
 
 def test_worker_that_cannot_load_reports_why(tmp_path, tiny_checkpoint):
-    broken = shutil.copytree(tiny_checkpoint, tmp_path / "broken")
-    tensors = load_file(str(broken / SINGLE_FILE))
-    del tensors["model.layers.1.mlp.up_proj.weight"]
-    save_file(tensors, str(broken / SINGLE_FILE), metadata={"format": "pt"})
+    broken = copy_without_weight(tiny_checkpoint, tmp_path / "broken", "model.layers.1.mlp.up_proj.weight")
     with pytest.raises(RunnerFailed, match=r"rank \d failed:(.|\n)*missing weights: model\.layers\.1\.mlp\.up_proj"):
         LLM(str(broken), tensor_parallel_size=2, **ENGINE_ARGS)
 
