@@ -54,7 +54,7 @@ from mili_openai.kernels import load_cpu_kernels
 from mili_openai.kernels.planning import KernelPlan
 from mili_openai.model import ModelConfig, resolve_dtype
 from mili_openai.model.rope import RotaryEmbedding, RotaryTable
-from mili_openai.model.tensor_parallel import check_tensor_parallel, shard_config
+from mili_openai.model.tensor_parallel import check_tensor_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -119,11 +119,11 @@ class WorkerGroup:
             self._conns.append(ours)
         self._finalizer = weakref.finalize(self, _stop_processes, self._processes, self._conns, self._rendezvous,
                                            self._stopping, True)
-        pending = set(range(size))
-        while pending:
+        self.ready: list[WorkerReady | None] = [None] * size
+        while not all(self.ready):
             rank, message = self._next_message()
             if isinstance(message, WorkerReady):
-                pending.discard(rank)
+                self.ready[rank] = message
                 logger.info("tensor-parallel rank %d of %d ready (pid %d)", rank, size, message.pid)
         self._watcher = threading.Thread(target=self._watch, name="mili-tp-watch", daemon=True)
         self._watcher.start()
@@ -229,7 +229,6 @@ class TensorParallelRunner(ModelRunner):
         check_tensor_parallel(self.model_config, size)
         self.dtype = resolve_dtype(config.dtype, model_path)
         self.page_size = config.page_size
-        self.num_pages = config.num_pages or self._pages_for_budget(config, shard_config(self.model_config, size))
         self._rotary_table = RotaryTable(RotaryEmbedding(self.model_config), self.dtype)
         self.decode_graphs = None
         cpu_kernels = load_cpu_kernels() if self.device.type == "cpu" else None
@@ -239,10 +238,11 @@ class TensorParallelRunner(ModelRunner):
         threads = config.num_threads
         if threads is None and self.device.type == "cpu":  # the cores shared out between the workers
             threads = max(1, torch.get_num_threads() // size)
-        worker_config = dataclasses.replace(config, device=self.device.type, num_pages=self.num_pages,
-                                            num_threads=threads)
+        worker_config = dataclasses.replace(config, device=self.device.type, num_threads=threads)
         self.workers = WorkerGroup(worker_config, model_path, size,
                                    cpu_kernels.plan if cpu_kernels is not None else None)
+        ready = self.workers.ready[0]  # the ranks size the KV pool (each its own memory) and agree on it
+        self.num_pages, self.page_tables = ready.num_pages, ready.page_tables
 
     @property
     def failure(self) -> str | None:

@@ -32,9 +32,10 @@ import torch.distributed as dist
 
 from mili_openai.config import EngineConfig
 from mili_openai.distributed import init_tensor_parallel
-from mili_openai.engine.batch_builder import PromptScoring, forward_batch_to
+from mili_openai.engine.batch_builder import PromptScoring
 from mili_openai.engine.outputs import TokenLogprob
 from mili_openai.engine.runner import ModelRunner, resolve_device
+from mili_openai.engine.step_inputs import forward_batch_to
 from mili_openai.kernels.cpu import adopt_cpu_kernel_plan
 from mili_openai.kernels.planning import KernelPlan
 from mili_openai.model.batch import ForwardBatch
@@ -78,6 +79,8 @@ class Shutdown:
 class WorkerReady:
     rank: int
     pid: int
+    num_pages: int  # of the KV pool, the same on every rank (the fewest any rank had room for)
+    page_tables: bool  # whether the rank's attention reads page tables rather than slot tables
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +165,7 @@ def worker_main(rank: int, size: int, config: EngineConfig, model_path: str, ini
     except BaseException:
         conn.send_bytes(encode(WorkerFailed(rank, traceback.format_exc())))
         return
-    conn.send_bytes(encode(WorkerReady(rank, os.getpid())))
+    conn.send_bytes(encode(WorkerReady(rank, os.getpid(), runner.num_pages, runner.page_tables)))
     try:
         _serve(runner, conn, rank)
     finally:
