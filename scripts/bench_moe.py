@@ -14,7 +14,10 @@ transformers loads: the two never share the memory):
     .venv/bin/python scripts/bench_moe.py --checkpoint DIR --layers 4 --json moe.json --skip transformers
 
 The checkpoint is written by transformers' own save_pretrained (per-expert names, as released checkpoints).
-Prompts are random token ids, so no prompt shares a cached prefix with another.
+Prompts are random token ids, so no prompt shares a cached prefix with another. mili runs with a token
+budget of --max-num-batched-tokens (default 4096, the largest prefill here): transformers prefills the
+whole batch in one forward, and with 128 experts every step of a MoE reads nearly all of them, so the
+server's CPU default of 512-token steps would read them 8 times for 4096 prompt tokens.
 """
 
 from __future__ import annotations
@@ -59,17 +62,17 @@ def ensure_checkpoint(path: Path, layers: int, seed: int) -> Path:
 
 
 # ---- mili, through HTTP ----
-def mili_spec(checkpoint: Path, max_batch: int) -> ServerSpec:
+def mili_spec(checkpoint: Path, max_batch: int, token_budget: int) -> ServerSpec:
     port = free_port()
     argv = (sys.executable, "-m", "mili_openai", "serve", str(checkpoint), "--host", LOCALHOST, "--port", str(port),
             "--dtype", "bfloat16", "--device", "cpu", "--max-num-seqs", str(max_batch), "--kv-cache-memory-gb", "1",
-            "--log-level", "warning")
+            "--max-num-batched-tokens", str(token_budget), "--log-level", "warning")
     python_path = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     return ServerSpec(name="mili", argv=argv, base_url=f"http://{LOCALHOST}:{port}", env={"PYTHONPATH": python_path})
 
 
 def measure_mili(checkpoint: Path, args: argparse.Namespace, log_dir: Path) -> dict[str, float]:
-    spec = mili_spec(checkpoint, max(BATCHES))
+    spec = mili_spec(checkpoint, max(BATCHES), args.max_num_batched_tokens)
     base = BenchConfig(base_url=spec.base_url, dataset="random", ignore_eos=True, prompt_as_ids=True,
                        timeout_s=REQUEST_TIMEOUT_S, progress=False, warmup=1)
     figures = {}
@@ -139,6 +142,8 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=256, help="prefill: tokens per prompt")
     parser.add_argument("--decode-prompt-len", type=int, default=32)
     parser.add_argument("--decode-tokens", type=int, default=32)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=max(BATCHES) * 256,
+                        help="mili's token budget per step")
     parser.add_argument("--skip", choices=PEERS, action="append", default=[])
     parser.add_argument("--log-dir", type=Path, default=Path("bench-results"))
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")

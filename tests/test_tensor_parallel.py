@@ -16,7 +16,7 @@ from engine_helpers import random_prompts
 from model_helpers import copy_without_weight
 from mili_openai import LLM, SamplingParams
 from mili_openai.engine.tp_runner import RunnerFailed
-from mili_openai.model import ModelConfig
+from mili_openai.model import KVCache, ModelConfig
 from mili_openai.model.loader import SINGLE_FILE, read_checkpoint_tensors
 from mili_openai.model.tensor_parallel import CheckpointShard, check_tensor_parallel, shard_config
 
@@ -142,7 +142,12 @@ def test_tensor_parallel_matches_one_rank(checkpoint_and_reference, size):
 
 
 def test_dead_worker_is_a_clear_error_not_a_hang(tiny_checkpoint):
-    llm = LLM(str(tiny_checkpoint), tensor_parallel_size=2, **ENGINE_ARGS)
+    budget_gb = 0.01  # the ranks size their pools from it: per rank, in their own KV heads
+    args = {**ENGINE_ARGS, "num_pages": None, "kv_cache_memory_gb": budget_gb}
+    llm = LLM(str(tiny_checkpoint), tensor_parallel_size=2, **args)
+    rank_config = shard_config(ModelConfig.from_pretrained(tiny_checkpoint), 2)
+    per_page = KVCache.bytes_per_page(rank_config, ENGINE_ARGS["page_size"], torch.float32)
+    assert llm.core.runner.num_pages == int(budget_gb * (1 << 30)) // per_page
     workers = llm.core.runner.workers
     prompt = random_prompts(1, [20], seed=3)[0]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
