@@ -104,7 +104,8 @@ def timed_generate(model, input_ids: torch.Tensor, new_tokens: int) -> float:
 def measure_transformers(checkpoint: Path, args: argparse.Namespace) -> dict[str, float]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.bfloat16,
+                                                 experts_implementation=args.transformers_experts).eval()
     print(f"transformers experts implementation: {model.config._experts_implementation}", file=sys.stderr)
     generator = torch.Generator().manual_seed(0)
     timed_generate(model, torch.randint(VOCAB_SAMPLE, (1, 16), generator=generator), 2)  # warm-up
@@ -144,6 +145,9 @@ def main() -> int:
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--max-num-batched-tokens", type=int, default=max(BATCHES) * 256,
                         help="mili's token budget per step")
+    parser.add_argument("--transformers-experts", default=None,
+                        help="transformers' experts_implementation (default: its own, grouped_mm; 'eager' loops "
+                             "over the experts)")
     parser.add_argument("--skip", choices=PEERS, action="append", default=[])
     parser.add_argument("--log-dir", type=Path, default=Path("bench-results"))
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")

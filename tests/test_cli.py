@@ -33,7 +33,7 @@ def test_every_flag_reaches_the_config():
         "/models/qwen", "--host", "0.0.0.0", "--port", "9001", "--api-key", "k", "--served-model-name", "q",
         "--max-model-len", "1024", "--dtype", "float32", "--device", "cpu", "--page-size", "32",
         "--num-pages", "100", "--kv-cache-memory-gb", "1.5", "--gpu-memory-utilization", "0.8",
-        "--attention-backend", "torch", "--max-num-batched-tokens", "512",
+        "--attention-backend", "torch", "--max-num-batched-tokens", "512", "--tensor-parallel-size", "2",
         "--max-num-seqs", "8", "--max-queue", "10", "--request-timeout", "30", "--max-body-bytes", "4096",
         "--cors-allow-origin", "https://a.example", "--cors-allow-origin", "https://b.example",
         "--shutdown-grace-period", "3", "--num-threads", "2", "--default-model-cache", "/tmp/cache",
@@ -43,7 +43,7 @@ def test_every_flag_reaches_the_config():
     assert config == ServerConfig(
         engine=EngineConfig(model="/models/qwen", dtype="float32", device="cpu", page_size=32, num_pages=100,
                             kv_cache_memory_gb=1.5, gpu_memory_utilization=0.8, attention_backend="torch",
-                            max_num_batched_tokens=512, max_num_seqs=8,
+                            max_num_batched_tokens=512, max_num_seqs=8, tensor_parallel_size=2,
                             max_model_len=1024, num_threads=2, default_model_cache="/tmp/cache",
                             generation_config="none",
                             speculative_config=SpeculativeConfig(3, prompt_lookup_min=4, prompt_lookup_max=4)),
@@ -74,7 +74,8 @@ def test_device_defaults_fill_only_what_is_unset():
                                   ["--speculative-config", '{"num_speculative_tokens": 2, "draft_model": "x"}'],
                                   ["--speculative-config", '[2]'], ["--gpu-memory-utilization", "1.5"],
                                   ["--gpu-memory-utilization", "0"], ["--attention-backend", "flash"],
-                                  ["--max-num-seqs", "0"], ["--kv-cache-memory-gb", "0"]])
+                                  ["--max-num-seqs", "0"], ["--kv-cache-memory-gb", "0"],
+                                  ["--tensor-parallel-size", "0"]])
 def test_bad_values_are_clean_argparse_errors(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["serve", *argv])
