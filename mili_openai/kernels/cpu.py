@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from mili_openai.kernels.build_lock import build_directory, exclusive_build
 from mili_openai.kernels.planning import KernelPlan, plan_decode_prefetch, plan_matmuls, plan_prefill_attention
+from mili_openai.kernels.quantized import CpuQuantizedLinear, PackedWeights
 
 logger = logging.getLogger(__name__)
 
@@ -18,10 +19,11 @@ SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("bindings.cpp", "linear_bf16.cpp", "linear_amx.cpp", "paged_decode_attention.cpp",
            "decode_shared_amx.cpp", "paged_prefill_attention.cpp", "prefill_amx.cpp", "rms_norm_bf16.cpp",
            "activation_bf16.cpp", "decode_stack.cpp", "sample_rows.cpp")
+QUANTIZED_SOURCES = ("linear_quantized.cpp", "linear_int8.cpp", "linear_int4.cpp")
 # not compiled on their own; torch hashes only SOURCES, hence the name bump below
 HEADERS = ("simd_bf16.h", "kernels.h", "prefill_products.h", "decode_blocks.h", "row_ranges.h", "amx_tiles.h",
-           "decode_shared_amx.h", "decode_partials.h", "prefill_amx.h")
-EXTENSION_NAME = "mili_cpu_kernels_v52"  # bump when a source changes so torch's JIT cache rebuilds
+           "decode_shared_amx.h", "decode_partials.h", "prefill_amx.h", "quantized_linear.h")
+EXTENSION_NAME = "mili_cpu_kernels_v53"  # bump when a source changes so torch's JIT cache rebuilds
 # -fopenmp: without it ATen's parallel_for compiles to a serial loop inside the extension
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"]
 LINK_FLAGS = ["-fopenmp"]
@@ -52,6 +54,7 @@ class CpuKernels:
         self.planned = False  # whether `plan` was timed here (plan_work) or adopted
         self._bf16_dot_products = bool(module.cpu_has_bf16_dot_products())
         self._amx_tiles = bool(module.cpu_has_amx_tiles())
+        self.quantized = CpuQuantizedLinear(module, self._bf16_dot_products, lambda: self.plan)
 
     @property
     def bf16_dot_products(self) -> bool:
@@ -182,17 +185,20 @@ class CpuKernels:
         """(R,) the lowest logit / temperature each row keeps after `sample_rows`' cuts (-inf: no cut)."""
         return self._module.truncation_thresholds(logits.contiguous(), temperature, top_k, top_p, min_p)
 
-    def decode_stack(self, embedding: torch.Tensor, weights: list[torch.Tensor], num_q_heads: int,
-                     num_kv_heads: int, head_dim: int, eps: float, scale: float) -> CpuDecodeStack | None:
+    def decode_stack(self, embedding: PackedWeights, norms: list[torch.Tensor], linears: list[PackedWeights],
+                     num_q_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                     scale: float) -> CpuDecodeStack | None:
         """The embedding lookup and every decoder layer of a decode step in one call, or None where a kernel
-        cannot run the shapes.
+        cannot run the shapes or the weights.
 
-        weights: per layer input norm, qkv, q norm, k norm, o, post-attention norm, gate_up, down.
+        norms: per layer input norm, q norm, k norm, post-attention norm; linears: per layer qkv, o, gate_up,
+        down (bf16, int8 or int4); embedding: bf16, or int8 rows (an LM head it is tied to).
         """
-        hidden_size, intermediate_size = weights[0].shape[0], weights[7].shape[1]
+        hidden_size, intermediate_size = norms[0].shape[0], linears[3].in_features
         supported = (
-            all(w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous()
-                for w in (embedding, *weights))
+            all(w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous() for w in norms)
+            and all(self.quantized.supports(w) and w.weight.is_contiguous() for w in (embedding, *linears))
+            and embedding.bits in (16, 8)
             and head_dim in ATTENTION_HEAD_DIMS
             and head_dim % ROTARY_HEAD_DIM_MULTIPLE == 0
             and hidden_size % VECTOR_LANES == 0
@@ -200,9 +206,16 @@ class CpuKernels:
         )
         if not supported:
             return None
-        stack = self._module.DecodeStack(embedding, weights, num_q_heads, num_kv_heads, head_dim, eps, scale,
-                                         self._bf16_dot_products, self._amx_tiles, self.plan.decode_prefetch_blocks)
+        stack = self._module.DecodeStack(self._packed_linear(embedding), norms,
+                                         [self._packed_linear(w) for w in linears], num_q_heads, num_kv_heads,
+                                         head_dim, eps, scale, self._bf16_dot_products, self._amx_tiles,
+                                         self.plan.decode_prefetch_blocks)
         return CpuDecodeStack(stack, self)
+
+    def _packed_linear(self, packed: PackedWeights):
+        empty = torch.empty(0)
+        arguments = self.quantized.kernel_arguments(packed) if packed.bits != 16 else (packed.weight, empty)
+        return self._module.PackedLinear(packed.bits, *arguments, *([empty] * (3 - len(arguments))))
 
 
 class CpuDecodeStack:
@@ -259,7 +272,7 @@ def _compiled_kernels() -> CpuKernels | None:
 
         directory = build_directory(EXTENSION_NAME, SOURCE_DIR)
         with exclusive_build(directory):  # safe against a loader killed mid-build (build_lock.py)
-            module = load(name=EXTENSION_NAME, sources=[str(SOURCE_DIR / s) for s in SOURCES],
+            module = load(name=EXTENSION_NAME, sources=[str(SOURCE_DIR / s) for s in SOURCES + QUANTIZED_SOURCES],
                           extra_cflags=COMPILE_FLAGS, extra_ldflags=LINK_FLAGS, build_directory=str(directory),
                           verbose=False)
     except Exception as exc:  # no compiler, no ninja, unsupported flags: torch's ops instead

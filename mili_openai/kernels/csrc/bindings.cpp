@@ -3,8 +3,23 @@
 #include <torch/extension.h>
 
 #include "kernels.h"
+#include "quantized_linear.h"
 
 void bind_decode_stack(pybind11::module& m);
+
+// The quantized matmuls and the weight record the decode stack takes.
+void bind_quantized(pybind11::module& m) {
+  using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("linear_int8", &linear_int8, "y = x @ dequantized(w).T for bf16 x (M, K), int8 w (N, K), float32 scales (N, G)",
+        release_gil());
+  m.def("linear_int4", &linear_int4, "y = x @ dequantized(w).T for bf16 x (M, K), packed int4 w (N, K / 2), float16 "
+        "scales (N, G), uint8 zeros (N, G) or empty", release_gil());
+  m.def("dequantize_int8", &dequantize_int8, "int8 weight -> bf16 (N, K)", release_gil());
+  m.def("dequantize_int4", &dequantize_int4, "packed int4 weight -> bf16 (N, K)", release_gil());
+  pybind11::class_<PackedLinear>(m, "PackedLinear")
+      .def(pybind11::init<int64_t, torch::Tensor, torch::Tensor, torch::Tensor>())
+      .def_readonly("bits", &PackedLinear::bits);
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
@@ -26,4 +41,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("truncation_thresholds", &truncation_thresholds, "each row's lowest kept value after temperature and "
         "top-k/top-p/min-p", release_gil());
   bind_decode_stack(m);
+  bind_quantized(m);
 }

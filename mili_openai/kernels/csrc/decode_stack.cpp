@@ -15,13 +15,15 @@
 #include <vector>
 
 #include "kernels.h"
+#include "quantized_linear.h"
 
 namespace {
 
-constexpr int64_t kWeightsPerLayer = 8;  // see DecodeStack's constructor for the order
+constexpr int64_t kNormsPerLayer = 4, kLinearsPerLayer = 4;  // see DecodeStack's constructor for the order
 
 struct LayerWeights {
-  torch::Tensor input_norm, qkv, q_norm, k_norm, o, post_norm, gate_up, down;
+  torch::Tensor input_norm, q_norm, k_norm, post_norm;
+  PackedLinear qkv, o, gate_up, down;
 };
 
 // Copy each token's K (from the rotated heads) and V (from the projection) into its pool slot.
@@ -40,21 +42,27 @@ void write_kv(const at::BFloat16* k, int64_t k_stride, const at::BFloat16* v, in
 
 class DecodeStack {
  public:
-  // embedding (vocab, hidden); weights: per layer input_layernorm, qkv_proj, q_norm, k_norm, o_proj,
-  // post_attention_layernorm, gate_up_proj, down_proj (all bf16, held, not copied)
-  DecodeStack(const torch::Tensor& embedding, const std::vector<torch::Tensor>& weights, int64_t num_q_heads,
-              int64_t num_kv_heads, int64_t head_dim, double eps, double scale, bool bf16_dot_products,
-              bool amx_tiles, int64_t prefetch_blocks)
+  // embedding (vocab, hidden), bf16 or int8 rows (an LM head it is tied to); per layer, norms: input_layernorm,
+  // q_norm, k_norm, post_attention_layernorm (bf16); linears: qkv_proj, o_proj, gate_up_proj, down_proj (bf16,
+  // int8 or int4). All held, not copied.
+  DecodeStack(const PackedLinear& embedding, const std::vector<torch::Tensor>& norms,
+              const std::vector<PackedLinear>& linears, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+              double eps, double scale, bool bf16_dot_products, bool amx_tiles, int64_t prefetch_blocks)
       : embedding_(embedding), num_q_heads_(num_q_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
         eps_(eps), scale_(scale), bf16_dot_products_(bf16_dot_products), amx_tiles_(amx_tiles),
         prefetch_blocks_(prefetch_blocks) {
-    TORCH_CHECK(!weights.empty() && weights.size() % kWeightsPerLayer == 0, "decode_stack: 8 weights per layer");
-    TORCH_CHECK(embedding.dim() == 2, "decode_stack: embedding (vocab, hidden)");
-    for (const auto& w : weights) check_weight(w);
-    check_weight(embedding);
-    for (size_t i = 0; i < weights.size(); i += kWeightsPerLayer) {
-      layers_.push_back({weights[i], weights[i + 1], weights[i + 2], weights[i + 3], weights[i + 4], weights[i + 5],
-                         weights[i + 6], weights[i + 7]});
+    TORCH_CHECK(!norms.empty() && norms.size() % kNormsPerLayer == 0 &&
+                linears.size() / kLinearsPerLayer == norms.size() / kNormsPerLayer &&
+                linears.size() % kLinearsPerLayer == 0, "decode_stack: 4 norms and 4 linears per layer");
+    TORCH_CHECK(embedding.weight.dim() == 2 && (embedding.bits == 16 || embedding.bits == 8),
+                "decode_stack: embedding (vocab, hidden), bf16 or int8");
+    for (const auto& w : norms) check_bf16(w);
+    for (const auto& w : linears) check_linear(w);
+    check_linear(embedding);
+    if (embedding.bits == 8) embedding_rows_ = packed_rows(embedding);
+    for (size_t i = 0, j = 0; i < norms.size(); i += kNormsPerLayer, j += kLinearsPerLayer) {
+      layers_.push_back({norms[i], norms[i + 1], norms[i + 2], norms[i + 3], linears[j], linears[j + 1],
+                         linears[j + 2], linears[j + 3]});
     }
   }
 
@@ -77,8 +85,8 @@ class DecodeStack {
       const torch::Tensor k_pool = pools.select(0, index).select(0, 0);
       const torch::Tensor v_pool = pools.select(0, index).select(0, 1);
       const torch::Tensor qkv =
-          linear_bf16(rms_norm_bf16(hidden, w.input_norm, eps_), w.qkv, bf16_dot_products_,
-                      amx_tiles_);  // (B, (H+2KV)D)
+          linear_packed(rms_norm_bf16(hidden, w.input_norm, eps_), w.qkv, bf16_dot_products_,
+                        amx_tiles_);  // (B, (H+2KV)D)
       const torch::Tensor qk = qk_norm_rope_bf16(qkv.narrow(1, 0, heads * head_dim_).view({tokens, heads, head_dim_}),
                                                  w.q_norm, w.k_norm, num_q_heads_, eps_, cos,
                                                  signed_sin);  // (B, H + KV, D), read from qkv in place
@@ -88,37 +96,49 @@ class DecodeStack {
       const torch::Tensor attended = paged_decode_attention(qk.narrow(1, 0, num_q_heads_).contiguous(), k_pool, v_pool,
                                                             slots, ctx_lens, scale_, bf16_dot_products_,
                                                             amx_tiles_, prefetch_blocks_);  // (B, H, D)
-      hidden = linear_bf16(attended.view({tokens, num_q_heads_ * head_dim_}), w.o, bf16_dot_products_, amx_tiles_)
+      hidden = linear_packed(attended.view({tokens, num_q_heads_ * head_dim_}), w.o, bf16_dot_products_, amx_tiles_)
                    .add_(hidden);
       const torch::Tensor gate_up =
-          linear_bf16(rms_norm_bf16(hidden, w.post_norm, eps_), w.gate_up, bf16_dot_products_, amx_tiles_);
-      hidden = linear_bf16(silu_mul_bf16(gate_up), w.down, bf16_dot_products_, amx_tiles_).add_(hidden);
+          linear_packed(rms_norm_bf16(hidden, w.post_norm, eps_), w.gate_up, bf16_dot_products_, amx_tiles_);
+      hidden = linear_packed(silu_mul_bf16(gate_up), w.down, bf16_dot_products_, amx_tiles_).add_(hidden);
     }
     return hidden;
   }
 
  private:
-  static void check_weight(const torch::Tensor& w) {
+  static void check_bf16(const torch::Tensor& w) {
     TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.device().is_cpu() && w.is_contiguous(),
                 "decode_stack: contiguous bf16 CPU weights");
+  }
+
+  static void check_linear(const PackedLinear& w) {
+    if (w.bits == 16)
+      check_bf16(w.weight);
+    else
+      packed_rows(w);  // checks the quantized tensors
   }
 
   // (B,) token ids -> their embedding rows (B, hidden)
   torch::Tensor embed(const torch::Tensor& input_ids) const {
     TORCH_CHECK(input_ids.scalar_type() == at::kLong && input_ids.dim() == 1 && input_ids.is_contiguous(),
                 "decode_stack: input_ids (B,) int64");
-    const int64_t tokens = input_ids.size(0), vocab = embedding_.size(0), width = embedding_.size(1);
-    auto hidden = torch::empty({tokens, width}, embedding_.options());
+    const torch::Tensor& table = embedding_.weight;
+    const int64_t tokens = input_ids.size(0), vocab = table.size(0), width = table.size(1);
+    auto hidden = torch::empty({tokens, width}, torch::dtype(at::kBFloat16));
+    auto* out = hidden.data_ptr<at::BFloat16>();
     const int64_t* ids = input_ids.data_ptr<int64_t>();
     for (int64_t t = 0; t < tokens; ++t) {
       TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab, "decode_stack: token id ", ids[t], " outside the vocabulary");
-      std::memcpy(hidden.data_ptr<at::BFloat16>() + t * width, embedding_.data_ptr<at::BFloat16>() + ids[t] * width,
-                  width * sizeof(at::BFloat16));
+      if (embedding_rows_)  // an int8 row, dequantized as the torch path does: bf16(q * scale)
+        embedding_rows_->dequantize(ids[t], ids[t] + 1, out + t * width);
+      else
+        std::memcpy(out + t * width, table.data_ptr<at::BFloat16>() + ids[t] * width, width * sizeof(at::BFloat16));
     }
     return hidden;
   }
 
-  torch::Tensor embedding_;
+  PackedLinear embedding_;
+  std::unique_ptr<QuantizedRows> embedding_rows_;  // int8 embeddings only
   std::vector<LayerWeights> layers_;
   int64_t num_q_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
@@ -129,7 +149,7 @@ class DecodeStack {
 
 void bind_decode_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
-      .def(pybind11::init<const torch::Tensor&, const std::vector<torch::Tensor>&, int64_t, int64_t, int64_t, double,
-                          double, bool, bool, int64_t>())
+      .def(pybind11::init<const PackedLinear&, const std::vector<torch::Tensor>&, const std::vector<PackedLinear>&,
+                          int64_t, int64_t, int64_t, double, double, bool, bool, int64_t>())
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

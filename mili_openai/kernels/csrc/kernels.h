@@ -25,3 +25,9 @@ torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& temp
 torch::Tensor truncation_thresholds(const torch::Tensor& logits, const torch::Tensor& temperature,
                                     const torch::Tensor& top_k, const torch::Tensor& top_p,
                                     const torch::Tensor& min_p);
+// Quantized weights (linear_int8.cpp, linear_int4.cpp; layouts in kernels/quantized.py)
+torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales);
+torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales,
+                          const torch::Tensor& zeros);
+torch::Tensor dequantize_int8(const torch::Tensor& weight, const torch::Tensor& scales);
+torch::Tensor dequantize_int4(const torch::Tensor& weight, const torch::Tensor& scales, const torch::Tensor& zeros);

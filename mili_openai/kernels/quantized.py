@@ -1,0 +1,157 @@
+"""Quantized weights as the kernels take them, their torch reference, and the CPU matmul over them.
+
+One layout serves the CPU kernels (csrc/linear_int8.cpp, csrc/linear_int4.cpp), the Triton ones
+(kernels/triton_quantized.py) and the torch fallback:
+
+- int8: `weight` int8 (N, K); `scales` float32 (N, G): weight[n, k] = q * scales[n, k // (K / G)], G = 1
+  for one scale per output row (else groups of a power of two values). Symmetric: no zero point.
+- int4: `weight` uint8 (N, K / 2), K a multiple of 64: each 64 values of a row take 32 bytes, byte j holding
+  value j in its low nibble and value 32 + j in its high one (so a kernel unpacks 32 values in order with
+  one mask or one shift); `scales` float16 (N, G); `zeros` uint8 (N, G) or None for 8 everywhere:
+  weight[n, k] = (q - zero) * scale of the group, groups of 32 values or a multiple of 64.
+
+The dequantized weight in a dtype is the float32 product rounded once to it: exactly what the CPU
+kernels multiply in bf16, and the weights the transformers oracle is given in tests.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+INT4_BLOCK = 64  # values per 32 packed bytes
+INT4_HALF = INT4_BLOCK // 2
+INT4_SYMMETRIC_ZERO = 8
+NIBBLE = 0x0F
+# Rows of a weight dequantized at once for a GEMM over many rows of x (a prefill chunk): all of a layer's,
+# a slice of a large LM head's (8192 x 1024 bf16: 16 MB).
+DEQUANTIZED_ROWS = 8192
+
+
+class PackedWeights(NamedTuple):
+    """A projection's weight in the layout above; `bits` 16 is a dense weight in the model's dtype."""
+
+    bits: int  # 16, 8 or 4
+    weight: torch.Tensor
+    scales: torch.Tensor | None = None
+    zeros: torch.Tensor | None = None
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1] * (2 if self.bits == 4 else 1)
+
+
+def pack_int4(levels: torch.Tensor) -> torch.Tensor:
+    """(N, K) levels 0..15 (any integer dtype) -> (N, K / 2) uint8 in the int4 layout."""
+    rows, k = levels.shape
+    if k % INT4_BLOCK:
+        raise ValueError(f"int4 weights need K a multiple of {INT4_BLOCK}, got {k}")
+    blocks = levels.to(torch.uint8).view(rows, k // INT4_BLOCK, 2, INT4_HALF)  # (N, blocks, low/high, 32)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(rows, k // 2)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """(N, K / 2) uint8 in the int4 layout -> (N, K) uint8 levels 0..15."""
+    rows, half = packed.shape
+    bytes_ = packed.view(rows, half // INT4_HALF, 1, INT4_HALF)
+    return torch.cat([bytes_ & NIBBLE, bytes_ >> 4], dim=2).reshape(rows, 2 * half)
+
+
+def _per_value(table: torch.Tensor, k: int) -> torch.Tensor:
+    """(N, G) per-group values -> (N, K), each repeated over its group."""
+    return table.repeat_interleave(k // table.shape[1], dim=1)
+
+
+def dequantize(packed: PackedWeights, dtype: torch.dtype) -> torch.Tensor:
+    """The weight (N, K) the packed one stands for: computed in float32, rounded once to `dtype`."""
+    if packed.bits == 16:
+        return packed.weight.to(dtype)
+    k = packed.in_features
+    scales = _per_value(packed.scales.float(), k)
+    if packed.bits == 8:
+        return (packed.weight.float() * scales).to(dtype)
+    zeros = (_per_value(packed.zeros.float(), k) if packed.zeros is not None
+             else torch.full((), float(INT4_SYMMETRIC_ZERO), device=packed.weight.device))
+    return ((unpack_int4(packed.weight).float() - zeros) * scales).to(dtype)
+
+
+def reference_linear(x: torch.Tensor, packed: PackedWeights) -> torch.Tensor:
+    """x @ dequantized.T in x's dtype: the always-correct path (any device, any dtype)."""
+    return F.linear(x, dequantize(packed, x.dtype))
+
+
+class CpuQuantizedLinear:
+    """The compiled int8/int4 matmuls where they apply (bf16 x on a CPU with AVX512-BF16), the reference
+    elsewhere. `module` is the compiled extension; `kernel_rows` and `large_matmul` come from the kernel
+    plan (kernels/planning.py): up to that many rows of x stream the packed weight, more dequantize it to
+    bf16 and run the GEMM the bf16 weights would."""
+
+    def __init__(self, module, bf16_dot_products: bool, plan) -> None:
+        self._module = module
+        self._bf16_dot_products = bf16_dot_products
+        self._plan = plan  # a callable returning the current KernelPlan (it is timed after load)
+
+    def supports(self, packed: PackedWeights) -> bool:
+        """Whether the compiled kernels take this weight (and this CPU runs them)."""
+        if packed.bits == 16:
+            return packed.weight.dtype == torch.bfloat16
+        if not self._bf16_dot_products or packed.weight.device.type != "cpu":
+            return False
+        groups = packed.scales.shape[1]
+        group = packed.in_features // groups
+        if packed.bits == 8:
+            return (packed.weight.dtype == torch.int8 and packed.scales.dtype == torch.float32 and group % 16 == 0
+                    and (groups == 1 or group & (group - 1) == 0))
+        return (packed.weight.dtype == torch.uint8 and packed.scales.dtype == torch.float16
+                and (group == INT4_HALF or group % INT4_BLOCK == 0))
+
+    def kernel_arguments(self, packed: PackedWeights) -> tuple[torch.Tensor, ...]:
+        """(weight, scales[, zeros]) as the extension's functions take them (empty zeros: symmetric)."""
+        if packed.bits == 8:
+            return packed.weight, packed.scales
+        zeros = packed.zeros if packed.zeros is not None else torch.empty(0, dtype=torch.uint8)
+        return packed.weight, packed.scales, zeros
+
+    def linear(self, x: torch.Tensor, packed: PackedWeights) -> torch.Tensor:
+        """x (..., K) @ dequantized(packed).T -> (..., N)."""
+        if not (x.dtype == torch.bfloat16 and x.device.type == "cpu" and packed.bits in (8, 4)
+                and self.supports(packed)):
+            return reference_linear(x, packed)
+        k, n = packed.in_features, packed.out_features
+        rows = x.numel() // k
+        flat = x.reshape(rows, k)
+        plan = self._plan()
+        if rows > plan.max_kernel_rows:
+            out = self._dequantized_matmul(flat, packed, plan.large_matmul)
+        else:
+            kernel = self._module.linear_int8 if packed.bits == 8 else self._module.linear_int4
+            out = kernel(flat, *self.kernel_arguments(packed))
+        return out.view(*x.shape[:-1], n)
+
+    def dequantize(self, packed: PackedWeights) -> torch.Tensor:
+        """bf16 (N, K), through the compiled kernels: the same values as `dequantize(packed, bfloat16)`."""
+        kernel = self._module.dequantize_int8 if packed.bits == 8 else self._module.dequantize_int4
+        return kernel(*self.kernel_arguments(packed))
+
+    def _dequantized_matmul(self, x: torch.Tensor, packed: PackedWeights, matmul) -> torch.Tensor:
+        n = packed.out_features
+        if n <= DEQUANTIZED_ROWS:
+            return matmul(x, self.dequantize(packed))
+        out = torch.empty(x.shape[0], n, dtype=x.dtype)
+        for start in range(0, n, DEQUANTIZED_ROWS):
+            part = packed_rows(packed, start, min(n, start + DEQUANTIZED_ROWS))
+            out[:, start:start + part.out_features] = matmul(x, self.dequantize(part))
+        return out
+
+
+def packed_rows(packed: PackedWeights, start: int, stop: int) -> PackedWeights:
+    """Output rows [start, stop) of a packed weight (views, no copy)."""
+    return PackedWeights(packed.bits, packed.weight[start:stop],
+                         None if packed.scales is None else packed.scales[start:stop],
+                         None if packed.zeros is None else packed.zeros[start:stop])
