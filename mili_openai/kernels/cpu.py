@@ -22,7 +22,7 @@ SOURCES = ("bindings.cpp", "linear_bf16.cpp", "linear_amx.cpp", "paged_decode_at
 QUANTIZED_SOURCES = ("linear_quantized.cpp", "linear_int8.cpp", "linear_int4.cpp")
 # not compiled on their own; torch hashes only SOURCES, hence the name bump below
 HEADERS = ("simd_bf16.h", "kernels.h", "prefill_products.h", "decode_blocks.h", "row_ranges.h", "amx_tiles.h",
-           "decode_shared_amx.h", "decode_partials.h", "prefill_amx.h", "quantized_linear.h")
+           "decode_shared_amx.h", "decode_partials.h", "prefill_amx.h", "quantized_linear.h", "quantized_tiles.h")
 EXTENSION_NAME = "mili_cpu_kernels_v53"  # bump when a source changes so torch's JIT cache rebuilds
 # -fopenmp: without it ATen's parallel_for compiles to a serial loop inside the extension
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"]

@@ -4,11 +4,12 @@ One layout serves the CPU kernels (csrc/linear_int8.cpp, csrc/linear_int4.cpp), 
 (kernels/triton_quantized.py) and the torch fallback:
 
 - int8: `weight` int8 (N, K); `scales` float32 (N, G): weight[n, k] = q * scales[n, k // (K / G)], G = 1
-  for one scale per output row (else groups of a power of two values). Symmetric: no zero point.
-- int4: `weight` uint8 (N, K / 2), K a multiple of 64: each 64 values of a row take 32 bytes, byte j holding
-  value j in its low nibble and value 32 + j in its high one (so a kernel unpacks 32 values in order with
-  one mask or one shift); `scales` float16 (N, G); `zeros` uint8 (N, G) or None for 8 everywhere:
-  weight[n, k] = (q - zero) * scale of the group, groups of 32 values or a multiple of 64.
+  for one scale per output row. Symmetric: no zero point.
+- int4: `weight` uint8 (N, K / 2), K a multiple of 128: each 128 values of a row take 64 bytes, read as 32
+  little-endian 16-bit words, word j holding values j, 32 + j, 64 + j and 96 + j in its nibbles from low
+  to high (so a kernel gets 32 values in order with one shift and one mask); `scales` float16 (N, G);
+  `zeros` uint8 (N, G) or None for 8 everywhere: weight[n, k] = (q - zero) * scale of the group, groups
+  of 32, 64 or a multiple of 128 values.
 
 The dequantized weight in a dtype is the float32 product rounded once to it: exactly what the CPU
 kernels multiply in bf16, and the weights the transformers oracle is given in tests.
@@ -21,8 +22,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-INT4_BLOCK = 64  # values per 32 packed bytes
-INT4_HALF = INT4_BLOCK // 2
+INT8_KERNEL_GROUP = 32  # the int8 kernel takes rows (or groups) of a multiple of this many values
+INT4_BLOCK = 128  # values per 64 packed bytes
+INT4_LANE = 32  # values a register takes from one nibble of each of 32 words
+INT4_GROUPS = (32, 64)  # group sizes below a block; larger ones are whole blocks
 INT4_SYMMETRIC_ZERO = 8
 NIBBLE = 0x0F
 # Rows of a weight dequantized at once for a GEMM over many rows of x (a prefill chunk): all of a layer's,
@@ -52,15 +55,19 @@ def pack_int4(levels: torch.Tensor) -> torch.Tensor:
     rows, k = levels.shape
     if k % INT4_BLOCK:
         raise ValueError(f"int4 weights need K a multiple of {INT4_BLOCK}, got {k}")
-    blocks = levels.to(torch.uint8).view(rows, k // INT4_BLOCK, 2, INT4_HALF)  # (N, blocks, low/high, 32)
-    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(rows, k // 2)
+    nibbles = levels.to(torch.int32).view(rows, k // INT4_BLOCK, 4, INT4_LANE)  # (N, blocks, nibble, word)
+    words = nibbles[:, :, 0] | nibbles[:, :, 1] << 4 | nibbles[:, :, 2] << 8 | nibbles[:, :, 3] << 12
+    low_high = torch.stack([words & 0xFF, words >> 8], dim=-1)  # little-endian bytes of each word
+    return low_high.to(torch.uint8).reshape(rows, k // 2)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """(N, K / 2) uint8 in the int4 layout -> (N, K) uint8 levels 0..15."""
     rows, half = packed.shape
-    bytes_ = packed.view(rows, half // INT4_HALF, 1, INT4_HALF)
-    return torch.cat([bytes_ & NIBBLE, bytes_ >> 4], dim=2).reshape(rows, 2 * half)
+    pairs = packed.view(rows, half // (2 * INT4_LANE), INT4_LANE, 2).to(torch.int32)
+    words = pairs[..., 0] | pairs[..., 1] << 8  # (N, blocks, 32)
+    nibbles = torch.stack([(words >> (4 * i)) & NIBBLE for i in range(4)], dim=2)  # (N, blocks, 4, 32)
+    return nibbles.to(torch.uint8).reshape(rows, 2 * half)
 
 
 def _per_value(table: torch.Tensor, k: int) -> torch.Tensor:
@@ -106,10 +113,10 @@ class CpuQuantizedLinear:
         groups = packed.scales.shape[1]
         group = packed.in_features // groups
         if packed.bits == 8:
-            return (packed.weight.dtype == torch.int8 and packed.scales.dtype == torch.float32 and group % 16 == 0
-                    and (groups == 1 or group & (group - 1) == 0))
+            return (packed.weight.dtype == torch.int8 and packed.scales.dtype == torch.float32
+                    and group % INT8_KERNEL_GROUP == 0)
         return (packed.weight.dtype == torch.uint8 and packed.scales.dtype == torch.float16
-                and (group == INT4_HALF or group % INT4_BLOCK == 0))
+                and (group in INT4_GROUPS or group % INT4_BLOCK == 0))
 
     def kernel_arguments(self, packed: PackedWeights) -> tuple[torch.Tensor, ...]:
         """(weight, scales[, zeros]) as the extension's functions take them (empty zeros: symmetric)."""

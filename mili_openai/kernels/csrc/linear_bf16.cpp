@@ -16,7 +16,6 @@
 #include <type_traits>
 
 #include "kernels.h"
-#include "quantized_linear.h"
 #include "row_ranges.h"
 #include "simd_bf16.h"
 
@@ -229,15 +228,6 @@ inline void with_chunk_rows(int64_t rows, F&& f) {
 #undef MILI_BF16_DOT
 
 }  // namespace
-
-void linear_bf16_rows(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* w, int64_t rows,
-                      at::BFloat16* y, int64_t ldy) {
-  for (int64_t m = 0; m < M; m += kMaxChunkRows) {
-    with_chunk_rows(M - m, [&](auto chunk) {  // the block is in cache: no chunk asks for it ahead
-      multiply_chunk<decltype(chunk)::value>(false, true, x + m * K, nullptr, K, w, y + m * ldy, ldy, 0, rows);
-    });
-  }
-}
 
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool bf16_dot_products, bool amx_tiles) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "linear_bf16: bf16 inputs only");

@@ -1,30 +1,63 @@
-// int8 weights (N, K) with float32 scales per output row, or per group of K / G values along a row:
+// int8 weights (N, K) with float32 scales per output row, or per group of values along a row:
 // weight[n, k] stands for q[n, k] * scales[n, k / (K / G)] (symmetric, no zero point).
 //
-// One row of x streams the weights as fp32 FMAs over the exact integers: 16 weights widen with a sign
-// extend and a convert, and a row's scale multiplies its finished sum (with several groups, each group's
-// scale multiplies the widened weights instead). So the result is x . (q * s) rounded once, to bf16.
-// Several rows of x take blocks of bf16(q * s) (dequantize), as the prefill path's GEMM takes them.
+// Decoding (quantized_tiles.h multiplies): 16 values widen with a sign extend and a convert, and two such
+// vectors pack into 32 bf16. With one scale per row the bf16 values are the exact integers and the scale
+// multiplies each finished sum, so the result is x . (q * scale) up to fp32 rounding; with groups each
+// group's scale multiplies the widened values first, giving bf16(q * scale), the bf16 weights the torch
+// reference (and the prefill path's GEMM, through `dequantize`) rounds to.
 #include <torch/extension.h>
 #include <immintrin.h>
 
+#include <vector>
+
 #include "quantized_linear.h"
-#include "simd_bf16.h"
+#include "quantized_tiles.h"
 
 namespace {
 
-using mili::kLanes;
-#define MILI_INT8 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+using namespace mili::quantized;
+constexpr int64_t kLanes = 16;  // fp32 values per 512-bit register
 
-constexpr int kUnroll = 8;  // independent partial sums along K: FMA latency x ports, as linear_bf16's stream
-constexpr int64_t kStep = kUnroll * kLanes;  // 128 weights: two cache lines per step
-// Ask for the lines 8 and 16 KB ahead into L2 once per 256 bytes (two steps): the nudge that keeps the
-// hardware prefetchers ahead of linear_bf16's single-row stream.
-constexpr int64_t kStreamAheadBytes[] = {8192, 16384};
-
-MILI_INT8 inline __m512 widen_int8(const int8_t* p) {
+MILI_QUANTIZED inline __m512 widen_int8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+
+// 32 values at p, each times `scale`, as bf16
+MILI_QUANTIZED inline __m512i scaled_pairs(const int8_t* p, __m512 scale) {
+  return (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(widen_int8(p + kLanes), scale), _mm512_mul_ps(widen_int8(p), scale));
+}
+
+// Rows with one scale each (kGrouped false) or a scale per group of `group` values.
+template <bool kGrouped>
+struct Int8Decoder {
+  static constexpr int64_t kPrefetchValues = 512;
+  struct Row {
+    const int8_t* values;
+    const float* scales;
+    __m512 scale;           // the group's, where grouped
+    int64_t group_end = 0;  // where the group in `scale` ends
+  };
+
+  const int8_t* weight;
+  const float* scales;
+  int64_t K, groups, group;
+
+  Row row(int64_t n) const { return {weight + n * K, scales + n * groups, _mm512_setzero_ps()}; }
+  const char* address(const Row& row, int64_t k) const { return reinterpret_cast<const char*>(row.values + k); }
+
+  MILI_QUANTIZED __m512i weights(Row& row, int64_t k) const {
+    const int8_t* p = row.values + k;
+    if constexpr (kGrouped) {
+      if (k == row.group_end) row.scale = _mm512_set1_ps(row.scales[k / group]), row.group_end += group;
+      return scaled_pairs(p, row.scale);
+    } else {
+      return (__m512i)_mm512_cvtne2ps_pbh(widen_int8(p + kLanes), widen_int8(p));
+    }
+  }
+
+  float finish(const Row& row, float sum) const { return kGrouped ? sum : sum * row.scales[0]; }
+};
 
 class Int8Rows final : public QuantizedRows {
  public:
@@ -35,91 +68,37 @@ class Int8Rows final : public QuantizedRows {
                 weight.device().is_cpu(), "int8 linear: weight (N, K) int8, contiguous, on CPU");
     TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == weight.size(0) &&
                 scales.is_contiguous(), "int8 linear: scales (N, G) float32");
-    TORCH_CHECK(groups_ >= 1 && K_ % groups_ == 0 && group_ % kLanes == 0 &&
-                (groups_ == 1 || (group_ & (group_ - 1)) == 0),
-                "int8 linear: one group per row, or groups of a power of two (at least 16) values along K");
-    while ((int64_t{1} << group_shift_) < group_) ++group_shift_;
-    values_ = weight.data_ptr<int8_t>();
-    scale_values_ = scales.data_ptr<float>();
+    TORCH_CHECK(groups_ >= 1 && K_ % groups_ == 0 && group_ % kPairLanes == 0,
+                "int8 linear: groups (or rows) of a multiple of 32 values along K");
   }
 
-  bool streams_fp32_x() const override { return true; }
+  std::vector<torch::Tensor> prepare(const torch::Tensor&) const override { return {}; }
 
-  void stream(const void* x, int64_t begin, int64_t end, at::BFloat16* y) const override {
-    const auto* xf = static_cast<const float*>(x);
-    for (int64_t n = begin; n < end; ++n) y[n - begin] = at::BFloat16(groups_ == 1 ? row_dot(xf, n) : grouped_row_dot(xf, n));
+  void multiply(const torch::Tensor& x, const std::vector<torch::Tensor>&, int64_t begin, int64_t end,
+                at::BFloat16* y, int64_t ldy) const override {
+    const auto* xb = x.data_ptr<at::BFloat16>();
+    if (groups_ == 1)
+      multiply_rows(decoder<false>(), xb, x.size(0), K_, begin, end, y, ldy);
+    else
+      multiply_rows(decoder<true>(), xb, x.size(0), K_, begin, end, y, ldy);
   }
 
-  MILI_INT8 void dequantize(int64_t begin, int64_t end, at::BFloat16* out) const override {
+  MILI_QUANTIZED void dequantize(int64_t begin, int64_t end, at::BFloat16* out) const override {
+    auto d = decoder<true>();
     for (int64_t n = begin; n < end; ++n) {
-      const int8_t* w = row(n);
-      at::BFloat16* o = out + (n - begin) * K_;
-      for (int64_t g = 0; g < groups_; ++g) {
-        const __m512 scale = _mm512_set1_ps(scale_values_[n * groups_ + g]);
-        const int64_t stop = (g + 1) * group_;
-        int64_t k = g * group_;
-        for (; k + 2 * kLanes <= stop; k += 2 * kLanes) {
-          const __m512 first = _mm512_mul_ps(widen_int8(w + k), scale);
-          const __m512 second = _mm512_mul_ps(widen_int8(w + k + kLanes), scale);
-          _mm512_storeu_si512(o + k, (__m512i)_mm512_cvtne2ps_pbh(second, first));
-        }
-        if (k < stop)  // a group of an odd multiple of 16 values
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + k), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(widen_int8(w + k), scale)));
-      }
+      auto row = d.row(n);
+      for (int64_t k = 0; k < K_; k += kPairLanes) _mm512_storeu_si512(out + (n - begin) * K_ + k, d.weights(row, k));
     }
   }
 
  private:
-  const int8_t* row(int64_t n) const { return values_ + n * K_; }
-
-  // x . q[n] over the exact integers, then the row's scale
-  MILI_INT8 float row_dot(const float* x, int64_t n) const {
-    const int8_t* w = row(n);
-    __m512 acc[kUnroll];
-    for (auto& a : acc) a = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + kStep <= K_; k += kStep) {
-      if (k % (2 * kStep) == 0)
-        for (const int64_t ahead : kStreamAheadBytes) _mm_prefetch(reinterpret_cast<const char*>(w + k) + ahead, _MM_HINT_T1);
-      for (int u = 0; u < kUnroll; ++u)
-        acc[u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + u * kLanes), widen_int8(w + k + u * kLanes), acc[u]);
-    }
-    for (; k < K_; k += kLanes) acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), widen_int8(w + k), acc[0]);
-    return reduce(acc) * scale_values_[n];
-  }
-
-  // x . (q[n] * group scales): each group's scale multiplies its widened weights (groups of 2^shift values)
-  MILI_INT8 float grouped_row_dot(const float* x, int64_t n) const {
-    const int8_t* w = row(n);
-    const float* scales = scale_values_ + n * groups_;
-    __m512 acc[kUnroll];
-    for (auto& a : acc) a = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + kStep <= K_; k += kStep) {
-      if (k % (2 * kStep) == 0)
-        for (const int64_t ahead : kStreamAheadBytes) _mm_prefetch(reinterpret_cast<const char*>(w + k) + ahead, _MM_HINT_T1);
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t at = k + u * kLanes;
-        const __m512 weights = _mm512_mul_ps(widen_int8(w + at), _mm512_set1_ps(scales[at >> group_shift_]));
-        acc[u] = _mm512_fmadd_ps(_mm512_loadu_ps(x + at), weights, acc[u]);
-      }
-    }
-    for (; k < K_; k += kLanes)
-      acc[0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), _mm512_mul_ps(widen_int8(w + k), _mm512_set1_ps(scales[k >> group_shift_])), acc[0]);
-    return reduce(acc);
-  }
-
-  MILI_INT8 static float reduce(const __m512 (&acc)[kUnroll]) {
-    __m512 sum = acc[0];
-    for (int u = 1; u < kUnroll; ++u) sum = _mm512_add_ps(sum, acc[u]);
-    return _mm512_reduce_add_ps(sum);
+  template <bool kGrouped>
+  Int8Decoder<kGrouped> decoder() const {
+    return {weight_.data_ptr<int8_t>(), scales_.data_ptr<float>(), K_, groups_, group_};
   }
 
   torch::Tensor weight_, scales_;
   int64_t K_, groups_, group_;  // K, groups per row, values per group
-  int group_shift_ = 0;  // log2(group_) where there are several groups
-  const int8_t* values_;  // weight_'s
-  const float* scale_values_;  // scales_'s
 };
 
 }  // namespace

@@ -1,16 +1,10 @@
-// The driver shared by the int8 and int4 matmuls: how threads split the weight rows, and what one row of x
-// and several rows of x do differently.
-//
-// One row of x (a decode step at batch 1, the LM head of every step) is bound by reading the weight: each
-// thread streams its own contiguous range of rows, dequantizing in registers (linear_int8.cpp,
-// linear_int4.cpp), and takes from the back of the other's range when done, as linear_bf16 does
-// (row_ranges.h). Several rows of x dequantize a block of weight rows into a bf16 buffer that stays in
-// L1/L2 and run linear_bf16's pair-product tiles over it: each weight is dequantized once per call
-// whatever the batch, and the products are the bf16 kernel's.
+// The driver shared by the int8 and int4 matmuls (linear_int8.cpp, linear_int4.cpp): how threads split the
+// weight rows. Each streams its own contiguous range, dequantizing in registers, and takes from the back of
+// the other's range when done, as linear_bf16 does (row_ranges.h): a thread that loses its core for a
+// while holds up no one.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <algorithm>
 #include <vector>
 
 #include "kernels.h"
@@ -19,7 +13,7 @@
 
 namespace {
 
-constexpr int64_t kBlockRows = 24;          // weight rows a block holds (24 x 3072 bf16: 144 KB, in L2)
+constexpr int64_t kBlockRows = 24;  // rows a thread steals at a time, and its range's granularity
 constexpr int64_t kOwnerClaimRows = 2 * kBlockRows;  // rows a thread claims at a time from its own range
 
 void check_x(const torch::Tensor& x, int64_t K) {
@@ -49,23 +43,12 @@ void split_rows(int64_t N, int64_t granule, int64_t claim, Work&& work) {
 
 torch::Tensor quantized_linear(const torch::Tensor& x, const QuantizedRows& rows, int64_t N, int64_t K) {
   check_x(x, K);
-  const int64_t M = x.size(0);
-  auto y = torch::empty({M, N}, x.options());
-  auto* yp = y.data_ptr<at::BFloat16>();
-  if (M == 1) {
-    const torch::Tensor xs = rows.streams_fp32_x() ? x.to(at::kFloat).contiguous() : x.contiguous();
-    const void* xp = xs.data_ptr();
-    split_rows(N, kBlockRows, kOwnerClaimRows, [&](int64_t begin, int64_t end) { rows.stream(xp, begin, end, yp + begin); });
-    return y;
-  }
   const torch::Tensor xs = x.contiguous();
-  const auto* xp = xs.data_ptr<at::BFloat16>();
-  split_rows(N, kBlockRows, kBlockRows, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<at::BFloat16> block;
-    block.resize(static_cast<size_t>(kBlockRows * K));
-    rows.dequantize(begin, end, block.data());
-    linear_bf16_rows(xp, M, K, block.data(), end - begin, yp + begin, N);
-  });
+  auto y = torch::empty({x.size(0), N}, x.options());
+  auto* yp = y.data_ptr<at::BFloat16>();
+  const std::vector<torch::Tensor> prepared = rows.prepare(xs);
+  split_rows(N, kBlockRows, kOwnerClaimRows,
+             [&](int64_t begin, int64_t end) { rows.multiply(xs, prepared, begin, end, yp + begin, N); });
   return y;
 }
 

@@ -5,6 +5,9 @@
 
 #include <torch/extension.h>
 
+#include <memory>
+#include <vector>
+
 // One projection's weight as the decode stack holds it.
 struct PackedLinear {
   int64_t bits;           // 16: bf16 (N, K); 8: int8 (N, K); 4: uint8 (N, K / 2), two values a byte
@@ -17,15 +20,16 @@ struct PackedLinear {
 class QuantizedRows {
  public:
   virtual ~QuantizedRows() = default;
-  virtual bool streams_fp32_x() const = 0;  // whether `stream` takes x widened to fp32 (else bf16)
-  // y[n - begin] = bf16(x . dequantized row n) for n in [begin, end), x one row of K values
-  virtual void stream(const void* x, int64_t begin, int64_t end, at::BFloat16* y) const = 0;
+  // What `multiply` needs from x (M, K) bf16, computed once per call.
+  virtual std::vector<torch::Tensor> prepare(const torch::Tensor& x) const = 0;
+  // y[m * ldy + n - begin] = bf16(x[m] . dequantized row n) for n in [begin, end) and every row m of x.
+  virtual void multiply(const torch::Tensor& x, const std::vector<torch::Tensor>& prepared, int64_t begin,
+                        int64_t end, at::BFloat16* y, int64_t ldy) const = 0;
   // rows [begin, end) dequantized to bf16, K values apart
   virtual void dequantize(int64_t begin, int64_t end, at::BFloat16* out) const = 0;
 };
 
-// y (M, N) = x (M, K) @ dequantized(rows).T: one row of x streams the weight once (rows.stream); more rows
-// dequantize blocks of weight rows into cache and multiply them with linear_bf16's tiles.
+// y (M, N) = x (M, K) @ dequantized(rows).T, each weight row read once for all rows of x.
 torch::Tensor quantized_linear(const torch::Tensor& x, const QuantizedRows& rows, int64_t N, int64_t K);
 // Every row of `rows` dequantized, (N, K) bf16.
 torch::Tensor quantized_dequantize(const QuantizedRows& rows, int64_t N, int64_t K);
@@ -38,8 +42,3 @@ std::unique_ptr<QuantizedRows> packed_rows(const PackedLinear& w);  // bits 8 or
 
 // x (M, K) bf16 @ w.T whatever the weight's format; the decode stack's one matmul.
 torch::Tensor linear_packed(const torch::Tensor& x, const PackedLinear& w, bool bf16_dot_products, bool amx_tiles);
-
-// linear_bf16's pair-product tiles over one block of bf16 weight rows already in cache: y[m, r] for m < M,
-// r < rows, y rows ldy apart (in linear_bf16.cpp).
-void linear_bf16_rows(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* w, int64_t rows,
-                      at::BFloat16* y, int64_t ldy);
