@@ -24,6 +24,8 @@ from mili_openai.config import (
     ATTENTION_BACKENDS,
     DEVICES,
     DTYPES,
+    QUANTIZATION_GROUP_SIZES,
+    QUANTIZATION_METHODS,
     EngineConfig,
     ServerConfig,
     SpeculativeConfig,
@@ -85,6 +87,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help='speculative decoding, as vLLM\'s flag: \'{"method": "ngram", "num_speculative_tokens": 4, '
                           '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 4}\' (the last '
                           'three optional)')
+    eng.add_argument("--quantization", "-q", choices=QUANTIZATION_METHODS, default=None,
+                     help="quantize a bf16 checkpoint's weights as it loads: int8 (a scale per row), int4 (groups, "
+                          "zero points), fp8 (CUDA: e4m3 weights and activations); the LM head goes int8 under int8 "
+                          "and int4. Pre-quantized checkpoints (fp8, awq, gptq in config.json) need no flag")
+    eng.add_argument("--quantization-group-size", type=int, choices=QUANTIZATION_GROUP_SIZES,
+                     default=engine.quantization_group_size, help="int4: values along a row per scale")
     eng.add_argument("--enforce-eager", action="store_true",
                      help="CUDA: run decode steps op by op rather than replay them from CUDA graphs")
     eng.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=engine.attention_backend,
@@ -132,6 +140,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,
         tensor_parallel_size=args.tensor_parallel_size,
+        quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
     )
     return ServerConfig(
         engine=engine,

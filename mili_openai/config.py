@@ -24,6 +24,9 @@ ATTENTION_BACKENDS = ("auto", "triton", "torch")
 
 
 SPECULATIVE_METHODS = ("ngram",)
+# weights quantized as a bf16 checkpoint loads (model/quantization): int8 and int4 on CPU and CUDA, fp8 on CUDA
+QUANTIZATION_METHODS = ("int8", "int4", "fp8")
+QUANTIZATION_GROUP_SIZES = (32, 64, 128)  # int4: values along a row per scale and zero point
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +105,9 @@ class EngineConfig:
     # worker processes that each hold a shard of the model (one GPU each on CUDA); 1 = the model runs in the
     # engine process itself (engine/tp_runner.py)
     tensor_parallel_size: int = 1
+    # None = the checkpoint's own weights (quantized ones as config.json's quantization_config declares)
+    quantization: str | None = None
+    quantization_group_size: int = 128  # int4's group
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):  # as the offline LLM(speculative_config={...}) takes it
@@ -132,6 +138,11 @@ class EngineConfig:
             raise ValueError("max_model_len must be >= 2")
         if not self.generation_config:
             raise ValueError("generation_config must be 'auto', 'none' or a directory")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
+        if self.quantization_group_size not in QUANTIZATION_GROUP_SIZES:
+            raise ValueError(f"quantization_group_size must be one of {QUANTIZATION_GROUP_SIZES}, "
+                             f"got {self.quantization_group_size!r}")
 
     def for_device(self, device_type: str) -> EngineConfig:
         """This config with the defaults that depend on the device ("cpu" or "cuda") filled in; what is set

@@ -32,6 +32,7 @@ class FakeEngine:
         self.tokenizer = tokenizer
         self.model_path = Path("/fake/Qwen3-fake")
         self.max_model_len = max_model_len
+        self.quantization = None
         self.vocab_size = FAKE_VOCAB_SIZE
         self.sampling_defaults: dict[str, float | int] = {}  # a test may set the model's defaults
         self.eos_token_ids = (tokenizer.eos_token_id,)

@@ -96,6 +96,7 @@ class AsyncEngine:
         self.tokenizer = self.core.tokenizer
         self.model_path = self.core.model_path
         self.max_model_len = self.core.max_model_len
+        self.quantization = self.core.quantization
         self.vocab_size = self.core.vocab_size
         self.sampling_defaults = self.core.sampling_defaults
         self.eos_token_ids = self.core.eos_token_ids

@@ -49,6 +49,7 @@ class EngineCore:
         self.sampling_defaults: SamplingDefaults = {}
         self.runner = runner
         self.tokenizer = tokenizer
+        self.quantization = runner.quantization  # None, or what the weights are (for /v1/models)
         model_config = runner.model_config
         self.vocab_size = model_config.vocab_size
         self.eos_token_ids = tuple(model_config.eos_token_ids)

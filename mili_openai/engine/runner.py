@@ -17,6 +17,7 @@ from mili_openai.config import EngineConfig
 from mili_openai.distributed import TensorParallelGroup
 from mili_openai.engine.batch_builder import PromptScoring, build_forward_batch, pending_inputs, prompt_scorings
 from mili_openai.engine.cuda_graphs import AHEAD_CONTEXT, DecodeGraphs
+from mili_openai.engine.memory_budget import BYTES_PER_GIB, check_kv_cache_fits, log_memory, weight_bytes
 from mili_openai.engine.memory_profile import profile_gpu_memory
 from mili_openai.engine.outputs import TokenLogprob
 from mili_openai.engine.sampler import Sampler, SamplerOutput, SamplingRow, token_logprobs
@@ -30,7 +31,6 @@ from mili_openai.model.tensor_parallel import shard_config
 
 logger = logging.getLogger(__name__)
 
-BYTES_PER_GIB = 1 << 30
 PROMPT_SCORING_ROWS = 64  # prompt rows whose logits exist at once (64 x Qwen3's vocabulary: 39 MB)
 
 
@@ -68,8 +68,11 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         config = config.for_device(self.device.type)
         self.model, self.model_config = load_model(model_path, resolve_dtype(config.dtype, model_path), self.device,
-                                                   attention_backend=config.attention_backend, parallel=parallel)
-        self.dtype = next(self.model.parameters()).dtype
+                                                   attention_backend=config.attention_backend, parallel=parallel,
+                                                   quantization=config.quantization,
+                                                   group_size=config.quantization_group_size)
+        self.dtype = self.model.dtype
+        self.quantization = self.model.quantization  # None, or what the weights are
         self.page_size = config.page_size
         self.page_tables = self.model.uses_page_tables  # build page tables, not slot tables, for its kernel
         self.parallel = parallel
@@ -82,7 +85,11 @@ class ModelRunner:
                       and self.model.model.rotary_emb.dynamic_limit is None)
         # with graphs, one page more than the engine hands out: its first slot takes padded rows' K/V
         pool_pages = self.num_pages + (1 if use_graphs else 0)
+        weights = weight_bytes(self.model)
+        kv_bytes = pool_pages * KVCache.bytes_per_page(self.kv_config, self.page_size, self.dtype)
+        check_kv_cache_fits(kv_bytes, weights, self.device)
         self.kv_cache = KVCache(self.kv_config, pool_pages, self.page_size, self.dtype, self.device)
+        log_memory(weights, self.quantization, self.dtype, kv_bytes, pool_pages, self.page_size)
         self.decode_graphs = None
         if use_graphs:
             self._capture_decode_graphs(config)

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mili_openai.kernels.quantized import PackedWeights
+
 # (x (..., in), weight (out, in)) -> (..., out); F.linear or a kernel with the same contract
 MatmulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -46,6 +48,11 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.weight)
+
+    @property
+    def packed(self) -> PackedWeights:
+        """The weight as the decode stack takes every projection's (dense: 16 bits a value)."""
+        return PackedWeights(16, self.weight)
 
     def extra_repr(self) -> str:
         return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}"

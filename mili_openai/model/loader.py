@@ -16,6 +16,12 @@ from safetensors.torch import load_file
 from mili_openai.distributed import TensorParallelGroup
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.huge_pages import move_parameters_to_huge_pages
+from mili_openai.model.quantization.apply import load_checkpoint_quantization, quantize_model
+from mili_openai.model.quantization.spec import (
+    DEFAULT_INT4_GROUP_SIZE,
+    check_quantization,
+    read_checkpoint_quantization,
+)
 from mili_openai.model.qwen3 import Qwen3ForCausalLM
 from mili_openai.model.tensor_parallel import CheckpointShard, shard_config
 from mili_openai.model.weights import CheckpointError, checkpoint_to_model_state
@@ -80,15 +86,18 @@ def _read_slices(file: Path, rank_slices: CheckpointShard) -> dict[str, torch.Te
 def load_model(
     path: str | os.PathLike, dtype: torch.dtype, device: torch.device, use_decode_kernel: bool = True,
     attention_backend: str = "auto", parallel: TensorParallelGroup | None = None,
+    quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE,
 ) -> tuple[Qwen3ForCausalLM, ModelConfig]:
     """-> (model in eval mode on `device` with weights in `dtype`, its config).
 
     `parallel`: this process is one rank of a tensor-parallel group; the model holds its shard
     (model/tensor_parallel.py). The config returned is the whole model's.
-
+    `quantization`: int8, int4 (groups of `group_size`) or fp8 (CUDA) weights, quantized from the checkpoint's
+    as they load; a checkpoint that config.json declares quantized (fp8, awq, gptq) loads as it is stored
+    (model/quantization/spec.py). `model.quantization` says which, if any. Dense models on one rank only.
     `use_decode_kernel`: on a CPU with AVX512, use the compiled kernels: decode and prefill attention from
-    the paged pool, and with bf16 weights the matmuls, RMSNorms, q/k norm + RoPE and SwiGLU's activation (the model
-    falls back to torch when they cannot be built).
+    the paged pool, and with bf16 weights the matmuls (dense and quantized), RMSNorms, q/k norm + RoPE and
+    SwiGLU's activation (the model falls back to torch when they cannot be built).
     `attention_backend` (EngineConfig.attention_backend): "auto" runs the Triton kernels on CUDA where they
     take the model's shapes; "triton" insists on them (and takes the CPU under Triton's interpreter);
     "torch" keeps torch's SDPA on CUDA.
@@ -96,20 +105,30 @@ def load_model(
     directory = Path(path)
     config = ModelConfig.from_pretrained(directory)
     device = torch.device(device)
+    checkpoint_quantization = read_checkpoint_quantization(directory)
+    check_quantization(quantization, checkpoint_quantization, device.type)
+    if (quantization or checkpoint_quantization) and (parallel is not None or config.moe is not None):
+        raise ValueError("quantized weights run dense models on one rank: not with --tensor-parallel-size > 1, "
+                         "nor with MoE checkpoints, yet")
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config, parallel)
-    expected = model.state_dict().keys()
     rank_slices = CheckpointShard(config, parallel.rank, parallel.size) if parallel is not None else None
-    tensors = {name: t.to(dtype=dtype) for name, t in read_checkpoint_tensors(directory, rank_slices).items()}
-    state = checkpoint_to_model_state(tensors, config, expected)
-    state = {name: t.to(device) for name, t in state.items()}
+    tensors = read_checkpoint_tensors(directory, rank_slices)
+    if checkpoint_quantization is not None:
+        model.quantization = load_checkpoint_quantization(model, tensors, checkpoint_quantization, dtype, device)
+    placed = {name: t for name, t in model.state_dict().items() if not t.is_meta}  # quantized modules' own
+    tensors = {name: t.to(dtype=dtype) if t.is_floating_point() else t for name, t in tensors.items()}
+    state = checkpoint_to_model_state(tensors, config, model.state_dict().keys() - placed.keys())
+    state = {name: t.to(device) for name, t in state.items()} | placed
     try:
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as exc:  # size mismatches: the config and the weights disagree
         raise CheckpointError(f"checkpoint weights do not fit {directory / 'config.json'}: {exc}") from exc
     model.to(device)  # the RoPE buffer, built on CPU, follows the weights
     model.requires_grad_(False).eval()
-    del tensors, state  # the parameters hold the only references: each frees as it moves below
+    del tensors, state, placed  # the parameters hold the only references: each frees as it moves below
+    if quantization is not None and checkpoint_quantization is None:
+        model.quantization = quantize_model(model, quantization, group_size)
     if device.type == "cpu":
         move_parameters_to_huge_pages(model)
     rank_config = shard_config(config, parallel.size) if parallel is not None else config
@@ -119,6 +138,8 @@ def load_model(
         _use_cpu_kernels(model, dtype)
     if device.type == "cuda" and config.moe is not None:
         _use_triton_moe(model)
+    if device.type == "cuda":
+        _use_cuda_kernels(model)
     return model, config
 
 
@@ -167,5 +188,14 @@ def _use_cpu_kernels(model: Qwen3ForCausalLM, dtype: torch.dtype) -> None:
     model.set_attention_kernel(kernels)
     if dtype == torch.bfloat16:
         model.set_matmul(kernels.linear)
+        model.set_quantized_matmul(kernels.quantized.linear)
         model.set_fused_op_kernel(kernels)
         model.set_decode_stack_kernel(kernels)
+
+
+def _use_cuda_kernels(model: Qwen3ForCausalLM) -> None:
+    """int8/int4 projections through the Triton kernels, where Triton is there (else the torch reference)."""
+    from mili_openai.kernels.triton_quantized import triton_quantized_linear
+
+    if triton_quantized_linear is not None:
+        model.set_quantized_matmul(triton_quantized_linear)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mili_openai.distributed import TensorParallelGroup
+from mili_openai.kernels.quantized import PackedWeights
 from mili_openai.model.attention import Qwen3Attention
 from mili_openai.model.batch import ForwardBatch
 from mili_openai.model.config import ModelConfig
@@ -27,6 +28,7 @@ from mili_openai.model.kv_cache import KVCache
 from mili_openai.model.layers import FusedOpKernel, Linear, MatmulFn, RMSNorm, SwiGLUMLP
 from mili_openai.model.moe import ExpertsKernel, GroupedExperts, SparseMoeBlock
 from mili_openai.model.paged_attention import AttentionKernel, PagedAttentionKernel
+from mili_openai.model.quantization.modules import QuantizedEmbedding, QuantizedLinear, QuantizedMatmulFn
 from mili_openai.model.rope import RotaryEmbedding, RotaryTable
 from mili_openai.model.tensor_parallel import VocabParallelEmbedding, shard_config
 
@@ -42,8 +44,9 @@ class DecodeStack(Protocol):
 
 
 class DecodeStackKernel(Protocol):
-    def decode_stack(self, embedding: torch.Tensor, weights: list[torch.Tensor], num_q_heads: int,
-                     num_kv_heads: int, head_dim: int, eps: float, scale: float) -> DecodeStack | None: ...
+    def decode_stack(self, embedding: PackedWeights, norms: list[torch.Tensor], linears: list[PackedWeights],
+                     num_q_heads: int, num_kv_heads: int, head_dim: int, eps: float,
+                     scale: float) -> DecodeStack | None: ...
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -80,9 +83,14 @@ class Qwen3Model(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
         self.decode_stack: DecodeStack | None = None  # set by Qwen3ForCausalLM.set_decode_stack_kernel
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype: the dense weights' (norms are never quantized)."""
+        return self.norm.weight.dtype
+
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, signed_sin) of the positions, (T, 1, D) each in the weights' dtype, shared by all layers."""
-        return self.rotary_emb(positions, self.embed_tokens.weight.dtype)
+        return self.rotary_emb(positions, self.dtype)
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         cos, sin = batch.rotary if batch.rotary is not None else self.rotary(batch.positions)
@@ -106,24 +114,33 @@ class Qwen3ForCausalLM(nn.Module):
         self.parallel = parallel
         local = shard_config(config, parallel.size) if parallel is not None else config
         self.model = Qwen3Model(local, parallel)
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, local.vocab_size)
+        # with tied embeddings there is no head (logits use the embedding matrix), unless a quantization
+        # scheme made one that the embedding reads its rows from (model/quantization/apply.py)
+        self.lm_head: nn.Module | None = (None if config.tie_word_embeddings
+                                          else Linear(config.hidden_size, local.vocab_size))
         self._logits_matmul: MatmulFn = F.linear
         self.uses_page_tables = False  # whether forward batches must carry page tables (set_attention_kernel)
+        self.quantization: str | None = None  # the scheme's description, set by the loader
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Run every token of the batch, writing its K/V into `kv_cache`; -> (T, hidden) after the final norm."""
-        weight_dtype = self.model.embed_tokens.weight.dtype
-        if kv_cache.dtype != weight_dtype:  # index_copy_ would fail deep inside the first layer otherwise
-            raise ValueError(f"KV cache dtype {kv_cache.dtype} differs from the model's {weight_dtype}")
+        if kv_cache.dtype != self.dtype:  # index_copy_ would fail deep inside the first layer otherwise
+            raise ValueError(f"KV cache dtype {kv_cache.dtype} differs from the model's {self.dtype}")
         return self.model(batch, kv_cache)
 
     def rotary_table(self) -> RotaryTable:
         """A table of (cos, signed_sin) by position, for building `ForwardBatch.rotary` ahead of a forward
         (which then skips computing them)."""
-        return RotaryTable(self.model.rotary_emb, self.model.embed_tokens.weight.dtype)
+        return RotaryTable(self.model.rotary_emb, self.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (N, hidden) -> logits (N, vocab) float32; computed in the weights' dtype like transformers."""
+        if isinstance(self.lm_head, QuantizedLinear):  # quantized models run on one rank
+            return self.lm_head(hidden).float()
         weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
         logits = self._logits_matmul(hidden, weight)  # (N, vocab slice)
         if self.parallel is not None:  # every rank's slice, the padding past the vocabulary cut off
@@ -163,20 +180,33 @@ class Qwen3ForCausalLM(nn.Module):
         if kernel is None or self.parallel is not None or self.config.moe is not None:
             self.model.decode_stack = None
             return
-        weights = []
+        norms: list[torch.Tensor] = []
+        linears: list[PackedWeights] = []
         for layer in self.model.layers:
             attention, mlp = layer.self_attn, layer.mlp
-            weights += [layer.input_layernorm.weight, attention.qkv_proj.weight, attention.q_norm.weight,
-                        attention.k_norm.weight, attention.o_proj.weight, layer.post_attention_layernorm.weight,
-                        mlp.gate_up_proj.weight, mlp.down_proj.weight]
+            norms += [layer.input_layernorm.weight, attention.q_norm.weight, attention.k_norm.weight,
+                      layer.post_attention_layernorm.weight]
+            modules = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(isinstance(module, Linear | QuantizedLinear) for module in modules):  # fp8: CUDA only
+                self.model.decode_stack = None
+                return
+            linears += [module.packed for module in modules]
+        embed = self.model.embed_tokens
+        embedding = embed.packed if isinstance(embed, QuantizedEmbedding) else PackedWeights(16, embed.weight)
         attention = self.model.layers[0].self_attn
-        self.model.decode_stack = kernel.decode_stack(self.model.embed_tokens.weight, weights, attention.num_heads,
+        self.model.decode_stack = kernel.decode_stack(embedding, norms, linears, attention.num_heads,
                                                       attention.num_kv_heads, attention.head_dim,
                                                       self.config.rms_norm_eps, attention.scale)
 
     def set_matmul(self, matmul: MatmulFn) -> None:
-        """Route every projection and the LM head through `matmul` (e.g. the bf16 decode kernel)."""
+        """Route every dense projection and the LM head through `matmul` (e.g. the bf16 decode kernel)."""
         for module in self.modules():
             if isinstance(module, (Linear, GroupedExperts)):
                 module.matmul = matmul
         self._logits_matmul = matmul
+
+    def set_quantized_matmul(self, matmul: QuantizedMatmulFn) -> None:
+        """Route every quantized projection (int8, int4) through `matmul` (e.g. the CPU kernels)."""
+        for module in self.modules():
+            if isinstance(module, QuantizedLinear):
+                module.matmul = matmul

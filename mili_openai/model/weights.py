@@ -58,7 +58,8 @@ def checkpoint_to_model_state(
         if sparse:
             _stack_experts(tensors, prefix, config.moe.num_experts, state, missing)
         for fused, parts in FUSED_PARTS.items():
-            if sparse and fused == DENSE_MLP:
+            if (sparse and fused == DENSE_MLP) or f"{prefix}.{fused}.weight" not in expected:  # experts, or a
+                # quantized module that already holds it
                 continue
             names = [f"{prefix}.{part}.weight" for part in parts]
             absent = [name for name in names if name not in tensors]

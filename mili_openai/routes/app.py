@@ -100,8 +100,9 @@ async def load_engine(server: ServerState) -> None:
     if server.config.freeze_gc_after_load:
         freeze_heap()  # before the first request: the collection in it holds the GIL for ~0.2 s
     server.engine = engine
-    logger.info("model %s loaded from %s; serving (max_model_len %d)", server.served_model_name,
-                engine.model_path, engine.max_model_len)
+    logger.info("model %s loaded from %s; serving (max_model_len %d, %s)", server.served_model_name,
+                engine.model_path, engine.max_model_len,
+                f"quantization {engine.quantization}" if engine.quantization else "unquantized")
     logger.info(describe_sampling_defaults(engine.sampling_defaults))
     speculative = server.config.engine.speculative_config
     if speculative is not None:

@@ -63,6 +63,7 @@ async def list_models(request: Request) -> Response:
         "root": str(engine.model_path),
         "parent": None,
         "max_model_len": engine.max_model_len,
+        "quantization": engine.quantization,  # null, or what the weights are (int8, int4, awq, ...)
     }
     return json_response({"object": "list", "data": [model]})
 

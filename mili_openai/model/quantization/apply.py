@@ -1,0 +1,125 @@
+"""Putting a quantization scheme into a Qwen3 model: quantizing its dense projections after load
+(`--quantization`), or building them from a pre-quantized checkpoint's tensors before load.
+
+The LM head: under int8 and int4 it is quantized to int8 with one scale per row (at least int8, as
+llama.cpp keeps its output matrix above 4 bits); tied to the embedding (Qwen3-0.6B), the embedding then
+reads its rows from the same int8 matrix, dequantized row by row, rather than keeping a bf16 copy. Under
+fp8 it stays dense, as in vLLM. Pre-quantized checkpoints keep whatever the checkpoint holds.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from mili_openai.model.config import ModelConfig
+from mili_openai.model.qwen3 import Qwen3ForCausalLM
+from mili_openai.model.quantization.dynamic import quantize_fp8, quantize_int4, quantize_int8
+from mili_openai.model.quantization.formats import pack_rows, read_awq, read_fp8, read_gptq
+from mili_openai.model.quantization.modules import (
+    Fp8BlockLinear,
+    Fp8Linear,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    dequantize_fp8_blocks,
+)
+from mili_openai.model.quantization.spec import CheckpointQuantization
+from mili_openai.model.weights import FUSED_PARTS, LAYER_PREFIX, CheckpointError
+
+logger = logging.getLogger(__name__)
+
+LAYER_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+LM_HEAD = "lm_head"
+QUANTIZED_MARKERS = {"awq": "qweight", "gptq": "qweight", "fp8": "weight_scale_inv"}
+
+
+def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    parent_name, _, attribute = name.rpartition(".")
+    return (model.get_submodule(parent_name) if parent_name else model), attribute
+
+
+def quantize_model(model: Qwen3ForCausalLM, method: str, group_size: int) -> str:
+    """Quantize every decoder projection (and the LM head, see the module docstring) in place, freeing the
+    dense weights; -> what was done, for the start-up log and /v1/models."""
+    config = model.config
+    for layer in range(config.num_hidden_layers):
+        for projection in LAYER_PROJECTIONS:
+            parent, attribute = _parent(model, f"{LAYER_PREFIX}.{layer}.{projection}")
+            dense = getattr(parent, attribute).weight.detach()
+            setattr(parent, attribute, _quantized(dense, method, group_size))
+    if method == "fp8":
+        return "fp8 (e4m3 weights with a scale per row, activations per token; LM head unquantized)"
+    tied = model.lm_head is None
+    head = model.model.embed_tokens.weight if tied else model.lm_head.weight
+    model.lm_head = QuantizedLinear(quantize_int8(head.detach()))
+    if tied:
+        model.model.embed_tokens = QuantizedEmbedding(model.lm_head, model.dtype)
+    layers = "int8 (a scale per row)" if method == "int8" else f"int4 (groups of {group_size}, zero points)"
+    return f"{layers}; LM head int8" + (" (the embedding reads its rows)" if tied else "")
+
+
+def _quantized(dense: torch.Tensor, method: str, group_size: int) -> nn.Module:
+    if method == "int8":
+        return QuantizedLinear(quantize_int8(dense))
+    if method == "int4":
+        return QuantizedLinear(quantize_int4(dense, group_size))
+    return Fp8Linear(*quantize_fp8(dense))
+
+
+def load_checkpoint_quantization(model: Qwen3ForCausalLM, tensors: dict[str, torch.Tensor],
+                                 quant: CheckpointQuantization, dtype: torch.dtype, device: torch.device) -> str:
+    """Build each quantized projection of a pre-quantized checkpoint (its tensors popped from `tensors`, fused
+    projections concatenated) and put it in `model` (built on the meta device). FP8 projections that run
+    dense (on CPU, or whose blocks do not line up for fusing) go back into `tensors` dequantized, under their
+    checkpoint names, for the dense load. -> a description."""
+    marker = QUANTIZED_MARKERS[quant.method]
+    dense_fp8 = 0
+    for name, prefixes in _projections(model.config):
+        quantized = [p for p in prefixes if f"{p}.{marker}" in tensors]
+        if not quantized:
+            continue
+        if len(quantized) != len(prefixes):
+            raise CheckpointError(f"{name}: some of {', '.join(prefixes)} are quantized and some not")
+        if name == LM_HEAD and model.config.tie_word_embeddings:
+            raise CheckpointError("a quantized LM head tied to the embedding is not supported")
+        if quant.method == "fp8":
+            parts = [read_fp8(tensors, p, quant) for p in prefixes]
+            module = _fp8_module(parts, quant, device)
+            if module is None:  # dense: dequantized here, fused by the dense load
+                for prefix, (weight, scale_inv) in zip(prefixes, parts):
+                    tensors[f"{prefix}.weight"] = dequantize_fp8_blocks(weight, scale_inv, quant.block).to(dtype)
+                dense_fp8 += 1
+                continue
+        else:
+            read = read_awq if quant.method == "awq" else read_gptq
+            module = QuantizedLinear(pack_rows([read(tensors, p, quant) for p in prefixes], quant.bits, name))
+        parent, attribute = _parent(model, name)
+        setattr(parent, attribute, module.to(device))
+    if dense_fp8:
+        logger.info("fp8 checkpoint: %d projections dequantized to %s at load (fp8 matmuls need a CUDA GPU)",
+                    dense_fp8, dtype)
+        return f"{quant.describe()}, dequantized to {str(dtype).removeprefix('torch.')} at load"
+    return quant.describe()
+
+
+def _fp8_module(parts: list[tuple[torch.Tensor, torch.Tensor]], quant: CheckpointQuantization,
+                device: torch.device) -> nn.Module | None:
+    """The fused fp8 projection on CUDA, or None (dense) on CPU or where a part's rows end inside a block."""
+    rows = quant.block[0]
+    if device.type != "cuda" or any(weight.shape[0] % rows for weight, _ in parts[:-1]):
+        return None
+    return Fp8BlockLinear(torch.cat([w for w, _ in parts]), torch.cat([s for _, s in parts]), quant.block)
+
+
+def _projections(config: ModelConfig) -> list[tuple[str, list[str]]]:
+    """(our module name, the checkpoint prefixes it is made of) for every projection and the LM head."""
+    out = []
+    for layer in range(config.num_hidden_layers):
+        prefix = f"{LAYER_PREFIX}.{layer}"
+        for projection in LAYER_PROJECTIONS:
+            parts = FUSED_PARTS.get(projection, (projection,))
+            out.append((f"{prefix}.{projection}", [f"{prefix}.{part}" for part in parts]))
+    out.append((LM_HEAD, [LM_HEAD]))
+    return out
