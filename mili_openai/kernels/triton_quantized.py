@@ -31,14 +31,6 @@ BLOCK_K = 32  # one int4 nibble lane: 32 values of K from 32 consecutive 16-bit 
 if triton is not None:
 
     @triton.jit
-    def _round_to_bf16(v):
-        """float32 -> the nearest bf16 (ties to even), still as float32: what torch's .to(bfloat16) gives.
-        In integer ops, as the interpreter's own conversion truncates."""
-        bits = v.to(tl.uint32, bitcast=True)
-        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return rounded.to(tl.float32, bitcast=True)
-
-    @triton.jit
     def _quantized_matmul(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, groups, group_size,
                           BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INT4_BLOCK: tl.constexpr,
@@ -71,14 +63,16 @@ if triton is not None:
                 else:
                     zero = SYMMETRIC_ZERO
                 w = (level.to(tl.float32) - zero) * scale
-            if ROUND_BF16:
-                w = _round_to_bf16(w)
+            if ROUND_BF16:  # to the nearest bf16, ties to even, as torch's .to(bfloat16) (kept as float32)
+                bits = w.to(tl.uint32, bitcast=True)
+                w = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
             if DOT_FP32:  # float32 activations, or the interpreter (its bf16 tl.dot is wrong): exact products
                 acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
             else:  # w holds values of x's dtype already: the conversion is exact
                 acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-        if ROUND_BF16:  # exactly representable then, whatever the conversion's rounding
-            acc = _round_to_bf16(acc)
+        if ROUND_BF16:  # rounded here, in integer ops: the interpreter's own conversion truncates
+            bits = acc.to(tl.uint32, bitcast=True)
+            acc = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
         tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & col_ok[None, :])
 

@@ -1,0 +1,155 @@
+"""Shared by the quantization tests: a model shape int4 takes (rows of multiples of 128), checkpoints in the
+AWQ, GPTQ and FP8 layouts written from a dense one, and dense checkpoints of dequantized weights for the
+transformers oracle.
+
+The packing here is written from the formats' descriptions (AutoAWQ's GEMM packer, GPTQ's row packing,
+DeepSeek-style FP8 blocks), independently of the loader's unpacking, so a loader that reads the layouts
+wrongly fails the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from mili_openai.kernels.quantized import dequantize
+from mili_openai.model.checkpoint import ModelShape
+
+QUANT_SHAPE = ModelShape(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32)
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj")
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ puts column AWQ_ORDER[i] of each eight in nibble i
+FP8_MAX = 448.0
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(path / "model.safetensors"))
+
+
+def write_checkpoint(source: Path, target: Path, tensors: dict[str, torch.Tensor],
+                     quantization_config: dict | None) -> Path:
+    """`source`'s config, tokenizer and generation config, with `tensors` as the weights."""
+    shutil.copytree(source, target, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((source / "config.json").read_text())
+    config.pop("quantization_config", None)
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(target / "model.safetensors"),
+              metadata={"format": "pt"})
+    return target
+
+
+def quantize_groups(w: torch.Tensor, bits: int, group: int, symmetric: bool):
+    """(N, K) -> levels (N, K), float16 scales (N, G), zeros (N, G): min/max quantization per group."""
+    n, k = w.shape
+    top = (1 << bits) - 1
+    g = w.float().view(n, k // group, group)
+    if symmetric:
+        scale = (g.abs().amax(-1) / (top // 2)).half().float().clamp(min=1e-8)
+        zero = torch.full_like(scale, float((top + 1) // 2))
+    else:
+        low, high = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+        scale = ((high - low) / top).half().float().clamp(min=1e-8)
+        zero = torch.round(-low / scale).clamp(1, top)  # GPTQ v1 cannot store a zero point of 0
+    levels = torch.round(g / scale[..., None] + zero[..., None]).clamp(0, top)
+    return levels.view(n, k).long(), scale.half(), zero.long()
+
+
+def dequantized(levels, scales, zeros, group: int) -> torch.Tensor:
+    rep = lambda t: t.float().repeat_interleave(group, dim=1)  # noqa: E731
+    return (levels.float() - rep(zeros)) * rep(scales)
+
+
+def pack_fields(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Consecutive values along `dim` into int32s, value i of each in bits i*bits upward."""
+    per = 32 // bits
+    v = values.long().movedim(dim, -1)
+    v = v.reshape(*v.shape[:-1], v.shape[-1] // per, per)
+    packed = (v << (torch.arange(per) * bits)).sum(-1)
+    return packed.to(torch.int32).movedim(-1, dim)  # wraps past 2^31 as the int32 the formats store
+
+
+def awq_tensors(prefix: str, w: torch.Tensor, group: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    levels, scales, zeros = quantize_groups(w, 4, group, symmetric=False)
+
+    def pack(values: torch.Tensor) -> torch.Tensor:  # (R, C) -> (R, C / 8), AutoAWQ's column order
+        rows, cols = values.shape
+        order = values.view(rows, cols // 8, 8)[..., list(AWQ_ORDER)]
+        return pack_fields(order.reshape(rows, cols), 4, 1)
+
+    tensors = {f"{prefix}.qweight": pack(levels.t()), f"{prefix}.qzeros": pack(zeros.t()),
+               f"{prefix}.scales": scales.t()}
+    return tensors, dequantized(levels, scales, zeros, group)
+
+
+def gptq_tensors(prefix: str, w: torch.Tensor, bits: int, group: int | None, symmetric: bool,
+                 stored_zero_offset: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    k = w.shape[1]
+    levels, scales, zeros = quantize_groups(w, bits, group or k, symmetric)
+    tensors = {f"{prefix}.qweight": pack_fields(levels.t(), bits, 0),  # (K * bits / 32, N): rows packed
+               f"{prefix}.qzeros": pack_fields((zeros - stored_zero_offset).t() & ((1 << bits) - 1), bits, 1),
+               f"{prefix}.scales": scales.t(),
+               f"{prefix}.g_idx": (torch.arange(k) // (group or k)).to(torch.int32)}
+    return tensors, dequantized(levels, scales, zeros, group or k)
+
+
+def fp8_tensors(prefix: str, w: torch.Tensor, block: tuple[int, int]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    n, k = w.shape
+    rows, cols = -(-n // block[0]), -(-k // block[1])
+    padded = torch.zeros(rows * block[0], cols * block[1])
+    padded[:n, :k] = w.float()
+    blocks = padded.view(rows, block[0], cols, block[1])
+    scale = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)  # (rows, cols)
+    q = (blocks / scale[:, None, :, None]).view_as(padded)[:n, :k].to(torch.float8_e4m3fn)
+    full = scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    return {f"{prefix}.weight": q, f"{prefix}.weight_scale_inv": scale}, q.float() * full
+
+
+def write_quantized(source: Path, target: Path, reference: Path, method: str, **options) -> None:
+    """A checkpoint at `target` with every projection quantized in `method`'s layout, and at `reference` the
+    dense float32 checkpoint of the weights those stand for (for transformers)."""
+    dense = {name: t.float() for name, t in read_weights(source).items()}
+    packed, plain = dict(dense), dict(dense)
+    for layer in range(QUANT_SHAPE.num_hidden_layers):
+        for projection in PROJECTIONS:
+            prefix = f"model.layers.{layer}.{projection}"
+            w = packed.pop(f"{prefix}.weight")
+            if method == "awq":
+                tensors, weight = awq_tensors(prefix, w, options["group"])
+            elif method == "gptq":
+                tensors, weight = gptq_tensors(prefix, w, options["bits"], options["group"], options["symmetric"],
+                                               options["stored_zero_offset"])
+            else:
+                tensors, weight = fp8_tensors(prefix, w, options["block"])
+            packed.update(tensors)
+            plain[f"{prefix}.weight"] = weight
+    write_checkpoint(source, target, packed, options["config"])
+    write_checkpoint(source, reference, plain, None)
+
+
+def write_dequantized(model, source: Path, target: Path) -> Path:
+    """A dense float32 checkpoint of what a loaded mili model's (quantized) weights stand for."""
+    tensors = {name: t.float() for name, t in read_weights(source).items()}
+    config = model.config
+    q_rows = config.num_attention_heads * config.head_dim
+    kv_rows = config.num_key_value_heads * config.head_dim
+    for index, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{index}"
+        weights = {name: dequantize(module.packed, torch.float32) for name, module in (
+            ("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj), ("gate_up", layer.mlp.gate_up_proj),
+            ("down", layer.mlp.down_proj))}
+        q, k, v = weights["qkv"].split([q_rows, kv_rows, kv_rows])
+        gate, up = weights["gate_up"].split(config.intermediate_size)
+        tensors.update({f"{prefix}.self_attn.q_proj.weight": q, f"{prefix}.self_attn.k_proj.weight": k,
+                        f"{prefix}.self_attn.v_proj.weight": v, f"{prefix}.self_attn.o_proj.weight": weights["o"],
+                        f"{prefix}.mlp.gate_proj.weight": gate, f"{prefix}.mlp.up_proj.weight": up,
+                        f"{prefix}.mlp.down_proj.weight": weights["down"]})
+    head = dequantize(model.lm_head.packed, torch.float32)
+    tensors["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"] = head
+    return write_checkpoint(source, target, tensors, None)

@@ -1,0 +1,132 @@
+"""The int8/int4 matmul kernels against the torch reference on the dequantized weights: the compiled CPU
+kernels (skipped without AVX512-BF16) and the Triton kernel under Triton's interpreter on CPU tensors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mili_openai.kernels import cpu_supports_kernels, load_cpu_kernels
+from mili_openai.kernels.quantized import DEQUANTIZED_ROWS, PackedWeights, dequantize, pack_int4, reference_linear
+from mili_openai.model.quantization.dynamic import quantize_int4, quantize_int8
+
+RELATIVE_TOLERANCE = 1e-2  # fp32 sums, one bf16 rounding of the output: 1% of the largest output
+SUBPROCESS_TIMEOUT_S = 300  # a hang guard only
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    loaded = load_cpu_kernels() if cpu_supports_kernels() else None
+    if loaded is None or not loaded.bf16_dot_products:
+        pytest.skip("the quantized kernels need AVX512-BF16")
+    return loaded
+
+
+def random_packed(bits: int, n: int, k: int, groups: int, zeros: bool, seed: int) -> PackedWeights:
+    generator = torch.Generator().manual_seed(seed)
+    if bits == 8:
+        q = torch.randint(-127, 128, (n, k), generator=generator, dtype=torch.int8)
+        return PackedWeights(8, q, torch.rand(n, groups, generator=generator) / 100)
+    levels = torch.randint(0, 16, (n, k), generator=generator)
+    zero_points = torch.randint(0, 17, (n, groups), generator=generator).to(torch.uint8) if zeros else None
+    return PackedWeights(4, pack_int4(levels), (torch.rand(n, groups, generator=generator) / 20).half(), zero_points)
+
+
+def assert_close_to_reference(got: torch.Tensor, x: torch.Tensor, packed: PackedWeights) -> None:
+    want = F.linear(x.float(), dequantize(packed, torch.float32))
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want, rtol=RELATIVE_TOLERANCE,
+                               atol=RELATIVE_TOLERANCE * float(want.abs().max()))
+
+
+# K: one int4 block, the model's widths, and 384 (three blocks: an odd count for the two-block unroll)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16])
+@pytest.mark.parametrize("n,k", [(7, 128), (100, 1024), (33, 384), (64, 3072)])
+@pytest.mark.parametrize("bits,group,zeros", [(8, None, False), (8, 128, False), (8, 32, False), (4, 32, True),
+                                              (4, 64, True), (4, 128, True), (4, 128, False), (4, None, True)])
+def test_kernels_match_the_dequantized_matmul(kernels, rows, n, k, bits, group, zeros):
+    packed = random_packed(bits, n, k, k // (group or k), zeros, seed=rows * 1000 + n)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    kernel = kernels._module.linear_int8 if bits == 8 else kernels._module.linear_int4
+    assert_close_to_reference(kernel(x, *kernels.quantized.kernel_arguments(packed)), x, packed)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_dequantizing_kernels_give_the_references_bf16(kernels, bits):
+    """The prefill path's weights: exactly what the reference rounds to bf16."""
+    for group, zeros in ((None, False), (32, True), (128, False)):
+        packed = random_packed(bits, 37, 256, 256 // (group or 256), zeros, seed=group or 0)
+        assert torch.equal(kernels.quantized.dequantize(packed), dequantize(packed, torch.bfloat16))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_every_weight_row_is_written_whatever_the_threads(kernels, threads):
+    packed = random_packed(4, 1000, 256, 2, True, seed=5)
+    x = torch.randn(3, 256).bfloat16()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 3):
+            assert_close_to_reference(kernels.quantized.linear(x[:rows], packed), x[:rows], packed)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_linear_routes_rows_fallbacks_and_large_heads(kernels):
+    w = torch.randn(64, 256) / 16
+    for packed in (quantize_int8(w), quantize_int4(w, 128)):
+        x = torch.randn(2, 5, 256).bfloat16()  # leading dims
+        assert_close_to_reference(kernels.quantized.linear(x, packed).view(10, 64), x.view(10, 256), packed)
+        many = torch.randn(kernels.max_kernel_rows + 1, 256).bfloat16()  # a prefill chunk: dequantize + GEMM
+        assert_close_to_reference(kernels.quantized.linear(many, packed), many, packed)
+        fp32 = torch.randn(3, 256)  # not bf16: the reference, exactly
+        assert torch.equal(kernels.quantized.linear(fp32, packed), reference_linear(fp32, packed))
+    head = quantize_int8(torch.randn(DEQUANTIZED_ROWS + 100, 128) / 16)  # dequantized slice by slice
+    many = torch.randn(kernels.max_kernel_rows + 1, 128).bfloat16()
+    assert_close_to_reference(kernels.quantized.linear(many, head), many, head)
+
+
+def test_unsupported_layouts_keep_the_reference(kernels):
+    odd_group = PackedWeights(8, torch.ones(4, 96, dtype=torch.int8), torch.ones(4, 2))  # groups of 48
+    assert not kernels.quantized.supports(odd_group)
+    x = torch.randn(1, 96).bfloat16()
+    assert torch.equal(kernels.quantized.linear(x, odd_group), reference_linear(x, odd_group))
+
+
+# Run in a fresh interpreter: Triton picks its interpreter when it is first imported in a process.
+TRITON_CHECK = """
+import torch
+from mili_openai.kernels.quantized import reference_linear
+from mili_openai.kernels.triton_quantized import triton_quantized_linear
+from mili_openai.model.quantization.dynamic import quantize_int4, quantize_int8
+from test_quantized_kernels import random_packed
+
+w = torch.randn(40, 256, generator=torch.Generator().manual_seed(3)) / 16
+for packed in (quantize_int8(w), quantize_int4(w, 64), quantize_int4(w, 128), random_packed(4, 40, 256, 2, False, 9)):
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in (1, 3, 17):
+            x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(dtype)
+            got, want = triton_quantized_linear(x, packed), reference_linear(x, packed)
+            assert got.dtype == dtype
+            # bf16: the same bf16 weights and fp32 sums in another order, so at most an output rounding apart
+            tolerance = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
+            torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)
+print("checked")
+"""
+
+
+def test_triton_kernel_matches_the_reference():
+    """In the interpreter, on the same bf16 weights as the reference, float32 products (triton_quantized.py)."""
+    pytest.importorskip("triton")
+    tests_dir = Path(__file__).parent
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(tests_dir), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True,
+                          timeout=SUBPROCESS_TIMEOUT_S)
+    assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-3000:]
