@@ -1,0 +1,188 @@
+"""Quantized models end to end, against HF transformers on the dequantized weights: `--quantization` int8 and
+int4, and AWQ, GPTQ and FP8 checkpoints written in their layouts by the tests. float32 activations run the
+torch reference (greedy tokens identical to the oracle's); bf16 runs the compiled kernels, held to the
+modules bit for bit (the decode stack) and to the oracle as closely as transformers' own bf16."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+import torch
+
+from engine_helpers import assert_matches, hf_greedy, load_hf, random_prompts
+from helpers_server import served_engine
+from model_helpers import PagedSequences, random_tokens
+from quant_helpers import QUANT_SHAPE, write_dequantized, write_quantized
+
+from mili_openai import LLM, SamplingParams
+from mili_openai.engine.memory_budget import weight_bytes
+from mili_openai.kernels import cpu_supports_kernels, load_cpu_kernels
+from mili_openai.model import CheckpointError, KVCache, build_random_checkpoint, load_model
+from mili_openai.model.checkpoint import ModelShape
+from mili_openai.model.quantization.modules import QuantizedEmbedding, QuantizedLinear
+
+CPU = torch.device("cpu")
+PROMPT_LENGTHS = [1, 9, 40, 130]
+MAX_NEW = 8
+BF16_ERROR_RATIO = 1.5  # our bf16 error vs the float32 oracle, relative to transformers' own bf16 error
+UNTIED_SHAPE = ModelShape(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=4, head_dim=32, tie_word_embeddings=False, rope_theta=10000.0)
+GPTQ_CONFIG = {"quant_method": "gptq", "desc_act": False, "sym": True, "static_groups": False}
+FORMATS = {
+    "awq": dict(group=64, config={"quant_method": "awq", "bits": 4, "group_size": 64, "version": "gemm",
+                                  "zero_point": True}),
+    "gptq-int4": dict(bits=4, group=128, symmetric=True, stored_zero_offset=1,
+                      config={**GPTQ_CONFIG, "bits": 4, "group_size": 128}),
+    "gptq-int8": dict(bits=8, group=None, symmetric=True, stored_zero_offset=1,
+                      config={**GPTQ_CONFIG, "bits": 8, "group_size": -1}),
+    "gptq-v2-int4-asym": dict(bits=4, group=32, symmetric=False, stored_zero_offset=0,
+                              config={**GPTQ_CONFIG, "bits": 4, "group_size": 32, "sym": False,
+                                      "checkpoint_format": "gptq_v2"}),
+    "fp8": dict(block=(128, 128), config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                          "weight_block_size": [128, 128]}),
+}
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
+
+
+@pytest.fixture(scope="module", params=["tied", "untied"])
+def dense(request, tmp_path_factory):
+    shape = QUANT_SHAPE if request.param == "tied" else UNTIED_SHAPE
+    return build_random_checkpoint(tmp_path_factory.mktemp(f"dense-{request.param}"), shape, seed=3,
+                                   dtype=torch.bfloat16)
+
+
+def oracle_tokens(reference) -> tuple[list[list[int]], list]:
+    prompts = random_prompts(len(PROMPT_LENGTHS), PROMPT_LENGTHS, seed=11)
+    hf = load_hf(reference)
+    return prompts, [hf_greedy(hf, prompt, MAX_NEW) for prompt in prompts]
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_at_load_matches_transformers_on_the_dequantized_weights(dense, method, tmp_path):
+    model, _ = load_model(dense, torch.float32, CPU, quantization=method, group_size=64)
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(layers) == 4 * model.config.num_hidden_layers + 1  # and the LM head, int8
+    assert model.lm_head.bits == 8 and isinstance(model.model.embed_tokens, QuantizedEmbedding) == (
+        model.config.tie_word_embeddings)
+    prompts, expected = oracle_tokens(write_dequantized(model, dense, tmp_path / "dequantized"))
+    llm = LLM(str(dense), dtype="float32", num_pages=128, quantization=method, quantization_group_size=64)
+    assert llm.core.quantization.startswith(method)
+    assert_matches(llm.generate(prompts, greedy()), expected)
+    llm.core.check_integrity()
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_prequantized_checkpoints_load_as_their_formats_say(dense, name, tmp_path):
+    options = FORMATS[name]
+    quantized, reference = tmp_path / "quantized", tmp_path / "reference"
+    write_quantized(dense, quantized, reference, name.split("-")[0], **options)
+    prompts, expected = oracle_tokens(reference)
+    llm = LLM(str(quantized), dtype="float32", num_pages=128)
+    assert llm.core.quantization.startswith(name.split("-")[0])
+    assert_matches(llm.generate(prompts, greedy()), expected)
+
+
+def test_refused_checkpoints_fail_at_start_with_the_reason(tmp_path):
+    dense = build_random_checkpoint(tmp_path / "dense", QUANT_SHAPE, seed=4)
+    act_order = dict(FORMATS["gptq-int4"])
+    act_order["config"] = {**act_order["config"], "desc_act": True}
+    write_quantized(dense, tmp_path / "act-order", tmp_path / "ref1", "gptq", **act_order)
+    with pytest.raises(ValueError, match="desc_act"):
+        LLM(str(tmp_path / "act-order"), dtype="float32", num_pages=16)
+    write_quantized(dense, tmp_path / "awq", tmp_path / "ref2", "awq", **FORMATS["awq"])
+    with pytest.raises(ValueError, match="already quantized"):
+        LLM(str(tmp_path / "awq"), dtype="float32", num_pages=16, quantization="int8")
+    # a g_idx out of order is an act-order checkpoint whatever its config says
+    from safetensors.torch import load_file, save_file
+
+    write_quantized(dense, tmp_path / "shuffled", tmp_path / "ref3", "gptq", **FORMATS["gptq-int4"])
+    tensors = load_file(str(tmp_path / "shuffled" / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.g_idx"
+    tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, str(tmp_path / "shuffled" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="g_idx"):
+        load_model(tmp_path / "shuffled", torch.float32, CPU)
+
+
+def test_quantized_weights_take_their_bits(tmp_path):
+    dense = build_random_checkpoint(tmp_path / "dense", QUANT_SHAPE, seed=5, dtype=torch.bfloat16)
+    sizes = {method: weight_bytes(load_model(dense, torch.bfloat16, CPU, use_decode_kernel=False,
+                                             quantization=method)[0]) for method in (None, "int8", "int4")}
+    assert sizes["int4"] < sizes["int8"] < 0.6 * sizes[None]
+
+
+needs_kernels = pytest.mark.skipif(
+    not (cpu_supports_kernels() and load_cpu_kernels() is not None and load_cpu_kernels().bf16_dot_products),
+    reason="the quantized kernels need AVX512-BF16")
+
+
+def decode_schedule() -> tuple[dict[str, list[int]], list]:
+    tokens = {key: random_tokens(n, seed=20 + i) for i, (key, n) in enumerate({"a": 14, "b": 30, "c": 12}.items())}
+    steps = [([], [("a", 6), ("b", 20)]), (["a", "b"], [("c", 5)]), (["a", "b", "c"], []), (["c", "a", "b"], []),
+             (["a", "b"], [("c", 2)]), (["a", "b", "c"], []), (["b"], [])]
+    return tokens, steps
+
+
+@torch.inference_mode()
+def run_steps(model, config, tokens, steps, seed: int) -> tuple[list, torch.Tensor]:
+    pages = PagedSequences(num_pages=64, page_size=4, seed=seed)
+    for key, seq in tokens.items():
+        pages.add(key, seq)
+    cache = KVCache(config, 64, 4, model.dtype, CPU)
+    rows = []
+    for decode, prefill in steps:
+        batch, keys = pages.batch(decode, prefill)
+        logits = model.compute_logits(model(batch, cache)[batch.logits_indices])
+        rows.extend((key, position, logits[i]) for i, (key, position) in enumerate(keys))
+    return rows, cache.pools
+
+
+@needs_kernels
+@pytest.mark.parametrize("method", ["int8", "int4", "awq"])
+def test_decode_stack_runs_quantized_weights_as_the_modules_do(method, tmp_path):
+    """Decode-only steps through the compiled stack: logits and K/V exactly those of the same kernels called
+    module by module."""
+    dense = build_random_checkpoint(tmp_path / "dense", QUANT_SHAPE, seed=6, dtype=torch.bfloat16)
+    path = dense
+    if method == "awq":
+        path = tmp_path / "awq"
+        write_quantized(dense, path, tmp_path / "reference", "awq", **FORMATS["awq"])
+    model, config = load_model(path, torch.bfloat16, CPU, quantization=None if method == "awq" else method)
+    stack = model.model.decode_stack
+    assert stack is not None
+    tokens, steps = decode_schedule()
+    with_stack = run_steps(model, config, tokens, steps, seed=1)
+    model.model.decode_stack = None
+    with_modules = run_steps(model, config, tokens, steps, seed=1)
+    model.model.decode_stack = stack
+    for (key, position, got), (_, _, want) in zip(with_stack[0], with_modules[0]):
+        assert torch.equal(got, want), f"{key} position {position}"
+    assert torch.equal(with_stack[1], with_modules[1])
+
+
+@needs_kernels
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_bf16_kernels_as_close_to_the_oracle_as_transformers_bf16(method, tmp_path):
+    dense = build_random_checkpoint(tmp_path / "dense", QUANT_SHAPE, seed=7, dtype=torch.bfloat16)
+    model, config = load_model(dense, torch.bfloat16, CPU, quantization=method)
+    assert model.model.decode_stack is not None
+    reference = write_dequantized(model, dense, tmp_path / "dequantized")
+    hf32, hf16 = load_hf(reference), load_hf(reference, torch.bfloat16)
+    tokens, steps = decode_schedule()
+    rows, _ = run_steps(model, config, tokens, steps, seed=2)
+    with torch.inference_mode():
+        oracle = {key: hf32(torch.tensor([seq])).logits[0].float() for key, seq in tokens.items()}
+        hf_error = max(float((hf16(torch.tensor([seq])).logits[0].float() - oracle[key]).abs().max())
+                       for key, seq in tokens.items())
+    our_error = max(float((row - oracle[key][position]).abs().max()) for key, position, row in rows)
+    assert our_error <= BF16_ERROR_RATIO * hf_error
+
+
+def test_models_endpoint_states_the_quantization(tmp_path):
+    dense = build_random_checkpoint(tmp_path / "dense", QUANT_SHAPE, seed=8)
+    with served_engine(dense, num_pages=32, quantization="int4") as (live, _):
+        models = openai.OpenAI(base_url=live.api_base, api_key="x").models.list()
+        assert models.data[0].model_extra["quantization"].startswith("int4 (groups of 128")
