@@ -14,6 +14,10 @@ and per-token rates always come from each server's own usage counts (shown in th
     .venv/bin/python scripts/compare_serving.py --servers mili --workloads W3
     .venv/bin/python scripts/compare_serving.py --render-only          # tables from existing JSON
     python scripts/compare_serving.py --device cuda                    # both servers on the GPU
+    # quantized weights, beside llama.cpp's server on GGUF conversions of the same checkpoint:
+    .venv/bin/python scripts/compare_serving.py --servers mili --quantization int8 int4 --no-limits \
+        --llama-server /path/to/llama-server --llama-gguf q8_0=/path/q8_0.gguf --llama-gguf Q4_K_M=/path/q4km.gguf \
+        --section quantized
 
 On CUDA the limits are the GPU's (its read bandwidth, its bf16 GEMM peak) and the tables go to a section
 of their own in the doc, beside the CPU one.
@@ -49,6 +53,10 @@ from mili_openai.bench.server_process import LOCALHOST, ServerProcess, ServerSpe
 from serving_limits import measure_machine_limits, paired_rounds, render_limits, render_paired  # noqa: E402 (sibling)
 
 SERVERS = ("mili", "transformers")  # the first is "ours": ratios are mili ÷ peer
+MILI_QUANTIZED_PREFIX = "mili-"  # mili-int8: `mili serve --quantization int8`
+LLAMA_PREFIX = "llama.cpp-"  # llama.cpp-q8_0: llama.cpp's server on the GGUF file labelled q8_0
+# llama.cpp's server as the issue runs it: 2 threads, 8 slots, a 16k context shared by the slots
+LLAMA_ARGS = ("-t", "2", "-np", "8", "-c", "16384")
 DEVICES = ("cpu", "cuda")
 DOC_TITLE = "Performance"
 REQUEST_TIMEOUT_S = 900.0  # a whole workload on 2 CPU cores takes tens of seconds; this only stops hangs
@@ -86,17 +94,33 @@ WORKLOADS = (
 )
 
 
-def doc_markers(device: str) -> tuple[str, str]:
-    """The comments between which the device's section sits in the doc (the CPU's name has no suffix)."""
-    name = "compare_serving" if device == "cpu" else f"compare_serving_{device}"
+def doc_markers(device: str, section: str | None = None) -> tuple[str, str]:
+    """The comments between which the run's section sits in the doc (the CPU's name has no suffix)."""
+    name = "compare_serving" + (f"_{section}" if section else "" if device == "cpu" else f"_{device}")
     return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
 
 
-def server_spec(name: str, checkpoint: Path, port: int, extra_args: list[str], device: str) -> ServerSpec:
+def server_names(args: argparse.Namespace) -> list[str]:
+    """mili first (the tables' ratios are it ÷ each other), its quantized variants, then the peers."""
+    names = [name for name in args.servers if name == "mili"]
+    names += [f"{MILI_QUANTIZED_PREFIX}{method}" for method in args.quantization]
+    names += [name for name in args.servers if name != "mili"]
+    return names + [f"{LLAMA_PREFIX}{label}" for label in args.llama_gguf]
+
+
+def server_spec(name: str, checkpoint: Path, port: int, extra_args: list[str], device: str,
+                llama: tuple[Path, Path] | None = None) -> ServerSpec:
+    """`llama`: (llama.cpp's server binary, the GGUF file) for a llama.cpp server."""
     base_url = f"http://{LOCALHOST}:{port}"
     common = ["--host", LOCALHOST, "--port", str(port), "--dtype", "bfloat16", "--device", device]
-    if name == "mili":
+    if llama is not None:
+        binary, gguf = llama
+        argv = [str(binary), "-m", str(gguf), "--host", LOCALHOST, "--port", str(port), *LLAMA_ARGS]
+        return ServerSpec(name=name, argv=tuple(argv + extra_args), base_url=base_url)
+    if name.startswith("mili"):
+        quantization = name.removeprefix("mili").removeprefix("-")
         argv = [sys.executable, "-m", "mili_openai", "serve", str(checkpoint), *common, "--log-level", "warning"]
+        argv += ["--quantization", quantization] if quantization else []
     else:
         # its CLI module rather than the `transformers` script: the one this interpreter imports, wherever the
         # package was installed (a --target dir on PYTHONPATH holds no script beside the interpreter)
@@ -109,7 +133,7 @@ def server_spec(name: str, checkpoint: Path, port: int, extra_args: list[str], d
 
 
 def bench_config(workload: Workload, server: str, spec: ServerSpec, checkpoint: Path) -> BenchConfig:
-    if server == "mili":
+    if server != "transformers":  # mili and llama.cpp's server both take vLLM's `ignore_eos`
         return replace(workload.bench, base_url=spec.base_url, ignore_eos=True, timeout_s=REQUEST_TIMEOUT_S,
                        progress=True)
     # transformers serve's /v1/models lists the hub cache, not the pinned model: name it ourselves.
@@ -171,8 +195,8 @@ def run_paired(server: str, spec: ServerSpec, checkpoint: Path, tokenizer, devic
 
 
 def run_server(server: str, workloads: list[Workload], checkpoint: Path, out_dir: Path, extra_args: list[str],
-               tokenizer, bracket_limits: bool, device: str) -> None:
-    spec = server_spec(server, checkpoint, free_port(), extra_args, device)
+               tokenizer, bracket_limits: bool, device: str, llama: tuple[Path, Path] | None = None) -> None:
+    spec = server_spec(server, checkpoint, free_port(), extra_args, device, llama)
     limits_device = torch.device(device)
     prompt_len = single_stream_bench().input_len
     with ServerProcess(spec, out_dir / f"{server}.log") as process:
@@ -192,11 +216,11 @@ def run_server(server: str, workloads: list[Workload], checkpoint: Path, out_dir
     print(f"{server} stopped", file=sys.stderr)
 
 
-def load_results(out_dir: Path) -> dict[str, dict[str, dict]]:
+def load_results(out_dir: Path, servers: list[str]) -> dict[str, dict[str, dict]]:
     """{workload: {server: full result JSON}} for every result file present."""
     results: dict[str, dict[str, dict]] = {}
     for workload in WORKLOADS:
-        for server in SERVERS:
+        for server in servers:
             path = out_dir / f"{workload.name}-{server}.json"
             if path.exists():
                 results.setdefault(workload.name, {})[server] = orjson.loads(path.read_bytes())
@@ -213,8 +237,10 @@ def hardware_text(device: str) -> str:
 
 
 def render_section(results: dict[str, dict[str, dict]], checkpoint: Path, out_dir: Path,
-                   limits: dict[str, float] | None, device: str) -> str:
-    title = "## Serving: mili vs `transformers serve --continuous-batching`"
+                   limits: dict[str, float] | None, device: str, servers: list[str]) -> str:
+    peers = servers[1:]
+    title = ("## Serving: mili vs `transformers serve --continuous-batching`" if peers == ["transformers"]
+             else f"## Serving: {servers[0]} vs {', '.join(peers)}")
     lines = [
         title if device == "cpu" else f"{title}, on {device.upper()}",
         "",
@@ -230,7 +256,7 @@ def render_section(results: dict[str, dict[str, dict]], checkpoint: Path, out_di
         if not summaries:
             continue
         lines += ["", f"### {workload.name}: {workload.description}", "",
-                  render_workload_table(list(SERVERS), summaries)]
+                  render_workload_table(servers, summaries)]
         for server, data in results[workload.name].items():
             for error in data["summary"]["errors"]:
                 lines.append(f"\n- {server} error: `{error}`")
@@ -240,7 +266,7 @@ def render_section(results: dict[str, dict[str, dict]], checkpoint: Path, out_di
     if limits is not None or brackets:
         lines += render_limits(SINGLE_STREAM_WORKLOAD, single_stream_bench().input_len, limits, single, brackets)
     paired = {server: json.loads(paired_path(out_dir, server).read_text())
-              for server in SERVERS if paired_path(out_dir, server).exists()}
+              for server in servers if paired_path(out_dir, server).exists()}
     if paired:
         lines += render_paired(paired_description(), paired, single_stream_bench().input_len)
     return "\n".join(lines)
@@ -258,6 +284,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="weights seed of a built checkpoint")
     parser.add_argument("--out-dir", type=Path, default=Path("bench-results"))
     parser.add_argument("--doc", type=Path, default=Path("docs/performance.md"))
+    parser.add_argument("--quantization", nargs="*", choices=("int8", "int4", "fp8"), default=[],
+                        help="also run mili with each of these `--quantization` (servers mili-int8, ...)")
+    parser.add_argument("--llama-server", type=Path, default=None, help="llama.cpp's llama-server binary")
+    parser.add_argument("--llama-gguf", action="append", default=[], metavar="LABEL=PATH",
+                        help="also run llama.cpp's server on this GGUF file (server llama.cpp-LABEL; repeat)")
+    parser.add_argument("--section", default=None,
+                        help="write the tables to the doc section compare_serving_SECTION (default: the device's)")
     parser.add_argument("--mili-arg", action="append", default=[], help="extra `mili serve` argument (repeat)")
     parser.add_argument("--transformers-arg", action="append", default=[],
                         help="extra `transformers serve` argument (repeat)")
@@ -266,29 +299,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def llama_files(args: argparse.Namespace) -> dict[str, tuple[Path, Path]]:
+    """{server name: (llama-server, GGUF file)} from --llama-gguf LABEL=PATH."""
+    files = {}
+    for item in args.llama_gguf:
+        label, _, path = item.partition("=")
+        if not path or args.llama_server is None:
+            raise SystemExit("--llama-gguf takes LABEL=PATH, and needs --llama-server")
+        files[f"{LLAMA_PREFIX}{label}"] = (args.llama_server, Path(path))
+    args.llama_gguf = [name.removeprefix(LLAMA_PREFIX) for name in files]
+    return files
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    llama = llama_files(args)
+    servers = server_names(args)
     checkpoint = args.checkpoint or args.out_dir / f"qwen3-0.6b-random-seed{args.seed}"
     if not args.render_only:
         ensure_checkpoint(checkpoint, args.seed)
         tokenizer = load_tokenizer()
         workloads = [w for w in WORKLOADS if w.name in args.workloads]
-        extra = {"mili": args.mili_arg, "transformers": args.transformers_arg}
-        for server in args.servers:
-            run_server(server, workloads, checkpoint, args.out_dir, extra[server], tokenizer, not args.no_limits,
-                       args.device)
+        for server in servers:
+            extra = args.transformers_arg if server == "transformers" else [] if server in llama else args.mili_arg
+            run_server(server, workloads, checkpoint, args.out_dir, extra, tokenizer, not args.no_limits,
+                       args.device, llama.get(server))
         if not args.no_limits:  # with both servers stopped: nothing else on the cores
             limits = measure_machine_limits(checkpoint, single_stream_bench().input_len,
                                             device=torch.device(args.device))
             (args.out_dir / LIMITS_FILE).write_text(json.dumps(limits, indent=2))
     limits_path = args.out_dir / LIMITS_FILE
     limits = json.loads(limits_path.read_text()) if limits_path.exists() and not args.no_limits else None
-    results = load_results(args.out_dir)
+    results = load_results(args.out_dir, servers)
     if not results:
         print(f"no results in {args.out_dir}", file=sys.stderr)
         return 1
-    section = render_section(results, checkpoint, args.out_dir, limits, args.device)
-    doc = update_marked_file(args.doc, *doc_markers(args.device), section, DOC_TITLE)
+    section = render_section(results, checkpoint, args.out_dir, limits, args.device, servers)
+    doc = update_marked_file(args.doc, *doc_markers(args.device, args.section), section, DOC_TITLE)
     print(f"\nwrote {doc}", file=sys.stderr)
     return 0
 
