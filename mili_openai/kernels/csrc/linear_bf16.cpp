@@ -276,13 +276,7 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool b
           }
         }
       };
-      int64_t n_begin = 0, n_end = 0;
-      for (int64_t part = first; part < last; ++part)  // one part each, or all where the loop runs inline
-        while (ranges.claim_front(part, kOwnerBlockRows, n_begin, n_end)) multiply(n_begin, n_end);
-      for (int64_t step = 1; step < threads; ++step) {
-        const int64_t part = (first + step) % threads;
-        while (ranges.claim_back(part, kRowsPerPass, n_begin, n_end)) multiply(n_begin, n_end);
-      }
+      ranges.work_through(first, last, kOwnerBlockRows, kRowsPerPass, multiply);
     });
   }
   return y;

@@ -28,15 +28,7 @@ template <typename Work>
 void split_rows(int64_t N, int64_t granule, int64_t claim, Work&& work) {
   const int64_t threads = at::get_num_threads();
   mili::RowRanges ranges(N, threads, granule);
-  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
-    int64_t begin = 0, end = 0;
-    for (int64_t part = first; part < last; ++part)  // one part each, or all where the loop runs inline
-      while (ranges.claim_front(part, claim, begin, end)) work(begin, end);
-    for (int64_t step = 1; step < threads; ++step) {
-      const int64_t part = (first + step) % threads;
-      while (ranges.claim_back(part, granule, begin, end)) work(begin, end);
-    }
-  });
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) { ranges.work_through(first, last, claim, granule, work); });
 }
 
 }  // namespace

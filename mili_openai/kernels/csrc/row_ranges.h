@@ -25,6 +25,20 @@ class RowRanges {
 
   int64_t parts() const { return static_cast<int64_t>(ranges_.size()); }
 
+  // A thread's share, within at::parallel_for over the parts: work(begin, end) over claims of up to
+  // `front_rows` from the front of its own parts [first, last), then of up to `back_rows` from the back of
+  // every other part.
+  template <typename Work>
+  void work_through(int64_t first, int64_t last, int64_t front_rows, int64_t back_rows, Work&& work) {
+    int64_t begin = 0, end = 0;
+    for (int64_t part = first; part < last; ++part)  // one part each, or all where the loop runs inline
+      while (claim_front(part, front_rows, begin, end)) work(begin, end);
+    for (int64_t step = 1; step < parts(); ++step) {
+      const int64_t part = (first + step) % parts();
+      while (claim_back(part, back_rows, begin, end)) work(begin, end);
+    }
+  }
+
   // Up to `rows` rows from the front of range `part` into [begin, end); false once it is empty.
   bool claim_front(int64_t part, int64_t rows, int64_t& begin, int64_t& end) {
     uint64_t packed = ranges_[part].load(std::memory_order_relaxed);
