@@ -89,9 +89,9 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         q, x_scale = quantize_rows_fp8(flat)
-        if x.is_cuda:
+        if x.is_cuda:  # row-wise scales: bf16 out (torch's kernel takes no other), then x's dtype
             out = torch._scaled_mm(q, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale.view(1, -1),
-                                   out_dtype=x.dtype)
+                                   out_dtype=torch.bfloat16).to(x.dtype)
         else:
             weight = self.weight.float() * self.weight_scale[:, None]
             out = F.linear(q.float() * x_scale, weight).to(x.dtype)
