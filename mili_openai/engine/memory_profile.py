@@ -66,7 +66,7 @@ def profile_gpu_memory(model: Qwen3ForCausalLM, model_config: ModelConfig, page_
                        max_num_seqs: int, max_model_len: int, utilization: float,
                        device: torch.device) -> GpuMemoryProfile:
     """Run the largest step once and size the KV cache from what is left (see the module docstring)."""
-    dtype = next(model.parameters()).dtype
+    dtype = model.dtype  # the activations' (quantized weights have other dtypes)
     segment_len = min(max_num_batched_tokens, max_model_len)
     batch = dummy_prefill_batch(max_num_batched_tokens, segment_len, page_size, model.uses_page_tables, device)
     num_pages = len(batch.prefills) * -(-segment_len // page_size)
