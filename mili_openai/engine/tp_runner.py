@@ -53,6 +53,7 @@ from mili_openai.engine.tp_worker import (
 from mili_openai.kernels import load_cpu_kernels
 from mili_openai.kernels.planning import KernelPlan
 from mili_openai.model import ModelConfig, resolve_dtype
+from mili_openai.model.quantization.spec import read_checkpoint_quantization
 from mili_openai.model.rope import RotaryEmbedding, RotaryTable
 from mili_openai.model.tensor_parallel import check_tensor_parallel
 
@@ -227,6 +228,9 @@ class TensorParallelRunner(ModelRunner):
                              f"{torch.cuda.device_count()}")
         self.model_config = ModelConfig.from_pretrained(model_path)
         check_tensor_parallel(self.model_config, size)
+        if config.quantization is not None or read_checkpoint_quantization(model_path) is not None:
+            raise ValueError("quantized weights run on one rank: not with tensor_parallel_size > 1 yet")
+        self.quantization = None  # what /v1/models reports
         self.dtype = resolve_dtype(config.dtype, model_path)
         self.page_size = config.page_size
         self._rotary_table = RotaryTable(RotaryEmbedding(self.model_config), self.dtype)
