@@ -10,11 +10,9 @@ from dataclasses import dataclass, field
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 DEVICES = ("auto", "cpu", "cuda")
-# Default token budget per forward. A step's prefill chunk stalls every running stream until it ends: on
-# the 2-core CPUs measured, 512 tokens take 0.35-2.5 s (2048 took ~10 s on the slowest, all of it added to
-# each stream's inter-token gap). On a Xeon with AMX, 1024 prefilled 8% faster per token but gave W1 1%
-# more throughput for a quarter more first-token latency (docs/performance.md). On CUDA, vLLM's: a GPU
-# finishes thousands of tokens in milliseconds, and a large budget fills it.
+# Default token budget per forward. A step's prefill chunk stalls every running stream until it ends, and
+# on a 2-core CPU a larger chunk adds seconds to every stream's inter-token gap for little throughput. On
+# CUDA, vLLM's: a GPU finishes thousands of tokens in milliseconds, and a large budget fills it.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 8192}
 DEFAULT_MAX_NUM_SEQS = {"cpu": 64, "cuda": 256}  # running sequences; on CUDA vLLM's default
 DEFAULT_CPU_KV_CACHE_MEMORY_GB = 2.0  # on CUDA the pool takes what gpu_memory_utilization leaves
@@ -172,7 +170,7 @@ class ServerConfig:
     log_level: str = "info"
     debug_endpoints: bool = False  # serve GET /debug/engine (page accounting) for soak tests; never in production
     # Move every object alive once the model has loaded out of the garbage collector's reach (gc.freeze),
-    # as vLLM does after start-up: a full collection over them stalls the process ~0.2 s. For a process
+    # as vLLM does after start-up: a full collection over them stalls the process. For a process
     # that only serves (`mili serve` sets it); off by default, as it freezes whatever else the process holds.
     freeze_gc_after_load: bool = False
 

@@ -85,8 +85,7 @@ class AsyncEngine:
         self.config = config
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mili-forward")
         # Load on the thread that will run every forward: torch's OpenMP pool belongs to the thread that
-        # first runs parallel work, and a second pool left behind by a loader thread made decode steps
-        # ~10% slower on 2 cores (measured 84-90 vs 93-100 ms a step, Qwen3-0.6B shapes).
+        # first runs parallel work, and a second pool left behind by a loader thread slows every step.
         try:
             self.core = self._executor.submit(EngineCore.from_config, config, observer).result()
         except BaseException:
@@ -152,7 +151,7 @@ class AsyncEngine:
     async def compile_format(self, params: SamplingParams) -> None:
         """Compile the request's structured-output format, if any, on a worker thread (ValueError if it is
         bad): `submit` then finds it compiled and only copies it, instead of the event loop stalling every
-        stream for the compile (~1 s for the first format, up to tens of ms for a large JSON schema)."""
+        stream for the compile."""
         if params.structured_outputs is not None:
             await asyncio.to_thread(self.core.grammars.compile, params.structured_outputs)
 

@@ -1,11 +1,10 @@
 """Turns a scheduled batch into the model's `ForwardBatch`: token ids, positions and KV slots.
 
 Runs on the event loop thread (it reads sequence state the loop owns), once per step, for every token of
-the step. It works in numpy and hands torch the finished arrays (`torch.from_numpy` shares them): each
-torch op costs the loop ~10-20 us of dispatch, where a numpy op costs ~1, and a decode step's inputs
-took ~15 of them (measured with py-spy over a batch-1 stream: this builder was ~30% of the loop's CPU, a
-loop that preempts one of the forward's two threads while it runs). Per-token work stays in array ops
-over page tables, never in Python loops over tokens.
+the step. It works in numpy and hands torch the finished arrays (`torch.from_numpy` shares them): a
+torch op costs the loop an order of magnitude more dispatch than a numpy op, and the loop preempts one
+of the forward's two threads while it runs. Per-token work stays in array ops over page tables, never
+in Python loops over tokens.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Decode steps replayed from CUDA graphs, as vLLM and SGLang run them.
 
-Why: in eager mode every op of the forward is a Python call that launches a kernel, ~50 per layer. For
-Qwen3-0.6B on an H200 a single stream's decode step took 20.8 ms through HTTP (23.0 offline), around
-0.29 ms of weight reads; from graphs it takes 3.6 (3.7 offline). A graph captured once launches the
-whole stack in one call. Figures and commands: docs/performance.md, "on CUDA".
+Why: in eager mode every op of the forward is a Python call that launches a kernel, ~50 per layer, and
+for a small model the launches, not the GPU, bound a decode step. A graph captured once launches the
+whole stack in one call. Figures and commands: docs/performance.md, "CUDA".
 
 A graph fixes its tensors' shapes and addresses, so each one serves a bucket: up to `rows` decode rows
 whose contexts fit `context` slots. A step is copied into the bucket's static inputs, padded:

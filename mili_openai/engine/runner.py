@@ -204,8 +204,8 @@ class ModelRunner:
 
         Through numpy, which keeps the GIL: from the end of one step (when the event loop wakes to
         postprocess it) to the compiled decode stack of the next, this thread calls no torch op. Each
-        would release the GIL, the loop would take it for its ~1 ms of Python, and the next forward
-        would wait that long to start (measured: 1.2-1.3 ms between forwards, against ~0.1 ms).
+        would release the GIL, the loop would take it for its Python, and the next forward would wait
+        that long to start.
         """
         if not step.pending_rows:
             return

@@ -2,7 +2,7 @@
 
 llguidance (the Rust engine behind vLLM's "guidance" backend) compiles a JSON schema, a regular
 expression or a Lark grammar against the tokenizer's vocabulary, and a matcher per sequence gives the
-allowed next tokens as a bitmask in ~0.1-0.2 ms. The mask is filled and the sampled token consumed on
+allowed next tokens as a bitmask. The mask is filled and the sampled token consumed on
 the forward thread, inside the sampler: steps run there in order, so a step planned ahead still sees
 its matcher advanced by the step before.
 """
@@ -106,10 +106,10 @@ class ConstrainedOutput:
 class GrammarCompiler:
     """Constrained outputs for sequences' formats, over one model's tokenizer.
 
-    Compiling is the slow part: llguidance's view of the tokenizer takes ~1 s once, a JSON schema up to
-    tens of ms. So the server builds the view while loading (`load_vocabulary`) and compiles a
-    request's format on a worker thread (`compile`); the engine loop then only copies the compiled
-    matcher (`matcher`, ~0.1-0.3 ms). The cache keeps the latest formats, as the same schema tends to
+    Compiling is the slow part: llguidance's view of the tokenizer once, then each JSON schema. So the
+    server builds the view while loading (`load_vocabulary`) and compiles a request's format on a worker
+    thread (`compile`); the engine loop then only copies the compiled matcher (`matcher`). The cache
+    keeps the latest formats, as the same schema tends to
     come back (an app's one response type, n > 1 samples). Its lock is held for dictionary work and
     copies only, never for a compile, so the loop never waits behind another request's compile."""
 
@@ -125,7 +125,7 @@ class GrammarCompiler:
         self._cache_lock = threading.Lock()
 
     def load_vocabulary(self) -> Any:
-        """llguidance's view of the tokenizer, built on first call. It holds the GIL for most of its ~1 s,
+        """llguidance's view of the tokenizer, built on first call. It holds the GIL for most of its build,
         so the server calls this while loading: built on a request, it would stall every stream once."""
         import llguidance.hf
 
@@ -167,7 +167,7 @@ class GrammarCompiler:
 def mask_rows(logits: torch.Tensor, rows: list[int], outputs: list[ConstrainedOutput]) -> None:
     """Set every token the rows' formats disallow to -inf, in place. logits (B, V) float32 on any device;
     the outputs all `mask`. llguidance's numpy helpers, not its torch ones: those apply the mask with
-    torch.compile, which on CPU costs a ~2 s C++ compile on the first constrained step (stalling every
+    torch.compile, which on CPU costs a C++ compile on the first constrained step (stalling every
     stream) and a compiler wherever the server runs."""
     import llguidance.numpy
 

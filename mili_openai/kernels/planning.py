@@ -1,9 +1,9 @@
 """Which of the compiled kernels and torch's own ops run what, timed on this CPU at load.
 
-The kernels were measured fastest on CPUs with AVX512 and no matrix units. Where the CPU has AMX, oneDNN's
-bf16 GEMM overtakes them at prefill shapes, and torch's flash attention overtook the AVX-512 prefill
-attention (the AMX one beats it: prefill_amx.cpp), so the split is timed rather than assumed (~0.7 s at
-load, each choice from interleaved rounds: median_time_ratio).
+The kernels are fastest on CPUs with AVX512 and no matrix units. Where the CPU has AMX, oneDNN's bf16 GEMM
+overtakes them at prefill shapes, and torch's flash attention the AVX-512 prefill attention (the AMX one
+beats it: prefill_amx.cpp), so the split is timed rather than assumed (well under a second at load, each
+choice from interleaved rounds: median_time_ratio). Timings run on an injectable clock (`Clock`).
 """
 
 from __future__ import annotations
@@ -26,31 +26,28 @@ DecodeAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Te
 
 # Rows of x the matmul kernel takes: decode batches, where its single pass over the weights wins, and the
 # decode stack (every layer in one call) runs batches of up to that many rows; the largest choice at
-# which the kernel still beats the GEMM (timed at the choice's rows, 32 for 64). Measured on a 2-core
-# Xeon without BF16 dot products the kernel beats both GEMMs up to 64 rows (145-166 GFLOP/s). On a 2-core
-# Xeon with AMX, oneDNN's GEMM beat the AVX512-BF16 kernel from 8 rows on (0.43 against 0.49 ms for an
-# 8-row MLP matmul), yet batch-8 decode steps layer by layer with that GEMM were slower than the stack
-# (W1: 61 against 73 output tok/s), so 8 is the floor; there the kernel now runs up to 16 rows on AMX
-# tiles (linear_amx.cpp).
+# which the kernel still beats the GEMM (timed at the choice's rows, 32 for 64). 8 is the floor: even
+# where oneDNN's GEMM beats the kernel at 8 rows (AMX), decode steps layer by layer with it are slower
+# than the stack.
 KERNEL_ROWS_CHOICES = (8, 16, 64)
 CALIBRATION_K, CALIBRATION_N = 1024, 3072  # an MLP-sized weight
 CALIBRATION_LARGE_ROWS = 256  # a prefill chunk
 # a prefill chunk after a cached prefix, in Qwen3-0.6B's attention shape (heads, KV heads, head dim)
 CALIBRATION_CHUNK, CALIBRATION_CONTEXT, CALIBRATION_HEADS = 128, 384, (16, 8, 128)
-# Decode attention's prefetch distance, in blocks of 16 slots (csrc/decode_blocks.h): three was fastest on
-# a 2-core Zen 4, one on a 2-core Xeon with AMX (12-15% less time at batch 1 and 8), the first choice
-# wins a tie. Timed on batch-8 steps over distinct 256-token contexts in several layers' pools (64 MB),
-# read cold: a larger read evicts them before each run.
+# Decode attention's prefetch distance, in blocks of 16 slots (csrc/decode_blocks.h): the best one differs
+# between CPUs (three on a Zen 4, one on a Xeon with AMX); the first choice wins a tie. Timed on batch-8
+# steps over distinct 256-token contexts in several layers' pools (64 MB), read cold: a larger read
+# evicts them before each run.
 DECODE_PREFETCH_CHOICES = (3, 1)
 CALIBRATION_DECODE_BATCH, CALIBRATION_DECODE_CONTEXT, CALIBRATION_DECODE_LAYERS = 8, 256, 8
 CALIBRATION_EVICT_BYTES = 256 << 20
-PLAN_ROUNDS = 9  # rounds of each comparison (median_time_ratio); the whole plan takes ~0.7 s on a 2-core Zen 4
+PLAN_ROUNDS = 9  # rounds of each comparison (median_time_ratio)
 
 
 def linear_via_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """bf16 x @ weight.T as an fp32 GEMM: where the CPU lacks bf16 dot products, oneDNN's bf16 GEMM runs
-    well below its fp32 GEMM (measured 57 vs 148 GFLOP/s on a 2-core Xeon), and widening the operands
-    first costs a few percent of a prefill chunk's matmul."""
+    well below its fp32 GEMM, and widening the operands first costs a few percent of a prefill chunk's
+    matmul."""
     return F.linear(x.float(), weight.float()).to(x.dtype)
 
 
@@ -76,10 +73,9 @@ def median_time_ratio(first: Callable[[], object], second: Callable[[], object],
                       before: Callable[[], object] | None = None) -> float:
     """The median, over `rounds` rounds, of `first`'s time over `second`'s, the two run back to back in each
     round (in turns which goes first), after a warm-up of each; `before`, untimed, runs ahead of each timed
-    run. On a VM whose memory moves between speeds from second to second (a 2-core Zen 4 read 33 and 60 GB/s
-    minutes apart), the fastest of a few runs of each can catch one candidate in a fast moment and the
-    other not: so timed, the decode prefetch plan picked the distance 20-25% slower there in one load of
-    three. Two runs moments apart see the same machine, and the median drops the rounds split by a change.
+    run. On a VM whose memory moves between speeds from second to second, the fastest of a few runs of
+    each can catch one candidate in a fast moment and the other not, and pick the slower one. Two runs
+    moments apart see the same machine, and the median drops the rounds split by a change.
     """
     first()
     second()

@@ -130,7 +130,7 @@ class RotaryEmbedding(nn.Module):
 class RotaryTable:
     """(cos, signed_sin) rows of positions [0, n), computed once by a `RotaryEmbedding` and looked up by
     each forward's positions: two index ops where computing them took eight, on the event loop thread
-    that builds every step (~12% of its CPU in a batch-1 stream, measured with py-spy). The table grows
+    that builds every step (a visible share of its CPU in a batch-1 stream). The table grows
     by doubling to cover the largest position asked for, so it stays sized to the longest context seen.
 
     Rows equal what `RotaryEmbedding` computes for their positions on their own: the table is computed

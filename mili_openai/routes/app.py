@@ -76,10 +76,8 @@ def all_routes(config: ServerConfig, metrics_module: Any | None) -> list[BaseRou
 
 def freeze_heap() -> None:
     """Collect once, then leave every object alive now (the model, the tokenizer, the libraries) out of
-    later collections. Measured with a Qwen3-0.6B-shaped model loaded: a full collection took 182 ms over
-    ~335k tracked objects, and 0.0 ms after the freeze. One comes whenever the objects that survived
-    since the last reach a quarter of the old ones, and it pauses whichever thread triggers it: the event
-    loop (every stream), or the forward thread (a step)."""
+    later collections: a full collection over the hundreds of thousands of objects a loaded model holds
+    pauses whichever thread triggers it, the event loop (every stream) or the forward thread (a step)."""
     gc.collect()
     gc.freeze()
     logger.info("garbage collector: %d objects alive after loading frozen", gc.get_freeze_count())
@@ -98,7 +96,7 @@ async def load_engine(server: ServerState) -> None:
         server.load_error = f"{type(exc).__name__}: {exc}"
         return
     if server.config.freeze_gc_after_load:
-        freeze_heap()  # before the first request: the collection in it holds the GIL for ~0.2 s
+        freeze_heap()  # before the first request: the collection in it holds the GIL a while
     server.engine = engine
     logger.info("model %s loaded from %s; serving (max_model_len %d, %s)", server.served_model_name,
                 engine.model_path, engine.max_model_len,
