@@ -4,8 +4,8 @@ Flags map one-to-one onto `ServerConfig` / `EngineConfig`; a value they reject b
 argparse error. SIGINT/SIGTERM: /health turns 503 and new generation requests get 503 at once,
 in-flight requests get `--shutdown-grace-period` seconds to finish, then they are aborted (streams
 end with finish_reason "abort", an error event and [DONE], never cut silently), then uvicorn closes
-the listener, the engine stops and the process exits 0 (routes/drain.py). A second signal exits at once.
-Each finished request writes one JSON line on the `mili_openai.requests` logger (routes/request_log.py).
+the listener, the engine stops and the process exits 0 (server/drain.py). A second signal exits at once.
+Each finished request writes one JSON line on the `mili_openai.requests` logger (server/request_log.py).
 """
 
 from __future__ import annotations
@@ -175,8 +175,8 @@ def make_server(config: ServerConfig):
     when the model fails to load)."""
     import uvicorn
 
-    from mili_openai.routes.app import create_app
-    from mili_openai.routes.drain import DrainingServer
+    from mili_openai.server.app import create_app
+    from mili_openai.server.drain import DrainingServer
 
     app = create_app(config)
     uv_config = uvicorn.Config(
@@ -189,7 +189,7 @@ def make_server(config: ServerConfig):
 
 def configure_logging(level: str) -> None:
     """Human-readable lines for everything, except the request log: bare JSON lines, one per request."""
-    from mili_openai.routes.request_log import REQUEST_LOGGER_NAME
+    from mili_openai.server.request_log import REQUEST_LOGGER_NAME
 
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     request_logger = logging.getLogger(REQUEST_LOGGER_NAME)

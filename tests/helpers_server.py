@@ -99,7 +99,7 @@ def live_server(app: Any, ready_path: str | None = "/health") -> Iterator[LiveSe
 @contextlib.contextmanager
 def served_engine(model: Any, **engine_args: Any) -> Iterator[tuple[LiveServer, Any]]:
     from mili_openai.engine.async_engine import AsyncEngine
-    from mili_openai.routes.app import create_app
+    from mili_openai.server.app import create_app
 
     engine = AsyncEngine(EngineConfig(model=str(model), dtype="float32", **engine_args))
     app = create_app(ServerConfig(served_model_name="tiny", request_timeout_s=60.0), engine=engine)
@@ -115,7 +115,7 @@ TEST_MODEL_NAME = "test-model"
 async def asgi_client(engine: Any, **server_config: Any):
     import httpx
 
-    from mili_openai.routes.app import create_app
+    from mili_openai.server.app import create_app
 
     server_config.setdefault("served_model_name", TEST_MODEL_NAME)
     app = create_app(ServerConfig(**server_config), engine=engine)
@@ -163,7 +163,7 @@ def real_engine(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def real_server(real_engine):
-    from mili_openai.routes.app import create_app
+    from mili_openai.server.app import create_app
 
     app = create_app(ServerConfig(served_model_name="tiny-qwen3", request_timeout_s=60.0), engine=real_engine)
     with live_server(app) as live:

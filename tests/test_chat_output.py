@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from helpers_server import qwen_tokenizer  # noqa: F401
 from mili_openai.engine.outputs import TokenLogprob
-from mili_openai.routes.chat_logprobs import chat_logprobs, token_bytes
-from mili_openai.routes.chat_output import ChatOutputParser, OutputOptions, parse_whole_output
+from mili_openai.protocol.logprobs import chat_logprobs, token_bytes
+from mili_openai.protocol.chat_output import ChatOutputParser, OutputOptions, parse_whole_output
 
 ALL_ON = OutputOptions(split_reasoning=True, include_reasoning=True, parse_tools=True, max_calls=None)
 CALL = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'

@@ -18,7 +18,7 @@ import pytest
 from helpers_server import FakeEngine, live_server, qwen_tokenizer  # noqa: F401
 from mili_openai.config import ServerConfig
 from mili_openai.engine.outputs import SequenceDelta, TokenLogprob
-from mili_openai.routes.app import create_app
+from mili_openai.server.app import create_app
 
 MODEL = "scripted-qwen3"
 WEATHER_TOOL = {"type": "function", "function": {

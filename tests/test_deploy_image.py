@@ -111,7 +111,7 @@ def test_server_exports_every_dashboard_metric():
     from prometheus_client import generate_latest
 
     from mili_openai.engine.outputs import EngineStats
-    from mili_openai.routes.metrics import ServerMetrics
+    from mili_openai.server.metrics import ServerMetrics
 
     stats = EngineStats(num_running=1, num_waiting=0, num_pages=8, num_free_pages=4, num_cached_pages=2,
                         kv_cache_usage=0.5, num_preemptions_total=0, prefix_cache_queries_total=4,

@@ -11,7 +11,7 @@ import httpx
 from helpers_server import live_server
 from mili_openai.cli import build_parser, config_from_args
 from mili_openai.config import EngineConfig, ServerConfig
-from mili_openai.routes.app import create_app
+from mili_openai.server.app import create_app
 
 
 def serve_and_count_frozen(checkpoint, freeze: bool) -> int:

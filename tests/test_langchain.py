@@ -14,7 +14,7 @@ from langchain_openai import ChatOpenAI
 
 from helpers_server import live_server, qwen_tokenizer, real_engine, real_server  # noqa: F401
 from mili_openai.config import ServerConfig
-from mili_openai.routes.app import create_app
+from mili_openai.server.app import create_app
 from test_chat_routes import TOOL_CALL_TEXT, ScriptedEngine
 
 MAX_TOKENS = 6

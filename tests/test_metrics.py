@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from helpers_server import REAL_ENGINE_CONFIG, TEST_MODEL_NAME, live_server, wait_until
 from mili_openai.config import EngineConfig, ServerConfig
 from mili_openai.engine.async_engine import AsyncEngine
-from mili_openai.routes.app import create_app
+from mili_openai.server.app import create_app
 
 API_KEY = "metrics-test-key"
 AUTH = {"authorization": f"Bearer {API_KEY}"}

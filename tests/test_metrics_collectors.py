@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from mili_openai.engine.outputs import EngineStats, RequestMetrics
-from mili_openai.routes.metrics import ServerMetrics
+from mili_openai.server.metrics import ServerMetrics
 
 
 def stats(**overrides) -> EngineStats:

@@ -13,10 +13,10 @@ import pytest
 from helpers_server import REAL_ENGINE_CONFIG, TEST_MODEL_NAME, live_server
 from mili_openai.config import EngineConfig, ServerConfig
 from mili_openai.engine.async_engine import AsyncEngine
-from mili_openai.routes.app import create_app
-from mili_openai.routes.errors import APIError
-from mili_openai.routes.request_context import CURRENT_REQUEST, RequestContext
-from mili_openai.routes.state import QUEUE_FULL_RETRY_AFTER_S, ServerState
+from mili_openai.server.app import create_app
+from mili_openai.server.errors import APIError
+from mili_openai.server.request_context import CURRENT_REQUEST, RequestContext
+from mili_openai.server.state import QUEUE_FULL_RETRY_AFTER_S, ServerState
 
 NUM_CONCURRENT = 6
 MAX_TOKENS = 64  # long enough that the first request still runs while the others arrive

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mili_openai.routes.reasoning import MAX_LEADING_WHITESPACE, ReasoningStreamParser, split_reasoning
+from mili_openai.protocol.reasoning import MAX_LEADING_WHITESPACE, ReasoningStreamParser, split_reasoning
 
 THINKING_OUTPUT = "<think>\nLet me add 2 and 2.\n</think>\n\nThe answer is 4."
 ENABLE_THINKING_FALSE_TAIL = "<think>\n\n</think>\n\n"  # what the Qwen3 template writes for enable_thinking=False

@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from helpers_server import FakeEngine, asgi_client, fake_engine, qwen_tokenizer, sse_data  # noqa: F401
-from mili_openai.routes.request_log import REQUEST_LOGGER_NAME
+from mili_openai.server.request_log import REQUEST_LOGGER_NAME
 
 pytestmark = pytest.mark.anyio
 

@@ -16,7 +16,7 @@ from mili_openai.engine.sampling_defaults import (
     read_sampling_defaults,
     sampling_defaults_from,
 )
-from mili_openai.routes.sampling_protocol import SamplingFields
+from mili_openai.protocol.sampling import SamplingFields
 
 # Qwen3-0.6B's generation_config.json as it ships (the keys that are not sampling fields are ignored)
 QWEN3_GENERATION_CONFIG = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],

@@ -10,9 +10,9 @@ from starlette.routing import Route
 
 from helpers_server import FakeEngine, qwen_tokenizer, sse_data  # noqa: F401
 from mili_openai.engine.sampling_params import INT64_MAX, SamplingParams
-from mili_openai.routes.errors import APIError
-from mili_openai.routes.generation import collect_choices, generate_choices, sub_request_params
-from mili_openai.routes.sse import sse_stream
+from mili_openai.server.errors import APIError
+from mili_openai.routes.job import collect_choices, generate_choices, sub_request_params
+from mili_openai.server.sse import sse_stream
 
 pytestmark = pytest.mark.anyio
 

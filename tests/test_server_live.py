@@ -12,7 +12,7 @@ import pytest
 from helpers_server import REAL_ENGINE_CONFIG, TEST_MODEL_NAME, live_server, sse_data, wait_until
 from mili_openai.config import EngineConfig, ServerConfig
 from mili_openai.engine.async_engine import AsyncEngine
-from mili_openai.routes.app import create_app
+from mili_openai.server.app import create_app
 from test_server_errors import BAD_COMPLETIONS
 
 NUM_CONCURRENT_STREAMS = 32

@@ -95,7 +95,7 @@ async def test_models_health_version(fake_engine):
 
 async def test_health_is_503_while_loading_and_draining(monkeypatch):
     from mili_openai.config import ServerConfig
-    from mili_openai.routes import app as app_module
+    from mili_openai.server import app as app_module
 
     loaded = asyncio.Event()
 

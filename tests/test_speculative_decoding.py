@@ -22,8 +22,8 @@ from mili_openai import LLM, SamplingParams
 from mili_openai.config import EngineConfig, ServerConfig, SpeculativeConfig
 from mili_openai.engine.async_engine import AsyncEngine
 from mili_openai.engine.ngram_proposer import propose_ngram_draft
-from mili_openai.routes.app import load_engine
-from mili_openai.routes.state import ServerState
+from mili_openai.server.app import load_engine
+from mili_openai.server.state import ServerState
 
 SPECULATIVE = {"num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 MAX_NEW = 24
@@ -304,7 +304,7 @@ def test_the_server_logs_its_drafting_at_start(tiny_checkpoint, caplog):
         await load_engine(state)
         await state.engine.shutdown()
 
-    with caplog.at_level("INFO", logger="mili_openai.routes.app"):
+    with caplog.at_level("INFO", logger="mili_openai.server.app"):
         asyncio.run(load())
     assert "speculative decoding: ngram, up to 3 draft tokens from n-grams of 2-4 tokens, off above 4 running " \
            "sequences" in caplog.text

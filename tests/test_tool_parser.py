@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mili_openai.routes.tool_parser import ToolCallStreamParser, parse_call_block, parse_tool_calls
+from mili_openai.protocol.tool_calls import ToolCallStreamParser, parse_call_block, parse_tool_calls
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
 TIME = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'

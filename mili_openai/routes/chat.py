@@ -18,9 +18,9 @@ from starlette.routing import Route
 
 from mili_openai.engine.outputs import SequenceDelta
 from mili_openai.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from mili_openai.routes.chat_logprobs import chat_logprobs
-from mili_openai.routes.chat_output import ChatDelta, ChatOutputParser, OutputOptions, parse_whole_output
-from mili_openai.routes.chat_protocol import (
+from mili_openai.protocol.logprobs import chat_logprobs
+from mili_openai.protocol.chat_output import ChatDelta, ChatOutputParser, OutputOptions, parse_whole_output
+from mili_openai.protocol.chat import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -33,11 +33,11 @@ from mili_openai.routes.chat_protocol import (
     ToolCallOut,
     UsageOut,
 )
-from mili_openai.routes.chat_tags import THINK_END
-from mili_openai.routes.chat_template import RenderedPrompt, render_chat_prompt
-from mili_openai.routes.disconnect import cancel_on_disconnect
-from mili_openai.routes.errors import APIError, parse_body
-from mili_openai.routes.generation import (
+from mili_openai.protocol.chat_tags import THINK_END
+from mili_openai.protocol.chat_template import RenderedPrompt, render_chat_prompt
+from mili_openai.server.disconnect import cancel_on_disconnect
+from mili_openai.server.errors import APIError, parse_body
+from mili_openai.routes.job import (
     GenerationJob,
     ChoiceResult,
     collect_streams,
@@ -46,12 +46,12 @@ from mili_openai.routes.generation import (
     submit_choices,
     usage_of,
 )
-from mili_openai.routes.prompt_logprobs import prompt_logprobs_object
-from mili_openai.routes.reasoning import output_reasoning_mode
-from mili_openai.routes.responses import json_response
-from mili_openai.routes.sse import sse_stream
-from mili_openai.routes.state import ServerState, request_id_of, server_state
-from mili_openai.routes.tool_grammar import tool_call_grammar
+from mili_openai.protocol.prompt_logprobs import prompt_logprobs_object
+from mili_openai.protocol.reasoning import output_reasoning_mode
+from mili_openai.server.responses import json_response
+from mili_openai.server.sse import sse_stream
+from mili_openai.server.state import ServerState, request_id_of, server_state
+from mili_openai.protocol.tool_grammar import tool_call_grammar
 
 TOOL_CALLS_FINISH = "tool_calls"
 ABORT_FINISH = "abort"

@@ -17,11 +17,11 @@ from starlette.routing import Route
 
 from mili_openai.engine.outputs import SequenceDelta, TokenLogprob
 from mili_openai.engine.sampling_params import SamplingParams
-from mili_openai.routes.completion_logprobs import CompletionLogprobs, merge_logprobs
-from mili_openai.routes.completions_protocol import CompletionRequest, choice_object, completion_object
-from mili_openai.routes.disconnect import cancel_on_disconnect
-from mili_openai.routes.errors import parse_body
-from mili_openai.routes.generation import (
+from mili_openai.protocol.completion_logprobs import CompletionLogprobs, merge_logprobs
+from mili_openai.protocol.completions import CompletionRequest, choice_object, completion_object
+from mili_openai.server.disconnect import cancel_on_disconnect
+from mili_openai.server.errors import parse_body
+from mili_openai.routes.job import (
     GenerationJob,
     ChoiceResult,
     abort_streams,
@@ -31,11 +31,11 @@ from mili_openai.routes.generation import (
     submit_choices,
     usage_of,
 )
-from mili_openai.routes.prompt_logprobs import prompt_logprobs_object
-from mili_openai.routes.prompts import prompt_text, prompt_token_ids
-from mili_openai.routes.responses import json_response
-from mili_openai.routes.sse import sse_stream
-from mili_openai.routes.state import ServerState, request_id_of, server_state
+from mili_openai.protocol.prompt_logprobs import prompt_logprobs_object
+from mili_openai.protocol.prompts import prompt_text, prompt_token_ids
+from mili_openai.server.responses import json_response
+from mili_openai.server.sse import sse_stream
+from mili_openai.server.state import ServerState, request_id_of, server_state
 
 
 def submit_prompts(engine: Any, prompts: list[list[int]], params: SamplingParams, response_id: str) -> list:

@@ -12,9 +12,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from mili_openai.routes.errors import APIError
-from mili_openai.routes.responses import json_response
-from mili_openai.routes.state import server_state
+from mili_openai.server.errors import APIError
+from mili_openai.server.responses import json_response
+from mili_openai.server.state import server_state
 
 
 async def engine_debug(request: Request) -> Response:

@@ -3,7 +3,7 @@
 The stream always ends with [DONE]: an exception mid-stream becomes one OpenAI-shaped error event
 first. On server shutdown the requests get `shutdown_grace_s` to finish; past it they are aborted
 and their streams end with finish_reason "abort" and [DONE] -- never cut silently. Under `mili
-serve` the drain (routes/drain.py) does this and marks the server `grace_expired`; the stream then
+serve` the drain (server/drain.py) does this and marks the server `grace_expired`; the stream then
 also says why, with a 503 error event before [DONE]. Under a plain uvicorn, sse-starlette's own
 shutdown event starts a per-stream grace timer instead (abort, no error event). A client that
 disconnects cancels the generator and `on_disconnect` aborts its engine requests.
@@ -22,8 +22,8 @@ import anyio
 import orjson
 from sse_starlette.sse import EventSourceResponse
 
-from mili_openai.routes.errors import INTERNAL_ERROR, APIError
-from mili_openai.routes.request_context import current_request
+from mili_openai.server.errors import INTERNAL_ERROR, APIError
+from mili_openai.server.request_context import current_request
 
 logger = logging.getLogger(__name__)
 

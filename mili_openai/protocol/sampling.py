@@ -19,7 +19,7 @@ from mili_openai.engine.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
-from mili_openai.routes.errors import APIError
+from mili_openai.server.errors import APIError
 
 MAX_TEMPERATURE = 2.0
 MAX_N = 128  # choices per request: each is a full sequence in the engine

@@ -26,7 +26,7 @@ from typing import Any
 
 import uvicorn
 
-from mili_openai.routes.state import ServerState
+from mili_openai.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 

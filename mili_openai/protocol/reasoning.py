@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import enum
 
-from mili_openai.routes.chat_tags import THINK_END, THINK_START, partial_tag_length
+from mili_openai.protocol.chat_tags import THINK_END, THINK_START, partial_tag_length
 
 # Leading whitespace is held while a `<think>` may still follow it; past this much the output is
 # taken as a plain answer, so a model that starts with a run of newlines still streams.

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mili_openai.routes.chat_tags import TOOL_CALL_END, TOOL_CALL_START, partial_tag_length
+from mili_openai.protocol.chat_tags import TOOL_CALL_END, TOOL_CALL_START, partial_tag_length
 
 CALL_ID_PREFIX = "call_"
 CALL_ID_HEX_CHARS = 24

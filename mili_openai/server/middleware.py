@@ -19,10 +19,10 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from mili_openai.routes.errors import APIError, error_response
-from mili_openai.routes.request_context import CURRENT_REQUEST, RequestContext
-from mili_openai.routes.request_log import REQUEST_LOGGER_NAME, log_finished_request
-from mili_openai.routes.state import REQUEST_ID_SCOPE_KEY, ServerState
+from mili_openai.server.errors import APIError, error_response
+from mili_openai.server.request_context import CURRENT_REQUEST, RequestContext
+from mili_openai.server.request_log import REQUEST_LOGGER_NAME, log_finished_request
+from mili_openai.server.state import REQUEST_ID_SCOPE_KEY, ServerState
 
 REQUEST_ID_HEADER = "x-request-id"
 # a client id is echoed in headers and response ids: keep it short and free of anything odd

@@ -3,7 +3,7 @@
 When no engine is given, the lifespan loads the model on a worker thread *after* the server starts
 listening, so /health answers 503 while it loads (Kubernetes keeps the pod out of rotation instead
 of restarting it). On shutdown, /health turns 503 first, then the engine stops (the `mili serve`
-drain in routes/drain.py lets in-flight requests finish in between).
+drain in server/drain.py lets in-flight requests finish in between).
 
 Middleware, outermost first: request id / context / HTTP metrics / request log, the catch-all 500,
 CORS (only with --cors-allow-origin), the API key and body limit; then Starlette's exception handlers.
@@ -30,21 +30,21 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from mili_openai.config import ServerConfig
-from mili_openai.routes import completions, debug, generate, server_routes
-from mili_openai.routes.disconnect import ClientDisconnected
-from mili_openai.routes.errors import CatchAllMiddleware, install_error_handlers
-from mili_openai.routes.middleware import (
+from mili_openai.routes import completions, debug, generate, service
+from mili_openai.server.disconnect import ClientDisconnected
+from mili_openai.server.errors import CatchAllMiddleware, install_error_handlers
+from mili_openai.server.middleware import (
     CLIENT_CLOSED_REQUEST,
     REQUEST_ID_HEADER,
     AccessGuardMiddleware,
     RequestContextMiddleware,
 )
-from mili_openai.routes.state import ServerState, default_served_name
+from mili_openai.server.state import ServerState, default_served_name
 
 logger = logging.getLogger(__name__)
 # route modules written alongside this one; mounted when present so the app works without them
 OPTIONAL_ROUTE_MODULES = ("mili_openai.routes.chat",)
-METRICS_MODULE = "mili_openai.routes.metrics"
+METRICS_MODULE = "mili_openai.server.metrics"
 
 
 def _optional_module(name: str) -> Any | None:
@@ -62,7 +62,7 @@ def build_metrics(server: ServerState, module: Any | None) -> Any | None:
 
 
 def all_routes(config: ServerConfig, metrics_module: Any | None) -> list[BaseRoute]:
-    routes: list[BaseRoute] = [*server_routes.routes(), *completions.routes(), *generate.routes()]
+    routes: list[BaseRoute] = [*service.routes(), *completions.routes(), *generate.routes()]
     if config.debug_endpoints:
         routes.extend(debug.routes())
     for name in OPTIONAL_ROUTE_MODULES:

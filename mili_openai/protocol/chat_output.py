@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mili_openai.routes.chat_tags import THINK_END
-from mili_openai.routes.reasoning import ReasoningStreamParser
-from mili_openai.routes.tool_parser import ParsedToolCall, ToolCallStreamParser
+from mili_openai.protocol.chat_tags import THINK_END
+from mili_openai.protocol.reasoning import ReasoningStreamParser
+from mili_openai.protocol.tool_calls import ParsedToolCall, ToolCallStreamParser
 
 
 @dataclass(slots=True)

@@ -12,7 +12,7 @@ import functools
 from typing import Any
 
 from mili_openai.engine.outputs import TokenLogprob
-from mili_openai.routes.chat_protocol import ChoiceLogprobs, TokenLogprobOut, TopLogprob
+from mili_openai.protocol.chat import ChoiceLogprobs, TokenLogprobOut, TopLogprob
 
 BYTE_COUNT = 256
 

@@ -11,10 +11,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from mili_openai import __version__
-from mili_openai.routes.errors import APIError, parse_body
-from mili_openai.routes.prompts import check_token_ids, encode_text
-from mili_openai.routes.responses import json_response
-from mili_openai.routes.state import server_state
+from mili_openai.server.errors import APIError, parse_body
+from mili_openai.protocol.prompts import check_token_ids, encode_text
+from mili_openai.server.responses import json_response
+from mili_openai.server.state import server_state
 
 OWNED_BY = "mili-openai"
 

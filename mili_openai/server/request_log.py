@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from mili_openai.routes.request_context import RequestContext
+from mili_openai.server.request_context import RequestContext
 
 REQUEST_LOGGER_NAME = "mili_openai.requests"
 QUIET_PATHS = frozenset({"/health", "/metrics"})

@@ -17,8 +17,8 @@ from typing import Any
 from starlette.requests import Request
 
 from mili_openai.config import ServerConfig
-from mili_openai.routes.errors import APIError
-from mili_openai.routes.request_context import current_request
+from mili_openai.server.errors import APIError
+from mili_openai.server.request_context import current_request
 from mili_openai.routes.request_records import RequestRecords
 
 REQUEST_ID_SCOPE_KEY = "mili.request_id"  # where the request-id middleware leaves the id in the ASGI scope

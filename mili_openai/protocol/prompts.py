@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from mili_openai.routes.errors import APIError
+from mili_openai.server.errors import APIError
 
 # Texts longer than this are tokenised on a worker thread: a megabyte of text takes long enough to
 # stall every other stream if done on the event loop. Shorter ones are cheaper inline than a hop.

@@ -6,7 +6,7 @@ send JSON strings, so history arguments are parsed here. `developer` is OpenAI's
 unsupported roles) is the client's problem: a 400 with the template's own message.
 
 `tool_choice` "required" or a named function leaves the prompt as the template renders it: a grammar
-holds the output to tool calls (routes/tool_grammar.py), so a thinking model may still think first.
+holds the output to tool calls (protocol/tool_grammar.py), so a thinking model may still think first.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any
 
 import jinja2
 
-from mili_openai.routes.chat_protocol import ChatCompletionRequest, ChatMessage
-from mili_openai.routes.chat_tags import ASSISTANT_TURN_START
-from mili_openai.routes.prompts import encode_text
+from mili_openai.protocol.chat import ChatCompletionRequest, ChatMessage
+from mili_openai.protocol.chat_tags import ASSISTANT_TURN_START
+from mili_openai.protocol.prompts import encode_text
 
 # chat_template_kwargs may not override what the route itself passes to the template
 RESERVED_TEMPLATE_KWARGS = frozenset(

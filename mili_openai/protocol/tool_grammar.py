@@ -9,8 +9,8 @@ import json
 from typing import Any
 
 from mili_openai.engine.structured_output import single_token_id
-from mili_openai.routes.chat_protocol import NamedToolChoice, ToolDefinition
-from mili_openai.routes.chat_tags import TOOL_CALL_END, TOOL_CALL_START
+from mili_openai.protocol.chat import NamedToolChoice, ToolDefinition
+from mili_openai.protocol.chat_tags import TOOL_CALL_END, TOOL_CALL_START
 
 
 def tag_terminal(tokenizer: Any, tag: str) -> str:
