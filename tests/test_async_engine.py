@@ -187,7 +187,7 @@ def test_steps_planned_ahead_give_the_offline_engines_tokens(engine, tiny_checkp
 
 def test_loop_thread_runs_torch_serially_and_leaves_the_forward_its_threads(engine):
     # a parallel op on the loop thread would give it an OpenMP team of its own, which makes libgomp
-    # stop spinning at the forward's barriers (engine/serial_thread.py)
+    # stop spinning at the forward's barriers (engine/async_engine.py, serial_torch_ops)
     forward_threads = engine._executor.submit(torch.get_num_threads).result()
     main_threads = torch.get_num_threads()
     # asyncio.run makes this thread the loop thread: give it two threads, so that even on one core the

@@ -8,7 +8,7 @@ import pytest
 
 from helpers_server import qwen_tokenizer  # noqa: F401
 from mili_openai.protocol.chat import ChatCompletionRequest
-from mili_openai.protocol.chat_template import render_chat_prompt, render_chat_text
+from mili_openai.protocol.prompts import render_chat_prompt, render_chat_text
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather",
@@ -55,7 +55,7 @@ def test_enable_thinking_false_closes_the_thinking_block_in_the_prompt(qwen_toke
 
 
 def test_tool_choice_leaves_the_prompt_as_the_template_renders_it(qwen_tokenizer):  # noqa: F811
-    """"required" and named choices are held by a grammar (protocol/tool_grammar.py), not a prefill."""
+    """"required" and named choices are held by a grammar (protocol/tool_calls.py), not a prefill."""
     required, tail = render_chat_text(qwen_tokenizer, request(tools=[WEATHER_TOOL], tool_choice="required"))
     assert tail == ""
     assert required == render_chat_text(qwen_tokenizer, request(tools=[WEATHER_TOOL], tool_choice="auto"))[0]

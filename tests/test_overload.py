@@ -15,7 +15,7 @@ from mili_openai.config import EngineConfig, ServerConfig
 from mili_openai.engine.async_engine import AsyncEngine
 from mili_openai.server.app import create_app
 from mili_openai.server.errors import APIError
-from mili_openai.server.request_context import CURRENT_REQUEST, RequestContext
+from mili_openai.server.request_log import CURRENT_REQUEST, RequestContext
 from mili_openai.server.state import QUEUE_FULL_RETRY_AFTER_S, ServerState
 
 NUM_CONCURRENT = 6

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from mili_openai.config import EngineConfig, SpeculativeConfig
 from mili_openai.engine.kv_pages import KVPageManager
 from mili_openai.engine.sampling_params import SamplingParams
-from mili_openai.engine.scheduler import ScheduledBatch, Scheduler, common_prefix_length
+from mili_openai.engine.scheduled_batch import ScheduledBatch
+from mili_openai.engine.scheduler import Scheduler, common_prefix_length
 from mili_openai.engine.sequence import Sequence, SequenceStatus
 
 MAX_STEPS = 2000

@@ -9,7 +9,7 @@ import pytest
 
 from helpers_server import TEST_MODEL_NAME, FakeEngine, asgi_client, fake_engine, qwen_tokenizer, sse_data  # noqa: F401
 from mili_openai import __version__
-from mili_openai.routes.request_records import RequestRecords
+from mili_openai.server.state import RequestRecords
 
 pytestmark = pytest.mark.anyio
 

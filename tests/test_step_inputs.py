@@ -11,7 +11,7 @@ import torch
 
 from mili_openai.engine.batch_builder import build_forward_batch
 from mili_openai.engine.sampling_params import SamplingParams
-from mili_openai.engine.scheduler import ScheduledBatch
+from mili_openai.engine.scheduled_batch import ScheduledBatch
 from mili_openai.engine.sequence import Sequence
 from mili_openai.engine.step_inputs import map_tensors, stage_forward_batch, views_of
 from mili_openai.kernels.attention_reference import context_slots

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from mili_openai.engine.stop_strings import StopStringMatcher
+from mili_openai.engine.detokenizer import StopStringMatcher
 
 
 def push_all(matcher: StopStringMatcher, pieces: list[str]) -> tuple[str, str | None]:

@@ -5,6 +5,13 @@ The loop is schedule -> prepare -> (worker thread) forward + sample -> postproce
 step runs, the loop plans the next one where it can (`EngineCore.schedule_ahead`) and queues it on the
 worker, which starts it the moment the running step ends: the loop's own work for a step (postprocess,
 schedule, prepare, waking the worker) then overlaps the forward instead of sitting between two.
+
+The loop thread's own torch ops stay on that thread (`serial_torch_ops`), so the forward's OpenMP team
+stays fast. The loop runs a few torch ops per step (batch metadata, rotary cos/sin). Above ATen's grain
+size (32768 elements) such an op runs in parallel, and OpenMP gives the loop thread a team of its own.
+libgomp then manages more threads than there are cores, and from that moment cuts the spinning at every
+barrier of every team to ~100 turns: the forward's two threads sleep and wake at each of the hundreds of
+parallel regions in a step, which slows every decode step.
 """
 
 from __future__ import annotations
@@ -14,21 +21,37 @@ import concurrent.futures
 import contextlib
 import logging
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch
+from threadpoolctl import threadpool_limits
+
 from mili_openai.config import EngineConfig
 from mili_openai.engine.core import EngineCore
-from mili_openai.engine.observer import EngineObserver
-from mili_openai.engine.outputs import EngineStats, SequenceDelta
+from mili_openai.engine.outputs import EngineObserver, EngineStats, SequenceDelta
 from mili_openai.engine.runner import PreparedStep
 from mili_openai.engine.sampling_params import SamplingParams
-from mili_openai.engine.scheduler import ScheduledBatch
-from mili_openai.engine.serial_thread import serial_torch_ops
+from mili_openai.engine.scheduled_batch import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.05  # how long the loop waits when it has work that cannot be scheduled yet
+
+
+@contextlib.contextmanager
+def serial_torch_ops() -> Iterator[None]:
+    """Torch ops on the calling thread run on it alone while inside; other threads keep their teams.
+
+    OpenMP's thread count is per thread (`omp_set_num_threads` sets the calling thread's), which is
+    what threadpoolctl sets for "openmp"; BLAS pools, which are process-wide, are left alone.
+    """
+    # torch sets a thread's OpenMP count on that thread's first parallel-capable op: let it happen
+    # now, or it would later undo the limit below
+    torch.get_num_threads()
+    with threadpool_limits(limits=1, user_api="openmp"):
+        yield
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +223,7 @@ class AsyncEngine:
         stream.put(delta)
 
     async def _run(self) -> None:
-        with serial_torch_ops():  # see serial_thread: a parallel op here slows every forward after it
+        with serial_torch_ops():  # see the module docstring: a parallel op here slows every forward after it
             await self._loop()
 
     async def _loop(self) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from mili_openai.engine.scheduler import ScheduledBatch
+from mili_openai.engine.scheduled_batch import ScheduledBatch
 from mili_openai.engine.sequence import Sequence
 from mili_openai.model.batch import ForwardBatch, PageTables, PrefillSegment
 

@@ -13,17 +13,23 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from mili_openai.config import EngineConfig
-from mili_openai.engine.detokenizer import IncrementalDetokenizer
+from mili_openai.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from mili_openai.engine.kv_pages import KVPageManager, pages_for
-from mili_openai.engine.observer import EngineObserver
-from mili_openai.engine.outputs import EngineStats, RequestMetrics, SequenceDelta, SpeculationCounts, merge_deltas
+from mili_openai.engine.outputs import (
+    EngineObserver,
+    EngineStats,
+    RequestMetrics,
+    SequenceDelta,
+    SpeculationCounts,
+    merge_deltas,
+)
 from mili_openai.engine.runner import ModelRunner, PreparedStep
 from mili_openai.engine.sampler import Sampler, SamplerOutput
 from mili_openai.engine.sampling_defaults import SamplingDefaults, read_sampling_defaults
 from mili_openai.engine.sampling_params import SamplingParams
-from mili_openai.engine.scheduler import ScheduledBatch, Scheduler
+from mili_openai.engine.scheduled_batch import ScheduledBatch
+from mili_openai.engine.scheduler import Scheduler
 from mili_openai.engine.sequence import Sequence
-from mili_openai.engine.stop_strings import StopStringMatcher
 from mili_openai.engine.structured_output import GrammarCompiler
 from mili_openai.model import resolve_model_path
 

@@ -1,8 +1,10 @@
-"""What the engine hands back: per-step deltas for streaming, and whole outputs for the offline API."""
+"""What the engine hands back: per-step deltas for streaming, whole outputs for the offline API, and the
+metrics and stats through which the server observes it without the engine knowing."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 
 @dataclass(slots=True)
@@ -78,6 +80,12 @@ class RequestMetrics:
     num_output_tokens: int
     finish_reason: str
     num_preemptions: int
+
+
+class EngineObserver(Protocol):
+    def on_request_finished(self, metrics: RequestMetrics) -> None:
+        """Called on the engine's thread once per sequence, whether it finished, stopped or was aborted."""
+        ...
 
 
 @dataclass(slots=True)

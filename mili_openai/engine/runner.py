@@ -21,7 +21,7 @@ from mili_openai.engine.memory_budget import BYTES_PER_GIB, check_kv_cache_fits,
 from mili_openai.engine.memory_profile import profile_gpu_memory
 from mili_openai.engine.outputs import TokenLogprob
 from mili_openai.engine.sampler import Sampler, SamplerOutput, SamplingRow, token_logprobs
-from mili_openai.engine.scheduler import ScheduledBatch
+from mili_openai.engine.scheduled_batch import ScheduledBatch
 from mili_openai.engine.sequence import Sequence
 from mili_openai.engine.step_inputs import forward_batch_to, stage_forward_batch
 from mili_openai.kernels import load_cpu_kernels

@@ -11,40 +11,31 @@ a decode then feeds the token its sequence has pending, which the model runner t
 before. A lookahead step never preempts (the victim may be in the running step): a sequence that finds
 no page waits for the next step instead.
 
-With speculative decoding on, a decode may also verify draft tokens (`ngram_proposer`): it computes its
+With speculative decoding on, a decode may also verify draft tokens (`NgramProposer`, below): it computes its
 last token and the drafts, and its pending token becomes the sampled tokens that the drafts agree with,
 plus one. The K/V of rejected drafts is rolled back in `EngineCore.postprocess`. Drafts need the last
 token's id, so a lookahead step never has them.
+
+Drafts come from prompt lookup (vLLM's "ngram" method, `NgramProposer`): text that quotes its context
+(code edits, summaries, extraction, a model repeating itself) continues an earlier stretch of the
+sequence, so the tokens that followed an earlier occurrence of the sequence's last n tokens are a cheap
+guess at its next ones, and the model checks the whole guess in one forward: on a memory-bound device
+that forward reads the weights once for all of its rows. The match is vLLM's: the longest n in
+[min_n, max_n] whose n-gram occurs earlier, at its earliest occurrence, and the (up to) k tokens after it.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Sequence as TokenSequence
 
-from mili_openai.config import EngineConfig
+import numpy as np
+
+from mili_openai.config import EngineConfig, SpeculativeConfig
 from mili_openai.engine.kv_pages import KVPageManager
-from mili_openai.engine.ngram_proposer import NgramProposer
+from mili_openai.engine.scheduled_batch import ScheduledBatch
 from mili_openai.engine.sequence import Sequence, SequenceStatus
-
-
-@dataclass(slots=True)
-class ScheduledBatch:
-    seqs: list[Sequence]  # decodes (one new token each, plus any drafts) first, then prefill chunks
-    num_new_tokens: list[int]  # tokens computed for each sequence in this step (a decode's drafts included)
-    positions: list[int]  # position of each sequence's first new token
-    num_decode: int  # seqs[:num_decode] are decodes
-    # whether each sequence gets a new token after this step (its chunk reaches its last token); fixed
-    # at scheduling time, since an abort during the forward resets the sequence's counters
-    samples: list[bool]
-    preempted: list[Sequence] = field(default_factory=list)
-    # per decode (seqs[:num_decode]), the draft tokens it verifies after its last token ([] for none)
-    draft_tokens: list[list[int]] = field(default_factory=list)
-
-    def drafts(self, index: int) -> list[int]:
-        """The draft tokens seqs[index] verifies: [] for a prefill chunk or a decode without drafts."""
-        return self.draft_tokens[index] if index < self.num_decode else []
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -57,6 +48,43 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
         else:
             hi = mid - 1
     return lo
+
+
+def propose_ngram_draft(token_ids: TokenSequence[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """Up to k tokens that followed the earliest earlier occurrence of the longest suffix n-gram
+    (min_n <= n <= max_n) of `token_ids`; [] when there is none."""
+    total = len(token_ids)
+    if k < 1 or total <= min_n:
+        return []
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        suffix = tokens[total - n :]
+        # starts whose n-gram is followed by at least one token (so not the suffix itself), narrowed one
+        # column at a time: most starts fail on the first token, so this stays ~O(total)
+        starts = np.flatnonzero(tokens[: total - n] == suffix[0])
+        for offset in range(1, n):
+            if not starts.size:
+                break
+            starts = starts[tokens[starts + offset] == suffix[offset]]
+        if starts.size:
+            begin = int(starts[0]) + n
+            return tokens[begin : begin + k].tolist()
+    return []
+
+
+class NgramProposer:
+    """The drafts a decoding sequence verifies in its next step, capped by what it may still generate."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+
+    def propose(self, token_ids: TokenSequence[int], max_drafts: int) -> list[int]:
+        """max_drafts: how many the step can take (the token budget, and room under max_tokens for the
+        drafts plus the token the step samples after them)."""
+        k = min(self.num_speculative_tokens, max_drafts)
+        return propose_ngram_draft(token_ids, self.min_n, self.max_n, k) if k > 0 else []
 
 
 class Scheduler:

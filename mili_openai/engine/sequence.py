@@ -15,9 +15,8 @@ from mili_openai.engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
-    from mili_openai.engine.detokenizer import IncrementalDetokenizer
+    from mili_openai.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
     from mili_openai.engine.outputs import TokenLogprob
-    from mili_openai.engine.stop_strings import StopStringMatcher
     from mili_openai.radix import RadixNode
 
 

@@ -13,8 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mili_openai.engine.sampling_params import MAX_LOGPROBS
-from mili_openai.protocol.prompt_logprobs import PromptLogprobsField, check_prompt_logprobs
-from mili_openai.protocol.sampling import SamplingFields, StreamOptions
+from mili_openai.protocol.sampling import PromptLogprobsField, SamplingFields, StreamOptions, check_prompt_logprobs
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 ToolChoiceMode = Literal["none", "auto", "required"]

@@ -8,8 +8,14 @@ from pydantic import Field, model_validator
 
 from mili_openai.engine.sampling_params import MAX_LOGPROBS
 from mili_openai.server.errors import APIError
-from mili_openai.protocol.prompt_logprobs import PromptLogprobsField, check_prompt_logprobs
-from mili_openai.protocol.sampling import DEFAULT_MAX_TOKENS, MAX_N, SamplingFields, StreamOptions
+from mili_openai.protocol.sampling import (
+    DEFAULT_MAX_TOKENS,
+    MAX_N,
+    PromptLogprobsField,
+    SamplingFields,
+    StreamOptions,
+    check_prompt_logprobs,
+)
 
 COMPLETION_OBJECT = "text_completion"
 SYSTEM_FINGERPRINT = "mili-openai"

@@ -1,9 +1,18 @@
-"""Chat `logprobs`: `{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`.
+"""Log-probabilities in their three response shapes.
 
-`bytes` are the token's real UTF-8 bytes. A byte-level BPE token can hold part of a multi-byte
-character, so decoding it alone gives U+FFFD; its bytes still let a client rebuild the text exactly.
-They come from the token's vocabulary string through GPT-2's byte <-> unicode table, which the
-Qwen tokenizer uses; added tokens (`<think>`, `<|im_end|>`) are literal text and map the same way.
+- Chat `logprobs`: `{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`.
+  `bytes` are the token's real UTF-8 bytes. A byte-level BPE token can hold part of a multi-byte
+  character, so decoding it alone gives U+FFFD; its bytes still let a client rebuild the text exactly.
+  They come from the token's vocabulary string through GPT-2's byte <-> unicode table, which the Qwen
+  tokenizer uses; added tokens (`<think>`, `<|im_end|>`) are literal text and map the same way.
+- The legacy completions object: `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`. Each
+  token is shown as its own decoded text; `top_logprobs[i]` maps the chosen token plus the top-k
+  alternatives to their logprobs. Echoed prompt tokens carry the engine's scores of the prompt
+  (`SamplingParams.prompt_logprobs`); the first has none (`null`), as in OpenAI's API.
+- vLLM's `prompt_logprobs`: per prompt token, `null` for the first and otherwise
+  `{token_id: {"logprob", "rank", "decoded_token"}}` holding the prompt's own token (its rank among the
+  whole vocabulary) and the k likeliest tokens (ranks 1..k). vLLM puts the list on each choice of a
+  completion and on the response of a chat completion, and refuses it with `stream`; so does this server.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from mili_openai.protocol.chat import ChoiceLogprobs, TokenLogprobOut, TopLogpro
 BYTE_COUNT = 256
 
 
+# ---- chat ----
 @functools.cache
 def unicode_to_byte() -> dict[str, int]:
     """The inverse of GPT-2's `bytes_to_unicode`: printable bytes stand for themselves, the other
@@ -54,3 +64,72 @@ def chat_logprobs(tokenizer: Any, logprobs: list[TokenLogprob], top_k: int) -> C
         top = [_entry(tokenizer, token_id, logprob) for token_id, logprob in entry.top[:top_k]]
         content.append(TokenLogprobOut(**chosen.model_dump(), top_logprobs=top))
     return ChoiceLogprobs(content=content)
+
+
+# ---- completions ----
+class CompletionLogprobs:
+    """Builds the logprobs object of one choice, piece by piece (a stream) or all at once."""
+
+    def __init__(self, tokenizer: Any, top_k: int) -> None:
+        self.tokenizer = tokenizer
+        self.top_k = top_k
+        self.offset = 0  # characters of the choice's text before the next token
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _empty(self) -> dict[str, list]:
+        return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def prompt(self, token_ids: list[int], scored: list[TokenLogprob | None] | None) -> dict[str, list]:
+        """Echoed prompt tokens with their scores (one entry per token; None, or no list, = null)."""
+        out = self._empty()
+        for index, token_id in enumerate(token_ids):
+            entry = scored[index] if scored is not None else None
+            if entry is None:
+                self._append(out, self.token_text(token_id), None, None)
+            else:
+                self._append_scored(out, entry)
+        return out
+
+    def generated(self, logprobs: list[TokenLogprob]) -> dict[str, list]:
+        out = self._empty()
+        for entry in logprobs:
+            self._append_scored(out, entry)
+        return out
+
+    def _append_scored(self, out: dict[str, list], entry: TokenLogprob) -> None:
+        text = self.token_text(entry.token_id)
+        top = {text: entry.logprob}
+        for token_id, logprob in entry.top[: self.top_k]:
+            top.setdefault(self.token_text(token_id), logprob)
+        self._append(out, text, entry.logprob, top)
+
+    def _append(self, out: dict[str, list], text: str, logprob: float | None, top: dict[str, float] | None) -> None:
+        out["tokens"].append(text)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(self.offset)
+        self.offset += len(text)
+
+
+def merge_logprobs(first: dict[str, list], second: dict[str, list]) -> dict[str, list]:
+    return {key: first[key] + second[key] for key in first}
+
+
+# ---- prompt_logprobs ----
+def prompt_logprobs_object(tokenizer: Any, scored: list[TokenLogprob | None] | None, top_k: int
+                           ) -> list[dict | None]:
+    """The response's `prompt_logprobs`: one entry per prompt token, with top_k alternatives each."""
+    return [_position(tokenizer, entry, top_k) if entry is not None else None for entry in scored or []]
+
+
+def _position(tokenizer: Any, entry: TokenLogprob, top_k: int) -> dict[str, dict[str, Any]]:
+    def described(token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank,
+                "decoded_token": tokenizer.decode([token_id], skip_special_tokens=False)}
+
+    out = {str(entry.token_id): described(entry.token_id, entry.logprob, entry.rank)}
+    for rank, (token_id, logprob) in enumerate(entry.top[:top_k], start=1):
+        out.setdefault(str(token_id), described(token_id, logprob, rank))
+    return out

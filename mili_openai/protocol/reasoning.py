@@ -16,11 +16,23 @@ from __future__ import annotations
 
 import enum
 
-from mili_openai.protocol.chat_tags import THINK_END, THINK_START, partial_tag_length
-
+THINK_START = "<think>"
+THINK_END = "</think>"
 # Leading whitespace is held while a `<think>` may still follow it; past this much the output is
 # taken as a plain answer, so a model that starts with a run of newlines still streams.
 MAX_LEADING_WHITESPACE = 64
+
+
+def partial_tag_length(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag` (0 if none).
+
+    Streaming parsers see text in arbitrary pieces, so a tag can arrive split (`<thi` + `nk>`): they
+    hold back that suffix, which the next piece may complete, and release it once it cannot.
+    """
+    for length in range(min(len(text), len(tag) - 1), 0, -1):
+        if text.endswith(tag[:length]):
+            return length
+    return 0
 
 
 class _State(enum.Enum):

@@ -26,6 +26,13 @@ MAX_N = 128  # choices per request: each is a full sequence in the engine
 MAX_STOP_STRINGS = 16
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI's range for a bias value
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# vLLM's `prompt_logprobs` field: score the prompt's tokens, k alternatives each (protocol/logprobs.py)
+PromptLogprobsField = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None
+
+
+def check_prompt_logprobs(prompt_logprobs: int | None, stream: bool) -> None:
+    if prompt_logprobs is not None and stream:
+        raise ValueError("prompt_logprobs are not available when stream is true")
 
 
 class StreamOptions(BaseModel):

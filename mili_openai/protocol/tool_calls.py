@@ -1,4 +1,5 @@
-"""Qwen3 (Hermes-style) tool calls: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`.
+"""Qwen3 (Hermes-style) tool calls, `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`: parsed
+out of the output, and enforced by a grammar for `tool_choice` "required" or a named function.
 
 The model writes each call as one JSON object between the tags, possibly several in a row. The
 parser turns every well-formed block into an OpenAI tool call (`call_...` id, function name,
@@ -15,6 +16,10 @@ Streaming holds back text that could be the start of `<tool_call>` and buffers e
 closes, then emits the call. Emitting a call only once its JSON is known to be valid is what keeps
 the streamed result identical to the non-streamed one, malformed blocks included; the cost is that
 a call's arguments arrive in one piece instead of token by token.
+
+`tool_choice: "required"` or a named function is enforced as vLLM does: a grammar (structured outputs)
+makes the whole output tool calls, each call's arguments held to its function's JSON schema; the parser
+then reads them back as it reads calls the model chose to make.
 """
 
 from __future__ import annotations
@@ -23,8 +28,14 @@ import json
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from mili_openai.protocol.chat_tags import TOOL_CALL_END, TOOL_CALL_START, partial_tag_length
+from mili_openai.engine.structured_output import single_token_id
+from mili_openai.protocol.chat import NamedToolChoice, ToolDefinition
+from mili_openai.protocol.reasoning import partial_tag_length
+
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
 
 CALL_ID_PREFIX = "call_"
 CALL_ID_HEX_CHARS = 24
@@ -159,3 +170,34 @@ def parse_tool_calls(text: str, prompt_tail: str = "", max_calls: int | None = N
     delta = parser.feed(text)
     end = parser.finish()
     return ToolParseDelta(delta.content + end.content, delta.calls + end.calls)
+
+
+# ---- enforced calls ----
+def tag_terminal(tokenizer: Any, tag: str) -> str:
+    """A Lark terminal for a tag: the token itself where the vocabulary has it as one (llguidance sees
+    such added tokens as special, not as their text), else the text."""
+    token_id = single_token_id(tokenizer, tag)
+    return f"<[{token_id}]>" if token_id is not None else json.dumps(tag)
+
+
+def tool_call_grammar(tokenizer: Any, tools: list[ToolDefinition], choice: str | NamedToolChoice,
+                      parallel: bool) -> str:
+    """A Lark grammar (llguidance's dialect) for one call, or with `parallel` one or more, of the named
+    function or, for "required", of any of `tools`."""
+    functions = [tool.function for tool in tools
+                 if not isinstance(choice, NamedToolChoice) or tool.function.name == choice.function.name]
+    rules = []
+    for index, function in enumerate(functions):
+        schema = {
+            "x-guidance": {"whitespace_flexible": False},  # compact: whitespace is where a model could loop
+            "type": "object",
+            "properties": {"name": {"const": function.name},
+                           "arguments": function.parameters or {"type": "object"}},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        rules.append(f"call_{index}: %json {json.dumps(schema)}")
+    start, end = tag_terminal(tokenizer, TOOL_CALL_START), tag_terminal(tokenizer, TOOL_CALL_END)
+    bodies = " | ".join(f"call_{index}" for index in range(len(functions)))
+    top = 'start: call ("\\n" call)*' if parallel else "start: call"
+    return "\n".join([top, f'call: {start} "\\n" ({bodies}) "\\n" {end}', *rules])

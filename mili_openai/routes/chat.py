@@ -33,10 +33,9 @@ from mili_openai.protocol.chat import (
     ToolCallOut,
     UsageOut,
 )
-from mili_openai.protocol.chat_tags import THINK_END
-from mili_openai.protocol.chat_template import RenderedPrompt, render_chat_prompt
-from mili_openai.server.disconnect import cancel_on_disconnect
-from mili_openai.server.errors import APIError, parse_body
+from mili_openai.protocol.reasoning import THINK_END
+from mili_openai.protocol.prompts import RenderedPrompt, render_chat_prompt
+from mili_openai.server.errors import APIError, cancel_on_disconnect, json_response, parse_body
 from mili_openai.routes.job import (
     GenerationJob,
     ChoiceResult,
@@ -46,12 +45,11 @@ from mili_openai.routes.job import (
     submit_choices,
     usage_of,
 )
-from mili_openai.protocol.prompt_logprobs import prompt_logprobs_object
+from mili_openai.protocol.logprobs import prompt_logprobs_object
 from mili_openai.protocol.reasoning import output_reasoning_mode
-from mili_openai.server.responses import json_response
 from mili_openai.server.sse import sse_stream
 from mili_openai.server.state import ServerState, request_id_of, server_state
-from mili_openai.protocol.tool_grammar import tool_call_grammar
+from mili_openai.protocol.tool_calls import tool_call_grammar
 
 TOOL_CALLS_FINISH = "tool_calls"
 ABORT_FINISH = "abort"

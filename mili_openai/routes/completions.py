@@ -17,10 +17,9 @@ from starlette.routing import Route
 
 from mili_openai.engine.outputs import SequenceDelta, TokenLogprob
 from mili_openai.engine.sampling_params import SamplingParams
-from mili_openai.protocol.completion_logprobs import CompletionLogprobs, merge_logprobs
+from mili_openai.protocol.logprobs import CompletionLogprobs, merge_logprobs
 from mili_openai.protocol.completions import CompletionRequest, choice_object, completion_object
-from mili_openai.server.disconnect import cancel_on_disconnect
-from mili_openai.server.errors import parse_body
+from mili_openai.server.errors import cancel_on_disconnect, json_response, parse_body
 from mili_openai.routes.job import (
     GenerationJob,
     ChoiceResult,
@@ -31,9 +30,8 @@ from mili_openai.routes.job import (
     submit_choices,
     usage_of,
 )
-from mili_openai.protocol.prompt_logprobs import prompt_logprobs_object
+from mili_openai.protocol.logprobs import prompt_logprobs_object
 from mili_openai.protocol.prompts import prompt_text, prompt_token_ids
-from mili_openai.server.responses import json_response
 from mili_openai.server.sse import sse_stream
 from mili_openai.server.state import ServerState, request_id_of, server_state
 

@@ -21,12 +21,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from mili_openai.engine.sampling_params import MAX_LOGPROBS
-from mili_openai.server.disconnect import cancel_on_disconnect
-from mili_openai.server.errors import APIError, parse_body
+from mili_openai.server.errors import APIError, cancel_on_disconnect, json_response, parse_body
 from mili_openai.routes.job import abort_streams, merge_streams, raise_engine_error, submit_choices, usage_of
 from mili_openai.protocol.prompts import prompt_token_ids
-from mili_openai.routes.request_records import RequestRecord
-from mili_openai.server.responses import json_response
+from mili_openai.server.state import RequestRecord
 from mili_openai.protocol.sampling import SamplingFields
 from mili_openai.server.sse import sse_stream
 from mili_openai.server.state import ServerState, request_id_of, server_state

@@ -22,7 +22,7 @@ from typing import Any
 from mili_openai.engine.outputs import SequenceDelta, TokenLogprob
 from mili_openai.engine.sampling_params import INT64_MAX, SamplingParams
 from mili_openai.server.errors import INTERNAL_ERROR, APIError
-from mili_openai.server.request_context import current_request
+from mili_openai.server.request_log import current_request
 
 
 def sub_request_params(params: SamplingParams, index: int) -> SamplingParams:

@@ -1,8 +1,15 @@
-"""Small routes around the model: /health, /version, /v1/models, /tokenize, /detokenize (vLLM shapes)."""
+"""The routes around generation: /health, /version, /v1/models, /tokenize, /detokenize (vLLM shapes),
+and GET /debug/engine.
+
+/debug/engine shows the engine's stats and page accounting, for soak tests and leak hunts. It is
+mounted only with `--debug-endpoints` (it walks the whole radix tree, and its numbers are internals no
+client should depend on), and answers while draining too, so a test can check pages after load.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -11,9 +18,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from mili_openai import __version__
-from mili_openai.server.errors import APIError, parse_body
+from mili_openai.server.errors import APIError, json_response, parse_body
 from mili_openai.protocol.prompts import check_token_ids, encode_text
-from mili_openai.server.responses import json_response
 from mili_openai.server.state import server_state
 
 OWNED_BY = "mili-openai"
@@ -109,3 +115,20 @@ def routes() -> list[Route]:
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
     ]
+
+
+async def engine_debug(request: Request) -> Response:
+    server = server_state(request)
+    engine = server.engine
+    if engine is None:
+        raise APIError(503, "the model is not loaded", type="service_unavailable")
+    return json_response({
+        "stats": dataclasses.asdict(engine.stats()),
+        "pages": dataclasses.asdict(engine.page_accounting()),
+        "server": {"active_requests": server.active_requests, "pending_sequences": server.pending_sequences,
+                   "draining": server.draining},
+    })
+
+
+def debug_routes() -> list[Route]:
+    return [Route("/debug/engine", engine_debug, methods=["GET"])]

@@ -25,20 +25,12 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
-from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from mili_openai.config import ServerConfig
-from mili_openai.routes import completions, debug, generate, service
-from mili_openai.server.disconnect import ClientDisconnected
+from mili_openai.routes import completions, generate, service
 from mili_openai.server.errors import CatchAllMiddleware, install_error_handlers
-from mili_openai.server.middleware import (
-    CLIENT_CLOSED_REQUEST,
-    REQUEST_ID_HEADER,
-    AccessGuardMiddleware,
-    RequestContextMiddleware,
-)
+from mili_openai.server.middleware import REQUEST_ID_HEADER, AccessGuardMiddleware, RequestContextMiddleware
 from mili_openai.server.state import ServerState, default_served_name
 
 logger = logging.getLogger(__name__)
@@ -64,7 +56,7 @@ def build_metrics(server: ServerState, module: Any | None) -> Any | None:
 def all_routes(config: ServerConfig, metrics_module: Any | None) -> list[BaseRoute]:
     routes: list[BaseRoute] = [*service.routes(), *completions.routes(), *generate.routes()]
     if config.debug_endpoints:
-        routes.extend(debug.routes())
+        routes.extend(service.debug_routes())
     for name in OPTIONAL_ROUTE_MODULES:
         module = _optional_module(name)
         if module is not None and hasattr(module, "routes"):
@@ -150,12 +142,7 @@ def create_app(config: ServerConfig, engine: Any | None = None) -> Starlette:
     middleware.append(Middleware(AccessGuardMiddleware, server=server))
     app = Starlette(routes=all_routes(config, metrics_module), middleware=middleware, lifespan=lifespan)
     install_error_handlers(app)
-    app.add_exception_handler(ClientDisconnected, _client_disconnected)
     # reachable outside requests: the CLI marks the server draining on SIGTERM; /metrics reads metrics
     app.state.server = server
     app.state.metrics = server.metrics
     return app
-
-
-async def _client_disconnected(request: Request, exc: Exception) -> Response:
-    return Response(status_code=CLIENT_CLOSED_REQUEST)

@@ -1,13 +1,17 @@
-"""Errors in OpenAI's wire shape, and the handlers that turn every failure into one.
+"""Errors in OpenAI's wire shape, the handlers that turn every failure into one, and JSON responses.
 
 Every error leaves the server as `{"error": {"message", "type", "param", "code"}}` with a fitting
 status: bad input is a 400 (never a 500), unknown routes 404, wrong methods 405, and only a real bug
-becomes a 500 `internal_error` (logged with its traceback).
+becomes a 500 `internal_error` (logged with its traceback). A client that leaves before a plain (not
+streamed) response is ready gets its work cancelled (`cancel_on_disconnect`) and is logged as 499.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 import orjson
@@ -21,9 +25,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 logger = logging.getLogger(__name__)
 
 ModelT = TypeVar("ModelT", bound=pydantic.BaseModel)
+T = TypeVar("T")
 
 INVALID_REQUEST = "invalid_request_error"
 INTERNAL_ERROR = "internal_error"
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away before an answer started"
 # OpenAI's error `type` for the statuses that are not plain bad input
 TYPE_BY_STATUS = {
     401: "authentication_error",
@@ -59,10 +65,17 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class ClientDisconnected(Exception):
+    """The client closed the connection before the response was ready."""
+
+
+def json_response(body: Any, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """orjson: fast, and strict about NaN rather than emitting invalid JSON."""
+    return Response(orjson.dumps(body), status_code=status_code, media_type="application/json", headers=headers)
+
+
 def error_response(exc: APIError, headers: dict[str, str] | None = None) -> Response:
-    all_headers = {**(exc.headers or {}), **(headers or {})}
-    return Response(orjson.dumps(exc.to_dict()), status_code=exc.status_code, media_type="application/json",
-                    headers=all_headers or None)
+    return json_response(exc.to_dict(), exc.status_code, {**(exc.headers or {}), **(headers or {})} or None)
 
 
 def validation_error(exc: pydantic.ValidationError) -> APIError:
@@ -104,6 +117,33 @@ async def parse_body(request: Request, model_cls: type[ModelT]) -> ModelT:
         raise validation_error(exc) from None
 
 
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`; if the client disconnects first, cancel it (its cleanup aborts the engine requests)
+    and raise ClientDisconnected. A streamed response notices the disconnect itself (sse-starlette)."""
+    work_task = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        work_task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if work_task in done:
+        return work_task.result()
+    work_task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await work_task
+    raise ClientDisconnected
+
+
 # ---- handlers ----
 async def _api_error(request: Request, exc: Exception) -> Response:
     return error_response(exc)  # type: ignore[arg-type]
@@ -116,6 +156,10 @@ async def _pydantic_error(request: Request, exc: Exception) -> Response:
 async def _value_error(request: Request, exc: Exception) -> Response:
     # The engine and SamplingParams raise ValueError for requests that can never run.
     return error_response(APIError(400, str(exc) or "invalid request"))
+
+
+async def _client_disconnected(request: Request, exc: Exception) -> Response:
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -172,3 +216,4 @@ def install_error_handlers(app: Starlette) -> None:
     app.add_exception_handler(pydantic.ValidationError, _pydantic_error)
     app.add_exception_handler(ValueError, _value_error)
     app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(ClientDisconnected, _client_disconnected)

@@ -19,9 +19,8 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from mili_openai.server.errors import APIError, error_response
-from mili_openai.server.request_context import CURRENT_REQUEST, RequestContext
-from mili_openai.server.request_log import REQUEST_LOGGER_NAME, log_finished_request
+from mili_openai.server.errors import CLIENT_CLOSED_REQUEST, APIError, error_response
+from mili_openai.server.request_log import CURRENT_REQUEST, REQUEST_LOGGER_NAME, RequestContext, log_finished_request
 from mili_openai.server.state import REQUEST_ID_SCOPE_KEY, ServerState
 
 REQUEST_ID_HEADER = "x-request-id"
@@ -29,7 +28,6 @@ REQUEST_ID_HEADER = "x-request-id"
 VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})  # reachable without the API key
 UNMATCHED_PATH = "unmatched"  # the metrics label of requests no route matched (404s): bounded cardinality
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away before an answer started"
 
 
 def new_request_id() -> str:

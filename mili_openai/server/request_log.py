@@ -1,7 +1,15 @@
-"""One structured log line per finished HTTP request, as JSON on the `mili_openai.requests` logger.
+"""What the server knows about one HTTP request while it runs, and the log line written when it ends.
 
-The line is the whole message (the CLI gives this logger a bare `%(message)s` handler), so log
-pipelines can parse it as-is:
+The request-context middleware creates one `RequestContext` per request and makes it reachable
+through a `ContextVar`, so that the generation helpers (routes/job.py) and `ServerState.check_queue`
+can update it without every route threading it through its calls. A ContextVar rather than a module
+global: each request's task (and the SSE task it starts, which copies the context) sees its own
+object, and nothing outlives the request.
+
+The context feeds two things: the bounded waiting room (sequences admitted by a route but not yet
+submitted to the engine count toward `max_queue`), and one JSON line per finished request on the
+`mili_openai.requests` logger. The line is the whole message (the CLI gives this logger a bare
+`%(message)s` handler), so log pipelines can parse it as-is:
 
     {"event": "request", "request_id": "...", "method": "POST", "endpoint": "/v1/completions",
      "status": 200, "prompt_tokens": 12, "cached_tokens": 0, "output_tokens": 16, "num_sequences": 1,
@@ -15,15 +23,96 @@ from __future__ import annotations
 
 import logging
 import time
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
-from mili_openai.server.request_context import RequestContext
+from mili_openai.engine.outputs import SequenceDelta
 
 REQUEST_LOGGER_NAME = "mili_openai.requests"
 QUIET_PATHS = frozenset({"/health", "/metrics"})
 TIME_DECIMALS = 4  # 0.1 ms: finer is noise next to the event loop's own jitter
+
+
+@dataclass(slots=True)
+class SequenceTally:
+    """What one engine sequence of the request produced (counted the way `usage` counts them)."""
+
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True, eq=False)
+class RequestContext:
+    request_id: str
+    method: str
+    path: str  # the raw path; the route template is read from the scope when the request ends
+    server: Any  # routes.state.ServerState (not imported: state imports this module)
+    arrival_time: float = field(default_factory=time.monotonic)
+    reserved_sequences: int = 0  # counted in server.pending_sequences until submitted or finished
+    num_prompt_tokens: int = 0  # each prompt once, however many samples it has (as `usage` counts)
+    first_sequence_ids: list[str] = field(default_factory=list)  # sample 0 of each prompt: its cached tokens count
+    sequences: dict[str, SequenceTally] = field(default_factory=dict)
+    first_token_time: float | None = None
+
+    # ---- the waiting room ----
+    def reserve(self, num_sequences: int) -> None:
+        """Count `num_sequences` as queued until the route submits them (or the request ends)."""
+        self.release()
+        self.reserved_sequences = num_sequences
+        self.server.pending_sequences += num_sequences
+
+    def release(self) -> None:
+        """Stop counting the reservation (idempotent): the engine's waiting list counts them now."""
+        self.server.pending_sequences -= self.reserved_sequences
+        self.reserved_sequences = 0
+
+    # ---- the token tally ----
+    def note_submitted(self, num_prompt_tokens: int, stream_ids: list[str]) -> None:
+        """One prompt submitted as `stream_ids` (its samples)."""
+        self.release()
+        self.num_prompt_tokens += num_prompt_tokens
+        if stream_ids:
+            self.first_sequence_ids.append(stream_ids[0])
+        for stream_id in stream_ids:
+            self.sequences.setdefault(stream_id, SequenceTally())
+
+    def observe(self, delta: SequenceDelta) -> None:
+        tally = self.sequences.setdefault(delta.request_id, SequenceTally())
+        tally.num_output_tokens += len(delta.token_ids)
+        tally.num_cached_tokens = delta.num_cached_tokens
+        if delta.token_ids and self.first_token_time is None:
+            self.first_token_time = time.monotonic()
+        if delta.finish_reason is not None:
+            tally.finish_reason = delta.finish_reason
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(t.num_output_tokens for t in self.sequences.values())
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return sum(self.sequences[i].num_cached_tokens for i in self.first_sequence_ids if i in self.sequences)
+
+    @property
+    def finish_reasons(self) -> list[str | None]:
+        return [t.finish_reason for t in self.sequences.values()]
+
+    @property
+    def generated(self) -> bool:
+        """Whether this request submitted anything to the engine."""
+        return bool(self.sequences)
+
+
+CURRENT_REQUEST: ContextVar[RequestContext | None] = ContextVar("mili_request_context", default=None)
+
+
+def current_request() -> RequestContext | None:
+    """The context of the HTTP request being handled, or None outside one (offline use, unit tests)."""
+    return CURRENT_REQUEST.get()
 
 
 def request_log_record(context: RequestContext, endpoint: str, status: int, finished_time: float) -> dict[str, Any]:

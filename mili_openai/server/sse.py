@@ -23,7 +23,7 @@ import orjson
 from sse_starlette.sse import EventSourceResponse
 
 from mili_openai.server.errors import INTERNAL_ERROR, APIError
-from mili_openai.server.request_context import current_request
+from mili_openai.server.request_log import current_request
 
 logger = logging.getLogger(__name__)
 
