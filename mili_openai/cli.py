@@ -6,20 +6,20 @@ in-flight requests get `--shutdown-grace-period` seconds to finish, then they ar
 end with finish_reason "abort", an error event and [DONE], never cut silently), then uvicorn closes
 the listener, the engine stops and the process exits 0 (server/drain.py). A second signal exits at once.
 Each finished request writes one JSON line on the `mili_openai.requests` logger (server/request_log.py).
+A model that fails to load exits 1 with the reason on stderr, so a supervisor restarts it and shows why.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import logging
 import math
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from mili_openai.bench.cli import add_bench_parser
 from mili_openai.config import (
     ATTENTION_BACKENDS,
     DEVICES,
@@ -31,9 +31,12 @@ from mili_openai.config import (
     SpeculativeConfig,
     speculative_config_from,
 )
+from mili_openai.server.request_log import REQUEST_LOGGER_NAME
+
+if TYPE_CHECKING:
+    from mili_openai.server.drain import DrainingServer
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-BENCH_MODULE = "mili_openai.bench.cli"  # provides add_bench_parser(subparsers) when the bench exists
 # uvicorn's own last-resort deadline, after our grace period has aborted what was left
 UVICORN_SHUTDOWN_MARGIN_S = 5.0
 
@@ -111,10 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mili", description="mili-openai: an OpenAI-compatible server for Qwen3")
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_serve_parser(subparsers)
-    if importlib.util.find_spec(BENCH_MODULE) is not None:
-        bench = importlib.import_module(BENCH_MODULE)
-        if hasattr(bench, "add_bench_parser"):
-            bench.add_bench_parser(subparsers)
+    add_bench_parser(subparsers)
     return parser
 
 
@@ -170,9 +170,10 @@ def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:
     return speculative_config_from(fields)
 
 
-def make_server(config: ServerConfig):
+def make_server(config: ServerConfig) -> DrainingServer:
     """A uvicorn server for `config` that drains the app on SIGTERM/SIGINT, then exits 0 (or exits 1 at once
     when the model fails to load)."""
+    # imported here, not above: the server pulls in torch and the model, which `mili bench` never needs
     import uvicorn
 
     from mili_openai.server.app import create_app
@@ -189,8 +190,6 @@ def make_server(config: ServerConfig):
 
 def configure_logging(level: str) -> None:
     """Human-readable lines for everything, except the request log: bare JSON lines, one per request."""
-    from mili_openai.server.request_log import REQUEST_LOGGER_NAME
-
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     request_logger = logging.getLogger(REQUEST_LOGGER_NAME)
     handler = logging.StreamHandler()
@@ -207,7 +206,10 @@ def run_serve(args: argparse.Namespace) -> int:
     source = config.engine.model or "the embedded default model"
     print(f"mili-openai: serving model '{name}' ({source}) on http://{config.host}:{config.port}", flush=True)
     server.run()
-    return 1 if server.model_failed else 0
+    if server.model_failed:  # one line a supervisor's log shows, after the traceback the loader logged
+        print(f"mili-openai: exiting, the model failed to load: {server.state.load_error}", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,7 +1,9 @@
-"""A fake engine with `AsyncEngine`'s interface, for route tests: scripted tokens, no model, instant.
+"""A fake engine following the server's `EngineClient` Protocol, for route tests: scripted tokens, no
+model, instant.
 
 `FakeEngine(tokenizer)` generates from the words of `FAKE_WORDS` (as the real tokenizer encodes them)
-into the engine's own `RequestStream`s, reports cached tokens for prompts sharing page-aligned prefixes
+into the engine's own `RequestStream`s, fanning a request of n samples out as the engine does (one task
+per sample, seeded by `child_params`), reports cached tokens for prompts sharing page-aligned prefixes
 with earlier ones, and can fail every request (`fail_with`) or pace its tokens (`token_delay_s`).
 `helpers_server` builds it as a fixture.
 """
@@ -13,8 +15,9 @@ import random
 from pathlib import Path
 
 from mili_openai.config import EngineConfig
-from mili_openai.engine.async_engine import RequestStream
-from mili_openai.engine.outputs import EngineStats, SequenceDelta, TokenLogprob
+from mili_openai.engine.client import RequestStream
+from mili_openai.engine.outputs import EngineObserver, EngineStats, PageAccounting, SequenceDelta, TokenLogprob
+from mili_openai.engine.parallel_sampling import ParentRequest, child_params
 from mili_openai.engine.sampling_params import SamplingParams
 
 FAKE_VOCAB_SIZE = 151936  # Qwen3's embedding rows (the tokenizer knows 151669 of them)
@@ -41,9 +44,10 @@ class FakeEngine:
         self.fatal_error: str | None = None  # as AsyncEngine's: set, the server exits non-zero
         self.words = tokenizer.encode(FAKE_WORDS)
         self.num_pages, self.page_size = num_pages, page_size
-        self.owned: dict[str, int] = {}  # request id -> pages held
-        self.tasks: dict[str, asyncio.Task] = {}
-        self.streams: dict[str, RequestStream] = {}
+        self.owned: dict[str, int] = {}  # sequence id -> pages held
+        self.tasks: dict[str, asyncio.Task] = {}  # sequence id -> its generation
+        self.requests: dict[str, ParentRequest] = {}
+        self.streams_of: dict[str, RequestStream] = {}  # sequence id -> its request's stream
         self.seen_prompts: list[list[int]] = []
         self.submitted: list[tuple[list[int], SamplingParams, str]] = []
         self.started = False
@@ -53,9 +57,21 @@ class FakeEngine:
         self.started = True
 
     async def shutdown(self) -> None:
-        for request_id in list(self.tasks):
-            self.abort(request_id)
+        self.abort_all()
         self.started = False
+
+    def abort_all(self) -> int:
+        request_ids = list(self.requests)
+        for request_id in request_ids:
+            self.abort(request_id)
+        return len(request_ids)
+
+    def page_accounting(self) -> PageAccounting:
+        used = sum(self.owned.values())
+        return PageAccounting(self.num_pages, self.num_pages - used, 0, 0, used, len(self.tasks), None)
+
+    def set_observer(self, observer: EngineObserver | None) -> None:
+        """The fake reports no per-request metrics."""
 
     def is_ready(self) -> bool:
         return self.started
@@ -86,7 +102,7 @@ class FakeEngine:
         if not self.started:
             raise RuntimeError("the engine is not started")
         request_id = request_id or f"fake-{len(self.submitted)}"
-        if request_id in self.tasks:
+        if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
@@ -100,28 +116,36 @@ class FakeEngine:
             raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
                              f"requested {len(prompt_token_ids) + params.max_tokens} tokens")
         self.submitted.append((list(prompt_token_ids), params, request_id))
-        stream = RequestStream(request_id, self)
-        self.streams[request_id] = stream
-        self.owned[request_id] = -(-len(prompt_token_ids) // self.page_size)
-        self.tasks[request_id] = asyncio.create_task(self._generate(stream, list(prompt_token_ids), params, room))
+        parent = ParentRequest.of(request_id, params)
+        self.requests[request_id] = parent
+        stream = RequestStream(request_id, parent.num_samples, self.abort)
+        for index, sequence_id in enumerate(parent.child_ids):
+            self.owned[sequence_id] = -(-len(prompt_token_ids) // self.page_size)
+            self.streams_of[sequence_id] = stream
+            self.tasks[sequence_id] = asyncio.create_task(self._generate(
+                stream, sequence_id, index, list(prompt_token_ids), child_params(params, index), room))
         return stream
 
     def abort(self, request_id: str) -> None:
-        task = self.tasks.pop(request_id, None)
-        if task is None:
+        parent = self.requests.pop(request_id, None)
+        if parent is None:
             return
-        task.cancel()
-        self.owned.pop(request_id, None)
-        stream = self.streams.pop(request_id)
-        stream.put(SequenceDelta(request_id, "", [], None, "abort", None, 0, 0, 0))
+        for index, sequence_id in enumerate(parent.child_ids):
+            task = self.tasks.pop(sequence_id, None)
+            if task is None:
+                continue
+            task.cancel()
+            self.owned.pop(sequence_id, None)
+            self.streams_of.pop(sequence_id).put(SequenceDelta(request_id, "", [], None, "abort", None, 0, 0, 0,
+                                                           index=index))
 
     def _next_token(self, rng: random.Random | None, start: int, step: int) -> int:
         if rng is not None:
             return rng.choice(self.words)
         return self.words[(start + step) % len(self.words)]
 
-    async def _generate(self, stream: RequestStream, prompt: list[int], params: SamplingParams, room: int) -> None:
-        request_id = stream.request_id
+    async def _generate(self, stream: RequestStream, sequence_id: str, index: int, prompt: list[int],
+                        params: SamplingParams, room: int) -> None:
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         cached = self._cached_tokens(prompt)
         rng = None if params.temperature == 0 else random.Random(params.seed)
@@ -144,19 +168,27 @@ class FakeEngine:
                     finish = "length"
                 new_text, emitted, token = text[emitted:], len(text), [token_id]
             self.generated_total += len(token)
-            self.owned[request_id] = -(-(len(prompt) + len(tokens)) // self.page_size)
+            self.owned[sequence_id] = -(-(len(prompt) + len(tokens)) // self.page_size)
             logprobs = None
             if params.logprobs is not None and token:
                 top = [(w, -0.5 - i) for i, w in enumerate(self.words[: params.logprobs])]
                 logprobs = [TokenLogprob(token[0], -0.25, top)]
-            delta = SequenceDelta(request_id, new_text, token, logprobs, finish,
+            delta = SequenceDelta(stream.request_id, new_text, token, logprobs, finish,
                                   stop_reason if finish == "stop" else None, len(prompt), cached, len(tokens),
-                                  error=self.fail_with)
+                                  error=self.fail_with, index=index)
             if finish is not None:
-                self.tasks.pop(request_id, None)
-                self.owned.pop(request_id, None)
-                self.streams.pop(request_id, None)
+                self._finished(stream.request_id, sequence_id)
                 self.seen_prompts.append(prompt)
             stream.put(delta)
             if finish is not None:
                 return
+
+    def _finished(self, request_id: str, sequence_id: str) -> None:
+        self.tasks.pop(sequence_id, None)
+        self.owned.pop(sequence_id, None)
+        self.streams_of.pop(sequence_id, None)
+        parent = self.requests.get(request_id)
+        if parent is not None:
+            parent.num_unfinished -= 1
+            if parent.num_unfinished == 0:
+                del self.requests[request_id]

@@ -30,14 +30,14 @@ THINKING_TEXT = "<think>\nThe user greets me.\n</think>\n\nHello there!"
 
 
 class ScriptedEngine(FakeEngine):
-    """Follows AsyncEngine's interface; every request streams `script`, one token per delta, then
+    """A FakeEngine whose every sample streams `script`, one token per delta, then
     finishes with "stop" (or "length" at max_tokens)."""
 
     def __init__(self, tokenizer, script: str = THINKING_TEXT, **kwargs) -> None:
         super().__init__(tokenizer, **kwargs)
         self.script = script
 
-    async def _generate(self, stream, prompt, params, room) -> None:
+    async def _generate(self, stream, sequence_id, index, prompt, params, room) -> None:
         tokens = self.tokenizer.encode(self.script, add_special_tokens=False)
         limit = min(params.max_tokens or room, room)
         emitted = ""
@@ -50,12 +50,10 @@ class ScriptedEngine(FakeEngine):
             if params.logprobs is not None:
                 logprobs = [TokenLogprob(token, -0.5, [(token, -0.5), (self.words[0], -1.5)][: params.logprobs])]
             delta = SequenceDelta(stream.request_id, text[len(emitted):], [token], logprobs, finish, None,
-                                  len(prompt), 0, step + 1)
+                                  len(prompt), 0, step + 1, index=index)
             emitted = text
             if finish is not None:
-                self.tasks.pop(stream.request_id, None)
-                self.owned.pop(stream.request_id, None)
-                self.streams.pop(stream.request_id, None)
+                self._finished(stream.request_id, sequence_id)
             stream.put(delta)
 
 

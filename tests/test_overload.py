@@ -14,7 +14,7 @@ from helpers_server import REAL_ENGINE_CONFIG, TEST_MODEL_NAME, live_server
 from mili_openai.config import EngineConfig, ServerConfig
 from mili_openai.engine.async_engine import AsyncEngine
 from mili_openai.server.app import create_app
-from mili_openai.server.errors import APIError
+from mili_openai.protocol.errors import APIError
 from mili_openai.server.request_log import CURRENT_REQUEST, RequestContext
 from mili_openai.server.state import QUEUE_FULL_RETRY_AFTER_S, ServerState
 
@@ -119,7 +119,7 @@ def test_admitted_but_unsubmitted_requests_hold_their_place():
         with pytest.raises(APIError) as refused:
             server.check_queue(1)
         assert refused.value.status_code == 429 and refused.value.headers["Retry-After"]
-        first.note_submitted(5, ["a-0", "a-1", "a-2"])  # now the engine's waiting list counts them
+        first.note_submitted(5, ["a"], 3)  # now the engine's waiting list counts them
         assert server.pending_sequences == 0
         server.check_queue(1)
         second.release()

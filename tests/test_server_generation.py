@@ -1,4 +1,5 @@
-"""Fan-out of n samples and its cleanup; the SSE encoder's error and [DONE] handling."""
+"""The generation routes' shared path (routes/job.py): all-or-nothing submits and engine errors; the SSE
+encoder's error and [DONE] handling."""
 
 from __future__ import annotations
 
@@ -8,10 +9,8 @@ import pytest
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from helpers_server import FakeEngine, qwen_tokenizer, sse_data  # noqa: F401
-from mili_openai.engine.sampling_params import INT64_MAX, SamplingParams
-from mili_openai.server.errors import APIError
-from mili_openai.routes.job import collect_choices, generate_choices, sub_request_params
+from helpers_server import FakeEngine, asgi_client, qwen_tokenizer, sse_data  # noqa: F401
+from mili_openai.protocol.errors import APIError
 from mili_openai.server.sse import sse_stream
 
 pytestmark = pytest.mark.anyio
@@ -22,59 +21,31 @@ def anyio_backend():
     return "asyncio"
 
 
-@pytest.fixture
-async def engine(qwen_tokenizer):  # noqa: F811
-    engine = FakeEngine(qwen_tokenizer, token_delay_s=0.001)
-    await engine.start()
-    yield engine
-    await engine.shutdown()
-
-
-def test_sub_request_seeds_stay_in_int64():
-    assert sub_request_params(SamplingParams(n=3, seed=10), 2).seed == 12
-    assert sub_request_params(SamplingParams(n=3, seed=INT64_MAX), 2).seed == INT64_MAX - 2
-    assert sub_request_params(SamplingParams(n=3), 1).seed is None
-    assert sub_request_params(SamplingParams(n=3), 1).n == 1
-
-
-async def test_collect_choices_fans_out(engine):
-    results, usage = await collect_choices(engine, [1, 2, 3], SamplingParams(n=3, max_tokens=4, seed=1), "r")
-    assert [r.index for r in results] == [0, 1, 2]
-    assert all(r.finish_reason == "length" and len(r.token_ids) == 4 for r in results)
-    assert [s[2] for s in engine.submitted] == ["r-0", "r-1", "r-2"]
-    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (3, 12, 15)
-
-
-async def test_early_stop_aborts_every_sub_request(engine):
-    engine.token_delay_s = 0.01
-    choices = generate_choices(engine, [1, 2], SamplingParams(n=4, max_tokens=100), "early")
-    index, delta = await choices.__anext__()
-    assert delta.finish_reason is None
-    await choices.aclose()  # the consumer went away
-    assert not engine.tasks and not engine.owned
-
-
-async def test_failed_submit_aborts_the_ones_already_submitted(engine):
-    engine.abort_calls = []
+async def test_a_failed_submit_aborts_the_prompts_already_submitted(qwen_tokenizer):  # noqa: F811
+    """A request's prompts are submitted all or nothing: the second prompt's refusal frees the first's."""
+    engine = FakeEngine(qwen_tokenizer, token_delay_s=0.01)
     original_submit = engine.submit
 
     def submit(prompt, params, request_id=None):
-        if request_id.endswith("-2"):
+        if request_id.endswith("-1"):
             raise ValueError("refused")
         return original_submit(prompt, params, request_id)
 
     engine.submit = submit
-    with pytest.raises(ValueError, match="refused"):
-        await collect_choices(engine, [1], SamplingParams(n=3, max_tokens=50), "partial")
-    assert not engine.tasks
+    async with asgi_client(engine) as client:
+        response = await client.post("/v1/completions", json={"prompt": [[1, 2], [3, 4]], "n": 3, "max_tokens": 50})
+    assert response.status_code == 400 and "refused" in response.json()["error"]["message"]
+    assert len(engine.submitted) == 1 and not engine.tasks and not engine.requests
 
 
-async def test_engine_error_raises_500(qwen_tokenizer):  # noqa: F811
+async def test_engine_error_is_a_500_on_every_generation_route(qwen_tokenizer):  # noqa: F811
     engine = FakeEngine(qwen_tokenizer, fail_with="engine error: oom")
-    await engine.start()
-    with pytest.raises(APIError) as info:
-        await collect_choices(engine, [1], SamplingParams(max_tokens=3), "bad")
-    assert info.value.status_code == 500
+    async with asgi_client(engine) as client:
+        for path, body in (("/v1/completions", {"prompt": "x"}), ("/generate", {"prompt": "x"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+            response = await client.post(path, json={**body, "max_tokens": 3})
+            assert response.status_code == 500, path
+            assert response.json()["error"]["type"] == "internal_error"
 
 
 async def sse_body(events, on_disconnect=None) -> list[str]:
@@ -120,8 +91,6 @@ async def test_shutdown_lets_streams_end_with_abort_and_done(qwen_tokenizer, mon
     import asyncio
 
     from sse_starlette.sse import AppStatus
-
-    from helpers_server import asgi_client
 
     engine = FakeEngine(qwen_tokenizer, token_delay_s=0.02)
     async with asgi_client(engine, shutdown_grace_s=0.2) as client:

@@ -1,6 +1,7 @@
 """The asyncio engine: one loop owns all engine state; the forward runs on one worker thread.
 
-`submit` queues a sequence and returns a `RequestStream` of its deltas; `abort` frees what it holds.
+It is the server's `EngineClient` (engine/client.py): `submit` queues a request of n samples and returns
+the `RequestStream` of their deltas; `abort` frees what it holds.
 The loop is schedule -> prepare -> (worker thread) forward + sample -> postprocess -> deliver. While a
 step runs, the loop plans the next one where it can (`EngineCore.schedule_ahead`) and queues it on the
 worker, which starts it the moment the running step ends: the loop's own work for a step (postprocess,
@@ -29,8 +30,9 @@ import torch
 from threadpoolctl import threadpool_limits
 
 from mili_openai.config import EngineConfig
+from mili_openai.engine.client import RequestStream
 from mili_openai.engine.core import EngineCore
-from mili_openai.engine.outputs import EngineObserver, EngineStats, SequenceDelta
+from mili_openai.engine.outputs import EngineObserver, EngineStats, PageAccounting, SequenceDelta
 from mili_openai.engine.runner import PreparedStep
 from mili_openai.engine.sampling_params import SamplingParams
 from mili_openai.engine.scheduled_batch import ScheduledBatch
@@ -58,49 +60,6 @@ def serial_torch_ops() -> Iterator[None]:
 class LaunchedStep:
     batch: ScheduledBatch
     future: concurrent.futures.Future  # the worker's forward + sampling of the batch
-
-
-@dataclass(frozen=True, slots=True)
-class PageAccounting:
-    """Where every KV page is, for leak checks (soak tests, `GET /debug/engine`)."""
-
-    num_pages: int
-    num_free: int
-    num_cached: int  # held by the radix tree
-    num_locked: int  # tree pages pinned by live requests (0 once everything finished)
-    num_owned: int  # private pages of live sequences
-    num_sequences: int  # live sequences (waiting, running or preempted)
-    integrity_error: str | None  # None when free + cached + owned == num_pages and nothing is shared wrongly
-
-
-class RequestStream:
-    """Async iterator over one sequence's deltas; the last one has `finish_reason` set."""
-
-    def __init__(self, request_id: str, engine: AsyncEngine) -> None:
-        self.request_id = request_id
-        self._engine = engine
-        self._queue: asyncio.Queue[SequenceDelta] = asyncio.Queue()
-        self._finished = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> SequenceDelta:
-        if self._finished:
-            raise StopAsyncIteration
-        delta = await self._queue.get()
-        if delta.finish_reason is not None:
-            self._finished = True
-        return delta
-
-    def put(self, delta: SequenceDelta) -> None:
-        self._queue.put_nowait(delta)
-
-    async def aclose(self) -> None:
-        """Stop listening; aborts the sequence if it is still running (e.g. the client went away)."""
-        if not self._finished:
-            self._finished = True
-            self._engine.abort(self.request_id)
 
 
 class AsyncEngine:
@@ -165,9 +124,9 @@ class AsyncEngine:
     ) -> RequestStream:
         if self._wakeup is None:
             raise RuntimeError("the engine is not started: await engine.start() first")
-        seq = self.core.add(prompt_token_ids, params, request_id)
-        stream = RequestStream(seq.request_id, self)
-        self._streams[seq.request_id] = stream
+        parent = self.core.add(prompt_token_ids, params, request_id)
+        stream = RequestStream(parent.request_id, parent.num_samples, self.abort)
+        self._streams[parent.request_id] = stream
         self._wakeup.set()
         return stream
 
@@ -179,8 +138,7 @@ class AsyncEngine:
             await asyncio.to_thread(self.core.grammars.compile, params.structured_outputs)
 
     def abort(self, request_id: str) -> None:
-        delta = self.core.abort(request_id)
-        if delta is not None:
+        for delta in self.core.abort(request_id):
             self._deliver(delta)
         self._streams.pop(request_id, None)
 
@@ -218,9 +176,9 @@ class AsyncEngine:
         stream = self._streams.get(delta.request_id)
         if stream is None:
             return
-        if delta.finish_reason is not None:
-            del self._streams[delta.request_id]
         stream.put(delta)
+        if stream.finished:
+            del self._streams[delta.request_id]
 
     async def _run(self) -> None:
         with serial_torch_ops():  # see the module docstring: a parallel op here slows every forward after it
@@ -251,10 +209,11 @@ class AsyncEngine:
                 if self.fatal_error is not None:  # ... unless the runner cannot go on: then it fails everything
                     self._fail_everything(self.fatal_error)
                     return
-                logger.exception("forward failed; aborting the %d sequences of the batch", len(step.batch.seqs))
+                logger.exception("forward failed; aborting the requests of its %d sequences", len(step.batch.seqs))
                 for seq in step.batch.seqs:
                     seq.error = f"engine error: {exc}"
-                    self.abort(seq.request_id)
+                for seq in step.batch.seqs:
+                    self.abort(seq.parent_id)
                 continue
             launched.popleft()  # not on cancellation: shutdown waits for every step still on the worker
             for delta in self.core.postprocess(step.batch, output):
@@ -262,10 +221,9 @@ class AsyncEngine:
 
     def _fail_everything(self, reason: str) -> None:
         logger.error("the engine stopped (%s); failing its %d request(s)", reason.splitlines()[0], len(self._streams))
+        for seq in self.core.sequences.values():
+            seq.error = f"engine error: {reason.splitlines()[0]}"
         for request_id in list(self._streams):
-            seq = self.core.sequences.get(request_id)
-            if seq is not None:
-                seq.error = f"engine error: {reason.splitlines()[0]}"
             self.abort(request_id)
 
     def _launch(self, batch: ScheduledBatch, step: PreparedStep) -> LaunchedStep:

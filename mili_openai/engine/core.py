@@ -1,4 +1,4 @@
-"""The engine's synchronous core: sequences in, one step at a time, deltas out.
+"""The engine's synchronous core: requests in (one sequence per sample), one step at a time, deltas out.
 
 `schedule` and `postprocess` run on the thread that owns the engine state (the event loop, or the
 caller of the offline `LLM`); `runner.execute` between them is the only heavy work.
@@ -23,10 +23,11 @@ from mili_openai.engine.outputs import (
     SpeculationCounts,
     merge_deltas,
 )
+from mili_openai.engine.parallel_sampling import ParentRequest, child_params
 from mili_openai.engine.runner import ModelRunner, PreparedStep
 from mili_openai.engine.sampler import Sampler, SamplerOutput
-from mili_openai.engine.sampling_defaults import SamplingDefaults, read_sampling_defaults
-from mili_openai.engine.sampling_params import SamplingParams
+from mili_openai.engine.sampling_defaults import read_sampling_defaults
+from mili_openai.engine.sampling_params import SamplingDefaults, SamplingParams
 from mili_openai.engine.scheduled_batch import ScheduledBatch
 from mili_openai.engine.scheduler import Scheduler
 from mili_openai.engine.sequence import Sequence
@@ -66,7 +67,8 @@ class EngineCore:
             self.max_model_len = min(self.max_model_len, model_config.max_position_embeddings)
         self.pages = KVPageManager(runner.num_pages, config.page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.pages)
-        self.sequences: dict[str, Sequence] = {}
+        self.sequences: dict[str, Sequence] = {}  # by sequence id: each sample of each request
+        self.requests: dict[str, ParentRequest] = {}  # by request id, until its last sample finishes
         self._request_ids = itertools.count()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -89,12 +91,29 @@ class EngineCore:
         return SamplingParams(**self.sampling_defaults)
 
     # ---- requests in ----
-    def add(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
-        """Validate and queue one sequence; raises ValueError for a request that can never run."""
-        request_id = request_id if request_id is not None else f"seq-{next(self._request_ids)}"
-        if request_id in self.sequences:
+    def add(self, prompt_token_ids: list[int], params: SamplingParams,
+            request_id: str | None = None) -> ParentRequest:
+        """Validate and queue a request: one sequence per sample of `params.n`, all or none (a parent with
+        children, engine/parallel_sampling.py). Raises ValueError for a request that can never run."""
+        request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
+        if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = [int(t) for t in prompt_token_ids]
+        max_tokens = self._check_request(prompt, params)
+        parent = ParentRequest.of(request_id, params)
+        if any(child_id in self.sequences for child_id in parent.child_ids):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        now = time.monotonic()
+        children = [self._sequence(child_id, request_id, index, prompt, child_params(params, index), max_tokens, now)
+                    for index, child_id in enumerate(parent.child_ids)]
+        self.requests[request_id] = parent
+        for seq in children:
+            self.sequences[seq.request_id] = seq
+            self.scheduler.add(seq)
+        return parent
+
+    def _check_request(self, prompt: list[int], params: SamplingParams) -> int:
+        """Raise ValueError for a request that can never run; else its resolved max_tokens."""
         if not prompt:
             raise ValueError("the prompt is empty: at least one token is needed")
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
@@ -116,27 +135,36 @@ class EngineCore:
         max_tokens = params.max_tokens if params.max_tokens is not None else room
         if pages_for(len(prompt) + max_tokens, self.config.page_size) > self.pages.num_pages:
             raise ValueError("the request needs more KV cache pages than the whole pool holds")
-        seq = Sequence(
-            request_id=request_id,
+        return max_tokens
+
+    def _sequence(self, sequence_id: str, request_id: str, index: int, prompt: list[int], params: SamplingParams,
+                  max_tokens: int, arrival_time: float) -> Sequence:
+        return Sequence(
+            request_id=sequence_id,
             prompt_token_ids=prompt,
             params=params,
             max_tokens=max_tokens,
-            arrival_time=time.monotonic(),
+            arrival_time=arrival_time,
             detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, params.skip_special_tokens),
             stop_matcher=StopStringMatcher(params.stop) if params.stop else None,
             generator=Sampler.make_generator(params.seed, self.runner.device) if params.seed is not None else None,
             grammar=self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None,
+            parent_id=request_id,
+            index=index,
         )
-        self.sequences[request_id] = seq
-        self.scheduler.add(seq)
-        return seq
 
-    def abort(self, request_id: str) -> SequenceDelta | None:
-        seq = self.sequences.get(request_id)
-        if seq is None or seq.is_finished:
-            return None
-        self.scheduler.finish(seq, "abort")
-        return self._final_delta(seq, text="", token_ids=[], logprobs=None)
+    def abort(self, request_id: str) -> list[SequenceDelta]:
+        """Abort every sample of the request still running; their final deltas (none if it is unknown)."""
+        parent = self.requests.get(request_id)
+        if parent is None:
+            return []
+        deltas = []
+        for child_id in parent.child_ids:
+            seq = self.sequences.get(child_id)
+            if seq is not None and not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+                deltas.append(self._final_delta(seq, text="", token_ids=[], logprobs=None))
+        return deltas
 
     # ---- one step ----
     def has_work(self) -> bool:
@@ -257,7 +285,8 @@ class EngineCore:
 
     def _delta(self, seq: Sequence, text: str, token_ids: list[int], logprobs) -> SequenceDelta:
         return SequenceDelta(
-            request_id=seq.request_id,
+            request_id=seq.parent_id,
+            index=seq.index,
             text=text,
             token_ids=token_ids,
             logprobs=logprobs,
@@ -273,6 +302,10 @@ class EngineCore:
 
     def _final_delta(self, seq: Sequence, text: str, token_ids: list[int], logprobs) -> SequenceDelta:
         del self.sequences[seq.request_id]
+        parent = self.requests[seq.parent_id]
+        parent.num_unfinished -= 1
+        if parent.num_unfinished == 0:
+            del self.requests[seq.parent_id]
         if seq.first_scheduled_time is not None:
             self.prompt_tokens_total += seq.num_prompt_tokens
         if self.observer is not None:

@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence as SequenceABC
 
 from mili_openai.config import EngineConfig
 from mili_openai.engine.core import EngineCore
-from mili_openai.engine.outputs import CompletionOutput, RequestOutput
+from mili_openai.engine.outputs import RequestOutput
 from mili_openai.engine.sampling_params import SamplingParams
 
 PromptInput = str | list[int]
-
-
-def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The i-th of n samples: same settings, its own seed so samples differ yet stay reproducible."""
-    if params.seed is None:
-        return params
-    return dataclasses.replace(params, seed=params.seed + index)
 
 
 class LLM:
@@ -43,6 +35,8 @@ class LLM:
         prompts: PromptInput | SequenceABC[PromptInput],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order, with `params.n` outputs each (the engine fans a prompt
+        out into its samples: engine/parallel_sampling.py)."""
         prompt_list = self._normalise_prompts(prompts)
         if sampling_params is None:
             params_list = [self.get_default_sampling_params()] * len(prompt_list)
@@ -53,27 +47,20 @@ class LLM:
             if len(params_list) != len(prompt_list):
                 raise ValueError("give one SamplingParams, or exactly one per prompt")
 
-        results: list[RequestOutput] = []
-        owners: dict[str, tuple[RequestOutput, CompletionOutput]] = {}
-        for prompt_index, (prompt, params) in enumerate(zip(prompt_list, params_list)):
-            text = prompt if isinstance(prompt, str) else None
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            result = RequestOutput(request_id=str(prompt_index), prompt=text, prompt_token_ids=ids, finished=False)
-            results.append(result)
-            for sample in range(params.n):
-                seq = self.core.add(ids, _sample_params(params, sample), f"llm-{id(self)}-{prompt_index}-{sample}")
-                completion = CompletionOutput(index=sample, text="", token_ids=[], finish_reason=None)
-                result.outputs.append(completion)
-                owners[seq.request_id] = (result, completion)
-
+        results: dict[str, RequestOutput] = {}  # by engine request id, in prompt order
         try:
-            self._run_to_completion(owners)
+            for prompt_index, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+                text = prompt if isinstance(prompt, str) else None
+                ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                request = self.core.add(ids, params, f"llm-{id(self)}-{prompt_index}")
+                results[request.request_id] = RequestOutput.empty(str(prompt_index), ids, params.n, prompt=text)
+            self._run_to_completion(results)
         finally:
-            for request_id in list(owners):
-                self.core.abort(request_id)
-        return results
+            for request_id in results:
+                self.core.abort(request_id)  # a no-op for finished requests; frees the rest after an error
+        return list(results.values())
 
-    def _run_to_completion(self, owners: dict[str, tuple[RequestOutput, CompletionOutput]]) -> None:
+    def _run_to_completion(self, results: dict[str, RequestOutput]) -> None:
         while self.core.has_work():
             scheduled = self.core.schedule()
             if scheduled is None:
@@ -81,19 +68,7 @@ class LLM:
             batch, step = scheduled
             output = self.core.runner.execute(step)
             for delta in self.core.postprocess(batch, output):
-                result, completion = owners[delta.request_id]
-                completion.text += delta.text
-                completion.token_ids.extend(delta.token_ids)
-                if delta.logprobs is not None:
-                    completion.logprobs = (completion.logprobs or []) + delta.logprobs
-                if delta.prompt_logprobs is not None:  # the same for every sample of the prompt
-                    result.prompt_logprobs = delta.prompt_logprobs
-                result.num_cached_tokens = max(result.num_cached_tokens, delta.num_cached_tokens)
-                if delta.finish_reason is not None:
-                    completion.finish_reason = delta.finish_reason
-                    completion.stop_reason = delta.stop_reason
-                    del owners[delta.request_id]
-                    result.finished = all(c.finish_reason is not None for c in result.outputs)
+                results[delta.request_id].add(delta)
 
     @staticmethod
     def _normalise_prompts(prompts) -> list[PromptInput]:

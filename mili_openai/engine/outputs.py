@@ -17,9 +17,9 @@ class TokenLogprob:
 
 @dataclass(slots=True)
 class SequenceDelta:
-    """What one sequence produced since its previous delta (one engine step, usually one token)."""
+    """What one sample of a request produced since its previous delta (one engine step, usually one token)."""
 
-    request_id: str
+    request_id: str  # the request's id, shared by its n samples
     text: str  # new text, safe to show: never a broken UTF-8 piece, never part of a stop string
     token_ids: list[int]
     logprobs: list[TokenLogprob] | None
@@ -31,6 +31,7 @@ class SequenceDelta:
     error: str | None = None  # set with finish_reason "abort" when the engine refused the request
     # with params.prompt_logprobs, on the delta of the first output token: one entry per prompt token
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    index: int = 0  # which of the request's samples (engine/parallel_sampling.py)
 
 
 def merge_deltas(deltas: list[SequenceDelta]) -> SequenceDelta:
@@ -47,23 +48,54 @@ def merge_deltas(deltas: list[SequenceDelta]) -> SequenceDelta:
 
 @dataclass(slots=True)
 class CompletionOutput:
+    """One sample's output so far: every delta it produced, folded in by `add`."""
+
     index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
+
+    def add(self, delta: SequenceDelta) -> None:
+        self.text += delta.text
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
 
 @dataclass(slots=True)
 class RequestOutput:
+    """One request's outputs: a `CompletionOutput` per sample, and what its prompt got."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens sample 0 found in the prefix cache (usage counts a prompt once)
     finished: bool = True
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with SamplingParams.prompt_logprobs
+
+    @classmethod
+    def empty(cls, request_id: str, prompt_token_ids: list[int], num_samples: int,
+              prompt: str | None = None) -> RequestOutput:
+        """Before any delta: `num_samples` empty outputs, unfinished."""
+        return cls(request_id, prompt, prompt_token_ids, [CompletionOutput(i) for i in range(num_samples)],
+                   finished=False)
+
+    def add(self, delta: SequenceDelta) -> None:
+        """Fold in one delta of this request: its sample's text, tokens and logprobs, the prompt's."""
+        self.outputs[delta.index].add(delta)
+        if delta.index == 0:
+            self.num_cached_tokens = delta.num_cached_tokens
+        if delta.prompt_logprobs is not None:  # the same for every sample of the prompt
+            self.prompt_logprobs = delta.prompt_logprobs
+        if delta.finish_reason is not None:
+            self.finished = all(output.finish_reason is not None for output in self.outputs)
 
 
 @dataclass(slots=True)
@@ -107,6 +139,19 @@ class EngineStats:
     spec_decode_num_drafts_total: int = 0
     spec_decode_num_draft_tokens_total: int = 0
     spec_decode_num_accepted_tokens_total: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PageAccounting:
+    """Where every KV page is, for leak checks (soak tests, `GET /debug/engine`)."""
+
+    num_pages: int
+    num_free: int
+    num_cached: int  # held by the radix tree
+    num_locked: int  # tree pages pinned by live requests (0 once everything finished)
+    num_owned: int  # private pages of live sequences
+    num_sequences: int  # live sequences (waiting, running or preempted)
+    integrity_error: str | None  # None when free + cached + owned == num_pages and nothing is shared wrongly
 
 
 @dataclass(slots=True)

@@ -15,14 +15,12 @@ import math
 from pathlib import Path
 from typing import Any
 
-from mili_openai.engine.sampling_params import MODEL_DEFAULT_FIELDS, SamplingParams
+from mili_openai.engine.sampling_params import MODEL_DEFAULT_FIELDS, SamplingDefaults, SamplingParams
 from mili_openai.model.config import GENERATION_CONFIG_FILE
 
 GENERATION_CONFIG_AUTO = "auto"  # the model directory's own file
 GENERATION_CONFIG_NONE = "none"  # ignore the file: OpenAI's defaults
 INTEGER_FIELDS = ("top_k",)  # the others are floats in SamplingParams
-
-SamplingDefaults = dict[str, float | int]
 
 
 def read_sampling_defaults(source: str, model_path: Path) -> SamplingDefaults:

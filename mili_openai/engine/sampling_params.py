@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 MAX_LOGPROBS = 20  # OpenAI's cap on logprobs / top_logprobs
 # the knobs a request may leave unset for the model's generation_config.json to fill (vLLM's list)
 MODEL_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+SamplingDefaults = dict[str, float | int]  # values of MODEL_DEFAULT_FIELDS (engine/sampling_defaults.py)
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 REASONING_MODES = ("off", "optional", "open")
 

@@ -38,6 +38,9 @@ class Sequence:
     generator: torch.Generator | None  # the request's own sampling stream when seeded
     # params.structured_outputs' ConstrainedOutput (engine/structured_output.py), used on the forward thread only
     grammar: Any = None
+    # the request this sequence is a sample of, and which sample (engine/parallel_sampling.py); None: itself
+    parent_id: str | None = None
+    index: int = 0
 
     # tokens: prompt followed by outputs. num_computed_tokens counts the tokens whose K/V is in `pages`
     # or is being written by a step already handed to the model runner (steps run in order, so nothing
@@ -67,6 +70,8 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def __post_init__(self) -> None:
+        if self.parent_id is None:
+            self.parent_id = self.request_id
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:

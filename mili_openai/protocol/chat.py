@@ -107,12 +107,10 @@ class ChatCompletionRequest(SamplingFields):
     """The sampling fields shared with /v1/completions (OpenAI's and vLLM's), plus the chat ones."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)  # chat's default: up to the context length
     max_completion_tokens: int | None = Field(default=None, ge=1)  # OpenAI's newer name, preferred
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    stream: bool = False
     stream_options: StreamOptions | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoiceMode | NamedToolChoice | None = None

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from pydantic import Field, model_validator
 
 from mili_openai.engine.sampling_params import MAX_LOGPROBS
-from mili_openai.server.errors import APIError
+from mili_openai.protocol.errors import APIError
 from mili_openai.protocol.sampling import (
     DEFAULT_MAX_TOKENS,
     MAX_N,
@@ -30,9 +30,7 @@ PromptInput = str | Annotated[list[str], Field(min_length=1, max_length=MAX_PROM
 class CompletionRequest(SamplingFields):
     # 0 with `echo`: score the prompt and generate nothing (OpenAI's legacy API and vLLM accept it)
     max_tokens: Annotated[int, Field(ge=0)] | None = DEFAULT_MAX_TOKENS
-    model: str | None = None
     prompt: PromptInput
-    stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False

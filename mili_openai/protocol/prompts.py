@@ -19,7 +19,7 @@ from typing import Any
 import jinja2
 
 from mili_openai.protocol.chat import ChatCompletionRequest, ChatMessage
-from mili_openai.server.errors import APIError
+from mili_openai.protocol.errors import APIError
 
 # Texts longer than this are tokenised on a worker thread: a megabyte of text takes long enough to
 # stall every other stream if done on the event loop. Shorter ones are cheaper inline than a hop.

@@ -19,7 +19,7 @@ from mili_openai.engine.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
-from mili_openai.server.errors import APIError
+from mili_openai.protocol.errors import APIError
 
 MAX_TEMPERATURE = 2.0
 MAX_N = 128  # choices per request: each is a full sequence in the engine
@@ -71,6 +71,8 @@ class SamplingFields(BaseModel):
 
     model_config = ConfigDict(strict=True, extra="ignore")
 
+    model: str | None = None  # None: the model served
+    stream: bool = False
     max_tokens: Annotated[int, Field(ge=1)] | None = DEFAULT_MAX_TOKENS
     temperature: Annotated[float, Field(ge=0.0, le=MAX_TEMPERATURE)] | None = None
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None

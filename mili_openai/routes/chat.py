@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from mili_openai.engine.outputs import SequenceDelta
+from mili_openai.engine.outputs import CompletionOutput, SequenceDelta
 from mili_openai.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from mili_openai.protocol.logprobs import chat_logprobs
-from mili_openai.protocol.chat_output import ChatDelta, ChatOutputParser, OutputOptions, parse_whole_output
 from mili_openai.protocol.chat import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -33,23 +32,14 @@ from mili_openai.protocol.chat import (
     ToolCallOut,
     UsageOut,
 )
-from mili_openai.protocol.reasoning import THINK_END
+from mili_openai.protocol.chat_output import ChatDelta, ChatOutputParser, OutputOptions, parse_whole_output
+from mili_openai.protocol.logprobs import chat_logprobs, prompt_logprobs_object
 from mili_openai.protocol.prompts import RenderedPrompt, render_chat_prompt
-from mili_openai.server.errors import APIError, cancel_on_disconnect, json_response, parse_body
-from mili_openai.routes.job import (
-    GenerationJob,
-    ChoiceResult,
-    collect_streams,
-    merge_streams,
-    raise_engine_error,
-    submit_choices,
-    usage_of,
-)
-from mili_openai.protocol.logprobs import prompt_logprobs_object
-from mili_openai.protocol.reasoning import output_reasoning_mode
-from mili_openai.server.sse import sse_stream
-from mili_openai.server.state import ServerState, request_id_of, server_state
+from mili_openai.protocol.reasoning import THINK_END, output_reasoning_mode
 from mili_openai.protocol.tool_calls import tool_call_grammar
+from mili_openai.routes.job import GenerationJob, serve_job
+from mili_openai.protocol.errors import APIError
+from mili_openai.server.state import ServerState
 
 TOOL_CALLS_FINISH = "tool_calls"
 ABORT_FINISH = "abort"
@@ -79,7 +69,7 @@ def finish_reason_of(engine_reason: str | None, num_calls: int) -> str | None:
     return engine_reason
 
 
-class ChatJob(GenerationJob):
+class ChatJob(GenerationJob[ChatCompletionRequest]):
     """One validated chat request bound to the engine: prompt, parameters, submitted streams."""
 
     id_prefix = "chatcmpl"
@@ -119,7 +109,7 @@ class ChatJob(GenerationJob):
             params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
                 params.structured_outputs, reasoning=mode))
         await self.engine.compile_format(params)
-        self.streams = submit_choices(self.engine, self.prompt.token_ids, params, self.response_id)
+        self.submit_prompts([self.prompt.token_ids], params)
 
     def parser(self) -> ChatOutputParser:
         return ChatOutputParser(self.prompt.assistant_tail, self.options)
@@ -129,28 +119,27 @@ class ChatJob(GenerationJob):
             return None
         return chat_logprobs(self.engine.tokenizer, delta_logprobs or [], self.top_k)
 
-    def usage(self, cached_tokens: int, completion_tokens: int) -> UsageOut:
-        usage = usage_of([len(self.prompt.token_ids)], [cached_tokens], completion_tokens)
-        return UsageOut.model_validate(usage.to_dict())
+    def usage_out(self) -> UsageOut:
+        return UsageOut.model_validate(self.usage().to_dict())
 
     # ---- whole response ----
-    def choice(self, result: ChoiceResult) -> Choice:
-        parsed = parse_whole_output(result.text, self.prompt.assistant_tail, self.options)
+    def choice(self, output: CompletionOutput) -> Choice:
+        parsed = parse_whole_output(output.text, self.prompt.assistant_tail, self.options)
         calls = [ToolCallOut(id=c.id, function=FunctionOut(name=c.name, arguments=c.arguments)) for c in parsed.calls]
         reasoning = parsed.reasoning or None
         content = parsed.content if parsed.content or not calls else None
         message = ResponseMessage(content=content, reasoning_content=reasoning, reasoning=reasoning, tool_calls=calls)
-        return Choice(index=result.index, message=message, logprobs=self.logprobs_of(result.logprobs),
-                      finish_reason=finish_reason_of(result.finish_reason, len(calls)),
-                      stop_reason=result.stop_reason)
+        return Choice(index=output.index, message=message, logprobs=self.logprobs_of(output.logprobs),
+                      finish_reason=finish_reason_of(output.finish_reason, len(calls)),
+                      stop_reason=output.stop_reason)
 
     async def collect(self) -> dict[str, Any]:
-        results = await collect_streams(self.engine, self.streams, self.server.config.request_timeout_s)
-        usage = self.usage(results[0].num_cached_tokens, sum(len(r.token_ids) for r in results))
+        [result] = await self.outputs()
         response = ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model,
-                                          choices=[self.choice(r) for r in results], usage=usage).model_dump()
+                                          choices=[self.choice(o) for o in result.outputs],
+                                          usage=self.usage_out()).model_dump()
         if self.body.prompt_logprobs is not None:  # vLLM's extra, only when the request asked for it
-            response["prompt_logprobs"] = prompt_logprobs_object(self.engine.tokenizer, results[0].prompt_logprobs,
+            response["prompt_logprobs"] = prompt_logprobs_object(self.engine.tokenizer, result.prompt_logprobs,
                                                                  self.body.prompt_logprobs)
         return response
 
@@ -183,46 +172,29 @@ class ChatJob(GenerationJob):
         return ChunkChoice(index=index, delta=message, logprobs=logprobs, finish_reason=finish_reason,
                            stop_reason=delta.stop_reason if finish_reason else None)
 
-    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
-        parsers = [self.parser() for _ in self.streams]
-        for index in range(len(self.streams)):
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        parsers = [self.parser() for _ in range(self.num_samples)]
+        for index in range(self.num_samples):
             role = DeltaMessage(role="assistant", content="")
             yield self.chunk([ChunkChoice(index=index, delta=role, logprobs=None, finish_reason=None)])
-        cached_tokens = 0
-        completion_tokens = 0
-        async for index, delta in merge_streams(self.engine, self.streams, self.server.config.request_timeout_s):
-            raise_engine_error(delta)
-            completion_tokens += len(delta.token_ids)
-            if index == 0:
-                cached_tokens = delta.num_cached_tokens
-            parser = parsers[index]
-            num_calls_before = parser.num_calls
-            parsed = parser.feed(delta.text)
-            finish_reason = None
-            if delta.finish_reason is not None:
-                parsed.extend(parser.finish())
-                finish_reason = finish_reason_of(delta.finish_reason, parser.num_calls)
-            if not parsed and finish_reason is None and not (self.top_k is not None and delta.logprobs):
-                continue  # nothing to show yet (text held back by a parser or the detokenizer)
-            yield self.chunk([self.delta_choice(index, parsed, delta, num_calls_before, finish_reason)])
+        async with aclosing(self.deltas()) as deltas:
+            async for index, delta in deltas:
+                parser = parsers[index]
+                num_calls_before = parser.num_calls
+                parsed = parser.feed(delta.text)
+                finish_reason = None
+                if delta.finish_reason is not None:
+                    parsed.extend(parser.finish())
+                    finish_reason = finish_reason_of(delta.finish_reason, parser.num_calls)
+                if not parsed and finish_reason is None and not (self.top_k is not None and delta.logprobs):
+                    continue  # nothing to show yet (text held back by a parser or the detokenizer)
+                yield self.chunk([self.delta_choice(index, parsed, delta, num_calls_before, finish_reason)])
         if self.include_usage:
-            yield self.chunk([], self.usage(cached_tokens, completion_tokens))
+            yield self.chunk([], self.usage_out())
 
 
 async def create_chat_completion(request: Request) -> Response:
-    server = server_state(request)
-    body = await parse_body(request, ChatCompletionRequest)
-    server.check_model(body.model)
-    server.require_engine()
-    server.check_queue(body.n)
-    job = ChatJob(server, body, request_id_of(request))
-    await job.submit()
-    if body.stream:
-        return sse_stream(job.chunks(), job.abort, shutdown_grace_s=server.config.shutdown_grace_s)
-    try:
-        return json_response(await cancel_on_disconnect(request, job.collect()))
-    finally:
-        job.abort()  # no-op for finished sequences; frees everything if anything failed
+    return await serve_job(request, ChatCompletionRequest, ChatJob)
 
 
 def routes() -> list[Route]:

@@ -15,48 +15,22 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from mili_openai.engine.outputs import SequenceDelta, TokenLogprob
-from mili_openai.engine.sampling_params import SamplingParams
-from mili_openai.protocol.logprobs import CompletionLogprobs, merge_logprobs
+from mili_openai.engine.outputs import CompletionOutput, SequenceDelta, TokenLogprob
 from mili_openai.protocol.completions import CompletionRequest, choice_object, completion_object
-from mili_openai.server.errors import cancel_on_disconnect, json_response, parse_body
-from mili_openai.routes.job import (
-    GenerationJob,
-    ChoiceResult,
-    abort_streams,
-    collect_streams,
-    merge_streams,
-    raise_engine_error,
-    submit_choices,
-    usage_of,
-)
-from mili_openai.protocol.logprobs import prompt_logprobs_object
+from mili_openai.protocol.logprobs import CompletionLogprobs, merge_logprobs, prompt_logprobs_object
 from mili_openai.protocol.prompts import prompt_text, prompt_token_ids
-from mili_openai.server.sse import sse_stream
-from mili_openai.server.state import ServerState, request_id_of, server_state
+from mili_openai.routes.job import GenerationJob, Usage, serve_job
+from mili_openai.server.state import ServerState
 
 
-def submit_prompts(engine: Any, prompts: list[list[int]], params: SamplingParams, response_id: str) -> list:
-    """Submit n sequences per prompt, in choice order; all or nothing."""
-    streams: list = []
-    try:
-        for index, ids in enumerate(prompts):
-            base = response_id if len(prompts) == 1 else f"{response_id}-{index}"
-            streams.extend(submit_choices(engine, ids, params, base))
-    except BaseException:
-        abort_streams(engine, streams)
-        raise
-    return streams
-
-
-def without_generation(part: ChoiceResult | SequenceDelta) -> ChoiceResult | SequenceDelta:
-    """A choice of an echo-only request (a finished result, or a streamed delta) as shown: nothing
+def without_generation(part: CompletionOutput | SequenceDelta) -> CompletionOutput | SequenceDelta:
+    """A choice of an echo-only request (a finished output, or a streamed delta) as shown: nothing
     generated, and it ends as "length" (its budget of 0 tokens is spent) unless it was aborted."""
     finish = part.finish_reason if part.finish_reason in (None, "abort") else "length"
     return dataclasses.replace(part, text="", token_ids=[], logprobs=None, finish_reason=finish, stop_reason=None)
 
 
-class CompletionJob(GenerationJob):
+class CompletionJob(GenerationJob[CompletionRequest]):
     """One validated request bound to the engine: its prompts, parameters and submitted streams."""
 
     id_prefix = "cmpl"
@@ -65,7 +39,10 @@ class CompletionJob(GenerationJob):
         super().__init__(server, body, request_id)
         self.n = body.n
         self.prompts = body.prompts()
-        self.prompt_ids: list[list[int]] = []
+
+    @property
+    def num_sequences(self) -> int:
+        return self.n * len(self.prompts)  # every sample of every prompt is a sequence
 
     async def submit(self) -> None:
         engine = self.engine
@@ -75,9 +52,13 @@ class CompletionJob(GenerationJob):
         limit = {"max_tokens": 1} if self.body.echo_only else {}
         params = self.body.to_sampling_params(engine.vocab_size, engine.sampling_defaults, logprobs=self.body.logprobs,
                                               prompt_logprobs=prompt_logprobs, **limit)
-        self.prompt_ids = await prompt_token_ids(engine.tokenizer, self.prompts, engine.vocab_size)
+        prompts = await prompt_token_ids(engine.tokenizer, self.prompts, engine.vocab_size)
         await engine.compile_format(params)
-        self.streams = submit_prompts(engine, self.prompt_ids, params, self.response_id)
+        self.submit_prompts(prompts, params)
+
+    def usage(self) -> Usage:
+        usage = super().usage()
+        return dataclasses.replace(usage, completion_tokens=0) if self.body.echo_only else usage
 
     def prompt_of(self, choice: int) -> int:
         return choice // self.n
@@ -98,48 +79,37 @@ class CompletionJob(GenerationJob):
         logprobs = builder.prompt(self.prompt_ids[self.prompt_of(choice)], scored) if builder is not None else None
         return text, logprobs
 
-    def usage(self, cached_first_sample: list[int], completion_tokens: int) -> dict[str, Any]:
-        return usage_of([len(ids) for ids in self.prompt_ids], cached_first_sample, completion_tokens).to_dict()
-
     # ---- whole response ----
-    def choice(self, result: ChoiceResult) -> dict[str, Any]:
+    def choice(self, choice: int, output: CompletionOutput,
+               scored: list[TokenLogprob | None] | None) -> dict[str, Any]:
         builder = self.logprobs_builder()
-        text, logprobs = self.echo_prefix(result.index, builder, result.prompt_logprobs)
+        text, logprobs = self.echo_prefix(choice, builder, scored)
         if builder is not None:
-            generated = builder.generated(result.logprobs or [])
+            generated = builder.generated(output.logprobs or [])
             logprobs = merge_logprobs(logprobs, generated) if logprobs is not None else generated
         prompt_logprobs = None
         if self.body.prompt_logprobs is not None:
-            prompt_logprobs = prompt_logprobs_object(self.engine.tokenizer, result.prompt_logprobs,
-                                                     self.body.prompt_logprobs)
-        return choice_object(result.index, text + result.text, logprobs, result.finish_reason, result.stop_reason,
+            prompt_logprobs = prompt_logprobs_object(self.engine.tokenizer, scored, self.body.prompt_logprobs)
+        return choice_object(choice, text + output.text, logprobs, output.finish_reason, output.stop_reason,
                              prompt_logprobs)
 
     async def collect(self) -> dict[str, Any]:
-        results = await collect_streams(self.engine, self.streams, self.server.config.request_timeout_s)
-        if self.body.echo_only:
-            results = [without_generation(result) for result in results]
-        cached = [results[p * self.n].num_cached_tokens for p in range(len(self.prompt_ids))]
-        usage = self.usage(cached, sum(len(r.token_ids) for r in results))
-        return completion_object(self.response_id, self.created, self.model, [self.choice(r) for r in results],
-                                 usage)
+        choices = []
+        for prompt, result in enumerate(await self.outputs()):
+            for output in result.outputs:
+                shown = without_generation(output) if self.body.echo_only else output
+                choices.append(self.choice(prompt * self.n + output.index, shown, result.prompt_logprobs))
+        return completion_object(self.response_id, self.created, self.model, choices, self.usage().to_dict())
 
     # ---- stream ----
-    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
         include_usage = self.body.include_usage
-        builders = [self.logprobs_builder() for _ in self.streams]
-        started = [False] * len(self.streams)
-        cached = [0] * len(self.prompt_ids)
-        completion_tokens = 0
-        merged = merge_streams(self.engine, self.streams, self.server.config.request_timeout_s)
-        async with aclosing(merged):  # closing us early must run merge_streams' aborts now
-            async for index, delta in merged:
-                raise_engine_error(delta)
+        builders = [self.logprobs_builder() for _ in range(self.num_sequences)]
+        started = [False] * self.num_sequences
+        async with aclosing(self.deltas()) as deltas:  # closing us early must run the aborts now
+            async for index, delta in deltas:
                 if self.body.echo_only:
                     delta = without_generation(delta)
-                completion_tokens += len(delta.token_ids)
-                if index % self.n == 0:
-                    cached[self.prompt_of(index)] = delta.num_cached_tokens
                 text, logprobs = delta.text, None
                 if not started[index]:
                     started[index] = True
@@ -157,24 +127,11 @@ class CompletionJob(GenerationJob):
                 yield completion_object(self.response_id, self.created, self.model, [choice], None,
                                         include_usage_key=include_usage)
         if include_usage:
-            yield completion_object(self.response_id, self.created, self.model, [],
-                                    self.usage(cached, completion_tokens))
+            yield completion_object(self.response_id, self.created, self.model, [], self.usage().to_dict())
 
 
 async def create_completion(request: Request) -> Response:
-    server = server_state(request)
-    body = await parse_body(request, CompletionRequest)
-    server.check_model(body.model)
-    server.require_engine()
-    job = CompletionJob(server, body, request_id_of(request))
-    server.check_queue(job.n * len(job.prompts))  # every sample of every prompt is a sequence
-    await job.submit()
-    if body.stream:
-        return sse_stream(job.chunks(), job.abort, shutdown_grace_s=server.config.shutdown_grace_s)
-    try:
-        return json_response(await cancel_on_disconnect(request, job.collect()))
-    finally:
-        job.abort()  # no-op for finished sequences; frees everything if anything failed
+    return await serve_job(request, CompletionRequest, CompletionJob)
 
 
 def routes() -> list[Route]:

@@ -20,20 +20,18 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from mili_openai.engine.outputs import TokenLogprob
 from mili_openai.engine.sampling_params import MAX_LOGPROBS
-from mili_openai.server.errors import APIError, cancel_on_disconnect, json_response, parse_body
-from mili_openai.routes.job import abort_streams, merge_streams, raise_engine_error, submit_choices, usage_of
 from mili_openai.protocol.prompts import prompt_token_ids
-from mili_openai.server.state import RequestRecord
 from mili_openai.protocol.sampling import SamplingFields
-from mili_openai.server.sse import sse_stream
-from mili_openai.server.state import ServerState, request_id_of, server_state
+from mili_openai.routes.job import GenerationJob, serve_job
+from mili_openai.protocol.errors import APIError
+from mili_openai.server.errors import json_response
+from mili_openai.server.state import RequestRecord, ServerState, server_state
 
 
 class GenerateRequest(SamplingFields):
-    model: str | None = None
     prompt: str | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-    stream: bool = False
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     @model_validator(mode="after")
@@ -43,74 +41,64 @@ class GenerateRequest(SamplingFields):
         return self
 
 
-def logprobs_json(delta_logprobs: list | None) -> list[dict[str, Any]] | None:
+def logprobs_json(delta_logprobs: list[TokenLogprob] | None) -> list[dict[str, Any]] | None:
     if delta_logprobs is None:
         return None
     return [{"token_id": e.token_id, "logprob": e.logprob, "top": [[t, lp] for t, lp in e.top]}
             for e in delta_logprobs]
 
 
-class GenerateJob:
+class GenerateJob(GenerationJob[GenerateRequest]):
+    """A /generate request: the engine request and its /status record share the request's own id."""
+
     def __init__(self, server: ServerState, body: GenerateRequest, request_id: str) -> None:
-        self.server = server
-        self.body = body
-        self.engine = server.engine
-        self.request_id = request_id
-        self.streams: list = []
-        self.prompt_ids: list[int] = []
+        super().__init__(server, body, request_id)
+        self.request_id = self.response_id = request_id
         self.record: RequestRecord | None = None
 
     async def submit(self) -> None:
         params = self.body.to_sampling_params(self.engine.vocab_size, self.engine.sampling_defaults,
-                                             logprobs=self.body.logprobs)
-        self.prompt_ids = (await prompt_token_ids(self.engine.tokenizer, [self.body.prompt], self.engine.vocab_size))[0]
-        self.record = self.server.records.start(self.request_id, len(self.prompt_ids))
+                                              logprobs=self.body.logprobs)
+        prompts = await prompt_token_ids(self.engine.tokenizer, [self.body.prompt], self.engine.vocab_size)
+        self.record = self.server.records.start(self.request_id, len(prompts[0]))
         try:
-            self.streams = submit_choices(self.engine, self.prompt_ids, params, self.request_id)
+            self.submit_prompts(prompts, params)
         except BaseException:
             self.server.records.close(self.record)
             raise
 
     def abort(self) -> None:
         """Abort what still runs and file the record (also when its stream was never consumed)."""
-        abort_streams(self.engine, self.streams)
+        super().abort()
         if self.record is not None:
             self.server.records.close(self.record)
 
-    def usage(self) -> dict[str, Any]:
-        record = self.record
-        return usage_of([len(self.prompt_ids)], [record.num_cached_tokens], len(record.token_ids)).to_dict()
-
-    async def deltas(self) -> AsyncIterator[Any]:
-        merged = merge_streams(self.engine, self.streams, self.server.config.request_timeout_s)
+    async def recorded_deltas(self) -> AsyncIterator[Any]:
         try:
-            async with aclosing(merged):  # closing us early must run merge_streams' aborts now
-                async for _, delta in merged:
-                    raise_engine_error(delta)
+            async with aclosing(self.deltas()) as deltas:
+                async for _, delta in deltas:
                     self.record.observe(delta)
                     yield delta
         finally:
             self.server.records.close(self.record)
 
     async def collect(self) -> dict[str, Any]:
-        stop_reason, logprobs = None, []
-        async with aclosing(self.deltas()) as deltas:
-            async for delta in deltas:
-                stop_reason = delta.stop_reason
-                logprobs.extend(delta.logprobs or [])
-        record = self.record
+        async with aclosing(self.recorded_deltas()) as deltas:
+            async for _ in deltas:
+                pass
+        output = self.record.output
         return {
             "request_id": self.request_id,
-            "text": record.text,
-            "token_ids": record.token_ids,
-            "finish_reason": record.finish_reason,
-            "stop_reason": stop_reason,
-            "logprobs": logprobs_json(logprobs) if self.body.logprobs is not None else None,
-            "usage": self.usage(),
+            "text": output.text,
+            "token_ids": output.token_ids,
+            "finish_reason": output.finish_reason,
+            "stop_reason": output.stop_reason,
+            "logprobs": logprobs_json(output.logprobs or []) if self.body.logprobs is not None else None,
+            "usage": self.usage().to_dict(),
         }
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
-        async with aclosing(self.deltas()) as deltas:
+        async with aclosing(self.recorded_deltas()) as deltas:
             async for delta in deltas:
                 yield {
                     "request_id": self.request_id,
@@ -120,23 +108,11 @@ class GenerateJob:
                     "finish_reason": delta.finish_reason,
                     "stop_reason": delta.stop_reason,
                 }
-        yield {"request_id": self.request_id, "usage": self.usage()}
+        yield {"request_id": self.request_id, "usage": self.usage().to_dict()}
 
 
 async def generate(request: Request) -> Response:
-    server = server_state(request)
-    body = await parse_body(request, GenerateRequest)
-    server.check_model(body.model)
-    server.require_engine()
-    server.check_queue()
-    job = GenerateJob(server, body, request_id_of(request))
-    await job.submit()
-    if body.stream:
-        return sse_stream(job.events(), job.abort, shutdown_grace_s=server.config.shutdown_grace_s)
-    try:
-        return json_response(await cancel_on_disconnect(request, job.collect()))
-    finally:
-        job.abort()
+    return await serve_job(request, GenerateRequest, GenerateJob)
 
 
 async def status(request: Request) -> Response:

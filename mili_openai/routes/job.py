@@ -1,146 +1,42 @@
-"""Fan one prompt out into `n` engine sequences and merge their deltas back into choices.
+"""One generation request's life on the server, shared by /v1/chat/completions, /v1/completions and
+/generate: validate, submit every prompt to the engine, then stream SSE events or answer one JSON body.
 
-The engine runs one sequence per request id; OpenAI's `n` (and a list of prompts) becomes several.
-Sub-requests are `f"{request_id}-{i}"`, seeded `seed + i` when a seed is given so the samples differ
-yet stay reproducible. Whoever stops consuming early (a client disconnect, an error, the request
-timeout) leaves no orphan: every unfinished sub-request is aborted and its pages return to the pool.
+`serve_job` is the one handler all three run. A `GenerationJob` subclass says how its request becomes
+prompts and `SamplingParams` (`submit`) and how the engine's deltas become its wire shapes (`collect`
+for one JSON body, `events` for a stream). The engine fans each prompt out into its n samples
+(engine/parallel_sampling.py); a request with several prompts (/v1/completions) becomes one engine
+request per prompt, merged here into one stream of `(choice, delta)`, choice = prompt * n + sample.
 
-Both ends also report to the current request's context (when there is one): submitting ends the
-request's queue reservation, and every delta is tallied for the request's log line.
+Every prompt is submitted before the response starts, so a bad request is a plain 400 and never a
+broken stream. Whoever stops consuming early (a client disconnect, an error, the request timeout)
+leaves no orphan: every unfinished engine request is aborted and its pages return to the pool. The
+current request's context hears of both ends: submitting ends its queue reservation, and every delta
+is tallied for its log line.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-import dataclasses
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
-from mili_openai.engine.outputs import SequenceDelta, TokenLogprob
-from mili_openai.engine.sampling_params import INT64_MAX, SamplingParams
-from mili_openai.server.errors import INTERNAL_ERROR, APIError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from mili_openai.engine.client import EngineClient, RequestStream
+from mili_openai.engine.outputs import RequestOutput, SequenceDelta
+from mili_openai.engine.sampling_params import SamplingParams
+from mili_openai.protocol.errors import INTERNAL_ERROR, APIError
+from mili_openai.protocol.sampling import SamplingFields
+from mili_openai.server.errors import cancel_on_disconnect, json_response, parse_body
 from mili_openai.server.request_log import current_request
+from mili_openai.server.sse import sse_stream
+from mili_openai.server.state import ServerState, request_id_of, server_state
 
-
-def sub_request_params(params: SamplingParams, index: int) -> SamplingParams:
-    """The parameters of sample `index`: one sequence, its own seed when seeded."""
-    seed = params.seed
-    if seed is not None:
-        seed = seed + index if seed + index <= INT64_MAX else seed - index  # stay inside int64
-    return dataclasses.replace(params, n=1, seed=seed)
-
-
-def submit_choices(engine: Any, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> list:
-    """Submit `params.n` sequences now (so a bad request raises ValueError before any stream starts).
-
-    If one submit fails, the ones already submitted are aborted before the error propagates.
-    """
-    streams: list = []
-    try:
-        for index in range(params.n):
-            streams.append(engine.submit(prompt_token_ids, sub_request_params(params, index), f"{request_id}-{index}"))
-    except BaseException:
-        abort_streams(engine, streams)
-        raise
-    context = current_request()
-    if context is not None:
-        context.note_submitted(len(prompt_token_ids), [stream.request_id for stream in streams])
-    return streams
-
-
-def abort_streams(engine: Any, streams: Sequence) -> None:
-    for stream in streams:
-        engine.abort(stream.request_id)
-
-
-async def merge_streams(
-    engine: Any, streams: Sequence, timeout_s: float | None = None
-) -> AsyncIterator[tuple[int, SequenceDelta]]:
-    """Yield `(choice index, delta)` as the streams produce them, until each has finished once.
-
-    Past `timeout_s` every unfinished stream is aborted (it ends with finish_reason "abort"). If the
-    consumer stops early, or a stream fails, the unfinished streams are aborted.
-    """
-    queue: asyncio.Queue[tuple[int, SequenceDelta | BaseException]] = asyncio.Queue()
-
-    async def pump(index: int, stream: Any) -> None:
-        try:
-            async for delta in stream:
-                queue.put_nowait((index, delta))
-        except Exception as exc:  # handed to the consumer, which raises it
-            queue.put_nowait((index, exc))
-
-    tasks = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
-    unfinished = set(range(len(streams)))
-    # The deadline is a timer that aborts what is left (each stream then ends with a final "abort"
-    # delta), not asyncio.wait_for around queue.get(): on Python < 3.12 wait_for can swallow a
-    # cancellation that lands as the get() completes, and a disconnected client's request would then
-    # keep generating.
-    timer = None
-    if timeout_s is not None:
-        timer = asyncio.get_running_loop().call_later(
-            max(timeout_s, 0.0), lambda: abort_streams(engine, [streams[i] for i in unfinished])
-        )
-    context = current_request()
-    try:
-        while unfinished:
-            index, item = await queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if context is not None:
-                context.observe(item)
-            if item.finish_reason is not None:
-                unfinished.discard(index)
-            yield index, item
-    finally:
-        if timer is not None:
-            timer.cancel()
-        abort_streams(engine, [streams[i] for i in unfinished])
-        for task in tasks:
-            task.cancel()
-
-
-async def generate_choices(
-    engine: Any, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-    timeout_s: float | None = None,
-) -> AsyncIterator[tuple[int, SequenceDelta]]:
-    """Submit `params.n` sequences and yield `(choice index, delta)` as they come."""
-    streams = submit_choices(engine, prompt_token_ids, params, request_id)
-    # aclosing: if our consumer closes us early, the inner generator's cleanup (the aborts) runs now
-    async with aclosing(merge_streams(engine, streams, timeout_s)) as merged:
-        async for item in merged:
-            yield item
-
-
-# ---- non-streaming ----
-@dataclass(slots=True)
-class ChoiceResult:
-    """One finished choice: everything its deltas carried, concatenated."""
-
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # params.prompt_logprobs: per prompt token
-
-    def add(self, delta: SequenceDelta) -> None:
-        self.text += delta.text
-        self.token_ids.extend(delta.token_ids)
-        if delta.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + delta.logprobs
-        self.finish_reason = delta.finish_reason
-        self.stop_reason = delta.stop_reason
-        self.num_prompt_tokens = delta.num_prompt_tokens
-        self.num_cached_tokens = delta.num_cached_tokens
-        if delta.prompt_logprobs is not None:
-            self.prompt_logprobs = delta.prompt_logprobs
+BodyT = TypeVar("BodyT", bound=SamplingFields)
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,71 +45,143 @@ class Usage:
     completion_tokens: int
     cached_tokens: int
 
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
     def to_dict(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
-            "total_tokens": self.total_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
 
-def usage_of(prompt_lengths: Sequence[int], cached: Sequence[int], completion_tokens: int) -> Usage:
-    """Usage as OpenAI counts it: each prompt once (not once per sample), every generated token."""
-    return Usage(sum(prompt_lengths), completion_tokens, sum(cached))
-
-
-def raise_engine_error(delta: SequenceDelta) -> None:
-    """An aborted delta carrying `error` means the engine failed the request: a 500, not bad input."""
-    if delta.error is not None:
-        raise APIError(500, delta.error, type=INTERNAL_ERROR)
-
-
-async def collect_streams(
-    engine: Any, streams: Sequence, timeout_s: float | None = None
-) -> list[ChoiceResult]:
-    """Run the streams to the end; one ChoiceResult per stream, in stream order."""
-    results = [ChoiceResult(index) for index in range(len(streams))]
-    async with aclosing(merge_streams(engine, streams, timeout_s)) as merged:
-        async for index, delta in merged:
-            raise_engine_error(delta)
-            results[index].add(delta)
-    return results
-
-
-async def collect_choices(
-    engine: Any, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-    timeout_s: float | None = None,
-) -> tuple[list[ChoiceResult], Usage]:
-    """Non-streaming generation of `params.n` choices: their results and the usage (with cached tokens)."""
-    streams = submit_choices(engine, prompt_token_ids, params, request_id)
-    results = await collect_streams(engine, streams, timeout_s)
-    usage = usage_of([len(prompt_token_ids)], [results[0].num_cached_tokens],
-                     sum(len(r.token_ids) for r in results))
-    return results, usage
-
-
-class GenerationJob:
-    """One validated request bound to the engine: its identity on the wire and its submitted streams.
-
-    The chat and completions routes subclass it with their prompt handling and response shapes.
-    """
+class GenerationJob(Generic[BodyT]):
+    """One validated request bound to the engine: its identity on the wire, its prompts and streams."""
 
     id_prefix = "gen"  # response ids read f"{id_prefix}-{request id}", as OpenAI's do
 
-    def __init__(self, server: Any, body: Any, request_id: str) -> None:
+    def __init__(self, server: ServerState, body: BodyT, request_id: str) -> None:
         self.server = server
         self.body = body
-        self.engine = server.engine
+        self.engine: EngineClient = server.require_engine()
         self.response_id = f"{self.id_prefix}-{request_id}"
         self.created = int(time.time())
         self.model = server.served_model_name
-        self.streams: list = []
+        self.num_samples = 1  # per prompt: set by `submit_prompts`
+        self.prompt_ids: list[list[int]] = []
+        self.streams: list[RequestStream] = []
+        # usage, tallied as the deltas pass: every generated token, each prompt's cached tokens (sample 0's)
+        self.completion_tokens = 0
+        self.cached_tokens: list[int] = []
+
+    @property
+    def num_sequences(self) -> int:
+        """The engine sequences this request will queue (what `check_queue` reserves)."""
+        return self.body.n
+
+    # ---- what a route defines ----
+    async def submit(self) -> None:
+        """Build the prompts and parameters, then `submit_prompts` (raises for a request that cannot run)."""
+        raise NotImplementedError
+
+    async def collect(self) -> dict[str, Any]:
+        """Run to the end: the whole response body."""
+        raise NotImplementedError
+
+    def events(self) -> AsyncIterator[dict[str, Any]]:
+        """The stream's events, in order (the SSE layer adds [DONE])."""
+        raise NotImplementedError
+
+    # ---- shared ----
+    def submit_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        """One engine request per prompt, each of `params.n` samples; all or nothing."""
+        self.prompt_ids, self.num_samples = prompts, params.n
+        self.cached_tokens = [0] * len(prompts)
+        try:
+            for index, prompt in enumerate(prompts):
+                request_id = self.response_id if len(prompts) == 1 else f"{self.response_id}-{index}"
+                self.streams.append(self.engine.submit(prompt, params, request_id))
+        except BaseException:
+            self.abort()
+            raise
+        context = current_request()
+        if context is not None:
+            context.note_submitted(sum(map(len, prompts)), [stream.request_id for stream in self.streams],
+                                   params.n)
 
     def abort(self) -> None:
-        """Free whatever the request still holds; a no-op for finished sequences."""
-        abort_streams(self.engine, self.streams)
+        """Free whatever the request still holds; a no-op for finished requests."""
+        for stream in self.streams:
+            stream.abort()
+
+    def usage(self) -> Usage:
+        """As OpenAI counts it: each prompt once (not once per sample), every generated token."""
+        return Usage(sum(map(len, self.prompt_ids)), self.completion_tokens, sum(self.cached_tokens))
+
+    async def deltas(self) -> AsyncIterator[tuple[int, SequenceDelta]]:
+        """`(choice, delta)` as the engine produces them, until every sample of every prompt has finished.
+
+        Past the server's request timeout what still runs is aborted (it ends with finish_reason "abort").
+        A delta carrying an engine error raises a 500. Closing this early aborts what still runs.
+        """
+        queue: asyncio.Queue[tuple[int, SequenceDelta | BaseException]] = asyncio.Queue()
+
+        async def pump(prompt: int, stream: RequestStream) -> None:
+            try:
+                async for delta in stream:
+                    queue.put_nowait((prompt, delta))
+            except Exception as exc:  # handed to the consumer, which raises it
+                queue.put_nowait((prompt, exc))
+
+        pumps = [asyncio.create_task(pump(prompt, stream)) for prompt, stream in enumerate(self.streams)]
+        # A timer that aborts what is left (each sample then ends with an "abort" delta), not wait_for
+        # around queue.get(): on Python < 3.12 wait_for can swallow a cancellation that lands as the get()
+        # completes, and a disconnected client's request would then keep generating.
+        timer = asyncio.get_running_loop().call_later(max(self.server.config.request_timeout_s, 0.0), self.abort)
+        context = current_request()
+        unfinished = len(self.streams) * self.num_samples
+        try:
+            while unfinished:
+                prompt, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.error is not None:  # the engine failed the request: a 500, not bad input
+                    raise APIError(500, item.error, type=INTERNAL_ERROR)
+                if context is not None:
+                    context.observe(item)
+                self.completion_tokens += len(item.token_ids)
+                if item.index == 0:
+                    self.cached_tokens[prompt] = item.num_cached_tokens
+                if item.finish_reason is not None:
+                    unfinished -= 1
+                yield prompt * self.num_samples + item.index, item
+        finally:
+            timer.cancel()
+            self.abort()
+            for task in pumps:
+                task.cancel()
+
+    async def outputs(self) -> list[RequestOutput]:
+        """Run to the end: one RequestOutput per prompt, every delta of its samples folded in."""
+        results = [RequestOutput.empty(stream.request_id, prompt, self.num_samples)
+                   for stream, prompt in zip(self.streams, self.prompt_ids)]
+        async with aclosing(self.deltas()) as deltas:
+            async for choice, delta in deltas:
+                results[choice // self.num_samples].add(delta)
+        return results
+
+
+async def serve_job(request: Request, body_type: type[BodyT],
+                    job_type: Callable[[ServerState, BodyT, str], GenerationJob[BodyT]]) -> Response:
+    """The handler of every generation endpoint: parse, admit, submit, then stream or answer once."""
+    server = server_state(request)
+    body = await parse_body(request, body_type)
+    server.check_model(body.model)
+    job = job_type(server, body, request_id_of(request))
+    server.check_queue(job.num_sequences)
+    await job.submit()
+    if body.stream:
+        return sse_stream(job.events(), job.abort, shutdown_grace_s=server.config.shutdown_grace_s)
+    try:
+        return json_response(await cancel_on_disconnect(request, job.collect()))
+    finally:
+        job.abort()  # a no-op for finished requests; frees everything if anything failed

@@ -15,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import importlib
-import importlib.util
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -28,41 +26,23 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.routing import BaseRoute, Route
 
 from mili_openai.config import ServerConfig
-from mili_openai.routes import completions, generate, service
+from mili_openai.engine.async_engine import AsyncEngine
+from mili_openai.engine.client import EngineClient
+from mili_openai.engine.sampling_defaults import describe_sampling_defaults
+from mili_openai.routes import chat, completions, generate, service
 from mili_openai.server.errors import CatchAllMiddleware, install_error_handlers
+from mili_openai.server.metrics import ServerMetrics
 from mili_openai.server.middleware import REQUEST_ID_HEADER, AccessGuardMiddleware, RequestContextMiddleware
 from mili_openai.server.state import ServerState, default_served_name
 
 logger = logging.getLogger(__name__)
-# route modules written alongside this one; mounted when present so the app works without them
-OPTIONAL_ROUTE_MODULES = ("mili_openai.routes.chat",)
-METRICS_MODULE = "mili_openai.server.metrics"
 
 
-def _optional_module(name: str) -> Any | None:
-    """The module if it exists (an import error inside it is a bug and propagates)."""
-    if importlib.util.find_spec(name) is None:
-        return None
-    return importlib.import_module(name)
-
-
-def build_metrics(server: ServerState, module: Any | None) -> Any | None:
-    """The server's Prometheus collectors (also the engine's observer), when the metrics module exists."""
-    if module is None:
-        return None
-    return module.ServerMetrics(lambda: server.engine.stats() if server.engine is not None else None)
-
-
-def all_routes(config: ServerConfig, metrics_module: Any | None) -> list[BaseRoute]:
-    routes: list[BaseRoute] = [*service.routes(), *completions.routes(), *generate.routes()]
+def all_routes(config: ServerConfig, metrics: ServerMetrics) -> list[BaseRoute]:
+    routes: list[BaseRoute] = [*service.routes(), *chat.routes(), *completions.routes(), *generate.routes(),
+                               Route("/metrics", metrics.endpoint, methods=["GET"])]
     if config.debug_endpoints:
         routes.extend(service.debug_routes())
-    for name in OPTIONAL_ROUTE_MODULES:
-        module = _optional_module(name)
-        if module is not None and hasattr(module, "routes"):
-            routes.extend(module.routes())
-    if metrics_module is not None:
-        routes.append(Route("/metrics", metrics_module.metrics_endpoint, methods=["GET"]))
     return routes
 
 
@@ -77,9 +57,6 @@ def freeze_heap() -> None:
 
 async def load_engine(server: ServerState) -> None:
     """Build the engine on a thread (seconds of blocking work), then start its loop."""
-    from mili_openai.engine.async_engine import AsyncEngine  # torch and the model: only when serving
-    from mili_openai.engine.sampling_defaults import describe_sampling_defaults
-
     try:
         engine = await asyncio.to_thread(AsyncEngine, server.config.engine, server.metrics)
         await engine.start()
@@ -102,11 +79,10 @@ async def load_engine(server: ServerState) -> None:
                     speculative.prompt_lookup_max, f", off above {limit} running sequences" if limit else "")
 
 
-def create_app(config: ServerConfig, engine: Any | None = None) -> Starlette:
-    """The app for `config`. Pass `engine` (an AsyncEngine, started or not) to skip loading one."""
+def create_app(config: ServerConfig, engine: EngineClient | None = None) -> Starlette:
+    """The app for `config`. Pass `engine` (started or not) to skip loading one."""
     server = ServerState(config, default_served_name(config), start_time=time.time())
-    metrics_module = _optional_module(METRICS_MODULE)
-    server.metrics = build_metrics(server, metrics_module)
+    server.metrics = ServerMetrics(lambda: server.engine.stats() if server.engine is not None else None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any]]:
@@ -115,8 +91,7 @@ def create_app(config: ServerConfig, engine: Any | None = None) -> Starlette:
         if engine is None:
             loader = asyncio.create_task(load_engine(server), name="mili-load-engine")
         else:
-            if server.metrics is not None and hasattr(engine, "set_observer"):
-                engine.set_observer(server.metrics)  # built before the app: attach this app's metrics
+            engine.set_observer(server.metrics)  # built before the app: attach this app's metrics
             await engine.start()
             server.engine = engine
         try:
@@ -140,9 +115,7 @@ def create_app(config: ServerConfig, engine: Any | None = None) -> Starlette:
             allow_headers=["*"], expose_headers=[REQUEST_ID_HEADER],
         ))
     middleware.append(Middleware(AccessGuardMiddleware, server=server))
-    app = Starlette(routes=all_routes(config, metrics_module), middleware=middleware, lifespan=lifespan)
+    app = Starlette(routes=all_routes(config, server.metrics), middleware=middleware, lifespan=lifespan)
     install_error_handlers(app)
-    # reachable outside requests: the CLI marks the server draining on SIGTERM; /metrics reads metrics
-    app.state.server = server
-    app.state.metrics = server.metrics
+    app.state.server = server  # reachable outside requests: the CLI marks the server draining on SIGTERM
     return app

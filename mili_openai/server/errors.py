@@ -1,4 +1,4 @@
-"""Errors in OpenAI's wire shape, the handlers that turn every failure into one, and JSON responses.
+"""The handlers that turn every failure into an OpenAI-shaped error (protocol/errors.py), and JSON responses.
 
 Every error leaves the server as `{"error": {"message", "type", "param", "code"}}` with a fitting
 status: bad input is a 400 (never a 500), unknown routes 404, wrong methods 405, and only a real bug
@@ -22,47 +22,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from mili_openai.protocol.errors import INTERNAL_ERROR, INVALID_REQUEST, TYPE_BY_STATUS, APIError, validation_error
+
 logger = logging.getLogger(__name__)
 
 ModelT = TypeVar("ModelT", bound=pydantic.BaseModel)
 T = TypeVar("T")
 
-INVALID_REQUEST = "invalid_request_error"
-INTERNAL_ERROR = "internal_error"
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away before an answer started"
-# OpenAI's error `type` for the statuses that are not plain bad input
-TYPE_BY_STATUS = {
-    401: "authentication_error",
-    404: INVALID_REQUEST,
-    413: INVALID_REQUEST,
-    429: "rate_limit_exceeded",
-    500: INTERNAL_ERROR,
-    503: "service_unavailable",
-}
-
-
-class APIError(Exception):
-    """An error the client should see as-is, with its HTTP status."""
-
-    def __init__(
-        self,
-        status_code: int,
-        message: str,
-        type: str = INVALID_REQUEST,  # noqa: A002 - OpenAI's field name
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers  # sent with the response (e.g. Retry-After of a 429)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class ClientDisconnected(Exception):
@@ -76,30 +43,6 @@ def json_response(body: Any, status_code: int = 200, headers: dict[str, str] | N
 
 def error_response(exc: APIError, headers: dict[str, str] | None = None) -> Response:
     return json_response(exc.to_dict(), exc.status_code, {**(exc.headers or {}), **(headers or {})} or None)
-
-
-def validation_error(exc: pydantic.ValidationError) -> APIError:
-    """The first problem pydantic found, with `param` the dotted path of the field it concerns."""
-    first = exc.errors(include_url=False)[0]
-    param = ".".join(str(part) for part in _field_path(first.get("loc", ()))) or None
-    message = first.get("msg", "invalid request")
-    if first.get("type") == "value_error":  # our own validators: drop pydantic's "Value error, " prefix
-        message = str(first.get("ctx", {}).get("error", message))
-    return APIError(400, f"{param}: {message}" if param else message, param=param)
-
-
-# pydantic puts the union member it tried into `loc` ("prompt", "str"); those are not fields
-UNION_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "model", "literal"})
-
-
-def _field_path(loc: tuple) -> list:
-    """The field path of a pydantic error location, stopping at the first union-member tag."""
-    path = []
-    for part in loc:
-        if isinstance(part, str) and (part.lower() in UNION_TAGS or "[" in part or "(" in part):
-            break
-        path.append(part)
-    return path
 
 
 async def parse_body(request: Request, model_cls: type[ModelT]) -> ModelT:

@@ -106,6 +106,6 @@ class ServerMetrics:
     def render(self) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
-
-async def metrics_endpoint(request: Request) -> Response:
-    return request.app.state.metrics.render()
+    async def endpoint(self, request: Request) -> Response:
+        """GET /metrics."""
+        return self.render()

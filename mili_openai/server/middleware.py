@@ -19,7 +19,8 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from mili_openai.server.errors import CLIENT_CLOSED_REQUEST, APIError, error_response
+from mili_openai.protocol.errors import APIError
+from mili_openai.server.errors import CLIENT_CLOSED_REQUEST, error_response
 from mili_openai.server.request_log import CURRENT_REQUEST, REQUEST_LOGGER_NAME, RequestContext, log_finished_request
 from mili_openai.server.state import REQUEST_ID_SCOPE_KEY, ServerState
 

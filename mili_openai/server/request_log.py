@@ -25,20 +25,26 @@ import logging
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from mili_openai.engine.outputs import SequenceDelta
+
+if TYPE_CHECKING:
+    from mili_openai.server.state import ServerState  # which imports this module
 
 REQUEST_LOGGER_NAME = "mili_openai.requests"
 QUIET_PATHS = frozenset({"/health", "/metrics"})
 TIME_DECIMALS = 4  # 0.1 ms: finer is noise next to the event loop's own jitter
 
 
+SampleKey = tuple[str, int]  # (engine request id, sample index)
+
+
 @dataclass(slots=True)
 class SequenceTally:
-    """What one engine sequence of the request produced (counted the way `usage` counts them)."""
+    """What one sample of the request produced (counted the way `usage` counts them)."""
 
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
@@ -50,12 +56,12 @@ class RequestContext:
     request_id: str
     method: str
     path: str  # the raw path; the route template is read from the scope when the request ends
-    server: Any  # routes.state.ServerState (not imported: state imports this module)
+    server: ServerState
     arrival_time: float = field(default_factory=time.monotonic)
     reserved_sequences: int = 0  # counted in server.pending_sequences until submitted or finished
     num_prompt_tokens: int = 0  # each prompt once, however many samples it has (as `usage` counts)
-    first_sequence_ids: list[str] = field(default_factory=list)  # sample 0 of each prompt: its cached tokens count
-    sequences: dict[str, SequenceTally] = field(default_factory=dict)
+    # every sample of every engine request it submitted; sample 0's cached tokens count for its prompt
+    sequences: dict[SampleKey, SequenceTally] = field(default_factory=dict)
     first_token_time: float | None = None
 
     # ---- the waiting room ----
@@ -71,17 +77,16 @@ class RequestContext:
         self.reserved_sequences = 0
 
     # ---- the token tally ----
-    def note_submitted(self, num_prompt_tokens: int, stream_ids: list[str]) -> None:
-        """One prompt submitted as `stream_ids` (its samples)."""
+    def note_submitted(self, num_prompt_tokens: int, request_ids: list[str], num_samples: int) -> None:
+        """Engine requests submitted for `num_prompt_tokens` of prompts, `num_samples` samples each."""
         self.release()
         self.num_prompt_tokens += num_prompt_tokens
-        if stream_ids:
-            self.first_sequence_ids.append(stream_ids[0])
-        for stream_id in stream_ids:
-            self.sequences.setdefault(stream_id, SequenceTally())
+        for request_id in request_ids:
+            for index in range(num_samples):
+                self.sequences.setdefault((request_id, index), SequenceTally())
 
     def observe(self, delta: SequenceDelta) -> None:
-        tally = self.sequences.setdefault(delta.request_id, SequenceTally())
+        tally = self.sequences.setdefault((delta.request_id, delta.index), SequenceTally())
         tally.num_output_tokens += len(delta.token_ids)
         tally.num_cached_tokens = delta.num_cached_tokens
         if delta.token_ids and self.first_token_time is None:
@@ -95,7 +100,7 @@ class RequestContext:
 
     @property
     def num_cached_tokens(self) -> int:
-        return sum(self.sequences[i].num_cached_tokens for i in self.first_sequence_ids if i in self.sequences)
+        return sum(tally.num_cached_tokens for (_, index), tally in self.sequences.items() if index == 0)
 
     @property
     def finish_reasons(self) -> list[str | None]:

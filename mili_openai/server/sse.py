@@ -22,7 +22,7 @@ import anyio
 import orjson
 from sse_starlette.sse import EventSourceResponse
 
-from mili_openai.server.errors import INTERNAL_ERROR, APIError
+from mili_openai.protocol.errors import INTERNAL_ERROR, APIError
 from mili_openai.server.request_log import current_request
 
 logger = logging.getLogger(__name__)

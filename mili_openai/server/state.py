@@ -23,8 +23,10 @@ from typing import Any
 from starlette.requests import Request
 
 from mili_openai.config import ServerConfig
-from mili_openai.engine.outputs import SequenceDelta
-from mili_openai.server.errors import APIError
+from mili_openai.engine.client import EngineClient
+from mili_openai.engine.outputs import CompletionOutput, SequenceDelta
+from mili_openai.protocol.errors import APIError
+from mili_openai.server.metrics import ServerMetrics
 from mili_openai.server.request_log import current_request
 
 REQUEST_ID_SCOPE_KEY = "mili.request_id"  # where the request-id middleware leaves the id in the ASGI scope
@@ -60,25 +62,21 @@ class RequestRecord:
     num_prompt_tokens: int
     arrival_time: float = field(default_factory=time.time)  # wall clock, seconds since the epoch
     state: str = "waiting"  # waiting (no token yet) -> running -> finished | aborted
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    output: CompletionOutput = field(default_factory=lambda: CompletionOutput(0))
     num_cached_tokens: int = 0
     first_token_time: float | None = None
     finished_time: float | None = None
-    finish_reason: str | None = None
 
     def observe(self, delta: SequenceDelta) -> None:
         now = time.time()
-        self.text += delta.text
-        self.token_ids.extend(delta.token_ids)
+        self.output.add(delta)
         self.num_cached_tokens = delta.num_cached_tokens
         if delta.token_ids and self.first_token_time is None:
             self.first_token_time = now
         if delta.finish_reason is None:
-            if self.token_ids:
+            if self.output.token_ids:
                 self.state = "running"
             return
-        self.finish_reason = delta.finish_reason
         self.finished_time = now
         self.state = "aborted" if delta.finish_reason == "abort" else "finished"
 
@@ -87,12 +85,12 @@ class RequestRecord:
         return {
             "request_id": self.request_id,
             "state": self.state,
-            "finish_reason": self.finish_reason,
+            "finish_reason": self.output.finish_reason,
             "num_prompt_tokens": self.num_prompt_tokens,
             "num_cached_tokens": self.num_cached_tokens,
-            "num_output_tokens": len(self.token_ids),
-            "token_ids": self.token_ids,
-            "text": self.text,
+            "num_output_tokens": len(self.output.token_ids),
+            "token_ids": self.output.token_ids,
+            "text": self.output.text,
             "timings": {
                 "arrival_time": self.arrival_time,
                 "first_token_time": self.first_token_time,
@@ -129,7 +127,7 @@ class RequestRecords:
             return
         del self._live[record.request_id]
         if record.finished_time is None:
-            record.state, record.finish_reason, record.finished_time = "aborted", "abort", time.time()
+            record.state, record.output.finish_reason, record.finished_time = "aborted", "abort", time.time()
         self._finished[record.request_id] = record
         while len(self._finished) > self.max_finished:
             self._finished.popitem(last=False)
@@ -145,8 +143,8 @@ class RequestRecords:
 class ServerState:
     config: ServerConfig
     served_model_name: str
-    engine: Any | None = None  # an AsyncEngine once loaded and started
-    metrics: Any | None = None  # routes.metrics.ServerMetrics, when that module is present
+    engine: EngineClient | None = None  # once loaded and started
+    metrics: ServerMetrics | None = None
     records: RequestRecords = field(default_factory=RequestRecords)
     draining: bool = False  # set when shutdown begins: /health turns 503 so balancers stop sending
     grace_expired: bool = False  # set when the shutdown grace is over and what still ran was aborted
@@ -158,7 +156,7 @@ class ServerState:
     def is_ready(self) -> bool:
         return self.engine is not None and self.engine.is_ready() and not self.draining
 
-    def require_engine(self) -> Any:
+    def require_engine(self) -> EngineClient:
         """The running engine, or a 503 the client may retry."""
         if self.draining:
             raise APIError(503, "the server is shutting down", type="service_unavailable")

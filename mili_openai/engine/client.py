@@ -1,0 +1,111 @@
+"""What the server sees of the engine: the `EngineClient` Protocol, and the stream a request's deltas
+arrive on.
+
+The routes type against `EngineClient`, not against `AsyncEngine`: the server never reaches into the
+engine's loop, scheduler or model, and a test engine (tests/fake_engine.py) serves the routes by
+following this Protocol. Importing this module pulls in neither torch nor the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from mili_openai.engine.outputs import EngineObserver, EngineStats, PageAccounting, SequenceDelta
+from mili_openai.engine.sampling_params import SamplingDefaults, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+class RequestStream:
+    """Async iterator over one request's deltas, every sample's (`delta.index`) in the order the engine
+    produced them; it ends once each of the request's samples has delivered its final delta.
+
+    `abort` (or `aclose`, when a consumer stops early) aborts the samples still running.
+    """
+
+    def __init__(self, request_id: str, num_samples: int, abort: Callable[[str], None]) -> None:
+        self.request_id = request_id
+        self.num_samples = num_samples
+        self._abort = abort
+        self._queue: asyncio.Queue[SequenceDelta] = asyncio.Queue()
+        self._undelivered = num_samples  # samples whose final delta the engine has not put yet
+        self._unread = num_samples  # samples whose final delta the consumer has not read yet
+
+    @property
+    def finished(self) -> bool:
+        """Every sample's final delta has been put (whether or not it has been read)."""
+        return self._undelivered == 0
+
+    def put(self, delta: SequenceDelta) -> None:
+        if delta.finish_reason is not None:
+            self._undelivered -= 1
+        self._queue.put_nowait(delta)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> SequenceDelta:
+        if self._unread == 0:
+            raise StopAsyncIteration
+        delta = await self._queue.get()
+        if delta.finish_reason is not None:
+            self._unread -= 1
+        return delta
+
+    def abort(self) -> None:
+        """Abort every sample still running; each then delivers a final "abort" delta."""
+        if not self.finished:
+            self._abort(self.request_id)
+
+    async def aclose(self) -> None:
+        """Stop listening; aborts what still runs (e.g. the client went away)."""
+        self._unread = 0
+        self.abort()
+
+
+class EngineClient(Protocol):
+    """The engine as the server uses it (`AsyncEngine` in production)."""
+
+    tokenizer: PreTrainedTokenizerBase
+    model_path: Path | None
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    sampling_defaults: SamplingDefaults  # what a request's omitted sampling fields become
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self) -> None:
+        """Stop the loop and abort every request."""
+        ...
+
+    def is_ready(self) -> bool: ...
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams,
+               request_id: str | None = None) -> RequestStream:
+        """Queue a request of `params.n` samples; ValueError for one that can never run."""
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """Abort every sample of the request still running (a no-op for a finished or unknown one)."""
+        ...
+
+    def abort_all(self) -> int:
+        """Abort every live request; returns how many were aborted."""
+        ...
+
+    async def compile_format(self, params: SamplingParams) -> None:
+        """Compile the request's structured-output format off the event loop (ValueError if it is bad)."""
+        ...
+
+    def stats(self) -> EngineStats: ...
+
+    def page_accounting(self) -> PageAccounting: ...
+
+    def set_observer(self, observer: EngineObserver | None) -> None:
+        """Attach the server's metrics to an engine built before the server."""
+        ...
