@@ -1,5 +1,5 @@
-"""The kernels' build lock: a lock file left by a killed loader no longer hangs every later load, and a
-live loader is still waited for."""
+"""The kernels' build: its name follows its sources, a lock file left by a killed loader no longer hangs
+every later load, and a live loader is still waited for."""
 
 from __future__ import annotations
 
@@ -9,7 +9,35 @@ import textwrap
 import threading
 import time
 
-from mili_openai.kernels.build_lock import OWN_LOCK_NAME, TORCH_LOCK_NAME, build_directory, exclusive_build
+from mili_openai.kernels.build_lock import (
+    OWN_LOCK_NAME,
+    TORCH_LOCK_NAME,
+    build_directory,
+    exclusive_build,
+    extension_name,
+)
+from mili_openai.kernels.cpu import EXTENSION_PREFIX, HEADERS, SOURCE_DIR, SOURCES
+
+
+def test_the_build_name_is_a_hash_of_every_source_and_header(tmp_path):
+    (tmp_path / "a.cpp").write_text("int a;")
+    (tmp_path / "b.h").write_text("// b")
+    first = extension_name("ext", tmp_path)
+    assert first.startswith("ext_") and extension_name("ext", tmp_path) == first
+    (tmp_path / "notes.txt").write_text("not a source")
+    assert extension_name("ext", tmp_path) == first
+    (tmp_path / "b.h").write_text("// b, edited")  # a header torch's JIT would not see change
+    edited = extension_name("ext", tmp_path)
+    assert edited != first
+    (tmp_path / "c.h").write_text("")  # a new header
+    assert extension_name("ext", tmp_path) != edited
+
+
+def test_the_kernels_name_covers_the_files_they_are_built_from():
+    listed = set(SOURCES + HEADERS)
+    in_dir = {path.name for path in SOURCE_DIR.iterdir() if path.suffix in (".cpp", ".h")}
+    assert listed == in_dir  # a file in csrc that no list names would change the name yet not ship
+    assert extension_name(EXTENSION_PREFIX, SOURCE_DIR).startswith(EXTENSION_PREFIX + "_")
 
 
 def test_build_directory_follows_torch_extensions_dir_one_per_checkout(tmp_path, monkeypatch):

@@ -1,4 +1,7 @@
-"""Where the CPU kernels are built, and a build lock that dies with its holder.
+"""What the CPU kernels' build is called, where it is built, and a build lock that dies with its holder.
+
+The extension's name carries a hash of every source and header in csrc/, so an edit to any of them
+(a header torch's JIT does not track included) builds anew, and nobody bumps a version by hand.
 
 torch's JIT builder (`torch.utils.cpp_extension.load`) guards a build directory with a `lock` file: a
 loader creates it, builds or finds the build current, and removes it. A loader killed in between (Ctrl-C
@@ -27,6 +30,16 @@ logger = logging.getLogger(__name__)
 
 TORCH_LOCK_NAME = "lock"  # the file torch's FileBaton creates in the build directory
 OWN_LOCK_NAME = "mili-build.flock"
+SOURCE_SUFFIXES = (".cpp", ".h")
+SOURCE_HASH_CHARS = 12
+
+
+def extension_name(prefix: str, source_dir: Path) -> str:
+    """`prefix` and a hash of every source and header in `source_dir` (names and contents, in name order)."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in source_dir.iterdir() if p.suffix in SOURCE_SUFFIXES):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return f"{prefix}_{digest.hexdigest()[:SOURCE_HASH_CHARS]}"
 
 
 def build_directory(extension_name: str, source_dir: Path) -> Path:

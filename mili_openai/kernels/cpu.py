@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from mili_openai.kernels.build_lock import build_directory, exclusive_build
+from mili_openai.kernels.build_lock import build_directory, exclusive_build, extension_name
 from mili_openai.kernels.planning import KernelPlan, plan_decode_prefetch, plan_matmuls, plan_prefill_attention
 from mili_openai.kernels.quantized import CpuQuantizedLinear, PackedWeights
 
@@ -20,10 +20,10 @@ SOURCES = ("bindings.cpp", "linear_bf16.cpp", "linear_amx.cpp", "paged_decode_at
            "decode_shared_amx.cpp", "paged_prefill_attention.cpp", "prefill_amx.cpp", "rms_norm_bf16.cpp",
            "activation_bf16.cpp", "decode_stack.cpp", "sample_rows.cpp")
 QUANTIZED_SOURCES = ("linear_quantized.cpp", "linear_int8.cpp", "linear_int4.cpp")
-# not compiled on their own; torch hashes only SOURCES, hence the name bump below
+# not compiled on their own (torch's JIT hashes only the sources); the build's name hashes every file in csrc
 HEADERS = ("simd_bf16.h", "kernels.h", "prefill_products.h", "decode_blocks.h", "row_ranges.h", "amx_tiles.h",
            "decode_shared_amx.h", "decode_partials.h", "prefill_amx.h", "quantized_linear.h", "quantized_tiles.h")
-EXTENSION_NAME = "mili_cpu_kernels_v53"  # bump when a source changes so torch's JIT cache rebuilds
+EXTENSION_PREFIX = "mili_cpu_kernels"
 # -fopenmp: without it ATen's parallel_for compiles to a serial loop inside the extension
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"]
 LINK_FLAGS = ["-fopenmp"]
@@ -270,9 +270,10 @@ def _compiled_kernels() -> CpuKernels | None:
     try:
         from torch.utils.cpp_extension import load
 
-        directory = build_directory(EXTENSION_NAME, SOURCE_DIR)
+        name = extension_name(EXTENSION_PREFIX, SOURCE_DIR)  # a new name, so a new build, for any source edit
+        directory = build_directory(name, SOURCE_DIR)
         with exclusive_build(directory):  # safe against a loader killed mid-build (build_lock.py)
-            module = load(name=EXTENSION_NAME, sources=[str(SOURCE_DIR / s) for s in SOURCES + QUANTIZED_SOURCES],
+            module = load(name=name, sources=[str(SOURCE_DIR / s) for s in SOURCES + QUANTIZED_SOURCES],
                           extra_cflags=COMPILE_FLAGS, extra_ldflags=LINK_FLAGS, build_directory=str(directory),
                           verbose=False)
     except Exception as exc:  # no compiler, no ninja, unsupported flags: torch's ops instead

@@ -2,7 +2,7 @@
 // projection's output.
 //
 // In torch it is a split, silu and an in-place multiply: at decode each is a few thousand values and
-// costs more in dispatch than in arithmetic (~9 us per layer). The kernel keeps transformers' bf16
+// costs more in dispatch than in arithmetic. The kernel keeps transformers' bf16
 // rounding points: silu computed in fp32 and rounded to bf16, then the product rounded again.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

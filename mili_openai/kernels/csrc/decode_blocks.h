@@ -74,10 +74,8 @@ inline __m512 sum_each(const __m512* v) {
 // tracks too few misses to keep its share of the memory busy. So for each head, while a block is
 // scored, ask for that head's part of the next `blocks_ahead` blocks into L2, which tracks more; each
 // block is asked for once at every distance, as an L2 prefetch may be dropped while too many misses are
-// outstanding. Measured on a 2-core Zen 4 (Qwen3-0.6B heads, batch 1 to 8, 768-2048 tokens): 15-19 GB/s
-// asking for the next block into L1, 21-25 asking once three blocks ahead, 27-32 asking at 1, 2 and 3.
-// On a 2-core Xeon with AMX one block ahead is 12-15% faster than three (batch 1 and 8), so the distance
-// is timed at load (kernels/planning.py) and passed in.
+// outstanding. Asking at every distance up to the farthest beats asking once or into L1; the best
+// farthest distance differs between CPUs, so it is timed at load (kernels/planning.py) and passed in.
 constexpr int64_t kMaxBlocksAhead = 8;
 
 // Into L2: `bytes` from `offset` of the rows of slots [first, end) (elements of T, rows row_stride apart).

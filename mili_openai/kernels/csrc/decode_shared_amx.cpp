@@ -2,10 +2,10 @@
 // prefix they share (a system prompt, a few-shot preamble, n > 1 samples: pages the radix cache hands to
 // each of them), the prefix's K/V read once for all of them.
 //
-// Scoring one query token per sequence against a context is a matrix-vector product per head; the
-// AVX-512 kernel (paged_decode_attention.cpp) runs it at ~60 GFLOP/s on a 2-core Xeon, so eight
-// sequences sharing a 960-token prefix spent 30 ms of a ~90 ms batch-8 step scoring the same K/V eight
-// times. Stacked, the sequences' query heads of one KV head form a matrix of up to 16 rows, and each
+// Scoring one query token per sequence against a context is a matrix-vector product per head, so eight
+// sequences sharing a long prefix spent a third of a batch-8 step scoring the same K/V eight times in
+// the AVX-512 kernel (paged_decode_attention.cpp). Stacked, the sequences' query heads of one KV head
+// form a matrix of up to 16 rows, and each
 // product is a tile instruction (TDPBF16PS: 16 x 16 x 32 multiply-adds).
 //
 // Per KV head: S^T = K . Q^T, with A tiles 16 K rows loaded in place from the pool (a page's slots are
@@ -16,10 +16,8 @@
 // order and the partials merge with that kernel's. Both passes walk the span in chunks of 128 slots,
 // every KV head inside a chunk, so a slot's row (all heads side by side) is read in one go.
 //
-// 28 cold layers, batch 8, 1024-token contexts, 2-core Xeon with AMX (/tmp scripts, see
-// docs/performance.md): one 960-token prefix shared by all eight 31.4 -> 11.7-12.7 ms; two prefixes
-// shared by four each 35.4-37.2 -> 17.1-20.9 ms; no prefix shared 48-50 ms either way (not taken).
-// Prefetching the next chunk's rows into L2 made no difference, so nothing is prefetched.
+// A shared prefix then costs a fraction of its separate scoring; where nothing is shared this path is not
+// taken. Prefetching the next chunk's rows into L2 made no difference, so nothing is prefetched.
 #include "decode_shared_amx.h"
 
 #include <immintrin.h>

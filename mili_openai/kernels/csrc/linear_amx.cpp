@@ -2,10 +2,8 @@
 // 16 rows of x, fp32 accumulation, bf16 output.
 //
 // A tile product (TDPBF16PS) multiplies 16 weight rows by 32 values of K for every row of x at once, so
-// a few instructions cover what takes the AVX512-BF16 tile dozens, and the loads run ahead of them. On a
-// 2-core Xeon with AMX, streaming 1.26 GB of MLP-shaped weights (bf16 `sum` at 27-29 GB/s): one row of x
-// 27.7 GB/s against 23.9 for the pair-product stream of linear_bf16.cpp, 8 rows 25.4 against 19.7 (there
-// bound by its ~200 GFLOP/s of products), 16 rows 19.8 against 10.5; oneDNN's GEMM 15-18 throughout.
+// a few instructions cover what takes the AVX512-BF16 tile dozens, and the loads run ahead of them: it
+// streams the weights faster than linear_bf16.cpp's pair products and oneDNN's GEMM at 1 to 16 rows.
 //
 // Layout: C^T = W . X^T. A tile is 16 rows of W (64 bytes of K each) loaded in place, K * 2 bytes apart;
 // B is X^T in the VNNI pairs TDPBF16PS takes (row p: for each x row m, its values 2p and 2p + 1), packed
@@ -34,7 +32,7 @@ constexpr int64_t kTileRows = 16;        // weight rows per A tile and per C til
 constexpr int64_t kTileK = 32;           // bf16 values of K per A row (64 bytes)
 constexpr int64_t kBlockRows = 2 * kTileRows;  // weight rows per pass over K: two A tiles share each B tile
 // Each pass over K reads 32 weight rows side by side, one line each per step; asking for the lines
-// four steps ahead into L1 took one row of x from 21.8 to 27.7 GB/s (eight steps ahead: 27.4).
+// four steps ahead into L1 keeps the stream at memory speed.
 constexpr int64_t kPrefetchSteps = 4;
 constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // Linux: ask to use the tile registers
 
@@ -80,7 +78,7 @@ MILI_AMX void multiply_rows(const at::BFloat16* packed, const at::BFloat16* w, a
     _tile_stored(MILI_SUMS_LOW, sums, M * 4);
     _tile_stored(MILI_SUMS_HIGH, sums + kTileRows * M, M * 4);
     // sums is (weight row, x row): each x row's 16 sums of a tile are M floats apart, gathered into one
-    // register, rounded and stored as 16 bf16 (a value at a time, this took ~4% of a batch-8 LM head).
+    // register, rounded and stored as 16 bf16, not a value at a time.
     for (int64_t m = 0; m < M; ++m)
       for (int64_t half = 0; half < kBlockRows / kTileRows; ++half) {
         const __m512 row = _mm512_i32gather_ps(rows_apart, sums + half * kTileRows * M + m, sizeof(float));
@@ -136,8 +134,7 @@ torch::Tensor linear_amx(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(cpu_has_amx_tiles(), "linear_amx: this CPU has no AMX tiles (or Linux did not grant them)");
   TORCH_CHECK(amx_linear_fits(M, N, K), "linear_amx: 1 to 16 rows, K a multiple of 32, N of 32");
   // X^T in VNNI pairs, (K/2, M, 2): a transpose of 32-bit pairs, looped here because two torch copies
-  // (contiguous, transpose, contiguous) cost 10-20 us a call from two rows of x on: a batch-8 decode
-  // stack took 54.5 ms with them, 49.9 without.
+  // (contiguous, transpose, contiguous) a call add up over a decode step's matmuls.
   const torch::Tensor xc = x.contiguous();
   std::vector<uint32_t> packed(M * K / 2);
   const auto* pairs = reinterpret_cast<const uint32_t*>(xc.data_ptr<at::BFloat16>());

@@ -2,8 +2,7 @@
 //
 // Needs only AVX512F: a bf16 value is the high half of an fp32, so 16 weights widen to fp32 with a
 // zero-extend and a shift, and the products are plain fp32 FMAs. Many CPUs (and most cloud VMs, which
-// hide the BF16 extension) run oneDNN's bf16 GEMM far below memory speed at decode shapes: measured
-// 12 GB/s for one row and 3 GB/s for eight on a 2-core Xeon whose read bandwidth is ~25 GB/s.
+// hide the BF16 extension) run oneDNN's bf16 GEMM far below memory speed at decode shapes.
 //
 // Threads take blocks of contiguous weight rows and stream each once per block of x rows: a tile of R
 // weight rows is widened from L1 for every chunk of up to 8 x rows, so a decode step reads every weight
@@ -30,23 +29,20 @@ constexpr int64_t kXBlockBytes = 256 * 1024;  // x rows per outer block are size
 
 // Weight rows in flight per x chunk, and independent partial sums along K per (row, weight row): with
 // 4-cycle FMA latency and two FMA ports a core needs ~8 independent accumulators to stay busy, within
-// 32 registers (MC * R * U accumulators + R weights + 1 x). Measured on a 2-core Xeon: from ~4 rows of
-// x on, a core is FMA-bound (~100 GFLOP/s from L2), so eight rows go as one chunk of three weight rows
-// (24 accumulators) rather than 6 + 2, which re-widened every weight for two rows.
+// 32 registers (MC * R * U accumulators + R weights + 1 x). From ~4 rows of x on a core is FMA-bound, so
+// eight rows go as one chunk of three weight rows (24 accumulators) rather than 6 + 2, which re-widened
+// every weight for two rows.
 // A single row of x (a decode step at batch 1, and every LM head, where the CPU lacks the pair products
 // below) is bound by memory, not FMAs: it reads the weights as one sequential stream, a row at a time
-// with eight partial sums along K, which the hardware prefetchers follow as they follow a plain `sum`.
-// Measured on a 2-core Zen 4 over 1 GiB, with the prefetch below: 33-36 GB/s against 31-32 for four
-// interleaved rows while bf16 `sum` read 34-35, and 56-60 against ~42 while it read 51-60.
+// with eight partial sums along K, which the hardware prefetchers follow as they follow a plain `sum`
+// (faster than interleaved rows: docs/performance.md has the machine's read limits).
 template <int MC> constexpr int tile_rows() { return MC == 1 ? 1 : MC <= 6 ? 4 : 3; }
 template <int MC> constexpr int k_unroll() { return MC == 1 ? 8 : 1; }
 
 // The hardware prefetcher loses track of R interleaved row streams: while a tile is multiplied, ask for
 // the same K offset of the next tile's rows into L1, and of the two tiles after it into L2, which tracks
-// more misses (one cache line per row per 32 bf16). Measured over 1 GiB of weights: on a 2-core Xeon, the
-// next tile alone took eight rows of x from 8.5 to 12 GB/s; on a 2-core Zen 4 (bf16 `sum` at 51-60 GB/s)
-// the two further tiles took two rows from 23 to 50-54 GB/s, four from 22 to 46-47, and eight rows of
-// bf16 pair products (below) from 21 to 41-42.
+// more misses (one cache line per row per 32 bf16). Both prefetches raise the multi-row read rate a lot,
+// the two further tiles most on CPUs with fast memory.
 constexpr int64_t kPrefetchStride = 32;  // bf16 per 64-byte line
 template <int R>
 inline void prefetch_tiles_ahead(const at::BFloat16* w, int64_t K, int64_t k) {
@@ -55,9 +51,8 @@ inline void prefetch_tiles_ahead(const at::BFloat16* w, int64_t K, int64_t k) {
 }
 
 // The single-row stream also asks, once per 256 bytes it reads, for the lines 8 and 16 KB ahead into L2:
-// a nudge that keeps the prefetchers ahead. Measured on a 2-core Zen 4 over 1 GiB, while bf16 `sum` read
-// 51-60 GB/s: none 27-29, every line 4 KB ahead 37-40, one line in four 4 KB ahead 47-52, 8 KB ahead
-// 51-60, 8 and 16 KB ahead 57; while `sum` read 30-36, 31-35 with the last two (into L1: slower than none).
+// a nudge that keeps the prefetchers ahead (the distances and the L2 target were the fastest tried;
+// into L1 was slower than no prefetch at all).
 constexpr int64_t kStreamAheadBytes[] = {8192, 16384};
 inline void prefetch_stream(const at::BFloat16* w) {
   for (const int64_t ahead : kStreamAheadBytes) _mm_prefetch(reinterpret_cast<const char*>(w) + ahead, _MM_HINT_T1);
@@ -118,7 +113,7 @@ inline void tile(const float* x, int64_t ldx, const at::BFloat16* w, int64_t K, 
 // The same tile with bf16 pair products (VDPBF16PS, AVX512-BF16): x stays bf16 and each instruction
 // multiplies 32 weights by 32 inputs, summing pairs into 16 fp32 lanes, where the fp32 tile widens every
 // weight and needs two FMAs. From ~4 rows of x the fp32 tile is bound by its FMAs, so this one reads the
-// weights up to twice as fast there (measured below, in linear_bf16). Partial sums along K run in
+// weights up to twice as fast there. Partial sums along K run in
 // another order, so results differ from the fp32 tile's in rounding only.
 #define MILI_BF16_DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 constexpr int64_t kPairLanes = 2 * kLanes;  // bf16 values per 512-bit register
@@ -142,10 +137,8 @@ MILI_BF16_DOT inline void dot_step(const at::BFloat16* x, int64_t ldx, const at:
 }
 
 // Two rows of x read the weights fastest as one stream, a row at a time with two partial sums along K (as
-// the single-row fp32 tile does); from three, tiles of R weight rows share each load of x. Measured on a
-// 2-core Zen 4 over 1 GiB while bf16 `sum` read 57-59 GB/s: 2 rows 53-57 as a stream against 41-44 in
-// tiles; 3 rows 54-58 in tiles against 35; 4 rows 47-50 against 39-45; 8 rows 41-42 (the fp32 tile:
-// 17-18, bound by its FMAs).
+// the single-row fp32 tile does); from three, tiles of R weight rows share each load of x (each split
+// was the faster of the two for its row count).
 template <int MC> constexpr int dot_tile_rows() { return MC <= 2 ? 1 : MC <= 6 ? 4 : 3; }
 template <int MC> constexpr int dot_unroll() { return MC <= 2 ? 2 : 1; }
 
@@ -190,10 +183,8 @@ MILI_BF16_DOT void dot_rows_chunk(const at::BFloat16* x, int64_t ldx, const at::
 
 // Only the first chunk of x rows over a block of weight rows asks for the weights ahead: the chunks
 // after it find the block in L1/L2, where the tile prefetches (nine an iteration at eight rows) only
-// take load slots from the products. Measured on a 2-core Zen 4, one thread, an 8-row tile over 256 MB
-// of weights: 16 rows of x 160 -> 166 GFLOP/s, 32 rows 164 -> 178 (medians of three); a decode step's
-// 112 layer matmuls, both threads, interleaved: 16 rows 290-301 -> 295-320, 32 rows 307-319 -> 333-340, 64 rows
-// 321-327 -> 350-354; 8 rows or fewer (one chunk) unchanged.
+// take load slots from the products (which makes batches of more than 8 rows faster; one chunk is
+// unchanged).
 template <int MC>
 MILI_BF16_DOT void multiply_chunk(bool first_chunk, bool pairs, const at::BFloat16* xb, const float* xf, int64_t K,
                                   const at::BFloat16* w, at::BFloat16* y, int64_t ldy, int64_t n_begin,
@@ -240,9 +231,7 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool b
   TORCH_CHECK(N < (int64_t{1} << 31), "linear_bf16: at most 2^31 weight rows");  // RowRanges packs two in 64 bits
   if (amx_tiles && amx_linear_fits(M, N, K)) return linear_amx(x, w);  // see linear_amx.cpp
   // Pair products for one row of x too, though it is bound by memory: they issue about a third of the fp32
-  // tile's instructions per weight byte, which keeps the core's loads ahead in fast phases. Measured on a
-  // 2-core Zen 4 over a decode step's 112 layer matmuls at batch 1, interleaved, as a share of a bf16
-  // `sum` over 1 GiB at the same moment: 0.99 vs 0.90 while it read ~47 GB/s, 1.00 vs 0.975 at ~29.
+  // tile's instructions per weight byte, which keeps the core's loads ahead when memory is fast.
   const bool pairs = bf16_dot_products;
   // Widen x once (M * K values) rather than once per weight tile; pair products take it as it is.
   const torch::Tensor xs = pairs ? x.contiguous() : x.to(at::kFloat).contiguous();
@@ -258,9 +247,7 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool b
     const int64_t m_end = std::min(M, m0 + block);
     // Each thread streams its own contiguous range of weight rows and then takes from the back of the
     // others' (row_ranges.h): on a shared machine a thread that loses its core for a while no longer
-    // holds up the whole step. Measured on a 2-core Zen 4 over a decode step's 112 layer matmuls, against
-    // a shared counter handing out ever smaller chunks: eight rows of x 35.1 vs 33.8 GB/s (median of 12
-    // interleaved rounds), one row 49.9 vs 49.5.
+    // holds up the whole step; and it is no slower than a shared counter handing out ever smaller chunks.
     const int64_t threads = at::get_num_threads();
     mili::RowRanges ranges(N, threads, kRowsPerPass);
     at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {

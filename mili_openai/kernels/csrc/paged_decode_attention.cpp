@@ -7,17 +7,14 @@
 // streams; and a sequence's context is shared by every thread, so batch 1 keeps both cores busy. Within
 // a block each query head shares its KV head's widened row with the rest of its group (grouped-query
 // attention). A task softmaxes its span in fp32 and keeps the span's max and sum; a second pass merges
-// the spans of each sequence. Measured on a 2-core Zen 4 (Qwen3-0.6B heads, batch 1 to 8, 768-2048
-// tokens): 27-32 GB/s of K/V read, against 17-21 GB/s for one task per (sequence, KV head). Where the
+// the spans of each sequence: much faster than one task per (sequence, KV head). Where the
 // CPU has AMX tiles, a prefix several sequences share is one more span, attended for all of them at
 // once (cascade attention, decode_shared_amx.cpp), and each member's own spans start after it.
 //
-// With AVX512-BF16, bf16 scores are bf16 pair products (score_block_pairs): 28 layers' calls from
-// cache (512 tokens, batch 1) 1.3-1.8 -> 1.1 ms; 28 cold layers 1.95 vs 2.05 ms at batch 1, 18.3 vs 19.9
-// at batch 8 (medians of 16 rounds). So is the weighted sum of V (weigh_block_pairs), its numerators
-// rounded to bf16 as torch's CPU flash attention rounds them, two slots' V rows an instruction: 0.938 of
-// the fp32 sum's time at 544 tokens, 0.963 at 2048 (batch 1), 0.986 at 512 (batch 4); outputs within the
-// same tolerance of fp32 SDPA.
+// With AVX512-BF16, bf16 scores are bf16 pair products (score_block_pairs), and so is the weighted sum
+// of V (weigh_block_pairs), its numerators rounded to bf16 as torch's CPU flash attention rounds them, two
+// slots' V rows an instruction: both a little faster than fp32, outputs within the same tolerance of fp32
+// SDPA.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -171,8 +168,7 @@ void run_head_dim(const T* qp, const T* kp, const T* vp, const int64_t* sp, cons
     for (const int64_t b : prefix.members) skip[b] = prefix.length;
   // Span length: the batch's context split evenly over the threads, in whole blocks, at least kMinSpan.
   // Each span starts cold (nothing before it prefetched its first block), so fewer and longer spans read
-  // faster: one a thread gave 2.2-2.4 vs 3.0-3.2 ms a decode step (28 layers, batch 1, 512 tokens) and
-  // 7.9 vs 8.7 ms at 2048 tokens, against four a thread; batch 8 unchanged (2-core Zen 4).
+  // faster than several a thread.
   int64_t total = 0;
   for (int64_t b = 0; b < batch; ++b) total += lp[b] - skip[b];
   for (const SharedPrefix& prefix : prefixes) total += prefix.length;

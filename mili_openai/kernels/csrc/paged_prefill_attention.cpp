@@ -9,8 +9,7 @@
 // Queries and the output are held transposed, 64 rows across the lanes of four registers: scores,
 // softmax, masking and rescaling are then plain vector ops, and both products (prefill_products.h) are
 // broadcast multiply-adds with 16 accumulators. Key blocks wholly after a row block's last position are
-// skipped. Measured on a 2-core Xeon (Qwen3-0.6B heads, a 512-token prompt, bf16, fp32 products):
-// 6.3-7.3 ms a layer against 10.9-13.5 ms for torch's causal SDPA on the same K/V already gathered.
+// skipped. It beats torch's causal SDPA on the same K/V already gathered, on CPUs without AMX.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

@@ -7,8 +7,7 @@
 // Bf16DotProducts multiplies bf16 pairs with VDPBF16PS (AVX512-BF16: Zen 4, Sapphire Rapids), two
 // products per lane per instruction and no widening: queries and keys pair up along head_dim, and the
 // probabilities (rounded to bf16, as torch's flash attention does for bf16 inputs) pair with values
-// along the keys. Measured on a 2-core Zen 4 (Qwen3-0.6B heads, a 512-token prompt): 4.1 ms a layer
-// (~260 GFLOP/s of causal work) against 6.7 ms (~160) with fp32 products.
+// along the keys: markedly faster than fp32 products where the CPU has them.
 #pragma once
 
 #include <torch/extension.h>

@@ -3,9 +3,8 @@
 //
 // The torch path (engine/logits_processing.py and the sampler) sorts the best 1024 logits of a row for
 // top-p, or all of them when the nucleus is wider, and draws with an exponential race that needs one
-// random number per token. Measured on a 2-core Zen 4 over Qwen3's 151936 logits, one row: 0.7-1.1 ms
-// with no truncation (most of it the 151936 uniforms and their logs), 2.4 ms with top_p = 0.95 on a
-// peaked row, 17 ms on a flat one (the full sort) — against a ~30 ms decode step.
+// random number per token: over Qwen3's 151936 logits that costs a visible share of a decode step, and a
+// flat row's full sort far more.
 //
 // Here the cut of top-k and top-p comes from a histogram of the logits' distance below the row's best
 // (kBucketsPerUnit buckets per unit, each holding its tokens' count and probability mass); only the
