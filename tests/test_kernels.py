@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from mili_openai.kernels import cpu_supports_kernels, load_cpu_kernels
-from mili_openai.kernels.planning import (DECODE_PREFETCH_CHOICES, KERNEL_ROWS_CHOICES, KernelPlan,
-                                          linear_via_fp32, plan_decode_prefetch, plan_matmuls,
-                                          plan_prefill_attention)
+from mili_openai.kernels.planning import DECODE_PREFETCH_CHOICES, KERNEL_ROWS_CHOICES, KernelPlan, linear_via_fp32
 from mili_openai.model.layers import rms_normalize
 from mili_openai.model.rope import apply_rotary
 
@@ -106,30 +102,6 @@ def test_every_matmul_plan_agrees(kernels):
                     torch.testing.assert_close(got, want[:rows], rtol=1e-2, atol=1e-2 * float(want.abs().max()))
     finally:
         kernels.plan = planned
-
-
-def slow(seconds: float):
-    """A stand-in kernel that takes `seconds` and returns nothing (the plans only time their candidates)."""
-    def run(*args):
-        time.sleep(seconds)
-    return run
-
-
-def test_plans_pick_whichever_is_faster():
-    """The load-time plans follow the timings: a kernel faster than torch at every size takes every row
-    count and every dtype; one slower than torch takes only the decode batches it always takes (up to 8
-    rows) and no prefill attention."""
-    assert plan_matmuls(slow(0.0))[0] == KERNEL_ROWS_CHOICES[-1]
-    assert plan_matmuls(slow(0.05))[0] == KERNEL_ROWS_CHOICES[0]
-    dtypes = (torch.bfloat16, torch.float32)
-    assert plan_prefill_attention(slow(0.0), dtypes) == frozenset(dtypes)
-    assert plan_prefill_attention(slow(0.05), dtypes) == frozenset()
-    for fastest in DECODE_PREFETCH_CHOICES:  # only the chosen distance runs without the 5 ms
-
-        def decode(*args, fastest=fastest):
-            time.sleep(0.0 if args[-1] == fastest else 0.005)
-
-        assert plan_decode_prefetch(decode) == fastest
 
 
 def test_prefill_attention_follows_the_plan(kernels):

@@ -1,22 +1,48 @@
-"""The load-time plan's timing rule, on stand-in work with known costs (no compiled kernel needed)."""
+"""The load-time plan's timing rules, on stand-in work with known costs and a fake clock: no compiled kernel,
+and nothing here depends on how fast or how busy the machine is."""
 
 from __future__ import annotations
 
 import itertools
-import time
 
-from mili_openai.kernels.planning import fastest_seconds, median_time_ratio
+import pytest
+import torch
+
+from mili_openai.kernels.planning import (
+    DECODE_PREFETCH_CHOICES,
+    KERNEL_ROWS_CHOICES,
+    fastest_seconds,
+    median_time_ratio,
+    plan_decode_prefetch,
+    plan_matmuls,
+    plan_prefill_attention,
+)
 
 
-def work_on_a_bursty_machine(costs: dict[str, float], burst_calls: set[int]):
-    """Stand-ins that sleep their cost, a tenth of it on the machine's calls numbered in `burst_calls` (a VM
-    whose memory briefly runs fast), counting calls across all of them."""
+class FakeClock:
+    """A clock that moves only when stand-in work says it took time."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def costing(self, seconds: float):
+        """A stand-in that takes `seconds`, whatever it is called with."""
+        def run(*args) -> None:
+            self.now += seconds
+        return run
+
+
+def work_on_a_bursty_machine(clock: FakeClock, costs: dict[str, float], burst_calls: set[int]):
+    """Stand-ins costing their `costs`, a tenth of it on the calls numbered in `burst_calls` (a VM whose
+    memory briefly runs fast), counting calls across all of them."""
     calls = itertools.count()
 
     def make(name: str):
         def run() -> None:
-            factor = 0.1 if next(calls) in burst_calls else 1.0
-            time.sleep(costs[name] * factor)
+            clock.now += costs[name] * (0.1 if next(calls) in burst_calls else 1.0)
         return run
 
     return make("cheap"), make("dear")
@@ -25,23 +51,48 @@ def work_on_a_bursty_machine(costs: dict[str, float], burst_calls: set[int]):
 def test_interleaved_rounds_see_through_a_burst():
     """The dear candidate (1.5x the cheap one's time) meets a fast burst in one of its runs: the fastest of
     a few runs of each then picks it, the median of interleaved rounds still sees its real cost."""
-    costs = {"cheap": 0.004, "dear": 0.006}
+    clock, costs = FakeClock(), {"cheap": 4.0, "dear": 6.0}
     # calls: cheap's warm-up and 3 runs are 0-3, dear's warm-up is 4, its first timed run 5
-    cheap, dear = work_on_a_bursty_machine(costs, burst_calls={5})
-    cheap_seconds = fastest_seconds(cheap)
-    assert fastest_seconds(dear) < cheap_seconds  # the rule the plan used before: misled
+    cheap, dear = work_on_a_bursty_machine(clock, costs, burst_calls={5})
+    cheap_seconds = fastest_seconds(cheap, clock=clock)
+    assert fastest_seconds(dear, clock=clock) < cheap_seconds  # the rule the plan used before: misled
 
     # dear's timed run in the first round of each comparison (the first takes calls 0-19, 2 warm-ups + 9 x 2)
-    cheap, dear = work_on_a_bursty_machine(costs, burst_calls={3, 22})
-    ratio = median_time_ratio(cheap, dear)
-    assert 0.55 < ratio < 0.8  # 4 / 6 ms, with sleep's overshoot
-    assert median_time_ratio(dear, cheap) > 1.0  # the burst's round alone says 0.1
+    cheap, dear = work_on_a_bursty_machine(clock, costs, burst_calls={3, 22})
+    assert median_time_ratio(cheap, dear, clock=clock) == pytest.approx(4.0 / 6.0)
+    assert median_time_ratio(dear, cheap, clock=clock) == pytest.approx(6.0 / 4.0)  # the burst's round: 0.15
 
 
 def test_the_untimed_step_runs_before_each_run():
     """`before` runs ahead of every timed run (not the warm-ups), and its time is not counted."""
-    befores = []
-    ratio = median_time_ratio(lambda: time.sleep(0.002), lambda: time.sleep(0.004), rounds=3,
-                              before=lambda: (befores.append(1), time.sleep(0.01)))
+    clock, befores = FakeClock(), []
+
+    def before() -> None:
+        befores.append(1)
+        clock.now += 10.0
+
+    ratio = median_time_ratio(clock.costing(2.0), clock.costing(4.0), rounds=3, before=before, clock=clock)
     assert len(befores) == 2 * 3
-    assert 0.35 < ratio < 0.7  # 2 / 4 ms; with the 10 ms counted it would be 12 / 14
+    assert ratio == pytest.approx(0.5)  # with the 10 counted it would be 12 / 14
+
+
+def test_plans_pick_whichever_is_faster():
+    """The load-time plans follow the timings: a kernel faster than torch at every size takes every row
+    count and every dtype; one slower than torch takes only the decode batches it always takes (up to 8
+    rows) and no prefill attention; the prefetch distance is the fastest one's."""
+    clock = FakeClock()
+    gemms = (clock.costing(2.0), clock.costing(3.0))  # the fp32 GEMM, then the bf16 one
+    max_rows, large_matmul = plan_matmuls(clock.costing(1.0), clock, gemms)
+    assert max_rows == KERNEL_ROWS_CHOICES[-1] and large_matmul is gemms[0]
+    max_rows, large_matmul = plan_matmuls(clock.costing(5.0), clock, gemms[::-1])
+    assert max_rows == KERNEL_ROWS_CHOICES[0] and large_matmul is gemms[0]  # the faster GEMM, first or not
+    dtypes = (torch.bfloat16, torch.float32)
+    sdpa = clock.costing(2.0)
+    assert plan_prefill_attention(clock.costing(1.0), dtypes, clock, sdpa) == frozenset(dtypes)
+    assert plan_prefill_attention(clock.costing(5.0), dtypes, clock, sdpa) == frozenset()
+    for fastest in DECODE_PREFETCH_CHOICES:
+
+        def decode(*args, fastest=fastest) -> None:
+            clock.now += 1.0 if args[-1] == fastest else 1.5  # the last argument: the prefetch distance
+
+        assert plan_decode_prefetch(decode, clock, evict_bytes=0) == fastest

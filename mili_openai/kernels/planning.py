@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+Clock = Callable[[], float]  # seconds on a monotonic clock; tests pass a fake one
 MatmulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, weight) -> x @ weight.T
 # prefill attention: (q (L, H, D), k_pool, v_pool (slots, KV, D), the context's slots, scale) -> (L, H, D)
 PrefillAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -51,26 +52,27 @@ def linear_via_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), weight.float()).to(x.dtype)
 
 
-def run_seconds(work: Callable[[], object], before: Callable[[], object] | None = None) -> float:
+def run_seconds(work: Callable[[], object], before: Callable[[], object] | None = None,
+                clock: Clock = time.perf_counter) -> float:
     """Seconds of one run of `work`; `before`, untimed, runs ahead of it (say, to evict the caches)."""
     if before is not None:
         before()
-    start = time.perf_counter()
+    start = clock()
     work()
-    return time.perf_counter() - start
+    return clock() - start
 
 
-def fastest_seconds(work: Callable[[], object], repeats: int = 3,
-                    before: Callable[[], object] | None = None) -> float:
+def fastest_seconds(work: Callable[[], object], repeats: int = 3, before: Callable[[], object] | None = None,
+                    clock: Clock = time.perf_counter) -> float:
     """The fastest of `repeats` timed runs after a warm-up (first-call allocation, oneDNN primitive
     creation): on a shared machine the slower runs measure the neighbours. `before`, untimed, runs ahead
-    of each (say, to evict the caches)."""
+    of each (say, to evict the caches). The machine-limit probes use it (scripts/bench_engine.py)."""
     work()
-    return min(run_seconds(work, before) for _ in range(repeats))
+    return min(run_seconds(work, before, clock) for _ in range(repeats))
 
 
 def median_time_ratio(first: Callable[[], object], second: Callable[[], object], rounds: int = PLAN_ROUNDS,
-                      before: Callable[[], object] | None = None) -> float:
+                      before: Callable[[], object] | None = None, clock: Clock = time.perf_counter) -> float:
     """The median, over `rounds` rounds, of `first`'s time over `second`'s, the two run back to back in each
     round (in turns which goes first), after a warm-up of each; `before`, untimed, runs ahead of each timed
     run. On a VM whose memory moves between speeds from second to second, the fastest of a few runs of
@@ -82,11 +84,11 @@ def median_time_ratio(first: Callable[[], object], second: Callable[[], object],
     ratios = []
     for round_index in range(rounds):
         if round_index % 2 == 0:
-            first_seconds = run_seconds(first, before)
-            second_seconds = run_seconds(second, before)
+            first_seconds = run_seconds(first, before, clock)
+            second_seconds = run_seconds(second, before, clock)
         else:
-            second_seconds = run_seconds(second, before)
-            first_seconds = run_seconds(first, before)
+            second_seconds = run_seconds(second, before, clock)
+            first_seconds = run_seconds(first, before, clock)
         ratios.append(first_seconds / second_seconds)
     return statistics.median(ratios)
 
@@ -102,8 +104,9 @@ class KernelPlan:
     decode_prefetch_blocks: int = DECODE_PREFETCH_CHOICES[0]  # decode attention's prefetch distance
 
 
-def plan_matmuls(kernel: MatmulFn) -> tuple[int, MatmulFn]:
-    """(rows up to which `kernel` is used, the matmul for more rows)."""
+def plan_matmuls(kernel: MatmulFn, clock: Clock = time.perf_counter,
+                 gemms: tuple[MatmulFn, MatmulFn] = (linear_via_fp32, F.linear)) -> tuple[int, MatmulFn]:
+    """(rows up to which `kernel` is used, the matmul for more rows: the faster of `gemms`)."""
     generator = torch.Generator().manual_seed(0)  # leave the global RNG as the caller seeded it
 
     def operand(rows: int) -> torch.Tensor:
@@ -112,9 +115,9 @@ def plan_matmuls(kernel: MatmulFn) -> tuple[int, MatmulFn]:
     weight, prefill = operand(CALIBRATION_N), operand(CALIBRATION_LARGE_ROWS)
 
     def faster(matmul: MatmulFn, other: MatmulFn, x: torch.Tensor) -> bool:
-        return median_time_ratio(lambda: matmul(x, weight), lambda: other(x, weight)) < 1.0
+        return median_time_ratio(lambda: matmul(x, weight), lambda: other(x, weight), clock=clock) < 1.0
 
-    large_matmul = linear_via_fp32 if faster(linear_via_fp32, F.linear, prefill) else F.linear
+    large_matmul = gemms[0] if faster(*gemms, prefill) else gemms[1]
     max_rows = KERNEL_ROWS_CHOICES[0]
     for rows in KERNEL_ROWS_CHOICES[1:]:
         batch = operand(min(rows, 32))  # batches up to 64 are mostly far below it
@@ -136,8 +139,10 @@ def sdpa_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
                                           enable_gqa=True)
 
 
-def plan_prefill_attention(kernel: PrefillAttentionFn, dtypes: tuple[torch.dtype, ...]) -> frozenset[torch.dtype]:
-    """The dtypes in which `kernel` beats torch's SDPA on a prefill chunk after a cached prefix."""
+def plan_prefill_attention(kernel: PrefillAttentionFn, dtypes: tuple[torch.dtype, ...],
+                           clock: Clock = time.perf_counter,
+                           reference: PrefillAttentionFn = sdpa_prefill_attention) -> frozenset[torch.dtype]:
+    """The dtypes in which `kernel` beats `reference` (torch's SDPA) on a prefill chunk after a cached prefix."""
     generator = torch.Generator().manual_seed(0)
     heads, kv_heads, head_dim = CALIBRATION_HEADS
     faster = set()
@@ -146,15 +151,16 @@ def plan_prefill_attention(kernel: PrefillAttentionFn, dtypes: tuple[torch.dtype
         k_pool, v_pool = (torch.randn(CALIBRATION_CONTEXT, kv_heads, head_dim, generator=generator).to(dtype)
                           for _ in range(2))
         slots = torch.arange(CALIBRATION_CONTEXT)
-        runs = [lambda run=run: run(q, k_pool, v_pool, slots, head_dim ** -0.5)
-                for run in (kernel, sdpa_prefill_attention)]
-        if median_time_ratio(*runs) < 1.0:
+        runs = [lambda run=run: run(q, k_pool, v_pool, slots, head_dim ** -0.5) for run in (kernel, reference)]
+        if median_time_ratio(*runs, clock=clock) < 1.0:
             faster.add(dtype)
     return frozenset(faster)
 
 
-def plan_decode_prefetch(kernel: DecodeAttentionFn) -> int:
-    """The prefetch distance at which `kernel` runs batch-8 decode steps fastest from memory."""
+def plan_decode_prefetch(kernel: DecodeAttentionFn, clock: Clock = time.perf_counter,
+                         evict_bytes: int = CALIBRATION_EVICT_BYTES) -> int:
+    """The prefetch distance at which `kernel` runs batch-8 decode steps fastest from memory (read cold:
+    `evict_bytes` are read before each run)."""
     heads, kv_heads, head_dim = CALIBRATION_HEADS
     batch, context = CALIBRATION_DECODE_BATCH, CALIBRATION_DECODE_CONTEXT
     # constant K/V time as random ones do (the work does not depend on the values), without drawing 64 MB
@@ -164,7 +170,7 @@ def plan_decode_prefetch(kernel: DecodeAttentionFn) -> int:
     q = torch.ones(batch, heads, head_dim, dtype=torch.bfloat16)
     slots = torch.arange(batch * context).view(batch, context)
     ctx_lens = torch.full((batch,), context)
-    evict = torch.ones(CALIBRATION_EVICT_BYTES // 2, dtype=torch.bfloat16)
+    evict = torch.ones(evict_bytes // 2, dtype=torch.bfloat16).sum if evict_bytes else None
 
     def step(blocks: int) -> None:
         for k_pool, v_pool in pools:
@@ -173,6 +179,6 @@ def plan_decode_prefetch(kernel: DecodeAttentionFn) -> int:
     best = DECODE_PREFETCH_CHOICES[0]
     for blocks in DECODE_PREFETCH_CHOICES[1:]:  # the earlier choice keeps a tie
         if median_time_ratio(lambda blocks=blocks: step(blocks), lambda best=best: step(best),
-                             before=evict.sum) < 1.0:
+                             before=evict, clock=clock) < 1.0:
             best = blocks
     return best
