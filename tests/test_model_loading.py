@@ -116,8 +116,7 @@ def test_missing_shard_and_missing_weights_files(tmp_path):
     "name,dtype",
     [("auto", torch.bfloat16), ("bfloat16", torch.bfloat16), ("float16", torch.float16), ("float32", torch.float32)],
 )
-def test_resolve_dtype(name, dtype, tiny_checkpoint):
-    assert resolve_dtype(name, tiny_checkpoint) is dtype
+def test_resolve_dtype(name, dtype):
     assert resolve_dtype(name) is dtype
 
 

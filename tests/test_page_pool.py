@@ -13,7 +13,7 @@ def test_fresh_pool_hands_out_distinct_ids_in_range() -> None:
     pool = PagePool(5)
     pages = pool.allocate(3)
     assert pages == [0, 1, 2]
-    assert pool.num_free == 2 and pool.num_used == 3
+    assert pool.num_free == 2 and pool.num_pages - pool.num_free == 3
     assert pool.allocate(2) == [3, 4]
     assert pool.num_free == 0
 

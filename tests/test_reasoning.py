@@ -9,7 +9,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mili_openai.protocol.reasoning import MAX_LEADING_WHITESPACE, ReasoningStreamParser, split_reasoning
+from mili_openai.protocol.reasoning import MAX_LEADING_WHITESPACE, ReasoningStreamParser
+
+
+def split_reasoning(text: str, prompt_tail: str = "") -> tuple[str | None, str]:
+    """Whole-output form of the stream parser: `(reasoning, content)`; reasoning None when empty."""
+    parser = ReasoningStreamParser()
+    parser.prime(prompt_tail)
+    reasoning, content = parser.feed(text)
+    more_reasoning, more_content = parser.finish()
+    return (reasoning + more_reasoning) or None, content + more_content
+
 
 THINKING_OUTPUT = "<think>\nLet me add 2 and 2.\n</think>\n\nThe answer is 4."
 ENABLE_THINKING_FALSE_TAIL = "<think>\n\n</think>\n\n"  # what the Qwen3 template writes for enable_thinking=False

@@ -8,7 +8,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mili_openai.protocol.tool_calls import ToolCallStreamParser, parse_call_block, parse_tool_calls
+from mili_openai.protocol.tool_calls import ToolCallStreamParser, ToolParseDelta, parse_call_block
+
+
+def parse_tool_calls(text: str, prompt_tail: str = "", max_calls: int | None = None) -> ToolParseDelta:
+    """Whole-output form of the stream parser."""
+    parser = ToolCallStreamParser(max_calls)
+    parser.prime(prompt_tail)
+    delta = parser.feed(text)
+    end = parser.finish()
+    return ToolParseDelta(delta.content + end.content, delta.calls + end.calls)
+
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
 TIME = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'

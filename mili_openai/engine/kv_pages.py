@@ -27,11 +27,6 @@ class KVPageManager:
     def num_pages(self) -> int:
         return self.pool.num_pages
 
-    @property
-    def num_available(self) -> int:
-        """Pages that an allocation can get: free now, or freed by evicting unlocked tree pages."""
-        return self.pool.num_free + self.tree.evictable_pages
-
     def match(self, seq: Sequence) -> int:
         """Point seq at the longest cached prefix of its tokens and lock it; returns the tokens matched.
 

@@ -67,7 +67,7 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         config = config.for_device(self.device.type)
-        self.model, self.model_config = load_model(model_path, resolve_dtype(config.dtype, model_path), self.device,
+        self.model, self.model_config = load_model(model_path, resolve_dtype(config.dtype), self.device,
                                                    attention_backend=config.attention_backend, parallel=parallel,
                                                    quantization=config.quantization,
                                                    group_size=config.quantization_group_size)

@@ -34,13 +34,12 @@ AUTO_DTYPE = torch.bfloat16
 DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def resolve_dtype(name: str, checkpoint_config: ModelConfig | str | os.PathLike | None = None) -> torch.dtype:
+def resolve_dtype(name: str) -> torch.dtype:
     """The torch dtype for an `EngineConfig.dtype` name: auto, bfloat16, float16 or float32.
 
-    "auto" is bfloat16 whatever the checkpoint stores (`checkpoint_config` is accepted but not consulted):
-    Qwen3 ships in bf16, and following a float32 checkpoint would double the memory and halve decode speed.
+    "auto" is bfloat16 whatever the checkpoint stores: Qwen3 ships in bf16, and following a float32
+    checkpoint would double the memory and halve decode speed.
     """
-    del checkpoint_config
     if name == "auto":
         return AUTO_DTYPE
     if name not in DTYPE_NAMES:

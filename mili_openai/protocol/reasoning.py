@@ -122,12 +122,3 @@ def output_reasoning_mode(prompt_tail: str) -> str:
     if parser.in_reasoning:
         return "open"
     return "optional" if parser.at_start else "off"
-
-
-def split_reasoning(text: str, prompt_tail: str = "") -> tuple[str | None, str]:
-    """Whole-output form of the stream parser: `(reasoning, content)`; reasoning None when empty."""
-    parser = ReasoningStreamParser()
-    parser.prime(prompt_tail)
-    reasoning, content = parser.feed(text)
-    more_reasoning, more_content = parser.finish()
-    return (reasoning + more_reasoning) or None, content + more_content

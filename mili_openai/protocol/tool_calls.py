@@ -163,15 +163,6 @@ class ToolCallStreamParser:
         return True
 
 
-def parse_tool_calls(text: str, prompt_tail: str = "", max_calls: int | None = None) -> ToolParseDelta:
-    """Whole-output form of the stream parser."""
-    parser = ToolCallStreamParser(max_calls)
-    parser.prime(prompt_tail)
-    delta = parser.feed(text)
-    end = parser.finish()
-    return ToolParseDelta(delta.content + end.content, delta.calls + end.calls)
-
-
 # ---- enforced calls ----
 def tag_terminal(tokenizer: Any, tag: str) -> str:
     """A Lark terminal for a tag: the token itself where the vocabulary has it as one (llguidance sees

@@ -28,10 +28,6 @@ class PagePool:
     def num_free(self) -> int:
         return len(self._free_stack)
 
-    @property
-    def num_used(self) -> int:
-        return self.num_pages - len(self._free_stack)
-
     def allocate(self, count: int) -> list[int]:
         """Take `count` free pages; raises OutOfPages (taking nothing) if fewer are free."""
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
