@@ -132,7 +132,7 @@ def test_bench_against_real_mili_serve(tiny_checkpoint, tmp_path):
     port = free_port()
     spec = ServerSpec(name="mili", base_url=f"http://127.0.0.1:{port}",
                       argv=(sys.executable, "-m", "mili_openai", "serve", str(checkpoint), "--host", "127.0.0.1",
-                            "--port", str(port), "--dtype", "float32"))
+                            "--port", str(port), "--dtype", "float32", "--num-pages", "64"))
     out = tmp_path / "bench.json"
     with ServerProcess(spec, tmp_path / "mili.log") as server:
         server.wait_healthy(timeout_s=120)
