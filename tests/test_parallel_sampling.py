@@ -26,14 +26,21 @@ def test_children_get_their_own_seeds_inside_int64():
     assert ParentRequest.of("r", SamplingParams(n=3)).child_ids == ["r-0", "r-1", "r-2"]
 
 
-def served(engine: AsyncEngine, prompt: list[int], params: SamplingParams) -> RequestOutput:
-    async def go() -> RequestOutput:
+@pytest.fixture(scope="module")
+def offline(tiny_checkpoint):
+    return LLM(str(tiny_checkpoint), **ENGINE_ARGS)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_checkpoint):
+    return AsyncEngine(EngineConfig(model=str(tiny_checkpoint), **ENGINE_ARGS))
+
+
+def run(engine: AsyncEngine, work):
+    async def go():
         await engine.start()
         try:
-            result = RequestOutput.empty("served", prompt, params.n)
-            async for delta in engine.submit(prompt, params):
-                result.add(delta)
-            return result
+            return await work()
         finally:
             await engine.shutdown()
 
@@ -41,32 +48,34 @@ def served(engine: AsyncEngine, prompt: list[int], params: SamplingParams) -> Re
 
 
 @pytest.mark.parametrize("seed", [7, INT64_MAX])
-def test_offline_and_served_samples_are_the_same(tiny_checkpoint, seed):
+def test_offline_and_served_samples_are_the_same(offline, engine, seed):
     """Seeded samples reproduce across both front ends, up to the top of int64 (where offline `n=2` used to
     raise on `seed + 1`)."""
     prompt = random_prompts(1, [12], seed=3)[0]
     params = SamplingParams(n=3, seed=seed, temperature=1.0, max_tokens=6, ignore_eos=True)
-    [offline] = LLM(str(tiny_checkpoint), **ENGINE_ARGS).generate([prompt], params)
-    online = served(AsyncEngine(EngineConfig(model=str(tiny_checkpoint), **ENGINE_ARGS)), prompt, params)
-    assert offline.finished and online.finished
-    assert [o.token_ids for o in offline.outputs] == [o.token_ids for o in online.outputs]
-    assert len({tuple(o.token_ids) for o in offline.outputs}) == 3  # each sample its own seed
+    [expected] = offline.generate([prompt], params)
+
+    async def served() -> RequestOutput:
+        result = RequestOutput.empty("served", prompt, params.n)
+        async for delta in engine.submit(prompt, params):
+            result.add(delta)
+        return result
+
+    online = run(engine, served)
+    assert expected.finished and online.finished
+    assert [o.token_ids for o in expected.outputs] == [o.token_ids for o in online.outputs]
+    assert len({tuple(o.token_ids) for o in expected.outputs}) == 3  # each sample its own seed
 
 
-def test_closing_a_request_aborts_every_sample(tiny_checkpoint):
-    engine = AsyncEngine(EngineConfig(model=str(tiny_checkpoint), **ENGINE_ARGS))
+def test_closing_a_request_aborts_every_sample(engine):
     prompt = random_prompts(1, [12], seed=4)[0]
 
-    async def go() -> None:
-        await engine.start()
-        try:
-            stream = engine.submit(prompt, SamplingParams(n=3, max_tokens=200, ignore_eos=True))
-            first = await stream.__anext__()
-            assert first.finish_reason is None
-            await stream.aclose()  # the consumer went away
-            assert not engine.core.sequences and not engine.core.requests
-            engine.core.check_integrity()
-        finally:
-            await engine.shutdown()
+    async def close_early() -> None:
+        stream = engine.submit(prompt, SamplingParams(n=3, max_tokens=200, ignore_eos=True))
+        first = await stream.__anext__()
+        assert first.finish_reason is None
+        await stream.aclose()  # the consumer went away
+        assert not engine.core.sequences and not engine.core.requests
+        engine.core.check_integrity()
 
-    asyncio.run(go())
+    run(engine, close_early)

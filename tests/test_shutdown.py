@@ -1,13 +1,15 @@
-"""Graceful shutdown of a real `mili serve` process: health 503 -> drain -> exit 0.
+"""Graceful shutdown: health 503 -> drain -> exit 0.
 
-SIGTERM (or SIGINT) mid-stream: /health answers 503 at once, new generation requests get 503, the
-in-flight stream completes normally, and the process exits 0. Past the grace, what still runs is
-aborted: the stream ends with finish_reason "abort", a 503 error event and [DONE]. The tests wait on
-what the server reports (its log, /debug/engine), never on how long something takes.
+SIGTERM mid-stream to a real `mili serve` process: /health answers 503 at once, new generation requests
+get 503, the in-flight stream completes normally, and the process exits 0. Past the grace (the same
+`DrainingServer`, in this process, told to exit as a signal tells it), what still runs is aborted: the
+stream ends with finish_reason "abort", a 503 error event and [DONE]. The tests wait on what the server
+reports (its log, its engine), never on how long something takes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -23,17 +25,19 @@ import httpx
 import orjson
 
 from helpers_server import sse_data
+from mili_openai.cli import make_server
+from mili_openai.config import EngineConfig, ServerConfig
+from mili_openai.server.drain import DrainingServer
 
 MODEL = "tiny"
 START_TIMEOUT_S = 120.0
 POLL_S = 0.1
 # Long enough that a stream is still in flight when the signal lands (the test checks it from the log).
-SHORT_STREAM_TOKENS = 300
+SHORT_STREAM_TOKENS = 120
 ENDLESS_STREAM_TOKENS = 4000
 # The drain waits for the stream, however slow the machine: no wall-clock bound decides this test.
 UNBOUNDED_GRACE_S = 3600.0
-SERVE_FLAGS = ("--dtype", "float32", "--num-pages", "320", "--max-model-len", "4096", "--log-level", "info",
-               "--debug-endpoints")
+SERVE_FLAGS = ("--dtype", "float32", "--num-pages", "320", "--max-model-len", "4096", "--log-level", "info")
 EXIT_TIMEOUT_S = 120.0  # a hang guard, not a deadline the drain is held to
 
 
@@ -72,17 +76,6 @@ def stream_body(max_tokens: int) -> dict:
     return {"model": MODEL, "prompt": "keep going", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
 
 
-def wait_for_sequences(base_url: str, count: int) -> None:
-    """Until the engine holds `count` sequences (waiting or running): an event, not a sleep."""
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        stats = httpx.get(base_url + "/debug/engine").json()["stats"]
-        if stats["num_running"] + stats["num_waiting"] >= count:
-            return
-        assert time.monotonic() < deadline, f"the engine never held {count} sequences: {stats}"
-        time.sleep(POLL_S)
-
-
 def test_sigterm_mid_stream_drains_then_exits_zero(tiny_checkpoint, tmp_path):
     log_path = tmp_path / "server.log"
     with serve(tiny_checkpoint, log_path, UNBOUNDED_GRACE_S) as (proc, base_url):
@@ -113,10 +106,37 @@ def test_sigterm_mid_stream_drains_then_exits_zero(tiny_checkpoint, tmp_path):
     assert line["finish_reasons"] == ["length"] and line["endpoint"] == "/v1/completions"
 
 
-def test_past_the_grace_requests_are_aborted_visibly(tiny_checkpoint, tmp_path):
-    log_path = tmp_path / "server.log"
+@contextlib.contextmanager
+def draining_server(checkpoint: Path, grace_s: float) -> Iterator[tuple[DrainingServer, str]]:
+    """`mili serve`'s uvicorn server (the CLI's `make_server`) on a thread of this process."""
+    engine = EngineConfig(model=str(checkpoint), dtype="float32", num_pages=320, max_model_len=4096)
+    config = ServerConfig(engine=engine, served_model_name=MODEL, port=free_port(), shutdown_grace_s=grace_s,
+                          log_level="warning")
+    server = make_server(config)
+
+    def run() -> None:
+        async def serve() -> None:
+            server.test_loop = asyncio.get_running_loop()  # where the test delivers its "signal"
+            await server.serve()
+        asyncio.run(serve())
+
+    thread = threading.Thread(target=run, name="draining-server")
+    thread.start()
+    base_url = f"http://127.0.0.1:{config.port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not server.state.is_ready():
+            assert thread.is_alive() and time.monotonic() < deadline, "the server never became ready"
+            time.sleep(POLL_S)
+        yield server, base_url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=EXIT_TIMEOUT_S)
+
+
+def test_past_the_grace_requests_are_aborted_visibly(tiny_checkpoint):
     grace_s = 1.0  # far shorter than the requests: they are still running when it ends
-    with serve(tiny_checkpoint, log_path, grace_s) as (proc, base_url):
+    with draining_server(tiny_checkpoint, grace_s) as (server, base_url):
         plain: dict = {}
 
         def post_plain() -> None:
@@ -130,8 +150,12 @@ def test_past_the_grace_requests_are_aborted_visibly(tiny_checkpoint, tmp_path):
             lines = response.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
             worker.start()
-            wait_for_sequences(base_url, 2)  # the plain request has reached the engine too
-            proc.send_signal(signal.SIGINT)  # SIGINT drains the same way
+            engine = server.state.engine
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while engine.stats().num_running + engine.stats().num_waiting < 2:  # the plain request is in too
+                assert time.monotonic() < deadline, "the plain request never reached the engine"
+                time.sleep(POLL_S)
+            server.test_loop.call_soon_threadsafe(server.handle_exit, signal.SIGINT, None)  # as a signal does
             rest = [line for line in lines if line.startswith("data: ")]
         worker.join(timeout=EXIT_TIMEOUT_S)
         events = sse_data("\n".join([first, *rest]))
@@ -141,5 +165,4 @@ def test_past_the_grace_requests_are_aborted_visibly(tiny_checkpoint, tmp_path):
         assert orjson.loads(events[-3])["choices"][0]["finish_reason"] == "abort"
         choice = plain["response"].json()["choices"][0]
         assert plain["response"].status_code == 200 and choice["finish_reason"] == "abort"
-        assert proc.wait(timeout=EXIT_TIMEOUT_S) == 0
-    assert "Traceback" not in log_path.read_text()
+        assert server.state.grace_expired and not server.model_failed
