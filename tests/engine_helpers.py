@@ -1,7 +1,8 @@
-"""Shared by the engine tests: an HF transformers oracle and random prompts."""
+"""Shared by the engine tests: an HF transformers oracle, random prompts, and running an AsyncEngine."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import random
 
@@ -9,6 +10,18 @@ import pytest
 import torch
 
 LOGPROB_ATOL = 2e-4  # float32 on both sides; differences come only from summation order
+
+
+def run_engine(engine, work):
+    """`await work()` with `engine` started, then shut down (the model stays loaded for the next test)."""
+    async def main():
+        await engine.start()
+        try:
+            return await work()
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(main())
 
 
 def random_prompts(count: int, lengths: list[int], seed: int = 0, vocab: int = 150000) -> list[list[int]]:

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from engine_helpers import random_prompts
+from engine_helpers import random_prompts, run_engine
 from mili_openai.config import EngineConfig
 from mili_openai.engine.async_engine import AsyncEngine
 from mili_openai.engine.sampling_params import SamplingParams
@@ -24,24 +24,13 @@ async def collect(stream):
     return deltas
 
 
-def run(engine, coro_fn):
-    async def main():
-        await engine.start()
-        try:
-            return await coro_fn()
-        finally:
-            await engine.shutdown()
-
-    return asyncio.run(main())
-
-
 def test_stream_ends_with_length_and_usage(engine):
     prompt = random_prompts(1, [20], seed=1)[0]
 
     async def go():
         return await collect(engine.submit(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)))
 
-    deltas = run(engine, go)
+    deltas = run_engine(engine, go)
     assert [d.finish_reason for d in deltas] == [None] * 5 + ["length"]
     assert sum(len(d.token_ids) for d in deltas) == 6
     assert deltas[-1].num_prompt_tokens == 20 and deltas[-1].num_output_tokens == 6
@@ -61,7 +50,7 @@ def test_stop_token_ids_and_max_tokens_none(engine):
                                                                         ignore_eos=True)))
         return tokens[position], position, stopped
 
-    stop_id, position, stopped = run(engine, go)
+    stop_id, position, stopped = run_engine(engine, go)
     assert stopped[-1].finish_reason == "stop" and stopped[-1].stop_reason == stop_id
     assert stopped[-1].num_output_tokens == position + 1
 
@@ -72,7 +61,7 @@ def test_context_length_finishes_with_length(engine):
     async def go():
         return await collect(engine.submit(prompt, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)))
 
-    deltas = run(engine, go)
+    deltas = run_engine(engine, go)
     assert deltas[-1].finish_reason == "length" and deltas[-1].num_output_tokens == 6
 
 
@@ -87,7 +76,7 @@ def test_invalid_requests_raise_value_error(engine):
         with pytest.raises(ValueError, match="token ids"):
             engine.submit([10**9], SamplingParams())
 
-    run(engine, go)
+    run_engine(engine, go)
 
 
 def test_abort_mid_stream_frees_pages(engine):
@@ -102,7 +91,7 @@ def test_abort_mid_stream_frees_pages(engine):
         results = await asyncio.gather(*(collect(s) for s in streams[1:]))
         return results
 
-    results = run(engine, go)
+    results = run_engine(engine, go)
     assert results[0][-1].finish_reason == "abort"
     assert all(r[-1].finish_reason == "length" for r in results[1:])
     engine.core.check_integrity()
@@ -123,7 +112,7 @@ def test_stop_string_is_never_emitted(engine):
                                                                     stop=[stop])))
         return text, stop, cut
 
-    text, stop, cut = run(engine, go)
+    text, stop, cut = run_engine(engine, go)
     got = "".join(d.text for d in cut)
     assert cut[-1].finish_reason == "stop" and cut[-1].stop_reason == stop
     assert got == text[: text.index(stop)]
@@ -169,7 +158,7 @@ def test_steps_planned_ahead_give_the_offline_engines_tokens(engine, tiny_checkp
             streams = [engine.submit(prompts[i], params[i]) for i in indices]
             return await asyncio.gather(*(collect(s) for s in streams))
 
-        return [[t for d in deltas for t in d.token_ids] for deltas in run(engine, go)]
+        return [[t for d in deltas for t in d.token_ids] for deltas in run_engine(engine, go)]
 
     engine.core.runner.prepare = recording_prepare
     try:
@@ -202,7 +191,7 @@ def test_loop_thread_runs_torch_serially_and_leaves_the_forward_its_threads(engi
         return loop_threads, engine._executor.submit(torch.get_num_threads).result()
 
     try:
-        loop_threads, forward_threads_during = run(engine, go)
+        loop_threads, forward_threads_during = run_engine(engine, go)
         threads_after = torch.get_num_threads()
     finally:
         torch.set_num_threads(main_threads)

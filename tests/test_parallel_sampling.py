@@ -3,11 +3,9 @@ offline `LLM` and the served engine derive the same seeds, and closing a request
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
-from engine_helpers import random_prompts
+from engine_helpers import random_prompts, run_engine
 from mili_openai.config import EngineConfig
 from mili_openai.engine.async_engine import AsyncEngine
 from mili_openai.engine.llm import LLM
@@ -36,17 +34,6 @@ def engine(tiny_checkpoint):
     return AsyncEngine(EngineConfig(model=str(tiny_checkpoint), **ENGINE_ARGS))
 
 
-def run(engine: AsyncEngine, work):
-    async def go():
-        await engine.start()
-        try:
-            return await work()
-        finally:
-            await engine.shutdown()
-
-    return asyncio.run(go())
-
-
 @pytest.mark.parametrize("seed", [7, INT64_MAX])
 def test_offline_and_served_samples_are_the_same(offline, engine, seed):
     """Seeded samples reproduce across both front ends, up to the top of int64 (where offline `n=2` used to
@@ -61,7 +48,7 @@ def test_offline_and_served_samples_are_the_same(offline, engine, seed):
             result.add(delta)
         return result
 
-    online = run(engine, served)
+    online = run_engine(engine, served)
     assert expected.finished and online.finished
     assert [o.token_ids for o in expected.outputs] == [o.token_ids for o in online.outputs]
     assert len({tuple(o.token_ids) for o in expected.outputs}) == 3  # each sample its own seed
@@ -78,4 +65,4 @@ def test_closing_a_request_aborts_every_sample(engine):
         assert not engine.core.sequences and not engine.core.requests
         engine.core.check_integrity()
 
-    run(engine, close_early)
+    run_engine(engine, close_early)
