@@ -9,7 +9,7 @@ import pytest
 
 from mili_openai.bench.config import BenchConfig
 from mili_openai.bench.datasets import build_shared_prefix_requests
-from mili_openai.bench.payloads import request_body
+from mili_openai.bench.sse_client import request_body
 from mili_openai.bench.prompt_tokens import PromptBuilder
 
 

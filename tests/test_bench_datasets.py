@@ -13,7 +13,7 @@ from mili_openai.bench.datasets import (
     build_sharegpt_requests,
     build_workload,
 )
-from mili_openai.bench.payloads import request_body
+from mili_openai.bench.sse_client import request_body
 from mili_openai.bench.prompt_tokens import PromptBuilder
 
 

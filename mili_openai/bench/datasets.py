@@ -1,7 +1,7 @@
 """Benchmark workloads: `random` (independent prompts), `shared-prefix` (groups sharing a long prefix) and
 `sharegpt` (real conversations from a local ShareGPT-format JSON file, as vLLM's benchmark reads them).
 
-A request is kept endpoint-neutral (prefix + body); `payloads.py` turns it into a completions prompt
+A request is kept endpoint-neutral (prefix + body); `sse_client.request_body` turns it into a completions prompt
 (prefix and body concatenated) or chat messages (prefix = system message, body = user message).
 """
 

@@ -3,7 +3,8 @@ collect per-request results and summarise them.
 
 Arrivals follow a Poisson process at `request_rate` (exponential gaps from a seeded RNG, so a rerun sends
 the same schedule), or with `burstiness` other than 1 vLLM's gamma process at the same mean rate;
-`concurrency` caps how many are in flight, later arrivals wait for a free slot.
+`concurrency` caps how many are in flight, later arrivals wait for a free slot. Progress shows as a
+one-line bar on stderr, redrawn in place, and only on a terminal.
 """
 
 from __future__ import annotations
@@ -12,20 +13,19 @@ import asyncio
 import contextlib
 import math
 import random
+import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from http import HTTPStatus
-from typing import Any
+from typing import Any, TextIO
 
 import aiohttp
 
 from mili_openai.bench.config import BenchConfig
 from mili_openai.bench.datasets import BenchRequest, build_workload
-from mili_openai.bench.payloads import request_body, request_headers
-from mili_openai.bench.progress import ProgressBar
 from mili_openai.bench.prompt_tokens import load_tokenizer
-from mili_openai.bench.sse_client import RequestResult, stream_request
+from mili_openai.bench.sse_client import RequestResult, request_body, request_headers, stream_request
 from mili_openai.bench.summary import BenchSummary, summarize
 
 MODELS_PATH = "/v1/models"
@@ -34,6 +34,7 @@ MODELS_PATH = "/v1/models"
 MAX_LINE_BYTES = 1 << 24
 # Keep the arrival schedule's RNG apart from the prompt RNG (same --seed, different stream).
 ARRIVAL_SEED_OFFSET = 7919
+BAR_WIDTH = 30
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,3 +132,35 @@ def arrival_times(num_requests: int, rate: float, seed: int, burstiness: float =
         # expovariate at 1 keeps a Poisson schedule the same as before burstiness existed
         now += rng.expovariate(rate) if burstiness == 1 else rng.gammavariate(burstiness, 1 / (rate * burstiness))
     return times
+
+
+class ProgressBar:
+    def __init__(self, total: int, label: str, enabled: bool = True, stream: TextIO | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        # A redrawn line in a log file or a pipe is just noise: draw only on a terminal.
+        self.enabled = enabled and self.stream.isatty()
+        self.total = total
+        self.label = label
+        self.done = 0
+        self.failed = 0
+        self.started = time.perf_counter()
+
+    def advance(self, success: bool) -> None:
+        self.done += 1
+        self.failed += 0 if success else 1
+        self._draw()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\n")
+            self.stream.flush()
+
+    def _draw(self) -> None:
+        if not self.enabled:
+            return
+        filled = BAR_WIDTH * self.done // max(self.total, 1)
+        bar = "#" * filled + "." * (BAR_WIDTH - filled)
+        elapsed = time.perf_counter() - self.started
+        self.stream.write(f"\r{self.label} [{bar}] {self.done}/{self.total} "
+                          f"failed={self.failed} {elapsed:.1f}s")
+        self.stream.flush()
