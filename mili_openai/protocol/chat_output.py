@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mili_openai.protocol.reasoning import THINK_END
-from mili_openai.protocol.reasoning import ReasoningStreamParser
+from mili_openai.protocol.reasoning import THINK_END, ReasoningStreamParser
 from mili_openai.protocol.tool_calls import ParsedToolCall, ToolCallStreamParser
 
 

@@ -11,8 +11,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from mili_openai.radix.tree import RadixNode
-    from mili_openai.radix.tree import RadixCache
+    from mili_openai.radix.tree import RadixCache, RadixNode
 
 # How many offending page ids a message lists before it stops.
 MAX_PAGES_IN_MESSAGE = 8

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -33,19 +33,22 @@ from mili_openai.protocol.chat import (
     UsageOut,
 )
 from mili_openai.protocol.chat_output import ChatDelta, ChatOutputParser, OutputOptions, parse_whole_output
+from mili_openai.protocol.errors import APIError
 from mili_openai.protocol.logprobs import chat_logprobs, prompt_logprobs_object
 from mili_openai.protocol.prompts import RenderedPrompt, render_chat_prompt
 from mili_openai.protocol.reasoning import THINK_END, output_reasoning_mode
 from mili_openai.protocol.tool_calls import tool_call_grammar
 from mili_openai.routes.job import GenerationJob, serve_job
-from mili_openai.protocol.errors import APIError
 from mili_openai.server.state import ServerState
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 TOOL_CALLS_FINISH = "tool_calls"
 ABORT_FINISH = "abort"
 
 
-def has_think_tags(tokenizer: Any) -> bool:
+def has_think_tags(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Qwen3 vocabularies have `</think>` as one token; other models get no reasoning split."""
     token_id = tokenizer.convert_tokens_to_ids(THINK_END)
     return token_id is not None and token_id != tokenizer.unk_token_id

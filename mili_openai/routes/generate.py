@@ -20,12 +20,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from mili_openai.engine.outputs import TokenLogprob
+from mili_openai.engine.outputs import SequenceDelta, TokenLogprob
 from mili_openai.engine.sampling_params import MAX_LOGPROBS
+from mili_openai.protocol.errors import APIError
 from mili_openai.protocol.prompts import prompt_token_ids
 from mili_openai.protocol.sampling import SamplingFields
 from mili_openai.routes.job import GenerationJob, serve_job
-from mili_openai.protocol.errors import APIError
 from mili_openai.server.errors import json_response
 from mili_openai.server.state import RequestRecord, ServerState, server_state
 
@@ -73,7 +73,7 @@ class GenerateJob(GenerationJob[GenerateRequest]):
         if self.record is not None:
             self.server.records.close(self.record)
 
-    async def recorded_deltas(self) -> AsyncIterator[Any]:
+    async def recorded_deltas(self) -> AsyncIterator[SequenceDelta]:
         try:
             async with aclosing(self.deltas()) as deltas:
                 async for _, delta in deltas:

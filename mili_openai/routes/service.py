@@ -19,8 +19,8 @@ from starlette.routing import Route
 
 from mili_openai import __version__
 from mili_openai.protocol.errors import APIError
-from mili_openai.server.errors import json_response, parse_body
 from mili_openai.protocol.prompts import check_token_ids, encode_text
+from mili_openai.server.errors import json_response, parse_body
 from mili_openai.server.state import server_state
 
 OWNED_BY = "mili-openai"
