@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -54,7 +55,7 @@ class Usage:
         }
 
 
-class GenerationJob(Generic[BodyT]):
+class GenerationJob(ABC, Generic[BodyT]):
     """One validated request bound to the engine: its identity on the wire, its prompts and streams."""
 
     id_prefix = "gen"  # response ids read f"{id_prefix}-{request id}", as OpenAI's do
@@ -79,17 +80,17 @@ class GenerationJob(Generic[BodyT]):
         return self.body.n
 
     # ---- what a route defines ----
+    @abstractmethod
     async def submit(self) -> None:
         """Build the prompts and parameters, then `submit_prompts` (raises for a request that cannot run)."""
-        raise NotImplementedError
 
+    @abstractmethod
     async def collect(self) -> dict[str, Any]:
         """Run to the end: the whole response body."""
-        raise NotImplementedError
 
+    @abstractmethod
     def events(self) -> AsyncIterator[dict[str, Any]]:
         """The stream's events, in order (the SSE layer adds [DONE])."""
-        raise NotImplementedError
 
     # ---- shared ----
     def submit_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
