@@ -1,8 +1,8 @@
 // Prefill attention on AMX tiles, straight from the paged pool: a chunk of L queries of one sequence
 // against its context (cached prefix plus the chunk), causally.
 //
-// torch's flash attention runs Qwen3-0.6B's prefill shapes at 0.5-0.7 TFLOP/s on a 2-core Xeon with AMX,
-// and the model's torch path gathers the context and builds a mask first. Here each product is a tile
+// torch's flash attention runs Qwen3-0.6B's prefill shapes far below the tiles' rate, and the model's
+// torch path gathers the context and builds a mask first. Here each product is a tile
 // instruction (TDPBF16PS: 16 x 16 x 32 multiply-adds):
 // - A work item is a KV head (and, with fewer heads than threads, a slice of its positions). It packs
 //   the head's K and V into the layouts the B operand takes, in its thread's buffer (256 KB at 1024
