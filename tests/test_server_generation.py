@@ -93,13 +93,12 @@ async def test_shutdown_lets_streams_end_with_abort_and_done(qwen_tokenizer, mon
     from sse_starlette.sse import AppStatus
 
     engine = FakeEngine(qwen_tokenizer, token_delay_s=0.02)
+    # sse-starlette's process-wide shutdown flag, set as uvicorn's signal handler sets it; monkeypatch
+    # saves it now (unset) and restores that at teardown, so later tests' streams are not told to stop
+    monkeypatch.setattr(AppStatus, "should_exit", False)
     async with asgi_client(engine, shutdown_grace_s=0.2) as client:
         asyncio.get_running_loop().call_later(0.1, setattr, AppStatus, "should_exit", True)
-        try:
-            response = await client.post("/v1/completions", json={"prompt": "long", "max_tokens": 200,
-                                                                   "stream": True})
-        finally:
-            monkeypatch.setattr(AppStatus, "should_exit", False)
+        response = await client.post("/v1/completions", json={"prompt": "long", "max_tokens": 200, "stream": True})
     data = sse_data(response.text)
     assert data[-1] == "[DONE]"
     last = orjson.loads(data[-2])
