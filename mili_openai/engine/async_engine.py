@@ -100,7 +100,7 @@ class AsyncEngine:
     @property
     def fatal_error(self) -> str | None:
         """Why the engine can run no more steps (a tensor-parallel worker died), or None. The server exits
-        non-zero when this is set (routes/drain.py)."""
+        non-zero when this is set (server/drain.py)."""
         return self.core.runner.failure
 
     async def shutdown(self) -> None:

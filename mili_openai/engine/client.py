@@ -85,6 +85,12 @@ class EngineClient(Protocol):
 
     def is_ready(self) -> bool: ...
 
+    @property
+    def fatal_error(self) -> str | None:
+        """Why the engine can run no more steps (a tensor-parallel worker died), or None: the server then
+        exits non-zero (server/drain.py)."""
+        ...
+
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                request_id: str | None = None) -> RequestStream:
         """Queue a request of `params.n` samples; ValueError for one that can never run."""

@@ -14,7 +14,7 @@ collective itself, so a dead worker cannot hang it, and the payload is kilobytes
 A dead rank: the engine waits for rank 0's reply together with every worker's pipe and process sentinel,
 and a watcher thread waits on the sentinels between steps. A worker that dies or reports an error stops
 them all, one log line names the rank, its pid and how it ended, `failure` is set and `execute` raises
-`RunnerFailed`; the server then exits non-zero (engine/async_engine.py, routes/drain.py).
+`RunnerFailed`; the server then exits non-zero (engine/async_engine.py, server/drain.py).
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ class TensorParallelRunner(ModelRunner):
         if config.quantization is not None or read_checkpoint_quantization(model_path) is not None:
             raise ValueError("quantized weights run on one rank: not with tensor_parallel_size > 1 yet")
         self.quantization = None  # what /v1/models reports
-        self.dtype = resolve_dtype(config.dtype, model_path)
+        self.dtype = resolve_dtype(config.dtype)
         self.page_size = config.page_size
         self._rotary_table = RotaryTable(RotaryEmbedding(self.model_config), self.dtype)
         self.decode_graphs = None
