@@ -45,8 +45,8 @@ COPY mili_openai ./mili_openai
 # torch's JIT needs to build the bf16 CPU decode kernel at first start. The check fails the build when
 # the wheel lacks the kernel source (it would otherwise fall back to slower torch matmuls silently).
 RUN pip install --no-cache-dir . "ninja==${NINJA_VERSION}" \
-    && python -c "import torch; from mili_openai.kernels.cpu import HEADERS, SOURCE_DIR, SOURCES; \
-missing = [s for s in SOURCES + HEADERS if not (SOURCE_DIR / s).is_file()]; \
+    && python -c "import torch; from mili_openai.kernels.cpu import HEADERS, QUANTIZED_SOURCES, SOURCE_DIR, SOURCES; \
+missing = [s for s in SOURCES + QUANTIZED_SOURCES + HEADERS if not (SOURCE_DIR / s).is_file()]; \
 assert not missing, f'{missing} missing from the installed package'; print('torch', torch.__version__)"
 
 # ---- runtime: the virtualenv, three small scripts, a non-root user; no pip cache or build tree ----

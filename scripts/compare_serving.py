@@ -23,6 +23,13 @@ On CUDA the limits are the GPU's (its read bandwidth, its bf16 GEMM peak) and th
 of their own in the doc, beside the CPU one.
 
 The peer needs transformers' serving extras: `.venv/bin/pip install "transformers[serving]"`.
+
+llama.cpp's server, built from llama-cpp-python 0.3.36's vendored source (`pip download --no-deps
+--no-binary :all: llama-cpp-python`): `cmake -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF -DGGML_AVX=ON
+-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON
+-DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF`, then
+`cmake --build build --target llama-server llama-quantize`; the GGUF files from `PYTHONPATH=gguf-py python
+convert_hf_to_gguf.py CKPT --outtype bf16` and `llama-quantize` to q8_0 and Q4_K_M.
 """
 
 from __future__ import annotations

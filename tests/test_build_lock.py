@@ -16,7 +16,7 @@ from mili_openai.kernels.build_lock import (
     exclusive_build,
     extension_name,
 )
-from mili_openai.kernels.cpu import EXTENSION_PREFIX, HEADERS, SOURCE_DIR, SOURCES
+from mili_openai.kernels.cpu import EXTENSION_PREFIX, HEADERS, QUANTIZED_SOURCES, SOURCE_DIR, SOURCES
 
 
 def test_the_build_name_is_a_hash_of_every_source_and_header(tmp_path):
@@ -34,7 +34,7 @@ def test_the_build_name_is_a_hash_of_every_source_and_header(tmp_path):
 
 
 def test_the_kernels_name_covers_the_files_they_are_built_from():
-    listed = set(SOURCES + HEADERS)
+    listed = set(SOURCES + QUANTIZED_SOURCES + HEADERS)
     in_dir = {path.name for path in SOURCE_DIR.iterdir() if path.suffix in (".cpp", ".h")}
     assert listed == in_dir  # a file in csrc that no list names would change the name yet not ship
     assert extension_name(EXTENSION_PREFIX, SOURCE_DIR).startswith(EXTENSION_PREFIX + "_")

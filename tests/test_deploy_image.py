@@ -71,10 +71,10 @@ def test_wheel_ships_the_cpu_kernel_source(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation",
                     "-q", "-w", str(tmp_path / "dist")], check=True, capture_output=True, timeout=120)
     (wheel,) = (tmp_path / "dist").glob("*.whl")
-    from mili_openai.kernels.cpu import HEADERS, SOURCES
+    from mili_openai.kernels.cpu import HEADERS, QUANTIZED_SOURCES, SOURCES
 
     names = zipfile.ZipFile(wheel).namelist()
-    assert all(f"mili_openai/kernels/csrc/{source}" in names for source in SOURCES + HEADERS)
+    assert all(f"mili_openai/kernels/csrc/{source}" in names for source in SOURCES + QUANTIZED_SOURCES + HEADERS)
 
 
 # ---- Grafana dashboard ---------------------------------------------------------------------------------

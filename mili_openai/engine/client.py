@@ -75,6 +75,7 @@ class EngineClient(Protocol):
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    quantization: str | None  # what the weights are (int8, int4, awq, ...), None for unquantized
     sampling_defaults: SamplingDefaults  # what a request's omitted sampling fields become
 
     async def start(self) -> None: ...

@@ -24,7 +24,7 @@ constexpr int kMaxChunkRows = 8;    // rows of x per tile
 // (Decoder::kPrefetchValues), the nudge that keeps the prefetchers ahead of linear_bf16's single-row stream.
 constexpr int64_t kStreamAheadBytes[] = {4096, 8192};
 
-// Weight rows per tile for MC rows of x: one row streams alone (2 rows of x too: measured fastest for bf16
+// Weight rows per tile for MC rows of x: one row streams alone (2 rows of x too, the faster split for bf16
 // weights in linear_bf16); more share each load of x among several weight rows, within 32 registers
 // (MC * R sums, R decoded weights, R group tables).
 template <int MC> constexpr int tile_rows() { return MC <= 2 ? 1 : MC <= 4 ? 4 : 2; }
