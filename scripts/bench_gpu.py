@@ -5,11 +5,14 @@ in turn starts `mili serve CKPT --device cuda ...`, waits for /health, runs the 
 prints one table with every figure beside the issue's target:
 
     python3 scripts/bench_gpu.py --out-dir /tmp/bench-gpu                 # issue flags, then the defaults
-    python3 scripts/bench_gpu.py --configs issue torch --workloads c64    # Triton against torch's SDPA
+    python3 scripts/bench_gpu.py --configs issue torch:c64 fp8:single,c64  # Triton against torch's SDPA, fp8
 
 Configurations: "issue" (`--kv-cache-memory-gb 40 --max-num-seqs 256 --max-num-batched-tokens 8192`, as the
 issue measured), "defaults" (plain `mili serve CKPT --device cuda`), "torch" (the issue's flags with
-`--attention-backend torch`, the gathered-K/V path as the peer of the Triton kernels). Random weights hit
+`--attention-backend torch`, the gathered-K/V path as the peer of the Triton kernels), "fp8" (the issue's flags
+with `--quantization fp8`). `CONFIG:W1,W2` runs only those workloads under that configuration; a configuration
+that fails (its server or a workload) is reported and the rest still run, and `--deadline-s` skips what would
+start too late to finish. Each row prints as soon as it is measured. Random weights hit
 EOS at random, so every request sets `ignore_eos`. Raw results: `<out-dir>/<config>-<workload>.json`,
 server logs beside them. It needs a CUDA GPU; it measures nothing on a CPU.
 """
@@ -43,7 +46,10 @@ CONFIGS = {
     "issue": ISSUE_FLAGS,
     "defaults": (),
     "torch": (*ISSUE_FLAGS, "--attention-backend", "torch"),
+    "fp8": (*ISSUE_FLAGS, "--quantization", "fp8"),
 }
+# a server's start-up plus one workload: configurations begun with less time left are skipped
+MIN_CONFIG_S = 90.0
 
 
 @dataclass(frozen=True)
@@ -96,43 +102,88 @@ def verdict(workload: Workload, value: float) -> str:
     return "met" if met else "missed"
 
 
+def parse_plan(items: list[str], default_workloads: list[str]) -> list[tuple[str, list[str]]]:
+    """["issue", "torch:c64"] -> [("issue", every default workload), ("torch", ["c64"])]."""
+    plan = []
+    for item in items:
+        config, _, names = item.partition(":")
+        workloads = names.split(",") if names else default_workloads
+        unknown = [name for name in (config, *workloads) if name not in CONFIGS and name not in WORKLOADS]
+        if config not in CONFIGS or unknown:
+            raise ValueError(f"unknown configuration or workload in {item!r}: choose from {list(CONFIGS)} "
+                             f"and {list(WORKLOADS)}")
+        plan.append((config, workloads))
+    return plan
+
+
+def print_row(config: str, name: str, workload: Workload, summary: dict | None, wall: float, note: str = "") -> None:
+    bound = ">=" if workload.higher_is_better else "<="
+    if summary is None:
+        print(f"| {config} | {name} | {workload.metric} | - | {bound} {workload.target:,g} | failed: {note} | - | "
+              f"{wall:.0f} |", flush=True)
+        return
+    value = summary[workload.metric]
+    print(f"| {config} | {name} | {workload.metric} | {value:,.1f} | {bound} {workload.target:,g} | "
+          f"{verdict(workload, value)} | {summary['failed']} | {wall:.0f} |", flush=True)
+
+
+def run_config(config: str, workloads: list[str], checkpoint: Path, out_dir: Path, deadline: float) -> None:
+    server, base_url = serve(checkpoint, CONFIGS[config], out_dir / f"server-{config}.log")
+    with server:
+        started = server.wait_healthy(STARTUP_TIMEOUT_S)
+        print(f"== {config}: healthy after {started:.1f} s (`mili serve CKPT --device cuda "
+              f"{' '.join(CONFIGS[config])}`)", flush=True)
+        for name in workloads:
+            workload = WORKLOADS[name]
+            if time.monotonic() > deadline:
+                print_row(config, name, workload, None, 0.0, "skipped: past the deadline")
+                continue
+            begun = time.monotonic()
+            try:
+                summary = run_workload(name, workload, base_url, out_dir / f"{config}-{name}.json")
+            except RuntimeError as error:
+                print(error, flush=True)
+                print_row(config, name, workload, None, time.monotonic() - begun, "see above")
+                continue
+            print_row(config, name, workload, summary, time.monotonic() - begun)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", default="bench-results/gpu", help="JSON results and server logs")
     parser.add_argument("--checkpoint", default=None, help="a checkpoint dir (default: build a random 0.6B one)")
-    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=["issue", "defaults"])
-    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument("--configs", nargs="+", default=["issue", "defaults"],
+                        help=f"CONFIG or CONFIG:WORKLOAD,...; configurations {list(CONFIGS)}")
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS),
+                        help="the workloads of a configuration named without its own list")
+    parser.add_argument("--deadline-s", type=float, default=None, help="start nothing new after this many seconds")
     args = parser.parse_args()
+    try:
+        plan = parse_plan(args.configs, args.workloads)
+    except ValueError as error:
+        parser.error(str(error))
     if not torch.cuda.is_available():
         parser.error("torch sees no CUDA device: this benchmark measures the GPU path")
     # stopped by a deadline (`timeout`), still stop the server: it runs in a session of its own
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"{parser.prog}: terminated"))
+    begun = time.monotonic()
+    deadline = begun + args.deadline_s if args.deadline_s else float("inf")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = Path(args.checkpoint) if args.checkpoint else out_dir / "qwen3-0.6b-random"
     if not (checkpoint / "config.json").exists():
         build_random_checkpoint(checkpoint, QWEN3_0_6B_SHAPE, seed=CHECKPOINT_SEED, dtype=torch.bfloat16)
-    device = torch.cuda.get_device_name()
-    rows = []
-    for config in args.configs:
-        server, base_url = serve(checkpoint, CONFIGS[config], out_dir / f"server-{config}.log")
-        with server:
-            started = server.wait_healthy(STARTUP_TIMEOUT_S)
-            print(f"== {config}: healthy after {started:.1f} s (`mili serve CKPT --device cuda "
-                  f"{' '.join(CONFIGS[config])}`)", flush=True)
-            for name in args.workloads:
-                workload = WORKLOADS[name]
-                begun = time.monotonic()
-                summary = run_workload(name, workload, base_url, out_dir / f"{config}-{name}.json")
-                value = summary[workload.metric]
-                rows.append((config, name, workload.metric, value, workload, summary, time.monotonic() - begun))
-    print(f"\n## mili on {device}, random Qwen3-0.6B-shaped bf16 checkpoint, `mili bench serve --ignore-eos`\n")
-    print("| config | workload | metric | value | target | | failed | wall s |")
-    print("|---|---|---|---|---|---|---|---|")
-    for config, name, metric, value, workload, summary, wall in rows:
-        bound = ">=" if workload.higher_is_better else "<="
-        print(f"| {config} | {name} | {metric} | {value:,.1f} | {bound} {workload.target:,g} | "
-              f"{verdict(workload, value)} | {summary['failed']} | {wall:.0f} |")
+    print(f"## mili on {torch.cuda.get_device_name()}, random Qwen3-0.6B-shaped bf16 checkpoint, "
+          "`mili bench serve --ignore-eos`\n\n| config | workload | metric | value | target | | failed | wall s |\n"
+          "|---|---|---|---|---|---|---|---|", flush=True)
+    for config, workloads in plan:
+        if time.monotonic() + MIN_CONFIG_S > deadline:
+            print(f"== {config}: skipped, too close to the deadline", flush=True)
+            continue
+        try:
+            run_config(config, workloads, checkpoint, out_dir, deadline)
+        except (RuntimeError, TimeoutError, OSError) as error:
+            print(f"== {config}: failed: {error!r} (server log: {out_dir / f'server-{config}.log'})", flush=True)
     return 0
 
 

@@ -23,26 +23,27 @@ export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 
-stage "CUDA tests and the Triton kernels on the GPU"
+stage "CUDA tests: the engine, Triton attention, fp8 weights and MoE experts on the GPU"
 # (not tests/test_cuda_graphs.py: it runs on the CPU, and would build the CPU kernels there first)
-timeout 170 python3 -m pytest tests/test_cuda_path.py tests/triton_attention_cases.py \
-  -k "not engine_on_triton and not 64" -q -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"
+timeout 150 python3 -m pytest tests/test_cuda_path.py tests/triton_attention_cases.py tests/test_quantized_cuda.py \
+  "tests/test_moe.py::test_cuda_experts_through_triton_and_graphs_match_transformers" \
+  -q --maxfail=6 -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"
 TESTS=$?
 
-stage "serving benchmark: five workloads, issue flags then defaults"
-timeout 300 python3 scripts/bench_gpu.py --out-dir /tmp/bench-gpu --configs issue defaults 2>&1 | tee "$OUT/bench.log"
+stage "serving benchmark: five workloads at the issue's flags, two at the defaults, fp8 and torch's SDPA"
+timeout 330 python3 scripts/bench_gpu.py --out-dir /tmp/bench-gpu --deadline-s 300 \
+  --configs issue defaults:c64,c256 fp8:single,c64 torch:c64 2>&1 | tee "$OUT/bench.log"
 BENCH=$?
-cp /tmp/bench-gpu/*.log "$OUT/" 2>/dev/null
-(cd /tmp/bench-gpu && tar czf "$OUT/bench-json.tgz" ./*.json) 2>/dev/null
+(cd /tmp/bench-gpu && tar czf "$OUT/bench-logs.tgz" ./*.json ./*.log) 2>/dev/null
 
 stage "torch profile of a prefill step and decode steps at batch 64"
-timeout 75 python3 scripts/profile_gpu_step.py --checkpoint /tmp/bench-gpu/qwen3-0.6b-random 2>&1 \
-  | tee "$OUT/profile.txt" | tail -80
+timeout 60 python3 scripts/profile_gpu_step.py --checkpoint /tmp/bench-gpu/qwen3-0.6b-random 2>&1 \
+  | tee "$OUT/profile.txt" | tail -60
 PROFILE=$?
 
 stage "done"
 echo "tests rc=$TESTS (log: tests.log; 124 = out of time)"
-tail -1 "$OUT/tests.log"
-echo "bench rc=$BENCH (bench.log, server-*.log)"
-grep -E '^\| ' "$OUT/bench.log"
+tail -3 "$OUT/tests.log"
+echo "bench rc=$BENCH (bench.log; server logs and JSON in bench-logs.tgz)"
+grep -E '^(\| |== )' "$OUT/bench.log"
 echo "profile rc=$PROFILE (profile.txt)"
