@@ -10,6 +10,8 @@ import torch
 from engine_helpers import random_prompts, run_engine
 from mili_openai.config import EngineConfig
 from mili_openai.engine.async_engine import AsyncEngine
+from mili_openai.engine.client import RequestStream
+from mili_openai.engine.outputs import SequenceDelta, TokenLogprob
 from mili_openai.engine.sampling_params import SamplingParams
 
 
@@ -31,7 +33,8 @@ def test_stream_ends_with_length_and_usage(engine):
         return await collect(engine.submit(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)))
 
     deltas = run_engine(engine, go)
-    assert [d.finish_reason for d in deltas] == [None] * 5 + ["length"]
+    assert [d.finish_reason for d in deltas[:-1]] == [None] * (len(deltas) - 1)
+    assert deltas[-1].finish_reason == "length"
     assert sum(len(d.token_ids) for d in deltas) == 6
     assert deltas[-1].num_prompt_tokens == 20 and deltas[-1].num_output_tokens == 6
     engine.core.check_integrity()
@@ -42,7 +45,7 @@ def test_stop_token_ids_and_max_tokens_none(engine):
 
     async def go():
         first = await collect(engine.submit(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)))
-        tokens = [d.token_ids[0] for d in first]
+        tokens = [token for d in first for token in d.token_ids]
         # the first token that did not occur before it: greedy output stops exactly there
         position = next(i for i in range(1, len(tokens)) if tokens[i] not in tokens[:i])
         stopped = await collect(engine.submit(prompt, SamplingParams(temperature=0, max_tokens=None,
@@ -198,3 +201,41 @@ def test_loop_thread_runs_torch_serially_and_leaves_the_forward_its_threads(engi
     assert loop_threads == 1
     assert forward_threads_during == forward_threads
     assert threads_after == 2  # restored when the loop stopped
+
+
+def delta(index: int, token: int, finish_reason: str | None = None, logprob: bool = True) -> SequenceDelta:
+    return SequenceDelta(request_id="r", text=f"<{token}>" if finish_reason != "abort" else "",
+                         token_ids=[token] if finish_reason != "abort" else [],
+                         logprobs=[TokenLogprob(token, -1.0, [])] if logprob else None, finish_reason=finish_reason,
+                         stop_reason=None, num_prompt_tokens=3, num_cached_tokens=0, num_output_tokens=token,
+                         index=index)
+
+
+def test_a_consumer_behind_the_engine_reads_each_samples_queued_deltas_merged():
+    """Deltas queued before the consumer reads: one merged delta per run of one sample, in order, never
+    across another sample's delta, never past a final one; an abort without logprobs keeps the others'."""
+    async def go():
+        stream = RequestStream("r", 2, abort=lambda request_id: None)
+        for queued in (delta(0, 1), delta(0, 2), delta(1, 1), delta(0, 3), delta(0, 4, "length"),
+                       delta(1, 2), delta(1, 3, "abort", logprob=False)):
+            stream.put(queued)
+        return [read async for read in stream]
+
+    read = asyncio.run(go())
+    assert [(d.index, d.token_ids, d.text, d.finish_reason) for d in read] == [
+        (0, [1, 2], "<1><2>", None), (1, [1], "<1>", None), (0, [3, 4], "<3><4>", "length"),
+        (1, [2], "<2>", "abort")]
+    assert [len(d.logprobs) for d in read] == [2, 1, 2, 1]
+    assert read[2].num_output_tokens == 4
+
+
+def test_a_consumer_keeping_up_reads_every_delta_as_it_comes():
+    async def go():
+        stream = RequestStream("r", 1, abort=lambda request_id: None)
+        reads = []
+        for token in (1, 2, 3):
+            stream.put(delta(0, token, "stop" if token == 3 else None))
+            reads.append(await anext(stream))
+        return reads
+
+    assert [d.token_ids for d in asyncio.run(go())] == [[1], [2], [3]]

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from mili_openai.engine.detokenizer import MAX_HELD_TOKENS, REPLACEMENT_CHAR, IncrementalDetokenizer
+from mili_openai.engine.detokenizer import MAX_HELD_TOKENS, REPLACEMENT_CHAR, IncrementalDetokenizer, fast_decoder
 
 TEXTS = {
     "english": "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -152,3 +152,16 @@ def test_appending_several_tokens_at_once(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, [])
     text = detok.append(output[:7]) + detok.append(output[7:]) + detok.flush()
     assert text == TEXTS["mixed"]
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_the_fast_decoder_gives_the_tokenizers_own_text(tokenizer, skip_special_tokens):
+    """Random ids, special tokens and broken UTF-8 among them: the backend's text is `decode`'s, char for char."""
+    rng = random.Random(7)
+    special = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>", "<think>", "<|endoftext|>"])
+    decode = fast_decoder(tokenizer, skip_special_tokens)
+    assert decode.func == tokenizer.backend_tokenizer.decode  # the Qwen3 tokenizer takes the fast path
+    for _ in range(NUM_RANDOM_SEQUENCES):
+        ids = [rng.choice(special) if rng.random() < 0.1 else rng.randrange(len(tokenizer) - 300)
+               for _ in range(RANDOM_SEQUENCE_LENGTH)]
+        assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

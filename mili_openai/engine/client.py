@@ -9,11 +9,12 @@ following this Protocol. Importing this module pulls in neither torch nor the mo
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from mili_openai.engine.outputs import EngineObserver, EngineStats, PageAccounting, SequenceDelta
+from mili_openai.engine.outputs import EngineObserver, EngineStats, PageAccounting, SequenceDelta, merge_deltas
 from mili_openai.engine.sampling_params import SamplingDefaults, SamplingParams
 
 if TYPE_CHECKING:
@@ -24,6 +25,10 @@ class RequestStream:
     """Async iterator over one request's deltas, every sample's (`delta.index`) in the order the engine
     produced them; it ends once each of the request's samples has delivered its final delta.
 
+    A consumer that falls behind the engine reads each sample's queued deltas merged into one: under load
+    one SSE event then carries several tokens, instead of every token paying an event's cost on the
+    event loop that also runs the engine (vLLM's output collector merges the same way).
+
     `abort` (or `aclose`, when a consumer stops early) aborts the samples still running.
     """
 
@@ -31,7 +36,8 @@ class RequestStream:
         self.request_id = request_id
         self.num_samples = num_samples
         self._abort = abort
-        self._queue: asyncio.Queue[SequenceDelta] = asyncio.Queue()
+        self._queue: deque[SequenceDelta] = deque()
+        self._ready = asyncio.Event()  # set while the queue holds a delta
         self._undelivered = num_samples  # samples whose final delta the engine has not put yet
         self._unread = num_samples  # samples whose final delta the consumer has not read yet
 
@@ -43,7 +49,8 @@ class RequestStream:
     def put(self, delta: SequenceDelta) -> None:
         if delta.finish_reason is not None:
             self._undelivered -= 1
-        self._queue.put_nowait(delta)
+        self._queue.append(delta)
+        self._ready.set()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -51,7 +58,16 @@ class RequestStream:
     async def __anext__(self) -> SequenceDelta:
         if self._unread == 0:
             raise StopAsyncIteration
-        delta = await self._queue.get()
+        queue = self._queue
+        while not queue:
+            self._ready.clear()
+            await self._ready.wait()
+        delta = queue.popleft()
+        if delta.finish_reason is None and queue and queue[0].index == delta.index:
+            run = [delta]
+            while queue and queue[0].index == delta.index and run[-1].finish_reason is None:
+                run.append(queue.popleft())
+            delta = merge_deltas(run)
         if delta.finish_reason is not None:
             self._unread -= 1
         return delta

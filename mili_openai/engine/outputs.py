@@ -35,11 +35,12 @@ class SequenceDelta:
 
 
 def merge_deltas(deltas: list[SequenceDelta]) -> SequenceDelta:
-    """Consecutive deltas of one sequence as one (a step that kept draft tokens produced several)."""
+    """Consecutive deltas of one sequence as one (a step that kept draft tokens produced several, or a
+    stream's consumer fell behind). A delta without logprobs (an abort's) adds none."""
     last = deltas[-1]
     logprobs = None
-    if all(delta.logprobs is not None for delta in deltas):
-        logprobs = [entry for delta in deltas for entry in delta.logprobs]
+    if any(delta.logprobs is not None for delta in deltas):
+        logprobs = [entry for delta in deltas if delta.logprobs is not None for entry in delta.logprobs]
     prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
     return replace(last, text="".join(delta.text for delta in deltas),
                    token_ids=[token for delta in deltas for token in delta.token_ids],

@@ -192,9 +192,31 @@ def _use_cpu_kernels(model: Qwen3ForCausalLM, dtype: torch.dtype) -> None:
         model.set_decode_stack_kernel(kernels)
 
 
+def _fused_ops_compile(kernel, model: Qwen3ForCausalLM) -> bool:
+    """Run each fused op once on a row of the model's shapes: a Triton that cannot build them (too old for
+    this code, say) leaves the torch forms in place with a warning instead of failing every step."""
+    config, weight = model.config, model.model.norm.weight
+    heads = config.num_attention_heads + config.num_key_value_heads
+    row = torch.zeros(1, config.hidden_size, dtype=weight.dtype, device=weight.device)
+    qk = torch.zeros(1, heads, config.head_dim, dtype=weight.dtype, device=weight.device)
+    rotary = torch.zeros(1, 1, config.head_dim, dtype=weight.dtype, device=weight.device)
+    try:
+        kernel.rms_norm(row, weight, 1e-6)
+        kernel.qk_norm_rope(qk, qk[0, 0], qk[0, 0], config.num_attention_heads, 1e-6, rotary, rotary)
+        kernel.silu_mul(torch.cat((row, row), dim=-1))
+    except Exception as exc:  # noqa: BLE001 -- a compile failure surfaces as any of Triton's exception types
+        logger.warning("the Triton norm/RoPE/activation kernels do not build here (%s): they run as torch ops", exc)
+        return False
+    return True
+
+
 def _use_cuda_kernels(model: Qwen3ForCausalLM) -> None:
-    """int8/int4 projections through the Triton kernels, where Triton is there (else the torch reference)."""
+    """RMSNorm, q/k norm + RoPE, SwiGLU's activation and int8/int4 projections through the Triton kernels,
+    where Triton is there (else the torch forms)."""
+    from mili_openai.kernels.triton_fused_ops import TritonFusedOps
     from mili_openai.kernels.triton_quantized import triton_quantized_linear
 
+    if TritonFusedOps is not None and _fused_ops_compile(TritonFusedOps(), model):
+        model.set_fused_op_kernel(TritonFusedOps())
     if triton_quantized_linear is not None:
         model.set_quantized_matmul(triton_quantized_linear)

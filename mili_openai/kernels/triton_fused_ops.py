@@ -1,0 +1,157 @@
+"""RMSNorm, q/k norm + RoPE and SwiGLU's activation for CUDA in Triton, one launch each.
+
+The torch forms of these (model/layers.py, model/rope.py) are six to fourteen small kernels apiece; a
+decode step of Qwen3-0.6B ran about a thousand of them, which made both the GPU's time and a CUDA graph's
+launch grow with the count rather than with the bytes. Each kernel here reads its rows once and keeps the
+torch forms' roundings: normalised in float32, rounded to the activations' dtype before the weight
+multiply, and every product and sum of the rotation rounded as torch's ops round it. Under Triton's
+interpreter (TRITON_INTERPRET=1, CPU tensors) the float32 -> bf16 conversion truncates, so bf16 rounding
+is done in integer ops, to the nearest value with ties to even, as torch's conversion does.
+
+`TritonFusedOps` follows `FusedOpKernel` (model/layers.py); where Triton cannot be imported,
+`TritonFusedOps` is None and the torch forms stay.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton: the torch forms stay
+    triton = None
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_ROW = 16384  # widest row one program normalises in registers (Qwen3's largest hidden size is 8192)
+SILU_BLOCK = 1024  # activation columns per program
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rounded(x, ROUND_BF16: tl.constexpr, DTYPE: tl.constexpr):
+        """float32 x rounded to the activations' dtype, kept as float32."""
+        if ROUND_BF16:
+            bits = x.to(tl.uint32, bitcast=True)
+            return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        return x.to(DTYPE).to(tl.float32)
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_out, n, eps, BLOCK: tl.constexpr,
+                         ROUND_BF16: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n
+        dtype = out_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=0) / n + eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = _rounded(_rounded(x * inv_rms, ROUND_BF16, dtype) * w, ROUND_BF16, dtype)
+        tl.store(out_ptr + row * stride_out + offs, y.to(dtype), mask=mask)
+
+    @triton.jit
+    def _qk_norm_rope_kernel(qk_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr, stride_qt, stride_qh, stride_cos,
+                             stride_sin, stride_ot, stride_oh, num_q_heads, eps, HEAD_DIM: tl.constexpr,
+                             ROUND_BF16: tl.constexpr):
+        token = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        dtype = out_ptr.dtype.element_ty
+        offs = tl.arange(0, HEAD_DIM)
+        rolled = (offs + HEAD_DIM // 2) % HEAD_DIM  # torch.roll by half: element i takes i + D/2 (mod D)
+        row = qk_ptr + token * stride_qt + head * stride_qh
+        x = tl.load(row + offs).to(tl.float32)
+        x_rolled = tl.load(row + rolled).to(tl.float32)
+        inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
+        is_q = head < num_q_heads
+        w = tl.where(is_q, tl.load(qw_ptr + offs), tl.load(kw_ptr + offs)).to(tl.float32)
+        w_rolled = tl.where(is_q, tl.load(qw_ptr + rolled), tl.load(kw_ptr + rolled)).to(tl.float32)
+        normed = _rounded(_rounded(x * inv_rms, ROUND_BF16, dtype) * w, ROUND_BF16, dtype)
+        normed_rolled = _rounded(_rounded(x_rolled * inv_rms, ROUND_BF16, dtype) * w_rolled, ROUND_BF16, dtype)
+        cos = tl.load(cos_ptr + token * stride_cos + offs).to(tl.float32)
+        sin = tl.load(sin_ptr + token * stride_sin + offs).to(tl.float32)
+        y = _rounded(_rounded(normed * cos, ROUND_BF16, dtype) + _rounded(normed_rolled * sin, ROUND_BF16, dtype),
+                     ROUND_BF16, dtype)
+        tl.store(out_ptr + token * stride_ot + head * stride_oh + offs, y.to(dtype))
+
+    @triton.jit
+    def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, n, BLOCK: tl.constexpr,
+                         ROUND_BF16: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        dtype = out_ptr.dtype.element_ty
+        gate = tl.load(gate_up_ptr + row * stride_in + offs, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gate_up_ptr + row * stride_in + n + offs, mask=mask, other=0.0).to(tl.float32)
+        silu = _rounded(gate / (1.0 + tl.exp(-gate)), ROUND_BF16, dtype)
+        tl.store(out_ptr + row * stride_out + offs, _rounded(silu * up, ROUND_BF16, dtype).to(dtype), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as (rows, last dim) with unit stride along the last dim."""
+    flat = x.reshape(-1, x.shape[-1])
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
+def _warps(width: int) -> int:
+    return 4 if width <= 2048 else 8
+
+
+class _TritonFusedOps:
+    """The `FusedOpKernel` of the CUDA path (model/layers.py): each op one launch over all its rows."""
+
+    def __init__(self) -> None:
+        # The interpreter runs on CPU tensors, the compiled kernels on CUDA ones.
+        interpreted = type(_rms_norm_kernel).__name__ == "InterpretedFunction"
+        self.device_type = "cpu" if interpreted else "cuda"
+
+    def _supports(self, x: torch.Tensor) -> bool:
+        return x.device.type == self.device_type and x.dtype in DTYPES and x.numel() > 0
+
+    def supports_rms_norm(self, x: torch.Tensor) -> bool:
+        return self._supports(x) and x.shape[-1] <= MAX_ROW
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """weight * (x / rms(x)) over the last dim, with transformers' roundings."""
+        rows = _rows(x)
+        out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+        width = rows.shape[1]
+        block = triton.next_power_of_2(width)
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight.to(x.dtype).contiguous(), out, rows.stride(0), out.stride(0),
+                                           width, eps, BLOCK=block, ROUND_BF16=x.dtype == torch.bfloat16,
+                                           num_warps=_warps(block))
+        return out.view(x.shape)
+
+    def supports_qk_norm_rope(self, qk: torch.Tensor) -> bool:
+        head_dim = qk.shape[-1]
+        return (self._supports(qk) and qk.dim() == 3 and qk.stride(-1) == 1 and head_dim % 2 == 0
+                and head_dim == triton.next_power_of_2(head_dim) and head_dim <= 512)
+
+    def qk_norm_rope(self, qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int,
+                     eps: float, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """qk (T, Hq + Hk, D): q heads normalised by q_weight, k heads by k_weight, then rotated by cos and
+        signed_sin ((T, 1, D) each, model/rope.py's `apply_rotary`)."""
+        tokens, heads, head_dim = qk.shape
+        out = torch.empty(qk.shape, dtype=qk.dtype, device=qk.device)
+        cos, signed_sin = _rows(cos.reshape(tokens, head_dim)), _rows(signed_sin.reshape(tokens, head_dim))
+        _qk_norm_rope_kernel[(tokens, heads)](
+            qk, q_weight.to(qk.dtype).contiguous(), k_weight.to(qk.dtype).contiguous(), cos, signed_sin, out,
+            qk.stride(0), qk.stride(1), cos.stride(0), signed_sin.stride(0), out.stride(0), out.stride(1),
+            num_q_heads, eps, HEAD_DIM=head_dim, ROUND_BF16=qk.dtype == torch.bfloat16, num_warps=_warps(head_dim))
+        return out
+
+    def supports_silu_mul(self, gate_up: torch.Tensor) -> bool:
+        return self._supports(gate_up) and gate_up.shape[-1] % 2 == 0
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """(..., 2I) with gate first -> silu(gate) * up, (..., I), each rounded as torch rounds it."""
+        rows = _rows(gate_up)
+        width = rows.shape[1] // 2
+        out = torch.empty(rows.shape[0], width, dtype=gate_up.dtype, device=gate_up.device)
+        grid = (rows.shape[0], triton.cdiv(width, SILU_BLOCK))
+        _silu_mul_kernel[grid](rows, out, rows.stride(0), out.stride(0), width, BLOCK=SILU_BLOCK,
+                               ROUND_BF16=gate_up.dtype == torch.bfloat16, num_warps=4)
+        return out.view(*gate_up.shape[:-1], width)
+
+
+TritonFusedOps = _TritonFusedOps if triton is not None else None
