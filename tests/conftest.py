@@ -13,6 +13,9 @@
 
 from __future__ import annotations
 
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+
 import pytest
 import torch
 
@@ -50,3 +53,13 @@ def tiny_moe_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def bench_tokenizer():
     return load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def interpreter():
+    """For the Triton kernel tests: one process, spawned with TRITON_INTERPRET=1, that runs the kernel calls
+    submitted to it (Triton picks compiling or interpreting when it is imported, for the whole process)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "1")
+        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            yield pool

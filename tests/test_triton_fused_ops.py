@@ -6,8 +6,6 @@ process started with TRITON_INTERPRET=1, and only there."""
 from __future__ import annotations
 
 import inspect
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -27,15 +25,6 @@ HOPPER = (90, 32)  # compute capability 9.0 (H100, H200), warp size
 # float32: the sums run in another order than torch's; bf16: that order may move a value across a rounding
 # boundary, one unit in the last place of bf16's 8 bits at most
 TOLERANCE = {torch.float32: dict(rtol=1e-6, atol=1e-6), torch.bfloat16: dict(rtol=2 ** -7, atol=2 ** -7)}
-
-
-@pytest.fixture(scope="module")
-def interpreter():
-    """One process, spawned with TRITON_INTERPRET=1, that runs the kernel calls submitted to it."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRITON_INTERPRET", "1")
-        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            yield pool
 
 
 def _call(op: str, *args):

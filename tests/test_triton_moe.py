@@ -7,8 +7,6 @@ the kernel runs in a process started with TRITON_INTERPRET=1, and only there."""
 
 from __future__ import annotations
 
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -17,15 +15,6 @@ import torch.nn.functional as F
 from mili_openai.model.moe import Router, grouped_swiglu
 
 pytest.importorskip("triton")
-
-
-@pytest.fixture(scope="module")
-def interpreter():
-    """One process, spawned with TRITON_INTERPRET=1, that runs the kernel calls submitted to it."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRITON_INTERPRET", "1")
-        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            yield pool
 
 
 def _fused_experts(*args):
