@@ -63,6 +63,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="allowed CORS origin (repeatable; none = CORS off)")
     net.add_argument("--shutdown-grace-period", type=float, default=defaults.shutdown_grace_s,
                      help="seconds in-flight requests get to finish on SIGTERM")
+    net.add_argument("--responses-store-size", type=int, default=defaults.responses_store_size,
+                     help="POST /v1/responses answers kept in memory for previous_response_id and GET "
+                          "/v1/responses/{id} (the latest N, per replica; 0 keeps none)")
     net.add_argument("--log-level", choices=LOG_LEVELS, default=defaults.log_level)
     net.add_argument("--debug-endpoints", action="store_true",
                      help="serve GET /debug/engine (KV page accounting) for soak tests; not for production")
@@ -154,6 +157,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_body_bytes=args.max_body_bytes,
         cors_allow_origins=tuple(args.cors_allow_origins),
         shutdown_grace_s=args.shutdown_grace_period,
+        responses_store_size=args.responses_store_size,
         log_level=args.log_level,
         debug_endpoints=args.debug_endpoints,
         freeze_gc_after_load=True,  # this process only serves

@@ -168,6 +168,9 @@ class ServerConfig:
     cors_allow_origins: tuple[str, ...] = ()  # empty = CORS off
     shutdown_grace_s: float = 30.0  # in-flight requests get this long to finish on SIGTERM
     log_level: str = "info"
+    # POST /v1/responses answers kept for previous_response_id and GET /v1/responses/{id}: the latest this
+    # many, in this process's memory (per replica); 0 keeps none
+    responses_store_size: int = 1024
     debug_endpoints: bool = False  # serve GET /debug/engine (page accounting) for soak tests; never in production
     # Move every object alive once the model has loaded out of the garbage collector's reach (gc.freeze),
     # as vLLM does after start-up: a full collection over them stalls the process. For a process
@@ -185,6 +188,8 @@ class ServerConfig:
             raise ValueError("max_body_bytes must be >= 1024")
         if self.shutdown_grace_s < 0:
             raise ValueError("shutdown_grace_s must be >= 0")
+        if self.responses_store_size < 0:
+            raise ValueError("responses_store_size must be >= 0")
 
 
 def speculative_config_from(fields: dict) -> SpeculativeConfig:

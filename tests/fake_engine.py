@@ -5,7 +5,8 @@ model, instant.
 into the engine's own `RequestStream`s, fanning a request of n samples out as the engine does (one task
 per sample, seeded by `child_params`), reports cached tokens for prompts sharing page-aligned prefixes
 with earlier ones, and can fail every request (`fail_with`) or pace its tokens (`token_delay_s`).
-`helpers_server` builds it as a fixture.
+`helpers_server` builds it as a fixture. `ScriptedEngine` streams a fixed text instead, for route tests
+of outputs a random-weight model would never write.
 """
 
 from __future__ import annotations
@@ -192,3 +193,31 @@ class FakeEngine:
             parent.num_unfinished -= 1
             if parent.num_unfinished == 0:
                 del self.requests[request_id]
+
+
+class ScriptedEngine(FakeEngine):
+    """A FakeEngine whose every sample streams `script`, one token per delta, then
+    finishes with "stop" (or "length" at max_tokens)."""
+
+    def __init__(self, tokenizer, script: str = "", **kwargs) -> None:
+        super().__init__(tokenizer, **kwargs)
+        self.script = script
+
+    async def _generate(self, stream, sequence_id, index, prompt, params, room) -> None:
+        tokens = self.tokenizer.encode(self.script, add_special_tokens=False)
+        limit = min(params.max_tokens or room, room)
+        emitted = ""
+        for step, token in enumerate(tokens[:limit]):
+            await asyncio.sleep(0)
+            text = self.tokenizer.decode(tokens[: step + 1])
+            last = step == len(tokens[:limit]) - 1
+            finish = None if not last else ("stop" if len(tokens) <= limit else "length")
+            logprobs = None
+            if params.logprobs is not None:
+                logprobs = [TokenLogprob(token, -0.5, [(token, -0.5), (self.words[0], -1.5)][: params.logprobs])]
+            delta = SequenceDelta(stream.request_id, text[len(emitted):], [token], logprobs, finish, None,
+                                  len(prompt), 0, step + 1, index=index)
+            emitted = text
+            if finish is not None:
+                self._finished(stream.request_id, sequence_id)
+            stream.put(delta)

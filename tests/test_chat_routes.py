@@ -7,7 +7,6 @@ model would never write. The real-engine tests are in test_chat_server.py.
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import httpx
@@ -15,9 +14,9 @@ import openai
 import orjson
 import pytest
 
-from helpers_server import FakeEngine, live_server, qwen_tokenizer  # noqa: F401
+from fake_engine import ScriptedEngine
+from helpers_server import live_server, qwen_tokenizer  # noqa: F401
 from mili_openai.config import ServerConfig
-from mili_openai.engine.outputs import SequenceDelta, TokenLogprob
 from mili_openai.server.app import create_app
 
 MODEL = "scripted-qwen3"
@@ -29,37 +28,9 @@ TOOL_CALL_TEXT = ('I will look it up.\n<tool_call>\n{"name": "get_weather", "arg
 THINKING_TEXT = "<think>\nThe user greets me.\n</think>\n\nHello there!"
 
 
-class ScriptedEngine(FakeEngine):
-    """A FakeEngine whose every sample streams `script`, one token per delta, then
-    finishes with "stop" (or "length" at max_tokens)."""
-
-    def __init__(self, tokenizer, script: str = THINKING_TEXT, **kwargs) -> None:
-        super().__init__(tokenizer, **kwargs)
-        self.script = script
-
-    async def _generate(self, stream, sequence_id, index, prompt, params, room) -> None:
-        tokens = self.tokenizer.encode(self.script, add_special_tokens=False)
-        limit = min(params.max_tokens or room, room)
-        emitted = ""
-        for step, token in enumerate(tokens[:limit]):
-            await asyncio.sleep(0)
-            text = self.tokenizer.decode(tokens[: step + 1])
-            last = step == len(tokens[:limit]) - 1
-            finish = None if not last else ("stop" if len(tokens) <= limit else "length")
-            logprobs = None
-            if params.logprobs is not None:
-                logprobs = [TokenLogprob(token, -0.5, [(token, -0.5), (self.words[0], -1.5)][: params.logprobs])]
-            delta = SequenceDelta(stream.request_id, text[len(emitted):], [token], logprobs, finish, None,
-                                  len(prompt), 0, step + 1, index=index)
-            emitted = text
-            if finish is not None:
-                self._finished(stream.request_id, sequence_id)
-            stream.put(delta)
-
-
 @pytest.fixture(scope="module")
 def scripted_server(qwen_tokenizer):  # noqa: F811
-    engine = ScriptedEngine(qwen_tokenizer, max_model_len=1024)
+    engine = ScriptedEngine(qwen_tokenizer, THINKING_TEXT, max_model_len=1024)
     app = create_app(ServerConfig(served_model_name=MODEL), engine=engine)
     with live_server(app) as live:
         live.engine = engine
@@ -170,10 +141,69 @@ def test_named_tool_choice_sends_a_grammar_and_parses_the_call(scripted_server):
 
 
 def test_malformed_tool_call_comes_back_as_content(scripted_server):
-    scripted_server.engine.script = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
+    scripted_server.engine.script = '<tool_call>\n{"name": "get_weather" "arguments": {"city": 1}}\n</tool_call>'
     choice = chat(scripted_server, tools=[WEATHER_TOOL]).json()["choices"][0]
     assert choice["message"]["content"] == scripted_server.engine.script
     assert choice["message"]["tool_calls"] == [] and choice["finish_reason"] == "stop"
+
+
+def streamed_calls(stream) -> tuple[str, dict[int, dict], list[str], dict[int, int]]:
+    """(content, calls merged by index, finish reasons, argument pieces per call) of a streamed chat."""
+    content, calls, finishes, pieces = "", {}, [], {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"id": call.id, "name": call.function.name, "arguments": ""})
+                assert (call.id is None) == (call.index in pieces)  # the id comes once, first
+                pieces[call.index] = pieces.get(call.index, 0) + 1
+                entry["arguments"] += call.function.arguments or ""
+            if choice.finish_reason is not None:
+                finishes.append(choice.finish_reason)
+    return content, calls, finishes, pieces
+
+
+def test_streamed_arguments_arrive_in_pieces(scripted_server, client):
+    scripted_server.engine.script = TOOL_CALL_TEXT
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "weather?"}],
+                                            tools=[WEATHER_TOOL], stream=True)
+    _, calls, _, pieces = streamed_calls(stream)
+    assert all(count > 2 for count in pieces.values())  # the name first, then the arguments token by token
+    assert [c["arguments"] for c in calls.values()] == ['{"city": "Paris"}', '{"city": "Rome"}']
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_by_max_tokens_finishes_with_length_and_leaks_nothing(scripted_server, client, stream):
+    scripted_server.engine.script = TOOL_CALL_TEXT
+    tokens = scripted_server.engine.tokenizer.encode(TOOL_CALL_TEXT, add_special_tokens=False)
+    cut = TOOL_CALL_TEXT.index('"Rome"')  # inside the second call's arguments
+    max_tokens = next(n for n in range(len(tokens)) if len(scripted_server.engine.tokenizer.decode(tokens[:n])) >= cut)
+    request = dict(model=MODEL, messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER_TOOL],
+                   max_tokens=max_tokens)
+    if not stream:
+        choice = client.chat.completions.create(**request).choices[0]
+        assert choice.finish_reason == "length" and choice.message.content == "I will look it up."
+        assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+            ("get_weather", '{"city": "Paris"}')]
+        return
+    content, calls, finishes, _ = streamed_calls(client.chat.completions.create(**request, stream=True))
+    assert finishes == ["length"] and content == "I will look it up."
+    assert calls[0]["arguments"] == '{"city": "Paris"}'
+    # the second call was announced before the cut; its arguments end where the output did
+    assert calls[1]["name"] == "get_weather" and not calls[1]["arguments"].endswith("}")
+
+
+def test_a_call_cut_before_its_head_is_dropped(scripted_server):
+    scripted_server.engine.script = 'Sure.\n<tool_call>\n{"name": "get_weather", "argu'
+    for stream in (False, True):
+        response = chat(scripted_server, tools=[WEATHER_TOOL], stream=stream)
+        if stream:
+            deltas = [e["choices"][0]["delta"] for e in sse_events(response)[:-1] if e["choices"]]
+            assert "".join(d.get("content", "") for d in deltas) == "Sure."
+            assert not any("tool_calls" in d for d in deltas)
+        else:
+            message = response.json()["choices"][0]["message"]
+            assert message["content"] == "Sure." and message["tool_calls"] == []
 
 
 def test_raw_sse_wire_format(scripted_server):

@@ -1,28 +1,36 @@
-"""Hermes-style tool calls: several blocks, malformed JSON, text around calls, every split point."""
+"""Hermes-style tool calls: several blocks, malformed JSON, text around calls, arguments streamed in pieces,
+calls cut by the end of the output, every split point."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mili_openai.protocol.tool_calls import ToolCallStreamParser, ToolParseDelta, parse_call_block
+from mili_openai.protocol.tool_calls import ParsedToolCall, ToolCallStreamParser, merge_pieces, parse_call_block
 
 
-def parse_tool_calls(text: str, prompt_tail: str = "", max_calls: int | None = None) -> ToolParseDelta:
-    """Whole-output form of the stream parser."""
+@dataclass
+class Whole:
+    content: str
+    calls: list[ParsedToolCall]
+
+
+def parse_tool_calls(text: str, prompt_tail: str = "", max_calls: int | None = None) -> Whole:
+    """Whole-output form of the stream parser: calls cut off by the end are left out."""
     parser = ToolCallStreamParser(max_calls)
     parser.prime(prompt_tail)
     delta = parser.feed(text)
     end = parser.finish()
-    return ToolParseDelta(delta.content + end.content, delta.calls + end.calls)
+    return Whole(delta.content + end.content, merge_pieces(delta.calls + end.calls, parser.incomplete_calls))
 
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
 TIME = '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'
-MALFORMED = '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
+MALFORMED = '<tool_call>\n{"name": "get_weather" "arguments": {"city": 1}}\n</tool_call>'  # no comma: no call
 
 
 def calls_of(delta):
@@ -30,15 +38,17 @@ def calls_of(delta):
 
 
 def stream(text: str, cuts: list[int], max_calls: int | None = None, tail: str = ""):
+    """(content, calls the pieces make up, the pieces) of `text` fed in pieces cut at `cuts`."""
     parser = ToolCallStreamParser(max_calls)
     parser.prime(tail)
-    content, calls = "", []
+    content, pieces = "", []
     bounds = [0, *sorted(cuts), len(text)]
     for start, end in zip(bounds, bounds[1:]):
         delta = parser.feed(text[start:end])
-        content, calls = content + delta.content, calls + delta.calls
+        content, pieces = content + delta.content, pieces + delta.calls
     delta = parser.finish()
-    return content + delta.content, calls + delta.calls
+    pieces += delta.calls
+    return content + delta.content, merge_pieces(pieces), pieces
 
 
 def test_one_call_with_text_before():
@@ -87,8 +97,45 @@ def test_arguments_given_as_a_json_string_or_missing():
 def test_unclosed_final_block_counts_when_its_json_is_complete():
     delta = parse_tool_calls(WEATHER.removesuffix("</tool_call>"))
     assert [c.name for c in delta.calls] == ["get_weather"]
-    cut = WEATHER[:30]
-    assert parse_tool_calls(cut).content == cut and parse_tool_calls(cut).calls == []
+
+
+@pytest.mark.parametrize("cut", [len("<tool_call>\n{\"name\": \"get"), WEATHER.index('"Paris"'), len(WEATHER) - 20])
+def test_a_call_cut_by_the_end_is_dropped_and_the_complete_ones_kept(cut):
+    text = "Checking.\n" + TIME + "\n" + WEATHER[:cut]
+    delta = parse_tool_calls(text)
+    assert delta.content == "Checking." and calls_of(delta) == [(0, "get_time", {"tz": "CET"})]
+
+
+def test_a_streamed_call_cut_by_the_end_says_so():
+    parser = ToolCallStreamParser()
+    pieces = parser.feed(TIME + WEATHER[:WEATHER.index('"Paris"')]).calls + parser.finish().calls
+    assert [(p.index, p.name) for p in pieces if p.id] == [(0, "get_time"), (1, "get_weather")]
+    assert parser.incomplete_calls == {1}
+
+
+def test_arguments_stream_in_pieces_as_written():
+    text = "<tool_call>\n" + '{"name": "get_weather", "arguments": {"city": "Pa}ris\\"", "n": [1, {"a": 2}]}}' + "\n</tool_call>"
+    parser = ToolCallStreamParser()
+    pieces = [piece for char in text for piece in parser.feed(char).calls] + parser.finish().calls
+    first, *rest = pieces
+    # announced with the arguments' first character, the one that completes its head
+    assert (first.index, first.name, first.arguments) == (0, "get_weather", "{") and first.id.startswith("call_")
+    assert all(p.id is None and p.name is None and len(p.arguments) == 1 for p in rest)
+    arguments = "".join(p.arguments for p in pieces)
+    assert arguments == '{"city": "Pa}ris\\"", "n": [1, {"a": 2}]}'
+    assert json.loads(arguments) == {"city": 'Pa}ris"', "n": [1, {"a": 2}]}
+
+
+def test_a_call_whose_head_does_not_stream_arrives_whole():
+    text = '<tool_call>\n{"arguments": {"a": 1}, "name": "f"}\n</tool_call>'
+    content, calls, pieces = stream(text, list(range(len(text))))
+    assert content == "" and len(pieces) == 1 and (calls[0].name, json.loads(calls[0].arguments)) == ("f", {"a": 1})
+
+
+def test_an_announced_call_keeps_its_arguments_as_written():
+    text = '<tool_call>\n{"name": "f", "arguments": {"a": }}\n</tool_call>'
+    delta = parse_tool_calls(text)
+    assert delta.content == "" and [(c.name, c.arguments) for c in delta.calls] == [("f", '{"a": }')]
 
 
 def test_max_calls_keeps_the_first():
@@ -121,7 +168,7 @@ def test_partial_start_tag_is_held_back_then_released():
 def test_every_single_split_point_gives_the_whole_result(text):
     whole = parse_tool_calls(text)
     for cut in range(len(text) + 1):
-        content, calls = stream(text, [cut])
+        content, calls, _ = stream(text, [cut])
         assert content == whole.content, cut
         assert [(c.index, c.name, c.arguments) for c in calls] == [(c.index, c.name, c.arguments) for c in whole.calls]
 
@@ -134,6 +181,6 @@ def test_any_split_into_many_pieces_gives_the_whole_result(data):
     text = "".join(pieces)
     cuts = data.draw(st.lists(st.integers(0, len(text)), max_size=10))
     whole = parse_tool_calls(text)
-    content, calls = stream(text, cuts)
+    content, calls, _ = stream(text, cuts)
     assert content == whole.content
     assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in whole.calls]

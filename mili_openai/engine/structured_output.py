@@ -20,15 +20,54 @@ import torch
 from mili_openai.engine.sampling_params import StructuredOutputsParams
 
 
+# keywords whose value is one subschema, a list of them, or a mapping of names to them
+SUBSCHEMA_KEYWORDS = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+                      "unevaluatedItems")
+SUBSCHEMA_LIST_KEYWORDS = ("anyOf", "oneOf", "allOf", "prefixItems")
+SUBSCHEMA_MAP_KEYWORDS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def strict_json_schema(schema: Any) -> Any:
+    """A copy of `schema` in which every object that lists its `properties` allows no other key unless it
+    says so (`additionalProperties` or `unevaluatedProperties` of its own), as OpenAI's strict structured
+    outputs and vLLM's default backend take a schema. JSON Schema's own default lets a model add any key
+    (pydantic's schemas leave it unsaid), and a model that does may never close the object. An object that
+    lists no properties (`{"type": "object"}`) stays free-form. `allOf` members are left open: each would
+    otherwise forbid the keys the others list."""
+    return _strict(schema, close=True)
+
+
+def _strict(schema: Any, close: bool) -> Any:
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in SUBSCHEMA_KEYWORDS:
+        if isinstance(out.get(key), dict):
+            out[key] = _strict(out[key], close=True)
+    for key in SUBSCHEMA_LIST_KEYWORDS:
+        if isinstance(out.get(key), list):
+            out[key] = [_strict(member, close=key != "allOf") for member in out[key]]
+    for key in SUBSCHEMA_MAP_KEYWORDS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _strict(sub, close=True) for name, sub in out[key].items()}
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = _strict(out["additionalProperties"], close=True)
+    lists_properties = isinstance(out.get("properties"), dict)
+    if close and lists_properties and "additionalProperties" not in out and "unevaluatedProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def grammar_text(spec: StructuredOutputsParams) -> str:
     """The llguidance grammar of a format. JSON is compact (no free whitespace): a model's whitespace
-    between tokens of JSON would be the one place it could loop."""
+    between tokens of JSON would be the one place it could loop. A schema is strict (`strict_json_schema`)."""
     import llguidance
 
     compact = {"whitespace_flexible": False}
     if spec.json is not None:
-        schema = spec.json if isinstance(spec.json, str) else json.dumps(spec.json)
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=compact)
+        schema = json.loads(spec.json) if isinstance(spec.json, str) else spec.json
+        return llguidance.LLMatcher.grammar_from_json_schema(json.dumps(strict_json_schema(schema)),
+                                                             defaults=compact)
     if spec.json_object:
         return llguidance.LLMatcher.grammar_from_json_schema('{"type": "object"}', defaults=compact)
     if spec.regex is not None:

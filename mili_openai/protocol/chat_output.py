@@ -10,14 +10,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from mili_openai.protocol.reasoning import THINK_END, ReasoningStreamParser
-from mili_openai.protocol.tool_calls import ParsedToolCall, ToolCallStreamParser
+from mili_openai.protocol.tool_calls import (
+    ParsedToolCall,
+    ToolCallPiece,
+    ToolCallStreamParser,
+    append_piece,
+    merge_pieces,
+)
 
 
 @dataclass(slots=True)
 class ChatDelta:
     reasoning: str = ""
     content: str = ""
-    calls: list[ParsedToolCall] = field(default_factory=list)
+    calls: list[ToolCallPiece] = field(default_factory=list)  # pieces of calls, as a stream sends them
 
     def __bool__(self) -> bool:
         return bool(self.reasoning or self.content or self.calls)
@@ -25,7 +31,8 @@ class ChatDelta:
     def extend(self, other: ChatDelta) -> None:
         self.reasoning += other.reasoning
         self.content += other.content
-        self.calls.extend(other.calls)
+        for piece in other.calls:
+            append_piece(self.calls, piece)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +56,7 @@ class ChatOutputParser:
             answer_tail = assistant_tail
         if self._tools is not None:
             self._tools.prime(answer_tail)
-        self.num_calls = 0  # calls emitted so far (the finish reason becomes "tool_calls")
+        self.num_calls = 0  # calls announced so far (the finish reason becomes "tool_calls")
 
     def feed(self, text: str) -> ChatDelta:
         if self._reasoning is None:
@@ -70,15 +77,28 @@ class ChatOutputParser:
             if final:
                 end = self._tools.finish()
                 parsed.content += end.content
-                parsed.calls.extend(end.calls)
+                for piece in end.calls:
+                    append_piece(parsed.calls, piece)
             delta.content, delta.calls = parsed.content, parsed.calls
-        self.num_calls += len(delta.calls)
+        self.num_calls += sum(piece.id is not None for piece in delta.calls)
         return delta
 
+    @property
+    def incomplete_calls(self) -> set[int]:
+        """Calls whose arguments the output cut off (a stream has announced them already)."""
+        return self._tools.incomplete_calls if self._tools is not None else set()
 
-def parse_whole_output(text: str, assistant_tail: str, options: OutputOptions) -> ChatDelta:
-    """The non-streaming form: one feed, then finish."""
+
+@dataclass(slots=True)
+class WholeOutput:
+    reasoning: str
+    content: str
+    calls: list[ParsedToolCall]
+
+
+def parse_whole_output(text: str, assistant_tail: str, options: OutputOptions) -> WholeOutput:
+    """The non-streaming form: one feed, then finish; calls whose arguments were cut off are left out."""
     parser = ChatOutputParser(assistant_tail, options)
     delta = parser.feed(text)
     delta.extend(parser.finish())
-    return delta
+    return WholeOutput(delta.reasoning, delta.content, merge_pieces(delta.calls, parser.incomplete_calls))

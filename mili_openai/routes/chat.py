@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 TOOL_CALLS_FINISH = "tool_calls"
 ABORT_FINISH = "abort"
+LENGTH_FINISH = "length"
 
 
 def has_think_tags(tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -66,8 +67,9 @@ def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len:
 
 
 def finish_reason_of(engine_reason: str | None, num_calls: int) -> str | None:
-    """Like vLLM: a choice that produced tool calls finishes with "tool_calls" unless aborted."""
-    if engine_reason is not None and engine_reason != ABORT_FINISH and num_calls:
+    """Like vLLM: a choice that produced tool calls finishes with "tool_calls", unless aborted or cut by
+    max_tokens ("length" says the output, calls included, may be cut)."""
+    if engine_reason not in (None, ABORT_FINISH, LENGTH_FINISH) and num_calls:
         return TOOL_CALLS_FINISH
     return engine_reason
 
@@ -158,17 +160,16 @@ class ChatJob(GenerationJob[ChatCompletionRequest]):
     def include_usage(self) -> bool:
         return self.body.stream_options is not None and self.body.stream_options.include_usage
 
-    def delta_choice(self, index: int, parsed: ChatDelta, delta: SequenceDelta, num_calls_before: int,
+    def delta_choice(self, index: int, parsed: ChatDelta, delta: SequenceDelta,
                      finish_reason: str | None) -> ChunkChoice:
         reasoning = parsed.reasoning or None
         message = DeltaMessage(content=parsed.content or None, reasoning_content=reasoning, reasoning=reasoning)
         if parsed.calls:
-            # one entry per call with its whole arguments: clients that merge by index and clients
-            # that read each entry alone both see a complete call
+            # as vLLM's: a call's first entry has its id, type and name, the later ones pieces of its arguments
             message.tool_calls = [
-                ToolCallDeltaOut(index=num_calls_before + i, id=c.id, type="function",
-                                 function=FunctionOut(name=c.name, arguments=c.arguments))
-                for i, c in enumerate(parsed.calls)
+                ToolCallDeltaOut(index=piece.index, id=piece.id, type="function" if piece.id else None,
+                                 function=FunctionOut(name=piece.name, arguments=piece.arguments))
+                for piece in parsed.calls
             ]
         # the tokens' logprobs go with the chunk they arrived in, even when a parser holds their text
         logprobs = self.logprobs_of(delta.logprobs) if delta.logprobs or finish_reason else None
@@ -183,7 +184,6 @@ class ChatJob(GenerationJob[ChatCompletionRequest]):
         async with aclosing(self.deltas()) as deltas:
             async for index, delta in deltas:
                 parser = parsers[index]
-                num_calls_before = parser.num_calls
                 parsed = parser.feed(delta.text)
                 finish_reason = None
                 if delta.finish_reason is not None:
@@ -191,7 +191,7 @@ class ChatJob(GenerationJob[ChatCompletionRequest]):
                     finish_reason = finish_reason_of(delta.finish_reason, parser.num_calls)
                 if not parsed and finish_reason is None and not (self.top_k is not None and delta.logprobs):
                     continue  # nothing to show yet (text held back by a parser or the detokenizer)
-                yield self.chunk([self.delta_choice(index, parsed, delta, num_calls_before, finish_reason)])
+                yield self.chunk([self.delta_choice(index, parsed, delta, finish_reason)])
         if self.include_usage:
             yield self.chunk([], self.usage_out())
 

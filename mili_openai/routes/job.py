@@ -22,7 +22,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -59,6 +59,7 @@ class GenerationJob(ABC, Generic[BodyT]):
     """One validated request bound to the engine: its identity on the wire, its prompts and streams."""
 
     id_prefix = "gen"  # response ids read f"{id_prefix}-{request id}", as OpenAI's do
+    sse_event_names = False  # whether each SSE event carries an `event:` line with its "type" (Responses API)
 
     def __init__(self, server: ServerState, body: BodyT, request_id: str) -> None:
         self.server = server
@@ -171,8 +172,18 @@ class GenerationJob(ABC, Generic[BodyT]):
         return results
 
 
-async def serve_job(request: Request, body_type: type[BodyT],
-                    job_type: Callable[[ServerState, BodyT, str], GenerationJob[BodyT]]) -> Response:
+class RequestBody(Protocol):
+    """What `serve_job` reads of a request body before the job takes it over."""
+
+    model: str | None
+    stream: bool
+
+
+RequestT = TypeVar("RequestT", bound=RequestBody)
+
+
+async def serve_job(request: Request, body_type: type[RequestT],
+                    job_type: Callable[[ServerState, RequestT, str], GenerationJob]) -> Response:
     """The handler of every generation endpoint: parse, admit, submit, then stream or answer once."""
     server = server_state(request)
     body = await parse_body(request, body_type)
@@ -181,7 +192,8 @@ async def serve_job(request: Request, body_type: type[BodyT],
     server.check_queue(job.num_sequences)
     await job.submit()
     if body.stream:
-        return sse_stream(job.events(), job.abort, shutdown_grace_s=server.config.shutdown_grace_s)
+        return sse_stream(job.events(), job.abort, shutdown_grace_s=server.config.shutdown_grace_s,
+                          event_names=job.sse_event_names)
     try:
         return json_response(await cancel_on_disconnect(request, job.collect()))
     finally:

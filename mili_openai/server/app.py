@@ -29,7 +29,7 @@ from mili_openai.config import ServerConfig
 from mili_openai.engine.async_engine import AsyncEngine
 from mili_openai.engine.client import EngineClient
 from mili_openai.engine.sampling_defaults import describe_sampling_defaults
-from mili_openai.routes import chat, completions, generate, service
+from mili_openai.routes import chat, completions, generate, responses, service
 from mili_openai.server.errors import CatchAllMiddleware, install_error_handlers
 from mili_openai.server.metrics import ServerMetrics
 from mili_openai.server.middleware import REQUEST_ID_HEADER, AccessGuardMiddleware, RequestContextMiddleware
@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 
 def all_routes(config: ServerConfig, metrics: ServerMetrics) -> list[BaseRoute]:
-    routes: list[BaseRoute] = [*service.routes(), *chat.routes(), *completions.routes(), *generate.routes(),
+    routes: list[BaseRoute] = [*service.routes(), *chat.routes(), *responses.routes(), *completions.routes(),
+                               *generate.routes(),
                                Route("/metrics", metrics.endpoint, methods=["GET"])]
     if config.debug_endpoints:
         routes.extend(service.debug_routes())

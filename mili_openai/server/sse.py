@@ -20,7 +20,7 @@ from typing import Any
 
 import anyio
 import orjson
-from sse_starlette.sse import EventSourceResponse
+from sse_starlette.sse import EventSourceResponse, ServerSentEvent
 
 from mili_openai.protocol.errors import INTERNAL_ERROR, APIError
 from mili_openai.server.request_log import current_request
@@ -74,8 +74,10 @@ def sse_stream(
     *,
     shutdown_grace_s: float = 0.0,
     headers: dict[str, str] | None = None,
+    event_names: bool = False,
 ) -> EventSourceResponse:
-    """Stream `events` as SSE. `on_disconnect` (sync or async) aborts the work behind the stream."""
+    """Stream `events` as SSE. `on_disconnect` (sync or async) aborts the work behind the stream.
+    `event_names`: each event also gets an `event:` line naming its "type" (as the Responses API sends)."""
     shutdown = anyio.Event()
     context = current_request()
     server = context.server if context is not None else None
@@ -87,7 +89,10 @@ def sse_stream(
         watcher = asyncio.create_task(_abort_after_grace(shutdown, shutdown_grace_s, on_disconnect))
         try:
             async for event in events:
-                yield encode_event(event)
+                if event_names and "type" in event:
+                    yield ServerSentEvent(encode_event(event), event=event["type"], sep=EVENT_LINE_SEPARATOR)
+                else:
+                    yield encode_event(event)
             if cut_by_drain():  # the events ended with an "abort"; say why
                 yield encode_event(shutdown_error().to_dict())
         except asyncio.CancelledError:

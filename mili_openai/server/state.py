@@ -8,6 +8,10 @@ the engine once it has loaded, so `/health` can answer 503 meanwhile.
 they finish, finished ones in a bounded LRU, so a client can read the outcome shortly after without the
 server's memory growing with its uptime.
 
+`POST /v1/responses` keeps what it answered (`store`, the default) in `ResponseStore`, a bounded LRU in
+this process's memory: `previous_response_id` and `GET /v1/responses/{id}` find a response only on the
+replica that served it, and only while it is among the latest `responses_store_size`.
+
 Overload: `check_queue` refuses a generation request with 429 once the sequences waiting for the
 engine (its waiting list plus those admitted by routes but not yet submitted) reach `max_queue`.
 """
@@ -103,6 +107,47 @@ class RequestRecord:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    response: dict[str, Any]  # the response object, as GET /v1/responses/{id} returns it
+    items: list[dict[str, Any]]  # the conversation it ended: its input items (history first), then its output
+
+
+class ResponseStore:
+    """The latest `max_size` stored responses by id (least recently used out first); 0 stores nothing."""
+
+    def __init__(self, max_size: int) -> None:
+        if max_size < 0:
+            raise ValueError("the responses store size must be >= 0")
+        self.max_size = max_size
+        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def put(self, stored: StoredResponse) -> None:
+        if self.max_size == 0:
+            return
+        response_id = stored.response["id"]
+        self._responses[response_id] = stored
+        self._responses.move_to_end(response_id)
+        while len(self._responses) > self.max_size:
+            self._responses.popitem(last=False)
+
+    def get(self, response_id: str) -> StoredResponse:
+        """The stored response, or a 404 in OpenAI's shape."""
+        stored = self._responses.get(response_id)
+        if stored is None:
+            raise APIError(404, f"Response with id '{response_id}' not found.", param="response_id",
+                           code="response_not_found")
+        self._responses.move_to_end(response_id)
+        return stored
+
+    def delete(self, response_id: str) -> None:
+        self.get(response_id)
+        del self._responses[response_id]
+
+    def __len__(self) -> int:
+        return len(self._responses)
+
+
 class RequestRecords:
     def __init__(self, max_finished: int = MAX_FINISHED_RECORDS) -> None:
         if max_finished < 1:
@@ -146,12 +191,17 @@ class ServerState:
     engine: EngineClient | None = None  # once loaded and started
     metrics: ServerMetrics | None = None
     records: RequestRecords = field(default_factory=RequestRecords)
+    responses: ResponseStore | None = None  # stored Responses API answers (set from the config)
     draining: bool = False  # set when shutdown begins: /health turns 503 so balancers stop sending
     grace_expired: bool = False  # set when the shutdown grace is over and what still ran was aborted
     pending_sequences: int = 0  # admitted by check_queue, not yet submitted to the engine
     active_requests: int = 0  # HTTP requests in flight, probes and scrapes excepted (what a drain waits for)
     load_error: str | None = None  # why the model failed to load, if it did
     start_time: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.responses is None:
+            self.responses = ResponseStore(self.config.responses_store_size)
 
     def is_ready(self) -> bool:
         return self.engine is not None and self.engine.is_ready() and not self.draining
