@@ -145,6 +145,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         tensor_parallel_size=args.tensor_parallel_size,
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
+        cpu_kernels_in_background=True,  # a first start answers while the kernels compile
     )
     return ServerConfig(
         engine=engine,
@@ -207,7 +208,7 @@ def run_serve(args: argparse.Namespace) -> int:
     configure_logging(config.log_level)
     server = make_server(config)
     name = server.config.app.state.server.served_model_name
-    source = config.engine.model or "the embedded default model"
+    source = config.engine.model or "the embedded default model: random weights, Qwen3's tokenizer"
     print(f"mili-openai: serving model '{name}' ({source}) on http://{config.host}:{config.port}", flush=True)
     server.run()
     if server.model_failed:  # one line a supervisor's log shows, after the traceback the loader logged

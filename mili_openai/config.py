@@ -106,6 +106,10 @@ class EngineConfig:
     # None = the checkpoint's own weights (quantized ones as config.json's quantization_config declares)
     quantization: str | None = None
     quantization_group_size: int = 128  # int4's group
+    # CPU: when the compiled kernels are not built yet (a first start), serve on torch's ops while they compile
+    # on a thread, and switch to them between steps once no request runs (`mili serve` sets it; off, the load
+    # waits for the compile)
+    cpu_kernels_in_background: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):  # as the offline LLM(speculative_config={...}) takes it

@@ -93,6 +93,14 @@ class AsyncEngine:
             return
         self._wakeup = asyncio.Event()
         self._loop_task = asyncio.create_task(self._run(), name="mili-engine-loop")
+        build = self.core.runner.kernel_build
+        if build is not None:  # the loop switches to the kernels once they are built and it is idle
+            loop = asyncio.get_running_loop()
+            build.add_done_callback(lambda _: loop.call_soon_threadsafe(self._wake))
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
 
     def is_ready(self) -> bool:
         return self._loop_task is not None and not self._loop_task.done()
@@ -189,6 +197,10 @@ class AsyncEngine:
         while True:
             if not launched:
                 if not self.core.has_work():
+                    build = self.core.runner.kernel_build
+                    if build is not None and build.done():  # idle, with no step in flight: switch now
+                        await self._switch_to_cpu_kernels()
+                        continue
                     self._wakeup.clear()
                     await self._wakeup.wait()
                     continue
@@ -218,6 +230,12 @@ class AsyncEngine:
             launched.popleft()  # not on cancellation: shutdown waits for every step still on the worker
             for delta in self.core.postprocess(step.batch, output):
                 self._deliver(delta)
+
+    async def _switch_to_cpu_kernels(self) -> None:
+        try:
+            await asyncio.wrap_future(self._executor.submit(self.core.runner.switch_to_cpu_kernels))
+        except Exception:  # a failed switch leaves torch's ops serving
+            logger.exception("could not switch to the compiled CPU kernels; torch's ops keep serving")
 
     def _fail_everything(self, reason: str) -> None:
         logger.error("the engine stopped (%s); failing its %d request(s)", reason.splitlines()[0], len(self._streams))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,8 +25,9 @@ from mili_openai.engine.sampler import Sampler, SamplerOutput, SamplingRow, toke
 from mili_openai.engine.scheduled_batch import ScheduledBatch
 from mili_openai.engine.sequence import Sequence
 from mili_openai.engine.step_inputs import forward_batch_to, stage_forward_batch
-from mili_openai.kernels import load_cpu_kernels
+from mili_openai.kernels import build_cpu_kernels_in_background, cpu_kernels_built, load_cpu_kernels
 from mili_openai.model import KVCache, load_model, resolve_dtype
+from mili_openai.model.loader import use_cpu_kernels
 from mili_openai.model.batch import ForwardBatch
 from mili_openai.model.tensor_parallel import shard_config
 
@@ -59,6 +61,9 @@ class PreparedStep:
 class ModelRunner:
     # why this runner can run no more steps (None while it can): set by a tensor-parallel runner whose worker died
     failure: str | None = None
+    # the CPU kernels compiling while the model runs on torch's ops (EngineConfig.cpu_kernels_in_background);
+    # None when there is nothing to switch to
+    kernel_build: Future[bool] | None = None
 
     def __init__(self, config: EngineConfig, model_path: Path, parallel: TensorParallelGroup | None = None) -> None:
         """`parallel`: this process is one rank of a tensor-parallel group (engine/tp_worker.py) and holds its
@@ -67,10 +72,13 @@ class ModelRunner:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         config = config.for_device(self.device.type)
+        compiled_later = (config.cpu_kernels_in_background and self.device.type == "cpu" and parallel is None
+                          and config.attention_backend != "triton" and not cpu_kernels_built())
         self.model, self.model_config = load_model(model_path, resolve_dtype(config.dtype), self.device,
                                                    attention_backend=config.attention_backend, parallel=parallel,
                                                    quantization=config.quantization,
-                                                   group_size=config.quantization_group_size)
+                                                   group_size=config.quantization_group_size,
+                                                   defer_cpu_kernels=compiled_later)
         self.dtype = self.model.dtype
         self.quantization = self.model.quantization  # None, or what the weights are
         self.page_size = config.page_size
@@ -98,11 +106,28 @@ class ModelRunner:
             eos_token_ids=self.model_config.eos_token_ids,
             device=self.device,
             seed=config.seed,
-            kernel=load_cpu_kernels() if self.device.type == "cpu" else None,  # None where the CPU cannot
+            # None where the CPU cannot run the kernels, or until they are built
+            kernel=load_cpu_kernels() if self.device.type == "cpu" and not compiled_later else None,
         )
+        if compiled_later:
+            logger.info("serving on torch's ops until the CPU kernels are compiled")
+            self.kernel_build = build_cpu_kernels_in_background()
         # token ids sampled by the last step that ran; None after a failed step (the one after it, which
         # may feed on them, fails too)
         self._last_sampled: list[int] | None = []
+
+    def switch_to_cpu_kernels(self) -> None:
+        """Run on the compiled CPU kernels built in the background (`kernel_build` done): call on the forward
+        thread, between steps, while no sequence runs, so that no request sees both paths' rounding. The plan
+        (kernels/planning.py) is timed here, on the thread that runs the kernels."""
+        build, self.kernel_build = self.kernel_build, None
+        kernels = load_cpu_kernels() if build is not None and build.result() else None
+        if kernels is None:
+            return
+        use_cpu_kernels(self.model, self.dtype, kernels)
+        self.sampler.kernel = kernels
+        self.page_tables = self.model.uses_page_tables
+        logger.info("switched to the compiled CPU kernels")
 
     def _max_model_len(self, config: EngineConfig, num_pages: int) -> int:
         return min(config.max_model_len or self.model_config.max_position_embeddings, num_pages * self.page_size)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
+import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -263,10 +266,39 @@ def adopt_cpu_kernel_plan(plan: KernelPlan) -> None:
         kernels.planned = True
 
 
+def cpu_kernels_built() -> bool:
+    """Whether loading the kernels takes a moment rather than a compile (minutes on 2 cores): they are built
+    for this checkout's sources, or this CPU cannot run them."""
+    if not cpu_supports_kernels():
+        return True
+    name = extension_name(EXTENSION_PREFIX, SOURCE_DIR)
+    return (build_directory(name, SOURCE_DIR) / f"{name}.so").is_file()
+
+
+def build_cpu_kernels_in_background() -> Future[bool]:
+    """Compile and load the kernels on a thread of their own; the future says whether they can be had.
+    Nothing is planned there: `load_cpu_kernels` times the plan on the thread that then runs them (a torch op
+    on another thread would start a second OpenMP team, engine/async_engine.py)."""
+    built: Future[bool] = Future()
+
+    def build() -> None:
+        try:
+            built.set_result(_compiled_kernels() is not None)
+        except BaseException as exc:  # a bug, not a missing compiler (that one is a False)
+            built.set_exception(exc)
+
+    threading.Thread(target=build, name="mili-kernel-build", daemon=True).start()
+    return built
+
+
 @functools.lru_cache(maxsize=1)
 def _compiled_kernels() -> CpuKernels | None:
     if not cpu_supports_kernels():
         return None
+    compiling = not cpu_kernels_built()
+    start = time.monotonic()
+    if compiling:
+        logger.info("compiling CPU kernels (first start only)…")
     try:
         from torch.utils.cpp_extension import load
 
@@ -279,4 +311,6 @@ def _compiled_kernels() -> CpuKernels | None:
     except Exception as exc:  # no compiler, no ninja, unsupported flags: torch's ops instead
         logger.warning("CPU kernels unavailable, using torch ops: %s", exc)
         return None
+    if compiling:
+        logger.info("compiling CPU kernels (first start only)… done in %.0f s", time.monotonic() - start)
     return CpuKernels(module)

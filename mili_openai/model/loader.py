@@ -8,6 +8,7 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -25,6 +26,9 @@ from mili_openai.model.quantization.spec import (
 from mili_openai.model.qwen3 import Qwen3ForCausalLM
 from mili_openai.model.tensor_parallel import CheckpointShard, shard_config
 from mili_openai.model.weights import CheckpointError, checkpoint_to_model_state
+
+if TYPE_CHECKING:
+    from mili_openai.kernels import CpuKernels
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +89,7 @@ def _read_slices(file: Path, rank_slices: CheckpointShard) -> dict[str, torch.Te
 def load_model(
     path: str | os.PathLike, dtype: torch.dtype, device: torch.device, use_decode_kernel: bool = True,
     attention_backend: str = "auto", parallel: TensorParallelGroup | None = None,
-    quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE,
+    quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE, defer_cpu_kernels: bool = False,
 ) -> tuple[Qwen3ForCausalLM, ModelConfig]:
     """-> (model in eval mode on `device` with weights in `dtype`, its config).
 
@@ -96,7 +100,8 @@ def load_model(
     (model/quantization/spec.py). `model.quantization` says which, if any. Dense models on one rank only.
     `use_decode_kernel`: on a CPU with AVX512, use the compiled kernels: decode and prefill attention from
     the paged pool, and with bf16 weights the matmuls (dense and quantized), RMSNorms, q/k norm + RoPE and
-    SwiGLU's activation (the model falls back to torch when they cannot be built).
+    SwiGLU's activation (the model falls back to torch when they cannot be built). `defer_cpu_kernels`: leave
+    them out; the caller builds them meanwhile and installs them later (`use_cpu_kernels`).
     `attention_backend` (EngineConfig.attention_backend): "auto" runs the Triton kernels on CUDA where they
     take the model's shapes; "triton" insists on them (and takes the CPU under Triton's interpreter);
     "torch" keeps torch's SDPA on CUDA.
@@ -133,8 +138,10 @@ def load_model(
     rank_config = shard_config(config, parallel.size) if parallel is not None else config
     if attention_backend == "triton" or (attention_backend == "auto" and device.type == "cuda"):
         _use_triton_attention(model, rank_config, dtype, device, required=attention_backend == "triton")
-    elif use_decode_kernel and device.type == "cpu":
-        _use_cpu_kernels(model, dtype)
+    elif use_decode_kernel and device.type == "cpu" and not defer_cpu_kernels:
+        from mili_openai.kernels import load_cpu_kernels  # only worth building (and only possible) on CPU
+
+        use_cpu_kernels(model, dtype, load_cpu_kernels())
     if device.type == "cuda" and config.moe is not None:
         _use_triton_moe(model)
     if device.type == "cuda":
@@ -177,11 +184,8 @@ def _use_triton_attention(model: Qwen3ForCausalLM, config: ModelConfig, dtype: t
     logger.warning("%s: attention runs through torch's SDPA", reason)
 
 
-def _use_cpu_kernels(model: Qwen3ForCausalLM, dtype: torch.dtype) -> None:
-    # imported here: building the kernels is only worth it (and only possible) on CPU
-    from mili_openai.kernels import load_cpu_kernels
-
-    kernels = load_cpu_kernels()
+def use_cpu_kernels(model: Qwen3ForCausalLM, dtype: torch.dtype, kernels: CpuKernels | None) -> None:
+    """Run the model's CPU work through the compiled kernels (None: torch's ops stay)."""
     if kernels is None:
         return
     model.set_attention_kernel(kernels)

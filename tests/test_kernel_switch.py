@@ -1,0 +1,105 @@
+"""A first start serves on torch's ops while the CPU kernels compile on a thread, then switches to them on the
+forward thread, between steps, once no request runs (EngineConfig.cpu_kernels_in_background).
+
+The build is a future the test completes itself: no test waits on a compile or on time."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import Future
+
+import pytest
+
+from mili_openai.config import EngineConfig
+from mili_openai.engine import runner as runner_module
+from mili_openai.engine.async_engine import AsyncEngine
+from mili_openai.engine.sampling_params import SamplingParams
+from mili_openai.kernels import cpu_supports_kernels, load_cpu_kernels
+
+pytestmark = pytest.mark.skipif(not cpu_supports_kernels(), reason="the CPU kernels need AVX512")
+
+PROMPT = [9707, 11, 847, 829, 374]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture
+def pending_build(monkeypatch):
+    """Kernels that look unbuilt to the runner, and a build the test finishes by hand."""
+    load_cpu_kernels()  # compiled (if need be) before the engine: the test then controls when they "finish"
+    build: Future[bool] = Future()
+    monkeypatch.setattr(runner_module, "cpu_kernels_built", lambda: False)
+    monkeypatch.setattr(runner_module, "build_cpu_kernels_in_background", lambda: build)
+    return build
+
+
+async def generate(engine: AsyncEngine, params: SamplingParams = GREEDY) -> list[int]:
+    tokens = []
+    async for delta in engine.submit(PROMPT, params):
+        tokens.extend(delta.token_ids)
+    return tokens
+
+
+SWITCH_POLLS, POLL_S = 6000, 0.01  # a bound, not a timing: the switch follows the build at once
+
+
+async def wait_for_switch(engine: AsyncEngine) -> None:
+    """Until the loop has switched (it does so as soon as it is idle)."""
+    for _ in range(SWITCH_POLLS):
+        if engine.core.runner.kernel_build is None:
+            return
+        await asyncio.sleep(POLL_S)
+    raise AssertionError("the engine never switched to the kernels")
+
+
+def test_serves_on_torch_ops_then_switches_when_idle(tiny_checkpoint, pending_build):
+    engine = AsyncEngine(EngineConfig(model=str(tiny_checkpoint), dtype="float32", num_pages=32,
+                                      cpu_kernels_in_background=True))
+    runner = engine.core.runner
+    assert runner.sampler.kernel is None and runner.kernel_build is pending_build
+    switched_with_sequences = []
+    switch = runner.switch_to_cpu_kernels
+
+    def recorded_switch() -> None:
+        switched_with_sequences.append(len(engine.core.sequences))
+        switch()
+
+    runner.switch_to_cpu_kernels = recorded_switch
+
+    async def scenario() -> tuple[list[int], list[int]]:
+        await engine.start()
+        try:
+            first = asyncio.create_task(generate(engine))
+            await asyncio.sleep(0)
+            pending_build.set_result(True)  # the build ends while the request may still run
+            before = await first
+            await wait_for_switch(engine)
+            return before, await generate(engine)
+        finally:
+            await engine.shutdown()
+
+    before, after = asyncio.run(scenario())
+    assert switched_with_sequences == [0]  # never under a running request
+    assert runner.sampler.kernel is load_cpu_kernels()
+    assert before == after  # greedy output is the same on either path (float32)
+
+
+def test_a_failed_build_keeps_torch_ops(tiny_checkpoint, pending_build):
+    engine = AsyncEngine(EngineConfig(model=str(tiny_checkpoint), dtype="float32", num_pages=32,
+                                      cpu_kernels_in_background=True))
+
+    async def scenario() -> list[int]:
+        await engine.start()
+        try:
+            pending_build.set_exception(RuntimeError("no compiler"))
+            await wait_for_switch(engine)
+            return await generate(engine)
+        finally:
+            await engine.shutdown()
+
+    assert len(asyncio.run(scenario())) == GREEDY.max_tokens
+    assert engine.core.runner.sampler.kernel is None
+
+
+def test_off_by_default_the_load_waits_for_the_kernels(tiny_checkpoint):
+    engine = AsyncEngine(EngineConfig(model=str(tiny_checkpoint), dtype="float32", num_pages=32))
+    assert engine.core.runner.kernel_build is None and engine.core.runner.sampler.kernel is load_cpu_kernels()
