@@ -24,7 +24,8 @@ def parse(*argv: str):
 
 def test_defaults_match_the_config_dataclasses():
     config = parse()
-    assert config == ServerConfig(engine=EngineConfig(), freeze_gc_after_load=True)  # `mili serve` only serves
+    # `mili serve` only serves, and a first start answers while the kernels compile
+    assert config == ServerConfig(engine=EngineConfig(cpu_kernels_in_background=True), freeze_gc_after_load=True)
 
 
 def test_every_flag_reaches_the_config():
@@ -36,7 +37,7 @@ def test_every_flag_reaches_the_config():
         "--max-num-seqs", "8", "--max-queue", "10", "--request-timeout", "30", "--max-body-bytes", "4096",
         "--cors-allow-origin", "https://a.example", "--cors-allow-origin", "https://b.example",
         "--shutdown-grace-period", "3", "--num-threads", "2", "--default-model-cache", "/tmp/cache",
-        "--log-level", "debug", "--generation-config", "none",
+        "--log-level", "debug", "--generation-config", "none", "--responses-store-size", "7",
         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}',
     )
     assert config == ServerConfig(
@@ -45,10 +46,11 @@ def test_every_flag_reaches_the_config():
                             max_num_batched_tokens=512, max_num_seqs=8, tensor_parallel_size=2,
                             max_model_len=1024, num_threads=2, default_model_cache="/tmp/cache",
                             generation_config="none",
-                            speculative_config=SpeculativeConfig(3, prompt_lookup_min=4, prompt_lookup_max=4)),
+                            speculative_config=SpeculativeConfig(3, prompt_lookup_min=4, prompt_lookup_max=4),
+                            cpu_kernels_in_background=True),
         host="0.0.0.0", port=9001, api_key="k", served_model_name="q", max_queue=10, request_timeout_s=30.0,
         max_body_bytes=4096, cors_allow_origins=("https://a.example", "https://b.example"), shutdown_grace_s=3.0,
-        log_level="debug", freeze_gc_after_load=True,
+        log_level="debug", freeze_gc_after_load=True, responses_store_size=7,
     )
 
 
