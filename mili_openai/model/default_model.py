@@ -3,9 +3,11 @@ checkpoint directory, or a Hugging Face hub id."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -20,6 +22,8 @@ DEFAULT_MODEL_DTYPE = torch.bfloat16  # what real Qwen3 checkpoints ship in; hal
 DEFAULT_MODEL_SHAPE = ModelShape(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
                                  num_key_value_heads=2, head_dim=64, max_position_embeddings=32768,
                                  tie_word_embeddings=True)
+logger = logging.getLogger(__name__)
+
 HUB_TIMEOUT_S = 5.0  # per metadata request: fail fast where no hub can be reached
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "merges.txt", "vocab.json", "tokenizer*"]
 
@@ -40,8 +44,11 @@ def default_model_path(cache_dir: str | None = None) -> Path:
         return final
     root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=root))
+    start = time.monotonic()
+    logger.info("building the embedded default model in %s (first start only)…", final)
     try:
         build_random_checkpoint(staging, DEFAULT_MODEL_SHAPE, seed=DEFAULT_MODEL_SEED, dtype=DEFAULT_MODEL_DTYPE)
+        logger.info("building the embedded default model… done in %.0f s", time.monotonic() - start)
         try:
             os.rename(staging, final)
         except OSError:

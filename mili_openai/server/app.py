@@ -58,6 +58,7 @@ def freeze_heap() -> None:
 
 async def load_engine(server: ServerState) -> None:
     """Build the engine on a thread (seconds of blocking work), then start its loop."""
+    logger.info("loading the model (/health says loading until it is served)")
     try:
         engine = await asyncio.to_thread(AsyncEngine, server.config.engine, server.metrics)
         await engine.start()
