@@ -14,6 +14,8 @@ Use from a test module by importing the fixtures (pytest picks up imported fixtu
 - `live_server(app)`: the context manager behind it, for tests that need their own config.
 - `served_engine(model, **engine_args)`: a fresh `AsyncEngine` on `model` (float32) behind a live server
   named "tiny"; yields (LiveServer, engine).
+- `scripted_server(tokenizer, script, name, **server_config)`: a `ScriptedEngine` (fake_engine.py) streaming
+  `script` behind a live server named `name`; the LiveServer's `.engine` is it, to change the script.
 - `asgi_client(engine, **server_config)`: an httpx.AsyncClient on `create_app(...)` in-process, lifespan run.
 - `sse_data(text)`: the `data:` payloads of an SSE body, in order.
 """
@@ -105,6 +107,18 @@ def served_engine(model: Any, **engine_args: Any) -> Iterator[tuple[LiveServer, 
     app = create_app(ServerConfig(served_model_name="tiny", request_timeout_s=60.0), engine=engine)
     with live_server(app) as live:
         yield live, engine
+
+
+@contextlib.contextmanager
+def scripted_server(tokenizer: Any, script: str, name: str, **server_config: Any) -> Iterator[LiveServer]:
+    from fake_engine import ScriptedEngine
+
+    from mili_openai.server.app import create_app
+
+    engine = ScriptedEngine(tokenizer, script, max_model_len=1024)
+    with live_server(create_app(ServerConfig(served_model_name=name, **server_config), engine=engine)) as live:
+        live.engine = engine
+        yield live
 
 
 # ---- in-process client and SSE parsing ----

@@ -14,10 +14,8 @@ import openai
 import orjson
 import pytest
 
-from fake_engine import ScriptedEngine
-from helpers_server import live_server, qwen_tokenizer  # noqa: F401
-from mili_openai.config import ServerConfig
-from mili_openai.server.app import create_app
+from helpers_server import qwen_tokenizer  # noqa: F401
+from helpers_server import scripted_server as serve_script
 
 MODEL = "scripted-qwen3"
 WEATHER_TOOL = {"type": "function", "function": {
@@ -29,17 +27,14 @@ THINKING_TEXT = "<think>\nThe user greets me.\n</think>\n\nHello there!"
 
 
 @pytest.fixture(scope="module")
-def scripted_server(qwen_tokenizer):  # noqa: F811
-    engine = ScriptedEngine(qwen_tokenizer, THINKING_TEXT, max_model_len=1024)
-    app = create_app(ServerConfig(served_model_name=MODEL), engine=engine)
-    with live_server(app) as live:
-        live.engine = engine
+def server(qwen_tokenizer):  # noqa: F811
+    with serve_script(qwen_tokenizer, THINKING_TEXT, MODEL) as live:
         yield live
 
 
 @pytest.fixture
-def client(scripted_server):
-    return openai.OpenAI(base_url=scripted_server.api_base, api_key="unused", max_retries=0)
+def client(server):
+    return openai.OpenAI(base_url=server.api_base, api_key="unused", max_retries=0)
 
 
 def chat(server, **body) -> httpx.Response:
@@ -58,8 +53,8 @@ def sse_events(response: httpx.Response) -> list:
     return events
 
 
-def test_reasoning_is_split_from_content(scripted_server, client):
-    scripted_server.engine.script = THINKING_TEXT
+def test_reasoning_is_split_from_content(server, client):
+    server.engine.script = THINKING_TEXT
     result = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     message = result.choices[0].message
     assert message.content == "Hello there!"
@@ -69,14 +64,14 @@ def test_reasoning_is_split_from_content(scripted_server, client):
     assert result.object == "chat.completion" and result.id.startswith("chatcmpl-")
 
 
-def test_include_reasoning_false_drops_the_thinking(scripted_server):
-    scripted_server.engine.script = THINKING_TEXT
-    message = chat(scripted_server, include_reasoning=False).json()["choices"][0]["message"]
+def test_include_reasoning_false_drops_the_thinking(server):
+    server.engine.script = THINKING_TEXT
+    message = chat(server, include_reasoning=False).json()["choices"][0]["message"]
     assert message["content"] == "Hello there!" and message["reasoning_content"] is None
 
 
-def test_tool_calls_are_parsed_with_finish_reason_tool_calls(scripted_server, client):
-    scripted_server.engine.script = TOOL_CALL_TEXT
+def test_tool_calls_are_parsed_with_finish_reason_tool_calls(server, client):
+    server.engine.script = TOOL_CALL_TEXT
     result = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "weather?"}],
                                             tools=[WEATHER_TOOL])
     choice = result.choices[0]
@@ -88,8 +83,8 @@ def test_tool_calls_are_parsed_with_finish_reason_tool_calls(scripted_server, cl
     assert all(c.id.startswith("call_") for c in calls) and calls[0].id != calls[1].id
 
 
-def test_streamed_tool_calls_accumulate_to_the_same_calls(scripted_server, client):
-    scripted_server.engine.script = TOOL_CALL_TEXT
+def test_streamed_tool_calls_accumulate_to_the_same_calls(server, client):
+    server.engine.script = TOOL_CALL_TEXT
     stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "weather?"}],
                                             tools=[WEATHER_TOOL], stream=True)
     content, calls, finishes, roles = "", {}, [], 0
@@ -110,28 +105,28 @@ def test_streamed_tool_calls_accumulate_to_the_same_calls(scripted_server, clien
     assert all(c["id"].startswith("call_") for c in calls.values())
 
 
-def test_tool_choice_none_leaves_the_text_alone_but_shows_the_tools(scripted_server):
-    scripted_server.engine.script = TOOL_CALL_TEXT
-    body = chat(scripted_server, tools=[WEATHER_TOOL], tool_choice="none").json()
+def test_tool_choice_none_leaves_the_text_alone_but_shows_the_tools(server):
+    server.engine.script = TOOL_CALL_TEXT
+    body = chat(server, tools=[WEATHER_TOOL], tool_choice="none").json()
     choice = body["choices"][0]
     assert choice["message"]["content"] == TOOL_CALL_TEXT and choice["message"]["tool_calls"] == []
     assert choice["finish_reason"] == "stop"
-    prompt = scripted_server.engine.tokenizer.decode(scripted_server.engine.submitted[-1][0])
+    prompt = server.engine.tokenizer.decode(server.engine.submitted[-1][0])
     assert "get_weather" in prompt  # as in vLLM: "none" still renders the tools into the prompt
 
 
-def test_parallel_tool_calls_false_keeps_the_first_call(scripted_server):
-    scripted_server.engine.script = TOOL_CALL_TEXT
-    message = chat(scripted_server, tools=[WEATHER_TOOL], parallel_tool_calls=False).json()["choices"][0]["message"]
+def test_parallel_tool_calls_false_keeps_the_first_call(server):
+    server.engine.script = TOOL_CALL_TEXT
+    message = chat(server, tools=[WEATHER_TOOL], parallel_tool_calls=False).json()["choices"][0]["message"]
     assert [json.loads(c["function"]["arguments"]) for c in message["tool_calls"]] == [{"city": "Paris"}]
 
 
-def test_named_tool_choice_sends_a_grammar_and_parses_the_call(scripted_server):
-    scripted_server.engine.script = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-    body = chat(scripted_server, tools=[WEATHER_TOOL],
+def test_named_tool_choice_sends_a_grammar_and_parses_the_call(server):
+    server.engine.script = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    body = chat(server, tools=[WEATHER_TOOL],
                 tool_choice={"type": "function", "function": {"name": "get_weather"}}).json()
-    prompt_ids, params, _ = scripted_server.engine.submitted[-1]
-    assert scripted_server.engine.tokenizer.decode(prompt_ids).endswith("<|im_start|>assistant\n")  # no prefill
+    prompt_ids, params, _ = server.engine.submitted[-1]
+    assert server.engine.tokenizer.decode(prompt_ids).endswith("<|im_start|>assistant\n")  # no prefill
     grammar = params.structured_outputs.grammar
     assert '"const": "get_weather"' in grammar and "call_1" not in grammar  # this function, one call
     assert params.structured_outputs.reasoning == "optional"  # the template lets Qwen3 think first
@@ -140,10 +135,10 @@ def test_named_tool_choice_sends_a_grammar_and_parses_the_call(scripted_server):
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
 
 
-def test_malformed_tool_call_comes_back_as_content(scripted_server):
-    scripted_server.engine.script = '<tool_call>\n{"name": "get_weather" "arguments": {"city": 1}}\n</tool_call>'
-    choice = chat(scripted_server, tools=[WEATHER_TOOL]).json()["choices"][0]
-    assert choice["message"]["content"] == scripted_server.engine.script
+def test_malformed_tool_call_comes_back_as_content(server):
+    server.engine.script = '<tool_call>\n{"name": "get_weather" "arguments": {"city": 1}}\n</tool_call>'
+    choice = chat(server, tools=[WEATHER_TOOL]).json()["choices"][0]
+    assert choice["message"]["content"] == server.engine.script
     assert choice["message"]["tool_calls"] == [] and choice["finish_reason"] == "stop"
 
 
@@ -163,8 +158,8 @@ def streamed_calls(stream) -> tuple[str, dict[int, dict], list[str], dict[int, i
     return content, calls, finishes, pieces
 
 
-def test_streamed_arguments_arrive_in_pieces(scripted_server, client):
-    scripted_server.engine.script = TOOL_CALL_TEXT
+def test_streamed_arguments_arrive_in_pieces(server, client):
+    server.engine.script = TOOL_CALL_TEXT
     stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "weather?"}],
                                             tools=[WEATHER_TOOL], stream=True)
     _, calls, _, pieces = streamed_calls(stream)
@@ -173,11 +168,11 @@ def test_streamed_arguments_arrive_in_pieces(scripted_server, client):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_call_cut_by_max_tokens_finishes_with_length_and_leaks_nothing(scripted_server, client, stream):
-    scripted_server.engine.script = TOOL_CALL_TEXT
-    tokens = scripted_server.engine.tokenizer.encode(TOOL_CALL_TEXT, add_special_tokens=False)
+def test_a_call_cut_by_max_tokens_finishes_with_length_and_leaks_nothing(server, client, stream):
+    server.engine.script = TOOL_CALL_TEXT
+    tokens = server.engine.tokenizer.encode(TOOL_CALL_TEXT, add_special_tokens=False)
     cut = TOOL_CALL_TEXT.index('"Rome"')  # inside the second call's arguments
-    max_tokens = next(n for n in range(len(tokens)) if len(scripted_server.engine.tokenizer.decode(tokens[:n])) >= cut)
+    max_tokens = next(n for n in range(len(tokens)) if len(server.engine.tokenizer.decode(tokens[:n])) >= cut)
     request = dict(model=MODEL, messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER_TOOL],
                    max_tokens=max_tokens)
     if not stream:
@@ -193,10 +188,10 @@ def test_a_call_cut_by_max_tokens_finishes_with_length_and_leaks_nothing(scripte
     assert calls[1]["name"] == "get_weather" and not calls[1]["arguments"].endswith("}")
 
 
-def test_a_call_cut_before_its_head_is_dropped(scripted_server):
-    scripted_server.engine.script = 'Sure.\n<tool_call>\n{"name": "get_weather", "argu'
+def test_a_call_cut_before_its_head_is_dropped(server):
+    server.engine.script = 'Sure.\n<tool_call>\n{"name": "get_weather", "argu'
     for stream in (False, True):
-        response = chat(scripted_server, tools=[WEATHER_TOOL], stream=stream)
+        response = chat(server, tools=[WEATHER_TOOL], stream=stream)
         if stream:
             deltas = [e["choices"][0]["delta"] for e in sse_events(response)[:-1] if e["choices"]]
             assert "".join(d.get("content", "") for d in deltas) == "Sure."
@@ -206,9 +201,9 @@ def test_a_call_cut_before_its_head_is_dropped(scripted_server):
             assert message["content"] == "Sure." and message["tool_calls"] == []
 
 
-def test_raw_sse_wire_format(scripted_server):
-    scripted_server.engine.script = THINKING_TEXT
-    response = chat(scripted_server, stream=True, n=2, stream_options={"include_usage": True}, logprobs=True,
+def test_raw_sse_wire_format(server):
+    server.engine.script = THINKING_TEXT
+    response = chat(server, stream=True, n=2, stream_options={"include_usage": True}, logprobs=True,
                     top_logprobs=1)
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
     assert response.text.replace("\r\n", "\n").rstrip("\n").endswith("data: [DONE]")
@@ -230,20 +225,20 @@ def test_raw_sse_wire_format(scripted_server):
     assert all(c["usage"] is None for c in chunks[:-1])
     usage = chunks[-1]["usage"]
     assert chunks[-1]["choices"] == []
-    num_tokens = len(scripted_server.engine.tokenizer.encode(THINKING_TEXT))
+    num_tokens = len(server.engine.tokenizer.encode(THINKING_TEXT))
     assert usage["completion_tokens"] == 2 * num_tokens
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
 
 
-def test_stream_without_usage_has_no_usage_key(scripted_server):
-    events = sse_events(chat(scripted_server, stream=True))
+def test_stream_without_usage_has_no_usage_key(server):
+    events = sse_events(chat(server, stream=True))
     assert all("usage" not in event for event in events[:-1])
 
 
-def test_non_streamed_response_shape(scripted_server):
-    scripted_server.engine.script = THINKING_TEXT
-    body = chat(scripted_server, logprobs=True, top_logprobs=2, max_completion_tokens=3).json()
+def test_non_streamed_response_shape(server):
+    server.engine.script = THINKING_TEXT
+    body = chat(server, logprobs=True, top_logprobs=2, max_completion_tokens=3).json()
     assert set(body) >= {"id", "object", "created", "model", "choices", "usage"}
     assert body["model"] == MODEL
     choice = body["choices"][0]
@@ -280,29 +275,29 @@ def test_non_streamed_response_shape(scripted_server):
                                         "function": {"name": "f", "arguments": "{not json"}}]}]}, "not valid JSON"),
     ],
 )
-def test_bad_requests_are_400_with_a_clear_message(scripted_server, body, needle):
-    response = chat(scripted_server, **body)
+def test_bad_requests_are_400_with_a_clear_message(server, body, needle):
+    response = chat(server, **body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert needle in error["message"] or needle == error["param"], error
     assert error["type"] == "invalid_request_error"
 
 
-def test_unknown_model_is_404(scripted_server):
-    assert chat(scripted_server, model="gpt-4").status_code == 404
+def test_unknown_model_is_404(server):
+    assert chat(server, model="gpt-4").status_code == 404
 
 
-def test_text_parts_and_developer_role_reach_the_template(scripted_server):
-    chat(scripted_server, messages=[{"role": "developer", "content": "Be brief."},
+def test_text_parts_and_developer_role_reach_the_template(server):
+    chat(server, messages=[{"role": "developer", "content": "Be brief."},
                                     {"role": "user", "content": [{"type": "text", "text": "Hel"},
                                                                  {"type": "text", "text": "lo"}]}])
-    prompt = scripted_server.engine.tokenizer.decode(scripted_server.engine.submitted[-1][0])
+    prompt = server.engine.tokenizer.decode(server.engine.submitted[-1][0])
     assert prompt.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello<|im_end|>")
 
 
-def test_chunk_events_serialise_with_orjson(scripted_server):
+def test_chunk_events_serialise_with_orjson(server):
     # the deltas carry only what they set; chunks keep finish_reason even when null
-    events = sse_events(chat(scripted_server, stream=True))
+    events = sse_events(chat(server, stream=True))
     assert all("finish_reason" in c["choices"][0] for c in events[:-1] if c["choices"])
     assert orjson.loads(orjson.dumps(events[1]))["choices"][0]["delta"].keys() <= {"content", "reasoning_content",
                                                                                     "reasoning", "tool_calls"}

@@ -11,10 +11,8 @@ import httpx
 import openai
 import pytest
 
-from fake_engine import ScriptedEngine
-from helpers_server import live_server, qwen_tokenizer  # noqa: F401
-from mili_openai.config import ServerConfig
-from mili_openai.server.app import create_app
+from helpers_server import qwen_tokenizer  # noqa: F401
+from helpers_server import scripted_server as serve_script
 from mili_openai.server.state import ResponseStore, StoredResponse
 
 MODEL = "scripted-qwen3"
@@ -26,40 +24,37 @@ WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Curre
 
 
 @pytest.fixture(scope="module")
-def scripted_server(qwen_tokenizer):  # noqa: F811
-    engine = ScriptedEngine(qwen_tokenizer, THINKING_TEXT, max_model_len=1024)
-    app = create_app(ServerConfig(served_model_name=MODEL, responses_store_size=8), engine=engine)
-    with live_server(app) as live:
-        live.engine = engine
+def server(qwen_tokenizer):  # noqa: F811
+    with serve_script(qwen_tokenizer, THINKING_TEXT, MODEL, responses_store_size=8) as live:
         yield live
 
 
 @pytest.fixture
-def client(scripted_server):
-    return openai.OpenAI(base_url=scripted_server.api_base, api_key="unused", max_retries=0)
+def client(server):
+    return openai.OpenAI(base_url=server.api_base, api_key="unused", max_retries=0)
 
 
 def last_prompt(server) -> str:
     return server.engine.tokenizer.decode(server.engine.submitted[-1][0])
 
 
-def test_reasoning_and_answer_come_as_items_with_usage(scripted_server, client):
-    scripted_server.engine.script = THINKING_TEXT
+def test_reasoning_and_answer_come_as_items_with_usage(server, client):
+    server.engine.script = THINKING_TEXT
     response = client.responses.create(model=MODEL, input="hi", instructions="Be brief.")
     assert response.status == "completed" and response.id.startswith("resp_")
     assert [item.type for item in response.output] == ["reasoning", "message"]
     assert response.output[0].content[0].text == "The user greets me."
     assert response.output_text == "Hello there!"
     usage = response.usage
-    assert usage.input_tokens == len(scripted_server.engine.submitted[-1][0]) and usage.input_tokens_details.cached_tokens == 0
-    assert usage.output_tokens == len(scripted_server.engine.tokenizer.encode(THINKING_TEXT))
+    assert usage.input_tokens == len(server.engine.submitted[-1][0]) and usage.input_tokens_details.cached_tokens == 0
+    assert usage.output_tokens == len(server.engine.tokenizer.encode(THINKING_TEXT))
     assert 0 < usage.output_tokens_details.reasoning_tokens < usage.output_tokens
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
-    assert last_prompt(scripted_server).startswith("<|im_start|>system\nBe brief.<|im_end|>")
+    assert last_prompt(server).startswith("<|im_start|>system\nBe brief.<|im_end|>")
 
 
-def test_stream_helper_assembles_the_same_response(scripted_server, client):
-    scripted_server.engine.script = THINKING_TEXT
+def test_stream_helper_assembles_the_same_response(server, client):
+    server.engine.script = THINKING_TEXT
     with client.responses.stream(model=MODEL, input="hi") as stream:
         events = list(stream)
         final = stream.get_final_response()
@@ -73,10 +68,10 @@ def test_stream_helper_assembles_the_same_response(scripted_server, client):
     assert final.usage.output_tokens_details.reasoning_tokens > 0
 
 
-def test_raw_stream_names_each_event(scripted_server):
-    scripted_server.engine.script = "Hello there!"
+def test_raw_stream_names_each_event(server):
+    server.engine.script = "Hello there!"
     body = {"model": MODEL, "input": "hi", "stream": True}
-    text = httpx.post(scripted_server.base_url + "/v1/responses", json=body, timeout=30).text
+    text = httpx.post(server.base_url + "/v1/responses", json=body, timeout=30).text
     names = [line[len("event: "):] for line in text.splitlines() if line.startswith("event: ")]
     datas = [json.loads(line[len("data: "):]) for line in text.splitlines()
              if line.startswith("data: ") and line != "data: [DONE]"]
@@ -88,8 +83,8 @@ def test_raw_stream_names_each_event(scripted_server):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_function_calls_are_items_with_arguments_in_pieces(scripted_server, client, stream):
-    scripted_server.engine.script = TOOL_CALL_TEXT
+def test_function_calls_are_items_with_arguments_in_pieces(server, client, stream):
+    server.engine.script = TOOL_CALL_TEXT
     request = dict(model=MODEL, input="weather in Paris and Rome?", tools=[WEATHER_TOOL])
     if stream:
         events = list(client.responses.create(**request, stream=True))
@@ -105,8 +100,8 @@ def test_function_calls_are_items_with_arguments_in_pieces(scripted_server, clie
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_max_output_tokens_makes_it_incomplete(scripted_server, client, stream):
-    scripted_server.engine.script = THINKING_TEXT
+def test_max_output_tokens_makes_it_incomplete(server, client, stream):
+    server.engine.script = THINKING_TEXT
     request = dict(model=MODEL, input="hi", max_output_tokens=3)
     response = (list(client.responses.create(**request, stream=True))[-1].response if stream
                 else client.responses.create(**request))
@@ -114,34 +109,34 @@ def test_max_output_tokens_makes_it_incomplete(scripted_server, client, stream):
     assert response.usage.output_tokens == 3
 
 
-def test_function_call_outputs_and_previous_response_continue_the_conversation(scripted_server, client):
-    scripted_server.engine.script = TOOL_CALL_TEXT
+def test_function_call_outputs_and_previous_response_continue_the_conversation(server, client):
+    server.engine.script = TOOL_CALL_TEXT
     first = client.responses.create(model=MODEL, input="weather in Paris?", tools=[WEATHER_TOOL])
     call = next(item for item in first.output if item.type == "function_call")
-    scripted_server.engine.script = "It is sunny."
+    server.engine.script = "It is sunny."
     second = client.responses.create(model=MODEL, previous_response_id=first.id, tools=[WEATHER_TOOL],
                                      input=[{"type": "function_call_output", "call_id": call.call_id,
                                              "output": "sunny, 21 C"}])
-    prompt = last_prompt(scripted_server)
+    prompt = last_prompt(server)
     assert "weather in Paris?" in prompt and '"city": "Paris"' in prompt
     assert "<tool_response>\nsunny, 21 C\n</tool_response>" in prompt
     assert second.previous_response_id == first.id and second.output_text == "It is sunny."
     assert client.responses.retrieve(second.id).output_text == "It is sunny."
 
 
-def test_a_whole_conversation_given_as_items(scripted_server, client):
-    scripted_server.engine.script = "Done."
+def test_a_whole_conversation_given_as_items(server, client):
+    server.engine.script = "Done."
     client.responses.create(model=MODEL, input=[
         {"role": "user", "content": [{"type": "input_text", "text": "weather?"}]},
         {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Oslo"}'},
         {"type": "function_call_output", "call_id": "call_1", "output": "rain"},
     ], tools=[WEATHER_TOOL])
-    prompt = last_prompt(scripted_server)
+    prompt = last_prompt(server)
     assert '{"name": "get_weather", "arguments": {"city": "Oslo"}}' in prompt and "rain" in prompt
 
 
-def test_store_false_is_not_kept_and_delete_forgets(scripted_server, client):
-    scripted_server.engine.script = "Hello there!"
+def test_store_false_is_not_kept_and_delete_forgets(server, client):
+    server.engine.script = "Hello there!"
     unstored = client.responses.create(model=MODEL, input="hi", store=False)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
@@ -171,7 +166,7 @@ def test_store_keeps_the_latest():
     ({"input": "hi", "background": True}, 400, "background"),
     ({"input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),
 ])
-def test_bad_requests_get_openai_errors(scripted_server, body, status, param):
-    response = httpx.post(scripted_server.base_url + "/v1/responses", json={"model": MODEL, **body}, timeout=30)
+def test_bad_requests_get_openai_errors(server, body, status, param):
+    response = httpx.post(server.base_url + "/v1/responses", json={"model": MODEL, **body}, timeout=30)
     assert response.status_code == status
     assert response.json()["error"]["param"] == param and response.json()["error"]["type"] == "invalid_request_error"
