@@ -267,7 +267,7 @@ def adopt_cpu_kernel_plan(plan: KernelPlan) -> None:
 
 
 def cpu_kernels_built() -> bool:
-    """Whether loading the kernels takes a moment rather than a compile (minutes on 2 cores): they are built
+    """Whether loading the kernels takes a moment rather than a compile (minutes): they are built
     for this checkout's sources, or this CPU cannot run them."""
     if not cpu_supports_kernels():
         return True
