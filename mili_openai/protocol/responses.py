@@ -60,6 +60,8 @@ class TextOptions(_Lenient):
 class ResponsesRequest(_Lenient):
     """The fields this server reads; OpenAI's others (metadata, include, truncation, ...) are ignored."""
 
+    model_config = ConfigDict(extra="ignore", strict=True)  # as the chat request: "5" is not a number
+
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
