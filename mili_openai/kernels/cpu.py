@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("bindings.cpp", "linear_bf16.cpp", "linear_amx.cpp", "paged_decode_attention.cpp",
            "decode_shared_amx.cpp", "paged_prefill_attention.cpp", "prefill_amx.cpp", "rms_norm_bf16.cpp",
-           "activation_bf16.cpp", "decode_stack.cpp", "sample_rows.cpp")
+           "activation_bf16.cpp", "moe_experts.cpp", "decode_stack.cpp", "sample_rows.cpp")
 QUANTIZED_SOURCES = ("linear_quantized.cpp", "linear_int8.cpp", "linear_int4.cpp")
 # not compiled on their own (torch's JIT hashes only the sources); the build's name hashes every file in csrc
 HEADERS = ("simd_bf16.h", "kernels.h", "prefill_products.h", "decode_blocks.h", "row_ranges.h", "amx_tiles.h",
@@ -121,6 +121,19 @@ class CpuKernels:
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """(..., 2I) with gate first -> bf16(bf16(silu(gate)) * up), (..., I)."""
         return self._module.silu_mul_bf16(gate_up.contiguous())
+
+    @staticmethod
+    def supports_fused_experts(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
+        """bf16 on CPU, hidden and each rank's expert intermediate size whole vectors (gate_up is (E, 2I, H))."""
+        return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and gate_up.dtype == torch.bfloat16
+                and x.shape[-1] % VECTOR_LANES == 0 and gate_up.shape[1] % (2 * VECTOR_LANES) == 0)
+
+    def fused_experts(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_ids: torch.Tensor,
+                      topk_weights: torch.Tensor) -> torch.Tensor:
+        """x (T, H); gate_up (E, 2I, H) gate rows first; down (E, H, I); routing (T, k) -> (T, H), with the
+        torch path's rounding (model/moe.py grouped_swiglu)."""
+        return self._module.moe_experts_bf16(x, gate_up, down, topk_ids, topk_weights.to(x.dtype),
+                                             self._bf16_dot_products)
 
     @staticmethod
     def supports_qk_norm_rope(qk: torch.Tensor) -> bool:

@@ -193,6 +193,7 @@ def use_cpu_kernels(model: Qwen3ForCausalLM, dtype: torch.dtype, kernels: CpuKer
         model.set_matmul(kernels.linear)
         model.set_quantized_matmul(kernels.quantized.linear)
         model.set_fused_op_kernel(kernels)
+        model.set_experts_kernel(kernels)
         model.set_decode_stack_kernel(kernels)
 
 

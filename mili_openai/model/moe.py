@@ -7,7 +7,8 @@ experts in float32, top-k, optionally renormalised (`norm_topk_prob`), weights c
 Experts are stacked per layer at load: `gate_up_proj` (E, 2I, H), gate rows first, and `down_proj` (E, H, I).
 The (token, expert) pairs are sorted by expert, so each expert runs one matmul over all its tokens: a
 Python loop over the experts that have tokens, never over tokens. On CUDA an `ExpertsKernel` (the Triton
-fused-MoE kernel) runs them all in two launches instead.
+fused-MoE kernel) runs them all in two launches instead, and on CPU with bf16 weights the compiled kernel in
+one call (kernels/csrc/moe_experts.cpp), which reads each routed expert once per step.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ from mili_openai.model.layers import FusedOpKernel, MatmulFn
 
 
 class ExpertsKernel(Protocol):
-    """Every routed (token, expert) pair's SwiGLU in grouped launches (see mili_openai.kernels.triton_moe)."""
+    """Every routed (token, expert) pair's SwiGLU in one or two calls (mili_openai.kernels.triton_moe on CUDA,
+    mili_openai.kernels.CpuKernels with bf16 weights on CPU)."""
+
+    def supports_fused_experts(self, x: torch.Tensor, gate_up: torch.Tensor) -> bool: ...
 
     def fused_experts(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_ids: torch.Tensor,
                       topk_weights: torch.Tensor) -> torch.Tensor: ...
@@ -86,10 +90,10 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.matmul: MatmulFn = F.linear
         self.kernel: FusedOpKernel | None = None  # SwiGLU's activation
-        self.experts_kernel: ExpertsKernel | None = None  # all experts at once (CUDA)
+        self.experts_kernel: ExpertsKernel | None = None  # all experts at once, where it takes the shapes
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        if self.experts_kernel is not None:
+        if self.experts_kernel is not None and self.experts_kernel.supports_fused_experts(x, self.gate_up_proj):
             return self.experts_kernel.fused_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
         return grouped_swiglu(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, self.matmul,
                               self._activation)

@@ -36,6 +36,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm with transformers' bf16 rounding", release_gil());
   m.def("qk_norm_rope_bf16", &qk_norm_rope_bf16, "per-head RMSNorm of q and k, then RoPE", release_gil());
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up over a fused gate/up projection's output", release_gil());
+  m.def("moe_experts_bf16", &moe_experts_bf16, "Qwen3-MoE's routed SwiGLU experts, weighted and summed per token, "
+        "each routed expert's weights read once; bf16_dot_products: multiply bf16 pairs (AVX512-BF16)", release_gil());
   m.def("sample_rows", &sample_rows, "temperature, top-k/top-p/min-p and one inverse-CDF draw per row of logits",
         release_gil());
   m.def("truncation_thresholds", &truncation_thresholds, "each row's lowest kept value after temperature and "

@@ -4,6 +4,11 @@
 #include <torch/extension.h>
 
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool bf16_dot_products, bool amx_tiles);
+// y[m, n] = x[m] . w[n] for x rows [0, M) (K apart) and weight rows [n_begin, n_end) (w rows K apart), y rows
+// ldy apart, on the calling thread; xb: bf16 x for pair products (AVX512-BF16), else xf: x widened to fp32.
+// Each block of weight rows is read once for all M rows (linear_bf16's tiles; callers block M for L2).
+void multiply_weight_rows(const at::BFloat16* xb, const float* xf, int64_t M, int64_t K, const at::BFloat16* w,
+                          at::BFloat16* y, int64_t ldy, int64_t n_begin, int64_t n_end);
 bool cpu_has_amx_tiles();  // AMX-BF16, with Linux's leave to use the tiles (asked once per process)
 bool amx_linear_fits(int64_t M, int64_t N, int64_t K);
 torch::Tensor linear_amx(const torch::Tensor& x, const torch::Tensor& w);
@@ -20,6 +25,9 @@ torch::Tensor qk_norm_rope_bf16(const torch::Tensor& qk, const torch::Tensor& q_
                                 int64_t num_q_heads, double eps, const torch::Tensor& cos,
                                 const torch::Tensor& signed_sin);
 torch::Tensor silu_mul_bf16(const torch::Tensor& gate_up);
+torch::Tensor moe_experts_bf16(const torch::Tensor& x, const torch::Tensor& gate_up, const torch::Tensor& down,
+                               const torch::Tensor& topk_ids, const torch::Tensor& topk_weights,
+                               bool bf16_dot_products);
 torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& top_k,
                           const torch::Tensor& top_p, const torch::Tensor& min_p, const torch::Tensor& uniform);
 torch::Tensor truncation_thresholds(const torch::Tensor& logits, const torch::Tensor& temperature,

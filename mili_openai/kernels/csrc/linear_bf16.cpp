@@ -220,6 +220,20 @@ inline void with_chunk_rows(int64_t rows, F&& f) {
 
 }  // namespace
 
+void multiply_weight_rows(const at::BFloat16* xb, const float* xf, int64_t M, int64_t K, const at::BFloat16* w,
+                          at::BFloat16* y, int64_t ldy, int64_t n_begin, int64_t n_end) {
+  const bool pairs = xb != nullptr;
+  for (int64_t n = n_begin; n < n_end; n += kRowsPerPass) {
+    const int64_t n_stop = std::min(n_end, n + kRowsPerPass);
+    for (int64_t m = 0; m < M; m += kMaxChunkRows) {
+      with_chunk_rows(M - m, [&](auto chunk) {
+        multiply_chunk<decltype(chunk)::value>(m == 0, pairs, pairs ? xb + m * K : nullptr,
+                                               pairs ? nullptr : xf + m * K, K, w, y + m * ldy, ldy, n, n_stop);
+      });
+    }
+  }
+}
+
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool bf16_dot_products, bool amx_tiles) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "linear_bf16: bf16 inputs only");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_bf16: CPU tensors only");
@@ -252,16 +266,8 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool b
     mili::RowRanges ranges(N, threads, kRowsPerPass);
     at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
       const auto multiply = [&](int64_t n_begin, int64_t n_end) {
-        for (int64_t n = n_begin; n < n_end; n += kRowsPerPass) {
-          const int64_t n_stop = std::min(n_end, n + kRowsPerPass);
-          for (int64_t m = m0; m < m_end; m += kMaxChunkRows) {
-            with_chunk_rows(m_end - m, [&](auto chunk) {
-              multiply_chunk<decltype(chunk)::value>(m == m0, pairs, pairs ? xb + m * K : nullptr,
-                                                     pairs ? nullptr : xf + m * K, K, wp, yp + m * N, N, n,
-                                                     n_stop);
-            });
-          }
-        }
+        multiply_weight_rows(pairs ? xb + m0 * K : nullptr, pairs ? nullptr : xf + m0 * K, m_end - m0, K, wp,
+                             yp + m0 * N, N, n_begin, n_end);
       };
       ranges.work_through(first, last, kOwnerBlockRows, kRowsPerPass, multiply);
     });

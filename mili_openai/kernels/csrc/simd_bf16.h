@@ -1,4 +1,4 @@
-// AVX-512 helpers shared by the CPU kernels: bf16 <-> fp32 in registers, exp for softmax/SiLU, and a
+// AVX-512 helpers shared by the CPU kernels: bf16 <-> fp32 in registers, exp for softmax, SiLU, and a
 // 16 x 16 transpose.
 #pragma once
 
@@ -49,6 +49,25 @@ inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);  // p * 2^n
+}
+
+// x * sigmoid(x) in fp32, with sigmoid from exp(-|x|) so the exponent never overflows.
+inline __m512 silu(__m512 x) {
+  const __m512 magnitude = _mm512_abs_ps(x);
+  const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), magnitude));
+  const __m512 denominator = _mm512_add_ps(_mm512_set1_ps(1.f), e);
+  const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+  const __m512 numerator = _mm512_mask_blend_ps(negative, _mm512_set1_ps(1.f), e);  // e/(1+e) below zero
+  return _mm512_mul_ps(x, _mm512_div_ps(numerator, denominator));
+}
+
+// SwiGLU's activation over one row, width a multiple of 16: out = bf16(bf16(silu(gate)) * up), transformers'
+// rounding points.
+inline void silu_mul_row(const at::BFloat16* gate, const at::BFloat16* up, at::BFloat16* out, int64_t width) {
+  for (int64_t i = 0; i < width; i += kLanes) {
+    const __m512 activated = round_bf16(silu(widen_bf16(gate + i)));
+    store_bf16(out + i, round_bf16(_mm512_mul_ps(activated, widen_bf16(up + i))));
+  }
 }
 
 // 16 x 16 dwords in place: r[i] lane j <- r[j] lane i (pairs within 128-bit lanes, then quads, then lanes).

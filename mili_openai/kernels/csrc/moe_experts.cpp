@@ -1,0 +1,194 @@
+// Qwen3-MoE's routed experts in one call for bf16 on AVX512 CPUs: every (token, expert) pair's SwiGLU,
+// weighted by the router and summed per token.
+//
+// The pairs are sorted by expert (a counting sort, token order within each expert), so each expert's
+// tokens are one block of rows that multiplies its weights once: a decode step reads each routed expert
+// once, whatever the batch, and a prefill chunk runs one matmul per expert. The matmuls are
+// linear_bf16's tiles (multiply_weight_rows). Work is split into units of contiguous weight rows of one
+// expert, spread over the threads like linear_bf16's rows (row_ranges.h), so both cores stream weights
+// even when one expert has all the tokens, and no Python loop runs over the experts.
+//
+// Rounding as transformers' eager experts: the gate/up projection rounded to bf16, silu rounded, the
+// product rounded; the down projection rounded, times the routing weight rounded; each token's k rows
+// summed in fp32 and rounded once.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "kernels.h"
+#include "row_ranges.h"
+#include "simd_bf16.h"
+
+namespace {
+
+using mili::kLanes;
+using BF16 = at::BFloat16;
+
+// Gate columns per unit of the first matmul (its gate and up rows, 2 x 32 weight rows), and output
+// columns per unit of the second: units of 128-256 KB of weights at Qwen3-30B-A3B's widths, enough of them
+// for two threads to balance.
+constexpr int64_t kGateColumnsPerUnit = 32;
+constexpr int64_t kDownRowsPerUnit = 64;
+constexpr int64_t kRowBlock = 64;  // pair rows multiplied per pass over a unit's weights (stay in L2)
+constexpr int64_t kUnitsClaimed = 2;  // units a thread claims at a time from its own range
+
+// The (token, expert) pairs sorted by expert.
+struct Routing {
+  std::vector<int64_t> expert_begin;  // (E + 1,): expert e's pairs are sorted rows [begin[e], begin[e + 1])
+  std::vector<int64_t> token_of;      // (P,): sorted row -> its token
+  std::vector<int64_t> row_of;        // (P,): pair t * k + j -> its sorted row
+};
+
+Routing sort_pairs(const int64_t* ids, int64_t pairs, int64_t top_k, int64_t experts) {
+  Routing routing{std::vector<int64_t>(experts + 1, 0), std::vector<int64_t>(pairs),
+                  std::vector<int64_t>(pairs)};
+  for (int64_t p = 0; p < pairs; ++p) {
+    TORCH_CHECK(ids[p] >= 0 && ids[p] < experts, "moe_experts_bf16: expert id ", ids[p], " outside [0, ",
+                experts, ")");
+    ++routing.expert_begin[ids[p] + 1];
+  }
+  for (int64_t e = 0; e < experts; ++e) routing.expert_begin[e + 1] += routing.expert_begin[e];
+  std::vector<int64_t> next(routing.expert_begin.begin(), routing.expert_begin.end() - 1);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t row = next[ids[p]]++;
+    routing.token_of[row] = p / top_k;
+    routing.row_of[p] = row;
+  }
+  return routing;
+}
+
+// A unit of work: weight rows [begin, end) of one expert (in the output dimension of its matmul).
+struct Unit {
+  int64_t expert, begin, end;
+};
+
+std::vector<Unit> split_units(const Routing& routing, int64_t experts, int64_t rows, int64_t rows_per_unit) {
+  std::vector<Unit> units;
+  for (int64_t e = 0; e < experts; ++e)
+    if (routing.expert_begin[e + 1] > routing.expert_begin[e])
+      for (int64_t r = 0; r < rows; r += rows_per_unit) units.push_back({e, r, std::min(rows, r + rows_per_unit)});
+  return units;
+}
+
+// run(unit) for every unit, over the threads: each takes a contiguous range of units, then helps the others.
+template <typename Run>
+void run_units(const std::vector<Unit>& units, Run&& run) {
+  const int64_t count = static_cast<int64_t>(units.size());
+  if (count == 0) return;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
+  mili::RowRanges ranges(count, threads, 1);
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+    ranges.work_through(first, last, kUnitsClaimed, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t u = begin; u < end; ++u) run(units[u]);
+    });
+  });
+}
+
+// x rows in sorted pair order (bf16, or widened to fp32 without pair products).
+template <typename T>
+torch::Tensor gather_rows(const BF16* x, int64_t width, const Routing& routing, at::ScalarType dtype) {
+  const int64_t pairs = static_cast<int64_t>(routing.token_of.size());
+  auto out = torch::empty({pairs, width}, torch::TensorOptions().dtype(dtype));
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      const BF16* src = x + routing.token_of[row] * width;
+      std::copy(src, src + width, op + row * width);  // BF16 -> float converts exactly
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+// x (T, H); gate_up (E, 2I, H), gate rows first; down (E, H, I); topk_ids (T, k) int64; topk_weights (T, k)
+// -> (T, H) = sum over j of topk_weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = topk_ids[t, j]
+torch::Tensor moe_experts_bf16(const torch::Tensor& x, const torch::Tensor& gate_up, const torch::Tensor& down,
+                               const torch::Tensor& topk_ids, const torch::Tensor& topk_weights,
+                               bool bf16_dot_products) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && gate_up.scalar_type() == at::kBFloat16 &&
+                  down.scalar_type() == at::kBFloat16 && topk_weights.scalar_type() == at::kBFloat16,
+              "moe_experts_bf16: bf16 activations, weights and routing weights only");
+  TORCH_CHECK(topk_ids.scalar_type() == at::kLong, "moe_experts_bf16: int64 expert ids");
+  TORCH_CHECK(x.device().is_cpu() && gate_up.device().is_cpu() && down.device().is_cpu(),
+              "moe_experts_bf16: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && gate_up.dim() == 3 && down.dim() == 3 && topk_ids.dim() == 2 &&
+                  topk_ids.sizes() == topk_weights.sizes() && topk_ids.size(0) == x.size(0),
+              "moe_experts_bf16: x (T, H), gate_up (E, 2I, H), down (E, H, I), topk ids and weights (T, k)");
+  TORCH_CHECK(gate_up.is_contiguous() && down.is_contiguous(), "moe_experts_bf16: contiguous expert weights");
+  TORCH_CHECK(!bf16_dot_products || cpu_has_bf16_dot_products(), "moe_experts_bf16: this CPU has no AVX512-BF16");
+  const int64_t tokens = x.size(0), hidden = x.size(1), top_k = topk_ids.size(1);
+  const int64_t experts = gate_up.size(0), intermediate = down.size(2);
+  TORCH_CHECK(gate_up.size(1) == 2 * intermediate && gate_up.size(2) == hidden && down.size(0) == experts &&
+                  down.size(1) == hidden,
+              "moe_experts_bf16: gate_up (E, 2I, H) and down (E, H, I) disagree");
+  TORCH_CHECK(hidden % kLanes == 0 && intermediate % kLanes == 0,
+              "moe_experts_bf16: hidden and intermediate sizes must be multiples of 16");
+  const bool pairs = bf16_dot_products;
+  const torch::Tensor xc = x.contiguous(), ids = topk_ids.contiguous(), weights = topk_weights.contiguous();
+  const Routing routing = sort_pairs(ids.data_ptr<int64_t>(), tokens * top_k, top_k, experts);
+  const int64_t rows = tokens * top_k;
+  const torch::Tensor xs = pairs ? gather_rows<BF16>(xc.data_ptr<BF16>(), hidden, routing, at::kBFloat16)
+                                 : gather_rows<float>(xc.data_ptr<BF16>(), hidden, routing, at::kFloat);
+  const BF16* gate_up_w = gate_up.data_ptr<BF16>();
+  const BF16* down_w = down.data_ptr<BF16>();
+
+  // First matmul and the activation: unit = gate columns [begin, end) of one expert, with their up rows.
+  auto activated = torch::empty({rows, intermediate}, x.options());
+  auto activated_f = pairs ? torch::Tensor() : torch::empty({rows, intermediate}, x.options().dtype(at::kFloat));
+  BF16* act = activated.data_ptr<BF16>();
+  run_units(split_units(routing, experts, intermediate, kGateColumnsPerUnit), [&](const Unit& unit) {
+    const int64_t width = unit.end - unit.begin;
+    const BF16* gate_rows = gate_up_w + (unit.expert * 2 * intermediate + unit.begin) * hidden;
+    const BF16* up_rows = gate_rows + intermediate * hidden;
+    BF16 products[kRowBlock * 2 * kGateColumnsPerUnit];  // a block's gate columns, then its up columns
+    const int64_t first = routing.expert_begin[unit.expert], last = routing.expert_begin[unit.expert + 1];
+    for (int64_t m = first; m < last; m += kRowBlock) {
+      const int64_t block = std::min(kRowBlock, last - m);
+      const BF16* xb = pairs ? xs.data_ptr<BF16>() + m * hidden : nullptr;
+      const float* xf = pairs ? nullptr : xs.data_ptr<float>() + m * hidden;
+      multiply_weight_rows(xb, xf, block, hidden, gate_rows, products, 2 * width, 0, width);
+      multiply_weight_rows(xb, xf, block, hidden, up_rows, products + width, 2 * width, 0, width);
+      for (int64_t r = 0; r < block; ++r) {
+        BF16* out = act + (m + r) * intermediate + unit.begin;
+        mili::silu_mul_row(products + r * 2 * width, products + r * 2 * width + width, out, width);
+        if (!pairs) std::copy(out, out + width, activated_f.data_ptr<float>() + (m + r) * intermediate + unit.begin);
+      }
+    }
+  });
+
+  // Second matmul: unit = output columns [begin, end) of one expert, written to its pairs' rows.
+  auto expert_out = torch::empty({rows, hidden}, x.options());
+  BF16* eo = expert_out.data_ptr<BF16>();
+  run_units(split_units(routing, experts, hidden, kDownRowsPerUnit), [&](const Unit& unit) {
+    const BF16* w = down_w + unit.expert * hidden * intermediate;
+    const int64_t first = routing.expert_begin[unit.expert], last = routing.expert_begin[unit.expert + 1];
+    for (int64_t m = first; m < last; m += kRowBlock) {
+      const int64_t block = std::min(kRowBlock, last - m);
+      multiply_weight_rows(pairs ? act + m * intermediate : nullptr,
+                           pairs ? nullptr : activated_f.data_ptr<float>() + m * intermediate, block, intermediate, w,
+                           eo + m * hidden, hidden, unit.begin, unit.end);
+    }
+  });
+
+  // Each token's k rows, weighted (rounded) and summed in fp32, rounded once.
+  auto out = torch::empty({tokens, hidden}, x.options());
+  BF16* op = out.data_ptr<BF16>();
+  const BF16* wp = weights.data_ptr<BF16>();
+  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t i = 0; i < hidden; i += kLanes) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t j = 0; j < top_k; ++j) {
+          const __m512 weight = _mm512_set1_ps(static_cast<float>(wp[t * top_k + j]));
+          const BF16* row = eo + routing.row_of[t * top_k + j] * hidden + i;
+          sum = _mm512_add_ps(sum, mili::round_bf16(_mm512_mul_ps(mili::widen_bf16(row), weight)));
+        }
+        mili::store_bf16(op + t * hidden + i, mili::round_bf16(sum));
+      }
+  });
+  return out;
+}
