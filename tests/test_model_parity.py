@@ -172,10 +172,12 @@ def test_bf16_as_close_to_the_float32_oracle_as_transformers_bf16(tiny_checkpoin
 
 
 @pytest.mark.skipif(not cpu_supports_kernels(), reason="this CPU has no AVX512")
-def test_compiled_decode_stack_matches_the_modules_bit_for_bit(tiny_checkpoint):
-    """Decode-only steps run every layer in one compiled call; logits and the K/V it writes are exactly
-    those of the same kernels called layer by layer from the modules."""
-    model, config = load_model(tiny_checkpoint, torch.bfloat16, torch.device("cpu"))
+@pytest.mark.parametrize("checkpoint", ["tiny_checkpoint", "tiny_moe_checkpoint"])
+def test_compiled_decode_stack_matches_the_modules_bit_for_bit(checkpoint, request):
+    """Decode-only steps run every layer in one compiled call, MoE blocks (among dense layers) included;
+    logits and the K/V it writes are exactly those of the same kernels called layer by layer from the
+    modules."""
+    model, config = load_model(request.getfixturevalue(checkpoint), torch.bfloat16, torch.device("cpu"))
     stack = model.model.decode_stack
     assert stack is not None
     tokens, steps = mixed_schedule()

@@ -1,5 +1,5 @@
-"""The compiled CPU MoE kernel (kernels/csrc/moe_experts.cpp) against the grouped torch path (model/moe.py) it
-replaces for bf16 weights on CPU (skipped where the CPU cannot run the kernels)."""
+"""The compiled CPU MoE kernels (kernels/csrc/moe_experts.cpp, moe_block.cpp) against the router and grouped
+torch path (model/moe.py) they replace for bf16 weights on CPU (skipped where the CPU cannot run the kernels)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from mili_openai.kernels import cpu_supports_kernels, load_cpu_kernels
-from mili_openai.model.moe import GroupedExperts, Router, grouped_swiglu
+from mili_openai.model.moe import Router, SparseMoeBlock, grouped_swiglu
 
 pytestmark = pytest.mark.skipif(not cpu_supports_kernels(), reason="this CPU has no AVX512")
 
@@ -81,7 +81,7 @@ def test_fused_experts_cover_every_pair_whatever_the_threads(kernels, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        got = kernels.fused_experts(x, gate_up, down, ids, weights)
+        got = kernels._module.moe_experts_bf16(x, gate_up, down, ids, weights, kernels.bf16_dot_products)
     finally:
         torch.set_num_threads(before)
     assert_matches_reference(got, reference(x, gate_up, down, ids, weights))
@@ -89,22 +89,48 @@ def test_fused_experts_cover_every_pair_whatever_the_threads(kernels, threads):
 
 def test_fused_experts_refuse_bad_routing(kernels):
     x, gate_up, down, ids, weights = routed(2, 4, 2, 32, 16, seed=1)
+    experts = kernels._module.moe_experts_bf16
     with pytest.raises(RuntimeError, match="outside"):
-        kernels.fused_experts(x, gate_up, down, torch.tensor([[0, 4], [1, 2]]), weights)
+        experts(x, gate_up, down, torch.tensor([[0, 4], [1, 2]]), weights, False)
     with pytest.raises(RuntimeError, match="int64"):
-        kernels.fused_experts(x, gate_up, down, ids.int(), weights)
+        experts(x, gate_up, down, ids.int(), weights, False)
 
 
-def test_grouped_experts_take_the_kernel_where_it_fits(kernels):
-    """bf16 with whole-vector widths runs the kernel; an intermediate size that is not (a tensor-parallel
-    slice of a small model) and fp32 keep the grouped torch path."""
-    experts = GroupedExperts(num_experts=4, hidden_size=64, intermediate_size=32).to(torch.bfloat16)
-    x, gate_up, down, ids, weights = routed(5, 4, 2, 64, 32, seed=3)
-    experts.gate_up_proj.data, experts.down_proj.data = gate_up, down
-    experts.experts_kernel = kernels
-    assert kernels.supports_fused_experts(x, experts.gate_up_proj)
+def rounded_routing(x: torch.Tensor, router: torch.Tensor, top_k: int, normalize: bool):
+    """model/moe.py's Router with the logits' matmul accumulated in fp32 and rounded once, as the kernel's."""
+    probs = torch.softmax(rounded_matmul(x, router), dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights.to(x.dtype), ids
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("tokens,num_experts,top_k", [(1, 8, 2), (16, 128, 8), (150, 16, 4)])
+def test_sparse_moe_routes_and_runs_the_experts(kernels, normalize, tokens, num_experts, top_k):
+    """The router's choice (softmax in fp32, top-k, renormalised or not) and the experts in one call; the
+    expert load gains every routed pair."""
+    x, gate_up, down, _, _ = routed(tokens, num_experts, top_k, 64, 32, seed=tokens + num_experts)
+    router = (torch.randn(num_experts, 64, generator=torch.Generator().manual_seed(tokens)) / 8).to(torch.bfloat16)
+    weights, ids = rounded_routing(x, router, top_k, normalize)
+    load = torch.zeros(num_experts, dtype=torch.int64)
+    got = kernels.sparse_moe(x, router, gate_up, down, top_k, normalize, load)
+    assert_matches_reference(got, reference(x, gate_up, down, ids, weights))
+    assert torch.equal(load, torch.bincount(ids.reshape(-1), minlength=num_experts))
+
+
+def test_sparse_block_takes_the_kernel_where_it_fits(kernels):
+    """A bf16 block with whole-vector widths runs the kernel and counts its load there; an intermediate size
+    that is not (a tensor-parallel slice of a small model) and fp32 keep the torch path."""
+    block = SparseMoeBlock(hidden_size=64, num_experts=8, top_k=2, intermediate_size=32, normalize=True)
+    x, gate_up, down, _, _ = routed(5, 8, 2, 64, 32, seed=3)
+    block.gate.weight.data = torch.randn(8, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    block.experts.gate_up_proj.data, block.experts.down_proj.data = gate_up, down
+    block.kernel = kernels
+    assert kernels.supports_sparse_moe(x, gate_up)
+    weights, ids = rounded_routing(x, block.gate.weight, 2, True)
     with torch.inference_mode():
-        assert_matches_reference(experts(x, ids, weights), reference(x, gate_up, down, ids, weights))
-    narrow = torch.empty(4, 2 * 8, 64, dtype=torch.bfloat16)
-    assert not kernels.supports_fused_experts(x, narrow)
-    assert not kernels.supports_fused_experts(x.float(), gate_up.float())
+        assert_matches_reference(block(x), reference(x, gate_up, down, ids, weights))
+    assert int(block.expert_load.sum()) == 5 * 2
+    assert not kernels.supports_sparse_moe(x, torch.empty(8, 2 * 8, 64, dtype=torch.bfloat16))
+    assert not kernels.supports_sparse_moe(x.float(), gate_up.float())

@@ -8,6 +8,7 @@ import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -21,11 +22,12 @@ logger = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("bindings.cpp", "linear_bf16.cpp", "linear_amx.cpp", "paged_decode_attention.cpp",
            "decode_shared_amx.cpp", "paged_prefill_attention.cpp", "prefill_amx.cpp", "rms_norm_bf16.cpp",
-           "activation_bf16.cpp", "moe_experts.cpp", "decode_stack.cpp", "sample_rows.cpp")
+           "activation_bf16.cpp", "moe_experts.cpp", "moe_block.cpp", "decode_stack.cpp", "sample_rows.cpp")
 QUANTIZED_SOURCES = ("linear_quantized.cpp", "linear_int8.cpp", "linear_int4.cpp")
 # not compiled on their own (torch's JIT hashes only the sources); the build's name hashes every file in csrc
 HEADERS = ("simd_bf16.h", "kernels.h", "prefill_products.h", "decode_blocks.h", "row_ranges.h", "amx_tiles.h",
-           "decode_shared_amx.h", "decode_partials.h", "prefill_amx.h", "quantized_linear.h", "quantized_tiles.h")
+           "decode_shared_amx.h", "decode_partials.h", "prefill_amx.h", "quantized_linear.h", "quantized_tiles.h",
+           "moe.h")
 EXTENSION_PREFIX = "mili_cpu_kernels"
 # -fopenmp: without it ATen's parallel_for compiles to a serial loop inside the extension
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"]
@@ -37,6 +39,17 @@ ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # the attention kernel keeps a head in 
 ATTENTION_DTYPES = (torch.bfloat16, torch.float32)
 PREFILL_ATTENTION_MAX_GROUP = 64  # query heads per KV head: a prefill task spreads them over 64 lanes
 ROTARY_HEAD_DIM_MULTIPLE, MAX_ROTARY_HEAD_DIM = 32, 256  # the kernel rotates 16-lane halves on the stack
+
+
+class SparseMoeWeights(NamedTuple):
+    """A Qwen3-MoE layer's block as the decode stack takes it (see model/moe.py for the layouts)."""
+
+    router: torch.Tensor  # (E, H)
+    gate_up: torch.Tensor  # (E, 2I, H), gate rows first
+    down: torch.Tensor  # (E, H, I)
+    expert_load: torch.Tensor  # (E,) int64, gains each expert's routed pairs
+    top_k: int
+    normalize: bool
 
 
 def cpu_supports_kernels() -> bool:
@@ -123,17 +136,18 @@ class CpuKernels:
         return self._module.silu_mul_bf16(gate_up.contiguous())
 
     @staticmethod
-    def supports_fused_experts(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
+    def supports_sparse_moe(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
         """bf16 on CPU, hidden and each rank's expert intermediate size whole vectors (gate_up is (E, 2I, H))."""
         return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and gate_up.dtype == torch.bfloat16
                 and x.shape[-1] % VECTOR_LANES == 0 and gate_up.shape[1] % (2 * VECTOR_LANES) == 0)
 
-    def fused_experts(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_ids: torch.Tensor,
-                      topk_weights: torch.Tensor) -> torch.Tensor:
-        """x (T, H); gate_up (E, 2I, H) gate rows first; down (E, H, I); routing (T, k) -> (T, H), with the
-        torch path's rounding (model/moe.py grouped_swiglu)."""
-        return self._module.moe_experts_bf16(x, gate_up, down, topk_ids, topk_weights.to(x.dtype),
-                                             self._bf16_dot_products)
+    def sparse_moe(self, x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                   top_k: int, normalize: bool, expert_load: torch.Tensor) -> torch.Tensor:
+        """x (T, H), router (E, H), gate_up (E, 2I, H) gate rows first, down (E, H, I) -> (T, H), each routed
+        expert read once; `expert_load` (E,) int64 gains each expert's pairs. Rounds as the torch path does
+        (model/moe.py), the routing's ties aside."""
+        return self._module.sparse_moe_bf16(x, router.to(x.dtype).contiguous(), gate_up, down, top_k, normalize,
+                                            expert_load, self._bf16_dot_products)
 
     @staticmethod
     def supports_qk_norm_rope(qk: torch.Tensor) -> bool:
@@ -202,30 +216,36 @@ class CpuKernels:
         return self._module.truncation_thresholds(logits.contiguous(), temperature, top_k, top_p, min_p)
 
     def decode_stack(self, embedding: PackedWeights, norms: list[torch.Tensor], linears: list[PackedWeights],
-                     num_q_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                     scale: float) -> CpuDecodeStack | None:
+                     sparse: list[SparseMoeWeights | None], num_q_heads: int, num_kv_heads: int, head_dim: int,
+                     eps: float, scale: float) -> CpuDecodeStack | None:
         """The embedding lookup and every decoder layer of a decode step in one call, or None where a kernel
         cannot run the shapes or the weights.
 
-        norms: per layer input norm, q norm, k norm, post-attention norm; linears: per layer qkv, o, gate_up,
-        down (bf16, int8 or int4); embedding: bf16, or int8 rows (an LM head it is tied to).
+        norms: per layer input norm, q norm, k norm, post-attention norm; linears: per layer qkv, o, and for a
+        dense layer gate_up, down (bf16, int8 or int4); sparse: per layer its MoE block, or None (dense);
+        embedding: bf16, or int8 rows (an LM head it is tied to).
         """
-        hidden_size, intermediate_size = norms[0].shape[0], linears[3].in_features
+        hidden_size = norms[0].shape[0]
+        probe = torch.empty(1, hidden_size, dtype=torch.bfloat16)
         supported = (
             all(w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous() for w in norms)
             and all(self.quantized.supports(w) and w.weight.is_contiguous() for w in (embedding, *linears))
+            and all(self.supports_sparse_moe(probe, block.gate_up) for block in sparse if block is not None)
             and embedding.bits in (16, 8)
             and head_dim in ATTENTION_HEAD_DIMS
             and head_dim % ROTARY_HEAD_DIM_MULTIPLE == 0
             and hidden_size % VECTOR_LANES == 0
-            and intermediate_size % VECTOR_LANES == 0
+            and all(w.in_features % VECTOR_LANES == 0 for w in linears)
         )
         if not supported:
             return None
+        blocks = [self._module.SparseMoeLayer() if block is None else
+                  self._module.SparseMoeLayer(block.router.contiguous(), block.gate_up, block.down, block.expert_load,
+                                              block.top_k, block.normalize) for block in sparse]
         stack = self._module.DecodeStack(self._packed_linear(embedding), norms,
-                                         [self._packed_linear(w) for w in linears], num_q_heads, num_kv_heads,
-                                         head_dim, eps, scale, self._bf16_dot_products, self._amx_tiles,
-                                         self.plan.decode_prefetch_blocks)
+                                         [self._packed_linear(w) for w in linears], blocks, num_q_heads,
+                                         num_kv_heads, head_dim, eps, scale, self._bf16_dot_products,
+                                         self._amx_tiles, self.plan.decode_prefetch_blocks)
         return CpuDecodeStack(stack, self)
 
     def _packed_linear(self, packed: PackedWeights):

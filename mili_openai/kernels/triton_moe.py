@@ -110,10 +110,6 @@ class TritonMoe:
     """`ExpertsKernel` (model/moe.py) on CUDA."""
 
     @staticmethod
-    def supports_fused_experts(x: torch.Tensor, gate_up: torch.Tensor) -> bool:
-        return x.device.type == "cuda"
-
-    @staticmethod
     def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_ids: torch.Tensor,
                       topk_weights: torch.Tensor) -> torch.Tensor:
         """x (T, H); gate_up (E, 2I, H) gate rows first; down (E, H, I); routing (T, k) -> (T, H)."""

@@ -99,9 +99,10 @@ def load_model(
     as they load; a checkpoint that config.json declares quantized (fp8, awq, gptq) loads as it is stored
     (model/quantization/spec.py). `model.quantization` says which, if any. Dense models on one rank only.
     `use_decode_kernel`: on a CPU with AVX512, use the compiled kernels: decode and prefill attention from
-    the paged pool, and with bf16 weights the matmuls (dense and quantized), RMSNorms, q/k norm + RoPE and
-    SwiGLU's activation (the model falls back to torch when they cannot be built). `defer_cpu_kernels`: leave
-    them out; the caller builds them meanwhile and installs them later (`use_cpu_kernels`).
+    the paged pool, and with bf16 weights the matmuls (dense and quantized), RMSNorms, q/k norm + RoPE,
+    SwiGLU's activation and MoE blocks (the model falls back to torch when they cannot be built).
+    `defer_cpu_kernels`: leave them out; the caller builds them meanwhile and installs them later
+    (`use_cpu_kernels`).
     `attention_backend` (EngineConfig.attention_backend): "auto" runs the Triton kernels on CUDA where they
     take the model's shapes; "triton" insists on them (and takes the CPU under Triton's interpreter);
     "torch" keeps torch's SDPA on CUDA.
@@ -193,7 +194,7 @@ def use_cpu_kernels(model: Qwen3ForCausalLM, dtype: torch.dtype, kernels: CpuKer
         model.set_matmul(kernels.linear)
         model.set_quantized_matmul(kernels.quantized.linear)
         model.set_fused_op_kernel(kernels)
-        model.set_experts_kernel(kernels)
+        model.set_sparse_moe_kernel(kernels)
         model.set_decode_stack_kernel(kernels)
 
 

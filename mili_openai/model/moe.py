@@ -7,8 +7,8 @@ experts in float32, top-k, optionally renormalised (`norm_topk_prob`), weights c
 Experts are stacked per layer at load: `gate_up_proj` (E, 2I, H), gate rows first, and `down_proj` (E, H, I).
 The (token, expert) pairs are sorted by expert, so each expert runs one matmul over all its tokens: a
 Python loop over the experts that have tokens, never over tokens. On CUDA an `ExpertsKernel` (the Triton
-fused-MoE kernel) runs them all in two launches instead, and on CPU with bf16 weights the compiled kernel in
-one call (kernels/csrc/moe_experts.cpp), which reads each routed expert once per step.
+fused-MoE kernel) runs them all in two launches instead; on CPU with bf16 weights a compiled kernel runs the
+router and the experts in one call (kernels/csrc/moe_block.cpp), reading each routed expert once per step.
 """
 
 from __future__ import annotations
@@ -23,13 +23,19 @@ from mili_openai.model.layers import FusedOpKernel, MatmulFn
 
 
 class ExpertsKernel(Protocol):
-    """Every routed (token, expert) pair's SwiGLU in one or two calls (mili_openai.kernels.triton_moe on CUDA,
-    mili_openai.kernels.CpuKernels with bf16 weights on CPU)."""
-
-    def supports_fused_experts(self, x: torch.Tensor, gate_up: torch.Tensor) -> bool: ...
+    """Every routed (token, expert) pair's SwiGLU in grouped launches (see mili_openai.kernels.triton_moe)."""
 
     def fused_experts(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_ids: torch.Tensor,
                       topk_weights: torch.Tensor) -> torch.Tensor: ...
+
+
+class SparseMoeKernel(Protocol):
+    """The router and the experts of a sparse block in one compiled call (see mili_openai.kernels.CpuKernels)."""
+
+    def supports_sparse_moe(self, x: torch.Tensor, gate_up: torch.Tensor) -> bool: ...
+
+    def sparse_moe(self, x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                   top_k: int, normalize: bool, expert_load: torch.Tensor) -> torch.Tensor: ...
 
 
 class Router(nn.Module):
@@ -90,10 +96,10 @@ class GroupedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.matmul: MatmulFn = F.linear
         self.kernel: FusedOpKernel | None = None  # SwiGLU's activation
-        self.experts_kernel: ExpertsKernel | None = None  # all experts at once, where it takes the shapes
+        self.experts_kernel: ExpertsKernel | None = None  # all experts at once (CUDA)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        if self.experts_kernel is not None and self.experts_kernel.supports_fused_experts(x, self.gate_up_proj):
+        if self.experts_kernel is not None:
             return self.experts_kernel.fused_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
         return grouped_swiglu(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, self.matmul,
                               self._activation)
@@ -112,7 +118,8 @@ class GroupedExperts(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """Router + experts, with a running count of the (token, expert) pairs each expert received (the layer's
-    expert load, for debugging through `LLM.expert_load()`)."""
+    expert load, for debugging through `LLM.expert_load()`). `kernel` (Qwen3ForCausalLM.set_sparse_moe_kernel)
+    runs the whole block in one call where it takes the shapes."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  normalize: bool) -> None:
@@ -122,9 +129,14 @@ class SparseMoeBlock(nn.Module):
         # on CPU even when the model is built on the meta device; not in checkpoints; moves with .to()
         with torch.device("cpu"):
             self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+        self.kernel: SparseMoeKernel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, H) -> (T, H)."""
+        experts = self.experts
+        if self.kernel is not None and self.kernel.supports_sparse_moe(x, experts.gate_up_proj):
+            return self.kernel.sparse_moe(x, self.gate.weight, experts.gate_up_proj, experts.down_proj,
+                                          self.gate.top_k, self.gate.normalize, self.expert_load)
         weights, ids = self.gate(x)
         flat = ids.reshape(-1)
         self.expert_load.index_add_(0, flat, torch.ones_like(flat))  # no host sync: a CUDA graph replays it

@@ -20,13 +20,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from mili_openai.distributed import TensorParallelGroup
+from mili_openai.kernels.cpu import SparseMoeWeights
 from mili_openai.kernels.quantized import PackedWeights
 from mili_openai.model.attention import Qwen3Attention
 from mili_openai.model.batch import ForwardBatch
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.kv_cache import KVCache
 from mili_openai.model.layers import FusedOpKernel, Linear, MatmulFn, RMSNorm, SwiGLUMLP
-from mili_openai.model.moe import ExpertsKernel, GroupedExperts, SparseMoeBlock
+from mili_openai.model.moe import ExpertsKernel, GroupedExperts, SparseMoeBlock, SparseMoeKernel
 from mili_openai.model.paged_attention import AttentionKernel, PagedAttentionKernel
 from mili_openai.model.quantization.modules import QuantizedEmbedding, QuantizedLinear, QuantizedMatmulFn
 from mili_openai.model.rope import RotaryEmbedding, RotaryTable
@@ -45,8 +46,8 @@ class DecodeStack(Protocol):
 
 class DecodeStackKernel(Protocol):
     def decode_stack(self, embedding: PackedWeights, norms: list[torch.Tensor], linears: list[PackedWeights],
-                     num_q_heads: int, num_kv_heads: int, head_dim: int, eps: float,
-                     scale: float) -> DecodeStack | None: ...
+                     sparse: list[SparseMoeWeights | None], num_q_heads: int, num_kv_heads: int, head_dim: int,
+                     eps: float, scale: float) -> DecodeStack | None: ...
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -158,6 +159,12 @@ class Qwen3ForCausalLM(nn.Module):
             if isinstance(module, GroupedExperts):
                 module.experts_kernel = kernel
 
+    def set_sparse_moe_kernel(self, kernel: SparseMoeKernel | None) -> None:
+        """Run every sparse layer's router and experts in one compiled call (the CPU kernels, bf16)."""
+        for module in self.modules():
+            if isinstance(module, SparseMoeBlock):
+                module.kernel = kernel
+
     def set_attention_kernel(self, kernel: AttentionKernel | None) -> None:
         """Let decode rows and prefill chunks attend straight from the paged pool through a compiled kernel.
         One that reads page tables (`PagedAttentionKernel`) gets batches that carry them (`uses_page_tables`)."""
@@ -175,18 +182,28 @@ class Qwen3ForCausalLM(nn.Module):
 
     def set_decode_stack_kernel(self, kernel: DecodeStackKernel | None) -> None:
         """Run decode-only steps through every layer in one compiled call, with the same kernels and rounding
-        as the modules (set the matmul and fused-op kernels too, or the two paths round differently). Dense
-        single-rank models only: the compiled stack has neither experts nor collectives."""
-        if kernel is None or self.parallel is not None or self.config.moe is not None:
+        as the modules (set the matmul, fused-op and sparse-MoE kernels too, or the two paths round
+        differently). Single-rank models only: the compiled stack has no collectives."""
+        if kernel is None or self.parallel is not None:
             self.model.decode_stack = None
             return
         norms: list[torch.Tensor] = []
         linears: list[PackedWeights] = []
+        sparse: list[SparseMoeWeights | None] = []
         for layer in self.model.layers:
             attention, mlp = layer.self_attn, layer.mlp
             norms += [layer.input_layernorm.weight, attention.q_norm.weight, attention.k_norm.weight,
                       layer.post_attention_layernorm.weight]
-            modules = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            modules = [attention.qkv_proj, attention.o_proj]
+            if isinstance(mlp, SparseMoeBlock):
+                if mlp.kernel is None:  # the layer-by-layer path would run the torch experts: round alike
+                    self.model.decode_stack = None
+                    return
+                sparse.append(SparseMoeWeights(mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj,
+                                               mlp.expert_load, mlp.gate.top_k, mlp.gate.normalize))
+            else:
+                modules += [mlp.gate_up_proj, mlp.down_proj]
+                sparse.append(None)
             if not all(isinstance(module, Linear | QuantizedLinear) for module in modules):  # fp8: CUDA only
                 self.model.decode_stack = None
                 return
@@ -194,7 +211,7 @@ class Qwen3ForCausalLM(nn.Module):
         embed = self.model.embed_tokens
         embedding = embed.packed if isinstance(embed, QuantizedEmbedding) else PackedWeights(16, embed.weight)
         attention = self.model.layers[0].self_attn
-        self.model.decode_stack = kernel.decode_stack(embedding, norms, linears, attention.num_heads,
+        self.model.decode_stack = kernel.decode_stack(embedding, norms, linears, sparse, attention.num_heads,
                                                       attention.num_kv_heads, attention.head_dim,
                                                       self.config.rms_norm_eps, attention.scale)
 

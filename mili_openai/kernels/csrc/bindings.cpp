@@ -38,6 +38,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up over a fused gate/up projection's output", release_gil());
   m.def("moe_experts_bf16", &moe_experts_bf16, "Qwen3-MoE's routed SwiGLU experts, weighted and summed per token, "
         "each routed expert's weights read once; bf16_dot_products: multiply bf16 pairs (AVX512-BF16)", release_gil());
+  m.def("sparse_moe_bf16", &sparse_moe_bf16, "Qwen3-MoE's router and experts in one call; expert_load (E,) int64 "
+        "gains each expert's routed pairs", pybind11::arg("x"), pybind11::arg("router"), pybind11::arg("gate_up"),
+        pybind11::arg("down"), pybind11::arg("top_k"), pybind11::arg("normalize"), pybind11::arg("expert_load"),
+        pybind11::arg("bf16_dot_products"), release_gil());
   m.def("sample_rows", &sample_rows, "temperature, top-k/top-p/min-p and one inverse-CDF draw per row of logits",
         release_gil());
   m.def("truncation_thresholds", &truncation_thresholds, "each row's lowest kept value after temperature and "

@@ -15,15 +15,18 @@
 #include <vector>
 
 #include "kernels.h"
+#include "moe.h"
 #include "quantized_linear.h"
 
 namespace {
 
-constexpr int64_t kNormsPerLayer = 4, kLinearsPerLayer = 4;  // see DecodeStack's constructor for the order
+// see DecodeStack's constructor for the order; a sparse layer has no gate_up and down linears
+constexpr size_t kNormsPerLayer = 4, kLinearsPerLayer = 4, kSparseLinearsPerLayer = 2;
 
 struct LayerWeights {
   torch::Tensor input_norm, q_norm, k_norm, post_norm;
-  PackedLinear qkv, o, gate_up, down;
+  PackedLinear qkv, o, gate_up, down;  // a sparse layer's gate_up and down are empty
+  mili::SparseMoeLayer sparse;         // a Qwen3-MoE layer's router and experts (top_k 0: dense)
 };
 
 // Copy each token's K (from the rotated heads) and V (from the projection) into its pool slot.
@@ -43,27 +46,36 @@ void write_kv(const at::BFloat16* k, int64_t k_stride, const at::BFloat16* v, in
 class DecodeStack {
  public:
   // embedding (vocab, hidden), bf16 or int8 rows (an LM head it is tied to); per layer, norms: input_layernorm,
-  // q_norm, k_norm, post_attention_layernorm (bf16); linears: qkv_proj, o_proj, gate_up_proj, down_proj (bf16,
-  // int8 or int4). All held, not copied.
+  // q_norm, k_norm, post_attention_layernorm (bf16); linears: qkv_proj, o_proj, then a dense layer's
+  // gate_up_proj, down_proj (bf16, int8 or int4); sparse: per layer its MoE block (bf16), or none (top_k 0) for a
+  // dense layer. All held, not copied.
   DecodeStack(const PackedLinear& embedding, const std::vector<torch::Tensor>& norms,
-              const std::vector<PackedLinear>& linears, int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
-              double eps, double scale, bool bf16_dot_products, bool amx_tiles, int64_t prefetch_blocks)
+              const std::vector<PackedLinear>& linears, const std::vector<mili::SparseMoeLayer>& sparse,
+              int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+              bool bf16_dot_products, bool amx_tiles, int64_t prefetch_blocks)
       : embedding_(embedding), num_q_heads_(num_q_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
         eps_(eps), scale_(scale), bf16_dot_products_(bf16_dot_products), amx_tiles_(amx_tiles),
         prefetch_blocks_(prefetch_blocks) {
-    TORCH_CHECK(!norms.empty() && norms.size() % kNormsPerLayer == 0 &&
-                linears.size() / kLinearsPerLayer == norms.size() / kNormsPerLayer &&
-                linears.size() % kLinearsPerLayer == 0, "decode_stack: 4 norms and 4 linears per layer");
+    TORCH_CHECK(!norms.empty() && norms.size() % kNormsPerLayer == 0 && sparse.size() == norms.size() / kNormsPerLayer,
+                "decode_stack: 4 norms and one sparse block (or none) per layer");
     TORCH_CHECK(embedding.weight.dim() == 2 && (embedding.bits == 16 || embedding.bits == 8),
                 "decode_stack: embedding (vocab, hidden), bf16 or int8");
     for (const auto& w : norms) check_bf16(w);
-    for (const auto& w : linears) check_linear(w);
     check_linear(embedding);
     if (embedding.bits == 8) embedding_rows_ = packed_rows(embedding);
-    for (size_t i = 0, j = 0; i < norms.size(); i += kNormsPerLayer, j += kLinearsPerLayer) {
-      layers_.push_back({norms[i], norms[i + 1], norms[i + 2], norms[i + 3], linears[j], linears[j + 1],
-                         linears[j + 2], linears[j + 3]});
+    size_t next = 0;  // the next layer's first linear
+    for (size_t layer = 0; layer < sparse.size(); ++layer) {
+      const size_t count = sparse[layer].top_k > 0 ? kSparseLinearsPerLayer : kLinearsPerLayer;
+      TORCH_CHECK(next + count <= linears.size(), "decode_stack: too few linears for the layers");
+      for (size_t k = next; k < next + count; ++k) check_linear(linears[k]);
+      const size_t i = layer * kNormsPerLayer;
+      const PackedLinear none{16, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+      layers_.push_back({norms[i], norms[i + 1], norms[i + 2], norms[i + 3], linears[next], linears[next + 1],
+                         count == kLinearsPerLayer ? linears[next + 2] : none,
+                         count == kLinearsPerLayer ? linears[next + 3] : none, sparse[layer]});
+      next += count;
     }
+    TORCH_CHECK(next == linears.size(), "decode_stack: more linears than the layers take");
   }
 
   // input_ids (B,) int64; cos, signed_sin (B, 1, D); pools (layers, 2, slots, KV, D); slot_mapping (B,),
@@ -98,8 +110,14 @@ class DecodeStack {
                                                             amx_tiles_, prefetch_blocks_);  // (B, H, D)
       hidden = linear_packed(attended.view({tokens, num_q_heads_ * head_dim_}), w.o, bf16_dot_products_, amx_tiles_)
                    .add_(hidden);
-      const torch::Tensor gate_up =
-          linear_packed(rms_norm_bf16(hidden, w.post_norm, eps_), w.gate_up, bf16_dot_products_, amx_tiles_);
+      const torch::Tensor normed = rms_norm_bf16(hidden, w.post_norm, eps_);
+      if (w.sparse.top_k > 0) {
+        const mili::SparseMoeLayer& moe = w.sparse;
+        hidden = mili::sparse_moe_block(normed, moe.router, moe.gate_up, moe.down, moe.top_k, moe.normalize,
+                                        moe.expert_load, bf16_dot_products_).add_(hidden);
+        continue;
+      }
+      const torch::Tensor gate_up = linear_packed(normed, w.gate_up, bf16_dot_products_, amx_tiles_);
       hidden = linear_packed(silu_mul_bf16(gate_up), w.down, bf16_dot_products_, amx_tiles_).add_(hidden);
     }
     return hidden;
@@ -148,8 +166,16 @@ class DecodeStack {
 };
 
 void bind_decode_stack(pybind11::module& m) {
+  pybind11::class_<mili::SparseMoeLayer>(m, "SparseMoeLayer")
+      .def(pybind11::init<>())  // a dense layer
+      .def(pybind11::init([](torch::Tensor router, torch::Tensor gate_up, torch::Tensor down, torch::Tensor load,
+                             int64_t top_k, bool normalize) {
+        TORCH_CHECK(top_k >= 1, "SparseMoeLayer: top_k must be at least 1");
+        return mili::SparseMoeLayer{router, gate_up, down, load, top_k, normalize};
+      }));
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<const PackedLinear&, const std::vector<torch::Tensor>&, const std::vector<PackedLinear>&,
-                          int64_t, int64_t, int64_t, double, double, bool, bool, int64_t>())
+                          const std::vector<mili::SparseMoeLayer>&, int64_t, int64_t, int64_t, double, double, bool,
+                          bool, int64_t>())
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

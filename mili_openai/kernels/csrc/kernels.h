@@ -28,6 +28,9 @@ torch::Tensor silu_mul_bf16(const torch::Tensor& gate_up);
 torch::Tensor moe_experts_bf16(const torch::Tensor& x, const torch::Tensor& gate_up, const torch::Tensor& down,
                                const torch::Tensor& topk_ids, const torch::Tensor& topk_weights,
                                bool bf16_dot_products);
+torch::Tensor sparse_moe_bf16(const torch::Tensor& x, const torch::Tensor& router, const torch::Tensor& gate_up,
+                              const torch::Tensor& down, int64_t top_k, bool normalize,
+                              const torch::Tensor& expert_load, bool bf16_dot_products);
 torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& top_k,
                           const torch::Tensor& top_p, const torch::Tensor& min_p, const torch::Tensor& uniform);
 torch::Tensor truncation_thresholds(const torch::Tensor& logits, const torch::Tensor& temperature,

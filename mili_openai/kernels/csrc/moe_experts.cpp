@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "moe.h"
 #include "row_ranges.h"
 #include "simd_bf16.h"
 
@@ -34,6 +35,8 @@ constexpr int64_t kGateColumnsPerUnit = 32;
 constexpr int64_t kDownRowsPerUnit = 64;
 constexpr int64_t kRowBlock = 64;  // pair rows multiplied per pass over a unit's weights (stay in L2)
 constexpr int64_t kUnitsClaimed = 2;  // units a thread claims at a time from its own range
+// gathers and sums too small to be worth waking the other threads for (a decode step's) run on the caller
+constexpr int64_t kRowsPerTask = 256, kTokensPerTask = 64;
 
 // The (token, expert) pairs sorted by expert.
 struct Routing {
@@ -93,7 +96,7 @@ torch::Tensor gather_rows(const BF16* x, int64_t width, const Routing& routing, 
   const int64_t pairs = static_cast<int64_t>(routing.token_of.size());
   auto out = torch::empty({pairs, width}, torch::TensorOptions().dtype(dtype));
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, pairs, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, pairs, kRowsPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const BF16* src = x + routing.token_of[row] * width;
       std::copy(src, src + width, op + row * width);  // BF16 -> float converts exactly
@@ -104,35 +107,33 @@ torch::Tensor gather_rows(const BF16* x, int64_t width, const Routing& routing, 
 
 }  // namespace
 
-// x (T, H); gate_up (E, 2I, H), gate rows first; down (E, H, I); topk_ids (T, k) int64; topk_weights (T, k)
-// -> (T, H) = sum over j of topk_weights[t, j] * down_e(silu(gate_e x_t) * up_e x_t), e = topk_ids[t, j]
-torch::Tensor moe_experts_bf16(const torch::Tensor& x, const torch::Tensor& gate_up, const torch::Tensor& down,
-                               const torch::Tensor& topk_ids, const torch::Tensor& topk_weights,
-                               bool bf16_dot_products) {
+namespace mili {
+
+void check_experts(const torch::Tensor& x, const torch::Tensor& gate_up, const torch::Tensor& down,
+                   bool bf16_dot_products) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && gate_up.scalar_type() == at::kBFloat16 &&
-                  down.scalar_type() == at::kBFloat16 && topk_weights.scalar_type() == at::kBFloat16,
-              "moe_experts_bf16: bf16 activations, weights and routing weights only");
-  TORCH_CHECK(topk_ids.scalar_type() == at::kLong, "moe_experts_bf16: int64 expert ids");
-  TORCH_CHECK(x.device().is_cpu() && gate_up.device().is_cpu() && down.device().is_cpu(),
-              "moe_experts_bf16: CPU tensors only");
-  TORCH_CHECK(x.dim() == 2 && gate_up.dim() == 3 && down.dim() == 3 && topk_ids.dim() == 2 &&
-                  topk_ids.sizes() == topk_weights.sizes() && topk_ids.size(0) == x.size(0),
-              "moe_experts_bf16: x (T, H), gate_up (E, 2I, H), down (E, H, I), topk ids and weights (T, k)");
-  TORCH_CHECK(gate_up.is_contiguous() && down.is_contiguous(), "moe_experts_bf16: contiguous expert weights");
-  TORCH_CHECK(!bf16_dot_products || cpu_has_bf16_dot_products(), "moe_experts_bf16: this CPU has no AVX512-BF16");
-  const int64_t tokens = x.size(0), hidden = x.size(1), top_k = topk_ids.size(1);
+                  down.scalar_type() == at::kBFloat16, "moe: bf16 activations and expert weights only");
+  TORCH_CHECK(x.device().is_cpu() && gate_up.device().is_cpu() && down.device().is_cpu(), "moe: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && gate_up.dim() == 3 && down.dim() == 3 && gate_up.size(0) == down.size(0) &&
+                  gate_up.size(1) == 2 * down.size(2) && gate_up.size(2) == x.size(1) && down.size(1) == x.size(1),
+              "moe: x (T, H), gate_up (E, 2I, H) and down (E, H, I)");
+  TORCH_CHECK(x.is_contiguous() && gate_up.is_contiguous() && down.is_contiguous(), "moe: contiguous tensors");
+  TORCH_CHECK(x.size(1) % kLanes == 0 && down.size(2) % kLanes == 0,
+              "moe: hidden and intermediate sizes must be multiples of 16");
+  TORCH_CHECK(!bf16_dot_products || cpu_has_bf16_dot_products(), "moe: this CPU has no AVX512-BF16");
+}
+
+torch::Tensor run_experts(const torch::Tensor& x, const torch::Tensor& gate_up, const torch::Tensor& down,
+                          const int64_t* ids, const at::BFloat16* wp, int64_t top_k, bool pairs,
+                          int64_t* expert_load) {
+  const int64_t tokens = x.size(0), hidden = x.size(1);
   const int64_t experts = gate_up.size(0), intermediate = down.size(2);
-  TORCH_CHECK(gate_up.size(1) == 2 * intermediate && gate_up.size(2) == hidden && down.size(0) == experts &&
-                  down.size(1) == hidden,
-              "moe_experts_bf16: gate_up (E, 2I, H) and down (E, H, I) disagree");
-  TORCH_CHECK(hidden % kLanes == 0 && intermediate % kLanes == 0,
-              "moe_experts_bf16: hidden and intermediate sizes must be multiples of 16");
-  const bool pairs = bf16_dot_products;
-  const torch::Tensor xc = x.contiguous(), ids = topk_ids.contiguous(), weights = topk_weights.contiguous();
-  const Routing routing = sort_pairs(ids.data_ptr<int64_t>(), tokens * top_k, top_k, experts);
+  const Routing routing = sort_pairs(ids, tokens * top_k, top_k, experts);
+  if (expert_load != nullptr)
+    for (int64_t e = 0; e < experts; ++e) expert_load[e] += routing.expert_begin[e + 1] - routing.expert_begin[e];
   const int64_t rows = tokens * top_k;
-  const torch::Tensor xs = pairs ? gather_rows<BF16>(xc.data_ptr<BF16>(), hidden, routing, at::kBFloat16)
-                                 : gather_rows<float>(xc.data_ptr<BF16>(), hidden, routing, at::kFloat);
+  const torch::Tensor xs = pairs ? gather_rows<BF16>(x.data_ptr<BF16>(), hidden, routing, at::kBFloat16)
+                                 : gather_rows<float>(x.data_ptr<BF16>(), hidden, routing, at::kFloat);
   const BF16* gate_up_w = gate_up.data_ptr<BF16>();
   const BF16* down_w = down.data_ptr<BF16>();
 
@@ -177,8 +178,7 @@ torch::Tensor moe_experts_bf16(const torch::Tensor& x, const torch::Tensor& gate
   // Each token's k rows, weighted (rounded) and summed in fp32, rounded once.
   auto out = torch::empty({tokens, hidden}, x.options());
   BF16* op = out.data_ptr<BF16>();
-  const BF16* wp = weights.data_ptr<BF16>();
-  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, kTokensPerTask, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t i = 0; i < hidden; i += kLanes) {
         __m512 sum = _mm512_setzero_ps();
@@ -191,4 +191,19 @@ torch::Tensor moe_experts_bf16(const torch::Tensor& x, const torch::Tensor& gate
       }
   });
   return out;
+}
+
+}  // namespace mili
+
+torch::Tensor moe_experts_bf16(const torch::Tensor& x, const torch::Tensor& gate_up, const torch::Tensor& down,
+                               const torch::Tensor& topk_ids, const torch::Tensor& topk_weights,
+                               bool bf16_dot_products) {
+  mili::check_experts(x, gate_up, down, bf16_dot_products);
+  TORCH_CHECK(topk_ids.scalar_type() == at::kLong && topk_weights.scalar_type() == at::kBFloat16,
+              "moe_experts_bf16: int64 expert ids and bf16 routing weights");
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.sizes() == topk_weights.sizes() && topk_ids.size(0) == x.size(0),
+              "moe_experts_bf16: topk ids and weights (T, k)");
+  const torch::Tensor ids = topk_ids.contiguous(), weights = topk_weights.contiguous();
+  return mili::run_experts(x, gate_up, down, ids.data_ptr<int64_t>(), weights.data_ptr<at::BFloat16>(),
+                           topk_ids.size(1), bf16_dot_products, nullptr);
 }
