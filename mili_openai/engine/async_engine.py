@@ -33,7 +33,7 @@ from mili_openai.config import EngineConfig
 from mili_openai.engine.client import RequestStream
 from mili_openai.engine.core import EngineCore
 from mili_openai.engine.outputs import EngineObserver, EngineStats, PageAccounting, SequenceDelta
-from mili_openai.engine.runner import PreparedStep
+from mili_openai.engine.step_preparer import PreparedStep
 from mili_openai.engine.sampling_params import SamplingParams
 from mili_openai.engine.scheduled_batch import ScheduledBatch
 

@@ -24,7 +24,8 @@ from mili_openai.engine.outputs import (
     merge_deltas,
 )
 from mili_openai.engine.parallel_sampling import ParentRequest, child_params
-from mili_openai.engine.runner import ModelRunner, PreparedStep
+from mili_openai.engine.runner import ModelRunner, Runner
+from mili_openai.engine.step_preparer import PreparedStep
 from mili_openai.engine.sampler import Sampler, SamplerOutput
 from mili_openai.engine.sampling_defaults import read_sampling_defaults
 from mili_openai.engine.sampling_params import SamplingDefaults, SamplingParams
@@ -35,7 +36,7 @@ from mili_openai.engine.structured_output import GrammarCompiler
 from mili_openai.model import resolve_model_path
 
 
-def make_runner(config: EngineConfig, model_path: Path) -> ModelRunner:
+def make_runner(config: EngineConfig, model_path: Path) -> Runner:
     """The model in this process, or sharded over `tensor_parallel_size` worker processes."""
     if config.tensor_parallel_size > 1:
         from mili_openai.engine.tp_runner import TensorParallelRunner  # spawns processes: only when asked
@@ -46,7 +47,7 @@ def make_runner(config: EngineConfig, model_path: Path) -> ModelRunner:
 
 class EngineCore:
     def __init__(
-        self, config: EngineConfig, runner: ModelRunner, tokenizer, observer: EngineObserver | None = None
+        self, config: EngineConfig, runner: Runner, tokenizer, observer: EngineObserver | None = None
     ) -> None:
         config = config.for_device(runner.device.type)  # the device is known only now
         self.config = config
@@ -181,7 +182,7 @@ class EngineCore:
         """The step after `running` (scheduled, not yet postprocessed), planned while it runs so the runner
         can start it the moment `running` ends; None where it must wait for `running`'s outputs
         (`Scheduler.can_plan_ahead`). Rows whose sampling reads their output so far (penalties,
-        min_tokens) get it with the pending token added on the forward thread (`ModelRunner.prepare`).
+        min_tokens) get it with the pending token added on the forward thread (`StepPreparer.prepare`).
         """
         if not self.scheduler.can_plan_ahead(running):
             return None

@@ -9,26 +9,26 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from mili_openai.config import EngineConfig
 from mili_openai.distributed import TensorParallelGroup
-from mili_openai.engine.batch_builder import PromptScoring, build_forward_batch, pending_inputs, prompt_scorings
+from mili_openai.engine.batch_builder import PromptScoring
 from mili_openai.engine.cuda_graphs import AHEAD_CONTEXT, DecodeGraphs
 from mili_openai.engine.memory_budget import BYTES_PER_GIB, check_kv_cache_fits, log_memory, weight_bytes
 from mili_openai.engine.memory_profile import profile_gpu_memory
 from mili_openai.engine.outputs import TokenLogprob
-from mili_openai.engine.sampler import Sampler, SamplerOutput, SamplingRow, token_logprobs
+from mili_openai.engine.sampler import Sampler, SamplerOutput, token_logprobs
 from mili_openai.engine.scheduled_batch import ScheduledBatch
 from mili_openai.engine.sequence import Sequence
-from mili_openai.engine.step_inputs import forward_batch_to, stage_forward_batch
+from mili_openai.engine.step_inputs import forward_batch_to
+from mili_openai.engine.step_preparer import PreparedStep, StepPreparer
 from mili_openai.kernels import build_cpu_kernels_in_background, cpu_kernels_built, load_cpu_kernels
-from mili_openai.model import KVCache, load_model, resolve_dtype
+from mili_openai.model import KVCache, ModelConfig, load_model, resolve_dtype
 from mili_openai.model.loader import use_cpu_kernels
-from mili_openai.model.batch import ForwardBatch
 from mili_openai.model.tensor_parallel import shard_config
 
 logger = logging.getLogger(__name__)
@@ -44,21 +44,32 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-@dataclass(slots=True)
-class PreparedStep:
-    forward_batch: ForwardBatch
-    rows: list[SamplingRow]  # per sampling sequence, one, or one per row with drafts; in logits_indices order
-    # input rows whose token the step before is sampling, and that token's index among its samples
-    pending_rows: list[int] = field(default_factory=list)
-    pending_sources: list[int] = field(default_factory=list)
-    # sampling rows that read their output so far (penalties, min_tokens) and whose last token is one of
-    # those: the row's own copy of its output ids, which the pending token joins, and the token's index
-    pending_histories: list[tuple[list[int], int]] = field(default_factory=list)
-    prompt_scorings: list[PromptScoring] = field(default_factory=list)  # prompt tokens the step scores
-    staged: torch.Tensor | None = None  # on CUDA: the pinned buffer holding forward_batch's tensors
+class Runner(Protocol):
+    """What the engine needs of a model runner: `ModelRunner` (one process) or `TensorParallelRunner`."""
+
+    device: torch.device
+    model_config: ModelConfig
+    quantization: str | None  # None, or what the weights are (for /v1/models)
+    num_pages: int  # KV pages the engine may hand out
+    failure: str | None  # why the runner can run no more steps; None while it can
+    kernel_build: Future[bool] | None  # CPU kernels compiling meanwhile, to switch to once done; None: none
+
+    def switch_to_cpu_kernels(self) -> None:
+        """Run on the kernels `kernel_build` built (on the forward thread, between steps, while no sequence runs)."""
+
+    def prepare(self, batch: ScheduledBatch, sample_index: dict[Sequence, int] | None = None) -> PreparedStep:
+        """Build the step's inputs on the loop thread (StepPreparer.prepare)."""
+
+    def execute(self, step: PreparedStep) -> SamplerOutput:
+        """Run one step's forward and sampling on the worker thread."""
+
+    def expert_load(self) -> dict[int, list[int]]:
+        """{sparse layer: (token, expert) pairs each expert received since load}; empty for a dense model."""
 
 
 class ModelRunner:
+    """The model and its KV cache in this process (a `Runner`)."""
+
     # why this runner can run no more steps (None while it can): set by a tensor-parallel runner whose worker died
     failure: str | None = None
     # the CPU kernels compiling while the model runs on torch's ops (EngineConfig.cpu_kernels_in_background);
@@ -83,11 +94,11 @@ class ModelRunner:
         self.quantization = self.model.quantization  # None, or what the weights are
         self.page_size = config.page_size
         self.page_tables = self.model.uses_page_tables  # build page tables, not slot tables, for its kernel
+        self.steps = StepPreparer(self.device, self.page_size, self.page_tables, self.model.rotary_table())
         self.parallel = parallel
         # the KV heads this process holds: all of them, or a tensor-parallel rank's
         self.kv_config = shard_config(self.model_config, parallel.size) if parallel is not None else self.model_config
         self.num_pages = config.num_pages or self._pages_for_budget(config)
-        self._rotary_table = self.model.rotary_table()  # grown and read on the loop thread only
         # Dynamic NTK RoPE checks each forward's positions on the host, which a graph cannot capture
         use_graphs = (self.device.type == "cuda" and not config.enforce_eager
                       and self.model.model.rotary_emb.dynamic_limit is None)
@@ -112,9 +123,6 @@ class ModelRunner:
         if compiled_later:
             logger.info("serving on torch's ops until the CPU kernels are compiled")
             self.kernel_build = build_cpu_kernels_in_background()
-        # token ids sampled by the last step that ran; None after a failed step (the one after it, which
-        # may feed on them, fails too)
-        self._last_sampled: list[int] | None = []
 
     def switch_to_cpu_kernels(self) -> None:
         """Run on the compiled CPU kernels built in the background (`kernel_build` done): call on the forward
@@ -126,7 +134,7 @@ class ModelRunner:
             return
         use_cpu_kernels(self.model, self.dtype, kernels)
         self.sampler.kernel = kernels
-        self.page_tables = self.model.uses_page_tables
+        self.page_tables = self.steps.page_tables = self.model.uses_page_tables
         logger.info("switched to the compiled CPU kernels")
 
     def _max_model_len(self, config: EngineConfig, num_pages: int) -> int:
@@ -173,78 +181,13 @@ class ModelRunner:
                     config.max_num_seqs, "any context" if width else "contexts by bucket", time.perf_counter() - start)
 
     def prepare(self, batch: ScheduledBatch, sample_index: dict[Sequence, int] | None = None) -> PreparedStep:
-        """Build the step's inputs on the loop thread (it owns the sequences being read).
-
-        sample_index: for a step planned while another runs, each sequence's index among that step's
-        sampled rows, where decodes find the tokens still pending.
-        """
-        pending_rows, pending_sources = pending_inputs(batch, sample_index) if sample_index else ([], [])
-        pending_source_of = dict(zip(pending_rows, pending_sources))
-        rows, pending_histories = [], []
-        for index, seq in enumerate(batch.seqs):
-            if not batch.samples[index]:
-                continue
-            history = seq.output_token_ids
-            source = pending_source_of.get(index)
-            if source is not None and seq.params.reads_output_history:
-                # A copy: the loop appends the pending token to the sequence when its step is
-                # postprocessed, which may be before or after this step samples.
-                history = list(history)
-                pending_histories.append((history, source))
-            rows.append(SamplingRow(params=seq.params, generator=seq.generator,
-                                    prompt_token_ids=seq.prompt_token_ids, output_token_ids=history,
-                                    grammar=seq.grammar))
-            drafts = batch.drafts(index)
-            for count in range(1, len(drafts) + 1):
-                # the row after the count-th draft: its sample counts only if the drafts before it are
-                # accepted, so it samples as if they were (penalties and min_tokens see them)
-                draft_history = [*history, *drafts[:count]] if seq.params.reads_output_history else history
-                rows.append(SamplingRow(params=seq.params, generator=seq.generator,
-                                        prompt_token_ids=seq.prompt_token_ids, output_token_ids=draft_history))
-        forward_batch = build_forward_batch(batch, self.page_size, self.page_tables)
-        staged = None
-        if self.device.type == "cpu":
-            # here rather than in the forward: see `_feed_pending_tokens`
-            last_position = max(start + count - 1 for start, count in zip(batch.positions, batch.num_new_tokens))
-            with torch.inference_mode():
-                forward_batch.rotary = self._rotary_table(forward_batch.positions, last_position)
-        else:  # packed for one copy to the GPU, while the step before runs (step_inputs.py)
-            forward_batch, staged = stage_forward_batch(forward_batch)
-        return PreparedStep(forward_batch, rows, pending_rows, pending_sources, pending_histories,
-                            prompt_scorings(batch, forward_batch), staged)
+        return self.steps.prepare(batch, sample_index)
 
     def execute(self, step: PreparedStep) -> SamplerOutput:
-        """Run one step; steps run one after another on one thread, in the order they were scheduled."""
-        try:
-            output = self._execute(step)
-        except BaseException:
-            self._last_sampled = None
-            raise
-        self._last_sampled = output.token_ids
-        return output
-
-    def _feed_pending_tokens(self, step: PreparedStep) -> None:
-        """Put the tokens the step before sampled into this step's input ids, and into the output so far
-        of the rows whose sampling reads it (`PreparedStep.pending_histories`).
-
-        Through numpy, which keeps the GIL: from the end of one step (when the event loop wakes to
-        postprocess it) to the compiled decode stack of the next, this thread calls no torch op. Each
-        would release the GIL, the loop would take it for its Python, and the next forward would wait
-        that long to start.
-        """
-        if not step.pending_rows:
-            return
-        if self._last_sampled is None:
-            raise RuntimeError("the step before failed, so the tokens this step feeds on do not exist")
-        input_ids = step.forward_batch.input_ids.numpy()
-        for row, source in zip(step.pending_rows, step.pending_sources):
-            input_ids[row] = self._last_sampled[source]
-        for history, source in step.pending_histories:
-            history.append(self._last_sampled[source])
+        return self.steps.run(step, self._forward_and_sample)
 
     @torch.inference_mode()
-    def _execute(self, step: PreparedStep) -> SamplerOutput:
-        self._feed_pending_tokens(step)
+    def _forward_and_sample(self, step: PreparedStep) -> SamplerOutput:
         batch = forward_batch_to(step.forward_batch, self.device, step.staged)
         bucket = self.decode_graphs.bucket(batch) if self.decode_graphs is not None else None
         if bucket is not None:

@@ -1,9 +1,9 @@
-"""Tensor parallelism from the engine's side: `TensorParallelRunner` is the engine's `ModelRunner` when
+"""Tensor parallelism from the engine's side: `TensorParallelRunner` is the engine's `Runner` when
 `tensor_parallel_size` > 1, with the forward moved to N worker processes (engine/tp_worker.py).
 
 The engine process keeps everything else as with one device: the scheduler, the radix tree and the page
 table (which every rank shares, as the slots in each step's inputs), building each step's inputs
-(`ModelRunner.prepare`), feeding the tokens the step before sampled, and the sampler with each
+(`StepPreparer`, as `ModelRunner` does), feeding the tokens the step before sampled, and the sampler with each
 request's generator and grammar state. Only the forward and the logits run in the workers.
 
 Each step's inputs are encoded once and written to every worker's pipe, rather than broadcast by a
@@ -35,7 +35,10 @@ import torch
 import torch.multiprocessing
 
 from mili_openai.config import EngineConfig
-from mili_openai.engine.runner import ModelRunner, PreparedStep, resolve_device
+from mili_openai.engine.runner import resolve_device
+from mili_openai.engine.scheduled_batch import ScheduledBatch
+from mili_openai.engine.sequence import Sequence
+from mili_openai.engine.step_preparer import PreparedStep, StepPreparer
 from mili_openai.engine.sampler import Sampler, SamplerOutput
 from mili_openai.engine.tp_worker import (
     REPLYING_RANK,
@@ -214,13 +217,14 @@ class WorkerGroup:
             self._mark_failed(self._death(sentinels[ready[0]]))
 
 
-class TensorParallelRunner(ModelRunner):
-    """A `ModelRunner` whose model lives in `tensor_parallel_size` worker processes (see the module doc).
+class TensorParallelRunner:
+    """A `Runner` (engine/runner.py) whose model lives in `tensor_parallel_size` worker processes (see the module
+    doc): this process loads no weights and holds no KV cache. Steps are prepared as `ModelRunner`'s are, by
+    the same `StepPreparer`."""
 
-    `ModelRunner.__init__` is not called: this process loads no weights and holds no KV cache; it sets what
-    `prepare`, `execute` and the engine read."""
+    kernel_build = None  # the workers load with the CPU kernels built: nothing to switch to later
 
-    def __init__(self, config: EngineConfig, model_path: Path) -> None:  # noqa: super-init-not-called
+    def __init__(self, config: EngineConfig, model_path: Path) -> None:
         size = config.tensor_parallel_size
         self.device = resolve_device(config.device)
         if self.device.type == "cuda" and torch.cuda.device_count() < size:
@@ -231,14 +235,10 @@ class TensorParallelRunner(ModelRunner):
         if config.quantization is not None or read_checkpoint_quantization(model_path) is not None:
             raise ValueError("quantized weights run on one rank: not with tensor_parallel_size > 1 yet")
         self.quantization = None  # what /v1/models reports
-        self.dtype = resolve_dtype(config.dtype)
-        self.page_size = config.page_size
-        self._rotary_table = RotaryTable(RotaryEmbedding(self.model_config), self.dtype)
-        self.decode_graphs = None
+        dtype = resolve_dtype(config.dtype)
         cpu_kernels = load_cpu_kernels() if self.device.type == "cpu" else None
         self.sampler = Sampler(vocab_size=self.model_config.vocab_size, eos_token_ids=self.model_config.eos_token_ids,
                                device=self.device, seed=config.seed, kernel=cpu_kernels)
-        self._last_sampled: list[int] | None = []
         threads = config.num_threads
         if threads is None and self.device.type == "cpu":  # the cores shared out between the workers
             threads = max(1, torch.get_num_threads() // size)
@@ -247,6 +247,8 @@ class TensorParallelRunner(ModelRunner):
                                    cpu_kernels.plan if cpu_kernels is not None else None)
         ready = self.workers.ready[0]  # the ranks size the KV pool (each its own memory) and agree on it
         self.num_pages, self.page_tables = ready.num_pages, ready.page_tables
+        self.steps = StepPreparer(self.device, config.page_size, self.page_tables,
+                                  RotaryTable(RotaryEmbedding(self.model_config), dtype))
 
     @property
     def failure(self) -> str | None:
@@ -259,9 +261,18 @@ class TensorParallelRunner(ModelRunner):
     def expert_load(self) -> dict[int, list[int]]:
         return self.workers.request(ExpertLoadRequest(), ExpertLoadReply).expert_load
 
+    def switch_to_cpu_kernels(self) -> None:
+        """Nothing to switch: see `kernel_build`."""
+
+    def prepare(self, batch: ScheduledBatch, sample_index: dict[Sequence, int] | None = None) -> PreparedStep:
+        return self.steps.prepare(batch, sample_index)
+
+    def execute(self, step: PreparedStep) -> SamplerOutput:
+        """Send the step to every worker, and sample from rank 0's logits here."""
+        return self.steps.run(step, self._forward_and_sample)
+
     @torch.inference_mode()
-    def _execute(self, step: PreparedStep) -> SamplerOutput:
-        self._feed_pending_tokens(step)
+    def _forward_and_sample(self, step: PreparedStep) -> SamplerOutput:
         request = StepRequest(step.forward_batch, num_sampled=len(step.rows), prompt_scorings=step.prompt_scorings)
         reply: StepReply = self.workers.request(request, StepReply)
         scored = reply.prompt_logprobs

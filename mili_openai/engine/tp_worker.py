@@ -115,7 +115,7 @@ def decode(data: bytes) -> Any:
 @torch.inference_mode()
 def run_step(runner: ModelRunner, request: StepRequest) -> StepReply:
     """One step on this rank's shard: the forward (from a CUDA graph where one fits), the prompt scoring and
-    the sampled rows' logits, as `ModelRunner._execute` computes them before sampling."""
+    the sampled rows' logits, as `ModelRunner._forward_and_sample` computes them before sampling."""
     batch = forward_batch_to(request.forward_batch, runner.device)
     graphs = runner.decode_graphs
     bucket = graphs.bucket(batch) if graphs is not None else None

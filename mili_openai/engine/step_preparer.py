@@ -1,0 +1,120 @@
+"""A step's inputs, built on the event loop's thread, and the tokens one step feeds the next: the part of a
+runner that the one-process `ModelRunner` and the `TensorParallelRunner` share (engine/runner.py,
+engine/tp_runner.py). Neither the model nor the KV cache is touched here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from mili_openai.engine.batch_builder import PromptScoring, build_forward_batch, pending_inputs, prompt_scorings
+from mili_openai.engine.sampler import SamplerOutput, SamplingRow
+from mili_openai.engine.scheduled_batch import ScheduledBatch
+from mili_openai.engine.sequence import Sequence
+from mili_openai.engine.step_inputs import stage_forward_batch
+from mili_openai.model.batch import ForwardBatch
+from mili_openai.model.rope import RotaryTable
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    forward_batch: ForwardBatch
+    rows: list[SamplingRow]  # per sampling sequence, one, or one per row with drafts; in logits_indices order
+    # input rows whose token the step before is sampling, and that token's index among its samples
+    pending_rows: list[int] = field(default_factory=list)
+    pending_sources: list[int] = field(default_factory=list)
+    # sampling rows that read their output so far (penalties, min_tokens) and whose last token is one of
+    # those: the row's own copy of its output ids, which the pending token joins, and the token's index
+    pending_histories: list[tuple[list[int], int]] = field(default_factory=list)
+    prompt_scorings: list[PromptScoring] = field(default_factory=list)  # prompt tokens the step scores
+    staged: torch.Tensor | None = None  # on CUDA: the pinned buffer holding forward_batch's tensors
+
+
+class StepPreparer:
+    """Builds `PreparedStep`s for a model with `page_size`-token pages (page tables rather than slot tables
+    where `page_tables`), and feeds each the tokens the step before it sampled."""
+
+    def __init__(self, device: torch.device, page_size: int, page_tables: bool, rotary_table: RotaryTable) -> None:
+        self.device = device
+        self.page_size = page_size
+        self.page_tables = page_tables
+        self.rotary_table = rotary_table  # grown and read on the loop thread only
+        # token ids sampled by the last step that ran; None after a failed step (the one after it, which
+        # may feed on them, fails too)
+        self._last_sampled: list[int] | None = []
+
+    def prepare(self, batch: ScheduledBatch, sample_index: dict[Sequence, int] | None = None) -> PreparedStep:
+        """Build the step's inputs on the loop thread (it owns the sequences being read).
+
+        sample_index: for a step planned while another runs, each sequence's index among that step's
+        sampled rows, where decodes find the tokens still pending.
+        """
+        pending_rows, pending_sources = pending_inputs(batch, sample_index) if sample_index else ([], [])
+        pending_source_of = dict(zip(pending_rows, pending_sources))
+        rows, pending_histories = [], []
+        for index, seq in enumerate(batch.seqs):
+            if not batch.samples[index]:
+                continue
+            history = seq.output_token_ids
+            source = pending_source_of.get(index)
+            if source is not None and seq.params.reads_output_history:
+                # A copy: the loop appends the pending token to the sequence when its step is
+                # postprocessed, which may be before or after this step samples.
+                history = list(history)
+                pending_histories.append((history, source))
+            rows.append(SamplingRow(params=seq.params, generator=seq.generator,
+                                    prompt_token_ids=seq.prompt_token_ids, output_token_ids=history,
+                                    grammar=seq.grammar))
+            drafts = batch.drafts(index)
+            for count in range(1, len(drafts) + 1):
+                # the row after the count-th draft: its sample counts only if the drafts before it are
+                # accepted, so it samples as if they were (penalties and min_tokens see them)
+                draft_history = [*history, *drafts[:count]] if seq.params.reads_output_history else history
+                rows.append(SamplingRow(params=seq.params, generator=seq.generator,
+                                        prompt_token_ids=seq.prompt_token_ids, output_token_ids=draft_history))
+        forward_batch = build_forward_batch(batch, self.page_size, self.page_tables)
+        staged = None
+        if self.device.type == "cpu":
+            # here rather than in the forward: see `_feed_pending_tokens`
+            last_position = max(start + count - 1 for start, count in zip(batch.positions, batch.num_new_tokens))
+            with torch.inference_mode():
+                forward_batch.rotary = self.rotary_table(forward_batch.positions, last_position)
+        else:  # packed for one copy to the GPU, while the step before runs (step_inputs.py)
+            forward_batch, staged = stage_forward_batch(forward_batch)
+        return PreparedStep(forward_batch, rows, pending_rows, pending_sources, pending_histories,
+                            prompt_scorings(batch, forward_batch), staged)
+
+    def run(self, step: PreparedStep, forward_and_sample: Callable[[PreparedStep], SamplerOutput]) -> SamplerOutput:
+        """Feed `step` the tokens the step before sampled, then run `forward_and_sample` on it, remembering what
+        it sampled (or that it failed) for the step after. Steps run one after another on one thread, in the
+        order they were scheduled."""
+        try:
+            self._feed_pending_tokens(step)
+            output = forward_and_sample(step)
+        except BaseException:
+            self._last_sampled = None
+            raise
+        self._last_sampled = output.token_ids
+        return output
+
+    def _feed_pending_tokens(self, step: PreparedStep) -> None:
+        """Put the tokens the step before sampled into this step's input ids, and into the output so far
+        of the rows whose sampling reads it (`PreparedStep.pending_histories`).
+
+        Through numpy, which keeps the GIL: from the end of one step (when the event loop wakes to
+        postprocess it) to the compiled decode stack of the next, this thread calls no torch op. Each
+        would release the GIL, the loop would take it for its Python, and the next forward would wait
+        that long to start.
+        """
+        if not step.pending_rows:
+            return
+        if self._last_sampled is None:
+            raise RuntimeError("the step before failed, so the tokens this step feeds on do not exist")
+        input_ids = step.forward_batch.input_ids.numpy()
+        for row, source in zip(step.pending_rows, step.pending_sources):
+            input_ids[row] = self._last_sampled[source]
+        for history, source in step.pending_histories:
+            history.append(self._last_sampled[source])
