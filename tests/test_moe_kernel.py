@@ -7,17 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mili_openai.kernels import cpu_supports_kernels, load_cpu_kernels
+from mili_openai.kernels import cpu_supports_kernels
 from mili_openai.model.moe import Router, SparseMoeBlock, grouped_swiglu
 
 pytestmark = pytest.mark.skipif(not cpu_supports_kernels(), reason="this CPU has no AVX512")
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    loaded = load_cpu_kernels()
-    assert loaded is not None, "the CPU supports AVX512 but the kernels did not build"
-    return loaded
 
 
 def routed(tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int, seed: int):

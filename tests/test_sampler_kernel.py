@@ -15,18 +15,11 @@ from mili_openai import LLM
 from mili_openai.engine import logits_processing as lp
 from mili_openai.engine.sampler import Sampler
 from mili_openai.engine.sampling_params import SamplingParams
-from mili_openai.kernels import cpu_supports_kernels, load_cpu_kernels
+from mili_openai.kernels import cpu_supports_kernels
 
 pytestmark = pytest.mark.skipif(not cpu_supports_kernels(), reason="this CPU has no AVX512")
 
 LARGE_VOCAB = 20000  # past the torch path's top-p candidates, with many tokens per histogram bucket
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    loaded = load_cpu_kernels()
-    assert loaded is not None, "the CPU supports AVX512 but the kernels did not build"
-    return loaded
 
 
 def kernel_sampler(kernels, seed: int = 0, vocab: int = VOCAB) -> Sampler:
