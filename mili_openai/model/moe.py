@@ -40,7 +40,9 @@ class SparseMoeKernel(Protocol):
 
 class Router(nn.Module):
     """The (E, H) gate. Its matmul is always torch's: with tensor parallelism every rank routes the same
-    replicated activations itself, and must pick the same experts, so no rank-local kernel choice may enter."""
+    replicated activations itself, and must pick the same experts, so no rank-local kernel choice may enter.
+    (The CPU `SparseMoeKernel` routes with its own matmul, whose result depends neither on a plan nor on the
+    threads: every rank picks alike there too.)"""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, normalize: bool) -> None:
         super().__init__()
