@@ -2,8 +2,8 @@
 // row: weight[n, k] stands for (level - zero) * scale of its group, zero a uint8 per group or 8 for all.
 //
 // Layout (kernels/quantized.py packs it): each 128 values of a row take 64 bytes, 32 little-endian words;
-// word j holds values j, 32 + j, 64 + j and 96 + j in its four nibbles, low to high. So one shift and one
-// mask give 32 levels in order, one per 16-bit lane, with no shuffle.
+// word j holds values j, 32 + j, 64 + j and 96 + j in its four nibbles, low to high. So one shift gives 32
+// levels in order, one per 16-bit lane, with no shuffle.
 //
 // Decoding (quantized_tiles.h multiplies): each group's 16 values bf16((level - zero) * scale) sit in one
 // register, built when a row's group starts, and VPERMW looks the 32 levels up in it: the bf16 weights the
@@ -11,6 +11,7 @@
 #include <torch/extension.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "quantized_linear.h"
@@ -20,25 +21,32 @@ namespace {
 
 using namespace mili::quantized;
 
-constexpr int64_t kBlock = 128;        // values per 64 packed bytes
+constexpr int64_t kBlock = kBlockValues;  // values per 64 packed bytes: a block of the tiles
 constexpr float kSymmetricZero = 8.f;  // where no zero points are stored: levels 0..15 stand for -8..7
 
-// bf16((level - zero) * scale) for levels 0..15, in the low half of a register (VPERMW reads its indices'
-// low five bits; the high half is never looked up).
-MILI_QUANTIZED inline __m512i level_table(float scale, float zero) {
+constexpr int64_t kGroupsAtOnce = 16;  // groups whose scales and zero points a row widens to fp32 at once
+
+// bf16((level - zero) * scale) for levels 0..15, as level * scale + offset with offset = -zero * scale (both
+// products exact, so one rounding, as the reference's), in both halves of a register: VPERMW reads its
+// indices' low five bits, so a shifted word's next nibble (bit 4 up) needs no mask.
+MILI_QUANTIZED inline __m512i level_table(float scale, float offset) {
   const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512 values = _mm512_mul_ps(_mm512_sub_ps(levels, _mm512_set1_ps(zero)), _mm512_set1_ps(scale));
-  return _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(values));
+  const __m512 values = _mm512_fmadd_ps(levels, _mm512_set1_ps(scale), _mm512_set1_ps(offset));
+  return (__m512i)_mm512_cvtne2ps_pbh(values, values);
 }
 
+// Rows whose groups are whole blocks (kWholeBlocks: 128 values or a multiple), or of 32 or 64 values.
+template <bool kWholeBlocks>
 struct Int4Decoder {
-  static constexpr int64_t kPrefetchValues = 1024;
+  static constexpr int64_t kBlockBytes = kBlockValues / 2;
   struct Row {
     const uint8_t* bytes;
     const uint16_t* scales;  // float16
     const uint8_t* zeros;    // nullptr: symmetric
     __m512i table;           // the group's level table
-    int64_t group_end = 0;   // where the group in `table` ends
+    int64_t group_end;       // where the group in `table` ends
+    uint64_t next_group;     // the group after it
+    alignas(64) float scale[kGroupsAtOnce], offset[kGroupsAtOnce];  // of 16 groups, from a multiple of 16
   };
 
   const uint8_t* weight;
@@ -47,20 +55,35 @@ struct Int4Decoder {
   int64_t K, groups, group;
 
   Row row(int64_t n) const {
-    return {weight + n * (K / 2), scales + n * groups, zeros ? zeros + n * groups : nullptr, _mm512_setzero_si512()};
+    Row row;
+    row.bytes = weight + n * (K / 2);
+    row.scales = scales + n * groups;
+    row.zeros = zeros ? zeros + n * groups : nullptr;
+    row.group_end = 0;
+    row.next_group = 0;
+    return row;
   }
   const char* address(const Row& row, int64_t k) const { return reinterpret_cast<const char*>(row.bytes + k / 2); }
 
-  MILI_QUANTIZED __m512i weights(Row& row, int64_t k) const {
-    if (k == row.group_end) {
-      const int64_t g = k / group;
-      row.table = level_table(_cvtsh_ss(row.scales[g]), row.zeros ? static_cast<float>(row.zeros[g]) : kSymmetricZero);
+  // The row's groups [first, first + 16) (those it has): scales and offsets in fp32, one conversion for all.
+  MILI_QUANTIZED void widen_groups(Row& row, int64_t first) const {
+    const __mmask16 have = static_cast<__mmask16>((1u << std::min<int64_t>(kGroupsAtOnce, groups - first)) - 1);
+    const __m512 scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(have, row.scales + first));
+    const __m512 zero = row.zeros ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(have, row.zeros + first)))
+                                  : _mm512_set1_ps(kSymmetricZero);
+    _mm512_store_ps(row.scale, scale);
+    _mm512_store_ps(row.offset, _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(zero, scale)));
+  }
+
+  MILI_QUANTIZED __m512i weights(Row& row, int64_t block, int u) const {
+    if ((!kWholeBlocks || u == 0) && block + u * kPairLanes == row.group_end) {  // the next group starts
+      const uint64_t g = row.next_group++;
+      if (g % kGroupsAtOnce == 0) widen_groups(row, static_cast<int64_t>(g));
+      row.table = level_table(row.scale[g % kGroupsAtOnce], row.offset[g % kGroupsAtOnce]);
       row.group_end += group;
     }
-    const __m512i words = _mm512_loadu_si512(row.bytes + (k / kBlock) * (kBlock / 2));
-    const __m128i shift = _mm_cvtsi64_si128(4 * ((k % kBlock) / kPairLanes));
-    return _mm512_permutexvar_epi16(_mm512_and_si512(_mm512_srl_epi16(words, shift), _mm512_set1_epi16(0x000F)),
-                                    row.table);
+    const __m512i words = _mm512_loadu_si512(row.bytes + block / 2);
+    return _mm512_permutexvar_epi16(u == 0 ? words : _mm512_srli_epi16(words, 4 * u), row.table);
   }
 
   float finish(const Row&, float sum) const { return sum; }
@@ -86,19 +109,23 @@ class Int4Rows final : public QuantizedRows {
 
   void multiply(const torch::Tensor& x, const std::vector<torch::Tensor>&, int64_t begin, int64_t end,
                 at::BFloat16* y, int64_t ldy) const override {
-    multiply_rows(decoder(), x.data_ptr<at::BFloat16>(), x.size(0), K_, begin, end, y, ldy);
+    const auto* xb = x.data_ptr<at::BFloat16>();
+    if (group_ % kBlock == 0)
+      multiply_rows(decoder<true>(), xb, x.size(0), K_, begin, end, y, ldy);
+    else
+      multiply_rows(decoder<false>(), xb, x.size(0), K_, begin, end, y, ldy);
   }
 
-  MILI_QUANTIZED void dequantize(int64_t begin, int64_t end, at::BFloat16* out) const override {
-    const Int4Decoder d = decoder();
-    for (int64_t n = begin; n < end; ++n) {
-      auto row = d.row(n);
-      for (int64_t k = 0; k < K_; k += kPairLanes) _mm512_storeu_si512(out + (n - begin) * K_ + k, d.weights(row, k));
-    }
+  void dequantize(int64_t begin, int64_t end, at::BFloat16* out) const override {
+    if (group_ % kBlock == 0)
+      decode_rows(decoder<true>(), K_, begin, end, out);
+    else
+      decode_rows(decoder<false>(), K_, begin, end, out);
   }
 
  private:
-  Int4Decoder decoder() const {
+  template <bool kWholeBlocks>
+  Int4Decoder<kWholeBlocks> decoder() const {
     return {weight_.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales_.data_ptr<at::Half>()),
             zeros_.numel() ? zeros_.data_ptr<uint8_t>() : nullptr, K_, groups_, group_};
   }

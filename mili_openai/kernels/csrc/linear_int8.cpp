@@ -31,10 +31,10 @@ MILI_QUANTIZED inline __m512i scaled_pairs(const int8_t* p, __m512 scale) {
 // Rows with one scale each (kGrouped false) or a scale per group of `group` values.
 template <bool kGrouped>
 struct Int8Decoder {
-  static constexpr int64_t kPrefetchValues = 512;
+  static constexpr int64_t kBlockBytes = kBlockValues;
   struct Row {
     const int8_t* values;
-    const float* scales;
+    const float* scales;    // the row's scale; where grouped, the next group's
     __m512 scale;           // the group's, where grouped
     int64_t group_end = 0;  // where the group in `scale` ends
   };
@@ -46,10 +46,11 @@ struct Int8Decoder {
   Row row(int64_t n) const { return {weight + n * K, scales + n * groups, _mm512_setzero_ps()}; }
   const char* address(const Row& row, int64_t k) const { return reinterpret_cast<const char*>(row.values + k); }
 
-  MILI_QUANTIZED __m512i weights(Row& row, int64_t k) const {
+  MILI_QUANTIZED __m512i weights(Row& row, int64_t block, int u) const {
+    const int64_t k = block + u * kPairLanes;
     const int8_t* p = row.values + k;
     if constexpr (kGrouped) {
-      if (k == row.group_end) row.scale = _mm512_set1_ps(row.scales[k / group]), row.group_end += group;
+      if (k == row.group_end) row.scale = _mm512_set1_ps(*row.scales++), row.group_end += group;  // in order
       return scaled_pairs(p, row.scale);
     } else {
       return (__m512i)_mm512_cvtne2ps_pbh(widen_int8(p + kLanes), widen_int8(p));
@@ -83,12 +84,8 @@ class Int8Rows final : public QuantizedRows {
       multiply_rows(decoder<true>(), xb, x.size(0), K_, begin, end, y, ldy);
   }
 
-  MILI_QUANTIZED void dequantize(int64_t begin, int64_t end, at::BFloat16* out) const override {
-    auto d = decoder<true>();
-    for (int64_t n = begin; n < end; ++n) {
-      auto row = d.row(n);
-      for (int64_t k = 0; k < K_; k += kPairLanes) _mm512_storeu_si512(out + (n - begin) * K_ + k, d.weights(row, k));
-    }
+  void dequantize(int64_t begin, int64_t end, at::BFloat16* out) const override {
+    decode_rows(decoder<true>(), K_, begin, end, out);
   }
 
  private:

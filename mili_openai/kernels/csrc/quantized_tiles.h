@@ -4,9 +4,10 @@
 // x in the chunk; each x register by every weight row of the tile.
 //
 // A Decoder gives, for weight row n, a `Row` state (where its bytes are, its group's scale or table) and
-//   weights(row, k): the bf16 values k .. k + 31 of the row (k a multiple of 32, visited in order),
+//   weights(row, k, u): the bf16 values k + 32u .. k + 32u + 31 of the row (k a multiple of 128, u < 4;
+//     visited in order),
 //   finish(row, sum): the output from the fp32 sum of products (a per-row scale, or none),
-//   address(row, k): where value k's byte is, and kPrefetchValues: values per 512 bytes (the stream's nudge).
+//   address(row, k): where value k's byte is, and kBlockBytes: the bytes of a block of 128 values.
 #pragma once
 
 #include <torch/extension.h>
@@ -19,10 +20,14 @@ namespace mili::quantized {
 #define MILI_QUANTIZED __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c")))
 
 constexpr int64_t kPairLanes = 32;  // bf16 values per 512-bit register
+constexpr int kBlockRegisters = 4;  // registers of values per block: an int4 block's 64 bytes
+constexpr int64_t kBlockValues = kBlockRegisters * kPairLanes;
 constexpr int kMaxChunkRows = 8;    // rows of x per tile
-// One row of x streams the weights: ask for the bytes 4 and 8 KB ahead into L2 once per 512 bytes read
-// (Decoder::kPrefetchValues), the nudge that keeps the prefetchers ahead of linear_bf16's single-row stream.
-constexpr int64_t kStreamAheadBytes[] = {4096, 8192};
+// A tile of one weight row streams its bytes, and decodes them about as fast as memory delivers them: left
+// to the hardware prefetchers, the core waits on line after line, its decoding and the memory taking turns
+// rather than overlapping. So such a tile asks for every line it reads this far ahead, into L1.
+constexpr int64_t kStreamAheadBytes = 4096;
+constexpr int64_t kCacheLine = 64;
 
 // Weight rows per tile for MC rows of x: one row streams alone (2 rows of x too, the faster split for bf16
 // weights in linear_bf16); more share each load of x among several weight rows, within 32 registers
@@ -35,27 +40,30 @@ template <typename Decoder, int MC, int R>
 MILI_QUANTIZED inline void tile(const Decoder& d, const at::BFloat16* x, int64_t K, int64_t n, at::BFloat16* y,
                                 int64_t ldy) {
   constexpr int U = tile_unroll<MC>();
+  static_assert(kBlockRegisters % U == 0, "sums split evenly over a block");
   typename Decoder::Row rows[R];
   for (int r = 0; r < R; ++r) rows[r] = d.row(n + r);
   __m512 acc[U][MC][R];
   for (int u = 0; u < U; ++u)
     for (int m = 0; m < MC; ++m)
       for (int r = 0; r < R; ++r) acc[u][m][r] = _mm512_setzero_ps();
-  const auto step = [&](int64_t k, __m512 (&sums)[MC][R]) MILI_QUANTIZED {
+  const auto step = [&](int64_t k, int u, __m512 (&sums)[MC][R]) MILI_QUANTIZED {
     __m512i w[R];
-    for (int r = 0; r < R; ++r) w[r] = d.weights(rows[r], k);
+    for (int r = 0; r < R; ++r) w[r] = d.weights(rows[r], k, u);
     for (int m = 0; m < MC; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k);
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k + u * kPairLanes);
       for (int r = 0; r < R; ++r) sums[m][r] = _mm512_dpbf16_ps(sums[m][r], xv, (__m512bh)w[r]);
     }
   };
   int64_t k = 0;
-  for (; k + U * kPairLanes <= K; k += U * kPairLanes) {
-    if (MC == 1 && k % Decoder::kPrefetchValues == 0)
-      for (const int64_t ahead : kStreamAheadBytes) _mm_prefetch(d.address(rows[0], k) + ahead, _MM_HINT_T1);
-    for (int u = 0; u < U; ++u) step(k + u * kPairLanes, acc[u]);
+  for (; k + kBlockValues <= K; k += kBlockValues) {
+    if constexpr (R == 1)
+      for (int64_t line = 0; line < Decoder::kBlockBytes; line += kCacheLine)
+        _mm_prefetch(d.address(rows[0], k) + line + kStreamAheadBytes, _MM_HINT_T0);
+    for (int u = 0; u < kBlockRegisters; ++u) step(k, u, acc[u % U]);
   }
-  for (; k < K; k += kPairLanes) step(k, acc[0]);  // K is a multiple of 32 * U except for a few shapes
+  for (int u = 0; u < kBlockRegisters; ++u)  // int8 rows may end inside a block (u stays a constant: acc stays in registers)
+    if (k + u * kPairLanes < K) step(k, u, acc[u % U]);
   for (int m = 0; m < MC; ++m)
     for (int r = 0; r < R; ++r) {
       __m512 sum = acc[0][m][r];
@@ -92,6 +100,18 @@ void multiply_rows(const Decoder& d, const at::BFloat16* x, int64_t M, int64_t K
       case 7: rows_chunk<Decoder, 7>(d, xm, K, begin, end, ym, ldy); break;
       default: rows_chunk<Decoder, kMaxChunkRows>(d, xm, K, begin, end, ym, ldy); break;
     }
+  }
+}
+
+// Rows [begin, end) decoded to bf16, K values apart: the weights `multiply_rows` multiplies.
+template <typename Decoder>
+MILI_QUANTIZED void decode_rows(const Decoder& d, int64_t K, int64_t begin, int64_t end, at::BFloat16* out) {
+  for (int64_t n = begin; n < end; ++n) {
+    auto row = d.row(n);
+    at::BFloat16* o = out + (n - begin) * K;
+    for (int64_t k = 0; k < K; k += kBlockValues)
+      for (int u = 0; u < kBlockRegisters && k + u * kPairLanes < K; ++u)
+        _mm512_storeu_si512(o + k + u * kPairLanes, d.weights(row, k, u));
   }
 }
 
