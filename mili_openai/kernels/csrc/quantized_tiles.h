@@ -47,23 +47,22 @@ MILI_QUANTIZED inline void tile(const Decoder& d, const at::BFloat16* x, int64_t
   for (int u = 0; u < U; ++u)
     for (int m = 0; m < MC; ++m)
       for (int r = 0; r < R; ++r) acc[u][m][r] = _mm512_setzero_ps();
-  const auto step = [&](int64_t k, int u, __m512 (&sums)[MC][R]) MILI_QUANTIZED {
-    __m512i w[R];
-    for (int r = 0; r < R; ++r) w[r] = d.weights(rows[r], k, u);
-    for (int m = 0; m < MC; ++m) {
-      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k + u * kPairLanes);
-      for (int r = 0; r < R; ++r) sums[m][r] = _mm512_dpbf16_ps(sums[m][r], xv, (__m512bh)w[r]);
-    }
-  };
-  int64_t k = 0;
-  for (; k + kBlockValues <= K; k += kBlockValues) {
+  // One loop with the body written out: through a lambda GCC stored every updated sum to memory as well.
+  for (int64_t k = 0; k < K; k += kBlockValues) {
     if constexpr (R == 1)
       for (int64_t line = 0; line < Decoder::kBlockBytes; line += kCacheLine)
         _mm_prefetch(d.address(rows[0], k) + line + kStreamAheadBytes, _MM_HINT_T0);
-    for (int u = 0; u < kBlockRegisters; ++u) step(k, u, acc[u % U]);
+#pragma GCC unroll 4
+    for (int u = 0; u < kBlockRegisters; ++u) {
+      if (u > 0 && k + u * kPairLanes >= K) break;  // int8 rows may end inside a block
+      __m512i w[R];
+      for (int r = 0; r < R; ++r) w[r] = d.weights(rows[r], k, u);
+      for (int m = 0; m < MC; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k + u * kPairLanes);
+        for (int r = 0; r < R; ++r) acc[u % U][m][r] = _mm512_dpbf16_ps(acc[u % U][m][r], xv, (__m512bh)w[r]);
+      }
+    }
   }
-  for (int u = 0; u < kBlockRegisters; ++u)  // int8 rows may end inside a block (u stays a constant: acc stays in registers)
-    if (k + u * kPairLanes < K) step(k, u, acc[u % U]);
   for (int m = 0; m < MC; ++m)
     for (int r = 0; r < R; ++r) {
       __m512 sum = acc[0][m][r];
