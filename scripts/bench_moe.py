@@ -41,7 +41,13 @@ if importlib.util.find_spec("mili_openai") is None:  # a checkout without `pip i
 from mili_openai.bench.config import BenchConfig  # noqa: E402
 from mili_openai.bench.prompt_tokens import TOKENIZER_FILE  # noqa: E402
 from mili_openai.bench.runner import run_benchmark  # noqa: E402
-from mili_openai.bench.server_process import LOCALHOST, ServerProcess, ServerSpec, free_port  # noqa: E402
+from mili_openai.bench.server_process import (  # noqa: E402
+    LOCALHOST,
+    ServerProcess,
+    ServerSpec,
+    build_cpu_kernels_first,
+    free_port,
+)
 from mili_openai.model.checkpoint import QWEN3_30B_A3B_CONFIG, build_random_moe_checkpoint  # noqa: E402
 
 BATCHES = (1, 16)
@@ -155,6 +161,7 @@ def main() -> int:
     checkpoint = ensure_checkpoint(args.checkpoint, args.layers, args.seed)
     results = {}
     if "mili" not in args.skip:
+        build_cpu_kernels_first()
         results["mili"] = measure_mili(checkpoint, args, args.log_dir)
     if "transformers" not in args.skip:
         results["transformers"] = measure_transformers(checkpoint, args)

@@ -36,7 +36,7 @@ from compare_serving import (  # noqa: E402 (sibling)
 
 from mili_openai.bench.prompt_tokens import load_tokenizer  # noqa: E402
 from mili_openai.bench.runner import run_benchmark  # noqa: E402
-from mili_openai.bench.server_process import ServerProcess, free_port  # noqa: E402
+from mili_openai.bench.server_process import ServerProcess, build_cpu_kernels_first, free_port  # noqa: E402
 
 BASELINE = "mili"
 KV_CACHE_GB = "0.5"  # each server's pool: several are up at once; one 768-token stream needs ~90 MB
@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-results/quantized-interleaved.json"))
     args = parser.parse_args(argv)
     ensure_checkpoint(args.checkpoint, seed=0)
+    build_cpu_kernels_first()
     servers = [BASELINE, *(f"mili-{method}" for method in args.quantization)]
     tokenizer = load_tokenizer()
     w3 = single_stream_workload()

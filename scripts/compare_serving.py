@@ -56,7 +56,13 @@ from mili_openai.bench.config import BenchConfig  # noqa: E402
 from mili_openai.bench.prompt_tokens import TOKENIZER_FILE, load_tokenizer  # noqa: E402
 from mili_openai.bench.report import format_table, write_json  # noqa: E402
 from mili_openai.bench.runner import run_benchmark  # noqa: E402
-from mili_openai.bench.server_process import LOCALHOST, ServerProcess, ServerSpec, free_port  # noqa: E402
+from mili_openai.bench.server_process import (  # noqa: E402
+    LOCALHOST,
+    ServerProcess,
+    ServerSpec,
+    build_cpu_kernels_first,
+    free_port,
+)
 from serving_limits import measure_machine_limits, paired_rounds, render_limits, render_paired  # noqa: E402 (sibling)
 
 SERVERS = ("mili", "transformers")  # the first is "ours": ratios are mili ÷ peer
@@ -329,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = args.checkpoint or args.out_dir / f"qwen3-0.6b-random-seed{args.seed}"
     if not args.render_only:
         ensure_checkpoint(checkpoint, args.seed)
+        if args.device == "cpu":
+            build_cpu_kernels_first()
         tokenizer = load_tokenizer()
         workloads = [w for w in WORKLOADS if w.name in args.workloads]
         for server in servers:

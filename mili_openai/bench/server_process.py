@@ -23,6 +23,14 @@ LOG_TAIL_CHARS = 4000  # how much of the child's log an error message quotes
 LOCALHOST = "127.0.0.1"
 
 
+def build_cpu_kernels_first() -> None:
+    """Build the CPU kernels here, before a benchmark starts mili on CPU: a server that finds them unbuilt
+    answers on torch's ops while it compiles them (a first start), and the benchmark would time that."""
+    from mili_openai.kernels import load_cpu_kernels  # torch and the build only where a benchmark asks
+
+    load_cpu_kernels()
+
+
 def free_port(host: str = LOCALHOST) -> int:
     """A port the OS just handed out; another process could take it before the server binds (rare)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
