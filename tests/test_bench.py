@@ -31,17 +31,20 @@ def test_client_timings_against_fake_server(bench_tokenizer):
     assert s.output_tokens_source == SOURCE_USAGE and s.total_output_tokens == requests * output_len
     assert s.total_input_tokens == requests * 11  # usage's prompt_tokens wins over the dataset's count
     ideal_e2e = TTFT_S + (output_len - 1) * ITL_S
-    # Lower bounds are exact (sleeps never end early); upper bounds leave room for a busy 2-core machine
-    # while still catching unit slips (ms vs s) and counting errors.
-    assert TTFT_S <= s.ttft.p50_ms / 1000 < TTFT_S + 0.3
-    assert ITL_S * 0.9 <= s.tpot.mean_ms / 1000 < 2 * ITL_S
-    assert ITL_S * 0.9 <= s.itl.p50_ms / 1000 < 2 * ITL_S
-    assert ideal_e2e <= s.e2e.mean_ms / 1000 < ideal_e2e + 0.5
+    # Lower bounds are exact (sleeps never end early). The upper bounds hold on any machine, however busy:
+    # they catch only unit slips (ms read as s is 1000x), never how fast this machine happens to be.
+    slip = 1000 / 20
+    assert TTFT_S <= s.ttft.p50_ms / 1000 < TTFT_S * slip
+    assert ITL_S * 0.9 <= s.tpot.mean_ms / 1000 < ITL_S * slip
+    assert ITL_S * 0.9 <= s.itl.p50_ms / 1000 < ITL_S * slip
+    assert ideal_e2e <= s.e2e.mean_ms / 1000 < ideal_e2e * slip
     waves = requests // concurrency  # the cap makes the requests run in two waves
-    assert waves * ideal_e2e <= s.duration_s < waves * ideal_e2e + 1.0
+    assert waves * ideal_e2e <= s.duration_s < waves * ideal_e2e * slip
     assert s.request_throughput == pytest.approx(requests / s.duration_s)
     starts = sorted(r.start_s for r in run.results)
-    assert starts[concurrency - 1] < ideal_e2e <= starts[concurrency]  # 5th sent only once one finished
+    first_finish = min(r.start_s + r.e2e_s for r in run.results)
+    # the first wave is sent before any request finishes, the 5th only once one has
+    assert starts[concurrency - 1] < first_finish <= starts[concurrency] and ideal_e2e <= first_finish
 
 
 def test_failures_counted_and_reported(bench_tokenizer):
