@@ -24,22 +24,25 @@ def test_client_timings_against_fake_server(bench_tokenizer):
     with serve_in_thread(fake_openai_app()) as base_url:
         config = BenchConfig(base_url=base_url, num_requests=requests, concurrency=concurrency, input_len=16,
                              output_len=output_len, progress=False, warmup=1)
+        began = time.perf_counter()
         run = asyncio.run(run_benchmark(config, bench_tokenizer))
+        wall_s = time.perf_counter() - began  # the whole run, warm-up included, as this test saw it
     s = run.summary
     assert run.model == FAKE_MODEL and run.warmup_failed == 0
     assert (s.completed, s.failed) == (requests, 0)
     assert s.output_tokens_source == SOURCE_USAGE and s.total_output_tokens == requests * output_len
     assert s.total_input_tokens == requests * 11  # usage's prompt_tokens wins over the dataset's count
     ideal_e2e = TTFT_S + (output_len - 1) * ITL_S
-    # Lower bounds are exact (sleeps never end early). The upper bounds hold on any machine, however busy:
-    # they catch only unit slips (ms read as s is 1000x), never how fast this machine happens to be.
-    slip = 1000 / 20
-    assert TTFT_S <= s.ttft.p50_ms / 1000 < TTFT_S * slip
-    assert ITL_S * 0.9 <= s.tpot.mean_ms / 1000 < ITL_S * slip
-    assert ITL_S * 0.9 <= s.itl.p50_ms / 1000 < ITL_S * slip
-    assert ideal_e2e <= s.e2e.mean_ms / 1000 < ideal_e2e * slip
+    # Lower bounds are exact (sleeps never end early). Upper bounds are orderings that hold however busy the
+    # machine is (a part of a request within the request, a request within the run, the run within the wall
+    # time this test measured around it): they catch unit slips, never how fast the machine happens to be.
+    longest_s = max(r.e2e_s for r in run.results)
+    assert TTFT_S <= s.ttft.p50_ms / 1000 <= longest_s
+    assert ITL_S * 0.9 <= s.tpot.mean_ms / 1000 <= s.e2e.mean_ms / 1000
+    assert ITL_S * 0.9 <= s.itl.p50_ms / 1000 <= longest_s
+    assert ideal_e2e <= s.e2e.mean_ms / 1000 <= s.duration_s
     waves = requests // concurrency  # the cap makes the requests run in two waves
-    assert waves * ideal_e2e <= s.duration_s < waves * ideal_e2e * slip
+    assert waves * ideal_e2e <= s.duration_s <= wall_s
     assert s.request_throughput == pytest.approx(requests / s.duration_s)
     starts = sorted(r.start_s for r in run.results)
     first_finish = min(r.start_s + r.e2e_s for r in run.results)
