@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from mili_openai.model.config import ModelConfig
 from mili_openai.model.layers import rms_normalize
 from mili_openai.model.rope import apply_rotary
 
@@ -56,6 +57,71 @@ def test_rms_norm_matches_the_torch_form(interpreter, dtype, width):
     assert_close_and_mostly_equal(actual, weight * rms_normalize(x, EPS))
 
 
+def _add_rms_norm(x, residual, weight, eps):
+    """The kernel's (h, normed), and x after the call: h is written over it."""
+    h, normed = _call_pair("add_rms_norm", x, residual, weight, eps)
+    return h, normed, x
+
+
+def _call_pair(op: str, *args):
+    from mili_openai.kernels.triton_fused_ops import TritonFusedOps
+
+    kernel = TritonFusedOps()
+    assert kernel.device_type == "cpu", "the interpreter did not take over"
+    assert getattr(kernel, f"supports_{op}")(args[0], args[1])
+    return getattr(kernel, op)(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [64, 96])  # a power of two, and one the block masks
+def test_add_rms_norm_matches_the_torch_form(interpreter, dtype, width):
+    x = randn(2, 3, width, dtype=dtype, seed=7, scale=3.0)
+    residual = randn(2, 3, width, dtype=dtype, seed=8, scale=3.0)
+    weight = randn(width, dtype=dtype, seed=9) + 1
+    expected_h = x.clone().add_(residual)  # what the layers' torch form does to a projection's fresh output
+    # a copy: torch hands tensors to the worker process in shared memory, where the kernel writes h over x
+    h, normed, x_after = interpreter.submit(_add_rms_norm, x.clone(), residual, weight, EPS).result()
+    assert torch.equal(h, expected_h) and torch.equal(x_after, expected_h)  # one rounding of one sum: exact
+    assert_close_and_mostly_equal(normed, weight * rms_normalize(expected_h, EPS))
+
+
+def _model_hidden(checkpoint, residual_kernel: bool) -> tuple[torch.Tensor, int]:
+    """The tiny model's final hidden states over a two-sequence prefill, with the Triton residual add + norm
+    wired in or not; and how many times the kernel ran."""
+    from model_helpers import PagedSequences, random_tokens
+
+    from mili_openai.kernels.triton_fused_ops import TritonFusedOps
+    from mili_openai.model import KVCache, load_model
+
+    class Counting(TritonFusedOps):
+        calls = 0
+
+        def add_rms_norm(self, *args):
+            Counting.calls += 1
+            return super().add_rms_norm(*args)
+
+    model, config = load_model(checkpoint, torch.float32, torch.device("cpu"), use_decode_kernel=False)
+    if residual_kernel:
+        model.set_residual_norm_kernel(Counting())
+    pages = PagedSequences(num_pages=16, page_size=4)
+    pages.add("a", random_tokens(9, seed=1))
+    pages.add("b", random_tokens(5, seed=2))
+    batch, _ = pages.batch([], [("a", 9), ("b", 5)])
+    with torch.inference_mode():
+        hidden = model(batch, KVCache(config, 16, 4, torch.float32, torch.device("cpu")))
+    return hidden, Counting.calls
+
+
+def test_the_model_runs_each_residual_add_and_norm_as_one_kernel(interpreter, tiny_checkpoint):
+    """Every add-then-norm of the layers and the final norm goes through the kernel, and the model's
+    output is the torch form's."""
+    expected, _ = interpreter.submit(_model_hidden, tiny_checkpoint, False).result()
+    actual, calls = interpreter.submit(_model_hidden, tiny_checkpoint, True).result()
+    num_layers = ModelConfig.from_pretrained(tiny_checkpoint).num_hidden_layers
+    assert calls == 2 * num_layers  # each layer's post-attention norm, the next input norm or the final one
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [32, 128])
 def test_qk_norm_rope_matches_the_torch_form_on_a_strided_view(interpreter, dtype, head_dim):
@@ -97,8 +163,10 @@ def test_kernels_compile_for_hopper(tmp_path, monkeypatch):
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
-    pointers = {"x_ptr", "w_ptr", "out_ptr", "qk_ptr", "qw_ptr", "kw_ptr", "cos_ptr", "sin_ptr", "gate_up_ptr"}
+    pointers = {"x_ptr", "r_ptr", "w_ptr", "out_ptr", "qk_ptr", "qw_ptr", "kw_ptr", "cos_ptr", "sin_ptr",
+                "gate_up_ptr"}
     variants = [(ops._rms_norm_kernel, dict(BLOCK=1024, ROUND_BF16=True)),
+                (ops._add_rms_norm_kernel, dict(BLOCK=1024, ROUND_BF16=True)),
                 (ops._qk_norm_rope_kernel, dict(HEAD_DIM=128, ROUND_BF16=True)),
                 (ops._silu_mul_kernel, dict(BLOCK=ops.SILU_BLOCK, ROUND_BF16=True))]
     for kernel, constexprs in variants:
@@ -123,15 +191,27 @@ class _TorchForms:
         return F.silu(gate) * up
 
 
+    def add_rms_norm(self, x, residual, weight, eps):
+        hidden = x.add_(residual)
+        return hidden, self.rms_norm(hidden, weight, eps)
+
+
 class _Unbuildable(_TorchForms):
     def qk_norm_rope(self, *args):
         raise RuntimeError("PassManager::run failed")  # what a Triton too old for a kernel raises
 
+    def add_rms_norm(self, *args):
+        raise RuntimeError("PassManager::run failed")
+
 
 def test_the_fused_ops_are_kept_only_where_they_build(tiny_checkpoint, caplog):
-    from mili_openai.model.loader import _fused_ops_compile, load_model
+    from mili_openai.model.loader import _fused_ops_compile, _residual_norm_compiles, load_model
 
     model, _ = load_model(tiny_checkpoint, torch.float32, torch.device("cpu"), use_decode_kernel=False)
     assert _fused_ops_compile(_TorchForms(), model)
+    assert _residual_norm_compiles(_TorchForms(), model)
     assert not _fused_ops_compile(_Unbuildable(), model)
     assert "PassManager::run failed" in caplog.text and "run as torch ops" in caplog.text
+    caplog.clear()
+    assert not _residual_norm_compiles(_Unbuildable(), model)
+    assert "residual add + RMSNorm" in caplog.text and "runs as torch ops" in caplog.text

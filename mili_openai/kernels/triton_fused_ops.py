@@ -1,4 +1,5 @@
-"""RMSNorm, q/k norm + RoPE and SwiGLU's activation for CUDA in Triton, one launch each.
+"""RMSNorm (alone, or after a residual add), q/k norm + RoPE and SwiGLU's activation for CUDA in Triton,
+one launch each.
 
 The torch forms of these (model/layers.py, model/rope.py) are six to fourteen small kernels apiece; a
 decode step of Qwen3-0.6B ran about a thousand of them, which made both the GPU's time and a CUDA graph's
@@ -8,8 +9,8 @@ multiply, and every product and sum of the rotation rounded as torch's ops round
 interpreter (TRITON_INTERPRET=1, CPU tensors) the float32 -> bf16 conversion truncates, so bf16 rounding
 is done in integer ops, to the nearest value with ties to even, as torch's conversion does.
 
-`TritonFusedOps` follows `FusedOpKernel` (model/layers.py); where Triton cannot be imported,
-`TritonFusedOps` is None and the torch forms stay.
+`TritonFusedOps` follows `FusedOpKernel` and `ResidualNormKernel` (model/layers.py); where Triton cannot be
+imported, `TritonFusedOps` is None and the torch forms stay.
 """
 
 from __future__ import annotations
@@ -48,6 +49,23 @@ if triton is not None:
         inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=0) / n + eps)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         y = _rounded(_rounded(x * inv_rms, ROUND_BF16, dtype) * w, ROUND_BF16, dtype)
+        tl.store(out_ptr + row * stride_out + offs, y.to(dtype), mask=mask)
+
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_out, n, eps,
+                             BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr):
+        """h = x + r, rounded as torch's add rounds it, written over x; then out = RMSNorm(h)."""
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n
+        dtype = out_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32)
+        h = _rounded(x + r, ROUND_BF16, dtype)
+        tl.store(x_ptr + row * stride_x + offs, h.to(dtype), mask=mask)
+        inv_rms = tl.math.rsqrt(tl.sum(h * h, axis=0) / n + eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        y = _rounded(_rounded(h * inv_rms, ROUND_BF16, dtype) * w, ROUND_BF16, dtype)
         tl.store(out_ptr + row * stride_out + offs, y.to(dtype), mask=mask)
 
     @triton.jit
@@ -98,7 +116,8 @@ def _warps(width: int) -> int:
 
 
 class _TritonFusedOps:
-    """The `FusedOpKernel` of the CUDA path (model/layers.py): each op one launch over all its rows."""
+    """The `FusedOpKernel` and `ResidualNormKernel` of the CUDA path (model/layers.py): each op one launch
+    over all its rows."""
 
     def __init__(self) -> None:
         # The interpreter runs on CPU tensors, the compiled kernels on CUDA ones.
@@ -121,6 +140,22 @@ class _TritonFusedOps:
                                            width, eps, BLOCK=block, ROUND_BF16=x.dtype == torch.bfloat16,
                                            num_warps=_warps(block))
         return out.view(x.shape)
+
+    def supports_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        return (self.supports_rms_norm(x) and residual.dtype == x.dtype and residual.shape == x.shape
+                and residual.device == x.device and x.is_contiguous())  # h is written over x's rows
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, weight * (h / rms(h))) for h = x + residual, h written over x (as `x.add_(residual)` would)."""
+        rows, residual_rows = x.view(-1, x.shape[-1]), residual.reshape(-1, x.shape[-1])
+        out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+        width = rows.shape[1]
+        block = triton.next_power_of_2(width)
+        _add_rms_norm_kernel[(rows.shape[0],)](
+            rows, residual_rows, weight.to(x.dtype).contiguous(), out, rows.stride(0), residual_rows.stride(0),
+            out.stride(0), width, eps, BLOCK=block, ROUND_BF16=x.dtype == torch.bfloat16, num_warps=_warps(block))
+        return x, out.view(x.shape)
 
     def supports_qk_norm_rope(self, qk: torch.Tensor) -> bool:
         head_dim = qk.shape[-1]

@@ -34,6 +34,17 @@ class FusedOpKernel(Protocol):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
 
 
+class ResidualNormKernel(Protocol):
+    """A residual add and the RMSNorm after it in one pass (the Triton kernels on CUDA): h = x + residual
+    rounded as torch's add rounds it, written over x, and the norm of h with `FusedOpKernel.rms_norm`'s
+    rounding."""
+
+    def supports_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor) -> bool: ...
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class Linear(nn.Module):
     """y = x @ weight.T, no bias (no Qwen3 projection has one).
 
@@ -67,11 +78,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.kernel: FusedOpKernel | None = None  # set by Qwen3ForCausalLM.set_fused_op_kernel
+        self.residual_kernel: ResidualNormKernel | None = None  # set by Qwen3ForCausalLM.set_residual_norm_kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and self.kernel.supports_rms_norm(x):
             return self.kernel.rms_norm(x, self.weight, self.eps)
         return self.weight * rms_normalize(x, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, norm(h)) for h = x + residual, added into x (a layer's fresh output: no new buffer)."""
+        kernel = self.residual_kernel
+        if kernel is not None and kernel.supports_add_rms_norm(x, residual):
+            return kernel.add_rms_norm(x, residual, self.weight, self.eps)
+        hidden = x.add_(residual)
+        return hidden, self(hidden)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -216,13 +216,28 @@ def _fused_ops_compile(kernel, model: Qwen3ForCausalLM) -> bool:
     return True
 
 
+def _residual_norm_compiles(kernel, model: Qwen3ForCausalLM) -> bool:
+    """As `_fused_ops_compile`, for the residual add + RMSNorm kernel (its failure leaves the other ops be)."""
+    weight = model.model.norm.weight
+    row = torch.zeros(1, model.config.hidden_size, dtype=weight.dtype, device=weight.device)
+    try:
+        kernel.add_rms_norm(row.clone(), row, weight, 1e-6)
+    except Exception as exc:  # noqa: BLE001 -- as in _fused_ops_compile
+        logger.warning("the Triton residual add + RMSNorm kernel does not build here (%s): it runs as torch ops",
+                       exc)
+        return False
+    return True
+
+
 def _use_cuda_kernels(model: Qwen3ForCausalLM) -> None:
-    """RMSNorm, q/k norm + RoPE, SwiGLU's activation and int8/int4 projections through the Triton kernels,
-    where Triton is there (else the torch forms)."""
+    """RMSNorm (with the residual add before it), q/k norm + RoPE, SwiGLU's activation and int8/int4
+    projections through the Triton kernels, where Triton is there (else the torch forms)."""
     from mili_openai.kernels.triton_fused_ops import TritonFusedOps
     from mili_openai.kernels.triton_quantized import triton_quantized_linear
 
     if TritonFusedOps is not None and _fused_ops_compile(TritonFusedOps(), model):
         model.set_fused_op_kernel(TritonFusedOps())
+    if TritonFusedOps is not None and _residual_norm_compiles(TritonFusedOps(), model):
+        model.set_residual_norm_kernel(TritonFusedOps())
     if triton_quantized_linear is not None:
         model.set_quantized_matmul(triton_quantized_linear)

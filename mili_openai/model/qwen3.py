@@ -26,7 +26,7 @@ from mili_openai.model.attention import Qwen3Attention
 from mili_openai.model.batch import ForwardBatch
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.kv_cache import KVCache
-from mili_openai.model.layers import FusedOpKernel, Linear, MatmulFn, RMSNorm, SwiGLUMLP
+from mili_openai.model.layers import FusedOpKernel, Linear, MatmulFn, ResidualNormKernel, RMSNorm, SwiGLUMLP
 from mili_openai.model.moe import ExpertsKernel, GroupedExperts, SparseMoeBlock, SparseMoeKernel
 from mili_openai.model.paged_attention import AttentionKernel, PagedAttentionKernel
 from mili_openai.model.quantization.modules import QuantizedEmbedding, QuantizedLinear, QuantizedMatmulFn
@@ -62,11 +62,19 @@ class Qwen3DecoderLayer(nn.Module):
                     if config.is_sparse_layer(index) else SwiGLUMLP(config.hidden_size, config.intermediate_size))
         self.parallel = parallel
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
-                k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
-        # residual adds land in the projections' fresh outputs: no new (T, hidden) buffer per add
-        hidden = self._sum(self.self_attn(self.input_layernorm(hidden), cos, sin, batch, k_pool, v_pool)).add_(hidden)
-        return self._sum(self.mlp(self.post_attention_layernorm(hidden))).add_(hidden)  # (T, hidden)
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ForwardBatch, k_pool: torch.Tensor, v_pool: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP's output, the residual stream before it), both (T, hidden): the next layer's input norm
+        (or the final one) adds the two, so each add and the norm after it can run as one kernel. `residual`
+        None: `hidden` is the embedding, the stream's start. Residual adds land in the layers' fresh outputs:
+        no new (T, hidden) buffer per add."""
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            residual, normed = self.input_layernorm.add_and_norm(hidden, residual)
+        attended = self._sum(self.self_attn(normed, cos, sin, batch, k_pool, v_pool))
+        residual, normed = self.post_attention_layernorm.add_and_norm(attended, residual)
+        return self._sum(self.mlp(normed)), residual
 
     def _sum(self, partial: torch.Tensor) -> torch.Tensor:
         """A row-parallel output summed over the ranks (in place); as is without tensor parallelism."""
@@ -102,10 +110,11 @@ class Qwen3Model(nn.Module):
                                    batch.decode_slots, batch.decode_ctx_lens)
             return self.norm(hidden)
         hidden = self.embed_tokens(batch.input_ids)  # (T, hidden)
+        residual = None
         for index, layer in enumerate(self.layers):
             k_pool, v_pool = kv_cache.layer(index)
-            hidden = layer(hidden, cos, sin, batch, k_pool, v_pool)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, batch, k_pool, v_pool)
+        return self.norm.add_and_norm(hidden, residual)[1] if residual is not None else self.norm(hidden)
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -179,6 +188,12 @@ class Qwen3ForCausalLM(nn.Module):
                 module.kernel = kernel
         for layer in self.model.layers:
             layer.self_attn.norm_kernel = kernel
+
+    def set_residual_norm_kernel(self, kernel: ResidualNormKernel | None) -> None:
+        """Run every residual add and the RMSNorm after it as one kernel (Triton on CUDA)."""
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.residual_kernel = kernel
 
     def set_decode_stack_kernel(self, kernel: DecodeStackKernel | None) -> None:
         """Run decode-only steps through every layer in one compiled call, with the same kernels and rounding
