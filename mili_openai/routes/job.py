@@ -125,27 +125,16 @@ class GenerationJob(ABC, Generic[BodyT]):
         Past the server's request timeout what still runs is aborted (it ends with finish_reason "abort").
         A delta carrying an engine error raises a 500. Closing this early aborts what still runs.
         """
-        queue: asyncio.Queue[tuple[int, SequenceDelta | BaseException]] = asyncio.Queue()
-
-        async def pump(prompt: int, stream: RequestStream) -> None:
-            try:
-                async for delta in stream:
-                    queue.put_nowait((prompt, delta))
-            except Exception as exc:  # handed to the consumer, which raises it
-                queue.put_nowait((prompt, exc))
-
-        pumps = [asyncio.create_task(pump(prompt, stream)) for prompt, stream in enumerate(self.streams)]
         # A timer that aborts what is left (each sample then ends with an "abort" delta), not wait_for
-        # around queue.get(): on Python < 3.12 wait_for can swallow a cancellation that lands as the get()
+        # around the next delta: on Python < 3.12 wait_for can swallow a cancellation that lands as the read
         # completes, and a disconnected client's request would then keep generating.
         timer = asyncio.get_running_loop().call_later(max(self.server.config.request_timeout_s, 0.0), self.abort)
         context = current_request()
         unfinished = len(self.streams) * self.num_samples
+        items = self._stream_items()
         try:
             while unfinished:
-                prompt, item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+                prompt, item = await anext(items)
                 if item.error is not None:  # the engine failed the request: a 500, not bad input
                     raise APIError(500, item.error, type=INTERNAL_ERROR)
                 if context is not None:
@@ -159,6 +148,32 @@ class GenerationJob(ABC, Generic[BodyT]):
         finally:
             timer.cancel()
             self.abort()
+            await items.aclose()
+
+    async def _stream_items(self) -> AsyncIterator[tuple[int, SequenceDelta]]:
+        """`(prompt, delta)` from every prompt's stream. A lone stream (most requests) is read in place: a
+        task between it and the reader would cost each token one more pass of the event loop."""
+        if len(self.streams) == 1:
+            async for delta in self.streams[0]:
+                yield 0, delta
+            return
+        queue: asyncio.Queue[tuple[int, SequenceDelta | BaseException]] = asyncio.Queue()
+
+        async def pump(prompt: int, stream: RequestStream) -> None:
+            try:
+                async for delta in stream:
+                    queue.put_nowait((prompt, delta))
+            except Exception as exc:  # handed to the consumer, which raises it
+                queue.put_nowait((prompt, exc))
+
+        pumps = [asyncio.create_task(pump(prompt, stream)) for prompt, stream in enumerate(self.streams)]
+        try:
+            while True:
+                prompt, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield prompt, item
+        finally:
             for task in pumps:
                 task.cancel()
 

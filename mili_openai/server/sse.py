@@ -20,15 +20,16 @@ from typing import Any
 
 import anyio
 import orjson
-from sse_starlette.sse import EventSourceResponse, ServerSentEvent
+from sse_starlette.sse import EventSourceResponse
+from starlette.types import Message, Send
 
 from mili_openai.protocol.errors import INTERNAL_ERROR, APIError
 from mili_openai.server.request_log import current_request
 
 logger = logging.getLogger(__name__)
 
-DONE = "[DONE]"
 EVENT_LINE_SEPARATOR = "\n"  # what OpenAI sends; sse-starlette's default "\r\n" trips naive parsers
+DONE_EVENT = b"data: [DONE]\n\n"
 PING_INTERVAL_S = 15.0  # keep-alive comments, so proxies do not drop a slow first token
 # sse-starlette force-cancels the stream this long after our own grace period, as a last resort
 SHUTDOWN_FORCE_MARGIN_S = 2.0
@@ -36,8 +37,25 @@ SHUTDOWN_FORCE_MARGIN_S = 2.0
 OnDisconnect = Callable[[], Any] | None
 
 
-def encode_event(event: dict[str, Any]) -> str:
-    return orjson.dumps(event).decode()
+def event_bytes(event: dict[str, Any], event_name: str | None = None) -> bytes:
+    """One SSE event on the wire, `data: {json}` (after an `event:` line when named). orjson's output holds
+    no line break, so the data is one line; built here in one pass, where sse-starlette's ServerSentEvent
+    would split and re-join it for every token of every stream."""
+    data = b"data: " + orjson.dumps(event) + b"\n\n"
+    if event_name is None:
+        return data
+    return b"event: " + event_name.replace("\r", "").replace("\n", "").encode() + b"\n" + data
+
+
+class EventStreamResponse(EventSourceResponse):
+    """sse-starlette's response, sending straight to the server where no per-send timeout is set (ours
+    sets none): its base wraps every send in an anyio cancel scope, once per event of every stream."""
+
+    async def _send_with_timeout(self, send: Send, message: Message) -> None:
+        if self.send_timeout is None:
+            await send(message)
+        else:
+            await super()._send_with_timeout(send, message)
 
 
 def shutdown_error() -> APIError:
@@ -89,30 +107,27 @@ def sse_stream(
         watcher = asyncio.create_task(_abort_after_grace(shutdown, shutdown_grace_s, on_disconnect))
         try:
             async for event in events:
-                if event_names and "type" in event:
-                    yield ServerSentEvent(encode_event(event), event=event["type"], sep=EVENT_LINE_SEPARATOR)
-                else:
-                    yield encode_event(event)
+                yield event_bytes(event, event["type"] if event_names and "type" in event else None)
             if cut_by_drain():  # the events ended with an "abort"; say why
-                yield encode_event(shutdown_error().to_dict())
+                yield event_bytes(shutdown_error().to_dict())
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the client gets an error event rather than a cut stream
             if not isinstance(exc, (APIError, ValueError)):
                 logger.exception("error while streaming a response")
-            yield encode_event(error_event(exc))
+            yield event_bytes(error_event(exc))
         finally:
             watcher.cancel()
             aclose = getattr(events, "aclose", None)
             if aclose is not None:
                 with contextlib.suppress(Exception):
                     await aclose()
-        yield DONE
+        yield DONE_EVENT
 
     async def client_closed(message: dict[str, Any]) -> None:
         await _call(on_disconnect)
 
-    return EventSourceResponse(
+    return EventStreamResponse(
         body(),
         headers=headers,
         ping=PING_INTERVAL_S,
