@@ -11,7 +11,7 @@ from starlette.routing import Route
 
 from helpers_server import FakeEngine, asgi_client, qwen_tokenizer, sse_data  # noqa: F401
 from mili_openai.protocol.errors import APIError
-from mili_openai.server.sse import sse_stream
+from mili_openai.server.sse import event_bytes, sse_stream
 
 pytestmark = pytest.mark.anyio
 
@@ -64,6 +64,13 @@ async def test_sse_encodes_events_then_done():
         yield {"b": "ü"}
 
     assert await sse_body(events) == ['{"a":1}', '{"b":"ü"}', "[DONE]"]
+
+
+def test_an_event_is_one_data_line_and_a_name_one_event_line():
+    """The wire bytes exactly: a line break inside the data is escaped by JSON, one in a name is dropped."""
+    assert event_bytes({"text": "a\nb"}) == b'data: {"text":"a\\nb"}\n\n'
+    assert event_bytes({"type": "x"}, "response.output_text.delta\r\n") == (
+        b'event: response.output_text.delta\ndata: {"type":"x"}\n\n')
 
 
 async def test_sse_error_mid_stream_becomes_error_event_then_done():
