@@ -51,11 +51,13 @@ def product_kinds(kernels) -> list[bool]:
     return [False, True] if kernels.bf16_dot_products else [False]
 
 
-# one decode row; a decode batch; a prefill chunk with more rows per expert than one pass (64) takes; widths
-# that leave partial units (intermediate 48: a 16-column gate unit; hidden 96: a 32-row down unit); more
-# experts than tokens route to (experts without pairs)
+# one decode row; a decode batch; a prefill chunk with more rows per expert than one pass (64) takes, which
+# multiplies packed panels (expert_tiles.h); widths that leave partial units (intermediate 48: a 16-column
+# gate unit; hidden 96: a 32-row down unit), streamed and in panels (K = 48: pairs beyond the last whole
+# 16 x 16 block); more experts than tokens route to (experts without pairs)
 @pytest.mark.parametrize("tokens,num_experts,top_k,hidden,intermediate", [
-    (1, 8, 2, 64, 32), (16, 32, 4, 128, 64), (300, 4, 2, 64, 32), (9, 6, 3, 96, 48), (3, 64, 2, 32, 16),
+    (1, 8, 2, 64, 32), (16, 32, 4, 128, 64), (300, 4, 2, 64, 32), (9, 6, 3, 96, 48), (200, 3, 2, 96, 48),
+    (3, 64, 2, 32, 16),
 ])
 def test_fused_experts_match_the_grouped_torch_path(kernels, tokens, num_experts, top_k, hidden, intermediate):
     x, gate_up, down, ids, weights = routed(tokens, num_experts, top_k, hidden, intermediate, seed=tokens)

@@ -16,6 +16,8 @@ from engine_helpers import random_prompts
 from model_helpers import copy_without_weight
 from mili_openai import LLM, SamplingParams
 from mili_openai.engine.tp_runner import RunnerFailed
+from mili_openai.kernels import cpu_supports_kernels
+from mili_openai.kernels.cpu import CpuKernels
 from mili_openai.model import KVCache, ModelConfig
 from mili_openai.model.loader import SINGLE_FILE, read_checkpoint_tensors
 from mili_openai.model.tensor_parallel import CheckpointShard, check_tensor_parallel, shard_config
@@ -137,6 +139,35 @@ def test_tensor_parallel_matches_one_rank(checkpoint_and_reference, size):
         assert_same_outputs(got, want)
         assert llm.expert_load() == want_load  # every rank routed every token as one rank did
         llm.core.check_integrity()
+    finally:
+        llm.core.runner.close()
+
+
+@pytest.mark.skipif(not cpu_supports_kernels(), reason="this CPU has no AVX512")
+def test_bf16_moe_on_the_cpu_kernels_matches_one_rank(tiny_moe_checkpoint):
+    """bf16 on CPU: each of two ranks holds half of every expert's intermediate columns, whole vectors, so its
+    sparse blocks run the compiled MoE kernel (prefill chunks, and the decode stack) and its partial sums meet
+    in the all-reduce; the greedy tokens are TP=1's, whose kernel holds whole experts. Deterministic: the
+    kernels' sums do not depend on the threads, and two ranks' all-reduce adds the same two values."""
+    rank_config = shard_config(ModelConfig.from_pretrained(tiny_moe_checkpoint), 2)
+    rank_gate_up = torch.empty(rank_config.moe.num_experts, 2 * rank_config.moe.moe_intermediate_size,
+                               rank_config.hidden_size, dtype=torch.bfloat16)
+    assert CpuKernels.supports_sparse_moe(torch.empty(1, rank_config.hidden_size, dtype=torch.bfloat16),
+                                          rank_gate_up)
+    args = dict(dtype="bfloat16", page_size=4, num_pages=64, max_num_batched_tokens=48)
+    prompts = random_prompts(3, [9, 30, 70], seed=41)  # 70 tokens: a prompt in two chunks
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    single = LLM(str(tiny_moe_checkpoint), **args)
+    want = single.generate(prompts, params)
+    llm = LLM(str(tiny_moe_checkpoint), tensor_parallel_size=2, **args)
+    try:
+        got = llm.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        # every token routed in every sparse layer; which experts may differ where a bf16 partial sum rounds
+        # otherwise than the whole one (a near tie in the router), without changing a greedy token
+        got_load, want_load = llm.expert_load(), single.expert_load()
+        assert {layer: sum(load) for layer, load in got_load.items()} == \
+            {layer: sum(load) for layer, load in want_load.items()}
     finally:
         llm.core.runner.close()
 

@@ -27,7 +27,7 @@ QUANTIZED_SOURCES = ("linear_quantized.cpp", "linear_int8.cpp", "linear_int4.cpp
 # not compiled on their own (torch's JIT hashes only the sources); the build's name hashes every file in csrc
 HEADERS = ("simd_bf16.h", "kernels.h", "prefill_products.h", "decode_blocks.h", "row_ranges.h", "amx_tiles.h",
            "decode_shared_amx.h", "decode_partials.h", "prefill_amx.h", "quantized_linear.h", "quantized_tiles.h",
-           "moe.h")
+           "moe.h", "expert_tiles.h")
 EXTENSION_PREFIX = "mili_cpu_kernels"
 # -fopenmp: without it ATen's parallel_for compiles to a serial loop inside the extension
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"]

@@ -3,8 +3,10 @@
 //
 // The pairs are sorted by expert (a counting sort, token order within each expert), so each expert's
 // tokens are one block of rows that multiplies its weights once: a decode step reads each routed expert
-// once, whatever the batch, and a prefill chunk runs one matmul per expert. The matmuls are
-// linear_bf16's tiles (multiply_weight_rows). Work is split into units of contiguous weight rows of one
+// once, whatever the batch, and a prefill chunk runs one matmul per expert. An expert with a few pairs (a
+// decode step's) streams its weights through linear_bf16's tiles (multiply_weight_rows); one with many (a
+// prefill chunk's) packs each unit's weights into a panel and multiplies all its pairs there, with SwiGLU
+// applied in registers (expert_tiles.h). Work is split into units of contiguous weight rows of one
 // expert, spread over the threads like linear_bf16's rows (row_ranges.h), so both cores stream weights
 // even when one expert has all the tokens, and no Python loop runs over the experts.
 //
@@ -18,6 +20,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "expert_tiles.h"
 #include "kernels.h"
 #include "moe.h"
 #include "row_ranges.h"
@@ -35,6 +38,11 @@ constexpr int64_t kGateColumnsPerUnit = 32;
 constexpr int64_t kDownRowsPerUnit = 64;
 constexpr int64_t kRowBlock = 64;  // pair rows multiplied per pass over a unit's weights (stay in L2)
 constexpr int64_t kUnitsClaimed = 2;  // units a thread claims at a time from its own range
+// An expert with at least this many pairs packs each unit's weights into a panel (expert_tiles.h) rather
+// than streaming them through linear_bf16's tiles.
+constexpr int64_t kPanelMinRows = 64;
+static_assert(2 * kGateColumnsPerUnit == kDownRowsPerUnit &&
+              kDownRowsPerUnit == mili::kMaxPanelGroups * mili::kPanelGroupRows, "a unit's rows fill one panel");
 // gathers and sums too small to be worth waking the other threads for (a decode step's) run on the caller
 constexpr int64_t kRowsPerTask = 256, kTokensPerTask = 64;
 
@@ -76,16 +84,18 @@ std::vector<Unit> split_units(const Routing& routing, int64_t experts, int64_t r
   return units;
 }
 
-// run(unit) for every unit, over the threads: each takes a contiguous range of units, then helps the others.
+// run(unit, panel) for every unit, over the threads: each takes a contiguous range of units, then helps the
+// others. panel: the thread's scratch of `panel_dwords` for packed weights (expert_tiles.h).
 template <typename Run>
-void run_units(const std::vector<Unit>& units, Run&& run) {
+void run_units(const std::vector<Unit>& units, int64_t panel_dwords, Run&& run) {
   const int64_t count = static_cast<int64_t>(units.size());
   if (count == 0) return;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
   mili::RowRanges ranges(count, threads, 1);
   at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+    std::vector<uint32_t> panel(panel_dwords);
     ranges.work_through(first, last, kUnitsClaimed, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t u = begin; u < end; ++u) run(units[u]);
+      for (int64_t u = begin; u < end; ++u) run(units[u], panel.data());
     });
   });
 }
@@ -141,12 +151,29 @@ torch::Tensor run_experts(const torch::Tensor& x, const torch::Tensor& gate_up, 
   auto activated = torch::empty({rows, intermediate}, x.options());
   auto activated_f = pairs ? torch::Tensor() : torch::empty({rows, intermediate}, x.options().dtype(at::kFloat));
   BF16* act = activated.data_ptr<BF16>();
-  run_units(split_units(routing, experts, intermediate, kGateColumnsPerUnit), [&](const Unit& unit) {
+  // A thread's panel holds a unit's gate and up rows (or its down rows) as pairs: one dword per two values.
+  int64_t most_pairs = 0;
+  for (int64_t e = 0; e < experts; ++e)
+    most_pairs = std::max(most_pairs, routing.expert_begin[e + 1] - routing.expert_begin[e]);
+  const int64_t panel_dwords =
+      pairs && most_pairs >= kPanelMinRows ? 2 * kGateColumnsPerUnit * std::max(hidden, intermediate) / 2 : 0;
+  run_units(split_units(routing, experts, intermediate, kGateColumnsPerUnit), panel_dwords,
+            [&](const Unit& unit, uint32_t* panel) {
     const int64_t width = unit.end - unit.begin;
     const BF16* gate_rows = gate_up_w + (unit.expert * 2 * intermediate + unit.begin) * hidden;
     const BF16* up_rows = gate_rows + intermediate * hidden;
-    BF16 products[kRowBlock * 2 * kGateColumnsPerUnit];  // a block's gate columns, then its up columns
     const int64_t first = routing.expert_begin[unit.expert], last = routing.expert_begin[unit.expert + 1];
+    if (pairs && last - first >= kPanelMinRows) {
+      const int groups = static_cast<int>(width / mili::kPanelGroupRows);  // gate groups, then as many up groups
+      for (int g = 0; g < groups; ++g) {
+        mili::pack_group(gate_rows + g * mili::kPanelGroupRows * hidden, hidden, g, 2 * groups, panel);
+        mili::pack_group(up_rows + g * mili::kPanelGroupRows * hidden, hidden, groups + g, 2 * groups, panel);
+      }
+      mili::multiply_panel(xs.data_ptr<BF16>() + first * hidden, hidden, last - first, panel, hidden / 2,
+                           2 * groups, true, act + first * intermediate + unit.begin, intermediate);
+      return;
+    }
+    BF16 products[kRowBlock * 2 * kGateColumnsPerUnit];  // a block's gate columns, then its up columns
     for (int64_t m = first; m < last; m += kRowBlock) {
       const int64_t block = std::min(kRowBlock, last - m);
       const BF16* xb = pairs ? xs.data_ptr<BF16>() + m * hidden : nullptr;
@@ -164,9 +191,18 @@ torch::Tensor run_experts(const torch::Tensor& x, const torch::Tensor& gate_up, 
   // Second matmul: unit = output columns [begin, end) of one expert, written to its pairs' rows.
   auto expert_out = torch::empty({rows, hidden}, x.options());
   BF16* eo = expert_out.data_ptr<BF16>();
-  run_units(split_units(routing, experts, hidden, kDownRowsPerUnit), [&](const Unit& unit) {
+  run_units(split_units(routing, experts, hidden, kDownRowsPerUnit), panel_dwords,
+            [&](const Unit& unit, uint32_t* panel) {
     const BF16* w = down_w + unit.expert * hidden * intermediate;
     const int64_t first = routing.expert_begin[unit.expert], last = routing.expert_begin[unit.expert + 1];
+    if (pairs && last - first >= kPanelMinRows) {
+      const int groups = static_cast<int>((unit.end - unit.begin) / mili::kPanelGroupRows);
+      for (int g = 0; g < groups; ++g)
+        mili::pack_group(w + (unit.begin + g * mili::kPanelGroupRows) * intermediate, intermediate, g, groups, panel);
+      mili::multiply_panel(act + first * intermediate, intermediate, last - first, panel, intermediate / 2, groups,
+                           false, eo + first * hidden + unit.begin, hidden);
+      return;
+    }
     for (int64_t m = first; m < last; m += kRowBlock) {
       const int64_t block = std::min(kRowBlock, last - m);
       multiply_weight_rows(pairs ? act + m * intermediate : nullptr,
