@@ -8,7 +8,7 @@
 // token rows runs through the whole panel: each pair product adds into 16 outputs of one token, with the
 // token's pair broadcast, and the accumulators are the outputs themselves. The panel is packed once per
 // call and reused by every token of the expert; the transpose costs about as much as the products save
-// up to a few dozen tokens, so fewer (a decode step's, a short prompt's) keep the streaming tiles.
+// up to ~30 tokens, so fewer (a decode step's, a short prompt's) keep the streaming tiles.
 #pragma once
 
 #include <torch/extension.h>
@@ -50,13 +50,34 @@ inline void pack_group(const at::BFloat16* rows, int64_t K, int g, int groups, u
       std::memcpy(panel + (p * groups + g) * kLanes + i, rows + i * K + 2 * p, sizeof(uint32_t));
 }
 
+// The weights a thread multiplies next (the next unit's rows, in up to two ranges), asked into L2 a line
+// per step of a panel's products: packing them then finds them there rather than in memory.
+struct LinesAhead {
+  const char* next[2] = {nullptr, nullptr};
+  const char* end[2] = {nullptr, nullptr};
+
+  void add(int slot, const at::BFloat16* begin, int64_t values) {
+    next[slot] = reinterpret_cast<const char*>(begin);
+    end[slot] = next[slot] + values * sizeof(at::BFloat16);
+  }
+  inline void step() {
+    for (int r = 0; r < 2; ++r)
+      if (next[r] < end[r]) {
+        _mm_prefetch(next[r], _MM_HINT_T1);
+        next[r] += 64;
+        return;
+      }
+  }
+};
+
 // acc[m][v] (lane r) = x[m] . w[16 v + r] for MR token rows (ldx apart) against a packed panel of NV groups.
 template <int MR, int NV>
 MILI_BF16_DOT inline void panel_products(const at::BFloat16* x, int64_t ldx, const uint32_t* panel, int64_t pairs,
-                                         __m512 (&acc)[MR][NV]) {
+                                         __m512 (&acc)[MR][NV], LinesAhead& ahead) {
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
+    ahead.step();
     __m512bh w[NV];
     for (int v = 0; v < NV; ++v) w[v] = (__m512bh)_mm512_loadu_si512(panel + (p * NV + v) * kLanes);
     for (int m = 0; m < MR; ++m) {
@@ -71,9 +92,9 @@ MILI_BF16_DOT inline void panel_products(const at::BFloat16* x, int64_t ldx, con
 // The down projection's tile: y[m][16 v + r] = bf16(acc), y rows ldy apart.
 template <int MR, int NV>
 MILI_BF16_DOT inline void panel_rows(const at::BFloat16* x, int64_t ldx, const uint32_t* panel, int64_t pairs,
-                                     at::BFloat16* y, int64_t ldy) {
+                                     at::BFloat16* y, int64_t ldy, LinesAhead& ahead) {
   __m512 acc[MR][NV];
-  panel_products<MR, NV>(x, ldx, panel, pairs, acc);
+  panel_products<MR, NV>(x, ldx, panel, pairs, acc, ahead);
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) store_bf16(y + m * ldy + v * kLanes, round_bf16(acc[m][v]));
 }
@@ -83,10 +104,10 @@ MILI_BF16_DOT inline void panel_rows(const at::BFloat16* x, int64_t ldx, const u
 // transformers' rounding points (as silu_mul_row).
 template <int MR, int NV>
 MILI_BF16_DOT inline void panel_swiglu(const at::BFloat16* x, int64_t ldx, const uint32_t* panel, int64_t pairs,
-                                       at::BFloat16* y, int64_t ldy) {
+                                       at::BFloat16* y, int64_t ldy, LinesAhead& ahead) {
   static_assert(NV % 2 == 0, "gate and up groups in pairs");
   __m512 acc[MR][NV];
-  panel_products<MR, NV>(x, ldx, panel, pairs, acc);
+  panel_products<MR, NV>(x, ldx, panel, pairs, acc, ahead);
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NV / 2; ++j) {
       const __m512 activated = round_bf16(silu(round_bf16(acc[m][j])));
@@ -104,9 +125,10 @@ inline void with_constant(int64_t n, F&& f) {
 }
 
 // Token rows [0, M) (ldx apart) through a packed panel of `groups` groups, `swiglu` or not, in tiles of up
-// to kPanelTileRows rows; y rows ldy apart.
+// to kPanelTileRows rows; y rows ldy apart; `ahead` asks for the next weights meanwhile.
 MILI_BF16_DOT inline void multiply_panel(const at::BFloat16* x, int64_t ldx, int64_t M, const uint32_t* panel,
-                                         int64_t pairs, int groups, bool swiglu, at::BFloat16* y, int64_t ldy) {
+                                         int64_t pairs, int groups, bool swiglu, at::BFloat16* y, int64_t ldy,
+                                         LinesAhead& ahead) {
   for (int64_t m = 0; m < M; m += kPanelTileRows) {
     const at::BFloat16* xm = x + m * ldx;
     at::BFloat16* ym = y + m * ldy;
@@ -115,9 +137,9 @@ MILI_BF16_DOT inline void multiply_panel(const at::BFloat16* x, int64_t ldx, int
       with_constant<kMaxPanelGroups>(groups, [&](auto count) {
         constexpr int NV = decltype(count)::value;
         if constexpr (NV % 2 == 0) {
-          if (swiglu) return panel_swiglu<MR, NV>(xm, ldx, panel, pairs, ym, ldy);
+          if (swiglu) return panel_swiglu<MR, NV>(xm, ldx, panel, pairs, ym, ldy, ahead);
         }
-        panel_rows<MR, NV>(xm, ldx, panel, pairs, ym, ldy);
+        panel_rows<MR, NV>(xm, ldx, panel, pairs, ym, ldy, ahead);
       });
     });
   }

@@ -40,7 +40,7 @@ constexpr int64_t kRowBlock = 64;  // pair rows multiplied per pass over a unit'
 constexpr int64_t kUnitsClaimed = 2;  // units a thread claims at a time from its own range
 // An expert with at least this many pairs packs each unit's weights into a panel (expert_tiles.h) rather
 // than streaming them through linear_bf16's tiles.
-constexpr int64_t kPanelMinRows = 64;
+constexpr int64_t kPanelMinRows = 32;
 static_assert(2 * kGateColumnsPerUnit == kDownRowsPerUnit &&
               kDownRowsPerUnit == mili::kMaxPanelGroups * mili::kPanelGroupRows, "a unit's rows fill one panel");
 // gathers and sums too small to be worth waking the other threads for (a decode step's) run on the caller
@@ -84,8 +84,9 @@ std::vector<Unit> split_units(const Routing& routing, int64_t experts, int64_t r
   return units;
 }
 
-// run(unit, panel) for every unit, over the threads: each takes a contiguous range of units, then helps the
-// others. panel: the thread's scratch of `panel_dwords` for packed weights (expert_tiles.h).
+// run(unit, panel, next) for every unit, over the threads: each takes a contiguous range of units, then
+// helps the others. panel: the thread's scratch of `panel_dwords` for packed weights (expert_tiles.h); next:
+// the unit it runs after this one where it knows it (the rest of its claim), else null.
 template <typename Run>
 void run_units(const std::vector<Unit>& units, int64_t panel_dwords, Run&& run) {
   const int64_t count = static_cast<int64_t>(units.size());
@@ -95,7 +96,7 @@ void run_units(const std::vector<Unit>& units, int64_t panel_dwords, Run&& run) 
   at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
     std::vector<uint32_t> panel(panel_dwords);
     ranges.work_through(first, last, kUnitsClaimed, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t u = begin; u < end; ++u) run(units[u], panel.data());
+      for (int64_t u = begin; u < end; ++u) run(units[u], panel.data(), u + 1 < end ? &units[u + 1] : nullptr);
     });
   });
 }
@@ -158,19 +159,25 @@ torch::Tensor run_experts(const torch::Tensor& x, const torch::Tensor& gate_up, 
   const int64_t panel_dwords =
       pairs && most_pairs >= kPanelMinRows ? 2 * kGateColumnsPerUnit * std::max(hidden, intermediate) / 2 : 0;
   run_units(split_units(routing, experts, intermediate, kGateColumnsPerUnit), panel_dwords,
-            [&](const Unit& unit, uint32_t* panel) {
+            [&](const Unit& unit, uint32_t* panel, const Unit* next) {
     const int64_t width = unit.end - unit.begin;
     const BF16* gate_rows = gate_up_w + (unit.expert * 2 * intermediate + unit.begin) * hidden;
     const BF16* up_rows = gate_rows + intermediate * hidden;
     const int64_t first = routing.expert_begin[unit.expert], last = routing.expert_begin[unit.expert + 1];
     if (pairs && last - first >= kPanelMinRows) {
+      mili::LinesAhead ahead;
+      if (next != nullptr) {
+        const BF16* next_gate = gate_up_w + (next->expert * 2 * intermediate + next->begin) * hidden;
+        ahead.add(0, next_gate, (next->end - next->begin) * hidden);
+        ahead.add(1, next_gate + intermediate * hidden, (next->end - next->begin) * hidden);
+      }
       const int groups = static_cast<int>(width / mili::kPanelGroupRows);  // gate groups, then as many up groups
       for (int g = 0; g < groups; ++g) {
         mili::pack_group(gate_rows + g * mili::kPanelGroupRows * hidden, hidden, g, 2 * groups, panel);
         mili::pack_group(up_rows + g * mili::kPanelGroupRows * hidden, hidden, groups + g, 2 * groups, panel);
       }
       mili::multiply_panel(xs.data_ptr<BF16>() + first * hidden, hidden, last - first, panel, hidden / 2,
-                           2 * groups, true, act + first * intermediate + unit.begin, intermediate);
+                           2 * groups, true, act + first * intermediate + unit.begin, intermediate, ahead);
       return;
     }
     BF16 products[kRowBlock * 2 * kGateColumnsPerUnit];  // a block's gate columns, then its up columns
@@ -192,15 +199,19 @@ torch::Tensor run_experts(const torch::Tensor& x, const torch::Tensor& gate_up, 
   auto expert_out = torch::empty({rows, hidden}, x.options());
   BF16* eo = expert_out.data_ptr<BF16>();
   run_units(split_units(routing, experts, hidden, kDownRowsPerUnit), panel_dwords,
-            [&](const Unit& unit, uint32_t* panel) {
+            [&](const Unit& unit, uint32_t* panel, const Unit* next) {
     const BF16* w = down_w + unit.expert * hidden * intermediate;
     const int64_t first = routing.expert_begin[unit.expert], last = routing.expert_begin[unit.expert + 1];
     if (pairs && last - first >= kPanelMinRows) {
+      mili::LinesAhead ahead;
+      if (next != nullptr)
+        ahead.add(0, down_w + (next->expert * hidden + next->begin) * intermediate,
+                  (next->end - next->begin) * intermediate);
       const int groups = static_cast<int>((unit.end - unit.begin) / mili::kPanelGroupRows);
       for (int g = 0; g < groups; ++g)
         mili::pack_group(w + (unit.begin + g * mili::kPanelGroupRows) * intermediate, intermediate, g, groups, panel);
       mili::multiply_panel(act + first * intermediate, intermediate, last - first, panel, intermediate / 2, groups,
-                           false, eo + first * hidden + unit.begin, hidden);
+                           false, eo + first * hidden + unit.begin, hidden, ahead);
       return;
     }
     for (int64_t m = first; m < last; m += kRowBlock) {
