@@ -11,8 +11,10 @@ One layout serves the CPU kernels (csrc/linear_int8.cpp, csrc/linear_int4.cpp), 
   `zeros` uint8 (N, G) or None for 8 everywhere: weight[n, k] = (q - zero) * scale of the group, groups
   of 32, 64 or a multiple of 128 values.
 
-The dequantized weight in a dtype is the float32 product rounded once to it: exactly what the CPU
-kernels multiply in bf16, and the weights the transformers oracle is given in tests.
+The dequantized weight in a dtype is the float32 product rounded once to it: what the CPU kernels
+dequantize to in bf16 (the prefill GEMM's weights), and the weights the transformers oracle is given in tests.
+Their decode matmuls for int8 with one scale a row and int4 with groups of whole blocks multiply the
+float32 products themselves (a scale applied to a sum), not their bf16 rounding.
 """
 
 from __future__ import annotations

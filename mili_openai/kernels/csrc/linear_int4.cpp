@@ -5,9 +5,18 @@
 // word j holds values j, 32 + j, 64 + j and 96 + j in its four nibbles, low to high. So one shift gives 32
 // levels in order, one per 16-bit lane, with no shuffle.
 //
-// Decoding (quantized_tiles.h multiplies): each group's 16 values bf16((level - zero) * scale) sit in one
-// register, built when a row's group starts, and VPERMW looks the 32 levels up in it: the bf16 weights the
-// torch reference (and the prefill path's GEMM, through `dequantize`) rounds to.
+// The matmul, where groups are whole blocks (128 values or a multiple; the default, AWQ's and GPTQ's): a level
+// OR'd into the bits of bf16 128.0 is the bf16 of 128 + level, exactly (128 has 7 mantissa bits below it), so
+// a level decodes with a shift and one bitwise op, without a table lookup, whose cross-lane permute cost
+// more than the products. The pair products sum x . (128 + level) over a group, and the group's scale and
+// zero apply to that sum: scale * (sum - (128 + zero) * sum of x over the group), the sums of x computed once
+// a call. That is x . ((level - zero) * scale) up to fp32 rounding: the float32 dequantized weights, not
+// their bf16 rounding (as int8 with one scale a row).
+//
+// Dequantizing, and the matmul for groups of 32 or 64 values (quantized_tiles.h multiplies): each group's 16
+// values bf16((level - zero) * scale) sit in one register, built when a row's group starts, and VPERMW looks
+// the 32 levels up in it: the bf16 weights the torch reference (and the prefill path's GEMM, through
+// `dequantize`) rounds to.
 #include <torch/extension.h>
 #include <immintrin.h>
 
@@ -89,6 +98,113 @@ struct Int4Decoder {
   float finish(const Row&, float sum) const { return sum; }
 };
 
+// Where groups are whole blocks (see the top of the file): levels as bf16 128 + level, sums per group scaled.
+constexpr int kBiasedLanesMask = 0x000F;
+constexpr int kBiasBits = 0x4300;  // bf16 128.0
+constexpr float kBias = 128.f;
+constexpr int64_t kMaxGroups = 1024;  // groups a row may have here (K up to 131072 at 128 values a group)
+constexpr int kLevelsOrBias = 0xEA;  // VPTERNLOG's truth table for (a & b) | c
+
+// For each row m of x (M, K) and group g of `group` values along K: the fp32 sum of x's values, (M, G).
+MILI_QUANTIZED torch::Tensor group_sums(const torch::Tensor& x, int64_t groups) {
+  const int64_t M = x.size(0), K = x.size(1), group = K / groups;
+  auto sums = torch::empty({M, groups}, torch::dtype(at::kFloat));
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  float* out = sums.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < groups; ++g) {
+      __m512 sum = _mm512_setzero_ps();
+      for (int64_t k = g * group; k < (g + 1) * group; k += kPairLanes / 2) {
+        const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + m * K + k));
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16)));
+      }
+      out[m * groups + g] = _mm512_reduce_add_ps(sum);
+    }
+  return sums;
+}
+
+struct BiasedRows {
+  const uint8_t* weight;
+  const uint16_t* scales;  // float16
+  const uint8_t* zeros;    // nullptr: symmetric
+  const float* x_sums;     // (M, G), group_sums
+  int64_t K, groups, group;
+
+  // Row n's group scales in fp32 into `scale`, and total[m] = -(each group's scale * (128 + zero) * sum of x
+  // over the group) in lanes, for MC rows of x: the offsets the group sums carry, taken off before the sums.
+  template <int MC>
+  MILI_QUANTIZED void start_row(int64_t n, float* scale, __m512 (&total)[MC]) const {
+    for (int m = 0; m < MC; ++m) total[m] = _mm512_setzero_ps();
+    for (int64_t first = 0; first < groups; first += kGroupsAtOnce) {
+      const __mmask16 have = static_cast<__mmask16>((1u << std::min<int64_t>(kGroupsAtOnce, groups - first)) - 1);
+      const __m512 group_scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(have, scales + n * groups + first));
+      const __m512 zero = zeros ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(have, zeros + n * groups + first)))
+                                : _mm512_set1_ps(kSymmetricZero);
+      _mm512_storeu_ps(scale + first, group_scale);
+      const __m512 weight_offset = _mm512_mul_ps(group_scale, _mm512_add_ps(zero, _mm512_set1_ps(kBias)));
+      for (int m = 0; m < MC; ++m)
+        total[m] = _mm512_fnmadd_ps(weight_offset, _mm512_maskz_loadu_ps(have, x_sums + m * groups + first), total[m]);
+    }
+  }
+
+  // y[m * ldy + n - begin] for weight rows [begin, end) and MC rows of x (K apart) whose group sums start at
+  // x_sums: one weight row at a time, streamed once for the MC rows.
+  template <int MC>
+  MILI_QUANTIZED void rows(const at::BFloat16* x, int64_t begin, int64_t end, at::BFloat16* y, int64_t ldy) const {
+    constexpr int C = MC == 1 ? 2 : 1;  // independent sums along a group per row of x
+    const __m512i mask = _mm512_set1_epi16(kBiasedLanesMask), bias = _mm512_set1_epi16(kBiasBits);
+    alignas(64) float scale[kMaxGroups + kGroupsAtOnce];  // the row's group scales, stored 16 at a time
+    for (int64_t n = begin; n < end; ++n) {
+      const uint8_t* bytes = weight + n * (K / 2);
+      __m512 total[MC];
+      start_row<MC>(n, scale, total);
+      for (int64_t g = 0, k = 0; g < groups; ++g) {
+        __m512 acc[C][MC];
+        for (int c = 0; c < C; ++c)
+          for (int m = 0; m < MC; ++m) acc[c][m] = _mm512_setzero_ps();
+        for (const int64_t group_end = k + group; k < group_end; k += kBlock) {
+          _mm_prefetch(reinterpret_cast<const char*>(bytes + k / 2) + kStreamAheadBytes, _MM_HINT_T0);
+          const __m512i words = _mm512_loadu_si512(bytes + k / 2);
+#pragma GCC unroll 4
+          for (int u = 0; u < kBlockRegisters; ++u) {
+            const __m512i levels = u == 0 ? words : _mm512_srli_epi16(words, 4 * u);
+            const __m512bh w = (__m512bh)_mm512_ternarylogic_epi32(levels, mask, bias, kLevelsOrBias);
+            for (int m = 0; m < MC; ++m) {
+              const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k + u * kPairLanes);
+              acc[u % C][m] = _mm512_dpbf16_ps(acc[u % C][m], xv, w);
+            }
+          }
+        }
+        const __m512 group_scale = _mm512_set1_ps(scale[g]);
+        for (int m = 0; m < MC; ++m)
+          total[m] = _mm512_fmadd_ps(C == 2 ? _mm512_add_ps(acc[0][m], acc[C - 1][m]) : acc[0][m], group_scale, total[m]);
+      }
+      for (int m = 0; m < MC; ++m) y[m * ldy + (n - begin)] = at::BFloat16(_mm512_reduce_add_ps(total[m]));
+    }
+  }
+};
+
+// BiasedRows over every row of x (M, K), in chunks of up to 8 rows (a weight row re-read from cache per chunk)
+void multiply_biased(BiasedRows d, const at::BFloat16* x, int64_t M, int64_t begin, int64_t end, at::BFloat16* y,
+                     int64_t ldy) {
+  const float* x_sums = d.x_sums;
+  for (int64_t m = 0; m < M; m += kMaxChunkRows) {
+    d.x_sums = x_sums + m * d.groups;
+    const at::BFloat16* xm = x + m * d.K;
+    at::BFloat16* ym = y + m * ldy;
+    switch (std::min<int64_t>(M - m, kMaxChunkRows)) {
+      case 1: d.rows<1>(xm, begin, end, ym, ldy); break;
+      case 2: d.rows<2>(xm, begin, end, ym, ldy); break;
+      case 3: d.rows<3>(xm, begin, end, ym, ldy); break;
+      case 4: d.rows<4>(xm, begin, end, ym, ldy); break;
+      case 5: d.rows<5>(xm, begin, end, ym, ldy); break;
+      case 6: d.rows<6>(xm, begin, end, ym, ldy); break;
+      case 7: d.rows<7>(xm, begin, end, ym, ldy); break;
+      default: d.rows<kMaxChunkRows>(xm, begin, end, ym, ldy); break;
+    }
+  }
+}
+
 class Int4Rows final : public QuantizedRows {
  public:
   Int4Rows(const torch::Tensor& weight, const torch::Tensor& scales, const torch::Tensor& zeros)
@@ -105,13 +221,18 @@ class Int4Rows final : public QuantizedRows {
                                        zeros.is_contiguous()), "int4 linear: zeros (N, G) uint8, or none");
   }
 
-  std::vector<torch::Tensor> prepare(const torch::Tensor&) const override { return {}; }
+  std::vector<torch::Tensor> prepare(const torch::Tensor& x) const override {
+    if (biased()) return {group_sums(x, groups_)};
+    return {};
+  }
 
-  void multiply(const torch::Tensor& x, const std::vector<torch::Tensor>&, int64_t begin, int64_t end,
+  void multiply(const torch::Tensor& x, const std::vector<torch::Tensor>& prepared, int64_t begin, int64_t end,
                 at::BFloat16* y, int64_t ldy) const override {
     const auto* xb = x.data_ptr<at::BFloat16>();
-    if (group_ % kBlock == 0)
-      multiply_rows(decoder<true>(), xb, x.size(0), K_, begin, end, y, ldy);
+    if (biased())
+      multiply_biased({weight_.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales_.data_ptr<at::Half>()),
+                       zeros_.numel() ? zeros_.data_ptr<uint8_t>() : nullptr, prepared[0].data_ptr<float>(), K_,
+                       groups_, group_}, xb, x.size(0), begin, end, y, ldy);
     else
       multiply_rows(decoder<false>(), xb, x.size(0), K_, begin, end, y, ldy);
   }
@@ -124,6 +245,8 @@ class Int4Rows final : public QuantizedRows {
   }
 
  private:
+  bool biased() const { return group_ % kBlock == 0 && groups_ <= kMaxGroups; }  // BiasedRows multiplies
+
   template <bool kWholeBlocks>
   Int4Decoder<kWholeBlocks> decoder() const {
     return {weight_.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales_.data_ptr<at::Half>()),
