@@ -125,13 +125,24 @@ MILI_BF16_DOT inline __m512i load_pairs(const at::BFloat16* p) {
   return _mm512_loadu_si512(p);
 }
 
+// Where a chunk of x rows keeps its values for one step of 32 along K: row-major (a row's steps 32 apart,
+// rows K apart), or packed by pack_pair_chunks (a step's rows side by side), so that the chunk's reads are
+// one sequential stream, which the L1 prefetcher follows from L2 once x outgrows L1 (16 rows at K 2048;
+// rows K apart fall in the same few L1 sets and each is a stream of its own).
+struct PairRows {
+  const at::BFloat16* x;
+  int64_t row_stride;
+  int64_t step_stride;
+  const at::BFloat16* step(int64_t k) const { return x + k / kPairLanes * step_stride; }
+};
+
 template <int MC, int R, bool kHalf>
-MILI_BF16_DOT inline void dot_step(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t K, int64_t k,
+MILI_BF16_DOT inline void dot_step(const at::BFloat16* xk, int64_t ldx, const at::BFloat16* w, int64_t K, int64_t k,
                                    __m512 (&acc)[MC][R]) {
   __m512i wv[R];
   for (int r = 0; r < R; ++r) wv[r] = load_pairs<kHalf>(w + r * K + k);
   for (int m = 0; m < MC; ++m) {
-    const __m512bh xv = (__m512bh)load_pairs<kHalf>(x + m * ldx + k);
+    const __m512bh xv = (__m512bh)load_pairs<kHalf>(xk + m * ldx);
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, (__m512bh)wv[r]);
   }
 }
@@ -139,12 +150,13 @@ MILI_BF16_DOT inline void dot_step(const at::BFloat16* x, int64_t ldx, const at:
 // Two rows of x read the weights fastest as one stream, a row at a time with two partial sums along K (as
 // the single-row fp32 tile does); from three, tiles of R weight rows share each load of x (each split
 // was the faster of the two for its row count).
-template <int MC> constexpr int dot_tile_rows() { return MC <= 2 ? 1 : MC <= 6 ? 4 : 3; }
-template <int MC> constexpr int dot_unroll() { return MC <= 2 ? 2 : 1; }
+constexpr int kMaxPlainRows = 2;
+template <int MC> constexpr int dot_tile_rows() { return MC <= kMaxPlainRows ? 1 : MC <= 6 ? 4 : 3; }
+template <int MC> constexpr int dot_unroll() { return MC <= kMaxPlainRows ? 2 : 1; }
 
 template <int MC, int R, bool kPrefetch = true>
-MILI_BF16_DOT inline void dot_tile(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t K,
-                                   at::BFloat16* y, int64_t ldy) {
+MILI_BF16_DOT inline void dot_tile(const PairRows& x, const at::BFloat16* w, int64_t K, at::BFloat16* y,
+                                   int64_t ldy) {
   constexpr int U = R == 1 ? dot_unroll<MC>() : 1;
   __m512 acc[U][MC][R];
   zero_sums(acc);
@@ -154,10 +166,13 @@ MILI_BF16_DOT inline void dot_tile(const at::BFloat16* x, int64_t ldx, const at:
       prefetch_stream(w + k);
     else if constexpr (kPrefetch)
       prefetch_tiles_ahead<R>(w, K, k);  // one line per row per 32 values, as in the fp32 tile
-    for (int u = 0; u < U; ++u) dot_step<MC, R, false>(x, ldx, w, K, k + u * kPairLanes, acc[u]);
+    for (int u = 0; u < U; ++u) {
+      const int64_t ku = k + u * kPairLanes;
+      dot_step<MC, R, false>(x.step(ku), x.row_stride, w, K, ku, acc[u]);
+    }
   }
-  for (; k + kPairLanes <= K; k += kPairLanes) dot_step<MC, R, false>(x, ldx, w, K, k, acc[0]);
-  if (k < K) dot_step<MC, R, true>(x, ldx, w, K, k, acc[0]);  // K is a multiple of 16, not always of 32
+  for (; k + kPairLanes <= K; k += kPairLanes) dot_step<MC, R, false>(x.step(k), x.row_stride, w, K, k, acc[0]);
+  if (k < K) dot_step<MC, R, true>(x.step(k), x.row_stride, w, K, k, acc[0]);  // K: a multiple of 16, not always 32
   store_sums(acc, y, ldy);
 }
 
@@ -173,12 +188,12 @@ void rows_chunk(const float* x, int64_t ldx, const at::BFloat16* w, int64_t K, a
 }
 
 template <int MC, bool kPrefetch>
-MILI_BF16_DOT void dot_rows_chunk(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w, int64_t K,
-                                  at::BFloat16* y, int64_t ldy, int64_t n_begin, int64_t n_end) {
+MILI_BF16_DOT void dot_rows_chunk(const PairRows& x, const at::BFloat16* w, int64_t K, at::BFloat16* y, int64_t ldy,
+                                  int64_t n_begin, int64_t n_end) {
   constexpr int R = dot_tile_rows<MC>();
   int64_t n = n_begin;
-  for (; n + R <= n_end; n += R) dot_tile<MC, R, kPrefetch>(x, ldx, w + n * K, K, y + n, ldy);
-  for (; n < n_end; ++n) dot_tile<MC, 1, kPrefetch>(x, ldx, w + n * K, K, y + n, ldy);
+  for (; n + R <= n_end; n += R) dot_tile<MC, R, kPrefetch>(x, w + n * K, K, y + n, ldy);
+  for (; n < n_end; ++n) dot_tile<MC, 1, kPrefetch>(x, w + n * K, K, y + n, ldy);
 }
 
 // Only the first chunk of x rows over a block of weight rows asks for the weights ahead: the chunks
@@ -186,14 +201,14 @@ MILI_BF16_DOT void dot_rows_chunk(const at::BFloat16* x, int64_t ldx, const at::
 // take load slots from the products (which makes batches of more than 8 rows faster; one chunk is
 // unchanged).
 template <int MC>
-MILI_BF16_DOT void multiply_chunk(bool first_chunk, bool pairs, const at::BFloat16* xb, const float* xf, int64_t K,
+MILI_BF16_DOT void multiply_chunk(bool first_chunk, bool pairs, const PairRows& xb, const float* xf, int64_t K,
                                   const at::BFloat16* w, at::BFloat16* y, int64_t ldy, int64_t n_begin,
                                   int64_t n_end) {
   if (pairs) {
     if (first_chunk)
-      dot_rows_chunk<MC, true>(xb, K, w, K, y, ldy, n_begin, n_end);
+      dot_rows_chunk<MC, true>(xb, w, K, y, ldy, n_begin, n_end);
     else
-      dot_rows_chunk<MC, false>(xb, K, w, K, y, ldy, n_begin, n_end);
+      dot_rows_chunk<MC, false>(xb, w, K, y, ldy, n_begin, n_end);
   } else if (first_chunk) {
     rows_chunk<MC, true>(xf, K, w, K, y, ldy, n_begin, n_end);
   } else {
@@ -218,20 +233,51 @@ inline void with_chunk_rows(int64_t rows, F&& f) {
 }
 #undef MILI_BF16_DOT
 
-}  // namespace
+// bf16 values per row of x packed for the pair products: K rounded up to a whole step
+int64_t packed_row_values(int64_t K) { return (K + kPairLanes - 1) / kPairLanes * kPairLanes; }
 
-void multiply_weight_rows(const at::BFloat16* xb, const float* xf, int64_t M, int64_t K, const at::BFloat16* w,
-                          at::BFloat16* y, int64_t ldy, int64_t n_begin, int64_t n_end) {
+// x (M rows, K apart) in chunks of kMaxChunkRows rows, each chunk step by step: the chunk at row m starts at
+// m * packed_row_values(K), and within it step s holds the chunk's rows' 32 values side by side (zeros past K).
+torch::Tensor pack_pair_chunks(const at::BFloat16* x, int64_t M, int64_t K) {
+  const int64_t padded = packed_row_values(K);
+  auto packed = torch::zeros({M * padded}, torch::dtype(at::kBFloat16));
+  at::BFloat16* out = packed.data_ptr<at::BFloat16>();
+  for (int64_t m0 = 0; m0 < M; m0 += kMaxChunkRows) {
+    const int64_t height = std::min<int64_t>(kMaxChunkRows, M - m0);
+    for (int64_t m = 0; m < height; ++m)
+      for (int64_t k = 0; k < K; k += kPairLanes)
+        std::copy_n(x + (m0 + m) * K + k, std::min(kPairLanes, K - k),
+                    out + m0 * padded + k * height + m * kPairLanes);
+  }
+  return packed;
+}
+
+// The rows of chunk m0 (of up to kMaxChunkRows rows) in x, packed by pack_pair_chunks or row-major.
+PairRows pair_rows(const at::BFloat16* x, bool packed, int64_t M, int64_t K, int64_t m0) {
+  if (!packed) return {x + m0 * K, K, kPairLanes};
+  const int64_t height = std::min<int64_t>(kMaxChunkRows, M - m0);
+  return {x + m0 * packed_row_values(K), kPairLanes, height * kPairLanes};
+}
+
+void multiply_rows(const at::BFloat16* xb, bool packed, const float* xf, int64_t M, int64_t K,
+                   const at::BFloat16* w, at::BFloat16* y, int64_t ldy, int64_t n_begin, int64_t n_end) {
   const bool pairs = xb != nullptr;
   for (int64_t n = n_begin; n < n_end; n += kRowsPerPass) {
     const int64_t n_stop = std::min(n_end, n + kRowsPerPass);
     for (int64_t m = 0; m < M; m += kMaxChunkRows) {
       with_chunk_rows(M - m, [&](auto chunk) {
-        multiply_chunk<decltype(chunk)::value>(m == 0, pairs, pairs ? xb + m * K : nullptr,
+        multiply_chunk<decltype(chunk)::value>(m == 0, pairs, pairs ? pair_rows(xb, packed, M, K, m) : PairRows{},
                                                pairs ? nullptr : xf + m * K, K, w, y + m * ldy, ldy, n, n_stop);
       });
     }
   }
+}
+
+}  // namespace
+
+void multiply_weight_rows(const at::BFloat16* xb, const float* xf, int64_t M, int64_t K, const at::BFloat16* w,
+                          at::BFloat16* y, int64_t ldy, int64_t n_begin, int64_t n_end) {
+  multiply_rows(xb, false, xf, M, K, w, y, ldy, n_begin, n_end);
 }
 
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool bf16_dot_products, bool amx_tiles) {
@@ -251,7 +297,11 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool b
   const torch::Tensor xs = pairs ? x.contiguous() : x.to(at::kFloat).contiguous();
   auto y = torch::empty({M, N}, x.options());
   const float* xf = pairs ? nullptr : xs.data_ptr<float>();
-  const at::BFloat16* xb = pairs ? xs.data_ptr<at::BFloat16>() : nullptr;
+  // Tiles of several rows read x packed (PairRows); one or two rows stream it as it is.
+  const bool packed = pairs && M > kMaxPlainRows;
+  const torch::Tensor xp = packed ? pack_pair_chunks(xs.data_ptr<at::BFloat16>(), M, K) : xs;
+  const at::BFloat16* xb = pairs ? xp.data_ptr<at::BFloat16>() : nullptr;
+  const int64_t ldxb = packed ? packed_row_values(K) : K;  // offset of x row m (a multiple of a chunk) in xb
   const auto* wp = w.data_ptr<at::BFloat16>();
   auto* yp = y.data_ptr<at::BFloat16>();
   // Rows of x per pass over the weights: as many as stay in L2 beside the weight tiles. Small batches
@@ -266,8 +316,8 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool b
     mili::RowRanges ranges(N, threads, kRowsPerPass);
     at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
       const auto multiply = [&](int64_t n_begin, int64_t n_end) {
-        multiply_weight_rows(pairs ? xb + m0 * K : nullptr, pairs ? nullptr : xf + m0 * K, m_end - m0, K, wp,
-                             yp + m0 * N, N, n_begin, n_end);
+        multiply_rows(pairs ? xb + m0 * ldxb : nullptr, packed, pairs ? nullptr : xf + m0 * K, m_end - m0, K, wp,
+                      yp + m0 * N, N, n_begin, n_end);
       };
       ranges.work_through(first, last, kOwnerBlockRows, kRowsPerPass, multiply);
     });
