@@ -9,12 +9,16 @@ import asyncio
 from concurrent.futures import Future
 
 import pytest
+import torch
+from quant_helpers import QUANT_SHAPE
 
 from mili_openai.config import EngineConfig
 from mili_openai.engine import runner as runner_module
 from mili_openai.engine.async_engine import AsyncEngine
 from mili_openai.engine.sampling_params import SamplingParams
 from mili_openai.kernels import cpu_supports_kernels, load_cpu_kernels
+from mili_openai.model import build_random_checkpoint
+from mili_openai.model.quantization.modules import QuantizedLinear
 
 pytestmark = pytest.mark.skipif(not cpu_supports_kernels(), reason="the CPU kernels need AVX512")
 
@@ -103,3 +107,20 @@ def test_a_failed_build_keeps_torch_ops(tiny_checkpoint, pending_build):
 def test_off_by_default_the_load_waits_for_the_kernels(tiny_checkpoint):
     engine = AsyncEngine(EngineConfig(model=str(tiny_checkpoint), dtype="float32", num_pages=32))
     assert engine.core.runner.kernel_build is None and engine.core.runner.sampler.kernel is load_cpu_kernels()
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_weights_wait_for_the_kernels(tmp_path, pending_build, quantization):
+    """On torch's ops int8/int4 weights are dequantized in float32 at every call (`reference_linear`): a
+    quantized server builds the kernels before it serves, and every projection, the LM head and the decode
+    stack run compiled from the first step (prefill chunks, mixed steps and decode alike)."""
+    checkpoint = build_random_checkpoint(tmp_path / "dense", QUANT_SHAPE, seed=5, dtype=torch.bfloat16)
+    engine = AsyncEngine(EngineConfig(model=str(checkpoint), dtype="bfloat16", num_pages=32,
+                                      quantization=quantization, cpu_kernels_in_background=True))
+    runner, kernels = engine.core.runner, load_cpu_kernels()
+    assert runner.kernel_build is None and runner.sampler.kernel is kernels
+    projections = [m for m in runner.model.modules() if isinstance(m, QuantizedLinear)]
+    assert runner.model.lm_head in projections
+    assert all(m.matmul == kernels.quantized.linear for m in projections)
+    if kernels.bf16_dot_products:  # the int8/int4 kernels need AVX512-BF16 (elsewhere the reference runs)
+        assert runner.model.model.decode_stack is not None

@@ -90,6 +90,12 @@ class ModelRunner:
                                                    quantization=config.quantization,
                                                    group_size=config.quantization_group_size,
                                                    defer_cpu_kernels=compiled_later)
+        if compiled_later and self.model.holds_packed_weights:
+            # int8/int4 weights on torch's ops dequantize every weight in float32 at each call, many times
+            # slower than the bf16 fallback, and a loaded server may never be idle to switch: build first
+            logger.info("quantized weights: compiling the CPU kernels before serving")
+            use_cpu_kernels(self.model, self.model.dtype, load_cpu_kernels())
+            compiled_later = False
         self.dtype = self.model.dtype
         self.quantization = self.model.quantization  # None, or what the weights are
         self.page_size = config.page_size

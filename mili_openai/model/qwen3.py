@@ -237,6 +237,12 @@ class Qwen3ForCausalLM(nn.Module):
                 module.matmul = matmul
         self._logits_matmul = matmul
 
+    @property
+    def holds_packed_weights(self) -> bool:
+        """Whether any projection holds int8/int4 weights (`QuantizedLinear`), which torch's ops multiply only
+        after dequantizing the whole weight in float32 at every call (`reference_linear`)."""
+        return any(isinstance(module, QuantizedLinear) for module in self.modules())
+
     def set_quantized_matmul(self, matmul: QuantizedMatmulFn) -> None:
         """Route every quantized projection (int8, int4) through `matmul` (e.g. the CPU kernels)."""
         for module in self.modules():
