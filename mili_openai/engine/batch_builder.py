@@ -31,7 +31,7 @@ def pending_inputs(batch: ScheduledBatch, sample_index: dict[Sequence, int]) -> 
     rows, sources = [], []
     row = 0
     for seq, position, num_new in zip(batch.seqs[: batch.num_decode], batch.positions, batch.num_new_tokens):
-        if position == seq.num_tokens:
+        if position == len(seq.token_ids):
             rows.append(row)
             sources.append(sample_index[seq])
         row += num_new  # a decode with drafts has one row for each
@@ -103,7 +103,7 @@ class _DecodeRows:
             self.slots = (table[:, :, None] * page_size + offsets).reshape(num_rows, -1)[:, :max_ctx].copy()
             self.slot_mapping = self.slots[np.arange(num_rows), self.positions]
         # a token still being sampled by the step before gets 0 here (see `pending_inputs`)
-        self.input_ids = [seq.token_ids[p] if p < seq.num_tokens else 0 for seq, p in zip(seqs, starts)]
+        self.input_ids = [seq.token_ids[p] if p < len(seq.token_ids) else 0 for seq, p in zip(seqs, starts)]
         if seq_of_row is not None:
             self.input_ids = [token for first, drafts in zip(self.input_ids, batch.draft_tokens)
                               for token in (first, *drafts)]

@@ -37,7 +37,9 @@ class RequestStream:
         self.num_samples = num_samples
         self._abort = abort
         self._queue: deque[SequenceDelta] = deque()
-        self._ready = asyncio.Event()  # set while the queue holds a delta
+        # the consumer's wait for the next delta (a bare future: one per wait, as asyncio.Event would
+        # make, without the Event's own calls on every token); None while it is not waiting
+        self._waiter: asyncio.Future[None] | None = None
         self._undelivered = num_samples  # samples whose final delta the engine has not put yet
         self._unread = num_samples  # samples whose final delta the consumer has not read yet
 
@@ -50,7 +52,11 @@ class RequestStream:
         if delta.finish_reason is not None:
             self._undelivered -= 1
         self._queue.append(delta)
-        self._ready.set()
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():  # a consumer cancelled while waiting leaves a cancelled future
+                waiter.set_result(None)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -60,8 +66,11 @@ class RequestStream:
             raise StopAsyncIteration
         queue = self._queue
         while not queue:
-            self._ready.clear()
-            await self._ready.wait()
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         delta = queue.popleft()
         if delta.finish_reason is None and queue and queue[0].index == delta.index:
             run = [delta]

@@ -197,9 +197,15 @@ class EngineCore:
         now = time.monotonic()
         sampled = iter(zip(output.token_ids, output.logprobs))
         scored = output.prompt_logprobs or {}
-        for index, seq in enumerate(batch.seqs):
-            drafts = batch.drafts(index)
-            tokens = [next(sampled) for _ in range(1 + len(drafts))] if batch.samples[index] else []
+        draft_tokens, num_decode = batch.draft_tokens, batch.num_decode
+        for index, (seq, samples) in enumerate(zip(batch.seqs, batch.samples)):
+            drafts = draft_tokens[index] if index < num_decode else None
+            if not samples:
+                tokens = []
+            elif drafts:
+                tokens = [next(sampled) for _ in range(1 + len(drafts))]
+            else:
+                tokens = [next(sampled)]
             if seq.is_finished:  # aborted while the forward ran, or finished by the step before
                 continue
             if index in scored and seq.prompt_logprobs is not None:
@@ -231,6 +237,8 @@ class EngineCore:
 
     def _append_tokens(self, seq: Sequence, tokens: list[tuple]) -> SequenceDelta:
         """Append a step's tokens (one, or more after drafts) up to the one that finishes seq; one delta."""
+        if len(tokens) == 1:
+            return self._append_token(seq, *tokens[0])
         deltas = []
         for token in tokens:
             deltas.append(self._append_token(seq, *token))
@@ -254,7 +262,7 @@ class EngineCore:
                 text, matched = seq.stop_matcher.push(text)
                 if matched is not None:
                     finish, stop_reason = "stop", matched
-        if finish is None and (len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len):
+        if finish is None and (len(seq.output_token_ids) >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len):
             finish = "length"
         logprobs = [logprob] if logprob is not None else None
         if finish is None:

@@ -76,7 +76,7 @@ class IncrementalDetokenizer:
 
     def append(self, token_ids: Sequence[int]) -> str:
         """Add output tokens; return the new text they complete (possibly "")."""
-        self._ids.extend(int(t) for t in token_ids)
+        self._ids.extend(map(int, token_ids))
         piece = self._new_text(force=False)
         if piece:
             self._pieces.append(piece)

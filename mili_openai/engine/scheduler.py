@@ -126,16 +126,18 @@ class Scheduler:
         preempted: list[Sequence] = []
         drafting = not lookahead and self._drafts_at(len(self.running))
 
+        running = SequenceStatus.RUNNING
         for seq in list(self.running):  # oldest first; preemption takes from the newest end
             if budget == 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING or self._awaits_last_token(seq):
+            if seq.status is not running or self._awaits_last_token(seq):
                 continue  # preempted earlier in this loop, or done once its pending token is back
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            uncomputed = seq.num_uncomputed_tokens
+            num_new = min(uncomputed, budget)
             if not self._reserve(seq, num_new, preempted, can_preempt=not lookahead):
                 continue  # seq itself was preempted, or found no page
             budget -= num_new
-            (decodes if seq.num_uncomputed_tokens == 1 else prefills).append((seq, num_new))
+            (decodes if uncomputed == 1 else prefills).append((seq, num_new))
         # drafts after every running sequence has its token and pages: a guess never takes those
         draft_tokens: list[list[int]] = []
         for seq, _ in decodes:
@@ -206,6 +208,8 @@ class Scheduler:
     def _reserve(self, seq: Sequence, num_new: int, preempted: list[Sequence], can_preempt: bool) -> bool:
         """Allocate pages for seq's next tokens, preempting newer sequences (if allowed) until they fit."""
         needed = self.pages.pages_needed(seq, num_new)
+        if needed == 0:  # most decode steps: the token fits in the last page
+            return True
         while not self.pages.allocate(seq, needed):
             if not can_preempt:
                 return False

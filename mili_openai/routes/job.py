@@ -131,10 +131,16 @@ class GenerationJob(ABC, Generic[BodyT]):
         timer = asyncio.get_running_loop().call_later(max(self.server.config.request_timeout_s, 0.0), self.abort)
         context = current_request()
         unfinished = len(self.streams) * self.num_samples
-        items = self._stream_items()
+        # a lone stream (most requests) is read in place: a generator between it and this loop would cost
+        # every token one more resumption
+        lone = self.streams[0] if len(self.streams) == 1 else None
+        items = self._merged_items() if lone is None else None
         try:
             while unfinished:
-                prompt, item = await anext(items)
+                if lone is not None:
+                    prompt, item = 0, await lone.__anext__()
+                else:
+                    prompt, item = await anext(items)
                 if item.error is not None:  # the engine failed the request: a 500, not bad input
                     raise APIError(500, item.error, type=INTERNAL_ERROR)
                 if context is not None:
@@ -148,15 +154,11 @@ class GenerationJob(ABC, Generic[BodyT]):
         finally:
             timer.cancel()
             self.abort()
-            await items.aclose()
+            if items is not None:
+                await items.aclose()
 
-    async def _stream_items(self) -> AsyncIterator[tuple[int, SequenceDelta]]:
-        """`(prompt, delta)` from every prompt's stream. A lone stream (most requests) is read in place: a
-        task between it and the reader would cost each token one more pass of the event loop."""
-        if len(self.streams) == 1:
-            async for delta in self.streams[0]:
-                yield 0, delta
-            return
+    async def _merged_items(self) -> AsyncIterator[tuple[int, SequenceDelta]]:
+        """`(prompt, delta)` from the streams of several prompts, as they arrive (a task per stream)."""
         queue: asyncio.Queue[tuple[int, SequenceDelta | BaseException]] = asyncio.Queue()
 
         async def pump(prompt: int, stream: RequestStream) -> None:

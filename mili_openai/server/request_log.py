@@ -86,7 +86,10 @@ class RequestContext:
                 self.sequences.setdefault((request_id, index), SequenceTally())
 
     def observe(self, delta: SequenceDelta) -> None:
-        tally = self.sequences.setdefault((delta.request_id, delta.index), SequenceTally())
+        key = (delta.request_id, delta.index)
+        tally = self.sequences.get(key)
+        if tally is None:
+            tally = self.sequences[key] = SequenceTally()
         tally.num_output_tokens += len(delta.token_ids)
         tally.num_cached_tokens = delta.num_cached_tokens
         if delta.token_ids and self.first_token_time is None:
