@@ -103,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[], help="more `mili serve` flags")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--num-requests", type=int, default=None, help="per run (default: 2 x concurrency)")
+    parser.add_argument("--num-requests", type=int, default=None, help="per run (default: the concurrency, one wave)")
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3, help="runs per checkout and concurrency, alternating")
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             for concurrency in args.concurrency:
                 for server in servers:
                     bench = BenchConfig(
-                        base_url=server.spec.base_url, model="bench", num_requests=args.num_requests or 2 * concurrency,
+                        base_url=server.spec.base_url, model="bench", num_requests=args.num_requests or concurrency,
                         concurrency=concurrency, input_len=args.input_len, output_len=args.output_len,
                         ignore_eos=True, timeout_s=REQUEST_TIMEOUT_S, warmup=0, progress=False,
                         seed=round_index)

@@ -301,3 +301,22 @@ def test_chunk_events_serialise_with_orjson(server):
     assert all("finish_reason" in c["choices"][0] for c in events[:-1] if c["choices"])
     assert orjson.loads(orjson.dumps(events[1]))["choices"][0]["delta"].keys() <= {"content", "reasoning_content",
                                                                                     "reasoning", "tool_calls"}
+
+
+@pytest.mark.parametrize("content", [None, "Hello", ""])
+@pytest.mark.parametrize("reasoning", [None, "thinking"])
+@pytest.mark.parametrize(("finish_reason", "stop_reason"), [(None, None), ("stop", None), ("stop", "END"),
+                                                             ("stop", 151645), ("length", None)])
+@pytest.mark.parametrize("with_usage_key", [False, True])
+def test_text_chunk_event_is_the_models_chunk(content, reasoning, finish_reason, stop_reason, with_usage_key):
+    """The dict a text-only chunk is built as (most of a stream) is the one the pydantic models give."""
+    from mili_openai.protocol.chat import ChatCompletionChunk, ChunkChoice, DeltaMessage, text_chunk_event
+
+    content = content or None  # as the route passes it
+    message = DeltaMessage(content=content, reasoning_content=reasoning, reasoning=reasoning)
+    choice = ChunkChoice(index=2, delta=message, logprobs=None, finish_reason=finish_reason, stop_reason=stop_reason)
+    expected = ChatCompletionChunk(id="chatcmpl-1", created=7, model=MODEL, choices=[choice]).to_event()
+    if not with_usage_key:
+        del expected["usage"]
+    event = text_chunk_event("chatcmpl-1", 7, MODEL, 2, content, reasoning, finish_reason, stop_reason, with_usage_key)
+    assert orjson.dumps(event) == orjson.dumps(expected)  # same keys, same order, same values

@@ -258,3 +258,22 @@ class ChatCompletionChunk(BaseModel):
         for choice, model_choice in zip(event["choices"], self.choices, strict=True):
             choice["delta"] = model_choice.delta.model_dump(exclude_none=True)
         return event
+
+
+def text_chunk_event(response_id: str, created: int, model: str, index: int, content: str | None,
+                     reasoning: str | None, finish_reason: str | None, stop_reason: str | int | None,
+                     with_usage_key: bool) -> dict[str, Any]:
+    """`ChatCompletionChunk.to_event()` of one choice whose delta carries text only (no role, tool calls,
+    logprobs nor usage), built as a dict: most chunks of a stream, where the models would cost every token
+    many times what the dict does. `with_usage_key`: keep the "usage": null that include_usage streams send."""
+    delta: dict[str, Any] = {}
+    if content is not None:
+        delta["content"] = content
+    if reasoning is not None:
+        delta["reasoning_content"] = delta["reasoning"] = reasoning
+    event = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
+                          "stop_reason": stop_reason}]}
+    if with_usage_key:
+        event["usage"] = None
+    return event

@@ -31,6 +31,7 @@ from mili_openai.protocol.chat import (
     ToolCallDeltaOut,
     ToolCallOut,
     UsageOut,
+    text_chunk_event,
 )
 from mili_openai.protocol.chat_output import ChatDelta, ChatOutputParser, OutputOptions, parse_whole_output
 from mili_openai.protocol.errors import APIError
@@ -159,6 +160,15 @@ class ChatJob(GenerationJob[ChatCompletionRequest]):
     def include_usage(self) -> bool:
         return self.body.stream_options is not None and self.body.stream_options.include_usage
 
+    def delta_chunk(self, index: int, parsed: ChatDelta, delta: SequenceDelta, finish_reason: str | None) -> dict[str, Any]:
+        """One choice's chunk: a text-only one (most of a stream) as a plain dict, the rest through the models."""
+        with_logprobs = self.top_k is not None and (delta.logprobs or finish_reason)
+        if parsed.calls or with_logprobs:
+            return self.chunk([self.delta_choice(index, parsed, delta, finish_reason)])
+        return text_chunk_event(self.response_id, self.created, self.model, index, parsed.content or None,
+                                parsed.reasoning or None, finish_reason, delta.stop_reason if finish_reason else None,
+                                self.include_usage)
+
     def delta_choice(self, index: int, parsed: ChatDelta, delta: SequenceDelta,
                      finish_reason: str | None) -> ChunkChoice:
         reasoning = parsed.reasoning or None
@@ -190,7 +200,7 @@ class ChatJob(GenerationJob[ChatCompletionRequest]):
                     finish_reason = finish_reason_of(delta.finish_reason, parser.num_calls)
                 if not parsed and finish_reason is None and not (self.top_k is not None and delta.logprobs):
                     continue  # nothing to show yet (text held back by a parser or the detokenizer)
-                yield self.chunk([self.delta_choice(index, parsed, delta, finish_reason)])
+                yield self.delta_chunk(index, parsed, delta, finish_reason)
         if self.include_usage:
             yield self.chunk([], self.usage_out())
 
