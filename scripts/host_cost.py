@@ -30,7 +30,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if importlib.util.find_spec("mili_openai") is None:  # a checkout without `pip install -e .`
     sys.path.insert(0, str(REPO_ROOT))
 
-from mili_openai.bench.config import BenchConfig  # noqa: E402
+from mili_openai.bench.config import ENDPOINTS, BenchConfig  # noqa: E402
 from mili_openai.bench.prompt_tokens import load_tokenizer  # noqa: E402
 from mili_openai.bench.runner import run_benchmark  # noqa: E402
 from mili_openai.bench.server_process import LOCALHOST, ServerProcess, ServerSpec, free_port  # noqa: E402
@@ -43,8 +43,10 @@ REQUEST_TIMEOUT_S = 1800.0
 US_PER_S = 1e6
 
 
-def thread_cpu_s(pid: int) -> dict[int, tuple[float, float]]:
-    """(user, system) CPU seconds of every live thread of `pid`, by thread id."""
+def thread_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of every live thread of `pid`, by thread id. Only the sum is read: the
+    kernel keeps each part monotonic by scaling both from tick samples, so over a short run one part can
+    stand still while the other takes all of it."""
     times = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
@@ -52,8 +54,7 @@ def thread_cpu_s(pid: int) -> dict[int, tuple[float, float]]:
         except OSError:  # the thread ended while we listed them
             continue
         fields = stat[stat.rindex(")") + 2 :].split()  # the name may hold spaces: cut after it
-        times[int(task.name)] = (int(fields[STAT_UTIME_FIELD - 2]) / CLOCK_TICKS,
-                                 int(fields[STAT_UTIME_FIELD - 1]) / CLOCK_TICKS)
+        times[int(task.name)] = (int(fields[STAT_UTIME_FIELD - 2]) + int(fields[STAT_UTIME_FIELD - 1])) / CLOCK_TICKS
     return times
 
 
@@ -64,7 +65,6 @@ class HostCost:
     output_tokens: int
     output_throughput: float
     loop_us_per_token: float  # the main thread: asyncio loop, engine bookkeeping, HTTP, SSE
-    loop_system_us_per_token: float  # the part of it in the kernel (socket writes, epoll, wakeups)
     forward_us_per_token: float  # every other thread: the forward's worker and torch's threads
     load: float  # the 1-minute load average at the end of the run (other jobs share the cores)
 
@@ -75,12 +75,11 @@ def measure(name: str, pid: int, bench: BenchConfig, tokenizer) -> HostCost:
     after = thread_cpu_s(pid)
     if run.summary.failed:
         raise RuntimeError(f"{name}: {run.summary.failed} requests failed")
-    spent = {tid: [now - then for now, then in zip(times, before.get(tid, (0.0, 0.0)))] for tid, times in after.items()}
-    loop_user_s, loop_system_s = spent.pop(pid)
+    spent = {tid: seconds - before.get(tid, 0.0) for tid, seconds in after.items()}
+    loop_s = spent.pop(pid)
     tokens = run.summary.total_output_tokens
     return HostCost(name, bench.concurrency, tokens, run.summary.output_throughput,
-                    (loop_user_s + loop_system_s) / tokens * US_PER_S, loop_system_s / tokens * US_PER_S,
-                    sum(map(sum, spent.values())) / tokens * US_PER_S, os.getloadavg()[0])
+                    loop_s / tokens * US_PER_S, sum(spent.values()) / tokens * US_PER_S, os.getloadavg()[0])
 
 
 def server_spec(name: str, checkout: str, args: argparse.Namespace) -> ServerSpec:
@@ -102,6 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              " least, so runs are short")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--serve-args", nargs=argparse.REMAINDER, default=[], help="more `mili serve` flags")
+    parser.add_argument("--endpoint", choices=ENDPOINTS, default="completions")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--num-requests", type=int, default=None, help="per run (default: the concurrency, one wave)")
     parser.add_argument("--input-len", type=int, default=512)
@@ -129,14 +129,14 @@ def main(argv: list[str] | None = None) -> int:
             for concurrency in args.concurrency:
                 for server in servers:
                     bench = BenchConfig(
-                        base_url=server.spec.base_url, model="bench", num_requests=args.num_requests or concurrency,
+                        base_url=server.spec.base_url, model="bench", endpoint=args.endpoint, num_requests=args.num_requests or concurrency,
                         concurrency=concurrency, input_len=args.input_len, output_len=args.output_len,
                         ignore_eos=True, timeout_s=REQUEST_TIMEOUT_S, warmup=0, progress=False,
                         seed=round_index)
                     cost = measure(server.spec.name, server.process.pid, bench, tokenizer)
                     results.append(cost)
                     print(f"round {round_index + 1} c{concurrency:<4} {cost.checkout:>8}: loop {cost.loop_us_per_token:6.1f}"
-                          f" us/token ({cost.loop_system_us_per_token:5.1f} system), forward {cost.forward_us_per_token:7.1f} us/token, {cost.output_throughput:7.1f}"
+                          f" us/token, forward {cost.forward_us_per_token:7.1f} us/token, {cost.output_throughput:7.1f}"
                           f" out tok/s, {cost.output_tokens} tokens, load {cost.load:.1f}", flush=True)
     finally:
         for server in servers:

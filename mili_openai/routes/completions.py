@@ -103,12 +103,12 @@ class CompletionJob(GenerationJob[CompletionRequest]):
 
     # ---- stream ----
     async def events(self) -> AsyncIterator[dict[str, Any]]:
-        include_usage = self.body.include_usage
+        include_usage, echo_only = self.body.include_usage, self.body.echo_only
         builders = [self.logprobs_builder() for _ in range(self.num_sequences)]
         started = [False] * self.num_sequences
         async with aclosing(self.deltas()) as deltas:  # closing us early must run the aborts now
             async for index, delta in deltas:
-                if self.body.echo_only:
+                if echo_only:
                     delta = without_generation(delta)
                 text, logprobs = delta.text, None
                 if not started[index]:
