@@ -48,12 +48,7 @@ def fast_decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], 
     cost several times the decode itself (two decodes per token of every running sequence)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        backend_decode = backend.decode
-
-        def decode(ids: list[int]) -> str:
-            return backend_decode(ids, skip_special_tokens)  # positional: the binding parses keywords slower
-
-        return decode
+        return partial(backend.decode, skip_special_tokens=skip_special_tokens)
     return partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
 
 
