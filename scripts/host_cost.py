@@ -6,7 +6,7 @@ concurrency, the checkouts taking turns round by round. Around every run it read
 system) of each of the server's threads from /proc/<pid>/task/<tid>/stat. The event loop is the main
 thread (uvicorn runs it there); every other thread is the forward's (its worker thread and torch's OpenMP
 team). The event loop's CPU per output token is the host cost a GPU does not take away: at high
-concurrency on a GPU it sets the pace (docs/performance.md, "Host CPU per output token").
+concurrency on a GPU it sets the pace (docs/performance.md, "CUDA under load").
 
     .venv/bin/python scripts/host_cost.py                                  # this checkout
     .venv/bin/python scripts/host_cost.py --checkout old=/tmp/main --checkout new=.   # A/B, alternating
