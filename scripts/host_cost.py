@@ -12,7 +12,9 @@ concurrency on a GPU it sets the pace (docs/performance.md, "CUDA under load").
     .venv/bin/python scripts/host_cost.py --checkout old=/tmp/main --checkout new=.   # A/B, alternating
     .venv/bin/python scripts/host_cost.py --concurrency 64 --rounds 1 --num-requests 128
 
-While a run is in flight, `py-spy record --native -r 200 -p PID` (printed PID) shows where the time goes.
+While a run is in flight, `perf record -t PID` (the printed PID is the loop thread's id too) shows where its
+CPU goes by native symbol; py-spy samples wall time, and on a loaded machine charges the socket writes (where
+the woken client preempts the loop) far more than their CPU.
 """
 
 from __future__ import annotations
