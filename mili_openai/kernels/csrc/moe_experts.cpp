@@ -6,9 +6,11 @@
 // once, whatever the batch, and a prefill chunk runs one matmul per expert. An expert with a few pairs (a
 // decode step's) streams its weights through linear_bf16's tiles (multiply_weight_rows); one with many (a
 // prefill chunk's) packs each unit's weights into a panel and multiplies all its pairs there, with SwiGLU
-// applied in registers (expert_tiles.h). Work is split into units of contiguous weight rows of one
-// expert, spread over the threads like linear_bf16's rows (row_ranges.h), so both cores stream weights
-// even when one expert has all the tokens, and no Python loop runs over the experts.
+// applied in registers (expert_tiles.h). When every expert has few pairs, a thread runs whole experts,
+// both matmuls, one after another (run_small_experts); otherwise work is split into units of contiguous
+// weight rows of one expert, so both cores stream weights even when one expert has all the tokens. Either
+// way the threads share the work like linear_bf16's rows (row_ranges.h), and no Python loop runs over the
+// experts.
 //
 // Rounding as transformers' eager experts: the gate/up projection rounded to bf16, silu rounded, the
 // product rounded; the down projection rounded, times the routing weight rounded; each token's k rows
@@ -116,48 +118,65 @@ torch::Tensor gather_rows(const BF16* x, int64_t width, const Routing& routing, 
   return out;
 }
 
-}  // namespace
+// An expert's weights within a layer's stacks: gate_up (E, 2I, H), gate rows first, and down (E, H, I).
+struct ExpertWeights {
+  const BF16* gate_up;
+  const BF16* down;
+  int64_t hidden, intermediate;
+};
 
-namespace mili {
-
-void check_experts(const torch::Tensor& x, const torch::Tensor& gate_up, const torch::Tensor& down,
-                   bool bf16_dot_products) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && gate_up.scalar_type() == at::kBFloat16 &&
-                  down.scalar_type() == at::kBFloat16, "moe: bf16 activations and expert weights only");
-  TORCH_CHECK(x.device().is_cpu() && gate_up.device().is_cpu() && down.device().is_cpu(), "moe: CPU tensors only");
-  TORCH_CHECK(x.dim() == 2 && gate_up.dim() == 3 && down.dim() == 3 && gate_up.size(0) == down.size(0) &&
-                  gate_up.size(1) == 2 * down.size(2) && gate_up.size(2) == x.size(1) && down.size(1) == x.size(1),
-              "moe: x (T, H), gate_up (E, 2I, H) and down (E, H, I)");
-  TORCH_CHECK(x.is_contiguous() && gate_up.is_contiguous() && down.is_contiguous(), "moe: contiguous tensors");
-  TORCH_CHECK(x.size(1) % kLanes == 0 && down.size(2) % kLanes == 0,
-              "moe: hidden and intermediate sizes must be multiples of 16");
-  TORCH_CHECK(!bf16_dot_products || cpu_has_bf16_dot_products(), "moe: this CPU has no AVX512-BF16");
+// Experts with few pairs each (a decode step's): a thread takes a whole expert at a time and runs its
+// gate/up rows (one contiguous block), SwiGLU and its down rows (another) before the next, so each thread
+// streams its experts' weights in order and the layer has one parallel section, with no barrier between
+// the two matmuls for the threads to wait at. Expert e's pairs' outputs go to rows
+// [begin[e], begin[e + 1]) of eo (H apart).
+void run_small_experts(const Routing& routing, int64_t experts, const torch::Tensor& xs, bool pairs,
+                       const ExpertWeights& weights, BF16* eo) {
+  const int64_t hidden = weights.hidden, intermediate = weights.intermediate;
+  std::vector<int64_t> routed;  // the experts with pairs, in order
+  for (int64_t e = 0; e < experts; ++e)
+    if (routing.expert_begin[e + 1] > routing.expert_begin[e]) routed.push_back(e);
+  const int64_t count = static_cast<int64_t>(routed.size());
+  if (count == 0) return;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
+  mili::RowRanges ranges(count, threads, 1);
+  at::parallel_for(0, threads, 1, [&](int64_t first_part, int64_t last_part) {
+    std::vector<BF16> products(kPanelMinRows * 2 * intermediate);  // gate columns, then up columns
+    std::vector<BF16> act(kPanelMinRows * intermediate);
+    std::vector<float> act_f(pairs ? 0 : kPanelMinRows * intermediate);
+    ranges.work_through(first_part, last_part, 1, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t e = routed[u], first = routing.expert_begin[e], block = routing.expert_begin[e + 1] - first;
+        multiply_weight_rows(pairs ? xs.data_ptr<BF16>() + first * hidden : nullptr,
+                             pairs ? nullptr : xs.data_ptr<float>() + first * hidden, block, hidden,
+                             weights.gate_up + e * 2 * intermediate * hidden, products.data(), 2 * intermediate, 0,
+                             2 * intermediate);
+        for (int64_t r = 0; r < block; ++r) {
+          BF16* out = act.data() + r * intermediate;
+          const BF16* gate = products.data() + r * 2 * intermediate;
+          mili::silu_mul_row(gate, gate + intermediate, out, intermediate);
+          if (!pairs) std::copy(out, out + intermediate, act_f.data() + r * intermediate);
+        }
+        multiply_weight_rows(pairs ? act.data() : nullptr, pairs ? nullptr : act_f.data(), block, intermediate,
+                             weights.down + e * hidden * intermediate, eo + first * hidden, hidden, 0, hidden);
+      }
+    });
+  });
 }
 
-torch::Tensor run_experts(const torch::Tensor& x, const torch::Tensor& gate_up, const torch::Tensor& down,
-                          const int64_t* ids, const at::BFloat16* wp, int64_t top_k, bool pairs,
-                          int64_t* expert_load) {
-  const int64_t tokens = x.size(0), hidden = x.size(1);
-  const int64_t experts = gate_up.size(0), intermediate = down.size(2);
-  const Routing routing = sort_pairs(ids, tokens * top_k, top_k, experts);
-  if (expert_load != nullptr)
-    for (int64_t e = 0; e < experts; ++e) expert_load[e] += routing.expert_begin[e + 1] - routing.expert_begin[e];
-  const int64_t rows = tokens * top_k;
-  const torch::Tensor xs = pairs ? gather_rows<BF16>(x.data_ptr<BF16>(), hidden, routing, at::kBFloat16)
-                                 : gather_rows<float>(x.data_ptr<BF16>(), hidden, routing, at::kFloat);
-  const BF16* gate_up_w = gate_up.data_ptr<BF16>();
-  const BF16* down_w = down.data_ptr<BF16>();
-
+// Experts of which some have many pairs (a prefill chunk's): units of contiguous weight rows of one expert
+// over the threads, first the gate/up projection and SwiGLU of every expert, then the down projection.
+void run_large_experts(const Routing& routing, int64_t experts, const torch::Tensor& xs, bool pairs,
+                       const ExpertWeights& weights, BF16* eo) {
   // First matmul and the activation: unit = gate columns [begin, end) of one expert, with their up rows.
-  auto activated = torch::empty({rows, intermediate}, x.options());
-  auto activated_f = pairs ? torch::Tensor() : torch::empty({rows, intermediate}, x.options().dtype(at::kFloat));
+  const int64_t rows = routing.expert_begin[experts], hidden = weights.hidden, intermediate = weights.intermediate;
+  const BF16* gate_up_w = weights.gate_up;
+  const BF16* down_w = weights.down;
+  auto activated = torch::empty({rows, intermediate}, torch::dtype(at::kBFloat16));
+  auto activated_f = pairs ? torch::Tensor() : torch::empty({rows, intermediate}, torch::dtype(at::kFloat));
   BF16* act = activated.data_ptr<BF16>();
   // A thread's panel holds a unit's gate and up rows (or its down rows) as pairs: one dword per two values.
-  int64_t most_pairs = 0;
-  for (int64_t e = 0; e < experts; ++e)
-    most_pairs = std::max(most_pairs, routing.expert_begin[e + 1] - routing.expert_begin[e]);
-  const int64_t panel_dwords =
-      pairs && most_pairs >= kPanelMinRows ? 2 * kGateColumnsPerUnit * std::max(hidden, intermediate) / 2 : 0;
+  const int64_t panel_dwords = pairs ? 2 * kGateColumnsPerUnit * std::max(hidden, intermediate) / 2 : 0;
   run_units(split_units(routing, experts, intermediate, kGateColumnsPerUnit), panel_dwords,
             [&](const Unit& unit, uint32_t* panel, const Unit* next) {
     const int64_t width = unit.end - unit.begin;
@@ -196,8 +215,6 @@ torch::Tensor run_experts(const torch::Tensor& x, const torch::Tensor& gate_up, 
   });
 
   // Second matmul: unit = output columns [begin, end) of one expert, written to its pairs' rows.
-  auto expert_out = torch::empty({rows, hidden}, x.options());
-  BF16* eo = expert_out.data_ptr<BF16>();
   run_units(split_units(routing, experts, hidden, kDownRowsPerUnit), panel_dwords,
             [&](const Unit& unit, uint32_t* panel, const Unit* next) {
     const BF16* w = down_w + unit.expert * hidden * intermediate;
@@ -221,6 +238,48 @@ torch::Tensor run_experts(const torch::Tensor& x, const torch::Tensor& gate_up, 
                            eo + m * hidden, hidden, unit.begin, unit.end);
     }
   });
+
+}
+
+}  // namespace
+
+namespace mili {
+
+void check_experts(const torch::Tensor& x, const torch::Tensor& gate_up, const torch::Tensor& down,
+                   bool bf16_dot_products) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && gate_up.scalar_type() == at::kBFloat16 &&
+                  down.scalar_type() == at::kBFloat16, "moe: bf16 activations and expert weights only");
+  TORCH_CHECK(x.device().is_cpu() && gate_up.device().is_cpu() && down.device().is_cpu(), "moe: CPU tensors only");
+  TORCH_CHECK(x.dim() == 2 && gate_up.dim() == 3 && down.dim() == 3 && gate_up.size(0) == down.size(0) &&
+                  gate_up.size(1) == 2 * down.size(2) && gate_up.size(2) == x.size(1) && down.size(1) == x.size(1),
+              "moe: x (T, H), gate_up (E, 2I, H) and down (E, H, I)");
+  TORCH_CHECK(x.is_contiguous() && gate_up.is_contiguous() && down.is_contiguous(), "moe: contiguous tensors");
+  TORCH_CHECK(x.size(1) % kLanes == 0 && down.size(2) % kLanes == 0,
+              "moe: hidden and intermediate sizes must be multiples of 16");
+  TORCH_CHECK(!bf16_dot_products || cpu_has_bf16_dot_products(), "moe: this CPU has no AVX512-BF16");
+}
+
+torch::Tensor run_experts(const torch::Tensor& x, const torch::Tensor& gate_up, const torch::Tensor& down,
+                          const int64_t* ids, const at::BFloat16* wp, int64_t top_k, bool pairs,
+                          int64_t* expert_load) {
+  const int64_t tokens = x.size(0), hidden = x.size(1);
+  const int64_t experts = gate_up.size(0), intermediate = down.size(2);
+  const Routing routing = sort_pairs(ids, tokens * top_k, top_k, experts);
+  if (expert_load != nullptr)
+    for (int64_t e = 0; e < experts; ++e) expert_load[e] += routing.expert_begin[e + 1] - routing.expert_begin[e];
+  const int64_t rows = tokens * top_k;
+  const torch::Tensor xs = pairs ? gather_rows<BF16>(x.data_ptr<BF16>(), hidden, routing, at::kBFloat16)
+                                 : gather_rows<float>(x.data_ptr<BF16>(), hidden, routing, at::kFloat);
+  const ExpertWeights weights{gate_up.data_ptr<BF16>(), down.data_ptr<BF16>(), hidden, intermediate};
+  auto expert_out = torch::empty({rows, hidden}, x.options());
+  BF16* eo = expert_out.data_ptr<BF16>();
+  int64_t most_pairs = 0;
+  for (int64_t e = 0; e < experts; ++e)
+    most_pairs = std::max(most_pairs, routing.expert_begin[e + 1] - routing.expert_begin[e]);
+  if (most_pairs < kPanelMinRows)
+    run_small_experts(routing, experts, xs, pairs, weights, eo);
+  else
+    run_large_experts(routing, experts, xs, pairs, weights, eo);
 
   // Each token's k rows, weighted (rounded) and summed in fp32, rounded once.
   auto out = torch::empty({tokens, hidden}, x.options());
