@@ -9,6 +9,11 @@ torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool b
 // Each block of weight rows is read once for all M rows (linear_bf16's tiles; callers block M for L2).
 void multiply_weight_rows(const at::BFloat16* xb, const float* xf, int64_t M, int64_t K, const at::BFloat16* w,
                           at::BFloat16* y, int64_t ldy, int64_t n_begin, int64_t n_end);
+// The same with pair products for bf16 x, packed first as linear_bf16 packs it (rows of a tile's chunk side
+// by side, one sequential stream rather than rows K apart in the same few L1 sets) where tiles of several
+// rows read it: for a matmul over all of a weight's rows, where packing costs little beside the products.
+void multiply_weight_rows_packing(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* w,
+                                  at::BFloat16* y, int64_t ldy, int64_t n_begin, int64_t n_end);
 bool cpu_has_amx_tiles();  // AMX-BF16, with Linux's leave to use the tiles (asked once per process)
 bool amx_linear_fits(int64_t M, int64_t N, int64_t K);
 torch::Tensor linear_amx(const torch::Tensor& x, const torch::Tensor& w);

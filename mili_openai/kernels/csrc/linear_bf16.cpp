@@ -50,6 +50,18 @@ inline void prefetch_tiles_ahead(const at::BFloat16* w, int64_t K, int64_t k) {
   for (int r = 2 * R; r < 4 * R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k), _MM_HINT_T1);
 }
 
+// The chunks of x rows after the first read a block of weight rows from L1/L2 and would leave memory idle
+// meanwhile: the second asks for the next block's rows (kRowsPerPass on) into L2, one line per row per
+// step, so the weights keep streaming while it multiplies.
+template <int R>
+inline void prefetch_next_pass(const at::BFloat16* w, int64_t K, int64_t k) {
+  for (int r = 0; r < R; ++r)
+    _mm_prefetch(reinterpret_cast<const char*>(w + (kRowsPerPass + r) * K + k), _MM_HINT_T1);
+}
+
+// What a tile asks for ahead while it multiplies (see multiply_chunk).
+enum class Ahead { kNothing, kTiles, kNextPass };
+
 // The single-row stream also asks, once per 256 bytes it reads, for the lines 8 and 16 KB ahead into L2:
 // a nudge that keeps the prefetchers ahead (the distances and the L2 target were the fastest tried;
 // into L1 was slower than no prefetch at all).
@@ -77,9 +89,9 @@ inline void store_sums(const __m512 (&acc)[U][MC][R], at::BFloat16* y, int64_t l
     }
 }
 
-// y[m, n + r] for m < MC, r < R: x is fp32 (rows ldx apart), w bf16 rows K apart. kPrefetch: ask for the
-// weights ahead (the first chunk of x rows over a block of weight rows; see multiply_chunk).
-template <int MC, int R, bool kPrefetch = true>
+// y[m, n + r] for m < MC, r < R: x is fp32 (rows ldx apart), w bf16 rows K apart. Asks for the
+// weights ahead as kAhead says (see multiply_chunk).
+template <int MC, int R, Ahead kAhead>
 inline void tile(const float* x, int64_t ldx, const at::BFloat16* w, int64_t K, at::BFloat16* y, int64_t ldy) {
   constexpr int U = k_unroll<MC>();
   __m512 acc[U][MC][R];
@@ -88,8 +100,10 @@ inline void tile(const float* x, int64_t ldx, const at::BFloat16* w, int64_t K, 
   for (; k + U * kLanes <= K; k += U * kLanes) {
     if constexpr (MC == 1)
       prefetch_stream(w + k);  // one line per 256 bytes (U = 8)
-    else if (kPrefetch && k % kPrefetchStride == 0)
+    else if (kAhead == Ahead::kTiles && k % kPrefetchStride == 0)
       prefetch_tiles_ahead<R>(w, K, k);
+    else if (kAhead == Ahead::kNextPass && k % kPrefetchStride == 0)
+      prefetch_next_pass<R>(w, K, k);
     for (int u = 0; u < U; ++u) {
       __m512 wv[R];
       for (int r = 0; r < R; ++r) wv[r] = widen_bf16(w + r * K + k + u * kLanes);
@@ -154,7 +168,7 @@ constexpr int kMaxPlainRows = 2;
 template <int MC> constexpr int dot_tile_rows() { return MC <= kMaxPlainRows ? 1 : MC <= 6 ? 4 : 3; }
 template <int MC> constexpr int dot_unroll() { return MC <= kMaxPlainRows ? 2 : 1; }
 
-template <int MC, int R, bool kPrefetch = true>
+template <int MC, int R, Ahead kAhead>
 MILI_BF16_DOT inline void dot_tile(const PairRows& x, const at::BFloat16* w, int64_t K, at::BFloat16* y,
                                    int64_t ldy) {
   constexpr int U = R == 1 ? dot_unroll<MC>() : 1;
@@ -164,8 +178,10 @@ MILI_BF16_DOT inline void dot_tile(const PairRows& x, const at::BFloat16* w, int
   for (; k + U * kPairLanes <= K; k += U * kPairLanes) {
     if constexpr (R == 1)
       prefetch_stream(w + k);
-    else if constexpr (kPrefetch)
+    else if constexpr (kAhead == Ahead::kTiles)
       prefetch_tiles_ahead<R>(w, K, k);  // one line per row per 32 values, as in the fp32 tile
+    else if constexpr (kAhead == Ahead::kNextPass)
+      prefetch_next_pass<R>(w, K, k);
     for (int u = 0; u < U; ++u) {
       const int64_t ku = k + u * kPairLanes;
       dot_step<MC, R, false>(x.step(ku), x.row_stride, w, K, ku, acc[u]);
@@ -178,42 +194,47 @@ MILI_BF16_DOT inline void dot_tile(const PairRows& x, const at::BFloat16* w, int
 
 // Weight rows [n_begin, n_end) against x rows [0, rows): tiles of R weight rows, each reused for every
 // chunk of MC x rows while it sits in L1.
-template <int MC, bool kPrefetch>
+template <int MC, Ahead kAhead>
 void rows_chunk(const float* x, int64_t ldx, const at::BFloat16* w, int64_t K, at::BFloat16* y, int64_t ldy,
                 int64_t n_begin, int64_t n_end) {
   constexpr int R = tile_rows<MC>();
   int64_t n = n_begin;
-  for (; n + R <= n_end; n += R) tile<MC, R, kPrefetch>(x, ldx, w + n * K, K, y + n, ldy);
-  for (; n < n_end; ++n) tile<MC, 1, kPrefetch>(x, ldx, w + n * K, K, y + n, ldy);
+  for (; n + R <= n_end; n += R) tile<MC, R, kAhead>(x, ldx, w + n * K, K, y + n, ldy);
+  for (; n < n_end; ++n) tile<MC, 1, kAhead>(x, ldx, w + n * K, K, y + n, ldy);
 }
 
-template <int MC, bool kPrefetch>
+template <int MC, Ahead kAhead>
 MILI_BF16_DOT void dot_rows_chunk(const PairRows& x, const at::BFloat16* w, int64_t K, at::BFloat16* y, int64_t ldy,
                                   int64_t n_begin, int64_t n_end) {
   constexpr int R = dot_tile_rows<MC>();
   int64_t n = n_begin;
-  for (; n + R <= n_end; n += R) dot_tile<MC, R, kPrefetch>(x, w + n * K, K, y + n, ldy);
-  for (; n < n_end; ++n) dot_tile<MC, 1, kPrefetch>(x, w + n * K, K, y + n, ldy);
+  for (; n + R <= n_end; n += R) dot_tile<MC, R, kAhead>(x, w + n * K, K, y + n, ldy);
+  for (; n < n_end; ++n) dot_tile<MC, 1, kAhead>(x, w + n * K, K, y + n, ldy);
 }
 
-// Only the first chunk of x rows over a block of weight rows asks for the weights ahead: the chunks
-// after it find the block in L1/L2, where the tile prefetches (nine an iteration at eight rows) only
-// take load slots from the products (which makes batches of more than 8 rows faster; one chunk is
-// unchanged).
+// Only the first chunk of x rows over a block of weight rows asks for its tiles ahead: the chunks after
+// it find the block in L1/L2, where the tile prefetches (nine an iteration at eight rows) only take load
+// slots from the products (which makes batches of more than 8 rows faster; one chunk is unchanged). The
+// second asks for the next block instead, a line per row per step (prefetch_next_pass).
+template <int MC, Ahead kAhead>
+MILI_BF16_DOT void multiply_chunk_as(bool pairs, const PairRows& xb, const float* xf, int64_t K, const at::BFloat16* w,
+                                     at::BFloat16* y, int64_t ldy, int64_t n_begin, int64_t n_end) {
+  if (pairs)
+    dot_rows_chunk<MC, kAhead>(xb, w, K, y, ldy, n_begin, n_end);
+  else
+    rows_chunk<MC, kAhead>(xf, K, w, K, y, ldy, n_begin, n_end);
+}
+
 template <int MC>
-MILI_BF16_DOT void multiply_chunk(bool first_chunk, bool pairs, const PairRows& xb, const float* xf, int64_t K,
+MILI_BF16_DOT void multiply_chunk(int64_t chunk_index, bool pairs, const PairRows& xb, const float* xf, int64_t K,
                                   const at::BFloat16* w, at::BFloat16* y, int64_t ldy, int64_t n_begin,
                                   int64_t n_end) {
-  if (pairs) {
-    if (first_chunk)
-      dot_rows_chunk<MC, true>(xb, w, K, y, ldy, n_begin, n_end);
-    else
-      dot_rows_chunk<MC, false>(xb, w, K, y, ldy, n_begin, n_end);
-  } else if (first_chunk) {
-    rows_chunk<MC, true>(xf, K, w, K, y, ldy, n_begin, n_end);
-  } else {
-    rows_chunk<MC, false>(xf, K, w, K, y, ldy, n_begin, n_end);
-  }
+  if (chunk_index == 0)
+    multiply_chunk_as<MC, Ahead::kTiles>(pairs, xb, xf, K, w, y, ldy, n_begin, n_end);
+  else if (chunk_index == 1)
+    multiply_chunk_as<MC, Ahead::kNextPass>(pairs, xb, xf, K, w, y, ldy, n_begin, n_end);
+  else
+    multiply_chunk_as<MC, Ahead::kNothing>(pairs, xb, xf, K, w, y, ldy, n_begin, n_end);
 }
 
 // f(std::integral_constant<int, MC>{}) with MC = rows (1 to 8, more counting as 8): a chunk's height as
@@ -266,7 +287,7 @@ void multiply_rows(const at::BFloat16* xb, bool packed, const float* xf, int64_t
     const int64_t n_stop = std::min(n_end, n + kRowsPerPass);
     for (int64_t m = 0; m < M; m += kMaxChunkRows) {
       with_chunk_rows(M - m, [&](auto chunk) {
-        multiply_chunk<decltype(chunk)::value>(m == 0, pairs, pairs ? pair_rows(xb, packed, M, K, m) : PairRows{},
+        multiply_chunk<decltype(chunk)::value>(m / kMaxChunkRows, pairs, pairs ? pair_rows(xb, packed, M, K, m) : PairRows{},
                                                pairs ? nullptr : xf + m * K, K, w, y + m * ldy, ldy, n, n_stop);
       });
     }
@@ -278,6 +299,13 @@ void multiply_rows(const at::BFloat16* xb, bool packed, const float* xf, int64_t
 void multiply_weight_rows(const at::BFloat16* xb, const float* xf, int64_t M, int64_t K, const at::BFloat16* w,
                           at::BFloat16* y, int64_t ldy, int64_t n_begin, int64_t n_end) {
   multiply_rows(xb, false, xf, M, K, w, y, ldy, n_begin, n_end);
+}
+
+void multiply_weight_rows_packing(const at::BFloat16* x, int64_t M, int64_t K, const at::BFloat16* w,
+                                  at::BFloat16* y, int64_t ldy, int64_t n_begin, int64_t n_end) {
+  if (M <= kMaxPlainRows) return multiply_rows(x, false, nullptr, M, K, w, y, ldy, n_begin, n_end);
+  const torch::Tensor packed = pack_pair_chunks(x, M, K);
+  multiply_rows(packed.data_ptr<at::BFloat16>(), true, nullptr, M, K, w, y, ldy, n_begin, n_end);
 }
 
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool bf16_dot_products, bool amx_tiles) {

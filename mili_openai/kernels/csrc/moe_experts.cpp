@@ -147,18 +147,25 @@ void run_small_experts(const Routing& routing, int64_t experts, const torch::Ten
     ranges.work_through(first_part, last_part, 1, 1, [&](int64_t begin, int64_t end) {
       for (int64_t u = begin; u < end; ++u) {
         const int64_t e = routed[u], first = routing.expert_begin[e], block = routing.expert_begin[e + 1] - first;
-        multiply_weight_rows(pairs ? xs.data_ptr<BF16>() + first * hidden : nullptr,
-                             pairs ? nullptr : xs.data_ptr<float>() + first * hidden, block, hidden,
-                             weights.gate_up + e * 2 * intermediate * hidden, products.data(), 2 * intermediate, 0,
-                             2 * intermediate);
+        const BF16* gate_up = weights.gate_up + e * 2 * intermediate * hidden;
+        if (pairs)
+          multiply_weight_rows_packing(xs.data_ptr<BF16>() + first * hidden, block, hidden, gate_up, products.data(),
+                                       2 * intermediate, 0, 2 * intermediate);
+        else
+          multiply_weight_rows(nullptr, xs.data_ptr<float>() + first * hidden, block, hidden, gate_up,
+                               products.data(), 2 * intermediate, 0, 2 * intermediate);
         for (int64_t r = 0; r < block; ++r) {
           BF16* out = act.data() + r * intermediate;
           const BF16* gate = products.data() + r * 2 * intermediate;
           mili::silu_mul_row(gate, gate + intermediate, out, intermediate);
           if (!pairs) std::copy(out, out + intermediate, act_f.data() + r * intermediate);
         }
-        multiply_weight_rows(pairs ? act.data() : nullptr, pairs ? nullptr : act_f.data(), block, intermediate,
-                             weights.down + e * hidden * intermediate, eo + first * hidden, hidden, 0, hidden);
+        const BF16* down = weights.down + e * hidden * intermediate;
+        if (pairs)
+          multiply_weight_rows_packing(act.data(), block, intermediate, down, eo + first * hidden, hidden, 0, hidden);
+        else
+          multiply_weight_rows(nullptr, act_f.data(), block, intermediate, down, eo + first * hidden, hidden, 0,
+                               hidden);
       }
     });
   });
