@@ -287,7 +287,8 @@ void multiply_rows(const at::BFloat16* xb, bool packed, const float* xf, int64_t
     const int64_t n_stop = std::min(n_end, n + kRowsPerPass);
     for (int64_t m = 0; m < M; m += kMaxChunkRows) {
       with_chunk_rows(M - m, [&](auto chunk) {
-        multiply_chunk<decltype(chunk)::value>(m / kMaxChunkRows, pairs, pairs ? pair_rows(xb, packed, M, K, m) : PairRows{},
+        multiply_chunk<decltype(chunk)::value>(m / kMaxChunkRows, pairs,
+                                               pairs ? pair_rows(xb, packed, M, K, m) : PairRows{},
                                                pairs ? nullptr : xf + m * K, K, w, y + m * ldy, ldy, n, n_stop);
       });
     }
