@@ -13,11 +13,16 @@ import torch
 import torch.nn.functional as F
 
 from mili_openai.kernels import cpu_supports_kernels, load_cpu_kernels
-from mili_openai.kernels.quantized import DEQUANTIZED_ROWS, PackedWeights, dequantize, pack_int4, reference_linear
+from mili_openai.kernels.planning import linear_via_fp32
+from mili_openai.kernels.quantized import GEMM_SLICE_BYTES, PackedWeights, dequantize, pack_int4, reference_linear
 from mili_openai.model.quantization.dynamic import quantize_int4, quantize_int8
 
 RELATIVE_TOLERANCE = 1e-2  # fp32 sums, one bf16 rounding of the output: 1% of the largest output
 SUBPROCESS_TIMEOUT_S = 300  # a hang guard only
+# the same fp32 products summed in another order, then rounded to bf16: one rounding apart (of the value, or
+# of a sum near zero)
+FP32_GEMM_ORDER = 2 ** -7
+SLICE_ROWS = 256
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +89,44 @@ def test_linear_routes_rows_fallbacks_and_large_heads(kernels):
         x = torch.randn(2, 5, 256).bfloat16()  # leading dims
         assert_close_to_reference(kernels.quantized.linear(x, packed).view(10, 64), x.view(10, 256), packed)
         many = torch.randn(kernels.max_kernel_rows + 1, 256).bfloat16()  # a prefill chunk: dequantize + GEMM
-        assert_close_to_reference(kernels.quantized.linear(many, packed), many, packed)
+        want = kernels.plan.large_matmul(many, dequantize(packed, torch.bfloat16))
+        assert torch.equal(kernels.quantized.linear(many, packed), want)
         fp32 = torch.randn(3, 256)  # not bf16: the reference, exactly
         assert torch.equal(kernels.quantized.linear(fp32, packed), reference_linear(fp32, packed))
-    head = quantize_int8(torch.randn(DEQUANTIZED_ROWS + 100, 128) / 16)  # dequantized slice by slice
+    head = quantize_int8(torch.randn(2 * GEMM_SLICE_BYTES // 256 + 100, 128) / 16)  # dequantized slice by slice
     many = torch.randn(kernels.max_kernel_rows + 1, 128).bfloat16()
-    assert_close_to_reference(kernels.quantized.linear(many, head), many, head)
+    want = kernels.plan.large_matmul(many, dequantize(head, torch.bfloat16))
+    assert torch.equal(kernels.quantized.linear(many, head), want)
+
+
+# N: below one slice, one slice, slices and a partial one; rows of x: a few, a prefill chunk's, and more than
+# one pass over the slices takes (4 MB of x)
+@pytest.mark.parametrize("n", [7, SLICE_ROWS, 2 * SLICE_ROWS + 37])
+@pytest.mark.parametrize("rows,k", [(9, 256), (300, 1024), (700, 3072)])
+@pytest.mark.parametrize("bits,group,zeros", [(8, None, False), (8, 32, False), (4, 32, True), (4, 128, False)])
+@pytest.mark.parametrize("widen_to_fp32", [False, True])
+def test_sliced_gemm_is_the_gemm_on_the_dequantized_weight(kernels, n, rows, k, bits, group, zeros, widen_to_fp32):
+    """The prefill path (weight rows dequantized a slice at a time, each slice through torch's GEMM) against that
+    GEMM on the whole dequantized bf16 weight: oneDNN's bf16 GEMM gives the very same values (each output one
+    sum over K either way); the fp32 GEMM may order a narrow slice's sums otherwise (FP32_GEMM_ORDER)."""
+    packed = random_packed(bits, n, k, k // (group or k), zeros, seed=n + rows)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    gemm = kernels._module.gemm_int8 if bits == 8 else kernels._module.gemm_int4
+    weight = dequantize(packed, torch.bfloat16)
+    before = torch.get_num_threads()
+    try:
+        for threads in (before, 1, 3):
+            torch.set_num_threads(threads)  # the GEMM's sums may split K by threads: the reference with as many
+            want = (linear_via_fp32 if widen_to_fp32 else F.linear)(x, weight)
+            for slice_rows in (SLICE_ROWS, 48):  # 48: slices of 32 rows
+                got = gemm(x, *kernels.quantized.kernel_arguments(packed), slice_rows, widen_to_fp32)
+                if widen_to_fp32:
+                    torch.testing.assert_close(got.float(), want.float(), rtol=FP32_GEMM_ORDER,
+                                               atol=FP32_GEMM_ORDER * float(want.abs().max()) * 2 ** -8)
+                else:
+                    assert torch.equal(got, want), (threads, slice_rows)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_unsupported_layouts_keep_the_reference(kernels):

@@ -24,15 +24,19 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from mili_openai.kernels.planning import linear_via_fp32
+
 INT8_KERNEL_GROUP = 32  # the int8 kernel takes rows (or groups) of a multiple of this many values
 INT4_BLOCK = 128  # values per 64 packed bytes
 INT4_LANE = 32  # values a register takes from one nibble of each of 32 words
 INT4_GROUPS = (32, 64)  # group sizes below a block; larger ones are whole blocks
 INT4_SYMMETRIC_ZERO = 8
 NIBBLE = 0x0F
-# Rows of a weight dequantized at once for a GEMM over many rows of x (a prefill chunk): all of a layer's,
-# a slice of a large LM head's (8192 x 1024 bf16: 16 MB).
-DEQUANTIZED_ROWS = 8192
+# bf16 bytes of the weight rows a thread dequantizes at once for a GEMM over many rows of x (a prefill
+# chunk): half a Zen 5 core's L2, so that the slice and the GEMM's packed copy of it stay there between
+# being written and read, rather than the whole dequantized weight going to memory and back
+# (docs/performance.md).
+GEMM_SLICE_BYTES = 512 << 10
 
 
 class PackedWeights(NamedTuple):
@@ -99,7 +103,8 @@ class CpuQuantizedLinear:
     """The compiled int8/int4 matmuls where they apply (bf16 x on a CPU with AVX512-BF16), the reference
     elsewhere. `module` is the compiled extension; `kernel_rows` and `large_matmul` come from the kernel
     plan (kernels/planning.py): up to that many rows of x stream the packed weight, more dequantize it to
-    bf16 and run the GEMM the bf16 weights would."""
+    bf16, a slice of rows at a time, each slice multiplied right away by the GEMM the bf16 weights would
+    run."""
 
     def __init__(self, module, bf16_dot_products: bool, plan) -> None:
         self._module = module
@@ -137,7 +142,9 @@ class CpuQuantizedLinear:
         flat = x.reshape(rows, k)
         plan = self._plan()
         if rows > plan.max_kernel_rows:
-            out = self._dequantized_matmul(flat, packed, plan.large_matmul)
+            gemm = self._module.gemm_int8 if packed.bits == 8 else self._module.gemm_int4
+            slice_rows = max(1, GEMM_SLICE_BYTES // (k * torch.bfloat16.itemsize))
+            out = gemm(flat, *self.kernel_arguments(packed), slice_rows, plan.large_matmul is linear_via_fp32)
         else:
             kernel = self._module.linear_int8 if packed.bits == 8 else self._module.linear_int4
             out = kernel(flat, *self.kernel_arguments(packed))
@@ -147,20 +154,3 @@ class CpuQuantizedLinear:
         """bf16 (N, K), through the compiled kernels: the same values as `dequantize(packed, bfloat16)`."""
         kernel = self._module.dequantize_int8 if packed.bits == 8 else self._module.dequantize_int4
         return kernel(*self.kernel_arguments(packed))
-
-    def _dequantized_matmul(self, x: torch.Tensor, packed: PackedWeights, matmul) -> torch.Tensor:
-        n = packed.out_features
-        if n <= DEQUANTIZED_ROWS:
-            return matmul(x, self.dequantize(packed))
-        out = torch.empty(x.shape[0], n, dtype=x.dtype)
-        for start in range(0, n, DEQUANTIZED_ROWS):
-            part = packed_rows(packed, start, min(n, start + DEQUANTIZED_ROWS))
-            out[:, start:start + part.out_features] = matmul(x, self.dequantize(part))
-        return out
-
-
-def packed_rows(packed: PackedWeights, start: int, stop: int) -> PackedWeights:
-    """Output rows [start, stop) of a packed weight (views, no copy)."""
-    return PackedWeights(packed.bits, packed.weight[start:stop],
-                         None if packed.scales is None else packed.scales[start:stop],
-                         None if packed.zeros is None else packed.zeros[start:stop])

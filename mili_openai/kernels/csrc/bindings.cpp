@@ -16,6 +16,10 @@ void bind_quantized(pybind11::module& m) {
         "scales (N, G), uint8 zeros (N, G) or empty", release_gil());
   m.def("dequantize_int8", &dequantize_int8, "int8 weight -> bf16 (N, K)", release_gil());
   m.def("dequantize_int4", &dequantize_int4, "packed int4 weight -> bf16 (N, K)", release_gil());
+  m.def("gemm_int8", &gemm_int8, "linear_int8 for many rows of x: slices of weight rows dequantized into torch's "
+        "GEMM (widen_to_fp32: on float32 operands)", release_gil());
+  m.def("gemm_int4", &gemm_int4, "linear_int4 for many rows of x: slices of weight rows dequantized into torch's "
+        "GEMM (widen_to_fp32: on float32 operands)", release_gil());
   pybind11::class_<PackedLinear>(m, "PackedLinear")
       .def(pybind11::init<int64_t, torch::Tensor, torch::Tensor, torch::Tensor>())
       .def_readonly("bits", &PackedLinear::bits);

@@ -47,3 +47,8 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& weight, c
                           const torch::Tensor& zeros);
 torch::Tensor dequantize_int8(const torch::Tensor& weight, const torch::Tensor& scales);
 torch::Tensor dequantize_int4(const torch::Tensor& weight, const torch::Tensor& scales, const torch::Tensor& zeros);
+// the same products for many rows of x: dequantized `slice_rows` weight rows at a time into torch's GEMM
+torch::Tensor gemm_int8(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales, int64_t slice_rows,
+                        bool widen_to_fp32);
+torch::Tensor gemm_int4(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales,
+                        const torch::Tensor& zeros, int64_t slice_rows, bool widen_to_fp32);

@@ -272,3 +272,9 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& weight, c
 torch::Tensor dequantize_int4(const torch::Tensor& weight, const torch::Tensor& scales, const torch::Tensor& zeros) {
   return quantized_dequantize(Int4Rows(weight, scales, zeros), weight.size(0), 2 * weight.size(1));
 }
+
+torch::Tensor gemm_int4(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales,
+                        const torch::Tensor& zeros, int64_t slice_rows, bool widen_to_fp32) {
+  return quantized_gemm(x, Int4Rows(weight, scales, zeros), weight.size(0), 2 * weight.size(1), slice_rows,
+                        widen_to_fp32);
+}

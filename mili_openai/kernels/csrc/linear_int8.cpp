@@ -111,3 +111,8 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& weight, c
 torch::Tensor dequantize_int8(const torch::Tensor& weight, const torch::Tensor& scales) {
   return quantized_dequantize(Int8Rows(weight, scales), weight.size(0), weight.size(1));
 }
+
+torch::Tensor gemm_int8(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales, int64_t slice_rows,
+                        bool widen_to_fp32) {
+  return quantized_gemm(x, Int8Rows(weight, scales), weight.size(0), weight.size(1), slice_rows, widen_to_fp32);
+}

@@ -34,6 +34,14 @@ torch::Tensor quantized_linear(const torch::Tensor& x, const QuantizedRows& rows
 // Every row of `rows` dequantized, (N, K) bf16.
 torch::Tensor quantized_dequantize(const QuantizedRows& rows, int64_t N, int64_t K);
 
+// The same product for many rows of x (a prefill chunk): each thread dequantizes up to `slice_rows` weight rows
+// (a multiple of 32, at least 32) at a time into its own bf16 buffer, small enough to stay in its cache, and multiplies x by them right away
+// with torch's GEMM (bf16, or fp32 on widened operands where `widen_to_fp32`), into their columns of y; the
+// dequantized weight never goes to memory. The values are that GEMM's on the whole dequantized weight where
+// its sums over K do not depend on N (oneDNN's bf16 GEMM: tests/test_quantized_kernels.py).
+torch::Tensor quantized_gemm(const torch::Tensor& x, const QuantizedRows& rows, int64_t N, int64_t K, int64_t slice_rows,
+                             bool widen_to_fp32);
+
 // The format classes behind the bindings; each checks shapes and dtypes once, at construction.
 std::unique_ptr<QuantizedRows> int8_rows(const torch::Tensor& weight, const torch::Tensor& scales);
 std::unique_ptr<QuantizedRows> int4_rows(const torch::Tensor& weight, const torch::Tensor& scales,
