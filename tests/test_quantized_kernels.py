@@ -118,8 +118,9 @@ def test_sliced_gemm_is_the_gemm_on_the_dequantized_weight(kernels, n, rows, k, 
         for threads in (before, 1, 3):
             torch.set_num_threads(threads)  # the GEMM's sums may split K by threads: the reference with as many
             want = (linear_via_fp32 if widen_to_fp32 else F.linear)(x, weight)
-            for slice_rows in (SLICE_ROWS, 48):  # 48: slices of 32 rows
-                got = gemm(x, *kernels.quantized.kernel_arguments(packed), slice_rows, widen_to_fp32)
+            for slice_rows, inference in ((SLICE_ROWS, False), (48, True)):  # 48: slices of 32 rows
+                with torch.inference_mode(inference):  # as the engine runs it: the GEMM's threads too
+                    got = gemm(x, *kernels.quantized.kernel_arguments(packed), slice_rows, widen_to_fp32)
                 if widen_to_fp32:
                     torch.testing.assert_close(got.float(), want.float(), rtol=FP32_GEMM_ORDER,
                                                atol=FP32_GEMM_ORDER * float(want.abs().max()) * 2 ** -8)

@@ -4,6 +4,7 @@
 // while holds up no one.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 
 #include <vector>
 
@@ -71,6 +72,8 @@ torch::Tensor quantized_gemm(const torch::Tensor& x, const QuantizedRows& rows, 
   const int64_t slice = std::max(kSliceGranule, std::min(slice_rows, per_thread) / kSliceGranule * kSliceGranule);
   const int64_t x_rows = std::max<int64_t>(1, kXBlockBytes / (K * x_gemm.element_size()));
   auto buffers = torch::empty({threads, std::min(slice, N), K}, xs.options());  // one slice a thread
+  // the caller's torch state (inference mode: y is an inference tensor) for the ops on the other threads
+  const at::ThreadLocalState caller_state;
   for (int64_t m0 = 0; m0 < M; m0 += x_rows) {
     const torch::Tensor xb = x_gemm.narrow(0, m0, std::min(x_rows, M - m0));
     const torch::Tensor yb = y.narrow(0, m0, xb.size(0));
@@ -78,6 +81,7 @@ torch::Tensor quantized_gemm(const torch::Tensor& x, const QuantizedRows& rows, 
     // runs on one thread): one fork and join for the whole product, each slice in its thread's cache.
     mili::RowRanges ranges(N, threads, slice);
     at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+      const at::ThreadLocalStateGuard state_guard(caller_state);
       const torch::Tensor buffer = buffers[first];
       auto* bp = buffer.data_ptr<at::BFloat16>();
       ranges.work_through(first, last, slice, slice, [&](int64_t begin, int64_t end) {
