@@ -25,6 +25,7 @@ SPECULATIVE_METHODS = ("ngram",)
 # weights quantized as a bf16 checkpoint loads (model/quantization): int8 and int4 on CPU and CUDA, fp8 on CUDA
 QUANTIZATION_METHODS = ("int8", "int4", "fp8")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)  # int4: values along a row per scale and zero point
+LM_HEAD_QUANTIZATIONS = ("int8", "int4")  # under int8 or int4 weights; int8 (a scale per row) unless chosen
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +107,9 @@ class EngineConfig:
     # None = the checkpoint's own weights (quantized ones as config.json's quantization_config declares)
     quantization: str | None = None
     quantization_group_size: int = 128  # int4's group
+    # the LM head's (and a tied embedding's) weights under int8/int4: None = int8, "int4" = groups of
+    # quantization_group_size with zero points, as the layers
+    quantize_lm_head: str | None = None
     # CPU: when the compiled kernels are not built yet (a first start), serve on torch's ops while they compile
     # on a thread, and switch to them between steps once no request runs (`mili serve` sets it; off, the load
     # waits for the compile)
@@ -145,6 +149,12 @@ class EngineConfig:
         if self.quantization_group_size not in QUANTIZATION_GROUP_SIZES:
             raise ValueError(f"quantization_group_size must be one of {QUANTIZATION_GROUP_SIZES}, "
                              f"got {self.quantization_group_size!r}")
+        if self.quantize_lm_head is not None:
+            if self.quantize_lm_head not in LM_HEAD_QUANTIZATIONS:
+                raise ValueError(f"quantize_lm_head must be one of {LM_HEAD_QUANTIZATIONS}, "
+                                 f"got {self.quantize_lm_head!r}")
+            if self.quantization not in LM_HEAD_QUANTIZATIONS:
+                raise ValueError("quantize_lm_head applies to --quantization int8 or int4")
 
     def for_device(self, device_type: str) -> EngineConfig:
         """This config with the defaults that depend on the device ("cpu" or "cuda") filled in; what is set

@@ -145,6 +145,13 @@ def test_cli_flags_reach_the_engine_config():
     config = config_from_args(parser.parse_args(["serve", "--quantization", "int4",
                                                  "--quantization-group-size", "64"]))
     assert (config.engine.quantization, config.engine.quantization_group_size) == ("int4", 64)
+    assert config.engine.quantize_lm_head is None
+    config = config_from_args(parser.parse_args(["serve", "--quantization", "int4", "--quantize-lm-head", "int4"]))
+    assert config.engine.quantize_lm_head == "int4"
+    with pytest.raises(ValueError, match="quantize_lm_head applies"):
+        EngineConfig(quantize_lm_head="int4")
+    with pytest.raises(ValueError, match="quantize_lm_head must be"):
+        EngineConfig(quantization="int4", quantize_lm_head="int2")
     assert config_from_args(parser.parse_args(["serve"])).engine.quantization is None
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--quantization", "int3"])

@@ -60,16 +60,19 @@ def oracle_tokens(reference) -> tuple[list[list[int]], list]:
     return prompts, [hf_greedy(hf, prompt, MAX_NEW) for prompt in prompts]
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
-def test_quantized_at_load_matches_transformers_on_the_dequantized_weights(dense, method, tmp_path):
-    model, _ = load_model(dense, torch.float32, CPU, quantization=method, group_size=64)
+@pytest.mark.parametrize("method, lm_head", [("int8", None), ("int4", None), ("int4", "int4"), ("int8", "int4")])
+def test_quantized_at_load_matches_transformers_on_the_dequantized_weights(dense, method, lm_head, tmp_path):
+    model, _ = load_model(dense, torch.float32, CPU, quantization=method, group_size=64,
+                          lm_head_quantization=lm_head)
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    assert len(layers) == 4 * model.config.num_hidden_layers + 1  # and the LM head, int8
-    assert model.lm_head.bits == 8 and isinstance(model.model.embed_tokens, QuantizedEmbedding) == (
-        model.config.tie_word_embeddings)
+    assert len(layers) == 4 * model.config.num_hidden_layers + 1  # and the LM head
+    assert model.lm_head.bits == (4 if lm_head == "int4" else 8)
+    assert isinstance(model.model.embed_tokens, QuantizedEmbedding) == model.config.tie_word_embeddings
     prompts, expected = oracle_tokens(write_dequantized(model, dense, tmp_path / "dequantized"))
-    llm = LLM(str(dense), dtype="float32", num_pages=128, quantization=method, quantization_group_size=64)
+    llm = LLM(str(dense), dtype="float32", num_pages=128, quantization=method, quantization_group_size=64,
+              quantize_lm_head=lm_head)
     assert llm.core.quantization.startswith(method)
+    assert f"LM head {lm_head or 'int8'}" in llm.core.quantization
     assert_matches(llm.generate(prompts, greedy()), expected)
     llm.core.check_integrity()
 
@@ -141,16 +144,18 @@ def run_steps(model, config, tokens, steps, seed: int) -> tuple[list, torch.Tens
 
 
 @needs_kernels
-@pytest.mark.parametrize("method", ["int8", "int4", "awq"])
+@pytest.mark.parametrize("method", ["int8", "int4", "int4-lm-head-int4", "awq"])
 def test_decode_stack_runs_quantized_weights_as_the_modules_do(method, tmp_path):
     """Decode-only steps through the compiled stack: logits and K/V exactly those of the same kernels called
-    module by module."""
+    module by module (the embedding rows too: an int4 LM head's, tied, dequantized by the stack)."""
     dense = build_random_checkpoint(tmp_path / "dense", QUANT_SHAPE, seed=6, dtype=torch.bfloat16)
     path = dense
     if method == "awq":
         path = tmp_path / "awq"
         write_quantized(dense, path, tmp_path / "reference", "awq", **FORMATS["awq"])
-    model, config = load_model(path, torch.bfloat16, CPU, quantization=None if method == "awq" else method)
+    scheme, _, lm_head = method.partition("-lm-head-")
+    model, config = load_model(path, torch.bfloat16, CPU, quantization=None if method == "awq" else scheme,
+                               lm_head_quantization=lm_head or None)
     stack = model.model.decode_stack
     assert stack is not None
     tokens, steps = decode_schedule()
@@ -186,3 +191,20 @@ def test_models_endpoint_states_the_quantization(tmp_path):
     with served_engine(dense, num_pages=32, quantization="int4") as (live, _):
         models = openai.OpenAI(base_url=live.api_base, api_key="x").models.list()
         assert models.data[0].model_extra["quantization"].startswith("int4 (groups of 128")
+
+
+def test_int4_lm_head_served_as_offline(tmp_path):
+    """`--quantize-lm-head int4` through the server: /v1/models says so, and greedy completions are the offline
+    engine's (whose tokens the test above holds to transformers on the dequantized weights)."""
+    dense = build_random_checkpoint(tmp_path / "dense", QUANT_SHAPE, seed=9)
+    options = dict(num_pages=64, quantization="int4", quantization_group_size=64, quantize_lm_head="int4")
+    prompts = random_prompts(2, [5, 33], seed=12)
+    llm = LLM(str(dense), dtype="float32", **options)
+    offline = [output.outputs[0].text for output in llm.generate(prompts, greedy())]
+    del llm
+    with served_engine(dense, **options) as (live, _):
+        client = openai.OpenAI(base_url=live.api_base, api_key="x", max_retries=0)
+        assert "LM head int4 (groups of 64" in client.models.list().data[0].model_extra["quantization"]
+        served = [client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_NEW, temperature=0,
+                                            extra_body={"ignore_eos": True}).choices[0].text for prompt in prompts]
+    assert served == offline

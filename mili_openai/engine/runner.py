@@ -89,6 +89,7 @@ class ModelRunner:
                                                    attention_backend=config.attention_backend, parallel=parallel,
                                                    quantization=config.quantization,
                                                    group_size=config.quantization_group_size,
+                                                   lm_head_quantization=config.quantize_lm_head,
                                                    defer_cpu_kernels=compiled_later)
         if compiled_later and self.model.holds_packed_weights:
             # int8/int4 weights on torch's ops dequantize every weight in float32 at each call, many times

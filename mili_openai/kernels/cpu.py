@@ -223,7 +223,7 @@ class CpuKernels:
 
         norms: per layer input norm, q norm, k norm, post-attention norm; linears: per layer qkv, o, and for a
         dense layer gate_up, down (bf16, int8 or int4); sparse: per layer its MoE block, or None (dense);
-        embedding: bf16, or int8 rows (an LM head it is tied to).
+        embedding: bf16, or int8 or int4 rows (an LM head it is tied to).
         """
         hidden_size = norms[0].shape[0]
         probe = torch.empty(1, hidden_size, dtype=torch.bfloat16)
@@ -231,7 +231,6 @@ class CpuKernels:
             all(w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous() for w in norms)
             and all(self.quantized.supports(w) and w.weight.is_contiguous() for w in (embedding, *linears))
             and all(self.supports_sparse_moe(probe, block.gate_up) for block in sparse if block is not None)
-            and embedding.bits in (16, 8)
             and head_dim in ATTENTION_HEAD_DIMS
             and head_dim % ROTARY_HEAD_DIM_MULTIPLE == 0
             and hidden_size % VECTOR_LANES == 0

@@ -90,6 +90,7 @@ def load_model(
     path: str | os.PathLike, dtype: torch.dtype, device: torch.device, use_decode_kernel: bool = True,
     attention_backend: str = "auto", parallel: TensorParallelGroup | None = None,
     quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE, defer_cpu_kernels: bool = False,
+    lm_head_quantization: str | None = None,
 ) -> tuple[Qwen3ForCausalLM, ModelConfig]:
     """-> (model in eval mode on `device` with weights in `dtype`, its config).
 
@@ -98,6 +99,7 @@ def load_model(
     `quantization`: int8, int4 (groups of `group_size`) or fp8 (CUDA) weights, quantized from the checkpoint's
     as they load; a checkpoint that config.json declares quantized (fp8, awq, gptq) loads as it is stored
     (model/quantization/spec.py). `model.quantization` says which, if any. Dense models on one rank only.
+    `lm_head_quantization`: under int8/int4, the LM head's int8 (None) or int4 (groups of `group_size`).
     `use_decode_kernel`: on a CPU with AVX512, use the compiled kernels: decode and prefill attention from
     the paged pool, and with bf16 weights the matmuls (dense and quantized), RMSNorms, q/k norm + RoPE,
     SwiGLU's activation and MoE blocks (the model falls back to torch when they cannot be built).
@@ -133,7 +135,7 @@ def load_model(
     model.requires_grad_(False).eval()
     del tensors, state, placed  # the parameters hold the only references: each frees as it moves below
     if quantization is not None and checkpoint_quantization is None:
-        model.quantization = quantize_model(model, quantization, group_size)
+        model.quantization = quantize_model(model, quantization, group_size, lm_head_quantization or "int8")
     if device.type == "cpu":
         move_parameters_to_huge_pages(model)
     rank_config = shard_config(config, parallel.size) if parallel is not None else config

@@ -45,7 +45,7 @@ void write_kv(const at::BFloat16* k, int64_t k_stride, const at::BFloat16* v, in
 
 class DecodeStack {
  public:
-  // embedding (vocab, hidden), bf16 or int8 rows (an LM head it is tied to); per layer, norms: input_layernorm,
+  // embedding (vocab, hidden), bf16, or int8 or int4 rows (an LM head it is tied to); per layer, norms: input_layernorm,
   // q_norm, k_norm, post_attention_layernorm (bf16); linears: qkv_proj, o_proj, then a dense layer's
   // gate_up_proj, down_proj (bf16, int8 or int4); sparse: per layer its MoE block (bf16), or none (top_k 0) for a
   // dense layer. All held, not copied.
@@ -58,11 +58,10 @@ class DecodeStack {
         prefetch_blocks_(prefetch_blocks) {
     TORCH_CHECK(!norms.empty() && norms.size() % kNormsPerLayer == 0 && sparse.size() == norms.size() / kNormsPerLayer,
                 "decode_stack: 4 norms and one sparse block (or none) per layer");
-    TORCH_CHECK(embedding.weight.dim() == 2 && (embedding.bits == 16 || embedding.bits == 8),
-                "decode_stack: embedding (vocab, hidden), bf16 or int8");
+    TORCH_CHECK(embedding.weight.dim() == 2, "decode_stack: embedding (vocab, hidden), bf16, int8 or int4");
     for (const auto& w : norms) check_bf16(w);
     check_linear(embedding);
-    if (embedding.bits == 8) embedding_rows_ = packed_rows(embedding);
+    if (embedding.bits != 16) embedding_rows_ = packed_rows(embedding);
     size_t next = 0;  // the next layer's first linear
     for (size_t layer = 0; layer < sparse.size(); ++layer) {
       const size_t count = sparse[layer].top_k > 0 ? kSparseLinearsPerLayer : kLinearsPerLayer;
@@ -141,13 +140,14 @@ class DecodeStack {
     TORCH_CHECK(input_ids.scalar_type() == at::kLong && input_ids.dim() == 1 && input_ids.is_contiguous(),
                 "decode_stack: input_ids (B,) int64");
     const torch::Tensor& table = embedding_.weight;
-    const int64_t tokens = input_ids.size(0), vocab = table.size(0), width = table.size(1);
+    const int64_t tokens = input_ids.size(0), vocab = table.size(0);
+    const int64_t width = embedding_.bits == 4 ? 2 * table.size(1) : table.size(1);  // int4: two values a byte
     auto hidden = torch::empty({tokens, width}, torch::dtype(at::kBFloat16));
     auto* out = hidden.data_ptr<at::BFloat16>();
     const int64_t* ids = input_ids.data_ptr<int64_t>();
     for (int64_t t = 0; t < tokens; ++t) {
       TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab, "decode_stack: token id ", ids[t], " outside the vocabulary");
-      if (embedding_rows_)  // an int8 row, dequantized as the torch path does: bf16(q * scale)
+      if (embedding_rows_)  // a quantized row, dequantized as the torch path does (QuantizedEmbedding)
         embedding_rows_->dequantize(ids[t], ids[t] + 1, out + t * width);
       else
         std::memcpy(out + t * width, table.data_ptr<at::BFloat16>() + ids[t] * width, width * sizeof(at::BFloat16));
@@ -156,7 +156,7 @@ class DecodeStack {
   }
 
   PackedLinear embedding_;
-  std::unique_ptr<QuantizedRows> embedding_rows_;  // int8 embeddings only
+  std::unique_ptr<QuantizedRows> embedding_rows_;  // quantized embeddings only
   std::vector<LayerWeights> layers_;
   int64_t num_q_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;

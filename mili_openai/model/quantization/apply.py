@@ -1,10 +1,11 @@
 """Putting a quantization scheme into a Qwen3 model: quantizing its dense projections after load
 (`--quantization`), or building them from a pre-quantized checkpoint's tensors before load.
 
-The LM head: under int8 and int4 it is quantized to int8 with one scale per row (at least int8, as
-llama.cpp keeps its output matrix above 4 bits); tied to the embedding (Qwen3-0.6B), the embedding then
-reads its rows from the same int8 matrix, dequantized row by row, rather than keeping a bf16 copy. Under
-fp8 it stays dense, as in vLLM. Pre-quantized checkpoints keep whatever the checkpoint holds.
+The LM head: under int8 and int4 it is quantized to int8 with one scale per row by default (at least int8,
+as llama.cpp keeps its output matrix above 4 bits), or to int4 when asked (`--quantize-lm-head int4`: groups
+and zero points as the layers', the fewest bytes per token); tied to the embedding (Qwen3-0.6B), the
+embedding then reads its rows from the same quantized matrix, dequantized row by row, rather than keeping a
+bf16 copy. Under fp8 it stays dense, as in vLLM. Pre-quantized checkpoints keep whatever the checkpoint holds.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 LAYER_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 LM_HEAD = "lm_head"
+LM_HEAD_METHODS = ("int8", "int4")
 QUANTIZED_MARKERS = {"awq": "qweight", "gptq": "qweight", "fp8": "weight_scale_inv"}
 
 
@@ -40,9 +42,11 @@ def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (model.get_submodule(parent_name) if parent_name else model), attribute
 
 
-def quantize_model(model: Qwen3ForCausalLM, method: str, group_size: int) -> str:
-    """Quantize every decoder projection (and the LM head, see the module docstring) in place, freeing the
-    dense weights; -> what was done, for the start-up log and /v1/models."""
+def quantize_model(model: Qwen3ForCausalLM, method: str, group_size: int, lm_head: str = "int8") -> str:
+    """Quantize every decoder projection (and the LM head to `lm_head`, int8 or int4: see the module
+    docstring) in place, freeing the dense weights; -> what was done, for the start-up log and /v1/models."""
+    if method != "fp8" and lm_head not in LM_HEAD_METHODS:
+        raise ValueError(f"the LM head quantizes to one of {LM_HEAD_METHODS}, got {lm_head!r}")
     config = model.config
     for layer in range(config.num_hidden_layers):
         for projection in LAYER_PROJECTIONS:
@@ -53,11 +57,13 @@ def quantize_model(model: Qwen3ForCausalLM, method: str, group_size: int) -> str
         return "fp8 (e4m3 weights with a scale per row, activations per token; LM head unquantized)"
     tied = model.lm_head is None
     head = model.model.embed_tokens.weight if tied else model.lm_head.weight
-    model.lm_head = QuantizedLinear(quantize_int8(head.detach()))
+    model.lm_head = _quantized(head.detach(), lm_head, group_size)
     if tied:
         model.model.embed_tokens = QuantizedEmbedding(model.lm_head, model.dtype)
-    layers = "int8 (a scale per row)" if method == "int8" else f"int4 (groups of {group_size}, zero points)"
-    return f"{layers}; LM head int8" + (" (the embedding reads its rows)" if tied else "")
+    int4 = f"int4 (groups of {group_size}, zero points)"
+    layers = "int8 (a scale per row)" if method == "int8" else int4
+    return f"{layers}; LM head {lm_head if lm_head == 'int8' else int4}" + (
+        " (the embedding reads its rows)" if tied else "")
 
 
 def _quantized(dense: torch.Tensor, method: str, group_size: int) -> nn.Module:

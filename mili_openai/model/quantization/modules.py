@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mili_openai.kernels.quantized import PackedWeights, reference_linear
+from mili_openai.kernels.quantized import PackedWeights, dequantize, reference_linear
 from mili_openai.model.quantization.dynamic import FP8_MAX
 
 # (x (..., K), packed weight) -> (..., N): the CPU kernels, Triton on CUDA, or the torch reference
@@ -51,23 +51,28 @@ class QuantizedLinear(nn.Module):
 
 
 class QuantizedEmbedding(nn.Module):
-    """Token embeddings read from the int8 LM head they are tied to (one scale per row): each looked-up row
-    dequantized, bf16(q * scale) in the model's dtype, so the embedding and the logits use the same
-    dequantized matrix, as transformers does with a tied checkpoint of those weights."""
+    """Token embeddings read from the quantized LM head they are tied to (int8 with one scale per row, or
+    int4 groups): each looked-up row dequantized as `dequantize` does, computed in float32 and rounded once to
+    the model's dtype, so the embedding and the logits use the same dequantized matrix, as transformers does
+    with a tied checkpoint of those weights."""
 
     def __init__(self, head: QuantizedLinear, dtype: torch.dtype) -> None:
         super().__init__()
-        if head.bits != 8 or head.scales.shape[1] != 1:
-            raise ValueError("embeddings tied to a quantized LM head need its int8 rows with one scale each")
-        self.qweight, self.scales = head.qweight, head.scales  # the head's parameters, shared
+        if head.bits == 8 and head.scales.shape[1] != 1:
+            raise ValueError("embeddings tied to an int8 LM head need its rows with one scale each")
+        self.bits = head.bits
+        self.qweight, self.scales, self.zeros = head.qweight, head.scales, head.zeros  # the head's, shared
         self.dtype = dtype
 
     @property
     def packed(self) -> PackedWeights:
-        return PackedWeights(8, self.qweight, self.scales)
+        return PackedWeights(self.bits, self.qweight, self.scales, self.zeros)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return (self.qweight[input_ids].float() * self.scales[input_ids]).to(self.dtype)
+        ids = input_ids.reshape(-1)
+        rows = PackedWeights(self.bits, self.qweight[ids], self.scales[ids],
+                             None if self.zeros is None else self.zeros[ids])
+        return dequantize(rows, self.dtype).view(*input_ids.shape, -1)
 
 
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
