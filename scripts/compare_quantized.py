@@ -41,6 +41,9 @@ from mili_openai.bench.server_process import ServerProcess, build_cpu_kernels_fi
 BASELINE = "mili"
 KV_CACHE_GB = "0.5"  # each server's pool: several are up at once; one 768-token stream needs ~90 MB
 SEED_BASE = 2000  # each round's prompt is its own: no prefix-cache hits across rounds
+# what each quantized server is started with
+SCHEMES = {"int8": ["--quantization", "int8"], "int4": ["--quantization", "int4"],
+           "int4-lm-head-int4": ["--quantization", "int4", "--quantize-lm-head", "int4"]}
 
 
 def quartiles(values: list[float]) -> str:
@@ -53,7 +56,8 @@ def quartiles(values: list[float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", type=Path, default=Path("bench-results/qwen3-0.6b-random-seed0"))
-    parser.add_argument("--quantization", nargs="+", choices=("int8", "int4"), default=["int8", "int4"])
+    parser.add_argument("--quantization", nargs="+", choices=tuple(SCHEMES), default=["int8", "int4"],
+                        help="int4-lm-head-int4: int4 weights and LM head (--quantize-lm-head int4)")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--output-len", type=int, default=128, help="tokens per request (W3 has 256)")
     parser.add_argument("--out", type=Path, default=Path("bench-results/quantized-interleaved.json"))
@@ -68,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         specs = {}
         for name in servers:
-            spec = server_spec(name, args.checkpoint, free_port(), ["--kv-cache-memory-gb", KV_CACHE_GB], "cpu")
+            scheme = name.removeprefix(BASELINE).removeprefix("-")
+            extra = ["--kv-cache-memory-gb", KV_CACHE_GB, *(SCHEMES[scheme] if scheme else [])]
+            spec = replace(server_spec(BASELINE, args.checkpoint, free_port(), extra, "cpu"), name=name)
             process = stack.enter_context(ServerProcess(spec, args.out.with_name(f"{name}.log")))
             print(f"{name} healthy after {process.wait_healthy(STARTUP_TIMEOUT_S):.1f} s", file=sys.stderr)
             specs[name] = spec
