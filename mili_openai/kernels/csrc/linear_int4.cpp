@@ -103,10 +103,7 @@ constexpr int kBiasedLanesMask = 0x000F;
 constexpr int kBiasBits = 0x4300;  // bf16 128.0
 constexpr float kBias = 128.f;
 constexpr int64_t kMaxGroups = 1024;  // groups a row may have here (K up to 131072 at 128 values a group)
-constexpr int kLevelsOrBias = 0xEA;
-// Weight rows one row of x multiplies at once: each x register loaded once for all, and the rows' short
-// chains (a row is only K / 2 bytes) overlap, their per-row costs (offsets, reductions) with them
-constexpr int64_t kSingleTileRows = 4;  // VPTERNLOG's truth table for (a & b) | c
+constexpr int kLevelsOrBias = 0xEA;  // VPTERNLOG's truth table for (a & b) | c
 
 // For each row m of x (M, K) and group g of `group` values along K: the fp32 sum of x's values, (M, G).
 MILI_QUANTIZED torch::Tensor group_sums(const torch::Tensor& x, int64_t groups) {
@@ -185,49 +182,6 @@ struct BiasedRows {
       for (int m = 0; m < MC; ++m) y[m * ldy + (n - begin)] = at::BFloat16(_mm512_reduce_add_ps(total[m]));
     }
   }
-
-  // One row of x against weight rows [n, n + R): each x register loaded once for the R rows, whose R * 2
-  // chains of products run side by side; the same sums, in the same order, as rows<1>.
-  template <int R>
-  MILI_QUANTIZED void single_rows(const at::BFloat16* x, int64_t n, at::BFloat16* y) const {
-    const __m512i mask = _mm512_set1_epi16(kBiasedLanesMask), bias = _mm512_set1_epi16(kBiasBits);
-    alignas(64) float scratch[kMaxGroups + kGroupsAtOnce];
-    __m512 total[R];
-    for (int r = 0; r < R; ++r) {
-      __m512 offsets[1];
-      start_row<1>(n + r, scratch, offsets);
-      total[r] = offsets[0];
-    }
-    const uint8_t* bytes = weight + n * (K / 2);
-    const uint16_t* row_scales = scales + n * groups;
-    for (int64_t g = 0, k = 0; g < groups; ++g) {
-      __m512 acc[2][R];
-      for (int c = 0; c < 2; ++c)
-        for (int r = 0; r < R; ++r) acc[c][r] = _mm512_setzero_ps();
-      for (const int64_t group_end = k + group; k < group_end; k += kBlock) {
-        __m512i words[R];
-        for (int r = 0; r < R; ++r) {
-          const uint8_t* at = bytes + r * (K / 2) + k / 2;
-          _mm_prefetch(reinterpret_cast<const char*>(at) + kStreamAheadBytes, _MM_HINT_T0);
-          words[r] = _mm512_loadu_si512(at);
-        }
-#pragma GCC unroll 4
-        for (int u = 0; u < kBlockRegisters; ++u) {
-          const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k + u * kPairLanes);
-          for (int r = 0; r < R; ++r) {
-            const __m512i levels = u == 0 ? words[r] : _mm512_srli_epi16(words[r], 4 * u);
-            const __m512bh w = (__m512bh)_mm512_ternarylogic_epi32(levels, mask, bias, kLevelsOrBias);
-            acc[u % 2][r] = _mm512_dpbf16_ps(acc[u % 2][r], xv, w);
-          }
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        const __m512 group_scale = _mm512_set1_ps(_cvtsh_ss(row_scales[r * groups + g]));
-        total[r] = _mm512_fmadd_ps(_mm512_add_ps(acc[0][r], acc[1][r]), group_scale, total[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) y[r] = at::BFloat16(_mm512_reduce_add_ps(total[r]));
-  }
 };
 
 // BiasedRows over every row of x (M, K), in chunks of up to 8 rows (a weight row re-read from cache per chunk)
@@ -239,13 +193,7 @@ void multiply_biased(BiasedRows d, const at::BFloat16* x, int64_t M, int64_t beg
     const at::BFloat16* xm = x + m * d.K;
     at::BFloat16* ym = y + m * ldy;
     switch (std::min<int64_t>(M - m, kMaxChunkRows)) {
-      case 1: {
-        int64_t n = begin;
-        for (; n + kSingleTileRows <= end; n += kSingleTileRows)
-          d.single_rows<kSingleTileRows>(xm, n, ym + (n - begin));
-        for (; n < end; ++n) d.single_rows<1>(xm, n, ym + (n - begin));
-        break;
-      }
+      case 1: d.rows<1>(xm, begin, end, ym, ldy); break;
       case 2: d.rows<2>(xm, begin, end, ym, ldy); break;
       case 3: d.rows<3>(xm, begin, end, ym, ldy); break;
       case 4: d.rows<4>(xm, begin, end, ym, ldy); break;

@@ -23,17 +23,16 @@ constexpr int64_t kPairLanes = 32;  // bf16 values per 512-bit register
 constexpr int kBlockRegisters = 4;  // registers of values per block: an int4 block's 64 bytes
 constexpr int64_t kBlockValues = kBlockRegisters * kPairLanes;
 constexpr int kMaxChunkRows = 8;    // rows of x per tile
-// A tile for one or two rows of x streams its weight rows' bytes, and decodes them about as fast as memory
-// delivers them: left to the hardware prefetchers, the core waits on line after line, its decoding and the
-// memory taking turns rather than overlapping. So such a tile asks for every line it reads this far ahead.
+// A tile of one weight row streams its bytes, and decodes them about as fast as memory delivers them: left
+// to the hardware prefetchers, the core waits on line after line, its decoding and the memory taking turns
+// rather than overlapping. So such a tile asks for every line it reads this far ahead, into L1.
 constexpr int64_t kStreamAheadBytes = 4096;
 constexpr int64_t kCacheLine = 64;
 
-// Weight rows per tile for MC rows of x: one row of x takes 4 weight rows (their short per-row chains and
-// reductions overlap, and each x register is loaded once for them), 2 rows of x one weight row (the faster
-// split for bf16 weights in linear_bf16); more share each load of x among several weight rows, within 32
-// registers (U * MC * R sums, R decoded weights, R group tables).
-template <int MC> constexpr int tile_rows() { return MC == 1 ? 4 : MC <= 2 ? 1 : MC <= 4 ? 4 : 2; }
+// Weight rows per tile for MC rows of x: one row streams alone (2 rows of x too, the faster split for bf16
+// weights in linear_bf16); more share each load of x among several weight rows, within 32 registers
+// (MC * R sums, R decoded weights, R group tables).
+template <int MC> constexpr int tile_rows() { return MC <= 2 ? 1 : MC <= 4 ? 4 : 2; }
 // Independent sums along K per (x row, weight row): enough chains of pair products in flight
 template <int MC> constexpr int tile_unroll() { return MC == 1 ? 4 : MC == 2 ? 2 : 1; }
 
@@ -50,10 +49,9 @@ MILI_QUANTIZED inline void tile(const Decoder& d, const at::BFloat16* x, int64_t
       for (int r = 0; r < R; ++r) acc[u][m][r] = _mm512_setzero_ps();
   // One loop with the body written out: through a lambda GCC stored every updated sum to memory as well.
   for (int64_t k = 0; k < K; k += kBlockValues) {
-    if constexpr (MC <= 2)
-      for (int r = 0; r < R; ++r)
-        for (int64_t line = 0; line < Decoder::kBlockBytes; line += kCacheLine)
-          _mm_prefetch(d.address(rows[r], k) + line + kStreamAheadBytes, _MM_HINT_T0);
+    if constexpr (R == 1)
+      for (int64_t line = 0; line < Decoder::kBlockBytes; line += kCacheLine)
+        _mm_prefetch(d.address(rows[0], k) + line + kStreamAheadBytes, _MM_HINT_T0);
 #pragma GCC unroll 4
     for (int u = 0; u < kBlockRegisters; ++u) {
       if (u > 0 && k + u * kPairLanes >= K) break;  // int8 rows may end inside a block
