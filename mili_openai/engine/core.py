@@ -197,15 +197,9 @@ class EngineCore:
         now = time.monotonic()
         sampled = iter(zip(output.token_ids, output.logprobs))
         scored = output.prompt_logprobs or {}
-        draft_tokens, num_decode = batch.draft_tokens, batch.num_decode
         for index, (seq, samples) in enumerate(zip(batch.seqs, batch.samples)):
-            drafts = draft_tokens[index] if index < num_decode else None
-            if not samples:
-                tokens = []
-            elif drafts:
-                tokens = [next(sampled) for _ in range(1 + len(drafts))]
-            else:
-                tokens = [next(sampled)]
+            drafts = batch.drafts(index)
+            tokens = [next(sampled) for _ in range(1 + len(drafts))] if samples else []
             if seq.is_finished:  # aborted while the forward ran, or finished by the step before
                 continue
             if index in scored and seq.prompt_logprobs is not None:

@@ -126,11 +126,10 @@ class Scheduler:
         preempted: list[Sequence] = []
         drafting = not lookahead and self._drafts_at(len(self.running))
 
-        running = SequenceStatus.RUNNING
         for seq in list(self.running):  # oldest first; preemption takes from the newest end
             if budget == 0:
                 break
-            if seq.status is not running or self._awaits_last_token(seq):
+            if seq.status is not SequenceStatus.RUNNING or self._awaits_last_token(seq):
                 continue  # preempted earlier in this loop, or done once its pending token is back
             uncomputed = seq.num_uncomputed_tokens
             num_new = min(uncomputed, budget)
