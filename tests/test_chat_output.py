@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import orjson
+import pytest
 from helpers_server import qwen_tokenizer  # noqa: F401
 from mili_openai.engine.outputs import TokenLogprob
-from mili_openai.protocol.logprobs import chat_logprobs, token_bytes
+from mili_openai.protocol.chat import ChoiceLogprobs, TokenLogprobOut, TopLogprob
+from mili_openai.protocol.logprobs import TokenPieces, chat_logprobs_object, token_bytes
 from mili_openai.protocol.chat_output import ChatOutputParser, OutputOptions, parse_whole_output
 from mili_openai.protocol.tool_calls import merge_pieces
 
@@ -54,6 +57,40 @@ def test_logprob_bytes_rebuild_multibyte_text(qwen_tokenizer):  # noqa: F811
     text = "héllo 世界 🙂 <think>"
     ids = qwen_tokenizer.encode(text, add_special_tokens=False)
     assert b"".join(token_bytes(qwen_tokenizer, t) for t in ids) == text.encode()
-    out = chat_logprobs(qwen_tokenizer, [TokenLogprob(t, -0.1, [(t, -0.1), (0, -2.0)]) for t in ids], top_k=1)
-    assert bytes(b for entry in out.content for b in entry.bytes) == text.encode()
-    assert all(len(entry.top_logprobs) == 1 for entry in out.content)
+    logprobs = [TokenLogprob(t, -0.1, [(t, -0.1), (0, -2.0)]) for t in ids]
+    out = chat_logprobs_object(TokenPieces(qwen_tokenizer), logprobs, top_k=1)
+    assert bytes(b for entry in out["content"] for b in entry["bytes"]) == text.encode()
+    assert all(len(entry["top_logprobs"]) == 1 for entry in out["content"])
+
+
+def models_chat_logprobs(tokenizer, logprobs: list[TokenLogprob], top_k: int) -> ChoiceLogprobs:
+    """The pydantic construction that `chat_logprobs_object`'s dicts replace on the per-token path."""
+    def entry(token_id: int, logprob: float) -> TopLogprob:
+        raw = token_bytes(tokenizer, token_id)
+        return TopLogprob(token=raw.decode("utf-8", errors="replace"), logprob=logprob, bytes=list(raw))
+
+    return ChoiceLogprobs(content=[
+        TokenLogprobOut(**entry(e.token_id, e.logprob).model_dump(),
+                        top_logprobs=[entry(token_id, logprob) for token_id, logprob in e.top[:top_k]])
+        for e in logprobs
+    ])
+
+
+@pytest.mark.parametrize("top_k", [0, 1, 3])
+def test_chat_logprobs_object_is_the_models_dump(qwen_tokenizer, top_k):  # noqa: F811
+    # parts of characters, an added token, eos, an id past the tokenizer's vocabulary; an int logprob, -inf
+    ids = [*qwen_tokenizer.encode("héllo 世界 🙂 <think> héllo", add_special_tokens=False),
+           qwen_tokenizer.eos_token_id, 151935]
+    logprobs = [TokenLogprob(t, -0.5 * i, [(t, -0.1), (ids[0], 0), (151935, float("-inf"))]) for i, t in enumerate(ids)]
+    expected = orjson.dumps(models_chat_logprobs(qwen_tokenizer, logprobs, top_k).model_dump())
+    pieces = TokenPieces(qwen_tokenizer)
+    assert orjson.dumps(chat_logprobs_object(pieces, logprobs, top_k)) == expected
+    assert orjson.dumps(chat_logprobs_object(pieces, logprobs, top_k)) == expected  # from the remembered pieces
+    assert chat_logprobs_object(pieces, [], top_k) == ChoiceLogprobs(content=[]).model_dump()
+
+
+def test_token_pieces_text_is_the_token_decoded_alone(qwen_tokenizer):  # noqa: F811
+    pieces = TokenPieces(qwen_tokenizer)
+    ids = [*qwen_tokenizer.encode("héllo 世界 🙂 <think>", add_special_tokens=False), qwen_tokenizer.eos_token_id]
+    for _ in range(2):  # the second time from what it remembers
+        assert [pieces.text(t) for t in ids] == [qwen_tokenizer.decode([t], skip_special_tokens=False) for t in ids]

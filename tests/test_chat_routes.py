@@ -308,15 +308,32 @@ def test_chunk_events_serialise_with_orjson(server):
 @pytest.mark.parametrize(("finish_reason", "stop_reason"), [(None, None), ("stop", None), ("stop", "END"),
                                                              ("stop", 151645), ("length", None)])
 @pytest.mark.parametrize("with_usage_key", [False, True])
-def test_text_chunk_event_is_the_models_chunk(content, reasoning, finish_reason, stop_reason, with_usage_key):
-    """The dict a text-only chunk is built as (most of a stream) is the one the pydantic models give."""
-    from mili_openai.protocol.chat import ChatCompletionChunk, ChunkChoice, DeltaMessage, text_chunk_event
+@pytest.mark.parametrize("with_logprobs", [False, True])
+def test_text_chunk_event_is_the_models_chunk(content, reasoning, finish_reason, stop_reason, with_usage_key,
+                                              with_logprobs):
+    """The dict a chunk without tool calls is built as (most of a stream) is the one the pydantic models give."""
+    from mili_openai.protocol.chat import (
+        ChatCompletionChunk,
+        ChoiceLogprobs,
+        ChunkChoice,
+        DeltaMessage,
+        TokenLogprobOut,
+        TopLogprob,
+        text_chunk_event,
+    )
 
     content = content or None  # as the route passes it
+    logprobs = None
+    if with_logprobs:
+        top = TopLogprob(token="Hel", logprob=-0.25, bytes=[72, 101, 108])
+        logprobs = ChoiceLogprobs(content=[TokenLogprobOut(token="\ufffd", logprob=-1.5, bytes=[240, 159],
+                                                           top_logprobs=[top])])
     message = DeltaMessage(content=content, reasoning_content=reasoning, reasoning=reasoning)
-    choice = ChunkChoice(index=2, delta=message, logprobs=None, finish_reason=finish_reason, stop_reason=stop_reason)
+    choice = ChunkChoice(index=2, delta=message, logprobs=logprobs, finish_reason=finish_reason,
+                         stop_reason=stop_reason)
     expected = ChatCompletionChunk(id="chatcmpl-1", created=7, model=MODEL, choices=[choice]).to_event()
     if not with_usage_key:
         del expected["usage"]
-    event = text_chunk_event("chatcmpl-1", 7, MODEL, 2, content, reasoning, finish_reason, stop_reason, with_usage_key)
+    event = text_chunk_event("chatcmpl-1", 7, MODEL, 2, content, reasoning, finish_reason, stop_reason, with_usage_key,
+                             logprobs.model_dump() if logprobs is not None else None)
     assert orjson.dumps(event) == orjson.dumps(expected)  # same keys, same order, same values

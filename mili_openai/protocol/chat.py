@@ -262,17 +262,18 @@ class ChatCompletionChunk(BaseModel):
 
 def text_chunk_event(response_id: str, created: int, model: str, index: int, content: str | None,
                      reasoning: str | None, finish_reason: str | None, stop_reason: str | int | None,
-                     with_usage_key: bool) -> dict[str, Any]:
-    """`ChatCompletionChunk.to_event()` of one choice whose delta carries text only (no role, tool calls,
-    logprobs nor usage), built as a dict: most chunks of a stream, where the models would cost every token
-    many times what the dict does. `with_usage_key`: keep the "usage": null that include_usage streams send."""
+                     with_usage_key: bool, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`ChatCompletionChunk.to_event()` of one choice whose delta carries text only (no role, tool calls nor
+    usage), built as a dict: most chunks of a stream, where the models would cost every token many times what
+    the dict does. `with_usage_key`: keep the "usage": null that include_usage streams send. `logprobs`: the
+    choice's logprobs object as sent (protocol/logprobs.py `chat_logprobs_object`)."""
     delta: dict[str, Any] = {}
     if content is not None:
         delta["content"] = content
     if reasoning is not None:
         delta["reasoning_content"] = delta["reasoning"] = reasoning
     event = {"id": response_id, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
+             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
                           "stop_reason": stop_reason}]}
     if with_usage_key:
         event["usage"] = None

@@ -21,7 +21,6 @@ import functools
 from typing import Any
 
 from mili_openai.engine.outputs import TokenLogprob
-from mili_openai.protocol.chat import ChoiceLogprobs, TokenLogprobOut, TopLogprob
 
 BYTE_COUNT = 256
 
@@ -51,32 +50,54 @@ def token_bytes(tokenizer: Any, token_id: int) -> bytes:
     return piece.encode("utf-8")  # not byte-level encoded (a literal added token)
 
 
-def _entry(tokenizer: Any, token_id: int, logprob: float) -> TopLogprob:
-    raw = token_bytes(tokenizer, token_id)
-    return TopLogprob(token=raw.decode("utf-8", errors="replace"), logprob=logprob, bytes=list(raw))
+class TokenPieces:
+    """What logprobs show of each token id, remembered for one request: its text decoded alone (completions),
+    its vocabulary text and real bytes (chat). A stream looks up the chosen token and its top-k alternatives
+    at every step, mostly the same few ids again, and each first lookup goes through the tokenizer's Python
+    layers."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+        self._chat: dict[int, tuple[str, bytes]] = {}
+
+    def text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def chat_piece(self, token_id: int) -> tuple[str, bytes]:
+        """The token's text as chat logprobs show it (U+FFFD for part of a character) and its bytes."""
+        piece = self._chat.get(token_id)
+        if piece is None:
+            raw = token_bytes(self.tokenizer, token_id)
+            piece = self._chat[token_id] = (raw.decode("utf-8", errors="replace"), raw)
+        return piece
 
 
-def chat_logprobs(tokenizer: Any, logprobs: list[TokenLogprob], top_k: int) -> ChoiceLogprobs:
-    """The logprobs object for some generated tokens (a whole choice, or one streamed delta)."""
+def chat_logprobs_object(pieces: TokenPieces, logprobs: list[TokenLogprob], top_k: int) -> dict[str, Any]:
+    """A choice's logprobs object as sent (`ChoiceLogprobs.model_dump()`), built as plain dicts: a stream builds
+    one per token, where the models would cost several times the dicts."""
     content = []
     for entry in logprobs:
-        chosen = _entry(tokenizer, entry.token_id, entry.logprob)
-        top = [_entry(tokenizer, token_id, logprob) for token_id, logprob in entry.top[:top_k]]
-        content.append(TokenLogprobOut(**chosen.model_dump(), top_logprobs=top))
-    return ChoiceLogprobs(content=content)
+        top = []
+        for token_id, logprob in entry.top[:top_k]:
+            text, raw = pieces.chat_piece(token_id)
+            top.append({"token": text, "logprob": float(logprob), "bytes": list(raw)})
+        text, raw = pieces.chat_piece(entry.token_id)
+        content.append({"token": text, "logprob": float(entry.logprob), "bytes": list(raw), "top_logprobs": top})
+    return {"content": content}
 
 
 # ---- completions ----
 class CompletionLogprobs:
     """Builds the logprobs object of one choice, piece by piece (a stream) or all at once."""
 
-    def __init__(self, tokenizer: Any, top_k: int) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, pieces: TokenPieces, top_k: int) -> None:
+        self.token_text = pieces.text
         self.top_k = top_k
         self.offset = 0  # characters of the choice's text before the next token
-
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _empty(self) -> dict[str, list]:
         return {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}

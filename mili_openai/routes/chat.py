@@ -35,7 +35,7 @@ from mili_openai.protocol.chat import (
 )
 from mili_openai.protocol.chat_output import ChatDelta, ChatOutputParser, OutputOptions, parse_whole_output
 from mili_openai.protocol.errors import APIError
-from mili_openai.protocol.logprobs import chat_logprobs, prompt_logprobs_object
+from mili_openai.protocol.logprobs import TokenPieces, chat_logprobs_object, prompt_logprobs_object
 from mili_openai.protocol.prompts import RenderedPrompt, render_chat_prompt
 from mili_openai.protocol.reasoning import THINK_END, output_reasoning_mode
 from mili_openai.protocol.tool_calls import tool_call_grammar
@@ -84,6 +84,7 @@ class ChatJob(GenerationJob[ChatCompletionRequest]):
         super().__init__(server, body, request_id)
         self.prompt: RenderedPrompt | None = None
         self.top_k = (body.top_logprobs or 0) if body.logprobs else None
+        self.pieces = TokenPieces(self.engine.tokenizer)
         choice = body.effective_tool_choice
         self.options = OutputOptions(
             split_reasoning=has_think_tags(self.engine.tokenizer),
@@ -119,10 +120,11 @@ class ChatJob(GenerationJob[ChatCompletionRequest]):
     def parser(self) -> ChatOutputParser:
         return ChatOutputParser(self.prompt.assistant_tail, self.options)
 
-    def logprobs_of(self, delta_logprobs: list | None):
+    def logprobs_of(self, delta_logprobs: list | None) -> dict[str, Any] | None:
+        """The logprobs object of some tokens, as sent (the models take it as it is)."""
         if self.top_k is None:
             return None
-        return chat_logprobs(self.engine.tokenizer, delta_logprobs or [], self.top_k)
+        return chat_logprobs_object(self.pieces, delta_logprobs or [], self.top_k)
 
     def usage_out(self) -> UsageOut:
         return UsageOut.model_validate(self.usage().to_dict())
@@ -161,13 +163,15 @@ class ChatJob(GenerationJob[ChatCompletionRequest]):
         return self.body.stream_options is not None and self.body.stream_options.include_usage
 
     def delta_chunk(self, index: int, parsed: ChatDelta, delta: SequenceDelta, finish_reason: str | None) -> dict[str, Any]:
-        """One choice's chunk: a text-only one (most of a stream) as a plain dict, the rest through the models."""
-        with_logprobs = self.top_k is not None and (delta.logprobs or finish_reason)
-        if parsed.calls or with_logprobs:
+        """One choice's chunk: one without tool calls (most of a stream) as a plain dict, the rest through the
+        models."""
+        if parsed.calls:
             return self.chunk([self.delta_choice(index, parsed, delta, finish_reason)])
+        # the tokens' logprobs go with the chunk they arrived in, even when a parser holds their text
+        logprobs = self.logprobs_of(delta.logprobs) if delta.logprobs or finish_reason else None
         return text_chunk_event(self.response_id, self.created, self.model, index, parsed.content or None,
                                 parsed.reasoning or None, finish_reason, delta.stop_reason if finish_reason else None,
-                                self.include_usage)
+                                self.include_usage, logprobs)
 
     def delta_choice(self, index: int, parsed: ChatDelta, delta: SequenceDelta,
                      finish_reason: str | None) -> ChunkChoice:

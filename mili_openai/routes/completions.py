@@ -17,7 +17,7 @@ from starlette.routing import Route
 
 from mili_openai.engine.outputs import CompletionOutput, SequenceDelta, TokenLogprob
 from mili_openai.protocol.completions import CompletionRequest, choice_object, completion_object
-from mili_openai.protocol.logprobs import CompletionLogprobs, merge_logprobs, prompt_logprobs_object
+from mili_openai.protocol.logprobs import CompletionLogprobs, TokenPieces, merge_logprobs, prompt_logprobs_object
 from mili_openai.protocol.prompts import prompt_text, prompt_token_ids
 from mili_openai.routes.job import GenerationJob, Usage, serve_job
 from mili_openai.server.state import ServerState
@@ -39,6 +39,7 @@ class CompletionJob(GenerationJob[CompletionRequest]):
         super().__init__(server, body, request_id)
         self.n = body.n
         self.prompts = body.prompts()
+        self.pieces = TokenPieces(self.engine.tokenizer)  # shared by every choice's logprobs
 
     @property
     def num_sequences(self) -> int:
@@ -66,7 +67,7 @@ class CompletionJob(GenerationJob[CompletionRequest]):
     def logprobs_builder(self) -> CompletionLogprobs | None:
         if self.body.logprobs is None:
             return None
-        return CompletionLogprobs(self.engine.tokenizer, self.body.logprobs)
+        return CompletionLogprobs(self.pieces, self.body.logprobs)
 
     def echo_prefix(self, choice: int, builder: CompletionLogprobs | None,
                     scored: list[TokenLogprob | None] | None) -> tuple[str, dict | None]:
