@@ -11,6 +11,7 @@ concurrency on a GPU it sets the pace (docs/performance.md, "CUDA under load").
     .venv/bin/python scripts/host_cost.py                                  # this checkout
     .venv/bin/python scripts/host_cost.py --checkout old=/tmp/main --checkout new=.   # A/B, alternating
     .venv/bin/python scripts/host_cost.py --concurrency 64 --rounds 1 --num-requests 128
+    .venv/bin/python scripts/host_cost.py --endpoint chat --extra-body '{"logprobs": true, "top_logprobs": 5}'
 
 While a run is in flight, `perf record -t PID` (the printed PID is the loop thread's id too) shows where its
 CPU goes by native symbol; py-spy samples wall time, and on a loaded machine charges the socket writes (where
@@ -108,6 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-requests", type=int, default=None, help="per run (default: the concurrency, one wave)")
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--extra-body", default=None,
+                        help="JSON object merged into every request body, e.g. '{\"logprobs\": 5}'")
     parser.add_argument("--rounds", type=int, default=3, help="runs per checkout and concurrency, alternating")
     parser.add_argument("--log-dir", default="bench-results/host-cost")
     return parser.parse_args(argv)
@@ -134,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                         base_url=server.spec.base_url, model="bench", endpoint=args.endpoint, num_requests=args.num_requests or concurrency,
                         concurrency=concurrency, input_len=args.input_len, output_len=args.output_len,
                         ignore_eos=True, timeout_s=REQUEST_TIMEOUT_S, warmup=0, progress=False,
-                        seed=round_index)
+                        seed=round_index, extra_body=args.extra_body)
                     cost = measure(server.spec.name, server.process.pid, bench, tokenizer)
                     results.append(cost)
                     print(f"round {round_index + 1} c{concurrency:<4} {cost.checkout:>8}: loop {cost.loop_us_per_token:6.1f}"
