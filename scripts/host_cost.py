@@ -15,7 +15,8 @@ concurrency on a GPU it sets the pace (docs/performance.md, "CUDA under load").
 
 While a run is in flight, `perf record -t PID` (the printed PID is the loop thread's id too) shows where its
 CPU goes by native symbol; py-spy samples wall time, and on a loaded machine charges the socket writes (where
-the woken client preempts the loop) far more than their CPU.
+the woken client preempts the loop) far more than their CPU. `py-spy record --gil --threads --pid PID` keeps only
+the samples where a thread holds the GIL: for the loop thread, close to its CPU by Python function.
 """
 
 from __future__ import annotations
