@@ -112,6 +112,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     eng.add_argument("--tensor-parallel-size", "-tp", type=int, default=engine.tensor_parallel_size,
                      help="shard the model over this many worker processes (one GPU each on CUDA; gloo between "
                           "processes on CPU)")
+    eng.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                     help="run the engine (scheduling, step inputs, postprocessing) in a process of its own, apart "
+                          "from the HTTP side's event loop and GIL (default: yes on CUDA, no on CPU)")
     eng.add_argument("--default-model-cache", default=None,
                      help="where the embedded default model is built (default: ~/.cache/mili-openai)")
     serve.set_defaults(func=run_serve, parser=serve)
@@ -151,6 +154,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
         quantize_lm_head=args.quantize_lm_head,
+        engine_process=args.engine_process,
         cpu_kernels_in_background=True,  # a first start answers while the kernels compile
     )
     return ServerConfig(

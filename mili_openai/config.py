@@ -15,6 +15,7 @@ DEVICES = ("auto", "cpu", "cuda")
 # CUDA, vLLM's: a GPU finishes thousands of tokens in milliseconds, and a large budget fills it.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 8192}
 DEFAULT_MAX_NUM_SEQS = {"cpu": 64, "cuda": 256}  # running sequences; on CUDA vLLM's default
+DEFAULT_ENGINE_PROCESS = {"cpu": False, "cuda": True}  # the server's engine in a process of its own
 DEFAULT_CPU_KV_CACHE_MEMORY_GB = 2.0  # on CUDA the pool takes what gpu_memory_utilization leaves
 # "auto": Triton page-table kernels on CUDA, the compiled CPU kernels on CPU; "triton": Triton (CUDA, or the
 # CPU under TRITON_INTERPRET=1 for tests); "torch": torch's SDPA over gathered K/V on CUDA
@@ -114,6 +115,10 @@ class EngineConfig:
     # on a thread, and switch to them between steps once no request runs (`mili serve` sets it; off, the load
     # waits for the compile)
     cpu_kernels_in_background: bool = False
+    # the server: run the engine (scheduling, step inputs, postprocessing) in a process of its own, off the HTTP
+    # side's event loop and GIL (engine/process_client.py); None = the device's default (DEFAULT_ENGINE_PROCESS).
+    # The offline `LLM` runs the engine in the caller's process whatever this says
+    engine_process: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):  # as the offline LLM(speculative_config={...}) takes it
@@ -164,6 +169,8 @@ class EngineConfig:
             defaults["max_num_batched_tokens"] = DEFAULT_MAX_NUM_BATCHED_TOKENS[device_type]
         if self.max_num_seqs is None:
             defaults["max_num_seqs"] = DEFAULT_MAX_NUM_SEQS[device_type]
+        if self.engine_process is None:
+            defaults["engine_process"] = DEFAULT_ENGINE_PROCESS[device_type]
         if self.kv_cache_memory_gb is None and device_type != "cuda":
             defaults["kv_cache_memory_gb"] = DEFAULT_CPU_KV_CACHE_MEMORY_GB
         return dataclasses.replace(self, **defaults) if defaults else self

@@ -67,7 +67,10 @@ class FakeEngine:
             self.abort(request_id)
         return len(request_ids)
 
-    def page_accounting(self) -> PageAccounting:
+    async def close(self) -> None:
+        """The fake holds nothing beyond its tasks, which `shutdown` ended."""
+
+    async def page_accounting(self) -> PageAccounting:
         used = sum(self.owned.values())
         return PageAccounting(self.num_pages, self.num_pages - used, 0, 0, used, len(self.tasks), None)
 

@@ -30,9 +30,10 @@ import torch
 from threadpoolctl import threadpool_limits
 
 from mili_openai.config import EngineConfig
-from mili_openai.engine.client import RequestStream
+from mili_openai.engine.client import DeltaSink, RequestStream
 from mili_openai.engine.core import EngineCore
 from mili_openai.engine.outputs import EngineObserver, EngineStats, PageAccounting, SequenceDelta
+from mili_openai.engine.parallel_sampling import ParentRequest
 from mili_openai.engine.step_preparer import PreparedStep
 from mili_openai.engine.sampling_params import SamplingParams
 from mili_openai.engine.scheduled_batch import ScheduledBatch
@@ -81,7 +82,7 @@ class AsyncEngine:
         self.vocab_size = self.core.vocab_size
         self.sampling_defaults = self.core.sampling_defaults
         self.eos_token_ids = self.core.eos_token_ids
-        self._streams: dict[str, RequestStream] = {}
+        self._streams: dict[str, DeltaSink] = {}  # by request id, until its last sample's final delta
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         # steps handed to the worker, oldest first: the one running and at most one queued behind it
@@ -126,17 +127,32 @@ class AsyncEngine:
             self.abort(request_id)
         self._wakeup = None
 
+    async def close(self) -> None:
+        """Let the forward thread go (after `shutdown`); the model stays loaded until the engine is dropped."""
+        self._executor.shutdown(wait=False)
+
     # ---- requests ----
     def submit(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
     ) -> RequestStream:
+        parent = self._add(prompt_token_ids, params, request_id)
+        stream = RequestStream(parent.request_id, parent.num_samples, self.abort)
+        self._streams[parent.request_id] = stream
+        return stream
+
+    def submit_to(self, sink: DeltaSink, prompt_token_ids: list[int], params: SamplingParams,
+                  request_id: str) -> None:
+        """As `submit`, with the deltas put into `sink` rather than a new stream (an engine process's
+        outbox, engine/engine_process.py)."""
+        self._add(prompt_token_ids, params, request_id)
+        self._streams[request_id] = sink
+
+    def _add(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None) -> ParentRequest:
         if self._wakeup is None:
             raise RuntimeError("the engine is not started: await engine.start() first")
         parent = self.core.add(prompt_token_ids, params, request_id)
-        stream = RequestStream(parent.request_id, parent.num_samples, self.abort)
-        self._streams[parent.request_id] = stream
         self._wakeup.set()
-        return stream
+        return parent
 
     async def compile_format(self, params: SamplingParams) -> None:
         """Compile the request's structured-output format, if any, on a worker thread (ValueError if it is
@@ -160,7 +176,7 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.core.stats()
 
-    def page_accounting(self) -> PageAccounting:
+    async def page_accounting(self) -> PageAccounting:
         """A snapshot of the page pool and an integrity check (walks the tree: for debugging, not per request)."""
         core = self.core
         try:

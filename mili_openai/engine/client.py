@@ -21,6 +21,18 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
+class DeltaSink(Protocol):
+    """Where the engine puts one request's deltas: a `RequestStream`, or, in an engine process, the outbox to
+    the server's process (engine/engine_process.py)."""
+
+    def put(self, delta: SequenceDelta) -> None: ...
+
+    @property
+    def finished(self) -> bool:
+        """Every sample's final delta has been put: the engine forgets the sink."""
+        ...
+
+
 class RequestStream:
     """Async iterator over one request's deltas, every sample's (`delta.index`) in the order the engine
     produced them; it ends once each of the request's samples has delivered its final delta.
@@ -93,7 +105,8 @@ class RequestStream:
 
 
 class EngineClient(Protocol):
-    """The engine as the server uses it (`AsyncEngine` in production)."""
+    """The engine as the server uses it: `AsyncEngine` on the server's own event loop, or
+    `EngineProcessClient` (engine/process_client.py) in front of one in a process of its own."""
 
     tokenizer: PreTrainedTokenizerBase
     model_path: Path | None
@@ -107,6 +120,11 @@ class EngineClient(Protocol):
 
     async def shutdown(self) -> None:
         """Stop the loop and abort every request."""
+        ...
+
+    async def close(self) -> None:
+        """Release what the engine holds beyond the model (its process, its threads) for good, at the
+        server's exit; after `shutdown`."""
         ...
 
     def is_ready(self) -> bool: ...
@@ -136,7 +154,9 @@ class EngineClient(Protocol):
 
     def stats(self) -> EngineStats: ...
 
-    def page_accounting(self) -> PageAccounting: ...
+    async def page_accounting(self) -> PageAccounting:
+        """Where every KV page is, with an integrity check (for debugging and soak tests, not per request)."""
+        ...
 
     def set_observer(self, observer: EngineObserver | None) -> None:
         """Attach the server's metrics to an engine built before the server."""

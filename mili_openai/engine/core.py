@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import AutoTokenizer
@@ -45,6 +46,44 @@ def make_runner(config: EngineConfig, model_path: Path) -> Runner:
     return ModelRunner(config, model_path)
 
 
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What decides whether a request can ever run: all `check_request` reads of the engine (so a client in
+    another process, engine/process_client.py, runs the very same check before sending)."""
+
+    vocab_size: int
+    max_model_len: int
+    page_size: int
+    num_pages: int  # the whole KV pool
+
+
+def check_request(prompt: list[int], params: SamplingParams, limits: RequestLimits) -> int:
+    """Raise ValueError for a request that can never run; else its resolved max_tokens."""
+    vocab_size, max_model_len = limits.vocab_size, limits.max_model_len
+    if not prompt:
+        raise ValueError("the prompt is empty: at least one token is needed")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+    if any(not 0 <= t < vocab_size for t in itertools.chain(params.logit_bias, params.stop_token_ids)):
+        raise ValueError(f"logit_bias and stop_token_ids keys must be token ids in [0, {vocab_size})")
+    if len(prompt) >= max_model_len:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
+            f"{len(prompt)} tokens, leaving no room for output"
+        )
+    room = max_model_len - len(prompt)
+    if params.max_tokens is not None and params.max_tokens > room:
+        raise ValueError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{len(prompt) + params.max_tokens} tokens ({len(prompt)} in the prompt, {params.max_tokens} "
+            f"for the completion). Please reduce the prompt or max_tokens."
+        )
+    max_tokens = params.max_tokens if params.max_tokens is not None else room
+    if pages_for(len(prompt) + max_tokens, limits.page_size) > limits.num_pages:
+        raise ValueError("the request needs more KV cache pages than the whole pool holds")
+    return max_tokens
+
+
 class EngineCore:
     def __init__(
         self, config: EngineConfig, runner: Runner, tokenizer, observer: EngineObserver | None = None
@@ -67,6 +106,7 @@ class EngineCore:
             # dynamic NTK past the trained context depends on each request's history: refuse it up front
             self.max_model_len = min(self.max_model_len, model_config.max_position_embeddings)
         self.pages = KVPageManager(runner.num_pages, config.page_size, config.enable_prefix_caching)
+        self.limits = RequestLimits(self.vocab_size, self.max_model_len, config.page_size, runner.num_pages)
         self.scheduler = Scheduler(config, self.pages)
         self.sequences: dict[str, Sequence] = {}  # by sequence id: each sample of each request
         self.requests: dict[str, ParentRequest] = {}  # by request id, until its last sample finishes
@@ -100,7 +140,7 @@ class EngineCore:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = [int(t) for t in prompt_token_ids]
-        max_tokens = self._check_request(prompt, params)
+        max_tokens = check_request(prompt, params, self.limits)
         parent = ParentRequest.of(request_id, params)
         if any(child_id in self.sequences for child_id in parent.child_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -112,31 +152,6 @@ class EngineCore:
             self.sequences[seq.request_id] = seq
             self.scheduler.add(seq)
         return parent
-
-    def _check_request(self, prompt: list[int], params: SamplingParams) -> int:
-        """Raise ValueError for a request that can never run; else its resolved max_tokens."""
-        if not prompt:
-            raise ValueError("the prompt is empty: at least one token is needed")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        if any(not 0 <= t < self.vocab_size for t in itertools.chain(params.logit_bias, params.stop_token_ids)):
-            raise ValueError(f"logit_bias and stop_token_ids keys must be token ids in [0, {self.vocab_size})")
-        if len(prompt) >= self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has "
-                f"{len(prompt)} tokens, leaving no room for output"
-            )
-        room = self.max_model_len - len(prompt)
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{len(prompt) + params.max_tokens} tokens ({len(prompt)} in the prompt, {params.max_tokens} "
-                f"for the completion). Please reduce the prompt or max_tokens."
-            )
-        max_tokens = params.max_tokens if params.max_tokens is not None else room
-        if pages_for(len(prompt) + max_tokens, self.config.page_size) > self.pages.num_pages:
-            raise ValueError("the request needs more KV cache pages than the whole pool holds")
-        return max_tokens
 
     def _sequence(self, sequence_id: str, request_id: str, index: int, prompt: list[int], params: SamplingParams,
                   max_tokens: int, arrival_time: float) -> Sequence:

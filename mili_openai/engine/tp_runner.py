@@ -70,6 +70,15 @@ class RunnerFailed(RuntimeError):
     """The runner can run no more steps (a tensor-parallel worker died or failed): the engine must stop."""
 
 
+def describe_exit(code: int | None, alive: str) -> str:
+    """How a child process ended, from its exit code (None: still running, then `alive` says what it did)."""
+    if code is None:
+        return alive
+    if code < 0:
+        return f"was killed by signal {-code} ({signal.Signals(-code).name})"
+    return f"exited with code {code}"
+
+
 def _stop_processes(processes: list, conns: list[Connection], rendezvous: str, stopping: threading.Event,
                     graceful: bool) -> None:
     """Ask each worker to exit (graceful), then terminate and kill whatever is left; remove the rendezvous.
@@ -188,13 +197,7 @@ class WorkerGroup:
         with self._reap_lock:  # one waitpid at a time: the thread that lost a race would read no exit code
             process.join(KILL_TIMEOUT_S)
             code = process.exitcode
-        if code is None:
-            how = "closed its pipe"
-        elif code < 0:
-            how = f"was killed by signal {-code} ({signal.Signals(-code).name})"
-        else:
-            how = f"exited with code {code}"
-        return f"tensor-parallel rank {rank} (pid {process.pid}) {how}"
+        return f"tensor-parallel rank {rank} (pid {process.pid}) {describe_exit(code, 'closed its pipe')}"
 
     def _fail(self, reason: str) -> None:
         self._mark_failed(reason)

@@ -135,8 +135,9 @@ def _handle(runner: ModelRunner, message: Any) -> Any:
     raise TypeError(f"a tensor-parallel worker got an unknown message {type(message).__name__}")
 
 
-def _exit_with_parent() -> None:
-    """Exit the moment the engine process does, even from inside a collective that will never complete."""
+def exit_with_parent() -> None:
+    """Exit the moment the parent process does, even from inside a collective (or a step) that will never
+    complete."""
     parent = multiprocessing.parent_process()
     if parent is None:
         return
@@ -145,7 +146,7 @@ def _exit_with_parent() -> None:
         parent.join()
         os._exit(1)
 
-    threading.Thread(target=watch, name="mili-tp-parent-watch", daemon=True).start()
+    threading.Thread(target=watch, name="mili-parent-watch", daemon=True).start()
 
 
 def worker_main(rank: int, size: int, config: EngineConfig, model_path: str, init_method: str, conn: Connection,
@@ -153,7 +154,7 @@ def worker_main(rank: int, size: int, config: EngineConfig, model_path: str, ini
     """The worker process: join the group, load the shard, then serve the engine's messages until Shutdown
     or until the engine's end of the pipe closes."""
     logging.basicConfig(level=log_level, format=WORKER_LOG_FORMAT.format(rank=rank))
-    _exit_with_parent()
+    exit_with_parent()
     try:
         if kernel_plan is not None:
             adopt_cpu_kernel_plan(kernel_plan)

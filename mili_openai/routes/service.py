@@ -127,7 +127,7 @@ async def engine_debug(request: Request) -> Response:
         raise APIError(503, "the model is not loaded", type="service_unavailable")
     return json_response({
         "stats": dataclasses.asdict(engine.stats()),
-        "pages": dataclasses.asdict(engine.page_accounting()),
+        "pages": dataclasses.asdict(await engine.page_accounting()),
         "server": {"active_requests": server.active_requests, "pending_sequences": server.pending_sequences,
                    "draining": server.draining},
     })

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -28,6 +27,9 @@ from starlette.routing import BaseRoute, Route
 from mili_openai.config import ServerConfig
 from mili_openai.engine.async_engine import AsyncEngine
 from mili_openai.engine.client import EngineClient
+from mili_openai.engine.engine_process import freeze_heap
+from mili_openai.engine.process_client import EngineProcessClient
+from mili_openai.engine.runner import resolve_device
 from mili_openai.engine.sampling_defaults import describe_sampling_defaults
 from mili_openai.routes import chat, completions, generate, responses, service
 from mili_openai.server.errors import CatchAllMiddleware, install_error_handlers
@@ -47,24 +49,27 @@ def all_routes(config: ServerConfig, metrics: ServerMetrics) -> list[BaseRoute]:
     return routes
 
 
-def freeze_heap() -> None:
-    """Collect once, then leave every object alive now (the model, the tokenizer, the libraries) out of
-    later collections: a full collection over the hundreds of thousands of objects a loaded model holds
-    pauses whichever thread triggers it, the event loop (every stream) or the forward thread (a step)."""
-    gc.collect()
-    gc.freeze()
-    logger.info("garbage collector: %d objects alive after loading frozen", gc.get_freeze_count())
+def build_engine(config: ServerConfig, observer: ServerMetrics | None) -> EngineClient:
+    """The engine, loaded (blocking: seconds): in a process of its own where the device's default or
+    --engine-process asks for it, else on this process's event loop."""
+    engine_config = config.engine
+    if engine_config.for_device(resolve_device(engine_config.device).type).engine_process:
+        return EngineProcessClient(engine_config, observer, freeze_gc_after_load=config.freeze_gc_after_load)
+    return AsyncEngine(engine_config, observer)
 
 
 async def load_engine(server: ServerState) -> None:
     """Build the engine on a thread (seconds of blocking work), then start its loop."""
     logger.info("loading the model (/health says loading until it is served)")
+    engine: EngineClient | None = None
     try:
-        engine = await asyncio.to_thread(AsyncEngine, server.config.engine, server.metrics)
+        engine = await asyncio.to_thread(build_engine, server.config, server.metrics)
         await engine.start()
     except Exception as exc:
         logger.exception("the model failed to load")
         server.load_error = f"{type(exc).__name__}: {exc}"
+        if engine is not None:
+            await engine.close()
         return
     if server.config.freeze_gc_after_load:
         freeze_heap()  # before the first request: the collection in it holds the GIL a while
@@ -106,7 +111,9 @@ def create_app(config: ServerConfig, engine: EngineClient | None = None) -> Star
                     await loader
             if server.engine is not None:
                 await server.engine.shutdown()
-            if engine is None:
+            if engine is None:  # the lifespan built it: it goes with the app
+                if server.engine is not None:
+                    await server.engine.close()
                 server.engine = None
 
     middleware = [Middleware(RequestContextMiddleware, server=server), Middleware(CatchAllMiddleware)]

@@ -1,0 +1,238 @@
+"""The engine process: an `AsyncEngine` on an event loop of its own, serving the server's process over one
+socket (engine/process_client.py is the other end; engine/process_messages.py the messages).
+
+Its deltas go into an outbox rather than to streams, and the outbox goes to the server once per loop tick
+(a flush scheduled with `call_soon` by the tick's first delta): one step's deltas for every request travel
+as one message, with the metrics of the sequences that finished in it and a stats snapshot. The server's
+HTTP work then runs beside the engine's steps, on its own GIL, instead of between them.
+
+The process ignores SIGINT and SIGTERM (Ctrl-C, or a supervisor signalling the process group, reaches it
+too: the server drains, then closes the socket) and exits when the socket closes, or, failing that, when
+its parent process is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import signal
+import socket
+from typing import Any
+
+from mili_openai.config import EngineConfig
+from mili_openai.engine.async_engine import AsyncEngine
+from mili_openai.engine.outputs import RequestMetrics, SequenceDelta
+from mili_openai.engine.process_messages import (
+    Abort,
+    Call,
+    EngineFailed,
+    EngineReady,
+    Outputs,
+    Reply,
+    Submit,
+    encode_frame,
+    read_frame,
+    write_frame,
+)
+from mili_openai.engine.tp_worker import exit_with_parent
+
+logger = logging.getLogger(__name__)
+
+ENGINE_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [engine]: %(message)s"
+FATAL_POLL_S = 0.25
+# what Ctrl-C (SIGINT, to the whole process group) or a supervisor signalling the group (SIGTERM) sends
+SERVER_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # how often an idle engine looks whether its runner failed (a tensor-parallel rank died)
+
+
+def freeze_heap() -> None:
+    """Collect once, then leave every object alive now (the model, the tokenizer, the libraries) out of
+    later collections: a full collection over the hundreds of thousands of objects a loaded model holds
+    pauses whichever thread triggers it, the event loop (every stream) or the forward thread (a step)."""
+    gc.collect()
+    gc.freeze()
+    logger.info("garbage collector: %d objects alive after loading frozen", gc.get_freeze_count())
+
+
+class OutboxSink:
+    """One request's `DeltaSink` in the engine process: its deltas go to the shared outbox."""
+
+    __slots__ = ("_outbox", "_undelivered")
+
+    def __init__(self, outbox: Outbox, num_samples: int) -> None:
+        self._outbox = outbox
+        self._undelivered = num_samples
+
+    @property
+    def finished(self) -> bool:
+        return self._undelivered == 0
+
+    def put(self, delta: SequenceDelta) -> None:
+        if delta.finish_reason is not None:
+            self._undelivered -= 1
+        self._outbox.add_delta(delta)
+
+
+class Outbox:
+    """What the engine produced since the last flush; sent as one `Outputs` at the end of the loop tick.
+
+    It is also the engine's observer: finished-request metrics travel with the deltas, and the server's
+    process replays them on its own observer (the Prometheus metrics)."""
+
+    def __init__(self, engine: AsyncEngine, writer: asyncio.StreamWriter) -> None:
+        self.engine = engine
+        self.writer = writer
+        self.sequences_received = 0
+        self.fatal_reported = False
+        self._deltas: list[SequenceDelta] = []
+        self._finished: list[RequestMetrics] = []
+        self._scheduled = False
+
+    def add_delta(self, delta: SequenceDelta) -> None:
+        self._deltas.append(delta)
+        self.schedule_flush()
+
+    def on_request_finished(self, metrics: RequestMetrics) -> None:
+        self._finished.append(metrics)
+        self.schedule_flush()
+
+    def schedule_flush(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            asyncio.get_running_loop().call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Send what is pending, with the stats as they are now (also with nothing pending: a stats update)."""
+        self._scheduled = False
+        if self.writer.is_closing():
+            return
+        fatal = self.engine.fatal_error
+        self.fatal_reported = fatal is not None
+        outputs = Outputs(self._deltas, self._finished, self.engine.stats(), self.sequences_received, fatal)
+        self._deltas, self._finished = [], []
+        write_frame(self.writer, outputs)
+
+
+class EngineServer:
+    """Serves the server's messages: requests into the engine, calls answered in order of completion."""
+
+    def __init__(self, engine: AsyncEngine, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.engine = engine
+        self.reader = reader
+        self.writer = writer
+        self.outbox = Outbox(engine, writer)
+        engine.set_observer(self.outbox)
+        self._calls: set[asyncio.Task] = set()
+
+    async def serve(self) -> None:
+        """Until the server's end of the socket closes."""
+        watcher = asyncio.create_task(self._watch_fatal(), name="mili-engine-fatal-watch")
+        try:
+            while True:
+                try:
+                    message = await read_frame(self.reader)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                self._handle(message)
+        finally:
+            watcher.cancel()
+            await self.engine.shutdown()
+            await self.engine.close()
+
+    def _handle(self, message: Any) -> None:
+        if isinstance(message, Submit):
+            self._submit(message)
+        elif isinstance(message, Abort):
+            self.engine.abort(message.request_id)
+        elif isinstance(message, Call):
+            task = asyncio.create_task(self._answer(message))
+            self._calls.add(task)
+            task.add_done_callback(self._calls.discard)
+        else:
+            raise TypeError(f"the engine process got an unknown message {type(message).__name__}")
+        self.outbox.schedule_flush()  # the server's stats (num_waiting) see the request within the tick
+
+    def _submit(self, message: Submit) -> None:
+        num_samples = message.params.n
+        self.outbox.sequences_received += num_samples
+        sink = OutboxSink(self.outbox, num_samples)
+        try:
+            self.engine.submit_to(sink, message.prompt_token_ids, message.params, message.request_id)
+        except Exception as exc:  # the server checked it already: this one failed past those checks
+            logger.exception("request %s refused in the engine process", message.request_id)
+            for index in range(num_samples):
+                sink.put(SequenceDelta(message.request_id, "", [], None, "abort", None, 0, 0, 0,
+                                       error=f"engine error: {exc}", index=index))
+
+    async def _answer(self, call: Call) -> None:
+        try:
+            value, error = await self._call(call.method, *call.args), None
+        except Exception as exc:
+            value, error = None, _picklable(exc)
+        self.outbox.flush()  # what the call produced (a shutdown's aborts) arrives before its reply
+        if not self.writer.is_closing():
+            write_frame(self.writer, Reply(call.call_id, value, error))
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        if method == "start":
+            return await self.engine.start()
+        if method == "shutdown":
+            return await self.engine.shutdown()
+        if method == "compile_format":
+            return await self.engine.compile_format(*args)
+        if method == "page_accounting":
+            return await self.engine.page_accounting()
+        raise ValueError(f"the engine process has no call {method!r}")
+
+    async def _watch_fatal(self) -> None:
+        """Report a runner failure even when no step notices it (no request running)."""
+        while not self.outbox.fatal_reported:
+            if self.engine.fatal_error is not None:
+                self.outbox.flush()
+            await asyncio.sleep(FATAL_POLL_S)
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    try:
+        encode_frame(exc)
+        return exc
+    except Exception:
+        return RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def engine_process_main(config: EngineConfig, sock: socket.socket, log_level: int, freeze_gc: bool) -> None:
+    """The engine process: load, report ready (or why not), then serve until the socket closes."""
+    for sig in SERVER_SIGNALS:  # meant for the server, which drains and then closes the socket
+        signal.signal(sig, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format=ENGINE_LOG_FORMAT)
+    exit_with_parent()
+    try:
+        engine = AsyncEngine(config)
+    except BaseException as exc:
+        logger.exception("the model failed to load in the engine process")
+        sock.sendall(encode_frame(EngineFailed(_picklable(exc))))
+        return
+    core = engine.core
+    sock.sendall(encode_frame(EngineReady(
+        pid=os.getpid(), tokenizer=engine.tokenizer, model_path=engine.model_path,
+        max_model_len=engine.max_model_len, vocab_size=engine.vocab_size, eos_token_ids=engine.eos_token_ids,
+        quantization=engine.quantization, sampling_defaults=engine.sampling_defaults, limits=core.limits,
+        stats=engine.stats(),
+    )))
+    if freeze_gc:
+        freeze_heap()
+    asyncio.run(_serve(engine, sock))
+
+
+async def _serve(engine: AsyncEngine, sock: socket.socket) -> None:
+    reader, writer = await asyncio.open_connection(sock=sock)
+    try:
+        await EngineServer(engine, reader, writer).serve()
+    finally:
+        writer.close()
+        try:
+            await writer.wait_closed()
+        except ConnectionError:
+            pass
+    logger.info("the server's process closed the engine socket: the engine process exits")

@@ -1,0 +1,290 @@
+"""`mili serve --engine-process` on CPU: the engine in a process of its own behind the same routes, as a real
+`mili serve` child process.
+
+The chat tests of test_chat_server.py pass against it unchanged; greedy completions and chat equal the
+in-process engine's; bad requests are 400s in OpenAI's shape and the server keeps serving; a client that
+goes away frees its pages; /metrics counts the requests the engine finished (replayed from the engine
+process); SIGTERM to the whole process group drains (the engine process ignores it); a killed engine process
+takes the server down with a non-zero exit, and a model that fails to load in it exits 1 with its reason.
+The frame codec the two processes speak is tested on its own at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import orjson
+import pytest
+
+from engine_helpers import random_prompts
+from helpers_server import REAL_ENGINE_CONFIG, qwen_tokenizer, real_engine, real_server, sse_data  # noqa: F401
+from mili_openai import LLM, SamplingParams
+from mili_openai.bench.server_process import ServerProcess, ServerSpec, free_port
+from mili_openai.engine.outputs import SequenceDelta
+from mili_openai.engine.process_messages import (
+    FRAME_HEADER,
+    Outputs,
+    Submit,
+    encode_frame,
+    read_frame,
+    recv_frame,
+    write_frame,
+)
+from test_chat_server import (  # noqa: F401  (collected here too: run against the engine-process server)
+    HELLO,
+    MODEL,
+    test_async_client_streams_and_answers,
+    test_context_overflow_is_a_400_with_the_numbers,
+    test_greedy_stream_equals_the_whole_response,
+    test_logprobs_agree_with_greedy_choice,
+    test_n_choices_with_a_seed_are_reproducible,
+    test_stop_string_cuts_the_content_before_it,
+    test_tool_call_forced_through_the_real_model,
+)
+
+START_TIMEOUT_S = 180.0  # the engine process imports torch and loads on a busy 2-core machine
+EXIT_TIMEOUT_S = 60.0  # generous: the issue's bound from the engine's death to the server's exit is 30 s
+PAGES_FREED_TIMEOUT_S = 60.0
+POLL_S = 0.1
+SERVE_FLAGS = ("--dtype", "float32", "--num-pages", str(REAL_ENGINE_CONFIG["num_pages"]),
+               "--page-size", str(REAL_ENGINE_CONFIG["page_size"]),
+               "--max-num-batched-tokens", str(REAL_ENGINE_CONFIG["max_num_batched_tokens"]),
+               "--max-num-seqs", str(REAL_ENGINE_CONFIG["max_num_seqs"]),
+               "--max-model-len", str(REAL_ENGINE_CONFIG["max_model_len"]),
+               "--engine-process", "--debug-endpoints", "--served-model-name", MODEL)
+READY_LINE = re.compile(r"engine process \(pid (\d+)\) loaded")
+
+
+def engine_process_server(checkpoint, log_path, *flags: str) -> ServerProcess:
+    """`mili serve --engine-process`, not started yet (a context manager: started, then stopped)."""
+    port = free_port()
+    spec = ServerSpec(name="mili-engine-process", base_url=f"http://127.0.0.1:{port}",
+                      argv=(sys.executable, "-m", "mili_openai", "serve", str(checkpoint), "--port", str(port),
+                            *SERVE_FLAGS, *flags))
+    return ServerProcess(spec, log_path)
+
+
+def engine_pid(server: ServerProcess) -> int:
+    [pid] = READY_LINE.findall(server.log_tail())
+    return int(pid)
+
+
+def wait_for(condition, timeout_s: float, what: str):
+    """Poll `condition` until it returns something truthy (returned), failing after a generous deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"not {what} after {timeout_s:g} s"
+        time.sleep(POLL_S)
+
+
+@pytest.fixture(scope="module")
+def ep_server(tiny_checkpoint, tmp_path_factory) -> Iterator[ServerProcess]:
+    with engine_process_server(tiny_checkpoint, tmp_path_factory.mktemp("ep-server") / "server.log") as server:
+        server.wait_healthy(START_TIMEOUT_S)
+        assert engine_pid(server) != server.process.pid
+        yield server
+
+
+@pytest.fixture(scope="module")
+def api_base(ep_server) -> str:
+    return ep_server.spec.base_url + "/v1"
+
+
+@pytest.fixture(scope="module")
+def client(api_base) -> openai.OpenAI:
+    return openai.OpenAI(base_url=api_base, api_key="unused", max_retries=0, timeout=60)
+
+
+def test_greedy_completions_match_the_in_process_engine(client, tiny_checkpoint):
+    prompts = random_prompts(3, [5, 40, 130], seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    single = LLM(str(tiny_checkpoint), dtype="float32", num_pages=REAL_ENGINE_CONFIG["num_pages"])
+    want = [output.outputs[0].text for output in single.generate(prompts, params)]
+    for prompt, text in zip(prompts, want):
+        whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, n=2,
+                                          extra_body={"ignore_eos": True})
+        assert [c.text for c in whole.choices] == [text, text]
+        assert [c.finish_reason for c in whole.choices] == ["length", "length"]
+        assert whole.usage.completion_tokens == 24
+        streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                             n=2, extra_body={"ignore_eos": True})
+        texts = ["", ""]
+        for chunk in streamed:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+        assert texts == [text, text]
+
+
+def test_greedy_chat_matches_the_in_process_server(client, real_server):  # noqa: F811
+    in_process = openai.OpenAI(base_url=real_server.api_base, api_key="unused", max_retries=0, timeout=60)
+    for messages in (HELLO, [{"role": "user", "content": "Count to five, slowly."}]):
+        want = in_process.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=10)
+        got = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=10)
+        assert got.choices[0].message.content == want.choices[0].message.content
+        assert got.choices[0].message.model_extra == want.choices[0].message.model_extra
+        assert got.usage == want.usage
+        streamed = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=10,
+                                                  stream=True)
+        content = "".join(c.delta.content or "" for chunk in streamed for c in chunk.choices)
+        assert content == (want.choices[0].message.content or "")
+
+
+def test_bad_requests_are_400s_and_the_server_keeps_serving(ep_server, client):
+    url = ep_server.spec.base_url + "/v1/completions"
+    too_long = [1] * (REAL_ENGINE_CONFIG["max_model_len"] + 10)
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+        "a": {"$ref": "#/$defs/missing"}}}}}
+    bad_bodies = [{"prompt": too_long, "max_tokens": 4}, {"prompt": "Hi", "max_tokens": 4, "guided_regex": "[ab"},
+                  {"prompt": "Hi", "max_tokens": 4, "response_format": bad_schema}]
+    for body in bad_bodies:
+        response = httpx.post(url, json={"model": MODEL, **body}, timeout=60)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["message"] and set(error) == {"message", "type", "param", "code"}
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, response_format=bad_schema)
+    after = client.completions.create(model=MODEL, prompt="Still there?", max_tokens=3, temperature=0)
+    assert after.choices[0].finish_reason == "length" and after.usage.completion_tokens == 3
+
+
+def test_a_client_that_goes_away_frees_its_pages(ep_server):
+    base = ep_server.spec.base_url
+    body = {"model": MODEL, "prompt": "keep going " * 20, "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        engine = httpx.get(base + "/debug/engine", timeout=60).json()
+        assert engine["pages"]["num_sequences"] == 1 and engine["pages"]["num_owned"] > 0
+    # the connection is closed: the server aborts the request, the engine process frees its pages
+
+    def idle():
+        pages = httpx.get(base + "/debug/engine", timeout=60).json()["pages"]
+        return pages if pages["num_sequences"] == 0 else None
+
+    pages = wait_for(idle, PAGES_FREED_TIMEOUT_S, "freed")
+    assert pages["num_owned"] == 0 and pages["num_locked"] == 0 and pages["integrity_error"] is None
+    assert pages["num_free"] + pages["num_cached"] == pages["num_pages"]
+
+
+def test_metrics_count_what_the_engine_process_finished(ep_server, client):
+    def finished_total() -> float:
+        text = httpx.get(ep_server.spec.base_url + "/metrics", timeout=60).text
+        return sum(float(value) for value in re.findall(r'^mili_requests_finished_total\{[^}]*\} (\S+)$', text, re.M))
+
+    before = finished_total()
+    client.completions.create(model=MODEL, prompt="Count me", max_tokens=3, n=2, temperature=0)
+    assert finished_total() == before + 2  # one per sample, counted before the response ends
+    text = httpx.get(ep_server.spec.base_url + "/metrics", timeout=60).text
+    assert re.search(r"^mili_e2e_request_latency_seconds_count [1-9]", text, re.M)
+    assert re.search(r"^mili_generation_tokens_total [1-9]", text, re.M)
+
+
+def test_sigterm_to_the_process_group_drains_then_exits_0(tiny_checkpoint, tmp_path):
+    """Only the server handles the signal: the engine process, signalled too, keeps serving the drain."""
+    with engine_process_server(tiny_checkpoint, tmp_path / "server.log", "--shutdown-grace-period", "60") as server:
+        server.wait_healthy(START_TIMEOUT_S)
+        body = {"model": MODEL, "prompt": "in flight", "max_tokens": 40, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", server.spec.base_url + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            os.killpg(server.process.pid, signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        code = server.process.wait(timeout=EXIT_TIMEOUT_S)
+    assert code == 0, server.log_tail()
+    assert rest[-1] == "data: [DONE]"
+    events = [orjson.loads(event) for event in sse_data("\n".join([first, *rest])) if event != "[DONE]"]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(len(event["choices"][0]["text"]) > 0 for event in events) > 1
+
+
+def test_a_killed_engine_process_stops_the_server(tiny_checkpoint, tmp_path):
+    with engine_process_server(tiny_checkpoint, tmp_path / "server.log") as server:
+        server.wait_healthy(START_TIMEOUT_S)
+        pid = engine_pid(server)
+        body = {"model": MODEL, "prompt": "keep going", "max_tokens": 400, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", server.spec.base_url + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            os.kill(pid, signal.SIGKILL)
+            rest = []
+            try:
+                rest.extend(line for line in lines if line.startswith("data: "))
+            except httpx.HTTPError:  # the server may close the connection while exiting
+                pass
+        code = server.process.wait(timeout=EXIT_TIMEOUT_S)
+    assert code != 0
+    log = server.log_tail()
+    assert f"the engine process (pid {pid}) was killed by signal 9 (SIGKILL)" in log
+    assert "exiting: the engine cannot continue" in log
+    events = [orjson.loads(event) for event in sse_data("\n".join([first, *rest])) if event != "[DONE]"]
+    errors = [event["error"]["message"] for event in events if "error" in event]
+    assert errors and "the engine process" in errors[0]
+
+
+def test_a_model_that_fails_to_load_in_the_engine_process_exits_1(tiny_checkpoint, tmp_path):
+    broken = tmp_path / "no-weights"
+    broken.mkdir()
+    for item in tiny_checkpoint.iterdir():
+        if item.suffix != ".safetensors":
+            (broken / item.name).write_bytes(item.read_bytes())
+    proc = subprocess.run(
+        [sys.executable, "-m", "mili_openai", "serve", str(broken), "--port", str(free_port()), "--engine-process",
+         "--dtype", "float32", "--num-pages", "8", "--log-level", "warning"],
+        capture_output=True, text=True, timeout=START_TIMEOUT_S,
+    )
+    assert proc.returncode == 1
+    [reason] = [line for line in proc.stderr.splitlines() if line.startswith("mili-openai: exiting")]
+    assert "the model failed to load: CheckpointError" in reason and ".safetensors" in reason, proc.stderr
+
+
+# ---- the frame codec ----
+def test_frames_cross_a_socket_pair_in_order_both_ways():
+    async def exchange() -> tuple[list, list]:
+        left, right = socket.socketpair()
+        left_reader, left_writer = await asyncio.open_connection(sock=left)
+        right_reader, right_writer = await asyncio.open_connection(sock=right)
+        delta = SequenceDelta("r", "héllo", [1, 2], None, None, None, 3, 0, 2, index=1)
+        sent = [Submit([1, 2, 3], SamplingParams(n=2, max_tokens=5), "r"), Outputs([delta] * 300), "x" * 200_000]
+        for message in sent:
+            write_frame(left_writer, message)
+        write_frame(right_writer, Outputs(sequences_received=7))
+        received = [await read_frame(right_reader) for _ in sent]
+        back = [await read_frame(left_reader)]
+        left_writer.close()
+        with pytest.raises(asyncio.IncompleteReadError):  # the other side closed: the reader's end
+            await read_frame(right_reader)
+        right_writer.close()
+        return received, back
+
+    received, back = asyncio.run(exchange())
+    assert received[0] == Submit([1, 2, 3], SamplingParams(n=2, max_tokens=5), "r")
+    assert received[1].deltas == [SequenceDelta("r", "héllo", [1, 2], None, None, None, 3, 0, 2, index=1)] * 300
+    assert received[2] == "x" * 200_000
+    assert back[0].sequences_received == 7
+
+
+def test_a_blocking_reader_reads_whole_frames_and_sees_the_end():
+    left, right = socket.socketpair()
+    with left, right:
+        payload = encode_frame({"a": list(range(1000))})
+        assert FRAME_HEADER.unpack(payload[:FRAME_HEADER.size]) == (len(payload) - FRAME_HEADER.size,)
+        for i in range(0, len(payload), 7):  # dribbled in: a frame arrives over many reads
+            left.sendall(payload[i:i + 7])
+        assert recv_frame(right) == {"a": list(range(1000))}
+        left.sendall(payload[:3])
+        left.close()
+        with pytest.raises(EOFError):
+            recv_frame(right)
