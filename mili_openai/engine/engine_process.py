@@ -41,9 +41,9 @@ from mili_openai.engine.tp_worker import exit_with_parent
 logger = logging.getLogger(__name__)
 
 ENGINE_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [engine]: %(message)s"
-FATAL_POLL_S = 0.25
+FATAL_POLL_S = 0.25  # how often an idle engine looks whether its runner failed (a tensor-parallel rank died)
 # what Ctrl-C (SIGINT, to the whole process group) or a supervisor signalling the group (SIGTERM) sends
-SERVER_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # how often an idle engine looks whether its runner failed (a tensor-parallel rank died)
+SERVER_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def freeze_heap() -> None:

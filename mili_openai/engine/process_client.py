@@ -49,8 +49,8 @@ from mili_openai.engine.tp_runner import describe_exit
 logger = logging.getLogger(__name__)
 
 EXIT_TIMEOUT_S = 30.0  # the engine process, its socket closed, gets this long to stop its loop and exit
-REAP_TIMEOUT_S = 5.0
-EXIT_PRIORITY = 10  # any priority runs at exit; this one before multiprocessing's lower ones  # how long a closed socket waits for the process's exit code, for the log line
+REAP_TIMEOUT_S = 5.0  # how long a closed socket waits for the process's exit code, for the log line
+EXIT_PRIORITY = 10  # any priority runs at exit; this one before multiprocessing's lower ones
 
 
 def _stop_process(process: multiprocessing.Process, sock: socket.socket) -> None:
