@@ -29,7 +29,7 @@ import pytest
 
 from engine_helpers import random_prompts
 from helpers_server import REAL_ENGINE_CONFIG, qwen_tokenizer, real_engine, real_server, sse_data  # noqa: F401
-from mili_openai import LLM, SamplingParams
+from mili_openai import LLM, SamplingParams, cli
 from mili_openai.bench.server_process import ServerProcess, ServerSpec, free_port
 from mili_openai.engine.outputs import SequenceDelta
 from mili_openai.engine.process_messages import (
@@ -250,6 +250,16 @@ def test_a_model_that_fails_to_load_in_the_engine_process_exits_1(tiny_checkpoin
     assert proc.returncode == 1
     [reason] = [line for line in proc.stderr.splitlines() if line.startswith("mili-openai: exiting")]
     assert "the model failed to load: CheckpointError" in reason and ".safetensors" in reason, proc.stderr
+
+
+# ---- the flag ----
+@pytest.mark.parametrize(("argv", "chosen", "cpu", "cuda"), [([], None, False, True),
+                                                              (["--engine-process"], True, True, True),
+                                                              (["--no-engine-process"], False, False, False)])
+def test_the_flag_picks_the_process_and_the_device_picks_the_default(argv, chosen, cpu, cuda):
+    config = cli.config_from_args(cli.build_parser().parse_args(["serve", *argv])).engine
+    assert config.engine_process is chosen
+    assert config.for_device("cpu").engine_process is cpu and config.for_device("cuda").engine_process is cuda
 
 
 # ---- the frame codec ----
