@@ -41,6 +41,12 @@ from mili_openai.config import EngineConfig, ServerConfig
 SERVER_START_TIMEOUT_S = 30.0
 REAL_ENGINE_CONFIG = dict(dtype="float32", num_pages=48, page_size=16, max_num_batched_tokens=256,
                           max_num_seqs=48, max_model_len=512)
+# the same engine settings as `mili serve` flags, for tests that start a real server process
+REAL_SERVE_FLAGS = ("--dtype", "float32", "--num-pages", str(REAL_ENGINE_CONFIG["num_pages"]),
+                    "--page-size", str(REAL_ENGINE_CONFIG["page_size"]),
+                    "--max-num-batched-tokens", str(REAL_ENGINE_CONFIG["max_num_batched_tokens"]),
+                    "--max-num-seqs", str(REAL_ENGINE_CONFIG["max_num_seqs"]),
+                    "--max-model-len", str(REAL_ENGINE_CONFIG["max_model_len"]))
 
 
 def tokenizer_dir() -> Path:
@@ -151,6 +157,31 @@ def wait_until(predicate, timeout_s: float = SETTLE_TIMEOUT_S) -> bool:
             return True
         time.sleep(SETTLE_POLL_S)
     return False
+
+
+def check_greedy_completions_match_offline(client: Any, model: str, checkpoint: Path, n: int = 1) -> None:
+    """Greedy completions from a real server (whole and streamed, `n` choices each) equal the offline `LLM`'s
+    on the same checkpoint (REAL_ENGINE_CONFIG's pool)."""
+    from engine_helpers import random_prompts
+    from mili_openai import LLM, SamplingParams
+
+    prompts = random_prompts(3, [5, 40, 130], seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    single = LLM(str(checkpoint), dtype="float32", num_pages=REAL_ENGINE_CONFIG["num_pages"])
+    want = [output.outputs[0].text for output in single.generate(prompts, params)]
+    for prompt, text in zip(prompts, want):
+        whole = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, n=n,
+                                          extra_body={"ignore_eos": True})
+        assert [c.text for c in whole.choices] == [text] * n
+        assert [c.finish_reason for c in whole.choices] == ["length"] * n
+        assert whole.usage.completion_tokens == 12 * n
+        streamed = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+                                             n=n, extra_body={"ignore_eos": True})
+        texts = [""] * n
+        for chunk in streamed:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+        assert texts == [text] * n
 
 
 def sse_data(text: str) -> list[str]:

@@ -138,8 +138,10 @@ def test_python_m_serve_answers_and_stops_on_sigterm(tiny_checkpoint):
             proc.wait()
 
 
-def test_serve_exits_non_zero_when_the_model_fails_to_load(tiny_checkpoint, tmp_path):
-    """A server that can never answer should not look alive: it exits 1 so a supervisor restarts it."""
+@pytest.mark.parametrize("engine_flags", [[], ["--engine-process"]])
+def test_serve_exits_non_zero_when_the_model_fails_to_load(tiny_checkpoint, tmp_path, engine_flags):
+    """A server that can never answer should not look alive: it exits 1 so a supervisor restarts it (with
+    --engine-process, the engine process's error reaches the server's last line)."""
     broken = tmp_path / "no-weights"
     broken.mkdir()
     for item in tiny_checkpoint.iterdir():
@@ -147,7 +149,7 @@ def test_serve_exits_non_zero_when_the_model_fails_to_load(tiny_checkpoint, tmp_
             (broken / item.name).write_bytes(item.read_bytes())
     proc = subprocess.run(
         [sys.executable, "-m", "mili_openai", "serve", str(broken), "--port", str(free_port()),
-         "--dtype", "float32", "--num-pages", "8", "--log-level", "warning"],
+         "--dtype", "float32", "--num-pages", "8", "--log-level", "warning", *engine_flags],
         capture_output=True, text=True, timeout=SERVE_START_TIMEOUT_S,
     )
     assert proc.returncode == 1

@@ -5,7 +5,7 @@ The chat tests of test_chat_server.py pass against it unchanged; greedy completi
 in-process engine's; bad requests are 400s in OpenAI's shape and the server keeps serving; a client that
 goes away frees its pages; /metrics counts the requests the engine finished (replayed from the engine
 process); SIGTERM to the whole process group drains (the engine process ignores it); a killed engine process
-takes the server down with a non-zero exit, and a model that fails to load in it exits 1 with its reason.
+takes the server down with a non-zero exit (a model that fails to load in it: tests/test_cli.py).
 The frame codec the two processes speak is tested on its own at the end.
 """
 
@@ -16,10 +16,8 @@ import os
 import re
 import signal
 import socket
-import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -27,9 +25,17 @@ import openai
 import orjson
 import pytest
 
-from engine_helpers import random_prompts
-from helpers_server import REAL_ENGINE_CONFIG, qwen_tokenizer, real_engine, real_server, sse_data  # noqa: F401
-from mili_openai import LLM, SamplingParams, cli
+from helpers_server import (  # noqa: F401
+    REAL_ENGINE_CONFIG,
+    REAL_SERVE_FLAGS,
+    check_greedy_completions_match_offline,
+    qwen_tokenizer,
+    real_engine,
+    real_server,
+    sse_data,
+    wait_until,
+)
+from mili_openai import SamplingParams, cli
 from mili_openai.bench.server_process import ServerProcess, ServerSpec, free_port
 from mili_openai.engine.outputs import SequenceDelta
 from mili_openai.engine.process_messages import (
@@ -56,13 +62,7 @@ from test_chat_server import (  # noqa: F401  (collected here too: run against t
 START_TIMEOUT_S = 180.0  # the engine process imports torch and loads on a busy 2-core machine
 EXIT_TIMEOUT_S = 60.0  # generous: the issue's bound from the engine's death to the server's exit is 30 s
 PAGES_FREED_TIMEOUT_S = 60.0
-POLL_S = 0.1
-SERVE_FLAGS = ("--dtype", "float32", "--num-pages", str(REAL_ENGINE_CONFIG["num_pages"]),
-               "--page-size", str(REAL_ENGINE_CONFIG["page_size"]),
-               "--max-num-batched-tokens", str(REAL_ENGINE_CONFIG["max_num_batched_tokens"]),
-               "--max-num-seqs", str(REAL_ENGINE_CONFIG["max_num_seqs"]),
-               "--max-model-len", str(REAL_ENGINE_CONFIG["max_model_len"]),
-               "--engine-process", "--debug-endpoints", "--served-model-name", MODEL)
+SERVE_FLAGS = (*REAL_SERVE_FLAGS, "--engine-process", "--debug-endpoints", "--served-model-name", MODEL)
 READY_LINE = re.compile(r"engine process \(pid (\d+)\) loaded")
 
 
@@ -78,17 +78,6 @@ def engine_process_server(checkpoint, log_path, *flags: str) -> ServerProcess:
 def engine_pid(server: ServerProcess) -> int:
     [pid] = READY_LINE.findall(server.log_tail())
     return int(pid)
-
-
-def wait_for(condition, timeout_s: float, what: str):
-    """Poll `condition` until it returns something truthy (returned), failing after a generous deadline."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"not {what} after {timeout_s:g} s"
-        time.sleep(POLL_S)
 
 
 @pytest.fixture(scope="module")
@@ -110,23 +99,7 @@ def client(api_base) -> openai.OpenAI:
 
 
 def test_greedy_completions_match_the_in_process_engine(client, tiny_checkpoint):
-    prompts = random_prompts(3, [5, 40, 130], seed=11)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    single = LLM(str(tiny_checkpoint), dtype="float32", num_pages=REAL_ENGINE_CONFIG["num_pages"])
-    want = [output.outputs[0].text for output in single.generate(prompts, params)]
-    for prompt, text in zip(prompts, want):
-        whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, n=2,
-                                          extra_body={"ignore_eos": True})
-        assert [c.text for c in whole.choices] == [text, text]
-        assert [c.finish_reason for c in whole.choices] == ["length", "length"]
-        assert whole.usage.completion_tokens == 24
-        streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True,
-                                             n=2, extra_body={"ignore_eos": True})
-        texts = ["", ""]
-        for chunk in streamed:
-            for choice in chunk.choices:
-                texts[choice.index] += choice.text
-        assert texts == [text, text]
+    check_greedy_completions_match_offline(client, MODEL, tiny_checkpoint, n=2)
 
 
 def test_greedy_chat_matches_the_in_process_server(client, real_server):  # noqa: F811
@@ -172,11 +145,11 @@ def test_a_client_that_goes_away_frees_its_pages(ep_server):
         assert engine["pages"]["num_sequences"] == 1 and engine["pages"]["num_owned"] > 0
     # the connection is closed: the server aborts the request, the engine process frees its pages
 
-    def idle():
-        pages = httpx.get(base + "/debug/engine", timeout=60).json()["pages"]
-        return pages if pages["num_sequences"] == 0 else None
+    def pages() -> dict:
+        return httpx.get(base + "/debug/engine", timeout=60).json()["pages"]
 
-    pages = wait_for(idle, PAGES_FREED_TIMEOUT_S, "freed")
+    assert wait_until(lambda: pages()["num_sequences"] == 0, PAGES_FREED_TIMEOUT_S)
+    pages = pages()
     assert pages["num_owned"] == 0 and pages["num_locked"] == 0 and pages["integrity_error"] is None
     assert pages["num_free"] + pages["num_cached"] == pages["num_pages"]
 
@@ -234,22 +207,6 @@ def test_a_killed_engine_process_stops_the_server(tiny_checkpoint, tmp_path):
     events = [orjson.loads(event) for event in sse_data("\n".join([first, *rest])) if event != "[DONE]"]
     errors = [event["error"]["message"] for event in events if "error" in event]
     assert errors and "the engine process" in errors[0]
-
-
-def test_a_model_that_fails_to_load_in_the_engine_process_exits_1(tiny_checkpoint, tmp_path):
-    broken = tmp_path / "no-weights"
-    broken.mkdir()
-    for item in tiny_checkpoint.iterdir():
-        if item.suffix != ".safetensors":
-            (broken / item.name).write_bytes(item.read_bytes())
-    proc = subprocess.run(
-        [sys.executable, "-m", "mili_openai", "serve", str(broken), "--port", str(free_port()), "--engine-process",
-         "--dtype", "float32", "--num-pages", "8", "--log-level", "warning"],
-        capture_output=True, text=True, timeout=START_TIMEOUT_S,
-    )
-    assert proc.returncode == 1
-    [reason] = [line for line in proc.stderr.splitlines() if line.startswith("mili-openai: exiting")]
-    assert "the model failed to load: CheckpointError" in reason and ".safetensors" in reason, proc.stderr
 
 
 # ---- the flag ----

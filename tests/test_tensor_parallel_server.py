@@ -16,9 +16,12 @@ import openai
 import orjson
 import pytest
 
-from engine_helpers import random_prompts
-from helpers_server import REAL_ENGINE_CONFIG, qwen_tokenizer, sse_data  # noqa: F401
-from mili_openai import LLM, SamplingParams
+from helpers_server import (  # noqa: F401
+    REAL_SERVE_FLAGS,
+    check_greedy_completions_match_offline,
+    qwen_tokenizer,
+    sse_data,
+)
 from mili_openai.bench.server_process import ServerProcess, ServerSpec, free_port
 from test_chat_server import (  # noqa: F401  (collected here too: run against the tensor-parallel server)
     MODEL,
@@ -34,13 +37,8 @@ from test_chat_server import (  # noqa: F401  (collected here too: run against t
 TENSOR_PARALLEL_SIZE = 2
 START_TIMEOUT_S = 180.0  # two worker processes import torch and load on a busy 2-core machine
 EXIT_DEADLINE_S = 30.0  # the bound from a rank's death to the server's exit
-# the engine settings the chat tests were written for (REAL_ENGINE_CONFIG: their 512-token context)
-SERVE_FLAGS = ("--dtype", "float32", "--num-pages", str(REAL_ENGINE_CONFIG["num_pages"]),
-               "--page-size", str(REAL_ENGINE_CONFIG["page_size"]),
-               "--max-num-batched-tokens", str(REAL_ENGINE_CONFIG["max_num_batched_tokens"]),
-               "--max-num-seqs", str(REAL_ENGINE_CONFIG["max_num_seqs"]),
-               "--max-model-len", str(REAL_ENGINE_CONFIG["max_model_len"]),
-               "--tensor-parallel-size", str(TENSOR_PARALLEL_SIZE), "--served-model-name", MODEL)
+# the engine settings the chat tests were written for (REAL_SERVE_FLAGS: their 512-token context)
+SERVE_FLAGS = (*REAL_SERVE_FLAGS, "--tensor-parallel-size", str(TENSOR_PARALLEL_SIZE), "--served-model-name", MODEL)
 READY_LINE = re.compile(r"tensor-parallel rank (\d+) of \d+ ready \(pid (\d+)\)")
 
 
@@ -76,18 +74,7 @@ def client(api_base) -> openai.OpenAI:
 
 
 def test_greedy_completions_match_one_rank(client, tiny_checkpoint):
-    prompts = random_prompts(3, [5, 40, 130], seed=9)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    single = LLM(str(tiny_checkpoint), dtype="float32", num_pages=REAL_ENGINE_CONFIG["num_pages"])
-    want = [output.outputs[0].text for output in single.generate(prompts, params)]
-    for prompt, text in zip(prompts, want):
-        whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
-                                          extra_body={"ignore_eos": True})
-        assert whole.choices[0].text == text and whole.choices[0].finish_reason == "length"
-        assert whole.usage.completion_tokens == 12
-        streamed = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True,
-                                             extra_body={"ignore_eos": True})
-        assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == text
+    check_greedy_completions_match_offline(client, MODEL, tiny_checkpoint)
 
 
 def test_completion_logprobs_and_bad_input(client):
