@@ -2,8 +2,10 @@
 
 When no engine is given, the lifespan loads the model on a worker thread *after* the server starts
 listening, so /health answers 503 while it loads (Kubernetes keeps the pod out of rotation instead
-of restarting it). On shutdown, /health turns 503 first, then the engine stops (the `mili serve`
-drain in server/drain.py lets in-flight requests finish in between).
+of restarting it): on this event loop, or in an engine process of its own (`engine_process`, the default
+on CUDA; engine/process_client.py). On shutdown, /health turns 503 first, then the engine stops (the
+`mili serve` drain in server/drain.py lets in-flight requests finish in between), and an engine the
+lifespan built is closed (its process exits).
 
 Middleware, outermost first: request id / context / HTTP metrics / request log, the catch-all 500,
 CORS (only with --cors-allow-origin), the API key and body limit; then Starlette's exception handlers.
