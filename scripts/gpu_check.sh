@@ -30,9 +30,9 @@ timeout 150 python3 -m pytest tests/test_cuda_path.py tests/triton_attention_cas
   -q --maxfail=6 -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"
 TESTS=$?
 
-stage "serving benchmark: five workloads at the issue's flags, two at the defaults, fp8 and torch's SDPA"
+stage "serving benchmark: five workloads at the issue's flags, two at the defaults and in one process, fp8"
 timeout 330 python3 scripts/bench_gpu.py --out-dir /tmp/bench-gpu --deadline-s 300 \
-  --configs issue defaults:c64,c256 fp8:single,c64 torch:c64 2>&1 | tee "$OUT/bench.log"
+  --configs issue defaults:c64,c256 inproc:c64,c256 fp8:single,c64 2>&1 | tee "$OUT/bench.log"
 BENCH=$?
 (cd /tmp/bench-gpu && tar czf "$OUT/bench-logs.tgz" ./*.json ./*.log) 2>/dev/null
 
