@@ -66,13 +66,37 @@ def prompt_scorings(batch: ScheduledBatch, forward_batch: ForwardBatch) -> list[
     return scorings
 
 
+class PageArrays:
+    """Each decoding sequence's page list as an int64 array, kept from one step to the next: a decode's
+    pages change once in `page_size` steps, and converting a Python list of ints into the step's page
+    table costs the loop thread more per sequence than the rest of that table. An entry is served only
+    while the list still equals the copy it was built from (one C-speed comparison), so a new page or a
+    preemption is never missed; sequences left out of a step are dropped."""
+
+    def __init__(self) -> None:
+        self._entries: dict[Sequence, tuple[list[int], np.ndarray]] = {}
+
+    def of(self, seqs: list[Sequence]) -> list[np.ndarray]:
+        """The page arrays of `seqs`, in order; forgets every other sequence."""
+        previous, entries = self._entries, {}
+        arrays = []
+        for seq in seqs:
+            entry = previous.get(seq)
+            if entry is None or entry[0] != seq.pages:
+                entry = (list(seq.pages), np.array(seq.pages, dtype=np.int64))
+            entries[seq] = entry
+            arrays.append(entry[1])
+        self._entries = entries
+        return arrays
+
+
 class _DecodeRows:
     """The decode rows' inputs: a sequence's row at `position` attends to slots [0, position]. A decode
     with drafts has a row for its last token and one for each draft, at consecutive positions, all reading
     its page table (each row sees the K/V the rows before it write in the same layer). With `page_tables`
     the rows keep their page table (`table`) and no slot table is built (`slots` is None)."""
 
-    def __init__(self, batch: ScheduledBatch, page_size: int, page_tables: bool = False) -> None:
+    def __init__(self, batch: ScheduledBatch, page_size: int, page_tables: bool, page_arrays: PageArrays) -> None:
         num_decode = batch.num_decode
         seqs, starts = batch.seqs[:num_decode], batch.positions[:num_decode]
         counts = batch.num_new_tokens[:num_decode]
@@ -88,8 +112,8 @@ class _DecodeRows:
         max_ctx = int(self.ctx_lens.max())
         width = -(-max_ctx // page_size)  # pages that cover the longest context
         table = np.zeros((num_decode, width), dtype=np.int64)  # padded with page 0 (masked out)
-        for index, seq in enumerate(seqs):
-            pages = seq.pages[:width]
+        for index, pages in enumerate(page_arrays.of(seqs)):
+            pages = pages[:width]
             table[index, : len(pages)] = pages
         if seq_of_row is not None:
             table = table[seq_of_row]
@@ -109,13 +133,15 @@ class _DecodeRows:
                               for token in (first, *drafts)]
 
 
-def build_forward_batch(batch: ScheduledBatch, page_size: int, page_tables: bool = False) -> ForwardBatch:
+def build_forward_batch(batch: ScheduledBatch, page_size: int, page_tables: bool = False,
+                        page_arrays: PageArrays | None = None) -> ForwardBatch:
     """The step's inputs; a decode whose token is pending gets 0 as its id (see `pending_inputs`).
 
     page_tables: the contexts as page tables (`ForwardBatch.pages`), for a model whose attention kernel
-    reads them; otherwise as slot tables."""
+    reads them; otherwise as slot tables. page_arrays: the decodes' page arrays kept from the step before
+    (built afresh without it)."""
     num_decode = batch.num_decode
-    decode = _DecodeRows(batch, page_size, page_tables) if num_decode else None
+    decode = _DecodeRows(batch, page_size, page_tables, page_arrays or PageArrays()) if num_decode else None
     input_ids: list[int] = decode.input_ids if decode else []
     positions: list[np.ndarray] = [decode.positions] if decode else []
     slot_mapping: list[np.ndarray] = [decode.slot_mapping] if decode else []

@@ -14,7 +14,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from mili_openai.config import EngineConfig
-from mili_openai.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from mili_openai.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher, TokenDecoder
 from mili_openai.engine.kv_pages import KVPageManager, pages_for
 from mili_openai.engine.outputs import (
     EngineObserver,
@@ -115,6 +115,8 @@ class EngineCore:
         self.generation_tokens_total = 0
         self.spec_decode = SpeculationCounts()
         self.grammars = GrammarCompiler(tokenizer, self.vocab_size)
+        # by skip_special_tokens; used on the thread that owns the engine state
+        self.decoders = {skip: TokenDecoder(tokenizer, skip) for skip in (True, False)}
 
     @classmethod
     def from_config(cls, config: EngineConfig, observer: EngineObserver | None = None) -> EngineCore:
@@ -161,7 +163,8 @@ class EngineCore:
             params=params,
             max_tokens=max_tokens,
             arrival_time=arrival_time,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, params.skip_special_tokens),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, prompt, params.skip_special_tokens,
+                                               self.decoders[params.skip_special_tokens]),
             stop_matcher=StopStringMatcher(params.stop) if params.stop else None,
             generator=Sampler.make_generator(params.seed, self.runner.device) if params.seed is not None else None,
             grammar=self.grammars.matcher(params.structured_outputs) if params.structured_outputs else None,
@@ -214,7 +217,10 @@ class EngineCore:
         scored = output.prompt_logprobs or {}
         for index, (seq, samples) in enumerate(zip(batch.seqs, batch.samples)):
             drafts = batch.drafts(index)
-            tokens = [next(sampled) for _ in range(1 + len(drafts))] if samples else []
+            if not samples:
+                tokens = []
+            else:
+                tokens = [next(sampled) for _ in range(1 + len(drafts))] if drafts else [next(sampled)]
             if seq.is_finished:  # aborted while the forward ran, or finished by the step before
                 continue
             if index in scored and seq.prompt_logprobs is not None:

@@ -52,9 +52,30 @@ def fast_decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], 
     return partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
 
 
-class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
+class TokenDecoder:
+    """ids -> text as `fast_decoder` gives it, keeping each single token's text. Once a stream is under way
+    the detokeniser's context window is the one token it emitted last, so one of its two decodes per token
+    is of one token: shared by every sequence of an engine, that becomes a dictionary lookup (at most one
+    entry per vocabulary token). Not thread-safe: one per thread that detokenises."""
+
+    def __init__(self, tokenizer, skip_special_tokens: bool) -> None:
         self._decode = fast_decoder(tokenizer, skip_special_tokens)
+        self._single_token_texts: dict[int, str] = {}
+
+    def __call__(self, ids: list[int]) -> str:
+        if len(ids) != 1:
+            return self._decode(ids)
+        text = self._single_token_texts.get(ids[0])
+        if text is None:
+            text = self._single_token_texts[ids[0]] = self._decode(ids)
+        return text
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True,
+                 decoder: TokenDecoder | None = None) -> None:
+        """decoder: a `TokenDecoder` of `tokenizer` at `skip_special_tokens`, to share with other sequences."""
+        self._decode = decoder if decoder is not None else TokenDecoder(tokenizer, skip_special_tokens)
         context = list(prompt_token_ids[-INITIAL_CONTEXT_TOKENS:])
         self._num_context = len(context)
         self._ids = context  # context tokens followed by the output tokens

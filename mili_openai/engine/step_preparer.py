@@ -10,7 +10,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mili_openai.engine.batch_builder import PromptScoring, build_forward_batch, pending_inputs, prompt_scorings
+from mili_openai.engine.batch_builder import (
+    PageArrays,
+    PromptScoring,
+    build_forward_batch,
+    pending_inputs,
+    prompt_scorings,
+)
 from mili_openai.engine.sampler import SamplerOutput, SamplingRow
 from mili_openai.engine.scheduled_batch import ScheduledBatch
 from mili_openai.engine.sequence import Sequence
@@ -42,6 +48,7 @@ class StepPreparer:
         self.page_size = page_size
         self.page_tables = page_tables
         self.rotary_table = rotary_table  # grown and read on the loop thread only
+        self.page_arrays = PageArrays()  # likewise
         # token ids sampled by the last step that ran; None after a failed step (the one after it, which
         # may feed on them, fails too)
         self._last_sampled: list[int] | None = []
@@ -75,7 +82,7 @@ class StepPreparer:
                 draft_history = [*history, *drafts[:count]] if seq.params.reads_output_history else history
                 rows.append(SamplingRow(params=seq.params, generator=seq.generator,
                                         prompt_token_ids=seq.prompt_token_ids, output_token_ids=draft_history))
-        forward_batch = build_forward_batch(batch, self.page_size, self.page_tables)
+        forward_batch = build_forward_batch(batch, self.page_size, self.page_tables, self.page_arrays)
         staged = None
         if self.device.type == "cpu":
             # here rather than in the forward: see `_feed_pending_tokens`
