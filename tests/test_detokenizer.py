@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from mili_openai.engine.detokenizer import MAX_HELD_TOKENS, REPLACEMENT_CHAR, IncrementalDetokenizer, fast_decoder
+from mili_openai.engine.detokenizer import (
+    MAX_HELD_TOKENS,
+    REPLACEMENT_CHAR,
+    IncrementalDetokenizer,
+    TokenDecoder,
+    fast_decoder,
+)
 
 TEXTS = {
     "english": "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -165,3 +171,23 @@ def test_the_fast_decoder_gives_the_tokenizers_own_text(tokenizer, skip_special_
         ids = [rng.choice(special) if rng.random() < 0.1 else rng.randrange(len(tokenizer) - 300)
                for _ in range(RANDOM_SEQUENCE_LENGTH)]
         assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_a_shared_token_decoder_streams_the_same_pieces(tokenizer, byte_token_ids, skip_special_tokens):
+    """Sequences sharing one `TokenDecoder` (its single-token texts cached, special tokens and lone bytes of
+    broken characters among them) stream the very pieces each gets with a decoder of its own."""
+    rng = random.Random(11)
+    special = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>", "<think>", "<|endoftext|>"])
+    decoder = TokenDecoder(tokenizer, skip_special_tokens)
+    prompt = tokenizer.encode(CHAT_PROMPT)
+    outputs = [tokenizer.encode(text) for text in TEXTS.values()]
+    outputs += [[rng.choice(special + byte_token_ids) if rng.random() < 0.3 else rng.randrange(len(tokenizer) - 300)
+                 for _ in range(RANDOM_SEQUENCE_LENGTH)] for _ in range(NUM_RANDOM_SEQUENCES)]
+    for output in outputs + outputs:  # twice: the second pass reads the texts the first one cached
+        shared = IncrementalDetokenizer(tokenizer, prompt, skip_special_tokens, decoder)
+        shared_pieces = [shared.append([token_id]) for token_id in output] + [shared.flush()]
+        own_pieces, _ = stream(tokenizer, prompt, output, skip_special_tokens)
+        assert shared_pieces == own_pieces
+    for token_id in special + byte_token_ids[:40]:
+        assert decoder([token_id]) == tokenizer.decode([token_id], skip_special_tokens=skip_special_tokens)

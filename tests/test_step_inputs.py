@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from mili_openai.engine.batch_builder import build_forward_batch
+from mili_openai.engine.batch_builder import PageArrays, build_forward_batch
 from mili_openai.engine.sampling_params import SamplingParams
 from mili_openai.engine.scheduled_batch import ScheduledBatch
 from mili_openai.engine.sequence import Sequence
@@ -56,6 +56,27 @@ def test_page_tables_address_the_same_slots_as_slot_tables():
     for row, segment in enumerate(slots.prefills):
         ctx = int(pages.prefill_ctx_lens[row])
         assert torch.equal(context_slots(pages.prefill[row], PAGE_SIZE, ctx), segment.context_slots)
+
+
+def test_page_arrays_kept_across_steps_follow_every_change_of_a_page_list():
+    """Steps built with one `PageArrays` address the slots fresh ones do, as a decode gains a page, another
+    is preempted and comes back with other pages of the same count, and one leaves the batch and returns."""
+    page_arrays = PageArrays()
+    first, second = sequence("first", 8, [7, 2]), sequence("second", 6, [5, 0])
+    page_lists = [([7, 2], [5, 0]), ([7, 2, 11], [5, 0]), ([7, 2, 11], [3, 1]), ([7, 2, 11, 4], [3, 1])]
+    for step, (first_pages, second_pages) in enumerate(page_lists):
+        first.pages, second.pages = first_pages, second_pages
+        seqs = [first, second] if step != 2 else [second]  # first sits out a step
+        positions = [4 * len(seq.pages) - 1 for seq in seqs]
+        batch = ScheduledBatch(seqs=seqs, num_new_tokens=[1] * len(seqs), positions=positions,
+                               num_decode=len(seqs), samples=[True] * len(seqs), draft_tokens=[[] for _ in seqs])
+        for page_tables in (False, True):
+            kept = build_forward_batch(batch, PAGE_SIZE, page_tables, page_arrays)
+            fresh = build_forward_batch(batch, PAGE_SIZE, page_tables)
+            pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+            collect(kept, fresh, pairs)
+            assert pairs and all(torch.equal(got, want) for got, want in pairs)
+        first.pages = list(first.pages)  # a new list object with the same pages: still served right
 
 
 def test_staged_inputs_are_views_of_one_buffer_with_the_same_values():

@@ -151,7 +151,8 @@ class RotaryTable:
         """positions (T,) int64 on CPU, none above `max_position` -> (cos, signed_sin), (T, 1, D) each."""
         if self._cos is None or max_position >= self._cos.shape[0]:
             self._grow(max_position + 1)
-        return self._cos[positions], self._sin[positions]
+        # index_select: the same rows as indexing by `positions`, through a leaner path on the loop thread
+        return self._cos.index_select(0, positions), self._sin.index_select(0, positions)
 
     def _grow(self, needed: int) -> None:
         size = max(needed, 2 * (0 if self._cos is None else self._cos.shape[0]), self.BLOCK_POSITIONS)
