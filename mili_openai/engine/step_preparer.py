@@ -49,6 +49,7 @@ class StepPreparer:
         self.page_tables = page_tables
         self.rotary_table = rotary_table  # grown and read on the loop thread only
         self.page_arrays = PageArrays()  # likewise
+        self._own_rows: dict[Sequence, SamplingRow] = {}  # likewise (see `prepare`)
         # token ids sampled by the last step that ran; None after a failed step (the one after it, which
         # may feed on them, fails too)
         self._last_sampled: list[int] | None = []
@@ -62,6 +63,9 @@ class StepPreparer:
         pending_rows, pending_sources = pending_inputs(batch, sample_index) if sample_index else ([], [])
         pending_source_of = dict(zip(pending_rows, pending_sources))
         rows, pending_histories = [], []
+        # a row reading the sequence's own output list is the same every step: kept for the sequences
+        # sampled in the step before, rather than built anew for every sequence of every step
+        previous_rows, own_rows = self._own_rows, {}
         for index, seq in enumerate(batch.seqs):
             if not batch.samples[index]:
                 continue
@@ -72,9 +76,16 @@ class StepPreparer:
                 # postprocessed, which may be before or after this step samples.
                 history = list(history)
                 pending_histories.append((history, source))
-            rows.append(SamplingRow(params=seq.params, generator=seq.generator,
-                                    prompt_token_ids=seq.prompt_token_ids, output_token_ids=history,
-                                    grammar=seq.grammar))
+                row = SamplingRow(params=seq.params, generator=seq.generator,
+                                  prompt_token_ids=seq.prompt_token_ids, output_token_ids=history, grammar=seq.grammar)
+            else:
+                row = previous_rows.get(seq)
+                if row is None:
+                    row = SamplingRow(params=seq.params, generator=seq.generator,
+                                      prompt_token_ids=seq.prompt_token_ids, output_token_ids=history,
+                                      grammar=seq.grammar)
+                own_rows[seq] = row
+            rows.append(row)
             drafts = batch.drafts(index)
             for count in range(1, len(drafts) + 1):
                 # the row after the count-th draft: its sample counts only if the drafts before it are
@@ -82,6 +93,7 @@ class StepPreparer:
                 draft_history = [*history, *drafts[:count]] if seq.params.reads_output_history else history
                 rows.append(SamplingRow(params=seq.params, generator=seq.generator,
                                         prompt_token_ids=seq.prompt_token_ids, output_token_ids=draft_history))
+        self._own_rows = own_rows
         forward_batch = build_forward_batch(batch, self.page_size, self.page_tables, self.page_arrays)
         staged = None
         if self.device.type == "cpu":
