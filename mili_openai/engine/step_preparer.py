@@ -76,14 +76,13 @@ class StepPreparer:
                 # postprocessed, which may be before or after this step samples.
                 history = list(history)
                 pending_histories.append((history, source))
-                row = SamplingRow(params=seq.params, generator=seq.generator,
-                                  prompt_token_ids=seq.prompt_token_ids, output_token_ids=history, grammar=seq.grammar)
+                row = None
             else:
                 row = previous_rows.get(seq)
-                if row is None:
-                    row = SamplingRow(params=seq.params, generator=seq.generator,
-                                      prompt_token_ids=seq.prompt_token_ids, output_token_ids=history,
-                                      grammar=seq.grammar)
+            if row is None:
+                row = SamplingRow(params=seq.params, generator=seq.generator,
+                                  prompt_token_ids=seq.prompt_token_ids, output_token_ids=history, grammar=seq.grammar)
+            if history is seq.output_token_ids:
                 own_rows[seq] = row
             rows.append(row)
             drafts = batch.drafts(index)
