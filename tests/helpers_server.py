@@ -25,17 +25,20 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 import uvicorn
 
 from fake_engine import FakeEngine
 
+from mili_openai.bench.server_process import ServerProcess, ServerSpec, free_port
 from mili_openai.config import EngineConfig, ServerConfig
 
 SERVER_START_TIMEOUT_S = 30.0
@@ -182,6 +185,20 @@ def check_greedy_completions_match_offline(client: Any, model: str, checkpoint: 
             for choice in chunk.choices:
                 texts[choice.index] += choice.text
         assert texts == [text] * n
+
+
+def mili_serve_process(name: str, checkpoint: Path, log_path: Path, *flags: str) -> ServerProcess:
+    """`mili serve CHECKPOINT FLAGS` as a child process on a free port, not started yet (a context manager:
+    started, then stopped)."""
+    port = free_port()
+    spec = ServerSpec(name=name, base_url=f"http://127.0.0.1:{port}",
+                      argv=(sys.executable, "-m", "mili_openai", "serve", str(checkpoint), "--port", str(port), *flags))
+    return ServerProcess(spec, log_path)
+
+
+def sdk_client(api_base: str) -> openai.OpenAI:
+    """The real `openai` SDK against a test server: no retries, so a failure shows as it is."""
+    return openai.OpenAI(base_url=api_base, api_key="unused", max_retries=0, timeout=60)
 
 
 def sse_data(text: str) -> list[str]:

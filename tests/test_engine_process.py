@@ -16,7 +16,6 @@ import os
 import re
 import signal
 import socket
-import sys
 import threading
 from collections.abc import Iterator
 
@@ -29,14 +28,16 @@ from helpers_server import (  # noqa: F401
     REAL_ENGINE_CONFIG,
     REAL_SERVE_FLAGS,
     check_greedy_completions_match_offline,
+    mili_serve_process,
     qwen_tokenizer,
     real_engine,
     real_server,
+    sdk_client,
     sse_data,
     wait_until,
 )
 from mili_openai import SamplingParams, cli
-from mili_openai.bench.server_process import ServerProcess, ServerSpec, free_port
+from mili_openai.bench.server_process import ServerProcess
 from mili_openai.engine.outputs import SequenceDelta
 from mili_openai.engine.process_messages import (
     FRAME_HEADER,
@@ -68,11 +69,7 @@ READY_LINE = re.compile(r"engine process \(pid (\d+)\) loaded")
 
 def engine_process_server(checkpoint, log_path, *flags: str) -> ServerProcess:
     """`mili serve --engine-process`, not started yet (a context manager: started, then stopped)."""
-    port = free_port()
-    spec = ServerSpec(name="mili-engine-process", base_url=f"http://127.0.0.1:{port}",
-                      argv=(sys.executable, "-m", "mili_openai", "serve", str(checkpoint), "--port", str(port),
-                            *SERVE_FLAGS, *flags))
-    return ServerProcess(spec, log_path)
+    return mili_serve_process("mili-engine-process", checkpoint, log_path, *SERVE_FLAGS, *flags)
 
 
 def engine_pid(server: ServerProcess) -> int:
@@ -95,7 +92,7 @@ def api_base(ep_server) -> str:
 
 @pytest.fixture(scope="module")
 def client(api_base) -> openai.OpenAI:
-    return openai.OpenAI(base_url=api_base, api_key="unused", max_retries=0, timeout=60)
+    return sdk_client(api_base)
 
 
 def test_greedy_completions_match_the_in_process_engine(client, tiny_checkpoint):
@@ -103,7 +100,7 @@ def test_greedy_completions_match_the_in_process_engine(client, tiny_checkpoint)
 
 
 def test_greedy_chat_matches_the_in_process_server(client, real_server):  # noqa: F811
-    in_process = openai.OpenAI(base_url=real_server.api_base, api_key="unused", max_retries=0, timeout=60)
+    in_process = sdk_client(real_server.api_base)
     for messages in (HELLO, [{"role": "user", "content": "Count to five, slowly."}]):
         want = in_process.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=10)
         got = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=10)

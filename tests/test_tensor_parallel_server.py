@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import sys
 from collections.abc import Iterator
 
 import httpx
@@ -19,10 +18,12 @@ import pytest
 from helpers_server import (  # noqa: F401
     REAL_SERVE_FLAGS,
     check_greedy_completions_match_offline,
+    mili_serve_process,
     qwen_tokenizer,
+    sdk_client,
     sse_data,
 )
-from mili_openai.bench.server_process import ServerProcess, ServerSpec, free_port
+from mili_openai.bench.server_process import ServerProcess
 from test_chat_server import (  # noqa: F401  (collected here too: run against the tensor-parallel server)
     MODEL,
     test_async_client_streams_and_answers,
@@ -44,11 +45,7 @@ READY_LINE = re.compile(r"tensor-parallel rank (\d+) of \d+ ready \(pid (\d+)\)"
 
 def tp_server_process(checkpoint, log_path) -> ServerProcess:
     """`mili serve` with two ranks, not started yet (a context manager: started, then stopped)."""
-    port = free_port()
-    spec = ServerSpec(name="mili-tp", base_url=f"http://127.0.0.1:{port}",
-                      argv=(sys.executable, "-m", "mili_openai", "serve", str(checkpoint), "--port", str(port),
-                            *SERVE_FLAGS))
-    return ServerProcess(spec, log_path)
+    return mili_serve_process("mili-tp", checkpoint, log_path, *SERVE_FLAGS)
 
 
 def worker_pids(server: ServerProcess) -> dict[int, int]:
@@ -70,7 +67,7 @@ def api_base(tp_server) -> str:
 
 @pytest.fixture(scope="module")
 def client(api_base) -> openai.OpenAI:
-    return openai.OpenAI(base_url=api_base, api_key="unused", max_retries=0, timeout=60)
+    return sdk_client(api_base)
 
 
 def test_greedy_completions_match_one_rank(client, tiny_checkpoint):
