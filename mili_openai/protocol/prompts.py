@@ -21,9 +21,10 @@ import jinja2
 from mili_openai.protocol.chat import ChatCompletionRequest, ChatMessage
 from mili_openai.protocol.errors import APIError
 
-# Texts longer than this are tokenised on a worker thread: a megabyte of text takes long enough to
-# stall every other stream if done on the event loop. Shorter ones are cheaper inline than a hop.
-INLINE_TOKENIZE_CHARS = 16_384
+# Texts longer than this are tokenised on a worker thread: the tokenizer releases the GIL, so the event
+# loop streams meanwhile and concurrent prompts tokenise on several cores. Shorter ones are cheaper inline
+# than the hop.
+INLINE_TOKENIZE_CHARS = 2_048
 # The rendered prompt's last assistant turn starts after this; what follows it (an opened `<think>`,
 # an empty thinking block, a prefill) is the state the output continues from.
 ASSISTANT_TURN_START = "<|im_start|>assistant\n"
