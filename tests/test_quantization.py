@@ -8,9 +8,17 @@ import torch
 
 from mili_openai.cli import build_parser, config_from_args
 from mili_openai.config import EngineConfig
+from mili_openai.kernels.fp8 import (
+    WEIGHT_ONLY_MAX_ROWS,
+    Fp8Weights,
+    dequantize_fp8,
+    per_row_weights,
+    quantize_rows_fp8,
+    uses_weight_only,
+)
 from mili_openai.kernels.quantized import PackedWeights, dequantize, pack_int4, reference_linear, unpack_int4
 from mili_openai.model.quantization.dynamic import FP8_MAX, quantize_fp8, quantize_int4, quantize_int8
-from mili_openai.model.quantization.modules import Fp8Linear, QuantizedLinear, quantize_rows_fp8
+from mili_openai.model.quantization.modules import Fp8Linear, QuantizedLinear
 from mili_openai.model.quantization.spec import (
     CheckpointQuantization,
     check_quantization,
@@ -72,18 +80,47 @@ def test_fp8_round_trip_is_within_e4m3s_step():
     assert bool(((back - w).abs() <= torch.maximum(w.abs() * FP8_RELATIVE_STEP / 2, smallest_normal)).all())
 
 
-def test_fp8_linear_emulates_per_token_activation_quantization():
-    """The CPU path of Fp8Linear is the reference the CUDA path (_scaled_mm) is held to: x quantized per row
-    to e4m3, times the e4m3 weights, both scales applied in float32."""
-    w, x = weights(), torch.randn(5, 256)
-    layer = Fp8Linear(*quantize_fp8(w))
+def test_fp8_linear_takes_the_weight_only_path_for_decode_batches():
+    """Up to WEIGHT_ONLY_MAX_ROWS rows (and for float32 x, or block scales, at any size): the matmul on the
+    dequantized weights, x unquantized; the reference the Triton weight-only kernel is held to."""
+    w = weights()
+    layer = Fp8Linear(per_row_weights(*quantize_fp8(w)))
+    dequantized = dequantize_fp8(layer.fp8)
+    for x in (torch.randn(5, 256), torch.randn(WEIGHT_ONLY_MAX_ROWS + 3, 256)):  # float32: always weight-only
+        torch.testing.assert_close(layer(x), x @ dequantized.T)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    assert torch.equal(layer(x), (x.float() @ dequantized.T).bfloat16())
+
+
+def test_fp8_linear_quantizes_activations_per_token_for_prefill_chunks():
+    """Past WEIGHT_ONLY_MAX_ROWS rows of bf16 x with row scales: x quantized per row to e4m3, times the e4m3
+    weights, both scales in float32 (the emulation of torch._scaled_mm, which the CUDA test holds it to)."""
+    w, x = weights(), torch.randn(WEIGHT_ONLY_MAX_ROWS + 1, 256).bfloat16()
+    layer = Fp8Linear(per_row_weights(*quantize_fp8(w)))
     q, x_scale = quantize_rows_fp8(x)
-    assert float((q.float() * x_scale).abs().max()) <= float(x.abs().max()) * (1 + FP8_RELATIVE_STEP)
-    want = (q.float() * x_scale) @ (layer.weight.float() * layer.weight_scale[:, None]).T
-    torch.testing.assert_close(layer(x), want)
-    # against the unquantized product: within what e4m3 on both sides allows
-    exact = x @ w.T
-    assert float((layer(x) - exact).abs().max()) < 4 * FP8_RELATIVE_STEP * float(exact.abs().max())
+    assert float((q.float() * x_scale).abs().max()) <= float(x.float().abs().max()) * (1 + FP8_RELATIVE_STEP)
+    want = ((q.float() * x_scale) @ dequantize_fp8(layer.fp8).T).bfloat16()
+    torch.testing.assert_close(layer(x), want, rtol=0, atol=0)
+    exact = x.float() @ w.T  # against the unquantized product: within what e4m3 on both sides allows
+    assert float((layer(x).float() - exact).abs().max()) < 4 * FP8_RELATIVE_STEP * float(exact.abs().max())
+
+
+def test_fp8_path_switch_is_by_rows_dtype_and_scales():
+    rows = per_row_weights(*quantize_fp8(weights()))
+    blocks = Fp8Weights(rows.weight, torch.ones(1, 2), (128, 128))
+    assert uses_weight_only(WEIGHT_ONLY_MAX_ROWS, torch.bfloat16, rows)
+    assert not uses_weight_only(WEIGHT_ONLY_MAX_ROWS + 1, torch.bfloat16, rows)
+    assert not uses_weight_only(WEIGHT_ONLY_MAX_ROWS + 1, torch.float16, rows)
+    assert uses_weight_only(WEIGHT_ONLY_MAX_ROWS + 1, torch.float32, rows)
+    assert uses_weight_only(WEIGHT_ONLY_MAX_ROWS + 1, torch.bfloat16, blocks)
+
+
+def test_fp8_block_scales_dequantize_per_block():
+    q = torch.randn(200, 300).to(torch.float8_e4m3fn)
+    scales = torch.arange(1, 7, dtype=torch.float32).view(2, 3)
+    got = dequantize_fp8(Fp8Weights(q, scales, (128, 128)))
+    assert torch.equal(got[127, 255], q[127, 255].float() * 2) and torch.equal(got[128, 256], q[128, 256].float() * 6)
+    assert torch.equal(got[199, 0], q[199, 0].float() * 4)
 
 
 def test_quantized_linear_reference_is_the_dequantized_matmul():

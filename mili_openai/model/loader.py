@@ -18,6 +18,7 @@ from mili_openai.distributed import TensorParallelGroup
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.huge_pages import move_parameters_to_huge_pages
 from mili_openai.model.quantization.apply import load_checkpoint_quantization, quantize_model
+from mili_openai.model.quantization.modules import Fp8Linear
 from mili_openai.model.quantization.spec import (
     DEFAULT_INT4_GROUP_SIZE,
     check_quantization,
@@ -234,6 +235,7 @@ def _residual_norm_compiles(kernel, model: Qwen3ForCausalLM) -> bool:
 def _use_cuda_kernels(model: Qwen3ForCausalLM) -> None:
     """RMSNorm (with the residual add before it), q/k norm + RoPE, SwiGLU's activation and int8/int4
     projections through the Triton kernels, where Triton is there (else the torch forms)."""
+    from mili_openai.kernels.triton_fp8 import triton_fp8_linear
     from mili_openai.kernels.triton_fused_ops import TritonFusedOps
     from mili_openai.kernels.triton_quantized import triton_quantized_linear
 
@@ -243,3 +245,21 @@ def _use_cuda_kernels(model: Qwen3ForCausalLM) -> None:
         model.set_residual_norm_kernel(TritonFusedOps())
     if triton_quantized_linear is not None:
         model.set_quantized_matmul(triton_quantized_linear)
+    fp8 = next((module for module in model.modules() if isinstance(module, Fp8Linear)), None)
+    if fp8 is not None and triton_fp8_linear is not None and _fp8_kernels_compile(fp8, model.dtype):
+        model.set_fp8_matmul(triton_fp8_linear)
+
+
+def _fp8_kernels_compile(layer: Fp8Linear, dtype: torch.dtype) -> bool:
+    """As `_fused_ops_compile`, for the fp8 kernels (both of them, on one row of the layer's shapes): a Triton
+    or GPU without them leaves the torch paths."""
+    from mili_openai.kernels.triton_fp8 import quantize_rows, triton_fp8_linear
+
+    row = torch.zeros(1, layer.weight.shape[1], dtype=dtype, device=layer.weight.device)
+    try:
+        triton_fp8_linear(row, layer.fp8)
+        quantize_rows(row)
+    except Exception as exc:  # noqa: BLE001 -- as in _fused_ops_compile
+        logger.warning("the Triton fp8 kernels do not build here (%s): fp8 projections run through torch", exc)
+        return False
+    return True

@@ -29,7 +29,13 @@ from mili_openai.model.kv_cache import KVCache
 from mili_openai.model.layers import FusedOpKernel, Linear, MatmulFn, ResidualNormKernel, RMSNorm, SwiGLUMLP
 from mili_openai.model.moe import ExpertsKernel, GroupedExperts, SparseMoeBlock, SparseMoeKernel
 from mili_openai.model.paged_attention import AttentionKernel, PagedAttentionKernel
-from mili_openai.model.quantization.modules import QuantizedEmbedding, QuantizedLinear, QuantizedMatmulFn
+from mili_openai.model.quantization.modules import (
+    Fp8Linear,
+    Fp8MatmulFn,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    QuantizedMatmulFn,
+)
 from mili_openai.model.rope import RotaryEmbedding, RotaryTable
 from mili_openai.model.tensor_parallel import VocabParallelEmbedding, shard_config
 
@@ -247,4 +253,10 @@ class Qwen3ForCausalLM(nn.Module):
         """Route every quantized projection (int8, int4) through `matmul` (e.g. the CPU kernels)."""
         for module in self.modules():
             if isinstance(module, QuantizedLinear):
+                module.matmul = matmul
+
+    def set_fp8_matmul(self, matmul: Fp8MatmulFn) -> None:
+        """Route every fp8 projection through `matmul` (e.g. the Triton kernels)."""
+        for module in self.modules():
+            if isinstance(module, Fp8Linear):
                 module.matmul = matmul

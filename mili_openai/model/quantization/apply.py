@@ -19,13 +19,8 @@ from mili_openai.model.config import ModelConfig
 from mili_openai.model.qwen3 import Qwen3ForCausalLM
 from mili_openai.model.quantization.dynamic import quantize_fp8, quantize_int4, quantize_int8
 from mili_openai.model.quantization.formats import pack_rows, read_awq, read_fp8, read_gptq
-from mili_openai.model.quantization.modules import (
-    Fp8BlockLinear,
-    Fp8Linear,
-    QuantizedEmbedding,
-    QuantizedLinear,
-    dequantize_fp8_blocks,
-)
+from mili_openai.kernels.fp8 import Fp8Weights, dequantize_fp8, per_row_weights
+from mili_openai.model.quantization.modules import Fp8Linear, QuantizedEmbedding, QuantizedLinear
 from mili_openai.model.quantization.spec import CheckpointQuantization
 from mili_openai.model.weights import FUSED_PARTS, LAYER_PREFIX, CheckpointError
 
@@ -54,7 +49,8 @@ def quantize_model(model: Qwen3ForCausalLM, method: str, group_size: int, lm_hea
             dense = getattr(parent, attribute).weight.detach()
             setattr(parent, attribute, _quantized(dense, method, group_size))
     if method == "fp8":
-        return "fp8 (e4m3 weights with a scale per row, activations per token; LM head unquantized)"
+        return ("fp8 (e4m3 weights with a scale per row: weight-only for decode batches, activations per token for "
+                "prefill; LM head unquantized)")
     tied = model.lm_head is None
     head = model.model.embed_tokens.weight if tied else model.lm_head.weight
     model.lm_head = _quantized(head.detach(), lm_head, group_size)
@@ -71,7 +67,7 @@ def _quantized(dense: torch.Tensor, method: str, group_size: int) -> nn.Module:
         return QuantizedLinear(quantize_int8(dense))
     if method == "int4":
         return QuantizedLinear(quantize_int4(dense, group_size))
-    return Fp8Linear(*quantize_fp8(dense))
+    return Fp8Linear(per_row_weights(*quantize_fp8(dense)))
 
 
 def load_checkpoint_quantization(model: Qwen3ForCausalLM, tensors: dict[str, torch.Tensor],
@@ -95,7 +91,7 @@ def load_checkpoint_quantization(model: Qwen3ForCausalLM, tensors: dict[str, tor
             module = _fp8_module(parts, quant, device)
             if module is None:  # dense: dequantized here, fused by the dense load
                 for prefix, (weight, scale_inv) in zip(prefixes, parts):
-                    tensors[f"{prefix}.weight"] = dequantize_fp8_blocks(weight, scale_inv, quant.block).to(dtype)
+                    tensors[f"{prefix}.weight"] = dequantize_fp8(Fp8Weights(weight, scale_inv, quant.block)).to(dtype)
                 dense_fp8 += 1
                 continue
         else:
@@ -116,7 +112,7 @@ def _fp8_module(parts: list[tuple[torch.Tensor, torch.Tensor]], quant: Checkpoin
     rows = quant.block[0]
     if device.type != "cuda" or any(weight.shape[0] % rows for weight, _ in parts[:-1]):
         return None
-    return Fp8BlockLinear(torch.cat([w for w, _ in parts]), torch.cat([s for _, s in parts]), quant.block)
+    return Fp8Linear(Fp8Weights(torch.cat([w for w, _ in parts]), torch.cat([s for _, s in parts]), quant.block))
 
 
 def _projections(config: ModelConfig) -> list[tuple[str, list[str]]]:

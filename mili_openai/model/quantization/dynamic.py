@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
+from mili_openai.kernels.fp8 import FP8_MAX
 from mili_openai.kernels.quantized import PackedWeights, pack_int4
 
 INT8_MAX = 127
 INT4_MAX_LEVEL = 15
 FLOAT16_MAX = float(torch.finfo(torch.float16).max)
-FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 
 
 def _nonzero(scale: torch.Tensor) -> torch.Tensor:

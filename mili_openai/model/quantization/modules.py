@@ -7,15 +7,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from mili_openai.kernels.fp8 import Fp8Weights, torch_fp8_linear
 from mili_openai.kernels.quantized import PackedWeights, dequantize, reference_linear
-from mili_openai.model.quantization.dynamic import FP8_MAX
 
 # (x (..., K), packed weight) -> (..., N): the CPU kernels, Triton on CUDA, or the torch reference
 QuantizedMatmulFn = Callable[[torch.Tensor, PackedWeights], torch.Tensor]
-FP8_MIN_SCALE = 1e-12  # a row of zeros still divides by something
+Fp8MatmulFn = Callable[[torch.Tensor, Fp8Weights], torch.Tensor]  # the same, for fp8 weights
 
 
 def frozen(tensor: torch.Tensor) -> nn.Parameter:
@@ -75,57 +74,27 @@ class QuantizedEmbedding(nn.Module):
         return dequantize(rows, self.dtype).view(*input_ids.shape, -1)
 
 
-def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-token activation quantization: x (M, K) -> (e4m3 (M, K), float32 scales (M, 1))."""
-    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp_(min=FP8_MIN_SCALE) / FP8_MAX
-    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
-
-
 class Fp8Linear(nn.Module):
-    """W8A8 fp8 (`--quantization fp8`, CUDA): e4m3 weights with a scale per output row, activations
-    quantized per token at each call, one torch._scaled_mm (Hopper and later). Elsewhere the same
-    quantization is emulated in float32: that is the reference the CUDA path is tested against."""
+    """fp8 e4m3 weights (the layout of mili_openai.kernels.fp8): `--quantization fp8` (a scale per output row)
+    or a fine-grained FP8 checkpoint's projection on CUDA (128x128 blocks), kept in fp8, half the bytes of bf16.
+    `matmul` runs them: weight-only for decode batches, W8A8 through torch._scaled_mm for prefill chunks
+    (`uses_weight_only`); `Qwen3ForCausalLM.set_fp8_matmul` routes every one through the Triton kernels. The
+    default is the torch form of each path (the whole weight dequantized for the weight-only one)."""
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
+    def __init__(self, weights: Fp8Weights) -> None:
         super().__init__()
-        self.weight = frozen(weight)  # (N, K) float8_e4m3fn
-        self.weight_scale = frozen(scale)  # (N,) float32
+        self.weight = frozen(weights.weight)  # (N, K) float8_e4m3fn
+        self.weight_scales = frozen(weights.scales)  # (ceil(N / rows), ceil(K / columns)) float32
+        self.block = weights.block
+        self.matmul: Fp8MatmulFn = torch_fp8_linear
+
+    @property
+    def fp8(self) -> Fp8Weights:
+        return Fp8Weights(self.weight, self.weight_scales, self.block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        q, x_scale = quantize_rows_fp8(flat)
-        if x.is_cuda:  # row-wise scales: bf16 out (torch's kernel takes no other), then x's dtype
-            out = torch._scaled_mm(q, self.weight.t(), scale_a=x_scale, scale_b=self.weight_scale.view(1, -1),
-                                   out_dtype=torch.bfloat16).to(x.dtype)
-        else:
-            weight = self.weight.float() * self.weight_scale[:, None]
-            out = F.linear(q.float() * x_scale, weight).to(x.dtype)
-        return out.view(*x.shape[:-1], self.weight.shape[0])
+        return self.matmul(x, self.fp8)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, fp8 e4m3 per row"
-
-
-class Fp8BlockLinear(nn.Module):
-    """A fine-grained FP8 checkpoint's projection on CUDA: e4m3 weights with one float32 scale per block,
-    kept in fp8 (half the memory of bf16) and dequantized to the activations' dtype for each matmul, so
-    results are transformers' on the dequantized weights. (On CPU the loader dequantizes once, at load.)"""
-
-    def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> None:
-        super().__init__()
-        self.weight = frozen(weight)  # (N, K) float8_e4m3fn
-        self.weight_scale_inv = frozen(scale_inv)  # (ceil(N / rows), ceil(K / columns)) float32
-        self.block = block
-
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_fp8_blocks(self.weight, self.weight_scale_inv, self.block).to(dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantize(x.dtype))
-
-
-def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """e4m3 (N, K) times its block scales -> float32 (N, K)."""
-    rows, columns = weight.shape
-    scales = scale_inv.repeat_interleave(block[0], dim=0)[:rows].repeat_interleave(block[1], dim=1)[:, :columns]
-    return weight.float() * scales
+        scales = "a scale per row" if self.fp8.per_row else f"{self.block[0]}x{self.block[1]} blocks"
+        return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}, fp8 e4m3, {scales}"
