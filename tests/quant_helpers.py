@@ -16,8 +16,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from mili_openai.kernels.fp8 import dequantize_fp8
 from mili_openai.kernels.quantized import dequantize
 from mili_openai.model.checkpoint import ModelShape
+from mili_openai.model.quantization.modules import Fp8Linear, QuantizedLinear
 
 QUANT_SHAPE = ModelShape(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=32)
@@ -141,7 +143,7 @@ def write_dequantized(model, source: Path, target: Path) -> Path:
     kv_rows = config.num_key_value_heads * config.head_dim
     for index, layer in enumerate(model.model.layers):
         prefix = f"model.layers.{index}"
-        weights = {name: dequantize(module.packed, torch.float32) for name, module in (
+        weights = {name: dequantized_weight(module) for name, module in (
             ("qkv", layer.self_attn.qkv_proj), ("o", layer.self_attn.o_proj), ("gate_up", layer.mlp.gate_up_proj),
             ("down", layer.mlp.down_proj))}
         q, k, v = weights["qkv"].split([q_rows, kv_rows, kv_rows])
@@ -150,6 +152,14 @@ def write_dequantized(model, source: Path, target: Path) -> Path:
                         f"{prefix}.self_attn.v_proj.weight": v, f"{prefix}.self_attn.o_proj.weight": weights["o"],
                         f"{prefix}.mlp.gate_proj.weight": gate, f"{prefix}.mlp.up_proj.weight": up,
                         f"{prefix}.mlp.down_proj.weight": weights["down"]})
-    head = dequantize(model.lm_head.packed, torch.float32)
-    tensors["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"] = head
+    if isinstance(model.lm_head, QuantizedLinear):  # fp8 keeps the checkpoint's head
+        head = dequantize(model.lm_head.packed, torch.float32)
+        tensors["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"] = head
     return write_checkpoint(source, target, tensors, None)
+
+
+def dequantized_weight(module) -> torch.Tensor:
+    """A quantized projection's weight in float32, on the CPU: int8/int4 packed or fp8."""
+    if isinstance(module, Fp8Linear):
+        return dequantize_fp8(module.fp8).cpu()
+    return dequantize(module.packed, torch.float32).cpu()

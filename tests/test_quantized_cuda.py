@@ -1,6 +1,8 @@
-"""Quantized weights on a CUDA device: fp8 through torch._scaled_mm against its float32 emulation, the
-int8/int4 Triton kernels against the torch reference, and quantized engines with and without CUDA graphs.
-Skipped where torch sees no GPU (fp8 matmuls also need Hopper or later)."""
+"""Quantized weights on a CUDA device: fp8's two paths (the Triton weight-only kernel against the matmul on
+the dequantized weights; the Triton activation quantization bit for bit against torch's, and _scaled_mm
+against its float32 emulation), the int8/int4 Triton kernels against the torch reference, and quantized
+engines against transformers on the dequantized weights, with and without CUDA graphs. Skipped where torch
+sees no GPU (fp8 matmuls also need Hopper or later)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,16 @@ from engine_helpers import assert_matches, hf_greedy, load_hf, random_prompts
 from quant_helpers import QUANT_SHAPE, write_dequantized
 
 from mili_openai import LLM, SamplingParams
+from mili_openai.kernels.fp8 import (
+    WEIGHT_ONLY_MAX_ROWS,
+    Fp8Weights,
+    per_row_weights,
+    quantize_rows_fp8,
+    torch_fp8_linear,
+    uses_weight_only,
+    w8a8_reference,
+    weight_only_reference,
+)
 from mili_openai.kernels.quantized import reference_linear
 from mili_openai.model import build_random_checkpoint, load_model
 from mili_openai.model.quantization.dynamic import quantize_fp8, quantize_int4, quantize_int8
@@ -18,7 +30,8 @@ from mili_openai.model.quantization.modules import Fp8Linear
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
 CUDA = torch.device("cuda")
-FP8_RTOL = 2e-2  # the same e4m3 values on both sides; sums in another order, outputs rounded to bf16
+FP8_RTOL = 2e-2  # W8A8: the same e4m3 values on both sides; sums in another order, outputs rounded to bf16
+WEIGHT_ONLY_RTOL = 2 ** -7  # the same products summed in another order: an output bf16 step apart
 HOPPER = (9, 0)
 
 
@@ -27,13 +40,42 @@ def fp8_capable() -> bool:
 
 
 @pytest.mark.skipif(not fp8_capable(), reason="fp8 matmuls need compute capability 9.0 or later")
-def test_scaled_mm_matches_its_emulation():
-    w = torch.randn(256, 512) / 16
-    layer = Fp8Linear(*quantize_fp8(w))
-    x = torch.randn(7, 512, dtype=torch.bfloat16)
-    want = layer(x.float()).float()  # on CPU: the emulation
-    got = layer.to(CUDA)(x.to(CUDA)).float().cpu()
-    torch.testing.assert_close(got, want, rtol=FP8_RTOL, atol=FP8_RTOL * float(want.abs().max()))
+@pytest.mark.parametrize("rows", [1, 8, 100, WEIGHT_ONLY_MAX_ROWS, WEIGHT_ONLY_MAX_ROWS + 1, 300])
+def test_fp8_paths_match_their_references_on_the_gpu(rows):
+    """Triton and torch forms alike: weight-only rows against the float32 matmul on the dequantized weights,
+    W8A8 rows (_scaled_mm) against its float32 emulation on the CPU."""
+    from mili_openai.kernels.triton_fp8 import triton_fp8_linear
+
+    weights = per_row_weights(*quantize_fp8(torch.randn(304, 1024) / 16))
+    on_gpu = Fp8Weights(weights.weight.to(CUDA), weights.scales.to(CUDA), weights.block)
+    x = torch.randn(rows, 1024, dtype=torch.bfloat16)
+    weight_only = uses_weight_only(rows, x.dtype, weights)
+    want = (weight_only_reference if weight_only else w8a8_reference)(x, weights).float()
+    rtol = WEIGHT_ONLY_RTOL if weight_only else FP8_RTOL
+    for matmul in (triton_fp8_linear, torch_fp8_linear):
+        got = matmul(x.to(CUDA), on_gpu).float().cpu()
+        torch.testing.assert_close(got, want, rtol=rtol, atol=rtol * float(want.abs().max()))
+
+
+@pytest.mark.skipif(not fp8_capable(), reason="Triton's e4m3 conversions need compute capability 9.0 or later")
+def test_fp8_triton_kernels_match_torch_on_the_gpu():
+    """The activation quantization bit for bit against torch's on the GPU (its hardware e4m3 conversion), and
+    the weight-only kernel with a fine-grained checkpoint's 128x128 block scales."""
+    from mili_openai.kernels.triton_fp8 import quantize_rows, triton_fp8_linear
+
+    x = torch.randn(37, 3000, device=CUDA, dtype=torch.bfloat16) * torch.logspace(-6, 2, 3000, device=CUDA)
+    x[3] = 0
+    q, scales = quantize_rows(x)
+    want_q, want_scales = quantize_rows_fp8(x)
+    assert torch.equal(scales, want_scales) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    q = (torch.randn(400, 640) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    blocks = Fp8Weights(q, torch.rand(4, 5) / 256 + 1e-4, (128, 128))
+    on_gpu = Fp8Weights(q.to(CUDA), blocks.scales.to(CUDA), blocks.block)
+    for rows in (1, 64, 300):
+        x = torch.randn(rows, 640, dtype=torch.bfloat16)
+        want = weight_only_reference(x, blocks).float()
+        got = triton_fp8_linear(x.to(CUDA), on_gpu).float().cpu()
+        torch.testing.assert_close(got, want, rtol=WEIGHT_ONLY_RTOL, atol=WEIGHT_ONLY_RTOL * float(want.abs().max()))
 
 
 def test_triton_kernels_match_the_reference_on_the_gpu():
@@ -56,6 +98,26 @@ def test_quantized_engine_on_the_gpu_matches_transformers(method, tmp_path):
     prompts = random_prompts(3, [5, 40, 130], seed=12)
     expected = [hf_greedy(hf, prompt, 8) for prompt in prompts]
     llm = LLM(str(dense), dtype="float32", device="cuda", num_pages=64, quantization=method)
+    assert_matches(llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)),
+                   expected)
+
+
+@pytest.mark.skipif(not fp8_capable(), reason="fp8 matmuls need compute capability 9.0 or later")
+def test_fp8_engine_in_float32_matches_transformers_on_the_dequantized_weights(tmp_path):
+    """float32 activations run weight-only at every size (no activation quantization): transformers' greedy
+    tokens on the dequantized weights, through prefill and decode steps replayed from CUDA graphs."""
+    from mili_openai.kernels.triton_fp8 import triton_fp8_linear
+
+    dense = build_random_checkpoint(tmp_path / "dense", QUANT_SHAPE, seed=11)
+    model, _ = load_model(dense, torch.float32, CUDA, quantization="fp8")
+    layers = [module for module in model.modules() if isinstance(module, Fp8Linear)]
+    assert len(layers) == 4 * model.config.num_hidden_layers
+    assert all(layer.matmul is triton_fp8_linear for layer in layers)
+    hf = load_hf(write_dequantized(model, dense, tmp_path / "dequantized"))
+    prompts = random_prompts(3, [5, 40, 200], seed=14)
+    expected = [hf_greedy(hf, prompt, 8) for prompt in prompts]
+    llm = LLM(str(dense), dtype="float32", device="cuda", num_pages=64, quantization="fp8")
+    assert llm.core.runner.decode_graphs is not None
     assert_matches(llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)),
                    expected)
 
