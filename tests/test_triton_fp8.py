@@ -63,11 +63,14 @@ def assert_close_to_reference(got: torch.Tensor, x: torch.Tensor, weights: Fp8We
     torch.testing.assert_close(got.float(), want.float(), rtol=step, atol=step * float(want.float().abs().max()))
 
 
-@pytest.mark.parametrize("rows", [1, 5, 17, 40])  # the decode tiles: 16, 32 and 64 rows of x
+@pytest.mark.parametrize(("rows", "n", "k"), [  # N and K off the tiles
+    (1, 72, 320), (5, 2100, 600),  # decode rows: 16- and 32-column tiles, K in tiles of 256
+    (17, 72, 320), (40, 72, 320), (130, 72, 320),  # 32-, 64- and prefill-sized row tiles
+])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_weight_only_matmul_with_row_scales(interpreter, rows, dtype):
-    weights = per_row_weights(*quantize_fp8(random_weight(72, 320, seed=rows)))  # N, K off the tiles
-    x = torch.randn(rows, 320, generator=torch.Generator().manual_seed(100 + rows)).to(dtype)
+def test_weight_only_matmul_with_row_scales(interpreter, rows, n, k, dtype):
+    weights = per_row_weights(*quantize_fp8(random_weight(n, k, seed=rows)))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(100 + rows)).to(dtype)
     assert_close_to_reference(interpreter.submit(_weight_only, x, weights).result(), x, weights)
 
 

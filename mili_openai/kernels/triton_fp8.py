@@ -33,7 +33,9 @@ try:
 except ImportError:  # no Triton: callers keep the torch paths
     triton = None
 
-DOT_SIDES = (128, 64, 32, 16)  # K tiles, largest first; tl.dot takes 16 at least
+DOT_SIDES = (256, 128, 64, 32, 16)  # K tiles, widest first
+MIN_DOT = 16  # tl.dot's smallest tile side
+NARROW_WEIGHT_ROWS = 2048  # up to this many output rows, decode takes 16-row column tiles
 QUANTIZE_BLOCK = 1024  # values of a row of x a program takes at once
 PIPELINE_STAGES = 3
 
@@ -101,22 +103,23 @@ if triton is not None:
         tl.store(s_ptr + row, scale)
 
 
-def _k_tile(weights: Fp8Weights) -> int | None:
-    """The K tile: the largest that lies inside one block of scales (None: no tile does)."""
-    columns = weights.block[1]
+def _k_tile(weights: Fp8Weights, widest: int) -> int | None:
+    """The K tile: `widest`, or the widest that lies inside one block of scales (None: no tile does)."""
     if weights.scales.shape[1] == 1:
-        return DOT_SIDES[0]
-    return next((side for side in DOT_SIDES if columns % side == 0), None)
+        return widest
+    return next((side for side in DOT_SIDES if side <= widest and weights.block[1] % side == 0), None)
 
 
-def _tiles(rows: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps): decode batches the smallest row tile tl.dot takes and narrow column
-    tiles (more programs over the weight), prefill chunks larger tiles."""
-    if rows <= 16:
-        return 16, 32, 4
+def _tiles(rows: int, n: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, widest BLOCK_K, num_warps). A decode batch of up to 16 rows is a matrix-vector
+    product bound by reading the weight: narrow column tiles for more programs over a small weight, and
+    wide K tiles so each program keeps more bytes in flight. Larger batches take larger tiles, which read
+    the weight fewer times."""
+    if rows <= MIN_DOT:
+        return MIN_DOT, MIN_DOT if n <= NARROW_WEIGHT_ROWS else 2 * MIN_DOT, DOT_SIDES[0], 4
     if rows <= 64:
-        return 32 if rows <= 32 else 64, 64, 4
-    return 64, 128, 8
+        return 32 if rows <= 32 else 64, 64, DOT_SIDES[1], 4
+    return 64, 128, DOT_SIDES[1], 8
 
 
 def fp8_weight_only_linear(flat: torch.Tensor, weights: Fp8Weights) -> torch.Tensor:
@@ -124,10 +127,10 @@ def fp8_weight_only_linear(flat: torch.Tensor, weights: Fp8Weights) -> torch.Ten
     rows, k = flat.shape
     n = weights.weight.shape[0]
     y = torch.empty(rows, n, dtype=flat.dtype, device=flat.device)
-    block_k = _k_tile(weights)
     if rows == 0:
         return y
-    block_m, block_n, warps = _tiles(rows)
+    block_m, block_n, widest_k, warps = _tiles(rows, n)
+    block_k = _k_tile(weights, widest_k)
     grid = (triton.cdiv(rows, block_m), triton.cdiv(n, block_n))
     _fp8_weight_only_matmul[grid](flat, weights.weight, weights.scales, y, rows, n, k, weights.scales.shape[1],
                                   weights.block[0], weights.block[1], ONE_K_SCALE=weights.scales.shape[1] == 1,
@@ -150,7 +153,7 @@ def quantize_rows(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _triton_fp8_linear(x: torch.Tensor, weights: Fp8Weights) -> torch.Tensor:
     """x (..., K) @ the fp8 weights -> (..., N) in x's dtype: weight-only or W8A8 as `uses_weight_only` says."""
-    if _k_tile(weights) is None:  # blocks narrower than a dot tile: the dequantized weight
+    if _k_tile(weights, DOT_SIDES[0]) is None:  # blocks narrower than a dot tile: the dequantized weight
         return torch_fp8_linear(x, weights)
     k, n = x.shape[-1], weights.weight.shape[0]
     flat = x.reshape(-1, k).contiguous()
