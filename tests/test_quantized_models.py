@@ -19,7 +19,8 @@ from mili_openai.engine.memory_budget import weight_bytes
 from mili_openai.kernels import cpu_supports_kernels, load_cpu_kernels
 from mili_openai.model import CheckpointError, KVCache, build_random_checkpoint, load_model
 from mili_openai.model.checkpoint import ModelShape
-from mili_openai.model.quantization.modules import QuantizedEmbedding, QuantizedLinear
+from mili_openai.model.quantization.apply import quantize_model
+from mili_openai.model.quantization.modules import Fp8Linear, QuantizedEmbedding, QuantizedLinear
 
 CPU = torch.device("cpu")
 PROMPT_LENGTHS = [1, 9, 40, 130]
@@ -208,3 +209,21 @@ def test_int4_lm_head_served_as_offline(tmp_path):
         served = [client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_NEW, temperature=0,
                                             extra_body={"ignore_eos": True}).choices[0].text for prompt in prompts]
     assert served == offline
+
+
+@torch.inference_mode()
+def test_fp8_model_on_cpu_gives_transformers_logits_on_the_dequantized_weights(dense, tmp_path):
+    """fp8 projections (`--quantization fp8` needs CUDA to serve; here quantize_model on a float32 model)
+    through their torch paths, weight-only for float32: every row's logits are transformers' on the
+    dequantized weights, through prefill chunks and decode steps (tests/test_quantized_cuda.py holds the
+    Triton kernels to the same oracle on the GPU)."""
+    model, config = load_model(dense, torch.float32, CPU)
+    quantize_model(model, "fp8", group_size=128)
+    layers = [module for module in model.modules() if isinstance(module, Fp8Linear)]
+    assert len(layers) == 4 * config.num_hidden_layers and layers[0].fp8.per_row
+    hf = load_hf(write_dequantized(model, dense, tmp_path / "dequantized"))
+    tokens, steps = decode_schedule()
+    rows, _ = run_steps(model, config, tokens, steps, seed=4)
+    for key, position, logits in rows:
+        want = hf(torch.tensor([tokens[key][:position + 1]])).logits[0, -1]
+        torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)

@@ -15,11 +15,11 @@ import logging
 import torch
 from torch import nn
 
+from mili_openai.kernels.fp8 import Fp8Weights, dequantize_fp8, per_row_weights
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.qwen3 import Qwen3ForCausalLM
 from mili_openai.model.quantization.dynamic import quantize_fp8, quantize_int4, quantize_int8
 from mili_openai.model.quantization.formats import pack_rows, read_awq, read_fp8, read_gptq
-from mili_openai.kernels.fp8 import Fp8Weights, dequantize_fp8, per_row_weights
 from mili_openai.model.quantization.modules import Fp8Linear, QuantizedEmbedding, QuantizedLinear
 from mili_openai.model.quantization.spec import CheckpointQuantization
 from mili_openai.model.weights import FUSED_PARTS, LAYER_PREFIX, CheckpointError
