@@ -65,7 +65,7 @@ def assert_close_to_reference(got: torch.Tensor, x: torch.Tensor, weights: Fp8We
 
 @pytest.mark.parametrize(("rows", "n", "k"), [  # N and K off the tiles
     (1, 72, 320), (5, 2100, 600),  # decode rows: 16- and 32-column tiles, K in tiles of 256
-    (17, 72, 320), (40, 72, 320), (130, 72, 320),  # 32-, 64- and prefill-sized row tiles
+    (17, 72, 320), (40, 72, 320), (130, 72, 320),  # one and two 32-row tiles of x; prefill-sized tiles
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_weight_only_matmul_with_row_scales(interpreter, rows, n, k, dtype):

@@ -21,6 +21,7 @@ import torch
 from mili_openai.kernels.fp8 import (
     FP8_MAX,
     FP8_MIN_SCALE,
+    WEIGHT_ONLY_MAX_ROWS,
     Fp8Weights,
     scaled_mm,
     torch_fp8_linear,
@@ -111,15 +112,16 @@ def _k_tile(weights: Fp8Weights, widest: int) -> int | None:
 
 
 def _tiles(rows: int, n: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, widest BLOCK_K, num_warps). A decode batch of up to 16 rows is a matrix-vector
-    product bound by reading the weight: narrow column tiles for more programs over a small weight, and
-    wide K tiles so each program keeps more bytes in flight. Larger batches take larger tiles, which read
-    the weight fewer times."""
+    """(BLOCK_M, BLOCK_N, widest BLOCK_K, num_warps). A decode batch is bound by reading the weight: narrow
+    tiles make more programs over a small weight (those sharing a weight tile run side by side and read it
+    from L2), and one row tile of x, with K tiles of 256, keeps more of the weight's bytes in flight per
+    program. Prefill-sized batches take larger tiles, which read the weight fewer times."""
+    if rows > WEIGHT_ONLY_MAX_ROWS:
+        return 64, 128, DOT_SIDES[1], 8
+    block_n = MIN_DOT if n <= NARROW_WEIGHT_ROWS else 2 * MIN_DOT
     if rows <= MIN_DOT:
-        return MIN_DOT, MIN_DOT if n <= NARROW_WEIGHT_ROWS else 2 * MIN_DOT, DOT_SIDES[0], 4
-    if rows <= 64:
-        return 32 if rows <= 32 else 64, 64, DOT_SIDES[1], 4
-    return 64, 128, DOT_SIDES[1], 8
+        return MIN_DOT, block_n, DOT_SIDES[0], 4
+    return 2 * MIN_DOT, block_n, DOT_SIDES[1], 4
 
 
 def fp8_weight_only_linear(flat: torch.Tensor, weights: Fp8Weights) -> torch.Tensor:
