@@ -5,7 +5,8 @@ torch references (kernels/fp8.py). Small shapes: the interpreter runs each progr
   e4m3 value times x, exact in float32), summed in another order, so float32 agrees to rounding and bf16 to
   one output step (the interpreter truncates float32 to bf16 where the GPU rounds).
 - The per-token activation quantization bit for bit: the same scales and the same e4m3 bytes, over every
-  e4m3 value, the ties between neighbours, subnormals and rows longer than one block.
+  e4m3 value, the ties between neighbours, subnormals and rows longer than one block; and with
+  torch._scaled_mm after it (prefill rows), against the float32 emulation of W8A8.
 
 Triton decides between compiling and interpreting when it is imported, so the kernels run in a process
 started with TRITON_INTERPRET=1 (the `interpreter` fixture), and only there."""
@@ -15,7 +16,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mili_openai.kernels.fp8 import Fp8Weights, per_row_weights, quantize_rows_fp8, weight_only_reference
+from mili_openai.kernels.fp8 import (
+    WEIGHT_ONLY_MAX_ROWS,
+    Fp8Weights,
+    per_row_weights,
+    quantize_rows_fp8,
+    w8a8_reference,
+    weight_only_reference,
+)
 from mili_openai.model.quantization.dynamic import quantize_fp8
 
 pytest.importorskip("triton")
@@ -106,3 +114,14 @@ def test_quantize_rows_matches_torch_bit_for_bit(interpreter):
         assert q.dtype == torch.float8_e4m3fn and scales.shape == (3, 1)
         assert torch.equal(scales, want_scales)
         assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+def test_prefill_rows_quantize_activations_and_run_scaled_mm(interpreter):
+    """Past WEIGHT_ONLY_MAX_ROWS rows of bf16 x: the Triton quantization, then torch._scaled_mm (which torch
+    also runs on the CPU), against the float32 emulation of the same quantization."""
+    weights = per_row_weights(*quantize_fp8(random_weight(48, 256, seed=9)))
+    x = torch.randn(WEIGHT_ONLY_MAX_ROWS + 2, 256, generator=torch.Generator().manual_seed(9)).bfloat16()
+    got = interpreter.submit(_linear, x, weights).result()
+    want = w8a8_reference(x, weights)
+    torch.testing.assert_close(got.float(), want.float(), rtol=BF16_STEP, atol=BF16_STEP * float(want.abs().max()))
+    assert not torch.equal(want, weight_only_reference(x, weights))  # the activations' quantization shows
