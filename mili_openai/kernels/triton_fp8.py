@@ -6,12 +6,13 @@
   the end, a 128x128 block's after each K tile (BLOCK_K divides the block, so a tile has one scale per
   column). One launch per projection, nothing quantized on the activations' side.
 - `_quantize_rows_fp8`: the W8A8 path's activation quantization in one launch: a program per row of x
-  takes max|x| over the row, its scale, and writes the row in e4m3 (the per-token scale of
+  takes max|x| over the row, its scale, and writes the row's e4m3 bytes (the scale and the rounding of
   `quantize_rows_fp8`, with the same float32 arithmetic); torch._scaled_mm then runs the matmul.
 
 `triton_fp8_linear` is None where Triton cannot be imported. Tests run both kernels under Triton's
-interpreter (TRITON_INTERPRET=1) on CPU tensors, which loads and stores float8_e4m3fn as the GPU does; there
-the dot runs in float32 on the same values (the interpreter's bf16 tl.dot is not the GPU's).
+interpreter (TRITON_INTERPRET=1) on CPU tensors. It loads every finite e4m3 value exactly, but its float32 ->
+e4m3 conversion mis-rounds where the mantissa carries, so the quantization rounds in integer ops (the same
+code on the GPU); the dot runs in float32 there on the same values (its bf16 tl.dot is not the GPU's).
 """
 
 from __future__ import annotations
