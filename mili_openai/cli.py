@@ -96,7 +96,7 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                           'three optional)')
     eng.add_argument("--quantization", "-q", choices=QUANTIZATION_METHODS, default=None,
                      help="quantize a bf16 checkpoint's weights as it loads: int8 (a scale per row), int4 (groups, "
-                          "zero points), fp8 (CUDA: e4m3 weights and activations); the LM head goes int8 under int8 "
+                          "zero points), fp8 (CUDA: e4m3 weights, and activations in prefill); the LM head goes int8 under int8 "
                           "and int4. Pre-quantized checkpoints (fp8, awq, gptq in config.json) need no flag")
     eng.add_argument("--quantization-group-size", type=int, choices=QUANTIZATION_GROUP_SIZES,
                      default=engine.quantization_group_size, help="int4: values along a row per scale")
