@@ -115,6 +115,12 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     eng.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                      help="run the engine (scheduling, step inputs, postprocessing) in a process of its own, apart "
                           "from the HTTP side's event loop and GIL (default: yes on CUDA, no on CPU)")
+    eng.add_argument("--async-launch", action=argparse.BooleanOptionalAction, default=None,
+                     help="launch each step on the engine loop, a step ahead, with a worker thread only waiting "
+                          "for results, so the GPU never waits for the host's postprocessing (default: yes on "
+                          "CUDA, no on CPU)")
+    eng.add_argument("--switch-interval", type=float, default=None, metavar="SECONDS",
+                     help="CPython's GIL switch interval in the engine's process (default: Python's, 0.005)")
     eng.add_argument("--default-model-cache", default=None,
                      help="where the embedded default model is built (default: ~/.cache/mili-openai)")
     serve.set_defaults(func=run_serve, parser=serve)
@@ -155,6 +161,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         quantization_group_size=args.quantization_group_size,
         quantize_lm_head=args.quantize_lm_head,
         engine_process=args.engine_process,
+        async_launch=args.async_launch,
+        switch_interval_s=args.switch_interval,
         cpu_kernels_in_background=True,  # a first start answers while the kernels compile
     )
     return ServerConfig(

@@ -16,6 +16,7 @@ DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 8192}
 DEFAULT_MAX_NUM_SEQS = {"cpu": 64, "cuda": 256}  # running sequences; on CUDA vLLM's default
 DEFAULT_ENGINE_PROCESS = {"cpu": False, "cuda": True}  # the server's engine in a process of its own
+DEFAULT_ASYNC_LAUNCH = {"cpu": False, "cuda": True}  # steps launched on the engine loop (see EngineConfig)
 DEFAULT_CPU_KV_CACHE_MEMORY_GB = 2.0  # on CUDA the pool takes what gpu_memory_utilization leaves
 # "auto": Triton page-table kernels on CUDA, the compiled CPU kernels on CPU; "triton": Triton (CUDA, or the
 # CPU under TRITON_INTERPRET=1 for tests); "torch": torch's SDPA over gathered K/V on CUDA
@@ -119,6 +120,14 @@ class EngineConfig:
     # side's event loop and GIL (engine/process_client.py); None = the device's default (DEFAULT_ENGINE_PROCESS).
     # The offline `LLM` runs the engine in the caller's process whatever this says
     engine_process: bool | None = None
+    # the engine loop launches each step (queues it on the GPU) a step ahead, with its pending tokens fed on the
+    # device, and a worker thread only waits for each step's results: the GPU runs one step while the host
+    # postprocesses the one before. None = the device's default (DEFAULT_ASYNC_LAUNCH); True on CPU runs the
+    # forward on the loop thread (for tests of this path: slower there). Tensor parallelism runs without it
+    async_launch: bool | None = None
+    # CPython's GIL switch interval (sys.setswitchinterval) for the engine's process, set when its engine
+    # starts; None = leave Python's (5 ms). A thread waiting for the GIL waits up to this long
+    switch_interval_s: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):  # as the offline LLM(speculative_config={...}) takes it
@@ -139,6 +148,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.switch_interval_s is not None and not self.switch_interval_s > 0:
+            raise ValueError(f"switch_interval_s must be > 0, got {self.switch_interval_s}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -171,6 +182,8 @@ class EngineConfig:
             defaults["max_num_seqs"] = DEFAULT_MAX_NUM_SEQS[device_type]
         if self.engine_process is None:
             defaults["engine_process"] = DEFAULT_ENGINE_PROCESS[device_type]
+        if self.async_launch is None:
+            defaults["async_launch"] = DEFAULT_ASYNC_LAUNCH[device_type]
         if self.kv_cache_memory_gb is None and device_type != "cuda":
             defaults["kv_cache_memory_gb"] = DEFAULT_CPU_KV_CACHE_MEMORY_GB
         return dataclasses.replace(self, **defaults) if defaults else self

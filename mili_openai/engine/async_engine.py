@@ -7,6 +7,13 @@ step runs, the loop plans the next one where it can (`EngineCore.schedule_ahead`
 worker, which starts it the moment the running step ends: the loop's own work for a step (postprocess,
 schedule, prepare, waking the worker) then overlaps the forward instead of sitting between two.
 
+Where the runner's launch only queues work on a device (`Runner.async_launch`, CUDA), the loop launches
+each step itself and the worker only waits for its results (`Runner.finish`): the step planned ahead is
+queued on the GPU behind the running one, its pending input ids read from the running step's sampled ids
+on the device, so the GPU starts it the moment the running one ends, whatever the host is doing. A step
+that needs the step before's tokens on the host (`PreparedStep.needs_host_tokens`) runs whole on the
+worker after that step's finish, as do the steps planned behind it until the pipeline drains.
+
 The loop thread's own torch ops stay on that thread (`serial_torch_ops`), so the forward's OpenMP team
 stays fast. The loop runs a few torch ops per step (batch metadata, rotary cos/sin). Above ATen's grain
 size (32768 elements) such an op runs in parallel, and OpenMP gives the loop thread a team of its own.
@@ -21,6 +28,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import sys
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -58,9 +66,10 @@ def serial_torch_ops() -> Iterator[None]:
 
 
 @dataclass(frozen=True, slots=True)
-class LaunchedStep:
+class InFlightStep:
     batch: ScheduledBatch
-    future: concurrent.futures.Future  # the worker's forward + sampling of the batch
+    future: concurrent.futures.Future  # the worker's forward + sampling of the batch, or its finish
+    launched: bool  # launched on the loop: the worker only finishes it (Runner.async_launch)
 
 
 class AsyncEngine:
@@ -86,12 +95,14 @@ class AsyncEngine:
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         # steps handed to the worker, oldest first: the one running and at most one queued behind it
-        self._launched: deque[LaunchedStep] = deque()
+        self._launched: deque[InFlightStep] = deque()
 
     # ---- lifecycle ----
     async def start(self) -> None:
         if self._loop_task is not None:
             return
+        if self.config.switch_interval_s is not None:  # the process's: this engine is what it runs
+            sys.setswitchinterval(self.config.switch_interval_s)
         self._wakeup = asyncio.Event()
         self._loop_task = asyncio.create_task(self._run(), name="mili-engine-loop")
         build = self.core.runner.kernel_build
@@ -260,5 +271,16 @@ class AsyncEngine:
         for request_id in list(self._streams):
             self.abort(request_id)
 
-    def _launch(self, batch: ScheduledBatch, step: PreparedStep) -> LaunchedStep:
-        return LaunchedStep(batch, self._executor.submit(self.core.runner.execute, step))
+    def _launch(self, batch: ScheduledBatch, step: PreparedStep) -> InFlightStep:
+        """Hand the step to the worker; or, where the runner launches asynchronously, launch it here (behind
+        the step in flight, which must have been launched here too) and hand the worker its finish."""
+        runner = self.core.runner
+        if not runner.async_launch or step.needs_host_tokens or not all(s.launched for s in self._launched):
+            return InFlightStep(batch, self._executor.submit(runner.execute, step), launched=False)
+        try:
+            launched = runner.launch(step)
+        except Exception as exc:  # fails its batch, as a failed forward on the worker does
+            failed = concurrent.futures.Future()
+            failed.set_exception(exc)
+            return InFlightStep(batch, failed, launched=True)
+        return InFlightStep(batch, self._executor.submit(runner.finish, launched), launched=True)

@@ -25,7 +25,7 @@ from mili_openai.engine.sampler import Sampler, SamplerOutput, token_logprobs
 from mili_openai.engine.scheduled_batch import ScheduledBatch
 from mili_openai.engine.sequence import Sequence
 from mili_openai.engine.step_inputs import forward_batch_to
-from mili_openai.engine.step_preparer import PreparedStep, StepPreparer
+from mili_openai.engine.step_preparer import LaunchedStep, PreparedStep, StepPreparer
 from mili_openai.kernels import build_cpu_kernels_in_background, cpu_kernels_built, load_cpu_kernels
 from mili_openai.model import KVCache, ModelConfig, load_model, resolve_dtype
 from mili_openai.model.loader import use_cpu_kernels
@@ -57,11 +57,22 @@ class Runner(Protocol):
     def switch_to_cpu_kernels(self) -> None:
         """Run on the kernels `kernel_build` built (on the forward thread, between steps, while no sequence runs)."""
 
+    # whether `launch` only queues work on the device (CUDA): the engine then launches on its loop thread, a
+    # step ahead of the one finishing, and waits for each in `finish` on its worker thread; else `execute`
+    # runs there (the forward computes where it is launched)
+    async_launch: bool
+
     def prepare(self, batch: ScheduledBatch, sample_index: dict[Sequence, int] | None = None) -> PreparedStep:
         """Build the step's inputs on the loop thread (StepPreparer.prepare)."""
 
+    def launch(self, step: PreparedStep) -> LaunchedStep:
+        """Queue one step's forward and sampling (StepPreparer.launch)."""
+
+    def finish(self, launched: LaunchedStep) -> SamplerOutput:
+        """Wait for a launched step and read its output on the host (StepPreparer.finish)."""
+
     def execute(self, step: PreparedStep) -> SamplerOutput:
-        """Run one step's forward and sampling on the worker thread."""
+        """Run one step's forward and sampling: `finish(launch(step))`."""
 
     def expert_load(self) -> dict[int, list[int]]:
         """{sparse layer: (token, expert) pairs each expert received since load}; empty for a dense model."""
@@ -101,7 +112,9 @@ class ModelRunner:
         self.quantization = self.model.quantization  # None, or what the weights are
         self.page_size = config.page_size
         self.page_tables = self.model.uses_page_tables  # build page tables, not slot tables, for its kernel
-        self.steps = StepPreparer(self.device, self.page_size, self.page_tables, self.model.rotary_table())
+        self.async_launch = config.async_launch  # see Runner.async_launch
+        self.steps = StepPreparer(self.device, self.page_size, self.page_tables, self.model.rotary_table(),
+                                  feed_on_device=self.async_launch)
         self.parallel = parallel
         # the KV heads this process holds: all of them, or a tensor-parallel rank's
         self.kv_config = shard_config(self.model_config, parallel.size) if parallel is not None else self.model_config
@@ -190,12 +203,23 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch, sample_index: dict[Sequence, int] | None = None) -> PreparedStep:
         return self.steps.prepare(batch, sample_index)
 
+    def launch(self, step: PreparedStep) -> LaunchedStep:
+        return self.steps.launch(step, self._launch_forward)
+
+    def finish(self, launched: LaunchedStep) -> SamplerOutput:
+        return self.steps.finish(launched, self.sampler.finish)
+
     def execute(self, step: PreparedStep) -> SamplerOutput:
-        return self.steps.run(step, self._forward_and_sample)
+        return self.finish(self.launch(step))
 
     @torch.inference_mode()
-    def _forward_and_sample(self, step: PreparedStep) -> SamplerOutput:
+    def _launch_forward(self, step: PreparedStep, source: LaunchedStep | None) -> LaunchedStep:
+        """Queue the forward and sampling (on CPU: run them). Every op is asynchronous on CUDA but prompt
+        scoring's, which reads its logprobs at once (a prefill chunk's, rare)."""
         batch = forward_batch_to(step.forward_batch, self.device, step.staged)
+        if source is not None:  # pending input ids from the step before's sampled ids, on the device
+            index = step.pending_index.to(self.device, non_blocking=True)  # (2, P): rows over sources
+            batch.input_ids.index_copy_(0, index[0], source.token_ids.index_select(0, index[1]))
         bucket = self.decode_graphs.bucket(batch) if self.decode_graphs is not None else None
         if bucket is not None:
             hidden = self.decode_graphs.run(batch, bucket)  # (T, hidden)
@@ -203,9 +227,10 @@ class ModelRunner:
             hidden = self.model(batch, self.kv_cache)
         scored = self.score_prompts(hidden, step.prompt_scorings) if step.prompt_scorings else None
         if not step.rows:
-            return SamplerOutput(token_ids=[], logprobs=[], prompt_logprobs=scored)
+            return LaunchedStep(sampled=None, token_ids=None, prompt_logprobs=scored)
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S, vocab) float32
-        return self.sampler(logits, step.rows)._replace(prompt_logprobs=scored)
+        sampled = self.sampler.launch(logits, step.rows)
+        return LaunchedStep(sampled=sampled, token_ids=sampled.token_ids, prompt_logprobs=scored)
 
     def expert_load(self) -> dict[int, list[int]]:
         """{sparse layer: (token, expert) pairs each expert received since load}; empty for a dense model."""

@@ -59,21 +59,46 @@ def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], top_ks: Seque
                    with_ranks: bool = False) -> list[TokenLogprob]:
     """Row i's log-probability of token_ids[i] under log_softmax(logits[i]), with its top_ks[i] likeliest
     tokens (one topk at the widest k; each row keeps its own first k) and, with_ranks, its rank."""
+    targets = torch.tensor(list(token_ids), dtype=torch.long, device=logits.device)
+    tensors = logprob_tensors(logits, targets, max(top_ks), with_ranks)
+    return logprob_entries(token_ids, top_ks, *(t.tolist() if t is not None else None for t in tensors))
+
+
+def logprob_tensors(logits: torch.Tensor, targets: torch.Tensor, max_top_k: int, with_ranks: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """-> (chosen (R,), ranks (R,) or None, top values (R, k) or None, top ids (R, k) or None) on the logits'
+    device, nothing read on the host: `logprob_entries` turns them into entries once copied."""
     logprobs = logits.log_softmax(dim=-1)  # (R, V)
-    targets = torch.tensor(list(token_ids), dtype=torch.long, device=logits.device).unsqueeze(1)
-    chosen_column = logprobs.gather(1, targets)  # (R, 1)
-    chosen = chosen_column.squeeze(1).tolist()
-    ranks = ((logprobs > chosen_column).sum(dim=-1) + 1).tolist() if with_ranks else [None] * len(chosen)
-    top_values: list[list[float]] = []
-    top_ids: list[list[int]] = []
-    if max(top_ks) > 0:
-        values, ids = logprobs.topk(max(top_ks), dim=-1)  # (R, max k) each
-        top_values, top_ids = values.tolist(), ids.tolist()
+    chosen_column = logprobs.gather(1, targets.unsqueeze(1))  # (R, 1)
+    ranks = (logprobs > chosen_column).sum(dim=-1) + 1 if with_ranks else None
+    values = ids = None
+    if max_top_k > 0:
+        values, ids = logprobs.topk(max_top_k, dim=-1)  # (R, max k) each
+    return chosen_column.squeeze(1), ranks, values, ids
+
+
+def logprob_entries(token_ids: Sequence[int], top_ks: Sequence[int], chosen: list[float], ranks: list[int] | None,
+                    top_values: list[list[float]] | None, top_ids: list[list[int]] | None) -> list[TokenLogprob]:
+    """The entries of `logprob_tensors`' outputs as lists."""
+    ranks = ranks if ranks is not None else [None] * len(chosen)
     return [
         TokenLogprob(token_id=token_id, logprob=logprob,
                      top=list(zip(top_ids[row][:k], top_values[row][:k])) if k else [], rank=rank)
         for row, (token_id, logprob, k, rank) in enumerate(zip(token_ids, chosen, top_ks, ranks))
     ]
+
+
+@dataclass(slots=True)
+class PendingSample:
+    """A batch sampled on the device whose tokens are still on their way to the host (`Sampler.launch`)."""
+
+    token_ids: torch.Tensor  # (B,) int64 on the sampler's device
+    host: list[torch.Tensor | None]  # token ids, then logprob_tensors' four: host copies (in flight on CUDA)
+    copied: Any  # a torch.cuda.Event recorded after the copies; None on CPU, where they are the tensors
+    constrained: list[int]  # rows with a structured output: their matchers take the token at finish
+    grammars: list[Any]
+    logprob_rows: list[int]  # rows that asked for logprobs, and how many top tokens each
+    logprob_top_ks: list[int]
 
 
 class SamplingKernel(Protocol):
@@ -111,12 +136,19 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """logits: (B, V) float32, one row per entry of `rows`. Returns one token (and logprobs) per row."""
+        return self.finish(self.launch(logits, rows))
+
+    def launch(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> PendingSample:
+        """Sample the batch on the logits' device, with the copies of its results to the host queued but
+        not waited for (on CUDA the host need not wait for the GPU here, except for a structured output's
+        mask, which the host computes). `finish` brings them back."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be (len(rows)={len(rows)}, V), got {tuple(logits.shape)}")
         if logits.shape[1] < self.vocab_size:
             raise ValueError(f"logits have {logits.shape[1]} columns, fewer than vocab_size={self.vocab_size}")
         if not rows:
-            return SamplerOutput(token_ids=[], logprobs=[])
+            empty = torch.empty(0, dtype=torch.long, device=logits.device)
+            return PendingSample(empty, [empty.cpu(), None, None, None, None], None, [], [], [], [])
         self._validate_logit_bias(rows, logits.shape[1])
         raw_logits = logits
         constrained = [i for i, row in enumerate(rows) if row.grammar is not None]  # structured outputs
@@ -127,11 +159,30 @@ class Sampler:
             token_ids = lp.argmax_rows(logits)  # (B,)
         else:
             token_ids = self._sample_random(logits, rows, greedy_rows)  # (B,)
-        token_list = self._to_host(token_ids)  # the step's one host sync, needed anyway
-        if constrained:
-            structured_output.consume_tokens([rows[i].grammar for i in constrained],
-                                             [token_list[i] for i in constrained])
-        return SamplerOutput(token_ids=token_list, logprobs=self._logprobs(raw_logits, rows, token_list))
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        top_ks = [rows[i].params.logprobs for i in wanted]
+        tensors = (None,) * 4
+        if wanted:  # from the raw model logits
+            index = self._row_tensor(wanted, torch.long)
+            tensors = logprob_tensors(raw_logits[index], token_ids[index], max(top_ks))
+        host, copied = self._copy_to_host([token_ids, *tensors])
+        return PendingSample(token_ids, host, copied, constrained, [rows[i].grammar for i in constrained],
+                             wanted, top_ks)
+
+    @staticmethod
+    def finish(pending: PendingSample) -> SamplerOutput:
+        """Wait for a launched batch's results (the GIL released) and read them: the step's one host sync."""
+        if pending.copied is not None:
+            pending.copied.synchronize()
+        token_list, *lists = (t.tolist() if t is not None else None for t in pending.host)
+        if pending.constrained:
+            structured_output.consume_tokens(pending.grammars, [token_list[i] for i in pending.constrained])
+        logprobs: list[TokenLogprob | None] = [None] * len(token_list)
+        if pending.logprob_rows:
+            entries = logprob_entries([token_list[i] for i in pending.logprob_rows], pending.logprob_top_ks, *lists)
+            for row_index, entry in zip(pending.logprob_rows, entries):
+                logprobs[row_index] = entry
+        return SamplerOutput(token_ids=token_list, logprobs=logprobs)
 
     # ---- processing shared by greedy and random rows ----
     def _validate_logit_bias(self, rows: Sequence[SamplingRow], width: int) -> None:
@@ -212,17 +263,22 @@ class Sampler:
         return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
 
     @staticmethod
-    def _to_host(token_ids: torch.Tensor) -> list[int]:
-        """The sampled ids as a list. From a GPU only they travel back, into pinned memory, and the host
-        waits on an event (the GIL released) rather than in a synchronous copy."""
-        if token_ids.device.type != "cuda":
-            return token_ids.tolist()
-        host = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-        host.copy_(token_ids, non_blocking=True)
+    def _copy_to_host(tensors: list[torch.Tensor | None]) -> tuple[list[torch.Tensor | None], Any]:
+        """-> (host copies of the tensors, the event after their copies, or None). From a GPU they travel
+        back into pinned memory asynchronously, and `finish` waits on the event (the GIL released) rather
+        than the host in a synchronous copy."""
+        if tensors[0].device.type != "cuda":
+            return tensors, None
+        host = []
+        for tensor in tensors:
+            if tensor is None:
+                host.append(None)
+                continue
+            copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host.append(copy.copy_(tensor, non_blocking=True))
         copied = torch.cuda.Event()
         copied.record()
-        copied.synchronize()
-        return host.tolist()
+        return host, copied
 
     # ---- random rows ----
     def _sample_random(self, logits: torch.Tensor, rows: Sequence[SamplingRow], greedy_rows: list[int]) -> torch.Tensor:
@@ -292,18 +348,3 @@ class Sampler:
             shared = torch.empty(len(unseeded), width, dtype=dtype, device=self.device)
             uniform[index] = shared.uniform_(generator=self.generator)
         return uniform
-
-    # ---- log-probabilities ----
-    @staticmethod
-    def _logprobs(raw_logits: torch.Tensor, rows: Sequence[SamplingRow], token_list: list[int]
-                  ) -> list[TokenLogprob | None]:
-        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
-        result: list[TokenLogprob | None] = [None] * len(rows)
-        if not wanted:
-            return result
-        index = torch.tensor(wanted, dtype=torch.long, device=raw_logits.device)
-        entries = token_logprobs(raw_logits[index], [token_list[i] for i in wanted],  # from the raw model logits
-                                 [rows[i].params.logprobs for i in wanted])
-        for row_index, entry in zip(wanted, entries):
-            result[row_index] = entry
-        return result

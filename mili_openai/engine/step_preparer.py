@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -37,22 +38,55 @@ class PreparedStep:
     pending_histories: list[tuple[list[int], int]] = field(default_factory=list)
     prompt_scorings: list[PromptScoring] = field(default_factory=list)  # prompt tokens the step scores
     staged: torch.Tensor | None = None  # on CUDA: the pinned buffer holding forward_batch's tensors
+    # (2, P) int64 (pinned on CUDA): pending_rows over pending_sources, for a step fed on the device
+    pending_index: torch.Tensor | None = None
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Whether its launch needs the tokens the step before sampled on the host, not only on the device:
+        rows reading their output so far (penalties, min_tokens), or a structured output whose matcher the
+        step before advances when it finishes."""
+        if self.pending_histories:
+            return True
+        return bool(self.pending_rows) and any(row.grammar is not None for row in self.rows)
+
+
+@dataclass(slots=True, eq=False)
+class LaunchedStep:
+    """A step queued on the model's device and not yet finished (`StepPreparer.launch`): what its sampling
+    left on the device, and once finished, its output on the host."""
+
+    sampled: Any  # the runner's own: what its finish reads (the sampler's PendingSample on a ModelRunner)
+    token_ids: torch.Tensor | None  # (S,) the sampled ids on the device, where the step after can read them
+    prompt_logprobs: dict | None = None  # SamplerOutput.prompt_logprobs, scored at launch
+    source: LaunchedStep | None = None  # the step whose device ids this one's pending rows read
+    output: SamplerOutput | None = None  # set by a successful finish
+    failed: bool = False
+
+
+# launch_forward(step, source): queue the step's forward and sampling, reading its pending input ids from
+# source.token_ids on the device where source is given (they are in the step's input ids otherwise)
+LaunchForward = Callable[[PreparedStep, LaunchedStep | None], LaunchedStep]
 
 
 class StepPreparer:
     """Builds `PreparedStep`s for a model with `page_size`-token pages (page tables rather than slot tables
     where `page_tables`), and feeds each the tokens the step before it sampled."""
 
-    def __init__(self, device: torch.device, page_size: int, page_tables: bool, rotary_table: RotaryTable) -> None:
+    def __init__(self, device: torch.device, page_size: int, page_tables: bool, rotary_table: RotaryTable,
+                 feed_on_device: bool = False) -> None:
+        """feed_on_device: steps read their pending input ids from the step before's sampled ids on the
+        device (so they may launch before it finishes), unless they need them on the host."""
         self.device = device
+        self.feed_on_device = feed_on_device
         self.page_size = page_size
         self.page_tables = page_tables
         self.rotary_table = rotary_table  # grown and read on the loop thread only
         self.page_arrays = PageArrays()  # likewise
         self._own_rows: dict[Sequence, SamplingRow] = {}  # likewise (see `prepare`)
-        # token ids sampled by the last step that ran; None after a failed step (the one after it, which
-        # may feed on them, fails too)
-        self._last_sampled: list[int] | None = []
+        # the last step launched (at first, a finished one that sampled nothing); None after a failed
+        # launch (the one after it, which may feed on its tokens, fails too)
+        self._previous: LaunchedStep | None = LaunchedStep(None, None, output=SamplerOutput([], []))
 
     def prepare(self, batch: ScheduledBatch, sample_index: dict[Sequence, int] | None = None) -> PreparedStep:
         """Build the step's inputs on the loop thread (it owns the sequences being read).
@@ -102,37 +136,68 @@ class StepPreparer:
                 forward_batch.rotary = self.rotary_table(forward_batch.positions, last_position)
         else:  # packed for one copy to the GPU, while the step before runs (step_inputs.py)
             forward_batch, staged = stage_forward_batch(forward_batch)
+        pending_index = None
+        if pending_rows:
+            pending_index = torch.tensor([pending_rows, pending_sources], dtype=torch.int64,
+                                         pin_memory=self.device.type == "cuda")
         return PreparedStep(forward_batch, rows, pending_rows, pending_sources, pending_histories,
-                            prompt_scorings(batch, forward_batch), staged)
+                            prompt_scorings(batch, forward_batch), staged, pending_index)
 
-    def run(self, step: PreparedStep, forward_and_sample: Callable[[PreparedStep], SamplerOutput]) -> SamplerOutput:
-        """Feed `step` the tokens the step before sampled, then run `forward_and_sample` on it, remembering what
-        it sampled (or that it failed) for the step after. Steps run one after another on one thread, in the
-        order they were scheduled."""
+    def launch(self, step: PreparedStep, launch_forward: LaunchForward) -> LaunchedStep:
+        """Feed `step` the tokens the step before sampled and queue its forward and sampling
+        (`launch_forward`). Steps launch one after another, in the order they were scheduled, each on one
+        thread. Where the preparer feeds on the device, a step may launch before the one before it finishes
+        (`finish`), unless `step.needs_host_tokens`; else that one must have finished."""
+        previous = self._previous
         try:
-            self._feed_pending_tokens(step)
-            output = forward_and_sample(step)
+            source = None
+            if step.pending_rows:
+                if previous is None:
+                    raise RuntimeError("the step before failed, so the tokens this step feeds on do not exist")
+                if self.feed_on_device and not step.needs_host_tokens:
+                    source = previous
+                elif previous.output is None:
+                    raise RuntimeError("this step needs the tokens of the step before on the host: finish that one first")
+                else:
+                    self._feed_pending_tokens(step, previous.output.token_ids)
+            launched = launch_forward(step, source)
         except BaseException:
-            self._last_sampled = None
+            self._previous = None
             raise
-        self._last_sampled = output.token_ids
+        launched.source = source
+        self._previous = launched
+        return launched
+
+    def finish(self, launched: LaunchedStep, finish_sample: Callable[[Any], SamplerOutput]) -> SamplerOutput:
+        """Wait for a launched step and bring its output to the host (`finish_sample(launched.sampled)`, the
+        sampler's `finish` on a runner); steps finish in the order they launched. A step whose pending tokens
+        came from a step that failed fails too."""
+        try:
+            if launched.source is not None and launched.source.failed:
+                raise RuntimeError("the step before failed, so the tokens this step fed on do not exist")
+            if launched.sampled is None:
+                output = SamplerOutput(token_ids=[], logprobs=[])
+            else:
+                output = finish_sample(launched.sampled)
+            output = output._replace(prompt_logprobs=launched.prompt_logprobs)
+        except BaseException:
+            launched.failed = True
+            raise
+        launched.output = output
         return output
 
-    def _feed_pending_tokens(self, step: PreparedStep) -> None:
-        """Put the tokens the step before sampled into this step's input ids, and into the output so far
-        of the rows whose sampling reads it (`PreparedStep.pending_histories`).
+    def _feed_pending_tokens(self, step: PreparedStep, sampled: list[int]) -> None:
+        """Put the tokens the step before sampled (finished: on the host) into this step's input ids, and
+        into the output so far of the rows whose sampling reads it (`PreparedStep.pending_histories`).
 
         Through numpy, which keeps the GIL: from the end of one step (when the event loop wakes to
         postprocess it) to the compiled decode stack of the next, this thread calls no torch op. Each
         would release the GIL, the loop would take it for its Python, and the next forward would wait
         that long to start.
         """
-        if not step.pending_rows:
-            return
-        if self._last_sampled is None:
-            raise RuntimeError("the step before failed, so the tokens this step feeds on do not exist")
         input_ids = step.forward_batch.input_ids.numpy()
         for row, source in zip(step.pending_rows, step.pending_sources):
-            input_ids[row] = self._last_sampled[source]
+            input_ids[row] = sampled[source]
         for history, source in step.pending_histories:
-            history.append(self._last_sampled[source])
+            history.append(sampled[source])
+

@@ -38,7 +38,7 @@ from mili_openai.config import EngineConfig
 from mili_openai.engine.runner import resolve_device
 from mili_openai.engine.scheduled_batch import ScheduledBatch
 from mili_openai.engine.sequence import Sequence
-from mili_openai.engine.step_preparer import PreparedStep, StepPreparer
+from mili_openai.engine.step_preparer import LaunchedStep, PreparedStep, StepPreparer
 from mili_openai.engine.sampler import Sampler, SamplerOutput
 from mili_openai.engine.tp_worker import (
     REPLYING_RANK,
@@ -226,6 +226,7 @@ class TensorParallelRunner:
     the same `StepPreparer`."""
 
     kernel_build = None  # the workers load with the CPU kernels built: nothing to switch to later
+    async_launch = False  # a step's forward is a round trip to the workers: `launch` waits for their logits
 
     def __init__(self, config: EngineConfig, model_path: Path) -> None:
         size = config.tensor_parallel_size
@@ -270,15 +271,23 @@ class TensorParallelRunner:
     def prepare(self, batch: ScheduledBatch, sample_index: dict[Sequence, int] | None = None) -> PreparedStep:
         return self.steps.prepare(batch, sample_index)
 
-    def execute(self, step: PreparedStep) -> SamplerOutput:
+    def launch(self, step: PreparedStep) -> LaunchedStep:
         """Send the step to every worker, and sample from rank 0's logits here."""
-        return self.steps.run(step, self._forward_and_sample)
+        return self.steps.launch(step, self._launch_forward)
+
+    def finish(self, launched: LaunchedStep) -> SamplerOutput:
+        return self.steps.finish(launched, self.sampler.finish)
+
+    def execute(self, step: PreparedStep) -> SamplerOutput:
+        return self.finish(self.launch(step))
 
     @torch.inference_mode()
-    def _forward_and_sample(self, step: PreparedStep) -> SamplerOutput:
+    def _launch_forward(self, step: PreparedStep, source: LaunchedStep | None) -> LaunchedStep:
+        if source is not None:  # the workers read the input ids this process sends: they must be on the host
+            raise RuntimeError("a tensor-parallel step launches only once the step before has finished")
         request = StepRequest(step.forward_batch, num_sampled=len(step.rows), prompt_scorings=step.prompt_scorings)
         reply: StepReply = self.workers.request(request, StepReply)
-        scored = reply.prompt_logprobs
         if not step.rows:
-            return SamplerOutput(token_ids=[], logprobs=[], prompt_logprobs=scored)
-        return self.sampler(reply.logits.to(self.device), step.rows)._replace(prompt_logprobs=scored)
+            return LaunchedStep(sampled=None, token_ids=None, prompt_logprobs=reply.prompt_logprobs)
+        sampled = self.sampler.launch(reply.logits.to(self.device), step.rows)
+        return LaunchedStep(sampled=sampled, token_ids=sampled.token_ids, prompt_logprobs=reply.prompt_logprobs)
