@@ -30,7 +30,7 @@ import contextlib
 import logging
 import sys
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -72,14 +72,20 @@ class InFlightStep:
     launched: bool  # launched on the loop: the worker only finishes it (Runner.async_launch)
 
 
+CoreFactory = Callable[[EngineConfig, EngineObserver | None], EngineCore]
+
+
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, observer: EngineObserver | None = None) -> None:
+    def __init__(self, config: EngineConfig, observer: EngineObserver | None = None,
+                 core_factory: CoreFactory = EngineCore.from_config) -> None:
+        """core_factory: builds the core (its model runner) from the config; a stand-in runner's core in
+        scripts/engine_overlap.py."""
         self.config = config
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mili-forward")
         # Load on the thread that will run every forward: torch's OpenMP pool belongs to the thread that
         # first runs parallel work, and a second pool left behind by a loader thread slows every step.
         try:
-            self.core = self._executor.submit(EngineCore.from_config, config, observer).result()
+            self.core = self._executor.submit(core_factory, config, observer).result()
         except BaseException:
             self._executor.shutdown(wait=False)  # no engine: do not leave its worker thread behind
             raise

@@ -30,6 +30,15 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small list as a tensor on `device`. To a GPU from pinned memory: an asynchronous copy, where a
+    pageable one would make the host wait for the work already queued (a step launched ahead would then
+    wait for the running one)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def apply_additive_bias(
     logits: torch.Tensor, row_indices: Sequence[int], token_ids: Sequence[int], biases: Sequence[float]
 ) -> None:
@@ -38,18 +47,18 @@ def apply_additive_bias(
     Token ids must already be validated against V; a duplicate (row, token) pair accumulates.
     """
     device = logits.device
-    rows = torch.tensor(row_indices, dtype=torch.long, device=device)
-    tokens = torch.tensor(token_ids, dtype=torch.long, device=device)
-    values = torch.tensor(biases, dtype=logits.dtype, device=device)
+    rows = to_device(row_indices, torch.long, device)
+    tokens = to_device(token_ids, torch.long, device)
+    values = to_device(biases, logits.dtype, device)
     logits.index_put_((rows, tokens), values, accumulate=True)
 
 
 def mask_tokens(logits: torch.Tensor, row_indices: Sequence[int], token_ids: Sequence[int]) -> None:
     """logits[row, token] = -inf for each (row, token) pair, in place (`min_tokens` blocks EOS/stop ids)."""
     device = logits.device
-    rows = torch.tensor(row_indices, dtype=torch.long, device=device)
-    tokens = torch.tensor(token_ids, dtype=torch.long, device=device)
-    logits.index_put_((rows, tokens), torch.tensor(NEG_INF, dtype=logits.dtype, device=device))
+    rows = to_device(row_indices, torch.long, device)
+    tokens = to_device(token_ids, torch.long, device)
+    logits.index_put_((rows, tokens), torch.full((), NEG_INF, dtype=logits.dtype, device=device))
 
 
 def apply_repetition_penalty(
@@ -62,9 +71,9 @@ def apply_repetition_penalty(
     only those entries are read and written, not the row's whole vocabulary.
     """
     device = logits.device
-    rows = torch.tensor(row_indices, dtype=torch.long, device=device)
-    tokens = torch.tensor(token_ids, dtype=torch.long, device=device)
-    penalty = torch.tensor(penalties, dtype=logits.dtype, device=device)
+    rows = to_device(row_indices, torch.long, device)
+    tokens = to_device(token_ids, torch.long, device)
+    penalty = to_device(penalties, logits.dtype, device)
     values = logits[rows, tokens]
     logits[rows, tokens] = torch.where(values > 0, values / penalty, values * penalty)
 
@@ -79,11 +88,11 @@ def apply_presence_frequency_penalties(
     appeared are left as they are (their penalty is 0).
     """
     device = logits.device
-    rows = torch.tensor(row_indices, dtype=torch.long, device=device)
-    tokens = torch.tensor(token_ids, dtype=torch.long, device=device)
+    rows = to_device(row_indices, torch.long, device)
+    tokens = to_device(token_ids, torch.long, device)
 
     def column(values: Sequence[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=logits.dtype, device=device)
+        return to_device(values, logits.dtype, device)
 
     logits[rows, tokens] = logits[rows, tokens] - column(presence) - column(frequency) * column(counts)
 

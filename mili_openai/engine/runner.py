@@ -1,7 +1,9 @@
 """The model runner: loads the checkpoint, owns the KV cache, runs one forward + sampling per step.
 
-`execute` is the only blocking work of the engine; it runs on the engine's worker thread while the
-event loop keeps streaming. Everything it reads was built on the loop thread beforehand.
+A step is `launch` then `finish` (`execute` runs both). On CPU launching computes the step, so both run
+on the engine's worker thread while the event loop keeps streaming; on CUDA (`async_launch`) launching
+only queues work on the GPU and runs on the loop thread, and the worker waits in `finish`. Everything a
+step reads was built on the loop thread beforehand.
 """
 
 from __future__ import annotations

@@ -257,10 +257,7 @@ class Sampler:
                                                   out_frequency)
 
     def _row_tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return torch.tensor(values, dtype=dtype)
-        # from pinned memory: an asynchronous copy, where a pageable one would make the host wait for it
-        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
+        return lp.to_device(values, dtype, self.device)
 
     @staticmethod
     def _copy_to_host(tensors: list[torch.Tensor | None]) -> tuple[list[torch.Tensor | None], Any]:
@@ -284,7 +281,7 @@ class Sampler:
     def _sample_random(self, logits: torch.Tensor, rows: Sequence[SamplingRow], greedy_rows: list[int]) -> torch.Tensor:
         random_rows = [i for i, row in enumerate(rows) if not _is_greedy(row.params)]
         all_random = not greedy_rows
-        subset_index = None if all_random else torch.tensor(random_rows, dtype=torch.long, device=logits.device)
+        subset_index = None if all_random else self._row_tensor(random_rows, torch.long)
         x = logits if all_random else logits[subset_index]  # (R, V)
         subset = [rows[i] for i in random_rows]
         if self.kernel is not None:
@@ -344,7 +341,7 @@ class Sampler:
             if row.generator is not None:
                 uniform[i].uniform_(generator=row.generator)
         if unseeded:
-            index = torch.tensor(unseeded, dtype=torch.long, device=self.device)
+            index = self._row_tensor(unseeded, torch.long)
             shared = torch.empty(len(unseeded), width, dtype=dtype, device=self.device)
             uniform[index] = shared.uniform_(generator=self.generator)
         return uniform

@@ -3,7 +3,7 @@
 The builder (batch_builder.py) makes each input a small CPU tensor: token ids, positions, slots, page
 tables. Copied one by one from pageable memory, each is a synchronous transfer the host waits on, a
 dozen a step. `stage_forward_batch` packs them into one pinned buffer on the event loop thread, while the
-step before runs; `forward_batch_to` then issues one non-blocking copy on the forward thread and hands
+step before runs; `forward_batch_to` then issues one non-blocking copy where the step launches and hands
 the model views of the device buffer. torch's pinned allocator keeps a buffer out of reuse until the
 copy that reads it has finished, so a fresh one per step is safe.
 """

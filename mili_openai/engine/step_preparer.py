@@ -74,10 +74,12 @@ class StepPreparer:
     where `page_tables`), and feeds each the tokens the step before it sampled."""
 
     def __init__(self, device: torch.device, page_size: int, page_tables: bool, rotary_table: RotaryTable,
-                 feed_on_device: bool = False) -> None:
+                 feed_on_device: bool = False, pin_memory: bool | None = None) -> None:
         """feed_on_device: steps read their pending input ids from the step before's sampled ids on the
-        device (so they may launch before it finishes), unless they need them on the host."""
+        device (so they may launch before it finishes), unless they need them on the host. pin_memory: stage
+        a device's inputs in pinned memory (None: on CUDA; a stand-in device without CUDA cannot pin)."""
         self.device = device
+        self.pin_memory = device.type == "cuda" if pin_memory is None else pin_memory
         self.feed_on_device = feed_on_device
         self.page_size = page_size
         self.page_tables = page_tables
@@ -135,11 +137,11 @@ class StepPreparer:
             with torch.inference_mode():
                 forward_batch.rotary = self.rotary_table(forward_batch.positions, last_position)
         else:  # packed for one copy to the GPU, while the step before runs (step_inputs.py)
-            forward_batch, staged = stage_forward_batch(forward_batch)
+            forward_batch, staged = stage_forward_batch(forward_batch, self.pin_memory)
         pending_index = None
         if pending_rows:
             pending_index = torch.tensor([pending_rows, pending_sources], dtype=torch.int64,
-                                         pin_memory=self.device.type == "cuda")
+                                         pin_memory=self.pin_memory)
         return PreparedStep(forward_batch, rows, pending_rows, pending_sources, pending_histories,
                             prompt_scorings(batch, forward_batch), staged, pending_index)
 
@@ -183,6 +185,8 @@ class StepPreparer:
         except BaseException:
             launched.failed = True
             raise
+        finally:
+            launched.source = None  # read: let the step before go (each would hold the one before it)
         launched.output = output
         return output
 

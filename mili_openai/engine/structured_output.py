@@ -2,9 +2,10 @@
 
 llguidance (the Rust engine behind vLLM's "guidance" backend) compiles a JSON schema, a regular
 expression or a Lark grammar against the tokenizer's vocabulary, and a matcher per sequence gives the
-allowed next tokens as a bitmask. The mask is filled and the sampled token consumed on
-the forward thread, inside the sampler: steps run there in order, so a step planned ahead still sees
-its matcher advanced by the step before.
+allowed next tokens as a bitmask. The mask is filled when the sampler launches a step and the sampled
+token consumed when it finishes (`Sampler.launch`, `Sampler.finish`): a step planned ahead whose matcher
+the step before advances launches only once that step has finished (`PreparedStep.needs_host_tokens`),
+so it sees its matcher advanced.
 """
 
 from __future__ import annotations
