@@ -192,7 +192,8 @@ def run_case(model_path: Path, tokenizer, batch: int, gpu_s: float, steps: int, 
     full = [end for end, rows in stream.step_ends if rows == batch]
     periods = np.diff(full)
     period = float(statistics.median(periods))
-    return {"period_ms": period * 1e3, "gpu_busy": gpu_s / period, "loop_cpu_ms": loop_cpu / len(stream.step_ends) * 1e3}
+    return {"period_ms": period * 1e3, "gpu_busy": gpu_s / period,
+            "loop_cpu_ms": loop_cpu / len(stream.step_ends) * 1e3}
 
 
 def parse_case(text: str) -> tuple[int, float]:
@@ -213,7 +214,8 @@ def main() -> None:
     model_path = default_model_path()
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; median of {args.rounds} runs each")
-    print(f"{'batch':>5} {'gpu ms':>6} {'mode':>12} {'switch s':>8} {'period ms':>9} {'gpu busy':>8} {'loop cpu ms/step':>16}")
+    print(f"{'batch':>5} {'gpu ms':>6} {'mode':>12} {'switch s':>8} {'period ms':>9} {'gpu busy':>8} "
+          f"{'loop cpu ms/step':>16}")
     for batch, gpu_s in args.cases:
         variants = [(mode, interval) for mode in (False, True) for interval in args.switch_intervals]
         results = {variant: [] for variant in variants}

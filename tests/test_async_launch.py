@@ -153,3 +153,23 @@ def test_a_failed_step_fails_only_its_requests(engine, stage):
     assert len([t for d in later for t in d.token_ids]) == 10
     engine.core.check_integrity()
     assert engine.stats().num_running == 0
+
+
+def test_structured_outputs_match_the_offline_engines(engine, tiny_checkpoint, launches):
+    """A format's matcher advances when its step finishes: the step planned after it launches once that
+    one has finished, and the output follows the format as the offline engine's does."""
+    from mili_openai.engine.sampling_params import StructuredOutputsParams
+
+    offline = LLM(str(tiny_checkpoint), **ENGINE_SHAPE)
+    prompts = random_prompts(3, [11, 19], seed=13)
+    params = [SamplingParams(temperature=0, max_tokens=12,
+                             structured_outputs=StructuredOutputsParams(regex=r"[ab]{3,20}")),
+              SamplingParams(temperature=0.7, seed=2, max_tokens=12,
+                             structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe"])),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    want = offline.generate(prompts, params)
+    got = generate(engine, prompts, params)
+    assert tokens_of(got) == [out.outputs[0].token_ids for out in want]
+    assert "".join(d.text for d in got[1]) in {"yes", "no", "maybe"}
+    assert any(not on_loop for on_loop, _ in launches)
+    engine.core.check_integrity()

@@ -38,7 +38,7 @@ class PreparedStep:
     pending_histories: list[tuple[list[int], int]] = field(default_factory=list)
     prompt_scorings: list[PromptScoring] = field(default_factory=list)  # prompt tokens the step scores
     staged: torch.Tensor | None = None  # on CUDA: the pinned buffer holding forward_batch's tensors
-    # (2, P) int64 (pinned on CUDA): pending_rows over pending_sources, for a step fed on the device
+    # (2, P) int64 (pinned on CUDA): pending_rows over pending_sources, where steps are fed on the device
     pending_index: torch.Tensor | None = None
 
     @property
@@ -139,7 +139,7 @@ class StepPreparer:
         else:  # packed for one copy to the GPU, while the step before runs (step_inputs.py)
             forward_batch, staged = stage_forward_batch(forward_batch, self.pin_memory)
         pending_index = None
-        if pending_rows:
+        if pending_rows and self.feed_on_device:
             pending_index = torch.tensor([pending_rows, pending_sources], dtype=torch.int64,
                                          pin_memory=self.pin_memory)
         return PreparedStep(forward_batch, rows, pending_rows, pending_sources, pending_histories,
@@ -154,12 +154,13 @@ class StepPreparer:
         try:
             source = None
             if step.pending_rows:
-                if previous is None:
+                if previous is None or previous.failed:
                     raise RuntimeError("the step before failed, so the tokens this step feeds on do not exist")
                 if self.feed_on_device and not step.needs_host_tokens:
                     source = previous
                 elif previous.output is None:
-                    raise RuntimeError("this step needs the tokens of the step before on the host: finish that one first")
+                    raise RuntimeError("this step needs the tokens of the step before on the host: "
+                                       "finish that one first")
                 else:
                     self._feed_pending_tokens(step, previous.output.token_ids)
             launched = launch_forward(step, source)
