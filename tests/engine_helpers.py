@@ -63,3 +63,31 @@ def assert_matches(outputs, expected) -> None:
                 assert got.logprob == pytest.approx(float(row[got.token_id]), abs=LOGPROB_ATOL)
                 for alt_id, alt_logprob in got.top:
                     assert alt_logprob == pytest.approx(float(row[alt_id]), abs=LOGPROB_ATOL)
+
+
+def check_abort_mid_stream_frees_pages(engine) -> None:
+    """Requests aborted mid-stream (a closed stream, an abort) end with "abort", the rest run to their
+    length, and every page is back: free or cached, none locked."""
+    from mili_openai.engine.sampling_params import SamplingParams
+
+    prompts = random_prompts(6, [30, 45], seed=4)
+
+    async def collect(stream):
+        return [delta async for delta in stream]
+
+    async def go():
+        streams = [engine.submit(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)) for p in prompts]
+        first = await streams[0].__anext__()
+        assert first.finish_reason is None
+        await streams[0].aclose()
+        engine.abort(streams[1].request_id)
+        return await asyncio.gather(*(collect(s) for s in streams[1:]))
+
+    results = run_engine(engine, go)
+    assert results[0][-1].finish_reason == "abort"
+    assert all(r[-1].finish_reason == "length" for r in results[1:])
+    engine.core.check_integrity()
+    stats = engine.stats()
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert engine.core.pages.tree.locked_pages == 0
+    assert stats.num_free_pages + stats.num_cached_pages == stats.num_pages

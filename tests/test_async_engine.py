@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from engine_helpers import random_prompts, run_engine
+from engine_helpers import check_abort_mid_stream_frees_pages, random_prompts, run_engine
 from mili_openai.config import EngineConfig
 from mili_openai.engine.async_engine import AsyncEngine
 from mili_openai.engine.client import RequestStream
@@ -83,25 +83,7 @@ def test_invalid_requests_raise_value_error(engine):
 
 
 def test_abort_mid_stream_frees_pages(engine):
-    prompts = random_prompts(6, [30, 45], seed=4)
-
-    async def go():
-        streams = [engine.submit(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)) for p in prompts]
-        first = await streams[0].__anext__()
-        assert first.finish_reason is None
-        await streams[0].aclose()
-        engine.abort(streams[1].request_id)
-        results = await asyncio.gather(*(collect(s) for s in streams[1:]))
-        return results
-
-    results = run_engine(engine, go)
-    assert results[0][-1].finish_reason == "abort"
-    assert all(r[-1].finish_reason == "length" for r in results[1:])
-    engine.core.check_integrity()
-    stats = engine.stats()
-    assert stats.num_running == 0 and stats.num_waiting == 0
-    assert engine.core.pages.tree.locked_pages == 0
-    assert stats.num_free_pages + stats.num_cached_pages == stats.num_pages
+    check_abort_mid_stream_frees_pages(engine)
 
 
 def test_stop_string_is_never_emitted(engine):

@@ -27,7 +27,7 @@ from mili_openai.engine.sampler import Sampler, SamplerOutput, token_logprobs
 from mili_openai.engine.scheduled_batch import ScheduledBatch
 from mili_openai.engine.sequence import Sequence
 from mili_openai.engine.step_inputs import forward_batch_to
-from mili_openai.engine.step_preparer import LaunchedStep, PreparedStep, StepPreparer
+from mili_openai.engine.step_preparer import LaunchedStep, PreparedStep, StepPreparer, StepRunner
 from mili_openai.kernels import build_cpu_kernels_in_background, cpu_kernels_built, load_cpu_kernels
 from mili_openai.model import KVCache, ModelConfig, load_model, resolve_dtype
 from mili_openai.model.loader import use_cpu_kernels
@@ -80,7 +80,7 @@ class Runner(Protocol):
         """{sparse layer: (token, expert) pairs each expert received since load}; empty for a dense model."""
 
 
-class ModelRunner:
+class ModelRunner(StepRunner):
     """The model and its KV cache in this process (a `Runner`)."""
 
     # why this runner can run no more steps (None while it can): set by a tensor-parallel runner whose worker died
@@ -201,18 +201,6 @@ class ModelRunner:
                                                      min(AHEAD_CONTEXT, self.num_pages * self.page_size))
         logger.info("captured %d CUDA graphs of decode steps (up to %d rows, %s) in %.1f s", count,
                     config.max_num_seqs, "any context" if width else "contexts by bucket", time.perf_counter() - start)
-
-    def prepare(self, batch: ScheduledBatch, sample_index: dict[Sequence, int] | None = None) -> PreparedStep:
-        return self.steps.prepare(batch, sample_index)
-
-    def launch(self, step: PreparedStep) -> LaunchedStep:
-        return self.steps.launch(step, self._launch_forward)
-
-    def finish(self, launched: LaunchedStep) -> SamplerOutput:
-        return self.steps.finish(launched, self.sampler.finish)
-
-    def execute(self, step: PreparedStep) -> SamplerOutput:
-        return self.finish(self.launch(step))
 
     @torch.inference_mode()
     def _launch_forward(self, step: PreparedStep, source: LaunchedStep | None) -> LaunchedStep:

@@ -206,3 +206,25 @@ class StepPreparer:
         for history, source in step.pending_histories:
             history.append(sampled[source])
 
+
+class StepRunner:
+    """A runner's step methods over its `steps` (a StepPreparer), its `sampler` and its `_launch_forward`
+    (the one-process `ModelRunner` and the `TensorParallelRunner`)."""
+
+    steps: StepPreparer
+    sampler: Any  # engine/sampler.py's Sampler
+
+    def prepare(self, batch: ScheduledBatch, sample_index: dict[Sequence, int] | None = None) -> PreparedStep:
+        return self.steps.prepare(batch, sample_index)
+
+    def launch(self, step: PreparedStep) -> LaunchedStep:
+        return self.steps.launch(step, self._launch_forward)
+
+    def finish(self, launched: LaunchedStep) -> SamplerOutput:
+        return self.steps.finish(launched, self.sampler.finish)
+
+    def execute(self, step: PreparedStep) -> SamplerOutput:
+        return self.finish(self.launch(step))
+
+    def _launch_forward(self, step: PreparedStep, source: LaunchedStep | None) -> LaunchedStep:
+        raise NotImplementedError

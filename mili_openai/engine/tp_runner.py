@@ -36,10 +36,8 @@ import torch.multiprocessing
 
 from mili_openai.config import EngineConfig
 from mili_openai.engine.runner import resolve_device
-from mili_openai.engine.scheduled_batch import ScheduledBatch
-from mili_openai.engine.sequence import Sequence
-from mili_openai.engine.step_preparer import LaunchedStep, PreparedStep, StepPreparer
-from mili_openai.engine.sampler import Sampler, SamplerOutput
+from mili_openai.engine.step_preparer import LaunchedStep, PreparedStep, StepPreparer, StepRunner
+from mili_openai.engine.sampler import Sampler
 from mili_openai.engine.tp_worker import (
     REPLYING_RANK,
     ExpertLoadReply,
@@ -220,7 +218,7 @@ class WorkerGroup:
             self._mark_failed(self._death(sentinels[ready[0]]))
 
 
-class TensorParallelRunner:
+class TensorParallelRunner(StepRunner):
     """A `Runner` (engine/runner.py) whose model lives in `tensor_parallel_size` worker processes (see the module
     doc): this process loads no weights and holds no KV cache. Steps are prepared as `ModelRunner`'s are, by
     the same `StepPreparer`."""
@@ -268,21 +266,9 @@ class TensorParallelRunner:
     def switch_to_cpu_kernels(self) -> None:
         """Nothing to switch: see `kernel_build`."""
 
-    def prepare(self, batch: ScheduledBatch, sample_index: dict[Sequence, int] | None = None) -> PreparedStep:
-        return self.steps.prepare(batch, sample_index)
-
-    def launch(self, step: PreparedStep) -> LaunchedStep:
-        """Send the step to every worker, and sample from rank 0's logits here."""
-        return self.steps.launch(step, self._launch_forward)
-
-    def finish(self, launched: LaunchedStep) -> SamplerOutput:
-        return self.steps.finish(launched, self.sampler.finish)
-
-    def execute(self, step: PreparedStep) -> SamplerOutput:
-        return self.finish(self.launch(step))
-
     @torch.inference_mode()
     def _launch_forward(self, step: PreparedStep, source: LaunchedStep | None) -> LaunchedStep:
+        """Send the step to every worker, and sample from rank 0's logits here."""
         if source is not None:  # the workers read the input ids this process sends: they must be on the host
             raise RuntimeError("a tensor-parallel step launches only once the step before has finished")
         request = StepRequest(step.forward_batch, num_sampled=len(step.rows), prompt_scorings=step.prompt_scorings)
