@@ -10,10 +10,11 @@ prints one table with every figure beside the issue's target:
 Configurations: "issue" (`--kv-cache-memory-gb 40 --max-num-seqs 256 --max-num-batched-tokens 8192`, as the
 issue measured), "defaults" (plain `mili serve CKPT --device cuda`), "torch" (the issue's flags with
 `--attention-backend torch`, the gathered-K/V path as the peer of the Triton kernels), "fp8" (the issue's flags
-with `--quantization fp8`), "inproc" (the issue's flags with `--no-engine-process`: the engine on the
-server's event loop, as before the engine process). `CONFIG:W1,W2` runs only those workloads under that configuration; a configuration
-that fails (its server or a workload) is reported and the rest still run, and `--deadline-s` skips what would
-start too late to finish. Each row prints as soon as it is measured. Random weights hit
+with `--quantization fp8`), "inproc" (the issue's flags with `--no-engine-process`: the engine on the server's
+event loop), "sync" (the issue's flags with `--no-async-launch`: each step launched on the worker thread once
+the step before is on the host). `CONFIG:W1,W2` runs only those workloads under that configuration; a
+configuration that fails (its server or a workload) is reported and the rest still run, and `--deadline-s`
+skips what would start too late to finish. Each row prints as soon as it is measured. Random weights hit
 EOS at random, so every request sets `ignore_eos`. Raw results: `<out-dir>/<config>-<workload>.json`,
 server logs beside them. It needs a CUDA GPU; it measures nothing on a CPU.
 """
@@ -49,6 +50,7 @@ CONFIGS = {
     "torch": (*ISSUE_FLAGS, "--attention-backend", "torch"),
     "fp8": (*ISSUE_FLAGS, "--quantization", "fp8"),
     "inproc": (*ISSUE_FLAGS, "--no-engine-process"),
+    "sync": (*ISSUE_FLAGS, "--no-async-launch"),
 }
 # a server's start-up plus one workload: configurations begun with less time left are skipped
 MIN_CONFIG_S = 90.0

@@ -25,9 +25,9 @@ export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 
-stage "serving benchmark: five workloads at the issue's flags, two at the defaults and in one process, fp8"
+stage "serving benchmark: five workloads at the issue's flags, two at the defaults and without async launch, fp8"
 timeout 330 python3 scripts/bench_gpu.py --out-dir /tmp/bench-gpu --deadline-s 300 \
-  --configs issue defaults:c64,c256 inproc:c64,c256 fp8:single,c64 2>&1 | tee "$OUT/bench.log"
+  --configs issue defaults:c64,c256 sync:c64,c256 fp8:single,c64 2>&1 | tee "$OUT/bench.log"
 BENCH=$?
 (cd /tmp/bench-gpu && tar czf "$OUT/bench-logs.tgz" ./*.json ./*.log) 2>/dev/null
 
