@@ -58,29 +58,30 @@ def test_kernels_compile_for_hopper(tmp_path, monkeypatch):
     if "constexprs" not in inspect.signature(ASTSource).parameters:
         pytest.skip(f"Triton {triton.__version__} compiles ahead of time through another interface")
 
-    from mili_openai.kernels.triton_attention import DECODE_WARPS, EXTEND_WARPS, PIPELINE_STAGES
+    from mili_openai.kernels.triton_attention import DecodeConfig, ExtendConfig
+
+    decode_config, extend_config = DecodeConfig(), ExtendConfig()
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # the default; unset, Triton 3.9 warns that it will change
     kernels = triton_attention_kernels
     decode, reduce, extend = kernels.decode_partial_kernel, kernels.decode_reduce_kernel, kernels.extend_kernel
     shape = dict(HEAD_DIM=128, BLOCK_D=128)
+    decode_n, extend_n = dict(BLOCK_N=decode_config.block_n), dict(BLOCK_N=extend_config.block_n)
     variants = [
-        (decode, dict(GROUP=2, BLOCK_H=16, BLOCK_N=64, NUM_SPLITS=1, PRECISION="tf32", WIDEN=False,
-                     **shape), DECODE_WARPS),
-        (decode, dict(GROUP=8, BLOCK_H=16, BLOCK_N=64, NUM_SPLITS=16, PRECISION="tf32", WIDEN=False,
-                     **shape), DECODE_WARPS),
-        (reduce, dict(BLOCK_N=64, NUM_SPLITS=16, **shape), DECODE_WARPS),
-        (extend, dict(GROUP=2, GROUP_PAD=2, BLOCK_T=64, BLOCK_M=128, BLOCK_N=64, PRECISION="tf32",
-                     WIDEN=False, **shape),
-         EXTEND_WARPS),
-        (extend, dict(GROUP=8, GROUP_PAD=8, BLOCK_T=16, BLOCK_M=128, BLOCK_N=64, PRECISION="tf32",
-                     WIDEN=False, **shape),
-         EXTEND_WARPS),
+        (decode, dict(GROUP=2, BLOCK_H=16, NUM_SPLITS=1, PRECISION="tf32", WIDEN=False, **decode_n, **shape),
+         decode_config),
+        (decode, dict(GROUP=8, BLOCK_H=16, NUM_SPLITS=16, PRECISION="tf32", WIDEN=False, **decode_n, **shape),
+         decode_config),
+        (reduce, dict(NUM_SPLITS=16, HEAD_DIM=128, BLOCK_D=128, **decode_n), decode_config),
+        (extend, dict(GROUP=2, GROUP_PAD=2, BLOCK_T=64, BLOCK_M=128, PRECISION="tf32", WIDEN=False, **extend_n,
+                      **shape), extend_config),
+        (extend, dict(GROUP=8, GROUP_PAD=8, BLOCK_T=16, BLOCK_M=128, PRECISION="tf32", WIDEN=False, **extend_n,
+                      **shape), extend_config),
     ]
-    for kernel, constexprs, warps in variants:
+    for kernel, constexprs, config in variants:
         source = ASTSource(kernel, _signature(kernel, "*bf16", constexprs), constexprs=constexprs)
         compiled = triton.compile(source, target=GPUTarget("cuda", *HOPPER),
-                                  options=dict(num_warps=warps, num_stages=PIPELINE_STAGES))
+                                  options=dict(num_warps=config.warps, num_stages=config.stages))
         assert compiled.asm["cubin"], kernel.__name__
         assert compiled.metadata.shared <= 227 * 1024, kernel.__name__  # a Hopper block's shared memory

@@ -124,8 +124,9 @@ def test_the_model_runs_each_residual_add_and_norm_as_one_kernel(interpreter, ti
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [32, 128])
-def test_qk_norm_rope_matches_the_torch_form_on_a_strided_view(interpreter, dtype, head_dim):
-    tokens, heads, kv_heads = 5, 4, 2
+@pytest.mark.parametrize("tokens", [5, 37])  # one program's rows, and several with the last one partial
+def test_qk_norm_rope_matches_the_torch_form_on_a_strided_view(interpreter, dtype, head_dim, tokens):
+    heads, kv_heads = 4, 2
     qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=3, scale=2.0)
     # as the attention layer passes it: q and k rows of the fused projection, v's left out
     qk = qkv[:, :(heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
@@ -167,7 +168,8 @@ def test_kernels_compile_for_hopper(tmp_path, monkeypatch):
                 "gate_up_ptr"}
     variants = [(ops._rms_norm_kernel, dict(BLOCK=1024, ROUND_BF16=True)),
                 (ops._add_rms_norm_kernel, dict(BLOCK=1024, ROUND_BF16=True)),
-                (ops._qk_norm_rope_kernel, dict(HEAD_DIM=128, ROUND_BF16=True)),
+                (ops._qk_norm_rope_kernel, dict(HEADS=24, NUM_Q_HEADS=16, HEAD_DIM=128,
+                                                BLOCK_ROWS=ops.QK_ROPE_ELEMENTS // 128, ROUND_BF16=True)),
                 (ops._silu_mul_kernel, dict(BLOCK=ops.SILU_BLOCK, ROUND_BF16=True))]
     for kernel, constexprs in variants:
         signature = {name: "constexpr" if name in constexprs else "*bf16" if name in pointers

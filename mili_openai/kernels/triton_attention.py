@@ -2,10 +2,13 @@
 
 `TritonAttention` reads K/V in place from the paged pool through page tables:
 - decode: every decode row in one split-K launch (plus a reduce launch when the context is split), the
-  split count fixed by the number of rows alone, so a CUDA graph captured for a batch size serves any
-  context length;
+  split count fixed by the number of rows and the GPU's multiprocessor count alone, so a CUDA graph
+  captured for a batch size serves any context length;
 - prefill: every prefill chunk of a step in one varlen launch (`cu_seqlens`), causal over each chunk's
   cached prefix pages plus its new tokens: a radix-cache hit costs no recompute and no gather.
+
+Launch constants live in `DecodeConfig` and `ExtendConfig`; scripts/tune_gpu_kernels.py times the
+alternatives on a GPU.
 
 It also takes the slot-addressed calls of the CPU kernels' interface (a slot table is a page table with
 page size 1), so it can stand in wherever those run. Outside CUDA it runs only under Triton's CPU
@@ -15,6 +18,8 @@ tests check it on any machine.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from mili_openai.kernels.triton_attention_kernels import decode_partial_kernel, decode_reduce_kernel, extend_kernel
@@ -23,27 +28,54 @@ LOG2_E = 1.4426950408889634  # softmax runs in base 2 inside the kernels
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 MIN_DOT_ROWS = 16  # tl.dot's smallest M on the GPU: decode pads a head group up to it
-DECODE_BLOCK_N = 64  # context positions per step of the decode loop, and the split granularity
-EXTEND_BLOCK_N = 64  # key positions per step of the extend loop
-# score rows (tokens x heads of a group) per extend program for rows of up to 256 bytes (bf16 head_dim 128);
-# halved for each doubling past that, so the q, K and V tiles stay within a multiprocessor's shared memory
-EXTEND_ROWS, EXTEND_ROW_BYTES = 128, 256
-# Decode splits the context until the launch has about this many programs (rows x KV heads x splits),
-# enough to keep every multiprocessor of a large GPU busy at batch 1; at most MAX_DECODE_SPLITS.
-TARGET_DECODE_PROGRAMS = 512
-MAX_DECODE_SPLITS = 16
-DECODE_WARPS, EXTEND_WARPS, PIPELINE_STAGES = 4, 8, 2
+# the multiprocessors split counts are planned for where the device cannot say (Triton's CPU interpreter):
+# an H100's
+DEFAULT_MULTIPROCESSORS = 132
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeConfig:
+    """The decode kernels' launch constants (scripts/tune_gpu_kernels.py times the alternatives)."""
+
+    block_n: int = 64  # context positions per step of the loop, and the split granularity
+    warps: int = 4
+    stages: int = 2
+    # Each row's context is split until the launch has about this many programs per multiprocessor (a power
+    # of two of splits, at most max_splits): at batch 1 a long context then uses the whole GPU, and a large
+    # batch runs unsplit. Four is about what a multiprocessor holds at once with these tiles (registers and
+    # shared memory, bf16 head_dim 128), so the grid fills the GPU in about one wave.
+    programs_per_multiprocessor: int = 4
+    max_splits: int = 16
+
+
+@dataclass(frozen=True, slots=True)
+class ExtendConfig:
+    """The extend (varlen prefill) kernel's launch constants."""
+
+    block_n: int = 64  # key positions per step of the loop
+    # score rows (tokens x heads of a group) per program for rows of up to row_bytes (bf16 head_dim 128);
+    # halved for each doubling past that, so the q, K and V tiles stay within a multiprocessor's shared memory
+    rows: int = 128
+    row_bytes: int = 256
+    warps: int = 8
+    stages: int = 2
 
 
 def next_power_of_two(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def decode_splits(rows: int, kv_heads: int) -> int:
-    """Splits of each decode row's context: a power of two that depends on the batch shape only (a graph
-    fixes it), many for a few rows (long contexts then use the whole GPU), one for a large batch."""
-    wanted = max(1, TARGET_DECODE_PROGRAMS // max(1, rows * kv_heads))
-    return min(MAX_DECODE_SPLITS, 1 << (wanted.bit_length() - 1))
+def decode_splits(rows: int, kv_heads: int, target_programs: int, max_splits: int) -> int:
+    """Splits of each decode row's context: a power of two that depends on the batch shape and the GPU only
+    (a graph fixes it), many for a few rows (long contexts then use the whole GPU), one for a large batch."""
+    wanted = max(1, target_programs // max(1, rows * kv_heads))
+    return min(max_splits, 1 << (wanted.bit_length() - 1))
+
+
+def multiprocessor_count(device_type: str) -> int:
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return DEFAULT_MULTIPROCESSORS
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -55,10 +87,31 @@ def _dot_precision(dtype: torch.dtype) -> str:
 class TritonAttention:
     """The Triton attention backend (implements model.paged_attention.PagedAttentionKernel)."""
 
-    def __init__(self) -> None:
+    def __init__(self, decode: DecodeConfig = DecodeConfig(), extend: ExtendConfig = ExtendConfig(),
+                 multiprocessors: int | None = None) -> None:
+        """multiprocessors: the GPU's, which the decode split count is planned for (None: the current
+        device's)."""
         # The interpreter runs on CPU tensors, the compiled kernels on CUDA ones.
         interpreted = type(extend_kernel).__name__ == "InterpretedFunction"
         self.device_type = "cpu" if interpreted else "cuda"
+        self.decode = decode
+        self.extend = extend
+        self.multiprocessors = multiprocessors or multiprocessor_count(self.device_type)
+
+    def decode_splits(self, rows: int, kv_heads: int) -> int:
+        """The split count of a decode launch of `rows` rows (`decode_splits` for this GPU and config)."""
+        target = self.multiprocessors * self.decode.programs_per_multiprocessor
+        return decode_splits(rows, kv_heads, target, self.decode.max_splits)
+
+    def decode_split_rows(self, kv_heads: int) -> list[int]:
+        """The fewest decode rows that get each split count, most splits first: one launch of each compiles
+        every decode variant (model/kernel_warmup.py)."""
+        first_rows: dict[int, int] = {}
+        rows = 1
+        while (splits := self.decode_splits(rows, kv_heads)) > 1:
+            first_rows.setdefault(splits, rows)
+            rows += 1
+        return [*first_rows.values(), rows]
 
     def _widen(self, q: torch.Tensor) -> bool:
         """Multiply half-precision tiles as float32: only under the interpreter (see the kernels' docstring)."""
@@ -104,13 +157,14 @@ class TritonAttention:
         """One query row each against its context: q (B, H, D); page_table (B, W) pages of row b's context,
         whose first ctx_lens[b] (>= 1) positions it attends -> (B, H, D), into `out` where given.
         num_splits: a power of two; None = `decode_splits` of the batch's shape."""
+        config = self.decode
         rows, num_heads, head_dim = q.shape
         kv_heads = k_pool.shape[1]
         group = num_heads // kv_heads
         out = torch.empty_like(q) if out is None else out
         if rows == 0:
             return out
-        splits = num_splits or decode_splits(rows, kv_heads)
+        splits = num_splits or self.decode_splits(rows, kv_heads)
         block_d = next_power_of_two(head_dim)
         if splits > 1:
             part_acc = torch.empty(rows, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
@@ -122,15 +176,15 @@ class TritonAttention:
             scale * LOG2_E, page_size, num_heads,
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
             page_table.stride(0), out.stride(0), out.stride(1),
-            GROUP=group, BLOCK_H=max(MIN_DOT_ROWS, next_power_of_two(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=splits, PRECISION=_dot_precision(q.dtype), WIDEN=self._widen(q),
-            num_warps=DECODE_WARPS, num_stages=PIPELINE_STAGES,
+            GROUP=group, BLOCK_H=max(MIN_DOT_ROWS, next_power_of_two(group)), HEAD_DIM=head_dim,
+            BLOCK_D=block_d, BLOCK_N=config.block_n, NUM_SPLITS=splits, PRECISION=_dot_precision(q.dtype),
+            WIDEN=self._widen(q), num_warps=config.warps, num_stages=config.stages,
         )
         if splits > 1:
             decode_reduce_kernel[(rows, num_heads)](
                 part_acc, part_lse, ctx_lens, out, num_heads, out.stride(0), out.stride(1),
-                HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=splits,
-                num_warps=DECODE_WARPS,
+                HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=config.block_n, NUM_SPLITS=splits,
+                num_warps=config.warps,
             )
         return out
 
@@ -141,6 +195,7 @@ class TritonAttention:
         """Every prefill segment at once: q (T, H, D) holds segment s's new tokens at rows
         [cu_seqlens[s], cu_seqlens[s + 1]), the last of its ctx_lens[s] context positions (their K/V already
         in the pool); page_table (S, W); max_length the longest segment -> causal attention (T, H, D)."""
+        config = self.extend
         num_heads, head_dim = q.shape[1], q.shape[2]
         kv_heads = k_pool.shape[1]
         group = num_heads // kv_heads
@@ -150,7 +205,7 @@ class TritonAttention:
             return out
         block_d = next_power_of_two(head_dim)
         group_pad = next_power_of_two(group)
-        rows = max(MIN_DOT_ROWS, EXTEND_ROWS * EXTEND_ROW_BYTES // max(EXTEND_ROW_BYTES, block_d * q.element_size()))
+        rows = max(MIN_DOT_ROWS, config.rows * config.row_bytes // max(config.row_bytes, block_d * q.element_size()))
         block_t = max(1, rows // group_pad)
         grid = (segments, kv_heads, -(-max_length // block_t))
         extend_kernel[grid](
@@ -158,8 +213,8 @@ class TritonAttention:
             scale * LOG2_E, page_size,
             q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
             page_table.stride(0), out.stride(0), out.stride(1),
-            GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_M=block_t * group_pad, HEAD_DIM=head_dim,
-            BLOCK_D=block_d, BLOCK_N=EXTEND_BLOCK_N, PRECISION=_dot_precision(q.dtype), WIDEN=self._widen(q),
-            num_warps=EXTEND_WARPS, num_stages=PIPELINE_STAGES,
+            GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_M=block_t * group_pad,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=config.block_n, PRECISION=_dot_precision(q.dtype),
+            WIDEN=self._widen(q), num_warps=config.warps, num_stages=config.stages,
         )
         return out

@@ -7,6 +7,13 @@ Shared conventions:
   with page_size 1).
 - Softmax runs online in float32, in base 2: scores are scaled by `scale * log2(e)` once, so every
   exponential is an exp2, and a split's log-sum-exp is in base 2 too.
+- Launch-varying arguments are not specialised (`RUNTIME_ARGS`): Triton compiles a variant of a kernel for
+  each pattern of integer values (equal to 1, divisible by 16, other) and pointer alignment (16 bytes) it
+  meets, and a page table's width, or an index tensor's offset in the step's one staged buffer, changes
+  from step to step; each new pattern would compile under load. Those index tensors are only gathered
+  from, so an unknown alignment costs nothing; q, K/V, the output and their strides stay specialised
+  (16-byte vector loads). The page size is left unspecialised too, so that one warm-up at load serves any
+  (model/kernel_warmup.py).
 - GQA: a program owns one KV head and every query head of its group, so each K/V row is read once for
   the whole group; the group's heads (padded to a power of two) are rows of the score matrix.
 - WIDEN multiplies half-precision tiles as float32 (after the same rounding). Only for Triton's CPU
@@ -18,6 +25,11 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+# per kernel: the arguments whose value or alignment changes between launches of one server (see above)
+DECODE_RUNTIME_ARGS = ("page_table", "ctx_lens", "page_size", "stride_table_row")
+REDUCE_RUNTIME_ARGS = ("ctx_lens",)
+EXTEND_RUNTIME_ARGS = ("page_table", "cu_seqlens", "ctx_lens", "page_size", "stride_table_row")
 
 
 @triton.jit
@@ -38,14 +50,15 @@ def _attend_block(q_block, k, v, visible, m_i, l_i, acc, scale_log2, PRECISION: 
     return m_new, l_i * alpha + tl.sum(p, 1), acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DECODE_RUNTIME_ARGS)
 def decode_partial_kernel(
     q, k_pool, v_pool, page_table, ctx_lens, out, part_acc, part_lse,
     scale_log2, page_size, num_heads,
     stride_q_row, stride_q_head, stride_k_slot, stride_k_head, stride_v_slot, stride_v_head,
     stride_table_row, stride_out_row, stride_out_head,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr, WIDEN: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    WIDEN: tl.constexpr,
 ):
     """Grid (rows, kv_heads, NUM_SPLITS): one query row's group of heads over one split of its context.
 
@@ -57,7 +70,7 @@ def decode_partial_kernel(
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    ctx = tl.load(ctx_lens + row)
+    ctx = tl.load(ctx_lens + row).to(tl.int32)  # positions in 32 bits: their division by the page size is cheaper
     split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, ctx)
@@ -98,7 +111,7 @@ def decode_partial_kernel(
         tl.store(part_lse + index, m_i + tl.log2(l_i), mask=head_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=REDUCE_RUNTIME_ARGS)
 def decode_reduce_kernel(
     part_acc, part_lse, ctx_lens, out, num_heads, stride_out_row, stride_out_head,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -106,7 +119,7 @@ def decode_reduce_kernel(
     """Grid (rows, heads): merge a row's split partials, each weighted by its share of the softmax mass."""
     row = tl.program_id(0)
     head = tl.program_id(1)
-    ctx = tl.load(ctx_lens + row)
+    ctx = tl.load(ctx_lens + row).to(tl.int32)  # as decode_partial_kernel reads it
     split_len = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N
     used = tl.cdiv(ctx, split_len)  # the splits that held work (as decode_partial_kernel cut them)
     offs_s = tl.arange(0, NUM_SPLITS)
@@ -123,7 +136,7 @@ def decode_reduce_kernel(
              mask=d_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=EXTEND_RUNTIME_ARGS)
 def extend_kernel(
     q, k_pool, v_pool, out, page_table, cu_seqlens, ctx_lens,
     scale_log2, page_size,
@@ -144,8 +157,9 @@ def extend_kernel(
     kv_head = tl.program_id(1)
     block = tl.program_id(2)
     q_start = tl.load(cu_seqlens + segment)
-    length = tl.load(cu_seqlens + segment + 1) - q_start
-    ctx = tl.load(ctx_lens + segment)
+    # positions in 32 bits: their division by the page size is cheaper (rows stay 64-bit: row * stride)
+    length = (tl.load(cu_seqlens + segment + 1) - q_start).to(tl.int32)
+    ctx = tl.load(ctx_lens + segment).to(tl.int32)
     prefix = ctx - length
 
     offs_m = tl.arange(0, BLOCK_M)

@@ -26,6 +26,10 @@ except ImportError:  # no Triton: the torch forms stay
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_ROW = 16384  # widest row one program normalises in registers (Qwen3's largest hidden size is 8192)
 SILU_BLOCK = 1024  # activation columns per program
+# q/k norm + RoPE: (token, head) rows per program, so that a program holds about this many elements: a
+# program per row (256 bytes at bf16 head_dim 128) left the GPU scheduling programs rather than moving bytes
+QK_ROPE_ELEMENTS = 4096
+QK_ROPE_WARPS = 4
 
 
 if triton is not None:
@@ -68,29 +72,42 @@ if triton is not None:
         y = _rounded(_rounded(h * inv_rms, ROUND_BF16, dtype) * w, ROUND_BF16, dtype)
         tl.store(out_ptr + row * stride_out + offs, y.to(dtype), mask=mask)
 
-    @triton.jit
-    def _qk_norm_rope_kernel(qk_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr, stride_qt, stride_qh, stride_cos,
-                             stride_sin, stride_ot, stride_oh, num_q_heads, eps, HEAD_DIM: tl.constexpr,
+    @triton.jit(do_not_specialize=["num_rows"])
+    def _qk_norm_rope_kernel(qk_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, out_ptr, num_rows, stride_qt, stride_qh,
+                             stride_cos, stride_sin, stride_ot, stride_oh, eps, HEADS: tl.constexpr,
+                             NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                              ROUND_BF16: tl.constexpr):
-        token = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
+        """BLOCK_ROWS (token, head) rows, token-major, per program; each row's two halves of head_dim are
+        loaded apart, so the rotation's partner of an element is the same lane of the other half."""
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        row_ok = (rows < num_rows)[:, None]
+        token, head = rows // HEADS, rows % HEADS
         dtype = out_ptr.dtype.element_ty
-        offs = tl.arange(0, HEAD_DIM)
-        rolled = (offs + HEAD_DIM // 2) % HEAD_DIM  # torch.roll by half: element i takes i + D/2 (mod D)
-        row = qk_ptr + token * stride_qt + head * stride_qh
-        x = tl.load(row + offs).to(tl.float32)
-        x_rolled = tl.load(row + rolled).to(tl.float32)
-        inv_rms = tl.math.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
-        is_q = head < num_q_heads
-        w = tl.where(is_q, tl.load(qw_ptr + offs), tl.load(kw_ptr + offs)).to(tl.float32)
-        w_rolled = tl.where(is_q, tl.load(qw_ptr + rolled), tl.load(kw_ptr + rolled)).to(tl.float32)
-        normed = _rounded(_rounded(x * inv_rms, ROUND_BF16, dtype) * w, ROUND_BF16, dtype)
-        normed_rolled = _rounded(_rounded(x_rolled * inv_rms, ROUND_BF16, dtype) * w_rolled, ROUND_BF16, dtype)
-        cos = tl.load(cos_ptr + token * stride_cos + offs).to(tl.float32)
-        sin = tl.load(sin_ptr + token * stride_sin + offs).to(tl.float32)
-        y = _rounded(_rounded(normed * cos, ROUND_BF16, dtype) + _rounded(normed_rolled * sin, ROUND_BF16, dtype),
-                     ROUND_BF16, dtype)
-        tl.store(out_ptr + token * stride_ot + head * stride_oh + offs, y.to(dtype))
+        half = tl.arange(0, HEAD_DIM // 2)[None, :]
+        first = qk_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + half  # (BLOCK_ROWS, D/2)
+        x1 = tl.load(first, mask=row_ok, other=0.0).to(tl.float32)
+        x2 = tl.load(first + HEAD_DIM // 2, mask=row_ok, other=0.0).to(tl.float32)
+        inv_rms = tl.math.rsqrt(tl.sum(x1 * x1 + x2 * x2, axis=1) / HEAD_DIM + eps)[:, None]
+        is_q = (head < NUM_Q_HEADS)[:, None]
+        second = half + HEAD_DIM // 2
+        w1 = tl.where(is_q, tl.load(qw_ptr + half), tl.load(kw_ptr + half)).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(qw_ptr + second), tl.load(kw_ptr + second)).to(tl.float32)
+        normed1 = _rounded(_rounded(x1 * inv_rms, ROUND_BF16, dtype) * w1, ROUND_BF16, dtype)
+        normed2 = _rounded(_rounded(x2 * inv_rms, ROUND_BF16, dtype) * w2, ROUND_BF16, dtype)
+        cos = cos_ptr + token[:, None] * stride_cos + half
+        sin = sin_ptr + token[:, None] * stride_sin + half
+        cos1 = tl.load(cos, mask=row_ok, other=0.0).to(tl.float32)
+        cos2 = tl.load(cos + HEAD_DIM // 2, mask=row_ok, other=0.0).to(tl.float32)
+        sin1 = tl.load(sin, mask=row_ok, other=0.0).to(tl.float32)
+        sin2 = tl.load(sin + HEAD_DIM // 2, mask=row_ok, other=0.0).to(tl.float32)
+        # x * cos + roll(x, D/2) * signed_sin (model/rope.py): the first half's partner is the second, and back
+        y1 = _rounded(_rounded(normed1 * cos1, ROUND_BF16, dtype) + _rounded(normed2 * sin1, ROUND_BF16, dtype),
+                      ROUND_BF16, dtype)
+        y2 = _rounded(_rounded(normed2 * cos2, ROUND_BF16, dtype) + _rounded(normed1 * sin2, ROUND_BF16, dtype),
+                      ROUND_BF16, dtype)
+        out = out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + half
+        tl.store(out, y1.to(dtype), mask=row_ok)
+        tl.store(out + HEAD_DIM // 2, y2.to(dtype), mask=row_ok)
 
     @triton.jit
     def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, n, BLOCK: tl.constexpr,
@@ -169,10 +186,12 @@ class _TritonFusedOps:
         tokens, heads, head_dim = qk.shape
         out = torch.empty(qk.shape, dtype=qk.dtype, device=qk.device)
         cos, signed_sin = _rows(cos.reshape(tokens, head_dim)), _rows(signed_sin.reshape(tokens, head_dim))
-        _qk_norm_rope_kernel[(tokens, heads)](
+        block_rows = max(1, QK_ROPE_ELEMENTS // head_dim)
+        _qk_norm_rope_kernel[(triton.cdiv(tokens * heads, block_rows),)](
             qk, q_weight.to(qk.dtype).contiguous(), k_weight.to(qk.dtype).contiguous(), cos, signed_sin, out,
-            qk.stride(0), qk.stride(1), cos.stride(0), signed_sin.stride(0), out.stride(0), out.stride(1),
-            num_q_heads, eps, HEAD_DIM=head_dim, ROUND_BF16=qk.dtype == torch.bfloat16, num_warps=_warps(head_dim))
+            tokens * heads, qk.stride(0), qk.stride(1), cos.stride(0), signed_sin.stride(0), out.stride(0),
+            out.stride(1), eps, HEADS=heads, NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_ROWS=block_rows,
+            ROUND_BF16=qk.dtype == torch.bfloat16, num_warps=QK_ROPE_WARPS)
         return out
 
     def supports_silu_mul(self, gate_up: torch.Tensor) -> bool:

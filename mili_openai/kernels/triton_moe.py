@@ -28,7 +28,8 @@ BLOCK_N = 64
 BLOCK_K = 32
 
 
-@triton.jit
+# the token count's multiple changes every step: left unspecialised, it compiles no new variant under load
+@triton.jit(do_not_specialize=["num_pairs"])
 def _expert_matmul_kernel(
     a_ptr, w_ptr, out_ptr, pair_weights_ptr, sorted_pairs_ptr, block_experts_ptr, padded_length_ptr,
     N, K, num_pairs,

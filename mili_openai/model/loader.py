@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,7 @@ from safetensors.torch import load_file
 from mili_openai.distributed import TensorParallelGroup
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.huge_pages import move_parameters_to_huge_pages
+from mili_openai.model.kernel_warmup import warm_up_kernels
 from mili_openai.model.quantization.apply import load_checkpoint_quantization, quantize_model
 from mili_openai.model.quantization.modules import Fp8Linear
 from mili_openai.model.quantization.spec import (
@@ -30,6 +32,7 @@ from mili_openai.model.weights import CheckpointError, checkpoint_to_model_state
 
 if TYPE_CHECKING:
     from mili_openai.kernels import CpuKernels
+    from mili_openai.kernels.triton_attention import TritonAttention
 
 logger = logging.getLogger(__name__)
 
@@ -140,8 +143,10 @@ def load_model(
     if device.type == "cpu":
         move_parameters_to_huge_pages(model)
     rank_config = shard_config(config, parallel.size) if parallel is not None else config
+    triton_attention = None
     if attention_backend == "triton" or (attention_backend == "auto" and device.type == "cuda"):
-        _use_triton_attention(model, rank_config, dtype, device, required=attention_backend == "triton")
+        triton_attention = _use_triton_attention(model, rank_config, dtype, device,
+                                                 required=attention_backend == "triton")
     elif use_decode_kernel and device.type == "cpu" and not defer_cpu_kernels:
         from mili_openai.kernels import load_cpu_kernels  # only worth building (and only possible) on CPU
 
@@ -150,6 +155,12 @@ def load_model(
         _use_triton_moe(model)
     if device.type == "cuda":
         _use_cuda_kernels(model)
+    if device.type == "cuda" and triton_attention is not None:
+        start = time.perf_counter()
+        decode_rows = triton_attention.decode_split_rows(rank_config.num_key_value_heads)
+        forwards = warm_up_kernels(model, rank_config, decode_rows, device)
+        logger.info("compiled the Triton kernels for every step shape in %.1f s (%d warm-up forwards)",
+                    time.perf_counter() - start, forwards)
     return model, config
 
 
@@ -164,28 +175,29 @@ def _use_triton_moe(model: Qwen3ForCausalLM) -> None:
 
 
 def _use_triton_attention(model: Qwen3ForCausalLM, config: ModelConfig, dtype: torch.dtype, device: torch.device,
-                          required: bool) -> None:
-    """Attention through the Triton page-table kernels; where they cannot run, a ValueError if `required`,
-    else torch's SDPA stays."""
+                          required: bool) -> TritonAttention | None:
+    """Attention through the Triton page-table kernels (-> the kernel); where they cannot run, a ValueError if
+    `required`, else torch's SDPA stays (-> None)."""
     try:
         from mili_openai.kernels.triton_attention import TritonAttention
     except ImportError as exc:  # torch's CUDA wheels ship Triton; a CPU install may not have it
         if required:
             raise ValueError(f"the Triton attention backend needs the triton package: {exc}") from exc
         logger.warning("Triton is not installed: attention runs through torch's SDPA")
-        return
+        return None
     kernel = TritonAttention()
     probe_q = torch.empty(1, config.num_attention_heads, config.head_dim, dtype=dtype, device=device)
     probe_pool = torch.empty(1, config.num_key_value_heads, config.head_dim, dtype=dtype, device=device)
     if kernel.supports_paged_attention(probe_q, probe_pool):
         model.set_attention_kernel(kernel)
-        return
+        return kernel
     reason = (f"the Triton attention kernels run on {kernel.device_type} (the CPU only under TRITON_INTERPRET=1), "
               f"in float16, bfloat16 or float32, head_dim <= 256; this model is {dtype} on {device.type}, head_dim "
               f"{config.head_dim}, {config.num_attention_heads} query and {config.num_key_value_heads} KV heads")
     if required:
         raise ValueError(reason)
     logger.warning("%s: attention runs through torch's SDPA", reason)
+    return None
 
 
 def use_cpu_kernels(model: Qwen3ForCausalLM, dtype: torch.dtype, kernels: CpuKernels | None) -> None:
