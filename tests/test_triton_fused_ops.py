@@ -169,8 +169,9 @@ def test_kernels_compile_for_hopper(tmp_path, monkeypatch):
     variants = [(ops._rms_norm_kernel, dict(BLOCK=1024, ROUND_BF16=True)),
                 (ops._add_rms_norm_kernel, dict(BLOCK=1024, ROUND_BF16=True)),
                 (ops._qk_norm_rope_kernel, dict(HEADS=24, NUM_Q_HEADS=16, HEAD_DIM=128,
-                                                BLOCK_ROWS=ops.QK_ROPE_ELEMENTS // 128, ROUND_BF16=True)),
-                (ops._silu_mul_kernel, dict(BLOCK=ops.SILU_BLOCK, ROUND_BF16=True))]
+                                                BLOCK_ROWS=ops.FusedOpsConfig().qk_rope_elements // 128,
+                                                ROUND_BF16=True)),
+                (ops._silu_mul_kernel, dict(BLOCK=ops.FusedOpsConfig().silu_block, ROUND_BF16=True))]
     for kernel, constexprs in variants:
         signature = {name: "constexpr" if name in constexprs else "*bf16" if name in pointers
                      else "fp32" if name == "eps" else "i32" for name in kernel.arg_names}

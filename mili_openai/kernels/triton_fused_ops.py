@@ -15,6 +15,8 @@ imported, `TritonFusedOps` is None and the torch forms stay.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 try:
@@ -25,11 +27,21 @@ except ImportError:  # no Triton: the torch forms stay
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_ROW = 16384  # widest row one program normalises in registers (Qwen3's largest hidden size is 8192)
-SILU_BLOCK = 1024  # activation columns per program
-# q/k norm + RoPE: (token, head) rows per program, so that a program holds about this many elements: a
-# program per row (256 bytes at bf16 head_dim 128) left the GPU scheduling programs rather than moving bytes
-QK_ROPE_ELEMENTS = 4096
-QK_ROPE_WARPS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class FusedOpsConfig:
+    """The fused ops' launch constants (scripts/tune_gpu_kernels.py times the alternatives)."""
+
+    silu_block: int = 1024  # activation columns per program
+    silu_warps: int = 4
+    # q/k norm + RoPE: (token, head) rows per program, so that a program holds about this many elements: a
+    # program per row (256 bytes at bf16 head_dim 128) left the GPU scheduling programs rather than moving bytes
+    qk_rope_elements: int = 4096
+    qk_rope_warps: int = 4
+    # a norm's warps for rows of up to `norm_wide_row` elements, and twice as many for wider ones
+    norm_warps: int = 4
+    norm_wide_row: int = 2048
 
 
 if triton is not None:
@@ -128,18 +140,18 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return flat if flat.stride(-1) == 1 else flat.contiguous()
 
 
-def _warps(width: int) -> int:
-    return 4 if width <= 2048 else 8
-
-
 class _TritonFusedOps:
     """The `FusedOpKernel` and `ResidualNormKernel` of the CUDA path (model/layers.py): each op one launch
     over all its rows."""
 
-    def __init__(self) -> None:
+    def __init__(self, config: FusedOpsConfig = FusedOpsConfig()) -> None:
         # The interpreter runs on CPU tensors, the compiled kernels on CUDA ones.
         interpreted = type(_rms_norm_kernel).__name__ == "InterpretedFunction"
         self.device_type = "cpu" if interpreted else "cuda"
+        self.config = config
+
+    def _norm_warps(self, block: int) -> int:
+        return self.config.norm_warps * (1 if block <= self.config.norm_wide_row else 2)
 
     def _supports(self, x: torch.Tensor) -> bool:
         return x.device.type == self.device_type and x.dtype in DTYPES and x.numel() > 0
@@ -155,7 +167,7 @@ class _TritonFusedOps:
         block = triton.next_power_of_2(width)
         _rms_norm_kernel[(rows.shape[0],)](rows, weight.to(x.dtype).contiguous(), out, rows.stride(0), out.stride(0),
                                            width, eps, BLOCK=block, ROUND_BF16=x.dtype == torch.bfloat16,
-                                           num_warps=_warps(block))
+                                           num_warps=self._norm_warps(block))
         return out.view(x.shape)
 
     def supports_add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
@@ -171,7 +183,8 @@ class _TritonFusedOps:
         block = triton.next_power_of_2(width)
         _add_rms_norm_kernel[(rows.shape[0],)](
             rows, residual_rows, weight.to(x.dtype).contiguous(), out, rows.stride(0), residual_rows.stride(0),
-            out.stride(0), width, eps, BLOCK=block, ROUND_BF16=x.dtype == torch.bfloat16, num_warps=_warps(block))
+            out.stride(0), width, eps, BLOCK=block, ROUND_BF16=x.dtype == torch.bfloat16,
+            num_warps=self._norm_warps(block))
         return x, out.view(x.shape)
 
     def supports_qk_norm_rope(self, qk: torch.Tensor) -> bool:
@@ -186,12 +199,12 @@ class _TritonFusedOps:
         tokens, heads, head_dim = qk.shape
         out = torch.empty(qk.shape, dtype=qk.dtype, device=qk.device)
         cos, signed_sin = _rows(cos.reshape(tokens, head_dim)), _rows(signed_sin.reshape(tokens, head_dim))
-        block_rows = max(1, QK_ROPE_ELEMENTS // head_dim)
+        block_rows = max(1, self.config.qk_rope_elements // head_dim)
         _qk_norm_rope_kernel[(triton.cdiv(tokens * heads, block_rows),)](
             qk, q_weight.to(qk.dtype).contiguous(), k_weight.to(qk.dtype).contiguous(), cos, signed_sin, out,
             tokens * heads, qk.stride(0), qk.stride(1), cos.stride(0), signed_sin.stride(0), out.stride(0),
             out.stride(1), eps, HEADS=heads, NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK_ROWS=block_rows,
-            ROUND_BF16=qk.dtype == torch.bfloat16, num_warps=QK_ROPE_WARPS)
+            ROUND_BF16=qk.dtype == torch.bfloat16, num_warps=self.config.qk_rope_warps)
         return out
 
     def supports_silu_mul(self, gate_up: torch.Tensor) -> bool:
@@ -202,9 +215,10 @@ class _TritonFusedOps:
         rows = _rows(gate_up)
         width = rows.shape[1] // 2
         out = torch.empty(rows.shape[0], width, dtype=gate_up.dtype, device=gate_up.device)
-        grid = (rows.shape[0], triton.cdiv(width, SILU_BLOCK))
-        _silu_mul_kernel[grid](rows, out, rows.stride(0), out.stride(0), width, BLOCK=SILU_BLOCK,
-                               ROUND_BF16=gate_up.dtype == torch.bfloat16, num_warps=4)
+        block = self.config.silu_block
+        grid = (rows.shape[0], triton.cdiv(width, block))
+        _silu_mul_kernel[grid](rows, out, rows.stride(0), out.stride(0), width, BLOCK=block,
+                               ROUND_BF16=gate_up.dtype == torch.bfloat16, num_warps=self.config.silu_warps)
         return out.view(*gate_up.shape[:-1], width)
 
 
