@@ -1,8 +1,9 @@
 """The Triton attention backend without a GPU.
 
 - Its kernels, the model and the engine through them, under Triton's CPU interpreter: the cases live in
-  tests/triton_attention_cases.py and run in a subprocess with TRITON_INTERPRET=1, because Triton reads
-  that variable when it is imported and keeps it for the process (this one must stay uninterpreted).
+  tests/triton_attention_cases.py (and tests/triton_compile_cases.py: no compile under load) and run in a
+  subprocess with TRITON_INTERPRET=1, because Triton reads that variable when it is imported and keeps it
+  for the process (this one must stay uninterpreted).
 - Its kernels compile for the GPU it serves on (Hopper, sm_90), with the compiler and ptxas Triton ships,
   which need no GPU: what the interpreter does not check (tl.dot's shape rules, shared memory, types).
 """
@@ -21,7 +22,8 @@ triton = pytest.importorskip("triton")
 
 from mili_openai.kernels import triton_attention_kernels  # noqa: E402
 
-CASES = Path(__file__).with_name("triton_attention_cases.py")
+# the kernels against their reference; no compile under load
+CASES = [Path(__file__).with_name(name) for name in ("triton_attention_cases.py", "triton_compile_cases.py")]
 INTERPRETER_TIMEOUT_S = 900  # the cases take well under this on a loaded 2-core machine
 HOPPER = (90, 32)  # compute capability 9.0 (H100, H200), warp size
 
@@ -29,8 +31,8 @@ HOPPER = (90, 32)  # compute capability 9.0 (H100, H200), warp size
 def test_kernels_match_their_reference_under_the_interpreter(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_CACHE_DIR": str(tmp_path / "triton")}
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", str(CASES), "-q", "-p", "no:cacheprovider", "-W", "ignore::UserWarning"],
-        cwd=CASES.parent.parent, env=env, capture_output=True, text=True, timeout=INTERPRETER_TIMEOUT_S,
+        [sys.executable, "-m", "pytest", *map(str, CASES), "-q", "-p", "no:cacheprovider", "-W", "ignore::UserWarning"],
+        cwd=CASES[0].parent.parent, env=env, capture_output=True, text=True, timeout=INTERPRETER_TIMEOUT_S,
     )
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]

@@ -16,7 +16,7 @@ chunks, and buckets past `MAX_GATHERED_SLOTS`, run eagerly.
 
 With a page-table attention kernel (Triton; `page_table_width` given) a graph's shape no longer depends on
 context length: the page table is as wide as the longest context the engine admits, and the kernel's
-split count depends on the rows alone. Then a bucket is a row count only, vLLM's capture sizes (1, 2, 4,
+split count on the rows (and the GPU) alone. Then a bucket is a row count only, vLLM's capture sizes (1, 2, 4,
 then every multiple of 8 up to 256), all captured at start-up; padded rows read the scratch page.
 
 Built on the CPU too, where it replays nothing and runs the padded batch eagerly: the padding is then

@@ -1,0 +1,136 @@
+"""No Triton compile under load: every kernel launch of a serving step is a variant the load-time warm-up
+(model/kernel_warmup.py) compiled.
+
+Run by tests/test_triton_attention.py in its TRITON_INTERPRET=1 subprocess, as triton_attention_cases.py is
+(on a GPU machine, directly: the same checks on CUDA). Each launch's arguments are recorded through
+Triton's pre-run hooks, and the key Triton's JIT would compile a variant for is computed from them with
+Triton's own specialisation function and each kernel's do_not_specialize flags.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_helpers import PagedSequences, random_tokens
+
+pytest.importorskip("triton")
+
+from triton_attention_cases import DEVICE, with_page_tables  # noqa: E402
+
+from mili_openai.kernels.triton_attention import TritonAttention  # noqa: E402
+from mili_openai.model import KVCache, load_model  # noqa: E402
+
+
+def _kernel_params(kernel) -> list:
+    """The kernel's parameters as Triton's JIT sees them (name, constexpr, do_not_specialize flags); the
+    interpreter keeps only the decorator's arguments, from which the same JIT object is built."""
+    from triton.runtime.jit import JITFunction
+
+    return kernel.params if hasattr(kernel, "params") else JITFunction(kernel.fn, **kernel.kwargs).params
+
+
+def specialization_key(params: list, args: tuple, kwargs: dict, specialize_all: bool = False) -> tuple:
+    """What Triton's JIT keys a compiled variant on: each constexpr's value, and each other argument's type
+    with the value class (1, divisible by 16, other) or 16-byte alignment it is specialised on, unless the
+    kernel leaves it unspecialised. `specialize_all`: as if it left none."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+
+    values = dict(zip((p.name for p in params), args)) | kwargs
+    key = []
+    for param in params:
+        value = values[param.name]
+        if param.is_constexpr:
+            key.append((param.name, value))
+        else:
+            specialize = specialize_all or not param.do_not_specialize
+            align = specialize_all or not param.do_not_specialize_on_alignment
+            key.append((param.name, *native_specialize_impl(BaseBackend, value, False, specialize, align)))
+    return tuple(key)
+
+
+class LaunchRecorder:
+    """Records each launch's arguments of the serving path's kernels (Triton's pre-run hooks)."""
+
+    def __init__(self, kernels: list) -> None:
+        self.kernels = kernels
+        self.launches: list[tuple[object, tuple, dict]] = []
+        self.hooks = [lambda *args, kernel=kernel, **kwargs: self.launches.append((kernel, args, kwargs))
+                      for kernel in kernels]
+
+    def __enter__(self) -> LaunchRecorder:
+        for kernel, hook in zip(self.kernels, self.hooks):
+            kernel.add_pre_run_hook(hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for kernel, hook in zip(self.kernels, self.hooks):
+            kernel.pre_run_hooks.remove(hook)
+
+    def keys(self, specialize_all: bool = False) -> dict[str, set[tuple]]:
+        """{kernel name: its launches' specialization keys}."""
+        keys: dict[str, set[tuple]] = {}
+        for kernel, args, kwargs in self.launches:
+            params = _kernel_params(kernel)
+            names = {p.name for p in params}
+            key = specialization_key(params, args, {k: v for k, v in kwargs.items() if k in names}, specialize_all)
+            keys.setdefault(kernel.__name__, set()).add(key)
+        return keys
+
+
+@torch.inference_mode()
+def test_serving_steps_launch_only_the_variants_the_warm_up_compiled(tiny_checkpoint):
+    """Steps whose page tables differ in width and whose index tensors sit at varying offsets of the staged
+    step buffer (as the runner hands them to the GPU) meet no kernel variant the load-time warm-up did not:
+    nothing compiles after start-up. Without the kernels' do_not_specialize lists they would."""
+    from mili_openai.engine.step_inputs import stage_forward_batch
+    from mili_openai.kernels import triton_attention_kernels, triton_fused_ops
+    from mili_openai.model.kernel_warmup import warm_up_kernels
+
+    model, config = load_model(tiny_checkpoint, torch.float32, DEVICE, attention_backend="triton")
+    attention = TritonAttention(multiprocessors=2)  # few decode rows reach every split count
+    model.set_attention_kernel(attention)
+    fused = triton_fused_ops.TritonFusedOps()
+    model.set_fused_op_kernel(fused)
+    model.set_residual_norm_kernel(fused)
+    kernels = [triton_attention_kernels.decode_partial_kernel, triton_attention_kernels.decode_reduce_kernel,
+               triton_attention_kernels.extend_kernel, triton_fused_ops._rms_norm_kernel,
+               triton_fused_ops._add_rms_norm_kernel, triton_fused_ops._qk_norm_rope_kernel,
+               triton_fused_ops._silu_mul_kernel]
+    with LaunchRecorder(kernels) as warm_up:
+        warm_up_kernels(model, config, attention.decode_split_rows(config.num_key_value_heads), DEVICE)
+    compiled = warm_up.keys()
+    assert set(compiled) == {kernel.__name__ for kernel in kernels}
+
+    page_size = 4
+    sequences = PagedSequences(num_pages=96, page_size=page_size, seed=5)
+    cache = KVCache(config, 96, page_size, torch.float32, DEVICE)
+    for key, length in (("a", 40), ("b", 20), ("c", 50), ("d", 20), ("e", 70)):
+        sequences.add(key, random_tokens(length, seed=len(key) + length))
+    # (decode keys, prefill chunks): tables 1 to 16 pages wide (16: a width divisible by 16), 8 tokens (48 q/k
+    # rows: a count divisible by 16) and others
+    steps = [
+        ([], [("a", 21), ("b", 5)]), (["a", "b"], [("c", 13)]), (["a"], [("d", 7)]), (["a"], []),
+        (["a", "b"], [("c", 10), ("d", 2)]),
+        (["a", "b", "c", "d"], []), (["b"], [("c", 7), ("e", 61)]), (["d", "c"], []), (["e", "d"], [("c", 3)]),
+    ]
+    with LaunchRecorder(kernels) as serving:
+        for decode, prefill in steps:
+            batch, _ = sequences.batch(decode=decode, prefill=prefill)
+            batch = with_page_tables(batch, sequences, decode + [key for key, _ in prefill])
+            staged, _ = stage_forward_batch(batch, pin_memory=False)  # index tensors at the offsets the GPU sees
+            model(staged, cache)
+    keys, naive = serving.keys(), serving.keys(specialize_all=True)
+    for name in keys:
+        assert keys[name] <= compiled[name], f"{name} would compile under load"
+        # launches with the same constexprs (block sizes, split count) share one variant
+        assert len(keys[name]) == len({constexprs(key) for key in keys[name]}), name
+    # and the steps do vary what Triton could key on
+    for name in ("decode_partial_kernel", "extend_kernel", "_qk_norm_rope_kernel"):
+        assert len(naive[name]) > len(keys[name]), name
+
+
+def constexprs(key: tuple) -> tuple:
+    """The constexpr values of a specialization key (entries of two: a name and a value)."""
+    return tuple(entry for entry in key if len(entry) == 2)
