@@ -65,17 +65,19 @@ def refuse_without_cuda() -> str | None:
 
 
 def bench(run: Callable[[], torch.Tensor], reference: torch.Tensor | None, tolerance: float, rep_ms: int
-          ) -> tuple[float, str]:
-    """(median microseconds, a note: a mismatch against `reference`)."""
+          ) -> tuple[float, str, torch.Tensor]:
+    """(median microseconds, a note: a mismatch against `reference`, the first run's output). The first run
+    compiles; its output is copied, as a later run may write the same buffer."""
     import triton
 
-    out = run()
+    first = run().clone()
     note = ""
     if reference is not None:
-        error = (out.float() - reference.float()).abs().max().item()
+        error = (first.float() - reference.float()).abs().max().item()
         if not error <= tolerance:  # also catches NaN
             note = f"MISMATCH vs default: max abs error {error:.3g}"
-    return triton.testing.do_bench(run, warmup=max(1, rep_ms // 4), rep=rep_ms) * 1e3, note
+    micros = triton.testing.do_bench(run, warmup=max(1, rep_ms // 4), rep=rep_ms, return_mode="median") * 1e3
+    return micros, note, first
 
 
 @dataclass(frozen=True)
@@ -95,10 +97,9 @@ def time_configs(shape: Shape, configs: list, default, make_run: Callable[[objec
         changed = [f"{key}={value}" for key, value in asdict(config).items() if value != getattr(default, key)]
         described = " ".join([*(changed or ["default"]), shape.describe(config)])
         try:
-            run = make_run(config)
-            micros, note = bench(run, reference, shape.tolerance, rep_ms)
+            micros, note, first = bench(make_run(config), reference, shape.tolerance, rep_ms)
             if config == default:
-                reference = run()
+                reference = first
         except Exception as exc:  # noqa: BLE001 -- out of shared memory, a compile error: report and go on
             timings.append(Timing(shape.label, described.strip(), config == default, None, note=f"failed: {exc}"[:160]))
             continue
@@ -197,9 +198,9 @@ def fused_timings(rep_ms: int) -> list[Timing]:
     ops = {
         "rms_norm": ([FusedOpsConfig(norm_warps=warps) for warps in (2, 4, 8)],
                      lambda k: lambda: k.rms_norm(x, weight, 1e-6), 2 * tokens * HIDDEN * BYTES),
-        # written over a copy each run: h lands in x's rows
+        # h lands in x's rows: each configuration works on its own copy, fresh for its first (checked) run
         "add_rms_norm": ([FusedOpsConfig(norm_warps=warps) for warps in (2, 4, 8)],
-                         lambda k: lambda: k.add_rms_norm(x.clone(), residual, weight, 1e-6)[1],
+                         lambda k: lambda scratch=x.clone(): k.add_rms_norm(scratch, residual, weight, 1e-6)[1],
                          4 * tokens * HIDDEN * BYTES),
         "qk_norm_rope": ([FusedOpsConfig(qk_rope_elements=elements, qk_rope_warps=warps)
                           for elements in (1024, 2048, 4096, 8192) for warps in (4, 8)],
