@@ -40,7 +40,8 @@ stage "CUDA tests: the engine, Triton attention, fp8 weights and MoE experts on 
 # the time left of TOTAL_S: the benchmark and profile warm Triton's cache for them (cold, they took > 150 s)
 # (not tests/test_cuda_graphs.py: it runs on the CPU, and would build the CPU kernels there first)
 LEFT=$(( TOTAL_S - ($(date +%s) - START) )); (( LEFT < 60 )) && LEFT=60
-timeout "$LEFT" python3 -m pytest tests/test_cuda_path.py tests/triton_attention_cases.py tests/test_quantized_cuda.py \
+timeout "$LEFT" python3 -m pytest tests/test_cuda_path.py tests/triton_attention_cases.py tests/triton_compile_cases.py \
+  tests/test_quantized_cuda.py \
   "tests/test_moe.py::test_cuda_experts_through_triton_and_graphs_match_transformers" \
   -q --maxfail=6 -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"
 TESTS=$?

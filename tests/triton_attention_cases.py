@@ -261,26 +261,27 @@ def test_page_table_graph_buckets_pad_without_touching_real_slots(models):
     torch.testing.assert_close(graph_cache.pools[:, :, real], eager_cache.pools[:, :, real], rtol=0, atol=1e-5)
 
 
-def with_page_tables(batch: ForwardBatch, sequences: PagedSequences, keys: list[str]) -> ForwardBatch:
-    """A PagedSequences batch (slot tables) with page tables instead, as the engine builds them; `keys`: the
-    sequence of each decode row, then of each prefill chunk."""
+def with_page_tables(batch: ForwardBatch, sequences: PagedSequences, keys: list[str],
+                     device: torch.device = DEVICE) -> ForwardBatch:
+    """A PagedSequences batch (slot tables) with page tables instead, as the engine builds them, on `device`;
+    `keys`: the sequence of each decode row, then of each prefill chunk."""
     width = max(len(sequences.pages[key]) for key in keys)
     table = torch.zeros(len(keys), width, dtype=torch.int64)
     for row, key in enumerate(keys):
         table[row, : len(sequences.pages[key])] = torch.tensor(sequences.pages[key])
-    table = table.to(DEVICE)
+    table = table.to(device)
     lengths = torch.tensor([segment.length for segment in batch.prefills], dtype=torch.int64)
     prefill = None
     if batch.prefills:
         prefill = dict(prefill=table[batch.num_decode:],
-                       prefill_cu_seqlens=torch.cat((torch.zeros(1, dtype=torch.int64), lengths.cumsum(0))).to(DEVICE),
-                       prefill_ctx_lens=torch.tensor([len(s.context_slots) for s in batch.prefills], device=DEVICE),
+                       prefill_cu_seqlens=torch.cat((torch.zeros(1, dtype=torch.int64), lengths.cumsum(0))).to(device),
+                       prefill_ctx_lens=torch.tensor([len(s.context_slots) for s in batch.prefills], device=device),
                        max_prefill_len=int(lengths.max()))
     pages = PageTables(sequences.page_size,
                        decode=table[: batch.num_decode] if batch.num_decode else None,
                        **(prefill or dict(prefill=None, prefill_cu_seqlens=None, prefill_ctx_lens=None)))
-    decode_ctx_lens = None if batch.decode_ctx_lens is None else batch.decode_ctx_lens.to(DEVICE)
-    return ForwardBatch(batch.input_ids.to(DEVICE), batch.positions.to(DEVICE), batch.slot_mapping.to(DEVICE),
-                        batch.num_decode, None, decode_ctx_lens, batch.prefills, batch.logits_indices.to(DEVICE),
+    decode_ctx_lens = None if batch.decode_ctx_lens is None else batch.decode_ctx_lens.to(device)
+    return ForwardBatch(batch.input_ids.to(device), batch.positions.to(device), batch.slot_mapping.to(device),
+                        batch.num_decode, None, decode_ctx_lens, batch.prefills, batch.logits_indices.to(device),
                         pages=pages)
 

@@ -84,7 +84,7 @@ def test_serving_steps_launch_only_the_variants_the_warm_up_compiled(tiny_checkp
     """Steps whose page tables differ in width and whose index tensors sit at varying offsets of the staged
     step buffer (as the runner hands them to the GPU) meet no kernel variant the load-time warm-up did not:
     nothing compiles after start-up. Without the kernels' do_not_specialize lists they would."""
-    from mili_openai.engine.step_inputs import stage_forward_batch
+    from mili_openai.engine.step_inputs import forward_batch_to, stage_forward_batch
     from mili_openai.kernels import triton_attention_kernels, triton_fused_ops
     from mili_openai.model.kernel_warmup import warm_up_kernels
 
@@ -118,9 +118,10 @@ def test_serving_steps_launch_only_the_variants_the_warm_up_compiled(tiny_checkp
     with LaunchRecorder(kernels) as serving:
         for decode, prefill in steps:
             batch, _ = sequences.batch(decode=decode, prefill=prefill)
-            batch = with_page_tables(batch, sequences, decode + [key for key, _ in prefill])
-            staged, _ = stage_forward_batch(batch, pin_memory=False)  # index tensors at the offsets the GPU sees
-            model(staged, cache)
+            batch = with_page_tables(batch, sequences, decode + [key for key, _ in prefill], torch.device("cpu"))
+            # as the runner hands a step over: index tensors at their offsets in one staged buffer
+            staged, buffer = stage_forward_batch(batch, pin_memory=False)
+            model(forward_batch_to(staged, DEVICE, buffer), cache)
     keys, naive = serving.keys(), serving.keys(specialize_all=True)
     for name in keys:
         assert keys[name] <= compiled[name], f"{name} would compile under load"
