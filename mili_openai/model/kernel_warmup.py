@@ -9,7 +9,8 @@ scratch KV cache, one per row-count class, compile all of them, as vLLM warms up
 - a mixed step: decode rows, a prefill chunk after a cached prefix page and a longer fresh prompt, with
   enough tokens that the MoE and quantized matmuls pick their prefill block sizes;
 - a decode step of the fewest rows that gets each split count of the decode kernel (`decode_rows`): the
-  CUDA graphs would compile only those of the batch sizes they capture, and an eager server none.
+  CUDA graphs would compile only those of the batch sizes they capture, and an eager server none;
+- the logits of each, so that a quantized LM head meets the row counts it picks its tiles by.
 
 Any page size gives the same variants (the kernels take it unspecialised), so this needs no engine setting.
 """
@@ -28,6 +29,7 @@ MIXED_DECODE_ROWS = 4
 # (cached prefix, new tokens) of the mixed step's prefill chunks: a radix hit, and a prompt long enough that
 # grouped kernels choose their large blocks (Qwen3-MoE's 128 experts x top-8 switch at 256 tokens)
 MIXED_SEGMENTS = ((WARMUP_PAGE_SIZE, WARMUP_PAGE_SIZE), (0, 480))
+MAX_LOGITS_ROWS = 256  # the rows a step samples at most by default (max_num_seqs)
 
 
 def _pages(length: int) -> int:
@@ -88,8 +90,8 @@ def warm_up_kernels(model: Qwen3ForCausalLM, config: ModelConfig, decode_rows: l
         raise ValueError("the kernel warm-up builds page-table batches: the model's attention must read them")
     mixed, pages = mixed_step(device)
     cache = KVCache(config, pages, WARMUP_PAGE_SIZE, model.dtype, device)
-    model(mixed, cache)
+    model.compute_logits(model(mixed, cache)[:MAX_LOGITS_ROWS])
     for rows in decode_rows:
-        model(decode_step(rows, device), cache)
+        model.compute_logits(model(decode_step(rows, device), cache))
     del cache
     return 1 + len(decode_rows)
