@@ -44,7 +44,8 @@ PIPELINE_STAGES = 3
 
 if triton is not None:
 
-    @triton.jit
+    # M, the step's row count, varies from step to step: one compiled variant for every value
+    @triton.jit(do_not_specialize=["M"])
     def _fp8_weight_only_matmul(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, scale_columns, block_rows, block_columns,
                                 ONE_K_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                 BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr):

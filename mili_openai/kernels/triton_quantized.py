@@ -30,7 +30,8 @@ BLOCK_K = 32  # one int4 nibble lane: 32 values of K from 32 consecutive 16-bit 
 
 if triton is not None:
 
-    @triton.jit
+    # M, the step's row count, varies from step to step: one compiled variant for every value
+    @triton.jit(do_not_specialize=["M"])
     def _quantized_matmul(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, groups, group_size,
                           BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INT4_BLOCK: tl.constexpr,
