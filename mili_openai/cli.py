@@ -121,6 +121,10 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                           "CUDA, no on CPU)")
     eng.add_argument("--switch-interval", type=float, default=None, metavar="SECONDS",
                      help="CPython's GIL switch interval in the engine's process (default: Python's, 0.005)")
+    eng.add_argument("--torch-profiler-dir", default=None, metavar="DIR",
+                     help="enable POST /start_profile and POST /stop_profile: a torch profile of the engine's steps "
+                          "(CPU ops, and GPU kernels on CUDA) written into DIR as a Chrome trace and a text summary "
+                          "(as vLLM's torch profiler directory; off: the routes answer 404). Slows serving while it runs")
     eng.add_argument("--default-model-cache", default=None,
                      help="where the embedded default model is built (default: ~/.cache/mili-openai)")
     serve.set_defaults(func=run_serve, parser=serve)
@@ -163,6 +167,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         engine_process=args.engine_process,
         async_launch=args.async_launch,
         switch_interval_s=args.switch_interval,
+        torch_profiler_dir=args.torch_profiler_dir,
         cpu_kernels_in_background=True,  # a first start answers while the kernels compile
     )
     return ServerConfig(

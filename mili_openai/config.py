@@ -128,6 +128,9 @@ class EngineConfig:
     # CPython's GIL switch interval (sys.setswitchinterval) for the engine's process, set when its engine
     # starts; None = leave Python's (5 ms). A thread waiting for the GIL waits up to this long
     switch_interval_s: float | None = None
+    # where POST /stop_profile writes a torch profile of the engine's steps (a Chrome trace and a text summary);
+    # None = profiling off, and the profile routes answer 404 (vLLM's torch profiler directory)
+    torch_profiler_dir: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):  # as the offline LLM(speculative_config={...}) takes it
@@ -152,6 +155,8 @@ class EngineConfig:
             raise ValueError(f"switch_interval_s must be > 0, got {self.switch_interval_s}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if self.torch_profiler_dir is not None and not self.torch_profiler_dir.strip():
+            raise ValueError("torch_profiler_dir must name a directory")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if not _is_count(self.tensor_parallel_size):

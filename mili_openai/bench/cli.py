@@ -84,6 +84,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                      help=f"also report requests/s within every bound, as vLLM's; metrics {', '.join(GOODPUT_METRICS)}")
     out.add_argument("--json", dest="json_path", default=None, metavar="FILE", help="write the full result here")
+    out.add_argument("--profile", action="store_true",
+                     help="POST /start_profile to the server before the measured requests and POST /stop_profile "
+                          "after, as vLLM's: the server writes a torch profile of its steps (mili serve needs "
+                          "--torch-profiler-dir) and this prints where")
     out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -99,7 +103,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed, tokenizer=args.tokenizer, api_key=args.api_key, json_path=args.json_path,
         timeout_s=args.timeout, warmup=args.warmup, progress=not args.no_progress,
         goodput_slos=parse_goodput(args.goodput) if args.goodput else None,
-        metric_percentiles=parse_percentiles(args.metric_percentiles),
+        metric_percentiles=parse_percentiles(args.metric_percentiles), profile=args.profile,
     )
 
 
@@ -121,6 +125,9 @@ def bench_serve_main(args: argparse.Namespace) -> int:
         print(f"bench serve: error: {config.base_url}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return EXIT_FAILED_REQUESTS
     print(format_table(run))
+    if run.profile is not None:  # the figures above ran under the profiler: slower than unprofiled
+        print(f"server profile (the figures above ran under it): {run.profile.get('num_steps')} steps, trace "
+              f"{run.profile.get('trace')}, summary {run.profile.get('summary')}")
     if config.json_path is not None:
         print(f"wrote {write_json(run, config.json_path)}", file=sys.stderr)
     return EXIT_FAILED_REQUESTS if run.summary.failed else EXIT_OK

@@ -81,6 +81,9 @@ class BenchConfig:
     max_error_messages: int = 5  # how many distinct failure messages the report keeps
     goodput_slos: dict[str, float] | None = None  # vLLM's --goodput: metric -> bound in ms (GOODPUT_METRICS)
     metric_percentiles: tuple[float, ...] = REPORTED_PERCENTILES  # vLLM's --metric-percentiles, for every latency
+    # vLLM's --profile: POST /start_profile before the measured requests, POST /stop_profile after (the server
+    # writes a torch profile of its steps; mili serve needs --torch-profiler-dir)
+    profile: bool = False
 
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):

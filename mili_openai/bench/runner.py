@@ -21,6 +21,7 @@ from http import HTTPStatus
 from typing import Any, TextIO
 
 import aiohttp
+import orjson
 
 from mili_openai.bench.config import BenchConfig
 from mili_openai.bench.datasets import BenchRequest, build_workload
@@ -29,6 +30,7 @@ from mili_openai.bench.sse_client import RequestResult, request_body, request_he
 from mili_openai.bench.summary import BenchSummary, summarize
 
 MODELS_PATH = "/v1/models"
+START_PROFILE_PATH, STOP_PROFILE_PATH = "/start_profile", "/stop_profile"  # vLLM's routes (--profile)
 # Longest SSE line the client reads (aiohttp's default is 64 KiB): an event with logprobs or an echoed
 # long prompt can be larger.
 MAX_LINE_BYTES = 1 << 24
@@ -45,6 +47,7 @@ class BenchRun:
     summary: BenchSummary
     results: list[RequestResult]
     warmup_failed: int
+    profile: dict[str, Any] | None = None  # with --profile: what POST /stop_profile answered (the files' paths)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -52,6 +55,7 @@ class BenchRun:
             "model": self.model,
             "started_at": self.started_at,
             "warmup_failed": self.warmup_failed,
+            "profile": self.profile,
             "summary": self.summary.to_json(),
             "requests": [r.to_json() for r in self.results],
         }
@@ -70,13 +74,26 @@ async def run_benchmark(config: BenchConfig, tokenizer=None) -> BenchRun:
         if warmup:
             warmup_results = await send_all(client, config, model, warmup, "warmup", rate=math.inf)
             warmup_failed = sum(not r.success for r in warmup_results)
+        if config.profile:
+            await post_profile(client, config, START_PROFILE_PATH)
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         started = time.perf_counter()
         results = await send_all(client, config, model, measured, "bench", rate=config.request_rate)
         duration = time.perf_counter() - started
+        profile = await post_profile(client, config, STOP_PROFILE_PATH) if config.profile else None
     summary = summarize(results, duration, config.max_error_messages, config.goodput_slos, config.metric_percentiles)
     return BenchRun(config=config, model=model, started_at=started_at, summary=summary, results=results,
-                    warmup_failed=warmup_failed)
+                    warmup_failed=warmup_failed, profile=profile)
+
+
+async def post_profile(client: aiohttp.ClientSession, config: BenchConfig, path: str) -> dict[str, Any]:
+    """POST the server's start or stop profile route; its JSON answer, or ValueError with what it said."""
+    url = config.base_url.rstrip("/") + path
+    async with client.post(url, headers=request_headers(config)) as response:
+        text = await response.text()
+        if response.status != HTTPStatus.OK:
+            raise ValueError(f"POST {url} answered {response.status}: {text[:300]}")
+    return orjson.loads(text)
 
 
 async def first_model_id(client: aiohttp.ClientSession, config: BenchConfig) -> str:

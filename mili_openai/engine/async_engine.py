@@ -40,11 +40,12 @@ from threadpoolctl import threadpool_limits
 from mili_openai.config import EngineConfig
 from mili_openai.engine.client import DeltaSink, RequestStream
 from mili_openai.engine.core import EngineCore
-from mili_openai.engine.outputs import EngineObserver, EngineStats, PageAccounting, SequenceDelta
+from mili_openai.engine.outputs import EngineObserver, EngineStats, PageAccounting, ProfileFiles, SequenceDelta
 from mili_openai.engine.parallel_sampling import ParentRequest
 from mili_openai.engine.step_preparer import PreparedStep
 from mili_openai.engine.sampling_params import SamplingParams
 from mili_openai.engine.scheduled_batch import ScheduledBatch
+from mili_openai.engine.step_profiler import StepProfiler
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,9 @@ class AsyncEngine:
         self._loop_task: asyncio.Task | None = None
         # steps handed to the worker, oldest first: the one running and at most one queued behind it
         self._launched: deque[InFlightStep] = deque()
+        # `--torch-profiler-dir`: profiles of the steps, started and stopped on request (engine/step_profiler.py)
+        self._profiler = (StepProfiler(config.torch_profiler_dir, self.core.runner.device)
+                          if config.torch_profiler_dir is not None else None)
 
     # ---- lifecycle ----
     async def start(self) -> None:
@@ -143,6 +147,8 @@ class AsyncEngine:
         for request_id in list(self._streams):
             self.abort(request_id)
         self._wakeup = None
+        if self._profiler is not None:
+            self._profiler.discard()
 
     async def close(self) -> None:
         """Let the forward thread go (after `shutdown`); the model stays loaded until the engine is dropped."""
@@ -212,6 +218,20 @@ class AsyncEngine:
         """Attach the server's metrics to an engine built before the server (one observer at a time)."""
         self.core.observer = observer
 
+    async def start_profile(self) -> None:
+        """Start a torch profile of the steps, here on the loop's thread (ProfilerStateError if one runs)."""
+        self._step_profiler().start()
+
+    async def stop_profile(self) -> ProfileFiles:
+        """Stop the running profile (ProfilerStateError if none) and write its files, off the loop."""
+        stopped = self._step_profiler().stop()
+        return await asyncio.to_thread(stopped.write)
+
+    def _step_profiler(self) -> StepProfiler:
+        if self._profiler is None:
+            raise ValueError("profiling is off: start the engine with a torch_profiler_dir (--torch-profiler-dir)")
+        return self._profiler
+
     # ---- the loop ----
     def _deliver(self, delta: SequenceDelta) -> None:
         stream = self._streams.get(delta.request_id)
@@ -263,6 +283,8 @@ class AsyncEngine:
             launched.popleft()  # not on cancellation: shutdown waits for every step still on the worker
             for delta in self.core.postprocess(step.batch, output):
                 self._deliver(delta)
+            if self._profiler is not None:
+                self._profiler.on_step()
 
     async def _switch_to_cpu_kernels(self) -> None:
         try:

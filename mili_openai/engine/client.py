@@ -14,7 +14,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from mili_openai.engine.outputs import EngineObserver, EngineStats, PageAccounting, SequenceDelta, merge_deltas
+from mili_openai.engine.outputs import (
+    EngineObserver,
+    EngineStats,
+    PageAccounting,
+    ProfileFiles,
+    SequenceDelta,
+    merge_deltas,
+)
 from mili_openai.engine.sampling_params import SamplingDefaults, SamplingParams
 
 if TYPE_CHECKING:
@@ -160,4 +167,13 @@ class EngineClient(Protocol):
 
     def set_observer(self, observer: EngineObserver | None) -> None:
         """Attach the server's metrics to an engine built before the server."""
+        ...
+
+    async def start_profile(self) -> None:
+        """Start a torch profile of the engine's steps (ValueError when profiling is off; ProfilerStateError,
+        a ValueError, when one already runs)."""
+        ...
+
+    async def stop_profile(self) -> ProfileFiles:
+        """Stop it and write its trace and summary (ProfilerStateError when none runs)."""
         ...

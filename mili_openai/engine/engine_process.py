@@ -183,6 +183,10 @@ class EngineServer:
             return await self.engine.compile_format(*args)
         if method == "page_accounting":
             return await self.engine.page_accounting()
+        if method == "start_profile":
+            return await self.engine.start_profile()
+        if method == "stop_profile":
+            return await self.engine.stop_profile()
         raise ValueError(f"the engine process has no call {method!r}")
 
     async def _watch_fatal(self) -> None:

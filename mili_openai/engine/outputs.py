@@ -155,6 +155,21 @@ class PageAccounting:
     integrity_error: str | None  # None when free + cached + owned == num_pages and nothing is shared wrongly
 
 
+class ProfilerStateError(ValueError):
+    """A start while a profile runs, or a stop while none does (the routes' 409)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileFiles:
+    """What stopping a step profile wrote (engine/step_profiler.py), as `POST /stop_profile` answers it."""
+
+    trace: str  # the gzipped Chrome trace, an absolute path
+    summary: str  # the text summary, an absolute path
+    num_steps: int  # engine steps finished while the profile ran
+    wall_s: float  # from start to stop
+    gpu_busy_fraction: float | None  # the GPU's kernel time over the wall time; None off CUDA
+
+
 @dataclass(slots=True)
 class SpeculationCounts:
     """Running totals of draft verification, for `EngineStats` and the acceptance rate."""

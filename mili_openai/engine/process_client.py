@@ -9,8 +9,8 @@ falls behind reads its queued deltas merged into one event (`RequestStream`).
 The server's side keeps what the Protocol answers at once: the engine's metadata and tokenizer (sent once
 by the loaded engine), the same `check_request` the engine runs (so `submit` stays synchronous and raises
 ValueError for a request that can never run), the live requests' streams, and the latest stats snapshot.
-Requests and aborts are one-way messages; `start`, `shutdown`, `compile_format` and `page_accounting` are
-calls answered by the engine. A dead engine process (or one whose runner failed) ends every live stream
+Requests and aborts are one-way messages; `start`, `shutdown`, `compile_format`, `page_accounting` and the
+profiler's `start_profile` and `stop_profile` are calls answered by the engine. A dead engine process (or one whose runner failed) ends every live stream
 with an engine-error delta and sets `fatal_error`, on which the server exits non-zero (server/drain.py).
 """
 
@@ -30,7 +30,7 @@ from mili_openai.config import EngineConfig
 from mili_openai.engine.client import RequestStream
 from mili_openai.engine.core import check_request
 from mili_openai.engine.engine_process import engine_process_main
-from mili_openai.engine.outputs import EngineObserver, EngineStats, PageAccounting, SequenceDelta
+from mili_openai.engine.outputs import EngineObserver, EngineStats, PageAccounting, ProfileFiles, SequenceDelta
 from mili_openai.engine.process_messages import (
     Abort,
     Call,
@@ -204,6 +204,13 @@ class EngineProcessClient:
 
     async def page_accounting(self) -> PageAccounting:
         return await self._call("page_accounting")
+
+    async def start_profile(self) -> None:
+        """The engine process profiles its own steps (engine/step_profiler.py)."""
+        await self._call("start_profile")
+
+    async def stop_profile(self) -> ProfileFiles:
+        return await self._call("stop_profile")
 
     def set_observer(self, observer: EngineObserver | None) -> None:
         """Finished-request metrics arrive with the engine's outputs and are replayed on `observer`."""

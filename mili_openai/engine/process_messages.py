@@ -105,7 +105,8 @@ class Abort:
 
 @dataclass(slots=True)
 class Call:
-    """A call the server awaits: `method` is "start", "shutdown", "compile_format" or "page_accounting"."""
+    """A call the server awaits: `method` is "start", "shutdown", "compile_format", "page_accounting",
+    "start_profile" or "stop_profile"."""
 
     call_id: int
     method: str
