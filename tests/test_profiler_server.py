@@ -1,6 +1,6 @@
 """Profiling a serving engine: `mili serve --torch-profiler-dir DIR` with `POST /start_profile` and
 `POST /stop_profile`, as real `mili serve` child processes on the tiny checkpoint, the engine in the server's
-process and in a process of its own (`--engine-process`).
+process and in a process of its own (`--engine-process`, with `--async-launch` as on CUDA).
 
 Started, a profile records the engine's steps while completions run; stopped, it writes a gzipped Chrome
 trace and a summary naming the model's ops into DIR and answers their paths. A stream in flight when the
@@ -41,8 +41,9 @@ STREAM_TOKENS = 48
 def profiled_server(request, tiny_checkpoint, tmp_path_factory) -> Iterator[tuple[ServerProcess, Path]]:
     work = tmp_path_factory.mktemp(f"profiled-{request.param}")
     profile_dir = work / "profiles"
-    layout = "--engine-process" if request.param == "engine-process" else "--no-engine-process"
-    with mili_serve_process("mili-profiled", tiny_checkpoint, work / "server.log", *REAL_SERVE_FLAGS, layout,
+    # the engine process as on CUDA: with steps launched on its loop (on the CPU the forward then runs there)
+    layout = ("--engine-process", "--async-launch") if request.param == "engine-process" else ("--no-engine-process",)
+    with mili_serve_process("mili-profiled", tiny_checkpoint, work / "server.log", *REAL_SERVE_FLAGS, *layout,
                             "--served-model-name", MODEL, "--torch-profiler-dir", str(profile_dir)) as server:
         server.wait_healthy(START_TIMEOUT_S)
         yield server, profile_dir
@@ -91,6 +92,7 @@ def test_start_completions_stop_writes_a_trace_and_a_summary(profiled_server):
     events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
     names = {event.get("name") for event in events}
     assert any(op in names for op in MODEL_OPS), sorted(n for n in names if n and n.startswith("aten::"))[:30]
+    assert "mili::postprocess" in names and names & {"mili::execute", "mili::launch"}  # each step's ranges
     text = summary.read_text()
     assert f"engine steps recorded: {body['num_steps']}" in text
     assert "## operators by host time" in text and any(op in text for op in MODEL_OPS)

@@ -281,10 +281,12 @@ class AsyncEngine:
                     self.abort(seq.parent_id)
                 continue
             launched.popleft()  # not on cancellation: shutdown waits for every step still on the worker
-            for delta in self.core.postprocess(step.batch, output):
-                self._deliver(delta)
+            postprocess = self.core.postprocess
             if self._profiler is not None:
+                postprocess = self._profiler.recorded(postprocess, "postprocess")
                 self._profiler.on_step()
+            for delta in postprocess(step.batch, output):
+                self._deliver(delta)
 
     async def _switch_to_cpu_kernels(self) -> None:
         try:
@@ -303,12 +305,17 @@ class AsyncEngine:
         """Hand the step to the worker; or, where the runner launches asynchronously, launch it here (behind
         the step in flight, which must have been launched here too) and hand the worker its finish."""
         runner = self.core.runner
+        execute, launch, finish = runner.execute, runner.launch, runner.finish
+        if self._profiler is not None:  # named ranges in the trace while a profile runs
+            profiler = self._profiler
+            execute = profiler.recorded(execute, "execute")
+            launch, finish = profiler.recorded(launch, "launch"), profiler.recorded(finish, "finish")
         if not runner.async_launch or step.needs_host_tokens or not all(s.launched for s in self._launched):
-            return InFlightStep(batch, self._executor.submit(runner.execute, step), launched=False)
+            return InFlightStep(batch, self._executor.submit(execute, step), launched=False)
         try:
-            launched = runner.launch(step)
+            launched = launch(step)
         except Exception as exc:  # fails its batch, as a failed forward on the worker does
             failed = concurrent.futures.Future()
             failed.set_exception(exc)
             return InFlightStep(batch, failed, launched=True)
-        return InFlightStep(batch, self._executor.submit(runner.finish, launched), launched=True)
+        return InFlightStep(batch, self._executor.submit(finish, launched), launched=True)

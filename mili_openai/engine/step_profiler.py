@@ -6,7 +6,10 @@ The profiler starts on the engine's loop thread and records every thread's torch
 runs on the engine's worker thread. On CUDA it records the GPU's kernels too. Stopping writes two files into
 the directory: a gzipped Chrome trace (open it in https://ui.perfetto.dev) and a text summary, the operator
 tables by device time and by host time, with the steps recorded and, on CUDA, the share of the wall time
-the GPU was busy. Writing runs on a thread of its own, so the engine keeps stepping meanwhile.
+the GPU was busy. Writing runs on a thread of its own, so the engine keeps stepping meanwhile. In the trace,
+each step's work sits in a named range: `mili::execute` (forward and sampling on the worker thread), or under
+async launch `mili::launch` (on the loop thread) and `mili::finish` (the worker's wait), then
+`mili::postprocess` on the loop thread.
 
 Tensor-parallel workers run in processes of their own: only the engine's process is profiled.
 """
@@ -16,12 +19,13 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile
+from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile, record_function
 
 from mili_openai.engine.outputs import ProfileFiles, ProfilerStateError
 
@@ -58,6 +62,13 @@ class StoppedProfile:
         return ProfileFiles(str(self.trace_path), str(self.summary_path), self.num_steps, self.wall_s, busy)
 
 
+def _in_range(work: Callable, label: str) -> Callable:
+    def recorded(*args):
+        with record_function(label):
+            return work(*args)
+    return recorded
+
+
 class StepProfiler:
     """One profile at a time, of the engine this belongs to; files named by start time, pid and a count."""
 
@@ -84,6 +95,10 @@ class StepProfiler:
         self._profiler, self._num_steps, self._started = profiler, 0, time.perf_counter()
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         self._stamp = f"mili-{stamp}-pid{os.getpid()}-{next(self._count)}"
+
+    def recorded(self, work: Callable, what: str) -> Callable:
+        """`work` inside a range named `mili::<what>` while a profile runs; `work` itself otherwise."""
+        return work if self._profiler is None else _in_range(work, f"mili::{what}")
 
     def on_step(self) -> None:
         """An engine step finished (counted while a profile runs)."""
