@@ -17,6 +17,14 @@ configuration that fails (its server or a workload) is reported and the rest sti
 skips what would start too late to finish. Each row prints as soon as it is measured. Random weights hit
 EOS at random, so every request sets `ignore_eos`. Raw results: `<out-dir>/<config>-<workload>.json`,
 server logs beside them. It needs a CUDA GPU; it measures nothing on a CPU.
+
+`--profile CONFIG:WORKLOAD` (alone, or after the `--configs` plan) serves that configuration with
+`--torch-profiler-dir <out-dir>/profile-CONFIG-WORKLOAD` and runs that workload with `mili bench serve --profile`:
+the server profiles its steps through the measured requests and writes a Chrome trace and a summary there,
+and the summary (operators by GPU and host time, the GPU-busy share) prints here. Its figures ran under the
+profiler: they are not the configuration's.
+
+    python3 scripts/bench_gpu.py --out-dir /tmp/bench-gpu --profile issue:c64
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,6 +63,7 @@ CONFIGS = {
 }
 # a server's start-up plus one workload: configurations begun with less time left are skipped
 MIN_CONFIG_S = 90.0
+PROFILE_SUMMARY_LINES = 70  # of the profile's summary printed (the rest stays in its file)
 
 
 @dataclass(frozen=True)
@@ -79,11 +89,11 @@ WORKLOADS = {
 }
 
 
-def run_workload(name: str, workload: Workload, base_url: str, out: Path) -> dict:
-    """`mili bench serve` as a user runs it; -> the summary of its JSON result."""
+def run_workload(name: str, workload: Workload, base_url: str, out: Path, *extra: str) -> dict:
+    """`mili bench serve` as a user runs it (with `extra` flags); -> the summary of its JSON result."""
     argv = [sys.executable, "-m", "mili_openai", "bench", "serve", "--base-url", base_url, "--ignore-eos",
             "--warmup", "2", "--no-progress", "--timeout", str(REQUEST_TIMEOUT_S), "--json", str(out),
-            *workload.flags]
+            *workload.flags, *extra]
     result = subprocess.run(argv, capture_output=True, text=True, cwd=REPO_ROOT)
     print(result.stdout, flush=True)
     if result.returncode != 0:
@@ -118,6 +128,35 @@ def parse_plan(items: list[str], default_workloads: list[str]) -> list[tuple[str
                              f"and {list(WORKLOADS)}")
         plan.append((config, workloads))
     return plan
+
+
+def parse_profile(item: str) -> tuple[str, str]:
+    """"issue:c64" -> ("issue", "c64"): one configuration, one workload."""
+    config, _, name = item.partition(":")
+    if config not in CONFIGS or name not in WORKLOADS:
+        raise ValueError(f"--profile takes CONFIG:WORKLOAD, one of each, from {list(CONFIGS)} and {list(WORKLOADS)}; "
+                         f"got {item!r}")
+    return config, name
+
+
+def run_profile(config: str, name: str, checkpoint: Path, out_dir: Path) -> None:
+    """One workload under the server's step profiler; prints the row (profiled) and the summary's head."""
+    label = f"profile-{config}-{name}"
+    profile_dir = out_dir / label
+    flags = (*CONFIGS[config], "--torch-profiler-dir", str(profile_dir))
+    server, base_url = serve(checkpoint, flags, out_dir / f"server-{label}.log")
+    workload, out = WORKLOADS[name], out_dir / f"{label}.json"
+    with server:
+        started = server.wait_healthy(STARTUP_TIMEOUT_S)
+        print(f"== {label}: healthy after {started:.1f} s (`mili serve CKPT --device cuda {' '.join(flags)}`)",
+              flush=True)
+        begun = time.monotonic()
+        summary = run_workload(name, workload, base_url, out, "--profile")
+        print_row(f"{config} (profiled)", name, workload, summary, time.monotonic() - begun)
+    written = Path(json.loads(out.read_text())["profile"]["summary"])
+    shutil.copy(written, out_dir / f"{label}.summary.txt")  # beside the JSON results, whatever the dir's layout
+    print(f"== {label}: trace and summary in {profile_dir}", flush=True)
+    print("\n".join(written.read_text().splitlines()[:PROFILE_SUMMARY_LINES]), flush=True)
 
 
 def print_row(config: str, name: str, workload: Workload, summary: dict | None, wall: float, note: str = "") -> None:
@@ -156,14 +195,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", default="bench-results/gpu", help="JSON results and server logs")
     parser.add_argument("--checkpoint", default=None, help="a checkpoint dir (default: build a random 0.6B one)")
-    parser.add_argument("--configs", nargs="+", default=["issue", "defaults"],
-                        help=f"CONFIG or CONFIG:WORKLOAD,...; configurations {list(CONFIGS)}")
+    parser.add_argument("--configs", nargs="+", default=None,
+                        help=f"CONFIG or CONFIG:WORKLOAD,...; configurations {list(CONFIGS)} (default: issue "
+                             "defaults, or none with --profile)")
+    parser.add_argument("--profile", default=None, metavar="CONFIG:WORKLOAD",
+                        help="then run one workload under the server's torch profiler and print its summary")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS),
                         help="the workloads of a configuration named without its own list")
     parser.add_argument("--deadline-s", type=float, default=None, help="start nothing new after this many seconds")
     args = parser.parse_args()
+    configs = args.configs if args.configs is not None else ([] if args.profile else ["issue", "defaults"])
     try:
-        plan = parse_plan(args.configs, args.workloads)
+        plan = parse_plan(configs, args.workloads)
+        profiled = parse_profile(args.profile) if args.profile else None
     except ValueError as error:
         parser.error(str(error))
     if not torch.cuda.is_available():
@@ -188,6 +232,14 @@ def main() -> int:
             run_config(config, workloads, checkpoint, out_dir, deadline)
         except (RuntimeError, TimeoutError, OSError) as error:
             print(f"== {config}: failed: {error!r} (server log: {out_dir / f'server-{config}.log'})", flush=True)
+    if profiled is not None:
+        if time.monotonic() + MIN_CONFIG_S > deadline:
+            print(f"== profile {args.profile}: skipped, too close to the deadline", flush=True)
+            return 0
+        try:
+            run_profile(*profiled, checkpoint, out_dir)
+        except (RuntimeError, TimeoutError, OSError, KeyError) as error:
+            print(f"== profile {args.profile}: failed: {error!r}", flush=True)
     return 0
 
 
