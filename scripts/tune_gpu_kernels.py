@@ -6,7 +6,8 @@ In Qwen3-0.6B's shapes, bf16 (16 query heads, 8 KV heads, head_dim 128, hidden 1
 K/V on shuffled pages of 16 slots), with triton.testing.do_bench (the L2 cache cleared before each run):
 - decode (split-K partial + reduce) at batch 1, 64 and 256 and contexts 512 and 2048, over DecodeConfig's
   block_n, warps, stages and programs per multiprocessor (which sets the split count);
-- extend (varlen prefill) of 8192 new tokens as 16 prompts of 512 and as 4 of 2048, over ExtendConfig;
+- extend (varlen prefill) of 8192 new tokens as 16 prompts of 512 and as 4 of 2048, over ExtendConfig's
+  block_n, rows, warps, stages and grid order (longest loops first or not);
 - the fused ops at 8192 tokens over FusedOpsConfig.
 Each line gives the configuration (`*` marks the current default), microseconds, and GB/s of the bytes the
 kernel has to move (TFLOP/s too for extend); then the best per shape. Every configuration's output is
@@ -155,6 +156,9 @@ def extend_timings(rep_ms: int) -> list[Timing]:
     generator = torch.Generator(device=DEVICE).manual_seed(1)
     configs = [ExtendConfig(block_n=block_n, rows=rows) for block_n in (32, 64, 128) for rows in (64, 128)]
     configs += [ExtendConfig(warps=4), *(ExtendConfig(stages=stages) for stages in (1, 3))]
+    # FlashAttention-2's Hopper tiles (key blocks of 128, or rows of 64 on 4 warps), and the grid in launch order
+    configs += [ExtendConfig(block_n=128, warps=4), ExtendConfig(block_n=128, stages=3),
+                ExtendConfig(rows=64, warps=4, stages=3), ExtendConfig(longest_first=False)]
     timings = []
     for prompts, length in EXTEND_SHAPES:
         tokens = prompts * length

@@ -70,6 +70,7 @@ def test_kernels_compile_for_hopper(tmp_path, monkeypatch):
     decode, reduce, extend = kernels.decode_partial_kernel, kernels.decode_reduce_kernel, kernels.extend_kernel
     shape = dict(HEAD_DIM=128, BLOCK_D=128)
     decode_n, extend_n = dict(BLOCK_N=decode_config.block_n), dict(BLOCK_N=extend_config.block_n)
+    extend_order = dict(LONGEST_FIRST=extend_config.longest_first)
     variants = [
         (decode, dict(GROUP=2, BLOCK_H=16, NUM_SPLITS=1, PRECISION="tf32", WIDEN=False, **decode_n, **shape),
          decode_config),
@@ -77,9 +78,9 @@ def test_kernels_compile_for_hopper(tmp_path, monkeypatch):
          decode_config),
         (reduce, dict(NUM_SPLITS=16, HEAD_DIM=128, BLOCK_D=128, **decode_n), decode_config),
         (extend, dict(GROUP=2, GROUP_PAD=2, BLOCK_T=64, BLOCK_M=128, PRECISION="tf32", WIDEN=False, **extend_n,
-                      **shape), extend_config),
+                      **extend_order, **shape), extend_config),
         (extend, dict(GROUP=8, GROUP_PAD=8, BLOCK_T=16, BLOCK_M=128, PRECISION="tf32", WIDEN=False, **extend_n,
-                      **shape), extend_config),
+                      **extend_order, **shape), extend_config),
     ]
     for kernel, constexprs, config in variants:
         source = ASTSource(kernel, _signature(kernel, "*bf16", constexprs), constexprs=constexprs)

@@ -25,7 +25,7 @@ from mili_openai.kernels.attention_reference import (  # noqa: E402
     paged_decode_reference,
     paged_prefill_reference,
 )
-from mili_openai.kernels.triton_attention import TritonAttention  # noqa: E402
+from mili_openai.kernels.triton_attention import ExtendConfig, TritonAttention  # noqa: E402
 from mili_openai.model import KVCache, load_model  # noqa: E402
 from mili_openai.model.batch import ForwardBatch, PageTables, PrefillSegment  # noqa: E402
 from mili_openai.model.paged_attention import paged_attention  # noqa: E402
@@ -102,23 +102,43 @@ def test_decode_in_bfloat16_and_into_a_strided_output():
 
 
 # (cached prefix, new tokens) per segment: whole prompts, chunks across page edges, a radix hit of 1000+
-SEGMENTS = [(0, 1), (0, 17), (15, 1), (16, 16), (1013, 20), (3, 37)]
+# ending mid-page; against the extend kernel's key blocks (64 positions): a prompt of several token blocks
+# (unmasked key blocks behind the later ones), a prefix ending mid-page and mid-block before a chunk of
+# several blocks, a chunk shorter than a block right at a block edge, and a hit on the whole prompt but its
+# last token, the prefix ending on a block edge (every earlier key unmasked, a diagonal block of one)
+SEGMENTS = [(0, 1), (0, 17), (15, 1), (16, 16), (1013, 20), (3, 37), (0, 150), (37, 90), (64, 5), (128, 1)]
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("heads,kv_heads", GQA_SHAPES)
-def test_varlen_prefill_matches_the_reference(heads, kv_heads, head_dim):
-    k_pool, v_pool = pools(kv_heads, head_dim, torch.float32, seed=7)
+def check_varlen_prefill(backend: TritonAttention, heads: int, kv_heads: int, head_dim: int,
+                         dtype: torch.dtype = torch.float32) -> None:
+    k_pool, v_pool = pools(kv_heads, head_dim, dtype, seed=7)
     ctx = [prefix + new for prefix, new in SEGMENTS]
     lengths = torch.tensor([new for _, new in SEGMENTS])
     table = page_tables(ctx, seed=8)
     cu_seqlens = torch.cat((torch.zeros(1, dtype=torch.int64), lengths.cumsum(0))).to(DEVICE)
     ctx_lens = torch.tensor(ctx, device=DEVICE)
-    q = queries(int(lengths.sum()), heads, head_dim, torch.float32, seed=9)
+    q = queries(int(lengths.sum()), heads, head_dim, dtype, seed=9)
     scale = head_dim ** -0.5
-    got = BACKEND.paged_prefill_attention(q, k_pool, v_pool, table, PAGE_SIZE, cu_seqlens, ctx_lens,
+    got = backend.paged_prefill_attention(q, k_pool, v_pool, table, PAGE_SIZE, cu_seqlens, ctx_lens,
                                           int(lengths.max()), scale)
     assert_close(got, paged_prefill_reference(q, k_pool, v_pool, table, PAGE_SIZE, cu_seqlens, ctx_lens, scale))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads,kv_heads", GQA_SHAPES)
+def test_varlen_prefill_matches_the_reference(heads, kv_heads, head_dim):
+    check_varlen_prefill(BACKEND, heads, kv_heads, head_dim)
+
+
+@pytest.mark.parametrize("config", [
+    ExtendConfig(block_n=128, longest_first=False),  # key blocks longer than a token block, grid in order
+    ExtendConfig(block_n=32, rows=32),  # many short key blocks behind each token block
+], ids=["block_n-128-in-order", "block_n-32-rows-32"])
+def test_varlen_prefill_under_other_launch_constants(config):
+    """The alternatives scripts/tune_gpu_kernels.py times compute the same attention, bf16 included."""
+    backend = TritonAttention(extend=config)
+    check_varlen_prefill(backend, 4, 2, 64)
+    check_varlen_prefill(backend, 8, 1, 128, torch.bfloat16)
 
 
 def test_slot_addressed_calls_match_the_reference():

@@ -59,6 +59,8 @@ class ExtendConfig:
     row_bytes: int = 256
     warps: int = 8
     stages: int = 2
+    # launch the last token blocks of each segment (the longest causal loops) first
+    longest_first: bool = True
 
 
 def next_power_of_two(n: int) -> int:
@@ -215,6 +217,7 @@ class TritonAttention:
             page_table.stride(0), out.stride(0), out.stride(1),
             GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, BLOCK_M=block_t * group_pad,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=config.block_n, PRECISION=_dot_precision(q.dtype),
-            WIDEN=self._widen(q), num_warps=config.warps, num_stages=config.stages,
+            WIDEN=self._widen(q), LONGEST_FIRST=config.longest_first, num_warps=config.warps,
+            num_stages=config.stages,
         )
         return out

@@ -33,14 +33,18 @@ EXTEND_RUNTIME_ARGS = ("page_table", "cu_seqlens", "ctx_lens", "page_size", "str
 
 
 @triton.jit
-def _attend_block(q_block, k, v, visible, m_i, l_i, acc, scale_log2, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
-    """One block of keys into the running softmax of a tile of query rows: q_block (M, D); k, v (N, D);
-    visible (M or 1, N) the keys each row may see -> the new (row max, row sum, unnormalised output)."""
+def _scores(q_block, k, scale_log2, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+    """q_block (M, D) against k (N, D) -> base-2 scaled scores (M, N) in float32."""
     if WIDEN:
         k = k.to(tl.float32)
-    scores = tl.dot(q_block, tl.trans(k), input_precision=PRECISION) * scale_log2  # (M, N)
-    scores = tl.where(visible, scores, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(scores, 1))  # finite once a row has seen a key
+    return tl.dot(q_block, tl.trans(k), input_precision=PRECISION) * scale_log2
+
+
+@triton.jit
+def _softmax_step(scores, v, m_i, l_i, acc, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+    """One block of scores (M, N) and its values v (N, D) into the running softmax of M rows -> the new
+    (row max, row sum, unnormalised output). A row must have seen a key by now (finite max)."""
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(scores - m_new[:, None])
     weights = p.to(v.dtype)  # rounded as the half-precision product on the GPU takes it
@@ -48,6 +52,38 @@ def _attend_block(q_block, k, v, visible, m_i, l_i, acc, scale_log2, PRECISION: 
         weights, v = weights.to(tl.float32), v.to(tl.float32)
     acc = acc * alpha[:, None] + tl.dot(weights, v, input_precision=PRECISION)
     return m_new, l_i * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
+def _attend_block(q_block, k, v, visible, m_i, l_i, acc, scale_log2, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+    """One block of keys, of which each row sees `visible` (M or 1, N), into the running softmax."""
+    scores = tl.where(visible, _scores(q_block, k, scale_log2, PRECISION, WIDEN), float("-inf"))
+    return _softmax_step(scores, v, m_i, l_i, acc, PRECISION, WIDEN)
+
+
+@triton.jit
+def _load_keys(k_pool, v_pool, table_row, pos, pos_ok, page_size, kv_head, stride_k_slot, stride_k_head,
+               stride_v_slot, stride_v_head, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               WHOLE: tl.constexpr):
+    """The K and V rows (N, BLOCK_D) of context positions `pos` (N,), through the page table. WHOLE: every
+    position is in the context (pos_ok unused), so only a padded head_dim needs a mask."""
+    if WHOLE:
+        page = tl.load(table_row + pos // page_size)
+    else:
+        page = tl.load(table_row + pos // page_size, mask=pos_ok, other=0)
+    slot = page * page_size + pos % page_size
+    k_ptrs = k_pool + slot[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :]
+    v_ptrs = v_pool + slot[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :]
+    if WHOLE and HEAD_DIM == BLOCK_D:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    else:
+        mask = offs_d[None, :] < HEAD_DIM
+        if not WHOLE:
+            mask = mask & pos_ok[:, None]
+        k = tl.load(k_ptrs, mask=mask, other=0.0)
+        v = tl.load(v_ptrs, mask=mask, other=0.0)
+    return k, v
 
 
 @triton.jit(do_not_specialize=DECODE_RUNTIME_ARGS)
@@ -93,13 +129,8 @@ def decode_partial_kernel(
     for block_start in range(start, end, BLOCK_N):
         pos = block_start + tl.arange(0, BLOCK_N)
         pos_ok = pos < end
-        page = tl.load(table_row + pos // page_size, mask=pos_ok, other=0)
-        slot = page * page_size + pos % page_size  # (BLOCK_N,)
-        kv_mask = pos_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_pool + slot[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :],
-                    mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-        v = tl.load(v_pool + slot[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
+        k, v = _load_keys(k_pool, v_pool, table_row, pos, pos_ok, page_size, kv_head, stride_k_slot, stride_k_head,
+                          stride_v_slot, stride_v_head, offs_d, HEAD_DIM, BLOCK_D, False)  # (BLOCK_N, BLOCK_D)
         m_i, l_i, acc = _attend_block(q_block, k, v, pos_ok[None, :], m_i, l_i, acc, scale_log2, PRECISION, WIDEN)
 
     if NUM_SPLITS == 1:
@@ -144,7 +175,7 @@ def extend_kernel(
     stride_table_row, stride_out_row, stride_out_head,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-    WIDEN: tl.constexpr,
+    WIDEN: tl.constexpr, LONGEST_FIRST: tl.constexpr,
 ):
     """Grid (segments, kv_heads, token blocks of the longest segment): BLOCK_T new tokens of one segment
     times the GROUP query heads of one KV head (BLOCK_M = BLOCK_T * GROUP_PAD score rows), causally over
@@ -152,10 +183,17 @@ def extend_kernel(
 
     Segment s owns query rows [cu_seqlens[s], cu_seqlens[s + 1]) and a context of ctx_lens[s] positions
     whose last rows are those new tokens, so new token i sits at position ctx - length + i.
+
+    The key loop runs in two parts, as FlashAttention-2 does: the whole BLOCK_N blocks before the block's
+    first query position, which every row sees (no mask, no bounds), then the blocks up to its last query
+    position, masked causally. LONGEST_FIRST: the GPU starts programs in grid order, so the last token
+    blocks (the longest loops) take the first grid indices and the short ones fill in behind them.
     """
     segment = tl.program_id(0)
     kv_head = tl.program_id(1)
     block = tl.program_id(2)
+    if LONGEST_FIRST:
+        block = tl.num_programs(2) - 1 - block
     q_start = tl.load(cu_seqlens + segment)
     # positions in 32 bits: their division by the page size is cheaper (rows stay 64-bit: row * stride)
     length = (tl.load(cu_seqlens + segment + 1) - q_start).to(tl.int32)
@@ -176,28 +214,31 @@ def extend_kernel(
     if WIDEN:
         q_block = q_block.to(tl.float32)
     q_pos = prefix + token  # (BLOCK_M,)
-    # the keys this block's last token sees; none for a block past the segment's end
-    kv_end = tl.minimum(ctx, prefix + (block + 1) * BLOCK_T)
-    kv_end = tl.where(block * BLOCK_T < length, kv_end, 0)
+    # the keys this block's first token sees, in whole blocks, and those its last token sees; none for a
+    # block past the segment's end
+    has_tokens = block * BLOCK_T < length
+    unmasked_end = tl.where(has_tokens, (prefix + block * BLOCK_T) // BLOCK_N * BLOCK_N, 0)
+    kv_end = tl.where(has_tokens, tl.minimum(ctx, prefix + (block + 1) * BLOCK_T), 0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table_row = page_table + segment * stride_table_row
-    for block_start in range(0, kv_end, BLOCK_N):
+    for block_start in range(0, unmasked_end, BLOCK_N):
+        pos = block_start + tl.arange(0, BLOCK_N)
+        k, v = _load_keys(k_pool, v_pool, table_row, pos, pos, page_size, kv_head, stride_k_slot, stride_k_head,
+                          stride_v_slot, stride_v_head, offs_d, HEAD_DIM, BLOCK_D, True)  # (BLOCK_N, BLOCK_D)
+        scores = _scores(q_block, k, scale_log2, PRECISION, WIDEN)
+        m_i, l_i, acc = _softmax_step(scores, v, m_i, l_i, acc, PRECISION, WIDEN)
+    for block_start in range(unmasked_end, kv_end, BLOCK_N):
         pos = block_start + tl.arange(0, BLOCK_N)
         pos_ok = pos < kv_end
-        page = tl.load(table_row + pos // page_size, mask=pos_ok, other=0)
-        slot = page * page_size + pos % page_size
-        kv_mask = pos_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_pool + slot[:, None] * stride_k_slot + kv_head * stride_k_head + offs_d[None, :],
-                    mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-        v = tl.load(v_pool + slot[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :],
-                    mask=kv_mask, other=0.0)
-        # causal: a row sees the keys up to its own position (every row sees position 0 in the first block)
+        k, v = _load_keys(k_pool, v_pool, table_row, pos, pos_ok, page_size, kv_head, stride_k_slot, stride_k_head,
+                          stride_v_slot, stride_v_head, offs_d, HEAD_DIM, BLOCK_D, False)
+        # causal: a row sees the keys up to its own position (every row sees the first position of the first
+        # of these blocks, which is at or before the block's first query position)
         visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         m_i, l_i, acc = _attend_block(q_block, k, v, visible, m_i, l_i, acc, scale_log2, PRECISION, WIDEN)
 
     out_ptrs = out + q_rows[:, None] * stride_out_row + heads[:, None] * stride_out_head + offs_d[None, :]
     tl.store(out_ptrs, (acc / l_i[:, None]).to(out.dtype.element_ty), mask=q_mask)
-
