@@ -50,10 +50,19 @@ def _signature(kernel, pointer_dtype: str, constexprs: dict) -> dict:
     return {name: "constexpr" if name in constexprs else pointers.get(name, "i32") for name in kernel.arg_names}
 
 
+def _launch_attributes(kernel) -> dict:
+    """What a serving launch specialises on, as Triton's JIT would (the 16-byte vector loads): q, K/V and the
+    outputs 16-byte aligned, their strides divisible by 16 (Qwen3's); never the kernel's runtime arguments."""
+    runtime = set(kernel.do_not_specialize) if hasattr(kernel, "do_not_specialize") else set()
+    aligned = {"q", "k_pool", "v_pool", "out", "part_acc", "part_lse"}
+    return {(index,): [["tt.divisibility", 16]] for index, name in enumerate(kernel.arg_names)
+            if name not in runtime and (name in aligned or name.startswith("stride_"))}
+
+
 @pytest.mark.skipif(not _ptxas_available(), reason="this Triton install carries no ptxas for NVIDIA targets")
 def test_kernels_compile_for_hopper(tmp_path, monkeypatch):
     """bf16, head_dim 128 (Qwen3's): decode with and without splits, the reduce, and extend for GQA groups
-    of 2 and 8, with the launch parameters TritonAttention uses."""
+    of 2 and 8, with the launch parameters TritonAttention uses (and extend's largest tuning alternative)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -81,9 +90,13 @@ def test_kernels_compile_for_hopper(tmp_path, monkeypatch):
                       **extend_order, **shape), extend_config),
         (extend, dict(GROUP=8, GROUP_PAD=8, BLOCK_T=16, BLOCK_M=128, PRECISION="tf32", WIDEN=False, **extend_n,
                       **extend_order, **shape), extend_config),
+        # the largest tiles scripts/tune_gpu_kernels.py tries: they must fit a multiprocessor too
+        (extend, dict(GROUP=2, GROUP_PAD=2, BLOCK_T=64, BLOCK_M=128, PRECISION="tf32", WIDEN=False, BLOCK_N=128,
+                      LONGEST_FIRST=False, **shape), ExtendConfig(block_n=128, stages=3)),
     ]
     for kernel, constexprs, config in variants:
-        source = ASTSource(kernel, _signature(kernel, "*bf16", constexprs), constexprs=constexprs)
+        source = ASTSource(kernel, _signature(kernel, "*bf16", constexprs), constexprs=constexprs,
+                           attrs=_launch_attributes(kernel))
         compiled = triton.compile(source, target=GPUTarget("cuda", *HOPPER),
                                   options=dict(num_warps=config.warps, num_stages=config.stages))
         assert compiled.asm["cubin"], kernel.__name__

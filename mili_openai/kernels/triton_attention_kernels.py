@@ -5,8 +5,8 @@ Shared conventions:
 - K/V are read in place from a pool (slots, kv_heads, head_dim) through a page table: position p of a
   sequence lives at slot `table[p // page_size] * page_size + p % page_size` (a slot table is a page table
   with page_size 1).
-- Softmax runs online in float32, in base 2: scores are scaled by `scale * log2(e)` once, so every
-  exponential is an exp2, and a split's log-sum-exp is in base 2 too.
+- Softmax runs online in float32, in base 2: scores are scaled by `scale * log2(e)` (inside each exponent,
+  and in the running max), so every exponential is an exp2, and a split's log-sum-exp is in base 2 too.
 - Launch-varying arguments are not specialised (`RUNTIME_ARGS`): Triton compiles a variant of a kernel for
   each pattern of integer values (equal to 1, divisible by 16, other) and pointer alignment (16 bytes) it
   meets, and a page table's width, or an index tensor's offset in the step's one staged buffer, changes
@@ -33,20 +33,22 @@ EXTEND_RUNTIME_ARGS = ("page_table", "cu_seqlens", "ctx_lens", "page_size", "str
 
 
 @triton.jit
-def _scores(q_block, k, scale_log2, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
-    """q_block (M, D) against k (N, D) -> base-2 scaled scores (M, N) in float32."""
+def _scores(q_block, k, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+    """q_block (M, D) against k (N, D) -> unscaled scores (M, N) in float32."""
     if WIDEN:
         k = k.to(tl.float32)
-    return tl.dot(q_block, tl.trans(k), input_precision=PRECISION) * scale_log2
+    return tl.dot(q_block, tl.trans(k), input_precision=PRECISION)
 
 
 @triton.jit
-def _softmax_step(scores, v, m_i, l_i, acc, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
-    """One block of scores (M, N) and its values v (N, D) into the running softmax of M rows -> the new
-    (row max, row sum, unnormalised output). A row must have seen a key by now (finite max)."""
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
+def _softmax_step(scores, v, m_i, l_i, acc, scale_log2, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
+    """One block of unscaled scores (M, N) and its values v (N, D) into the running softmax of M rows (its
+    max m_i in scaled units) -> the new (row max, row sum, unnormalised output). A row must have seen a key
+    by now (finite max). The scale is applied to the row max once and inside each exponent, where it fuses
+    with the subtraction (one FMA an element, as FlashAttention-2 does)."""
+    m_new = tl.maximum(m_i, tl.max(scores, 1) * scale_log2)
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
+    p = tl.exp2(scores * scale_log2 - m_new[:, None])
     weights = p.to(v.dtype)  # rounded as the half-precision product on the GPU takes it
     if WIDEN:
         weights, v = weights.to(tl.float32), v.to(tl.float32)
@@ -57,8 +59,8 @@ def _softmax_step(scores, v, m_i, l_i, acc, PRECISION: tl.constexpr, WIDEN: tl.c
 @triton.jit
 def _attend_block(q_block, k, v, visible, m_i, l_i, acc, scale_log2, PRECISION: tl.constexpr, WIDEN: tl.constexpr):
     """One block of keys, of which each row sees `visible` (M or 1, N), into the running softmax."""
-    scores = tl.where(visible, _scores(q_block, k, scale_log2, PRECISION, WIDEN), float("-inf"))
-    return _softmax_step(scores, v, m_i, l_i, acc, PRECISION, WIDEN)
+    scores = tl.where(visible, _scores(q_block, k, PRECISION, WIDEN), float("-inf"))
+    return _softmax_step(scores, v, m_i, l_i, acc, scale_log2, PRECISION, WIDEN)
 
 
 @triton.jit
@@ -228,16 +230,17 @@ def extend_kernel(
         pos = block_start + tl.arange(0, BLOCK_N)
         k, v = _load_keys(k_pool, v_pool, table_row, pos, pos, page_size, kv_head, stride_k_slot, stride_k_head,
                           stride_v_slot, stride_v_head, offs_d, HEAD_DIM, BLOCK_D, True)  # (BLOCK_N, BLOCK_D)
-        scores = _scores(q_block, k, scale_log2, PRECISION, WIDEN)
-        m_i, l_i, acc = _softmax_step(scores, v, m_i, l_i, acc, PRECISION, WIDEN)
+        scores = _scores(q_block, k, PRECISION, WIDEN)
+        m_i, l_i, acc = _softmax_step(scores, v, m_i, l_i, acc, scale_log2, PRECISION, WIDEN)
     for block_start in range(unmasked_end, kv_end, BLOCK_N):
         pos = block_start + tl.arange(0, BLOCK_N)
         pos_ok = pos < kv_end
         k, v = _load_keys(k_pool, v_pool, table_row, pos, pos_ok, page_size, kv_head, stride_k_slot, stride_k_head,
                           stride_v_slot, stride_v_head, offs_d, HEAD_DIM, BLOCK_D, False)
         # causal: a row sees the keys up to its own position (every row sees the first position of the first
-        # of these blocks, which is at or before the block's first query position)
-        visible = pos_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        # of these blocks, which is at or before the block's first query position). No bounds term: a real
+        # row's position is before kv_end; rows past the segment's end see the zeros loaded there, unstored.
+        visible = pos[None, :] <= q_pos[:, None]
         m_i, l_i, acc = _attend_block(q_block, k, v, visible, m_i, l_i, acc, scale_log2, PRECISION, WIDEN)
 
     out_ptrs = out + q_rows[:, None] * stride_out_row + heads[:, None] * stride_out_head + offs_d[None, :]
