@@ -102,7 +102,6 @@ struct Int4Decoder {
 constexpr int kBiasedLanesMask = 0x000F;
 constexpr int kBiasBits = 0x4300;  // bf16 128.0
 constexpr float kBias = 128.f;
-constexpr int64_t kMaxGroups = 1024;  // groups a row may have here (K up to 131072 at 128 values a group)
 constexpr int kLevelsOrBias = 0xEA;  // VPTERNLOG's truth table for (a & b) | c
 
 // For each row m of x (M, K) and group g of `group` values along K: the fp32 sum of x's values, (M, G).
@@ -130,55 +129,71 @@ struct BiasedRows {
   const float* x_sums;     // (M, G), group_sums
   int64_t K, groups, group;
 
-  // Row n's group scales in fp32 into `scale`, and total[m] = -(each group's scale * (128 + zero) * sum of x
-  // over the group) in lanes, for MC rows of x: the offsets the group sums carry, taken off before the sums.
+  // total[m] = -(each group's scale * (128 + zero) * sum of x over the group) of weight row n, in lanes, for MC
+  // rows of x: the offsets the group sums carry, taken off before the sums.
   template <int MC>
-  MILI_QUANTIZED void start_row(int64_t n, float* scale, __m512 (&total)[MC]) const {
+  MILI_QUANTIZED void start_row(int64_t n, __m512 (&total)[MC]) const {
     for (int m = 0; m < MC; ++m) total[m] = _mm512_setzero_ps();
     for (int64_t first = 0; first < groups; first += kGroupsAtOnce) {
       const __mmask16 have = static_cast<__mmask16>((1u << std::min<int64_t>(kGroupsAtOnce, groups - first)) - 1);
       const __m512 group_scale = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(have, scales + n * groups + first));
       const __m512 zero = zeros ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(have, zeros + n * groups + first)))
                                 : _mm512_set1_ps(kSymmetricZero);
-      _mm512_storeu_ps(scale + first, group_scale);
       const __m512 weight_offset = _mm512_mul_ps(group_scale, _mm512_add_ps(zero, _mm512_set1_ps(kBias)));
       for (int m = 0; m < MC; ++m)
         total[m] = _mm512_fnmadd_ps(weight_offset, _mm512_maskz_loadu_ps(have, x_sums + m * groups + first), total[m]);
     }
   }
 
+  // Blocks [block, block + U) of a row (bytes, its group scales row_scales) against MC rows of x, into total:
+  // each block's sums of pair products (two chains at MC 1) times its group's scale. A group of several blocks
+  // is scaled block by block: the same products, summed in another order.
+  template <int MC, int U>
+  MILI_QUANTIZED void blocks(const uint8_t* bytes, const uint16_t* row_scales, const at::BFloat16* x, int64_t block,
+                             __m512 (&total)[MC]) const {
+    constexpr int C = MC == 1 ? 2 : 1;  // independent sums along a block per row of x
+    const __m512i mask = _mm512_set1_epi16(kBiasedLanesMask), bias = _mm512_set1_epi16(kBiasBits);
+    for (int j = 0; j < U; ++j)
+      _mm_prefetch(reinterpret_cast<const char*>(bytes + (block + j) * kBlock / 2) + kStreamAheadBytes, _MM_HINT_T0);
+    __m512 acc[U][C][MC];
+#pragma GCC unroll 4
+    for (int j = 0; j < U; ++j) {
+      const int64_t k = (block + j) * kBlock;
+      const __m512i words = _mm512_loadu_si512(bytes + k / 2);
+#pragma GCC unroll 4
+      for (int u = 0; u < kBlockRegisters; ++u) {
+        const __m512i levels = u == 0 ? words : _mm512_srli_epi16(words, 4 * u);
+        const __m512bh w = (__m512bh)_mm512_ternarylogic_epi32(levels, mask, bias, kLevelsOrBias);
+        for (int m = 0; m < MC; ++m) {
+          const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k + u * kPairLanes);
+          acc[j][u % C][m] = _mm512_dpbf16_ps(u < C ? _mm512_setzero_ps() : acc[j][u % C][m], xv, w);
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < U; ++j) {
+      // the scale straight from the row's float16s: through a buffer of widened scales the step ran slower
+      const __m512 group_scale = _mm512_set1_ps(_cvtsh_ss(row_scales[(block + j) * kBlock / group]));
+      for (int m = 0; m < MC; ++m)
+        total[m] = _mm512_fmadd_ps(C == 2 ? _mm512_add_ps(acc[j][0][m], acc[j][C - 1][m]) : acc[j][0][m], group_scale,
+                                   total[m]);
+    }
+  }
+
   // y[m * ldy + n - begin] for weight rows [begin, end) and MC rows of x (K apart) whose group sums start at
-  // x_sums: one weight row at a time, streamed once for the MC rows.
+  // x_sums: one weight row at a time, streamed once for the MC rows, two blocks a step at MC 1.
   template <int MC>
   MILI_QUANTIZED void rows(const at::BFloat16* x, int64_t begin, int64_t end, at::BFloat16* y, int64_t ldy) const {
-    constexpr int C = MC == 1 ? 2 : 1;  // independent sums along a group per row of x
-    const __m512i mask = _mm512_set1_epi16(kBiasedLanesMask), bias = _mm512_set1_epi16(kBiasBits);
-    alignas(64) float scale[kMaxGroups + kGroupsAtOnce];  // the row's group scales, stored 16 at a time
+    constexpr int U = MC == 1 ? 2 : 1;
+    const int64_t row_blocks = K / kBlock;
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* bytes = weight + n * (K / 2);
+      const uint16_t* row_scales = scales + n * groups;
       __m512 total[MC];
-      start_row<MC>(n, scale, total);
-      for (int64_t g = 0, k = 0; g < groups; ++g) {
-        __m512 acc[C][MC];
-        for (int c = 0; c < C; ++c)
-          for (int m = 0; m < MC; ++m) acc[c][m] = _mm512_setzero_ps();
-        for (const int64_t group_end = k + group; k < group_end; k += kBlock) {
-          _mm_prefetch(reinterpret_cast<const char*>(bytes + k / 2) + kStreamAheadBytes, _MM_HINT_T0);
-          const __m512i words = _mm512_loadu_si512(bytes + k / 2);
-#pragma GCC unroll 4
-          for (int u = 0; u < kBlockRegisters; ++u) {
-            const __m512i levels = u == 0 ? words : _mm512_srli_epi16(words, 4 * u);
-            const __m512bh w = (__m512bh)_mm512_ternarylogic_epi32(levels, mask, bias, kLevelsOrBias);
-            for (int m = 0; m < MC; ++m) {
-              const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + m * K + k + u * kPairLanes);
-              acc[u % C][m] = _mm512_dpbf16_ps(acc[u % C][m], xv, w);
-            }
-          }
-        }
-        const __m512 group_scale = _mm512_set1_ps(scale[g]);
-        for (int m = 0; m < MC; ++m)
-          total[m] = _mm512_fmadd_ps(C == 2 ? _mm512_add_ps(acc[0][m], acc[C - 1][m]) : acc[0][m], group_scale, total[m]);
-      }
+      start_row<MC>(n, total);
+      int64_t block = 0;
+      for (; block + U <= row_blocks; block += U) blocks<MC, U>(bytes, row_scales, x, block, total);
+      for (; block < row_blocks; ++block) blocks<MC, 1>(bytes, row_scales, x, block, total);
       for (int m = 0; m < MC; ++m) y[m * ldy + (n - begin)] = at::BFloat16(_mm512_reduce_add_ps(total[m]));
     }
   }
@@ -245,7 +260,7 @@ class Int4Rows final : public QuantizedRows {
   }
 
  private:
-  bool biased() const { return group_ % kBlock == 0 && groups_ <= kMaxGroups; }  // BiasedRows multiplies
+  bool biased() const { return group_ % kBlock == 0; }  // BiasedRows multiplies
 
   template <bool kWholeBlocks>
   Int4Decoder<kWholeBlocks> decoder() const {
