@@ -145,11 +145,11 @@ struct BiasedRows {
     }
   }
 
-  // Blocks [block, block + U) of a row (bytes, its group scales row_scales) against MC rows of x, into total:
-  // each block's sums of pair products (two chains at MC 1) times its group's scale. A group of several blocks
-  // is scaled block by block: the same products, summed in another order.
+  // Blocks [block, block + U) of a row (bytes) against MC rows of x, into total: each block's sums of pair
+  // products (two chains at MC 1) times its group's scale, block_scale[j]. A group of several blocks is scaled
+  // block by block: the same products, summed in another order.
   template <int MC, int U>
-  MILI_QUANTIZED void blocks(const uint8_t* bytes, const uint16_t* row_scales, const at::BFloat16* x, int64_t block,
+  MILI_QUANTIZED void blocks(const uint8_t* bytes, const float (&block_scale)[U], const at::BFloat16* x, int64_t block,
                              __m512 (&total)[MC]) const {
     constexpr int C = MC == 1 ? 2 : 1;  // independent sums along a block per row of x
     const __m512i mask = _mm512_set1_epi16(kBiasedLanesMask), bias = _mm512_set1_epi16(kBiasBits);
@@ -172,8 +172,7 @@ struct BiasedRows {
     }
 #pragma GCC unroll 4
     for (int j = 0; j < U; ++j) {
-      // the scale straight from the row's float16s: through a buffer of widened scales the step ran slower
-      const __m512 group_scale = _mm512_set1_ps(_cvtsh_ss(row_scales[(block + j) * kBlock / group]));
+      const __m512 group_scale = _mm512_set1_ps(block_scale[j]);
       for (int m = 0; m < MC; ++m)
         total[m] = _mm512_fmadd_ps(C == 2 ? _mm512_add_ps(acc[j][0][m], acc[j][C - 1][m]) : acc[j][0][m], group_scale,
                                    total[m]);
@@ -185,15 +184,27 @@ struct BiasedRows {
   template <int MC>
   MILI_QUANTIZED void rows(const at::BFloat16* x, int64_t begin, int64_t end, at::BFloat16* y, int64_t ldy) const {
     constexpr int U = MC == 1 ? 2 : 1;
-    const int64_t row_blocks = K / kBlock;
+    const int64_t row_blocks = K / kBlock, group_blocks = group / kBlock;
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* bytes = weight + n * (K / 2);
-      const uint16_t* row_scales = scales + n * groups;
+      const uint16_t* group_scale = scales + n * groups;  // the next block's group's
+      int64_t group_left = group_blocks;                  // blocks of it to come
+      // the next block's scale, straight from the row's float16s: through a buffer of widened scales, or with
+      // the group found by a division, the step ran slower
+      const auto next_scale = [&]() MILI_QUANTIZED {
+        const float scale = _cvtsh_ss(*group_scale);
+        if (--group_left == 0) ++group_scale, group_left = group_blocks;
+        return scale;
+      };
       __m512 total[MC];
       start_row<MC>(n, total);
       int64_t block = 0;
-      for (; block + U <= row_blocks; block += U) blocks<MC, U>(bytes, row_scales, x, block, total);
-      for (; block < row_blocks; ++block) blocks<MC, 1>(bytes, row_scales, x, block, total);
+      for (; block + U <= row_blocks; block += U) {
+        float block_scale[U];
+        for (int j = 0; j < U; ++j) block_scale[j] = next_scale();
+        blocks<MC, U>(bytes, block_scale, x, block, total);
+      }
+      for (; block < row_blocks; ++block) blocks<MC, 1>(bytes, {next_scale()}, x, block, total);
       for (int m = 0; m < MC; ++m) y[m * ldy + (n - begin)] = at::BFloat16(_mm512_reduce_add_ps(total[m]));
     }
   }
