@@ -180,10 +180,11 @@ struct BiasedRows {
   }
 
   // y[m * ldy + n - begin] for weight rows [begin, end) and MC rows of x (K apart) whose group sums start at
-  // x_sums: one weight row at a time, streamed once for the MC rows, two blocks a step at MC 1.
+  // x_sums: one weight row at a time, streamed once for the MC rows; at MC 1 four blocks a step (eight chains
+  // of pair products in flight: faster than two blocks, or eight, or than pairs of weight rows sharing x).
   template <int MC>
   MILI_QUANTIZED void rows(const at::BFloat16* x, int64_t begin, int64_t end, at::BFloat16* y, int64_t ldy) const {
-    constexpr int U = MC == 1 ? 2 : 1;
+    constexpr int U = MC == 1 ? 4 : 1;
     const int64_t row_blocks = K / kBlock, group_blocks = group / kBlock;
     for (int64_t n = begin; n < end; ++n) {
       const uint8_t* bytes = weight + n * (K / 2);
