@@ -180,8 +180,8 @@ struct BiasedRows {
   }
 
   // y[m * ldy + n - begin] for weight rows [begin, end) and MC rows of x (K apart) whose group sums start at
-  // x_sums: one weight row at a time, streamed once for the MC rows; at MC 1 four blocks a step (eight chains
-  // of pair products in flight: faster than two blocks, or eight, or than pairs of weight rows sharing x).
+  // x_sums: one weight row at a time, streamed once for the MC rows; at MC 1 four blocks a step, so that eight
+  // chains of pair products are in flight (one row's stream: several rows' streams read memory worse).
   template <int MC>
   MILI_QUANTIZED void rows(const at::BFloat16* x, int64_t begin, int64_t end, at::BFloat16* y, int64_t ldy) const {
     constexpr int U = MC == 1 ? 4 : 1;
@@ -190,8 +190,7 @@ struct BiasedRows {
       const uint8_t* bytes = weight + n * (K / 2);
       const uint16_t* group_scale = scales + n * groups;  // the next block's group's
       int64_t group_left = group_blocks;                  // blocks of it to come
-      // the next block's scale, straight from the row's float16s: through a buffer of widened scales, or with
-      // the group found by a division, the step ran slower
+      // the next block's scale, straight from the row's float16s, its group by a count (no division per block)
       const auto next_scale = [&]() MILI_QUANTIZED {
         const float scale = _cvtsh_ss(*group_scale);
         if (--group_left == 0) ++group_scale, group_left = group_blocks;
