@@ -19,7 +19,16 @@ from mili_openai.kernels.fp8 import Fp8Weights, dequantize_fp8, per_row_weights
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.qwen3 import Qwen3ForCausalLM
 from mili_openai.model.quantization.dynamic import quantize_fp8, quantize_int4, quantize_int8
-from mili_openai.model.quantization.formats import pack_rows, read_awq, read_fp8, read_gptq
+from mili_openai.model.quantization.compressed_tensors import CompressedTensorsScheme
+from mili_openai.model.quantization.formats import (
+    float16_rounded,
+    pack_rows,
+    read_awq,
+    read_compressed_fp8,
+    read_compressed_int,
+    read_fp8,
+    read_gptq,
+)
 from mili_openai.model.quantization.modules import Fp8Linear, QuantizedEmbedding, QuantizedLinear
 from mili_openai.model.quantization.spec import CheckpointQuantization
 from mili_openai.model.weights import FUSED_PARTS, LAYER_PREFIX, CheckpointError
@@ -30,6 +39,7 @@ LAYER_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj
 LM_HEAD = "lm_head"
 LM_HEAD_METHODS = ("int8", "int4")
 QUANTIZED_MARKERS = {"awq": "qweight", "gptq": "qweight", "fp8": "weight_scale_inv"}
+INT_READERS = {"awq": read_awq, "gptq": read_gptq, "compressed-tensors": read_compressed_int}
 
 
 def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -76,43 +86,65 @@ def load_checkpoint_quantization(model: Qwen3ForCausalLM, tensors: dict[str, tor
     projections concatenated) and put it in `model` (built on the meta device). FP8 projections that run
     dense (on CPU, or whose blocks do not line up for fusing) go back into `tensors` dequantized, under their
     checkpoint names, for the dense load. -> a description."""
-    marker = QUANTIZED_MARKERS[quant.method]
-    dense_fp8 = 0
+    scheme = quant.scheme
+    marker = scheme.marker if scheme is not None else QUANTIZED_MARKERS[quant.method]
+    fp8 = quant.method == "fp8" or (scheme is not None and scheme.type == "float")
+    dense_fp8 = rounded = 0
     for name, prefixes in _projections(model.config):
         quantized = [p for p in prefixes if f"{p}.{marker}" in tensors]
+        if scheme is not None:
+            _check_targets(scheme, prefixes, quantized, tensors)
         if not quantized:
             continue
         if len(quantized) != len(prefixes):
             raise CheckpointError(f"{name}: some of {', '.join(prefixes)} are quantized and some not")
         if name == LM_HEAD and model.config.tie_word_embeddings:
             raise CheckpointError("a quantized LM head tied to the embedding is not supported")
-        if quant.method == "fp8":
-            parts = [read_fp8(tensors, p, quant) for p in prefixes]
-            module = _fp8_module(parts, quant, device)
+        if fp8:
+            read_float = read_fp8 if scheme is None else read_compressed_fp8
+            parts = [read_float(tensors, p, quant) for p in prefixes]
+            module = _fp8_module(parts, device)
             if module is None:  # dense: dequantized here, fused by the dense load
-                for prefix, (weight, scale_inv) in zip(prefixes, parts):
-                    tensors[f"{prefix}.weight"] = dequantize_fp8(Fp8Weights(weight, scale_inv, quant.block)).to(dtype)
+                for prefix, part in zip(prefixes, parts):
+                    tensors[f"{prefix}.weight"] = dequantize_fp8(part).to(dtype)
                 dense_fp8 += 1
                 continue
         else:
-            read = read_awq if quant.method == "awq" else read_gptq
-            module = QuantizedLinear(pack_rows([read(tensors, p, quant) for p in prefixes], quant.bits, name))
+            read_int = INT_READERS[quant.method]
+            rows = [read_int(tensors, p, quant) for p in prefixes]
+            rounded += float16_rounded(rows) if quant.bits == 4 else 0
+            module = QuantizedLinear(pack_rows(rows, quant.bits, name))
         parent, attribute = _parent(model, name)
         setattr(parent, attribute, module.to(device))
+    description = quant.describe()
+    if rounded:
+        logger.warning("%d int4 scales were rounded to float16, the int4 kernels' scale type (they are bf16 below "
+                       "2^-17 or float32 in the checkpoint)", rounded)
+        description += f"; {rounded} scales rounded to float16"
     if dense_fp8:
         logger.info("fp8 checkpoint: %d projections dequantized to %s at load (fp8 matmuls need a CUDA GPU)",
                     dense_fp8, dtype)
-        return f"{quant.describe()}, dequantized to {str(dtype).removeprefix('torch.')} at load"
-    return quant.describe()
+        return f"{description}, dequantized to {str(dtype).removeprefix('torch.')} at load"
+    return description
 
 
-def _fp8_module(parts: list[tuple[torch.Tensor, torch.Tensor]], quant: CheckpointQuantization,
-                device: torch.device) -> nn.Module | None:
+def _check_targets(scheme: CompressedTensorsScheme, prefixes: list[str], quantized: list[str],
+                   tensors: dict[str, torch.Tensor]) -> None:
+    """A compressed-tensors module stored quantized exactly where the config's targets and ignore say so."""
+    for prefix in prefixes:
+        stored, declared = prefix in quantized, scheme.quantizes(prefix)
+        if declared != stored and (stored or f"{prefix}.weight" in tensors):
+            raise CheckpointError(f"{prefix}: config.json's quantization_config "
+                                  f"{'quantizes it' if declared else 'leaves it unquantized (ignore, targets)'}, but "
+                                  f"the checkpoint stores it {'quantized' if stored else 'dense'}")
+
+
+def _fp8_module(parts: list[Fp8Weights], device: torch.device) -> nn.Module | None:
     """The fused fp8 projection on CUDA, or None (dense) on CPU or where a part's rows end inside a block."""
-    rows = quant.block[0]
-    if device.type != "cuda" or any(weight.shape[0] % rows for weight, _ in parts[:-1]):
+    if device.type != "cuda" or any(part.weight.shape[0] % part.block[0] for part in parts[:-1]):
         return None
-    return Fp8Linear(Fp8Weights(torch.cat([w for w, _ in parts]), torch.cat([s for _, s in parts]), quant.block))
+    return Fp8Linear(Fp8Weights(torch.cat([p.weight for p in parts]), torch.cat([p.scales for p in parts]),
+                                parts[0].block))
 
 
 def _projections(config: ModelConfig) -> list[tuple[str, list[str]]]:

@@ -11,6 +11,14 @@ AutoGPTQ/GPTQModel and DeepSeek-style FP8 write them:
   input row's group, which desc_act false makes k // g.
 - FP8: `weight` float8_e4m3fn (N, K); `weight_scale_inv` float32 (ceil(N / rows), ceil(K / columns)),
   multiplied in: weight = e4m3 * scale of its block.
+- compressed-tensors (compressed_tensors.py has the schemes), as its compressors write them: int weights
+  are signed values q in [-2^(bits-1), 2^(bits-1)) stored offset by 2^(bits-1); `pack-quantized` packs
+  them along K into `weight_packed` int32 (N, K * bits / 32), value i of each int32 in bits i*bits
+  upward, with `weight_shape` (N, K); `int-quantized`/`naive-quantized` keep them in `weight` int8 (N, K).
+  `weight_scale` (N, G) in the model's dtype, G = 1 for channel. Zero points (asymmetric) are signed the
+  same way: `weight_zero_point` int32 (N * bits / 32, G) packed along N when packed, else int8 (N, G).
+  weight[n, k] = (q - zero) * scale. `float-quantized`: `weight` float8_e4m3fn (N, K), `weight_scale`
+  (N, 1) per row, one value per tensor, or (ceil(N / rows), ceil(K / columns)) per block.
 """
 
 from __future__ import annotations
@@ -19,13 +27,15 @@ from dataclasses import dataclass
 
 import torch
 
+from mili_openai.kernels.fp8 import Fp8Weights
 from mili_openai.kernels.quantized import PackedWeights, pack_int4
+from mili_openai.model.quantization.compressed_tensors import PACKED, CompressedTensorsScheme
 from mili_openai.model.quantization.spec import CheckpointQuantization
 from mili_openai.model.weights import CheckpointError
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ int32 holds column AWQ_ORDER[i] of its eight
 PACKED_BITS = 32
-GPTQ_SYMMETRIC_ZERO_8BIT = 128
+SYMMETRIC_ZERO_8BIT = 128  # 8-bit levels are q + 128
 
 
 @dataclass(slots=True)
@@ -33,7 +43,7 @@ class QuantizedRows:
     """One projection's weight as levels: weight[n, k] = (levels[n, k] - zeros[n, g]) * scales[n, g]."""
 
     levels: torch.Tensor  # (N, K) int32
-    scales: torch.Tensor  # (N, G) float16
+    scales: torch.Tensor  # (N, G) as stored (float16; compressed-tensors: the model's dtype)
     zeros: torch.Tensor  # (N, G) int32
 
 
@@ -89,28 +99,93 @@ def _check_groups(prefix: str, k: int, groups: int, group_size: int | None) -> N
 def pack_rows(parts: list[QuantizedRows], bits: int, prefix: str) -> PackedWeights:
     """Projections fused along N (q, k, v or gate, up) -> one packed weight."""
     levels = torch.cat([p.levels for p in parts])
-    scales = torch.cat([p.scales for p in parts]).half()
+    scales = torch.cat([p.scales for p in parts])
     zeros = torch.cat([p.zeros for p in parts])
     if bits == 4:
         try:
             packed = pack_int4(levels)
         except ValueError as exc:
             raise CheckpointError(f"{prefix}: {exc}") from None
-        return PackedWeights(4, packed, scales.contiguous(), zeros.to(torch.uint8).contiguous())
-    if not bool((zeros == GPTQ_SYMMETRIC_ZERO_8BIT).all()):
-        raise CheckpointError(f"{prefix}: 8-bit GPTQ with zero points other than {GPTQ_SYMMETRIC_ZERO_8BIT} "
-                              "(sym false) is not supported")
-    return PackedWeights(8, (levels - GPTQ_SYMMETRIC_ZERO_8BIT).to(torch.int8).contiguous(),
-                         scales.float().contiguous())
+        return PackedWeights(4, packed, scales.half().contiguous(), zeros.to(torch.uint8).contiguous())
+    if not bool((zeros == SYMMETRIC_ZERO_8BIT).all()):
+        raise CheckpointError(f"{prefix}: 8-bit weights with zero points other than {SYMMETRIC_ZERO_8BIT} "
+                              "(asymmetric) are not supported")
+    return PackedWeights(8, (levels - SYMMETRIC_ZERO_8BIT).to(torch.int8).contiguous(), scales.float().contiguous())
 
 
-def read_fp8(tensors: dict[str, torch.Tensor], prefix: str,
-             quant: CheckpointQuantization) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 weight (N, K), its block scales)."""
+def float16_rounded(parts: list[QuantizedRows]) -> int:
+    """How many of the parts' scales float16 (the int4 layout's scale type) does not hold exactly: bf16 ones
+    below 2^-17 or float32 ones with more than 11 significant bits."""
+    return sum(int((p.scales.half().to(p.scales.dtype) != p.scales).sum()) for p in parts)
+
+
+def read_fp8(tensors: dict[str, torch.Tensor], prefix: str, quant: CheckpointQuantization) -> Fp8Weights:
+    """The e4m3 weight (N, K) with its block scales."""
     weight, scale_inv = _take(tensors, prefix, ("weight", "weight_scale_inv"))
     rows, columns = quant.block
     expected = (-(-weight.shape[0] // rows), -(-weight.shape[1] // columns))
     if weight.dtype != torch.float8_e4m3fn or tuple(scale_inv.shape) != expected:
         raise CheckpointError(f"{prefix}: an fp8 weight needs float8_e4m3fn values and {expected} block scales, got "
                               f"{weight.dtype} and {tuple(scale_inv.shape)}")
-    return weight, scale_inv.float()
+    return Fp8Weights(weight, scale_inv.float(), quant.block)
+
+
+def read_compressed_int(tensors: dict[str, torch.Tensor], prefix: str, quant: CheckpointQuantization) -> QuantizedRows:
+    """A compressed-tensors int projection (pack-, int- or naive-quantized) as levels q + 2^(bits-1)."""
+    scheme: CompressedTensorsScheme = quant.scheme
+    bits, offset = scheme.bits, 1 << (scheme.bits - 1)
+    if scheme.format == PACKED:
+        packed, shape, scales = _take(tensors, prefix, ("weight_packed", "weight_shape", "weight_scale"))
+        n, k = _weight_shape(prefix, shape)
+        if (packed.dtype != torch.int32 or packed.dim() != 2 or packed.shape[0] != n
+                or packed.shape[1] * PACKED_BITS < k * bits):
+            raise CheckpointError(f"{prefix}.weight_packed: {packed.dtype} {tuple(packed.shape)} does not hold a "
+                                  f"({n}, {k}) weight of {bits}-bit values packed in int32")
+        levels = _fields(packed, bits).flatten(-2)[:, :k]  # (N, K): value i of each int32 is column 32/bits*j + i
+    else:
+        weight, scales = _take(tensors, prefix, ("weight", "weight_scale"))
+        if weight.dtype != torch.int8 or weight.dim() != 2:
+            raise CheckpointError(f"{prefix}.weight: {scheme.format} weights are int8 (N, K), got {weight.dtype}")
+        (n, k), levels = weight.shape, weight.to(torch.int32) + offset
+    if scales.dim() != 2 or scales.shape[0] != n or not scales.is_floating_point():
+        raise CheckpointError(f"{prefix}.weight_scale: expected float ({n}, groups), got {scales.dtype} "
+                              f"{tuple(scales.shape)}")
+    _check_groups(prefix, k, scales.shape[1], scheme.group_size)
+    if scheme.symmetric:
+        zeros = torch.full(scales.shape, offset, dtype=torch.int32)
+    else:
+        (stored,) = _take(tensors, prefix, ("weight_zero_point",))
+        if scheme.format == PACKED:  # int32 (N * bits / 32, G): consecutive rows of a column in one int32
+            zeros = _fields(stored, bits).permute(0, 2, 1).flatten(0, 1)[:n]
+        else:
+            zeros = stored.to(torch.int32) + offset
+        if tuple(zeros.shape) != tuple(scales.shape):
+            raise CheckpointError(f"{prefix}.weight_zero_point: {tuple(stored.shape)} does not fit "
+                                  f"{tuple(scales.shape)} scales")
+    g_idx = tensors.pop(f"{prefix}.weight_g_idx", None)
+    if g_idx is not None and not torch.equal(g_idx.to(torch.int64), torch.arange(k) // (scheme.group_size or k)):
+        raise CheckpointError(f"{prefix}.weight_g_idx is not in order (act-order): only checkpoints whose groups "
+                              "are consecutive columns are supported")
+    return QuantizedRows(levels, scales, zeros.contiguous())
+
+
+def _weight_shape(prefix: str, shape: torch.Tensor) -> tuple[int, int]:
+    values = shape.reshape(-1).tolist()
+    if len(values) != 2 or min(values) < 1:
+        raise CheckpointError(f"{prefix}.weight_shape must be (out_features, in_features), got {values}")
+    return int(values[0]), int(values[1])
+
+
+def read_compressed_fp8(tensors: dict[str, torch.Tensor], prefix: str, quant: CheckpointQuantization) -> Fp8Weights:
+    """A compressed-tensors fp8 projection: a scale per row (channel; tensor's one value repeated) or block."""
+    scheme: CompressedTensorsScheme = quant.scheme
+    weight, scales = _take(tensors, prefix, ("weight", "weight_scale"))
+    n, k = weight.shape
+    rows, columns = scheme.block if scheme.strategy == "block" else (1, k)
+    expected = (-(-n // rows), -(-k // columns))
+    if scheme.strategy == "tensor" and scales.numel() == 1:
+        scales = scales.reshape(1, 1).expand(n, 1)
+    if weight.dtype != torch.float8_e4m3fn or scales.numel() != expected[0] * expected[1]:
+        raise CheckpointError(f"{prefix}: a {scheme.strategy} fp8 weight needs float8_e4m3fn values and {expected} "
+                              f"scales, got {weight.dtype} and {tuple(scales.shape)}")
+    return Fp8Weights(weight, scales.float().reshape(expected).contiguous(), (rows, columns))

@@ -8,7 +8,9 @@ AutoAWQ; transformers' integrations):
   block of the weight, multiplied in to dequantize;
 - AWQ (`quant_method: awq`, 4 bits, `version: gemm`, `zero_point: true`), as in Qwen3-*-AWQ;
 - GPTQ (`quant_method: gptq`, 4 or 8 bits, `desc_act: false`), `checkpoint_format` gptq (zero points
-  stored less one) or gptq_v2.
+  stored less one) or gptq_v2;
+- llm-compressor's compressed-tensors (`quant_method: compressed-tensors`): W4A16, W8A16 and FP8-dynamic
+  schemes, as compressed_tensors.py says.
 Anything else is refused with what is supported, never loaded approximately.
 """
 
@@ -19,27 +21,38 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mili_openai.model.quantization.compressed_tensors import SUPPORTED_TEXT as COMPRESSED_TENSORS_TEXT
+from mili_openai.model.quantization.compressed_tensors import (
+    CompressedTensorsScheme,
+    parse_compressed_tensors,
+    positive_int,
+)
+
 DYNAMIC_METHODS = ("int8", "int4", "fp8")
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_INT4_GROUP_SIZE = 128
-CHECKPOINT_METHODS = ("fp8", "awq", "gptq")
+COMPRESSED_TENSORS = "compressed-tensors"
+CHECKPOINT_METHODS = ("fp8", "awq", "gptq", COMPRESSED_TENSORS)
 GPTQ_BITS = (4, 8)
 GPTQ_FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format -> what its stored zero points lack
 SUPPORTED_TEXT = ("fp8 (fine-grained e4m3 blocks, dynamic activations), awq (4-bit, GEMM packing, zero points), "
-                  "gptq (4 or 8 bits, desc_act false)")
+                  f"gptq (4 or 8 bits, desc_act false), {COMPRESSED_TENSORS_TEXT}")
 
 
 @dataclass(frozen=True, slots=True)
 class CheckpointQuantization:
     """What a checkpoint's `quantization_config` says its projections hold."""
 
-    method: str  # "fp8", "awq" or "gptq"
+    method: str  # "fp8", "awq", "gptq" or "compressed-tensors"
     bits: int
     group_size: int | None = None  # values along K per scale; None: one per output row (GPTQ's -1)
     block: tuple[int, int] | None = None  # fp8: (rows, columns) of the weight per scale
     zero_offset: int = 0  # GPTQ v1 stores each zero point less one
+    scheme: CompressedTensorsScheme | None = None  # compressed-tensors: its scheme and which modules it covers
 
     def describe(self) -> str:
+        if self.scheme is not None:
+            return self.scheme.describe()
         if self.method == "fp8":
             return f"fp8 (e4m3, {self.block[0]}x{self.block[1]} blocks)"
         groups = f"groups of {self.group_size}" if self.group_size else "one scale per row"
@@ -64,6 +77,10 @@ def parse_quantization_config(raw: dict[str, Any] | None) -> CheckpointQuantizat
         return _awq(raw)
     if method == "gptq":
         return _gptq(raw)
+    if method == COMPRESSED_TENSORS:
+        scheme = parse_compressed_tensors(raw)
+        return CheckpointQuantization(method, scheme.bits, group_size=scheme.group_size, block=scheme.block,
+                                      scheme=scheme)
     raise ValueError(f"quantization method {raw.get('quant_method')!r} in config.json is not supported; supported: "
                      f"{SUPPORTED_TEXT}")
 
@@ -75,7 +92,7 @@ def _fp8(raw: dict[str, Any]) -> CheckpointQuantization:
         raise ValueError("fp8 checkpoints with static activation scales are not supported: only "
                          "activation_scheme 'dynamic'")
     block = raw.get("weight_block_size")
-    if not (isinstance(block, list) and len(block) == 2 and all(_positive_int(b) for b in block)):
+    if not (isinstance(block, list) and len(block) == 2 and all(positive_int(b) for b in block)):
         raise ValueError("fp8 checkpoints need weight_block_size [rows, columns] (fine-grained block scales); "
                          f"per-tensor fp8 is not supported, got {block!r}")
     return CheckpointQuantization("fp8", 8, block=(int(block[0]), int(block[1])))
@@ -91,7 +108,7 @@ def _awq(raw: dict[str, Any]) -> CheckpointQuantization:
     if not raw.get("zero_point", True):
         raise ValueError("AWQ checkpoints without zero points are not supported")
     group = raw.get("group_size", raw.get("q_group_size"))
-    if not _positive_int(group):
+    if not positive_int(group):
         raise ValueError(f"AWQ group_size must be a positive integer, got {group!r}")
     return CheckpointQuantization("awq", 4, group_size=int(group))
 
@@ -107,7 +124,7 @@ def _gptq(raw: dict[str, Any]) -> CheckpointQuantization:
         raise ValueError(f"GPTQ checkpoint_format {raw.get('checkpoint_format')!r} is not supported; supported: "
                          f"{tuple(GPTQ_FORMATS)}")
     group = raw.get("group_size", -1)
-    if group != -1 and not _positive_int(group):
+    if group != -1 and not positive_int(group):
         raise ValueError(f"GPTQ group_size must be -1 or a positive integer, got {group!r}")
     return CheckpointQuantization("gptq", int(bits), group_size=None if group == -1 else int(group),
                                   zero_offset=GPTQ_FORMATS[checkpoint_format])
@@ -128,5 +145,3 @@ def check_quantization(requested: str | None, checkpoint: CheckpointQuantization
                          "use --quantization int8 or int4")
 
 
-def _positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
