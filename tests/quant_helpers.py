@@ -1,10 +1,10 @@
 """Shared by the quantization tests: a model shape int4 takes (rows of multiples of 128), checkpoints in the
-AWQ, GPTQ and FP8 layouts written from a dense one, and dense checkpoints of dequantized weights for the
-transformers oracle.
+AWQ, GPTQ, FP8 and compressed-tensors layouts written from a dense one, and dense checkpoints of dequantized
+weights for the transformers oracle.
 
 The packing here is written from the formats' descriptions (AutoAWQ's GEMM packer, GPTQ's row packing,
-DeepSeek-style FP8 blocks), independently of the loader's unpacking, so a loader that reads the layouts
-wrongly fails the tests.
+DeepSeek-style FP8 blocks, compressed-tensors' pack_to_int32 and naive compressors), independently of the
+loader's unpacking, so a loader that reads the layouts wrongly fails the tests.
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from engine_helpers import hf_greedy, load_hf, random_prompts
+
+from mili_openai import SamplingParams
 from mili_openai.kernels.fp8 import dequantize_fp8
 from mili_openai.kernels.quantized import dequantize
 from mili_openai.model.checkpoint import ModelShape
@@ -27,6 +30,19 @@ PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
                "mlp.up_proj", "mlp.down_proj")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ puts column AWQ_ORDER[i] of each eight in nibble i
 FP8_MAX = 448.0
+PROMPT_LENGTHS = [1, 9, 40, 130]
+MAX_NEW = 8
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
+
+
+def oracle_tokens(reference) -> tuple[list[list[int]], list]:
+    """Prompts and transformers' greedy continuations of them on the checkpoint at `reference`."""
+    prompts = random_prompts(len(PROMPT_LENGTHS), PROMPT_LENGTHS, seed=11)
+    hf = load_hf(reference)
+    return prompts, [hf_greedy(hf, prompt, MAX_NEW) for prompt in prompts]
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -113,16 +129,59 @@ def fp8_tensors(prefix: str, w: torch.Tensor, block: tuple[int, int]) -> tuple[d
     return {f"{prefix}.weight": q, f"{prefix}.weight_scale_inv": scale}, q.float() * full
 
 
+def compressed_int_tensors(prefix: str, w: torch.Tensor, bits: int, group: int | None, symmetric: bool,
+                           fmt: str) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """compressed-tensors int weights: signed values stored offset by 2^(bits-1), packed along K into int32s
+    (pack-quantized) or kept as int8; bf16 scales (the model's dtype); zero points packed along N."""
+    n, k = w.shape
+    levels, scales, zeros = quantize_groups(w, bits, group or k, symmetric)  # levels: q + 2^(bits-1)
+    scales = scales.to(torch.bfloat16)
+    offset = 1 << (bits - 1)
+    if fmt == "pack-quantized":
+        tensors = {f"{prefix}.weight_packed": pack_fields(levels, bits, 1),
+                   f"{prefix}.weight_shape": torch.tensor([n, k])}
+    else:
+        tensors = {f"{prefix}.weight": (levels - offset).to(torch.int8)}
+    tensors[f"{prefix}.weight_scale"] = scales
+    if not symmetric:
+        tensors[f"{prefix}.weight_zero_point"] = (pack_fields(zeros, bits, 0) if fmt == "pack-quantized"
+                                                  else (zeros - offset).to(torch.int8))
+    return tensors, dequantized(levels, scales, zeros, group or k)
+
+
+def compressed_fp8_tensors(prefix: str, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """compressed-tensors FP8-dynamic weights: e4m3 with a bf16 scale per row (N, 1)."""
+    scale = (w.float().abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12).bfloat16()
+    q = (w.float() / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return {f"{prefix}.weight": q, f"{prefix}.weight_scale": scale}, q.float() * scale.float()
+
+
+def compressed_config(fmt: str, weights: dict, input_activations: dict | None = None,
+                      ignore: tuple[str, ...] = ("lm_head",)) -> dict:
+    """A quantization_config as llm-compressor writes it: one config group over every Linear module."""
+    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"dynamic": False, **weights},
+                                          "input_activations": input_activations, "output_activations": None}},
+            "ignore": list(ignore), "kv_cache_scheme": None, "sparsity_config": {}, "global_compression_ratio": None}
+
+
 def write_quantized(source: Path, target: Path, reference: Path, method: str, **options) -> None:
-    """A checkpoint at `target` with every projection quantized in `method`'s layout, and at `reference` the
-    dense float32 checkpoint of the weights those stand for (for transformers)."""
+    """A checkpoint at `target` with every projection (but those in `options["dense"]`) quantized in `method`'s
+    layout, and at `reference` the dense float32 checkpoint of the weights those stand for (for transformers)."""
     dense = {name: t.float() for name, t in read_weights(source).items()}
     packed, plain = dict(dense), dict(dense)
     for layer in range(QUANT_SHAPE.num_hidden_layers):
         for projection in PROJECTIONS:
+            if projection in options.get("dense", ()):
+                continue
             prefix = f"model.layers.{layer}.{projection}"
             w = packed.pop(f"{prefix}.weight")
-            if method == "awq":
+            if method == "compressed-tensors" and "bits" in options:
+                tensors, weight = compressed_int_tensors(prefix, w, options["bits"], options["group"],
+                                                         options["symmetric"], options["config"]["format"])
+            elif method == "compressed-tensors":
+                tensors, weight = compressed_fp8_tensors(prefix, w)
+            elif method == "awq":
                 tensors, weight = awq_tensors(prefix, w, options["group"])
             elif method == "gptq":
                 tensors, weight = gptq_tensors(prefix, w, options["bits"], options["group"], options["symmetric"],

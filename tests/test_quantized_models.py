@@ -9,12 +9,20 @@ import openai
 import pytest
 import torch
 
-from engine_helpers import assert_matches, hf_greedy, load_hf, random_prompts
+from engine_helpers import assert_matches, load_hf, random_prompts
 from helpers_server import served_engine
 from model_helpers import PagedSequences, random_tokens
-from quant_helpers import QUANT_SHAPE, write_dequantized, write_quantized
+from quant_helpers import (
+    MAX_NEW,
+    QUANT_SHAPE,
+    compressed_config,
+    greedy,
+    oracle_tokens,
+    write_dequantized,
+    write_quantized,
+)
 
-from mili_openai import LLM, SamplingParams
+from mili_openai import LLM
 from mili_openai.engine.memory_budget import weight_bytes
 from mili_openai.kernels import cpu_supports_kernels, load_cpu_kernels
 from mili_openai.model import CheckpointError, KVCache, build_random_checkpoint, load_model
@@ -23,8 +31,6 @@ from mili_openai.model.quantization.apply import quantize_model
 from mili_openai.model.quantization.modules import Fp8Linear, QuantizedEmbedding, QuantizedLinear
 
 CPU = torch.device("cpu")
-PROMPT_LENGTHS = [1, 9, 40, 130]
-MAX_NEW = 8
 BF16_ERROR_RATIO = 1.5  # our bf16 error vs the float32 oracle, relative to transformers' own bf16 error
 UNTIED_SHAPE = ModelShape(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=4, head_dim=32, tie_word_embeddings=False, rope_theta=10000.0)
@@ -44,21 +50,11 @@ FORMATS = {
 }
 
 
-def greedy() -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
-
-
 @pytest.fixture(scope="module", params=["tied", "untied"])
 def dense(request, tmp_path_factory):
     shape = QUANT_SHAPE if request.param == "tied" else UNTIED_SHAPE
     return build_random_checkpoint(tmp_path_factory.mktemp(f"dense-{request.param}"), shape, seed=3,
                                    dtype=torch.bfloat16)
-
-
-def oracle_tokens(reference) -> tuple[list[list[int]], list]:
-    prompts = random_prompts(len(PROMPT_LENGTHS), PROMPT_LENGTHS, seed=11)
-    hf = load_hf(reference)
-    return prompts, [hf_greedy(hf, prompt, MAX_NEW) for prompt in prompts]
 
 
 @pytest.mark.parametrize("method, lm_head", [("int8", None), ("int4", None), ("int4", "int4"), ("int8", "int4")])
@@ -118,6 +114,14 @@ def test_quantized_weights_take_their_bits(tmp_path):
     assert sizes["int4"] < sizes["int8"] < 0.6 * sizes[None]
 
 
+# checkpoints the decode stack runs as written: (writer's method, its options)
+PREQUANTIZED = {
+    "awq": ("awq", FORMATS["awq"]),
+    "w4a16-channel": ("compressed-tensors", dict(bits=4, group=None, symmetric=False, config=compressed_config(
+        "pack-quantized", {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "channel"}))),
+    "w8a16": ("compressed-tensors", dict(bits=8, group=None, symmetric=True, config=compressed_config(
+        "pack-quantized", {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}))),
+}
 needs_kernels = pytest.mark.skipif(
     not (cpu_supports_kernels() and load_cpu_kernels() is not None and load_cpu_kernels().bf16_dot_products),
     reason="the quantized kernels need AVX512-BF16")
@@ -145,17 +149,18 @@ def run_steps(model, config, tokens, steps, seed: int) -> tuple[list, torch.Tens
 
 
 @needs_kernels
-@pytest.mark.parametrize("method", ["int8", "int4", "int4-lm-head-int4", "awq"])
+@pytest.mark.parametrize("method", ["int8", "int4", "int4-lm-head-int4", "awq", "w4a16-channel", "w8a16"])
 def test_decode_stack_runs_quantized_weights_as_the_modules_do(method, tmp_path):
     """Decode-only steps through the compiled stack: logits and K/V exactly those of the same kernels called
     module by module (the embedding rows too: an int4 LM head's, tied, dequantized by the stack)."""
     dense = build_random_checkpoint(tmp_path / "dense", QUANT_SHAPE, seed=6, dtype=torch.bfloat16)
     path = dense
-    if method == "awq":
-        path = tmp_path / "awq"
-        write_quantized(dense, path, tmp_path / "reference", "awq", **FORMATS["awq"])
+    if method in PREQUANTIZED:
+        path = tmp_path / method
+        writer, options = PREQUANTIZED[method]
+        write_quantized(dense, path, tmp_path / "reference", writer, **options)
     scheme, _, lm_head = method.partition("-lm-head-")
-    model, config = load_model(path, torch.bfloat16, CPU, quantization=None if method == "awq" else scheme,
+    model, config = load_model(path, torch.bfloat16, CPU, quantization=None if method in PREQUANTIZED else scheme,
                                lm_head_quantization=lm_head or None)
     stack = model.model.decode_stack
     assert stack is not None
