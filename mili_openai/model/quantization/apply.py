@@ -30,7 +30,7 @@ from mili_openai.model.quantization.formats import (
     read_gptq,
 )
 from mili_openai.model.quantization.modules import Fp8Linear, QuantizedEmbedding, QuantizedLinear
-from mili_openai.model.quantization.spec import CheckpointQuantization
+from mili_openai.model.quantization.spec import COMPRESSED_TENSORS, CheckpointQuantization
 from mili_openai.model.weights import FUSED_PARTS, LAYER_PREFIX, CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ LAYER_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj
 LM_HEAD = "lm_head"
 LM_HEAD_METHODS = ("int8", "int4")
 QUANTIZED_MARKERS = {"awq": "qweight", "gptq": "qweight", "fp8": "weight_scale_inv"}
-INT_READERS = {"awq": read_awq, "gptq": read_gptq, "compressed-tensors": read_compressed_int}
+INT_READERS = {"awq": read_awq, "gptq": read_gptq, COMPRESSED_TENSORS: read_compressed_int}
 
 
 def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
