@@ -6,6 +6,10 @@ as llama.cpp keeps its output matrix above 4 bits), or to int4 when asked (`--qu
 and zero points as the layers', the fewest bytes per token); tied to the embedding (Qwen3-0.6B), the
 embedding then reads its rows from the same quantized matrix, dequantized row by row, rather than keeping a
 bf16 copy. Under fp8 it stays dense, as in vLLM. Pre-quantized checkpoints keep whatever the checkpoint holds.
+
+compressed-tensors W8A8 projections quantize their input to int8 (activations.py); a fused projection (q, k,
+v or gate, up) of static per-tensor scales quantizes its shared input with the largest of its parts' scales,
+as vLLM does.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from torch import nn
 from mili_openai.kernels.fp8 import Fp8Weights, dequantize_fp8, per_row_weights
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.qwen3 import Qwen3ForCausalLM
+from mili_openai.model.quantization.activations import Int8Activations
+from mili_openai.model.quantization.compressed_tensors import STATIC_TENSOR, CompressedTensorsScheme
 from mili_openai.model.quantization.dynamic import quantize_fp8, quantize_int4, quantize_int8
-from mili_openai.model.quantization.compressed_tensors import CompressedTensorsScheme
 from mili_openai.model.quantization.formats import (
     float16_rounded,
     pack_rows,
@@ -28,6 +33,7 @@ from mili_openai.model.quantization.formats import (
     read_compressed_int,
     read_fp8,
     read_gptq,
+    read_input_scale,
 )
 from mili_openai.model.quantization.modules import Fp8Linear, QuantizedEmbedding, QuantizedLinear
 from mili_openai.model.quantization.spec import COMPRESSED_TENSORS, CheckpointQuantization
@@ -113,7 +119,8 @@ def load_checkpoint_quantization(model: Qwen3ForCausalLM, tensors: dict[str, tor
             read_int = INT_READERS[quant.method]
             rows = [read_int(tensors, p, quant) for p in prefixes]
             rounded += float16_rounded(rows) if quant.bits == 4 else 0
-            module = QuantizedLinear(pack_rows(rows, quant.bits, name))
+            activations = _input_activations(scheme, tensors, prefixes)
+            module = QuantizedLinear(pack_rows(rows, quant.bits, name), activations)
         parent, attribute = _parent(model, name)
         setattr(parent, attribute, module.to(device))
     description = quant.describe()
@@ -137,6 +144,16 @@ def _check_targets(scheme: CompressedTensorsScheme, prefixes: list[str], quantiz
             raise CheckpointError(f"{prefix}: config.json's quantization_config "
                                   f"{'quantizes it' if declared else 'leaves it unquantized (ignore, targets)'}, but "
                                   f"the checkpoint stores it {'quantized' if stored else 'dense'}")
+
+
+def _input_activations(scheme: CompressedTensorsScheme | None, tensors: dict[str, torch.Tensor],
+                       prefixes: list[str]) -> Int8Activations | None:
+    """A W8A8 projection's int8 input quantization (None: weight-only): static, one scale for the fused parts."""
+    if scheme is None or scheme.activations is None:
+        return None
+    if scheme.activations != STATIC_TENSOR:
+        return Int8Activations()
+    return Int8Activations(torch.stack([read_input_scale(tensors, prefix) for prefix in prefixes]).amax())
 
 
 def _fp8_module(parts: list[Fp8Weights], device: torch.device) -> nn.Module | None:

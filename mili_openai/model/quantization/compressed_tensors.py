@@ -10,6 +10,9 @@ Supported, mapped onto this server's int8/int4 and fp8 layouts:
   `pack-quantized` (32 / bits values per int32) or `int-quantized`/`naive-quantized` (int8 values);
   symmetric, or asymmetric with zero points at 4 bits; `actorder` none, or `weight` (it only orders
   calibration: the stored groups are the same);
+- the same 8-bit symmetric int weights with int8 activations (W8A8), symmetric, either dynamic per token
+  (`strategy: token`, `dynamic: true`) or static per tensor (`strategy: tensor`, `dynamic: false`, an
+  `input_scale` stored per module; activations.py has the numbers);
 - fp8 e4m3 weights (`float-quantized`), symmetric, strategy `channel`, `tensor` or `block`, with dynamic
   fp8 activations (FP8-dynamic, FP8-block).
 One scheme for every quantized module. Anything else is refused with what is supported.
@@ -28,12 +31,16 @@ INT_BITS = (4, 8)
 INT_STRATEGIES = ("group", "channel")
 FLOAT_STRATEGIES = ("channel", "tensor", "block")
 ACTIVATION_STRATEGIES = ("token", "group")  # dynamic fp8 activations: per token, or per group (FP8-block)
+DYNAMIC_TOKEN, STATIC_TENSOR = "token", "tensor"  # the int8 activation schemes (W8A8): how each scale is found
+INT8_ACTIVATIONS = {DYNAMIC_TOKEN: True, STATIC_TENSOR: False}  # strategy -> the `dynamic` it needs
 CALIBRATION_ONLY_ACTORDER = ("weight", "static")  # `static` is compressed-tensors' alias of `weight`
 LINEAR_CLASS = "Linear"  # every projection and the LM head are Linear modules
 REGEX_PREFIX = "re:"
 SUPPORTED_TEXT = ("compressed-tensors: int weights of 4 or 8 bits (pack-quantized, int-quantized or naive-quantized; "
-                  "group or channel scales; zero points at 4 bits) without activation quantization, or fp8 e4m3 "
-                  "weights (float-quantized; channel, tensor or block scales) with dynamic fp8 activations")
+                  "group or channel scales; zero points at 4 bits) without activation quantization, or 8-bit "
+                  "symmetric int weights with symmetric int8 activations (W8A8: dynamic per token, or static per "
+                  "tensor), or fp8 e4m3 weights (float-quantized; channel, tensor or block scales) with dynamic fp8 "
+                  "activations")
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +54,7 @@ class CompressedTensorsScheme:
     group_size: int | None = None  # strategy group: values along K per scale
     symmetric: bool = True  # else zero points are stored (int, 4 bits)
     block: tuple[int, int] | None = None  # strategy block: (rows, columns) of the weight per scale
+    activations: str | None = None  # int8 activations (W8A8): DYNAMIC_TOKEN or STATIC_TENSOR; None: weight-only
     targets: tuple[str, ...] = ()
     ignore: tuple[str, ...] = ()
 
@@ -66,7 +74,9 @@ class CompressedTensorsScheme:
             return f"compressed-tensors (fp8 e4m3, {scales}, dynamic activations)"
         groups = f"groups of {self.group_size}" if self.strategy == "group" else "one scale per row"
         zeros = "symmetric" if self.symmetric else "zero points"
-        return f"compressed-tensors ({self.bits}-bit, {groups}, {zeros}; {self.format})"
+        activations = {DYNAMIC_TOKEN: "; int8 activations per token, dynamic",
+                       STATIC_TENSOR: "; int8 activations per tensor, static"}.get(self.activations, "")
+        return f"compressed-tensors ({self.bits}-bit, {groups}, {zeros}; {self.format}{activations})"
 
 
 def _matches(name: str, patterns: tuple[str, ...]) -> bool:
@@ -158,10 +168,6 @@ def _int_scheme(fmt: str, bits: Any, strategy: str, weights: dict[str, Any],
                          f"{INT_FORMATS} ({SUPPORTED_TEXT})")
     if bits not in INT_BITS:
         raise ValueError(f"compressed-tensors int weights of {bits} bits are not supported: only 4 or 8")
-    if activations is not None:
-        kind = str(activations.get("type", "int")).lower() if isinstance(activations, dict) else activations
-        raise ValueError(f"compressed-tensors int weights with {kind} activation quantization (W{bits}A8) are not "
-                         f"supported: only weight-only int schemes (W4A16, W8A16)")
     if strategy not in INT_STRATEGIES:
         raise ValueError(f"compressed-tensors int weights with strategy {strategy!r} are not supported; supported: "
                          f"{INT_STRATEGIES}")
@@ -176,7 +182,31 @@ def _int_scheme(fmt: str, bits: Any, strategy: str, weights: dict[str, Any],
     if strategy == "group" and not positive_int(group):
         raise ValueError(f"compressed-tensors group strategy needs a positive group_size, got {group!r}")
     return dict(format=fmt, type="int", bits=bits, strategy=strategy,
-                group_size=group if strategy == "group" else None, symmetric=symmetric)
+                group_size=group if strategy == "group" else None, symmetric=symmetric,
+                activations=None if activations is None else _int8_activations(bits, symmetric, activations))
+
+
+def _int8_activations(bits: int, symmetric: bool, activations: Any) -> str:
+    """A W8A8 scheme's `input_activations` -> DYNAMIC_TOKEN or STATIC_TENSOR; ValueError for any other."""
+    supported = ("only symmetric int8 activations, dynamic per token (strategy token, dynamic true) or static per "
+                 "tensor (strategy tensor, dynamic false), on 8-bit symmetric int weights (W8A8)")
+    if not isinstance(activations, dict):
+        raise ValueError(f"compressed-tensors input_activations must be an object, got {activations!r}")
+    kind, act_bits = str(activations.get("type", "int")).lower(), activations.get("num_bits", 8)
+    if kind != "int" or act_bits != 8:
+        raise ValueError(f"compressed-tensors int weights with {act_bits}-bit {kind} activations are not supported: "
+                         f"{supported}")
+    if bits != 8 or not symmetric:
+        raise ValueError(f"compressed-tensors {bits}-bit int weights{'' if symmetric else ' with zero points'} with "
+                         f"int8 activations (W{bits}A8) are not supported: {supported}")
+    if not activations.get("symmetric", True):
+        raise ValueError(f"compressed-tensors asymmetric int8 activations (zero points) are not supported: "
+                         f"{supported}")
+    strategy, dynamic = _strategy(activations), activations.get("dynamic", False)
+    if INT8_ACTIVATIONS.get(strategy) is not dynamic:
+        raise ValueError(f"compressed-tensors int8 activations with strategy {strategy!r} and dynamic {dynamic!r} "
+                         f"are not supported: {supported}")
+    return strategy
 
 
 def _float_scheme(fmt: str, bits: Any, strategy: str, weights: dict[str, Any],

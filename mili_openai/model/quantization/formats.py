@@ -18,7 +18,9 @@ AutoGPTQ/GPTQModel and DeepSeek-style FP8 write them:
   `weight_scale` (N, G) in the model's dtype, G = 1 for channel. Zero points (asymmetric) are signed the
   same way: `weight_zero_point` int32 (N * bits / 32, G) packed along N when packed, else int8 (N, G).
   weight[n, k] = (q - zero) * scale. `float-quantized`: `weight` float8_e4m3fn (N, K), `weight_scale`
-  (N, 1) per row, one value per tensor, or (ceil(N / rows), ceil(K / columns)) per block.
+  (N, 1) per row, one value per tensor, or (ceil(N / rows), ceil(K / columns)) per block. Static int8
+  activations (W8A8) add `input_scale` (1,) in the model's dtype; older writers also stored an all-zero
+  `input_zero_point` for symmetric ones, which the compressors now drop.
 """
 
 from __future__ import annotations
@@ -189,3 +191,16 @@ def read_compressed_fp8(tensors: dict[str, torch.Tensor], prefix: str, quant: Ch
         raise CheckpointError(f"{prefix}: a {scheme.strategy} fp8 weight needs float8_e4m3fn values and {expected} "
                               f"scales, got {weight.dtype} and {tuple(scales.shape)}")
     return Fp8Weights(weight, scales.float().reshape(expected).contiguous(), (rows, columns))
+
+
+def read_input_scale(tensors: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    """A compressed-tensors projection's static int8 activation scale (W8A8 per tensor), as float32 (1,)."""
+    (scale,) = _take(tensors, prefix, ("input_scale",))
+    zero_point = tensors.pop(f"{prefix}.input_zero_point", None)
+    if zero_point is not None and bool(zero_point.any()):
+        raise CheckpointError(f"{prefix}.input_zero_point: asymmetric int8 activations (nonzero zero points) are "
+                              "not supported")
+    if scale.numel() != 1 or not scale.is_floating_point() or not bool(torch.isfinite(scale).all()) or scale <= 0:
+        raise CheckpointError(f"{prefix}.input_scale: a static per-tensor scale is one positive float, got "
+                              f"{scale.dtype} {tuple(scale.shape)}")
+    return scale.float().reshape(1)

@@ -11,6 +11,7 @@ from torch import nn
 
 from mili_openai.kernels.fp8 import Fp8Weights, torch_fp8_linear
 from mili_openai.kernels.quantized import PackedWeights, dequantize, reference_linear
+from mili_openai.model.quantization.activations import Int8Activations
 
 # (x (..., K), packed weight) -> (..., N): the CPU kernels, Triton on CUDA, or the torch reference
 QuantizedMatmulFn = Callable[[torch.Tensor, PackedWeights], torch.Tensor]
@@ -23,9 +24,11 @@ def frozen(tensor: torch.Tensor) -> nn.Parameter:
 
 class QuantizedLinear(nn.Module):
     """y = x @ W.T with W int8 or int4 (the layouts of mili_openai.kernels.quantized), dequantized by `matmul`
-    on the fly; `Qwen3ForCausalLM.set_quantized_matmul` routes every one through a kernel."""
+    on the fly; `Qwen3ForCausalLM.set_quantized_matmul` routes every one through a kernel. With `activations`
+    (W8A8) x is quantized to int8 first: the matmul takes the integers and each output row is scaled by its
+    token's scale (activations.py)."""
 
-    def __init__(self, packed: PackedWeights) -> None:
+    def __init__(self, packed: PackedWeights, activations: Int8Activations | None = None) -> None:
         super().__init__()
         if packed.bits not in (8, 4):
             raise ValueError(f"a quantized linear holds 8- or 4-bit weights, got {packed.bits}")
@@ -33,14 +36,25 @@ class QuantizedLinear(nn.Module):
         self.qweight = frozen(packed.weight)
         self.scales = frozen(packed.scales)
         self.zeros = None if packed.zeros is None else frozen(packed.zeros)
+        if activations is not None and packed.bits != 8:
+            raise ValueError(f"int8 activations multiply 8-bit weights, got {packed.bits}-bit")
+        self.activations = activations
         self.matmul: QuantizedMatmulFn = reference_linear
 
     @property
     def packed(self) -> PackedWeights:
         return PackedWeights(self.bits, self.qweight, self.scales, self.zeros)
 
+    @property
+    def weight_only(self) -> bool:
+        """Whether x goes to the matmul as it is (not quantized to int8 first)."""
+        return self.activations is None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.packed)
+        if self.activations is None:
+            return self.matmul(x, self.packed)
+        levels, scale = self.activations(x)
+        return (self.matmul(levels, self.packed).float() * scale).to(x.dtype)
 
     def extra_repr(self) -> str:
         packed = self.packed
