@@ -1,6 +1,6 @@
 """Shared by the quantization tests: a model shape int4 takes (rows of multiples of 128), checkpoints in the
 AWQ, GPTQ, FP8 and compressed-tensors layouts written from a dense one, and dense checkpoints of dequantized
-weights for the transformers oracle.
+weights for the transformers oracle; and steps of prefill chunks and decode rows run straight through a model.
 
 The packing here is written from the formats' descriptions (AutoAWQ's GEMM packer, GPTQ's row packing,
 DeepSeek-style FP8 blocks, compressed-tensors' pack_to_int32 and naive compressors), independently of the
@@ -17,10 +17,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from engine_helpers import hf_greedy, load_hf, random_prompts
+from model_helpers import PagedSequences, random_tokens
 
 from mili_openai import SamplingParams
 from mili_openai.kernels.fp8 import dequantize_fp8
 from mili_openai.kernels.quantized import dequantize
+from mili_openai.model import KVCache
 from mili_openai.model.checkpoint import ModelShape
 from mili_openai.model.quantization.modules import Fp8Linear, QuantizedLinear
 
@@ -32,6 +34,7 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ puts column AWQ_ORDER[i] of each
 FP8_MAX = 448.0
 PROMPT_LENGTHS = [1, 9, 40, 130]
 MAX_NEW = 8
+CPU = torch.device("cpu")
 
 
 def greedy() -> SamplingParams:
@@ -43,6 +46,29 @@ def oracle_tokens(reference) -> tuple[list[list[int]], list]:
     prompts = random_prompts(len(PROMPT_LENGTHS), PROMPT_LENGTHS, seed=11)
     hf = load_hf(reference)
     return prompts, [hf_greedy(hf, prompt, MAX_NEW) for prompt in prompts]
+
+
+def decode_schedule() -> tuple[dict[str, list[int]], list]:
+    """Three sequences' tokens and the steps that run them: prefill chunks beside decode rows, then decodes."""
+    tokens = {key: random_tokens(n, seed=20 + i) for i, (key, n) in enumerate({"a": 14, "b": 30, "c": 12}.items())}
+    steps = [([], [("a", 6), ("b", 20)]), (["a", "b"], [("c", 5)]), (["a", "b", "c"], []), (["c", "a", "b"], []),
+             (["a", "b"], [("c", 2)]), (["a", "b", "c"], []), (["b"], [])]
+    return tokens, steps
+
+
+@torch.inference_mode()
+def run_steps(model, config, tokens, steps, seed: int) -> tuple[list, torch.Tensor]:
+    """`steps` through `model` on shuffled pages -> ([(key, position, logits row)], the K/V pools)."""
+    pages = PagedSequences(num_pages=64, page_size=4, seed=seed)
+    for key, seq in tokens.items():
+        pages.add(key, seq)
+    cache = KVCache(config, 64, 4, model.dtype, CPU)
+    rows = []
+    for decode, prefill in steps:
+        batch, keys = pages.batch(decode, prefill)
+        logits = model.compute_logits(model(batch, cache)[batch.logits_indices])
+        rows.extend((key, position, logits[i]) for i, (key, position) in enumerate(keys))
+    return rows, cache.pools
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -163,6 +189,54 @@ def compressed_config(fmt: str, weights: dict, input_activations: dict | None = 
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"dynamic": False, **weights},
                                           "input_activations": input_activations, "output_activations": None}},
             "ignore": list(ignore), "kv_cache_scheme": None, "sparsity_config": {}, "global_compression_ratio": None}
+
+
+def library_compress(w: torch.Tensor, fmt: str, weights: dict, activations: dict | None,
+                     extra: dict[str, torch.Tensor] | None = None):
+    """`w` compressed by compressed-tensors' own compressor for `fmt` -> (its tensors, its decompressed float32
+    weight: the stored values times float32 scales). `extra`: more of the module's state (e.g. `input_scale`)."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    args = QuantizationArgs(**weights)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args,
+                                input_activations=QuantizationArgs(**activations) if activations else None)
+    n, k = w.shape
+    groups = w.view(n, k // (args.group_size or k), -1)
+    scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+    state = {"weight": w, "weight_scale": scale} | ({} if args.symmetric else {"weight_zero_point": zero_point})
+    state |= extra or {}
+    compressor = BaseCompressor.get_value_from_registry(fmt)
+    stored = compressor.compress(state, scheme)
+    decompressed = compressor.decompress(stored | {"weight_scale": stored["weight_scale"].float()}, scheme)
+    return stored, decompressed["weight"].float()
+
+
+def write_library_checkpoint(dense: Path, target: Path, fmt: str, weights: dict, activations: dict | None,
+                             extra=lambda prefix: None) -> tuple[Path, dict, dict]:
+    """`dense` with every projection compressed by compressed-tensors' compressor for `fmt` (`extra(prefix)`: more
+    of that module's state) -> (the checkpoint, its tensors with the decompressed float32 weights for a dense
+    reference, {projection prefix: decompressed weight})."""
+    tensors, plain = read_weights(dense), {n: t.float() for n, t in read_weights(dense).items()}
+    library = {}
+    for layer in range(QUANT_SHAPE.num_hidden_layers):
+        for projection in PROJECTIONS:
+            prefix = f"model.layers.{layer}.{projection}"
+            stored, weight = library_compress(tensors.pop(f"{prefix}.weight"), fmt, weights, activations,
+                                              extra(prefix))
+            tensors.update({f"{prefix}.{key}": value for key, value in stored.items()})
+            plain[f"{prefix}.weight"] = library[prefix] = weight
+    return write_checkpoint(dense, target, tensors, compressed_config(fmt, weights, activations)), plain, library
+
+
+def library_fused(library: dict[str, torch.Tensor], layer: int) -> dict[str, torch.Tensor]:
+    """{mili's module name in a layer: the library's weights of its parts, fused}."""
+    prefix = f"model.layers.{layer}"
+    fused = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj"),
+             "self_attn.o_proj": ("o_proj",), "mlp.down_proj": ("down_proj",)}
+    return {name: torch.cat([library[f"{prefix}.{name.split('.')[0]}.{part}"] for part in parts])
+            for name, parts in fused.items()}
 
 
 def write_quantized(source: Path, target: Path, reference: Path, method: str, **options) -> None:

@@ -17,9 +17,11 @@ from quant_helpers import (
     compressed_config,
     dequantized_weight,
     greedy,
+    library_fused,
     oracle_tokens,
     read_weights,
     write_checkpoint,
+    write_library_checkpoint,
     write_quantized,
 )
 
@@ -140,8 +142,7 @@ MIXED["config_groups"]["group_1"] = {"targets": ["re:.*mlp.*"], "weights": int_w
 
 
 @pytest.mark.parametrize("raw, message", [
-    (with_group(compressed_config("int-quantized", int_weights(8, None)), input_activations=INT8_ACTIVATIONS),
-     "int activation quantization"),  # W8A8 int8
+    (with_group(W4A16, input_activations=INT8_ACTIVATIONS), "W4A8"),  # W8A8: test_compressed_tensors_w8a8.py
     (with_group(FP8_DYNAMIC, input_activations={**FP8_DYNAMIC_ACTIVATIONS, "dynamic": False, "strategy": "tensor"}),
      "static activation scales"),
     (with_group(FP8_DYNAMIC, input_activations=None), "without activation quantization"),
@@ -218,26 +219,6 @@ LIBRARY_SCHEMES = {
 }
 
 
-def library_compress(w: torch.Tensor, fmt: str, weights: dict, activations: dict | None):
-    """`w` compressed by compressed-tensors' own compressor for `fmt` -> (its tensors, its decompressed float32
-    weight: the stored values times float32 scales)."""
-    from compressed_tensors.compressors import BaseCompressor
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
-    from compressed_tensors.quantization.utils import calculate_qparams
-
-    args = QuantizationArgs(**weights)
-    scheme = QuantizationScheme(targets=["Linear"], weights=args,
-                                input_activations=QuantizationArgs(**activations) if activations else None)
-    n, k = w.shape
-    groups = w.view(n, k // (args.group_size or k), -1)
-    scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
-    state = {"weight": w, "weight_scale": scale} | ({} if args.symmetric else {"weight_zero_point": zero_point})
-    compressor = BaseCompressor.get_value_from_registry(fmt)
-    stored = compressor.compress(state, scheme)
-    decompressed = compressor.decompress(stored | {"weight_scale": stored["weight_scale"].float()}, scheme)
-    return stored, decompressed["weight"].float()
-
-
 @pytest.mark.parametrize("name", list(LIBRARY_SCHEMES))
 def test_library_compressed_checkpoint_reads_back_the_librarys_weights(name, tmp_path):
     """A tiny checkpoint whose projections compressed-tensors itself compressed: every projection mili builds
@@ -246,28 +227,14 @@ def test_library_compressed_checkpoint_reads_back_the_librarys_weights(name, tmp
     pytest.importorskip("compressed_tensors")
     fmt, weights, activations = LIBRARY_SCHEMES[name]
     dense = build_random_checkpoint(tmp_path / "dense", QUANT_SHAPE, seed=16, dtype=torch.bfloat16)
-    tensors, plain = read_weights(dense), {n: t.float() for n, t in read_weights(dense).items()}
-    library = {}
-    for layer in range(QUANT_SHAPE.num_hidden_layers):
-        for projection in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"):
-            prefix = f"model.layers.{layer}.{projection}"
-            stored, weight = library_compress(tensors.pop(f"{prefix}.weight"), fmt, weights, activations)
-            tensors.update({f"{prefix}.{key}": value for key, value in stored.items()})
-            plain[f"{prefix}.weight"] = library[prefix] = weight
-    quantized = write_checkpoint(dense, tmp_path / "quantized", tensors,
-                                 compressed_config(fmt, weights, activations))
+    quantized, plain, library = write_library_checkpoint(dense, tmp_path / "quantized", fmt, weights, activations)
     model, config = load_model(quantized, torch.float32, CPU)
     for layer in range(config.num_hidden_layers):
-        prefix, block = f"model.layers.{layer}", model.model.layers[layer]
-        fused = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj"),
-                 "self_attn.o_proj": ("o_proj",), "mlp.down_proj": ("down_proj",)}
-        for module_name, parts in fused.items():
-            kind = module_name.split(".")[0]
-            want = torch.cat([library[f"{prefix}.{kind}.{part}"] for part in parts])
+        block = model.model.layers[layer]
+        for module_name, want in library_fused(library, layer).items():
             got = (dequantized_weight(block.get_submodule(module_name)) if not name.startswith("fp8")
                    else block.get_submodule(module_name).weight)  # fp8 on CPU: dense, dequantized at load
-            assert torch.equal(got, want), f"{prefix}.{module_name}"
+            assert torch.equal(got, want), f"layer {layer} {module_name}"
     reference = write_checkpoint(dense, tmp_path / "reference", plain, None)
     prompts, expected = oracle_tokens(reference)
     assert_matches(LLM(str(quantized), dtype="float32", num_pages=128).generate(prompts, greedy()), expected)

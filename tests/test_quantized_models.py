@@ -11,13 +11,14 @@ import torch
 
 from engine_helpers import assert_matches, load_hf, random_prompts
 from helpers_server import served_engine
-from model_helpers import PagedSequences, random_tokens
 from quant_helpers import (
     MAX_NEW,
     QUANT_SHAPE,
     compressed_config,
+    decode_schedule,
     greedy,
     oracle_tokens,
+    run_steps,
     write_dequantized,
     write_quantized,
 )
@@ -25,7 +26,7 @@ from quant_helpers import (
 from mili_openai import LLM
 from mili_openai.engine.memory_budget import weight_bytes
 from mili_openai.kernels import cpu_supports_kernels, load_cpu_kernels
-from mili_openai.model import CheckpointError, KVCache, build_random_checkpoint, load_model
+from mili_openai.model import CheckpointError, build_random_checkpoint, load_model
 from mili_openai.model.checkpoint import ModelShape
 from mili_openai.model.quantization.apply import quantize_model
 from mili_openai.model.quantization.modules import Fp8Linear, QuantizedEmbedding, QuantizedLinear
@@ -125,27 +126,6 @@ PREQUANTIZED = {
 needs_kernels = pytest.mark.skipif(
     not (cpu_supports_kernels() and load_cpu_kernels() is not None and load_cpu_kernels().bf16_dot_products),
     reason="the quantized kernels need AVX512-BF16")
-
-
-def decode_schedule() -> tuple[dict[str, list[int]], list]:
-    tokens = {key: random_tokens(n, seed=20 + i) for i, (key, n) in enumerate({"a": 14, "b": 30, "c": 12}.items())}
-    steps = [([], [("a", 6), ("b", 20)]), (["a", "b"], [("c", 5)]), (["a", "b", "c"], []), (["c", "a", "b"], []),
-             (["a", "b"], [("c", 2)]), (["a", "b", "c"], []), (["b"], [])]
-    return tokens, steps
-
-
-@torch.inference_mode()
-def run_steps(model, config, tokens, steps, seed: int) -> tuple[list, torch.Tensor]:
-    pages = PagedSequences(num_pages=64, page_size=4, seed=seed)
-    for key, seq in tokens.items():
-        pages.add(key, seq)
-    cache = KVCache(config, 64, 4, model.dtype, CPU)
-    rows = []
-    for decode, prefill in steps:
-        batch, keys = pages.batch(decode, prefill)
-        logits = model.compute_logits(model(batch, cache)[batch.logits_indices])
-        rows.extend((key, position, logits[i]) for i, (key, position) in enumerate(keys))
-    return rows, cache.pools
 
 
 @needs_kernels
