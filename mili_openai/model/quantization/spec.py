@@ -9,8 +9,8 @@ AutoAWQ; transformers' integrations):
 - AWQ (`quant_method: awq`, 4 bits, `version: gemm`, `zero_point: true`), as in Qwen3-*-AWQ;
 - GPTQ (`quant_method: gptq`, 4 or 8 bits, `desc_act: false`), `checkpoint_format` gptq (zero points
   stored less one) or gptq_v2;
-- llm-compressor's compressed-tensors (`quant_method: compressed-tensors`): W4A16, W8A16 and FP8-dynamic
-  schemes, as compressed_tensors.py says.
+- llm-compressor's compressed-tensors (`quant_method: compressed-tensors`): W4A16, W8A16, W8A8 (int8) and
+  FP8-dynamic schemes, as compressed_tensors.py says.
 Anything else is refused with what is supported, never loaded approximately.
 """
 
