@@ -34,6 +34,7 @@ AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ puts column AWQ_ORDER[i] of each
 FP8_MAX = 448.0
 PROMPT_LENGTHS = [1, 9, 40, 130]
 MAX_NEW = 8
+BF16_ERROR_RATIO = 1.5  # our bf16 error vs the float32 oracle, relative to transformers' own bf16 error
 CPU = torch.device("cpu")
 
 
@@ -69,6 +70,19 @@ def run_steps(model, config, tokens, steps, seed: int) -> tuple[list, torch.Tens
         logits = model.compute_logits(model(batch, cache)[batch.logits_indices])
         rows.extend((key, position, logits[i]) for i, (key, position) in enumerate(keys))
     return rows, cache.pools
+
+
+def assert_as_close_as_transformers_bf16(model, config, hf32, hf16) -> None:
+    """`model`'s bf16 logits through `decode_schedule` are as close to the float32 oracle `hf32` as `hf16`'s
+    (transformers in bf16 on the same weights) are, within BF16_ERROR_RATIO."""
+    tokens, steps = decode_schedule()
+    rows, _ = run_steps(model, config, tokens, steps, seed=2)
+    with torch.inference_mode():
+        oracle = {key: hf32(torch.tensor([seq])).logits[0].float() for key, seq in tokens.items()}
+        hf_error = max(float((hf16(torch.tensor([seq])).logits[0].float() - oracle[key]).abs().max())
+                       for key, seq in tokens.items())
+    our_error = max(float((row - oracle[key][position]).abs().max()) for key, position, row in rows)
+    assert our_error <= BF16_ERROR_RATIO * hf_error
 
 
 def read_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -9,7 +9,7 @@ other way in one of the two, moving that activation by a whole step, and through
 too. Where the oracle's best two tokens are that close, the other may win; the sequences part there
 (`assert_greedy_up_to_near_ties`). The logits test shows the rest of the rows equal within ROW_ATOL. The
 bf16 compiled kernels must be as close to the fp32 oracle as transformers' own bf16 with the same hook is,
-within BF16_ERROR_RATIO.
+within quant_helpers' BF16_ERROR_RATIO.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from quant_helpers import (
     CPU,
     MAX_NEW,
     QUANT_SHAPE,
+    assert_as_close_as_transformers_bf16,
     compressed_config,
     decode_schedule,
     dequantized_weight,
@@ -61,7 +62,6 @@ FUSED_PARTS = {"q_proj": ("q_proj", "k_proj", "v_proj"), "gate_proj": ("gate_pro
 PROMPT_LENGTHS = [1, 9, 40, 130]
 W8A8_LOGPROB_ATOL = 0.1  # a half-step tie rounded the other way moves these tiny models' logprobs by < 0.05
 ROW_ATOL = 1e-4  # float32 logits where no activation rounded differently
-BF16_ERROR_RATIO = 1.5  # our bf16 error vs the float32 oracle, relative to transformers' own bf16 error
 needs_kernels = pytest.mark.skipif(
     not (cpu_supports_kernels() and load_cpu_kernels() is not None and load_cpu_kernels().bf16_dot_products),
     reason="the quantized kernels need AVX512-BF16")
@@ -352,11 +352,4 @@ def test_bf16_kernels_as_close_to_the_hooked_oracle_as_transformers_bf16(activat
     assert model.model.decode_stack is None
     assert all(m.matmul is not reference_linear for m in model.modules() if isinstance(m, QuantizedLinear))
     hf32, hf16 = hooked_hf(reference, scales), hooked_hf(reference, scales, torch.bfloat16)
-    tokens, steps = decode_schedule()
-    rows, _ = run_steps(model, config, tokens, steps, seed=2)
-    with torch.inference_mode():
-        oracle = {key: hf32(torch.tensor([seq])).logits[0].float() for key, seq in tokens.items()}
-        hf_error = max(float((hf16(torch.tensor([seq])).logits[0].float() - oracle[key]).abs().max())
-                       for key, seq in tokens.items())
-    our_error = max(float((row - oracle[key][position]).abs().max()) for key, position, row in rows)
-    assert our_error <= BF16_ERROR_RATIO * hf_error
+    assert_as_close_as_transformers_bf16(model, config, hf32, hf16)

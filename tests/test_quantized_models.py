@@ -14,6 +14,7 @@ from helpers_server import served_engine
 from quant_helpers import (
     MAX_NEW,
     QUANT_SHAPE,
+    assert_as_close_as_transformers_bf16,
     compressed_config,
     decode_schedule,
     greedy,
@@ -32,7 +33,6 @@ from mili_openai.model.quantization.apply import quantize_model
 from mili_openai.model.quantization.modules import Fp8Linear, QuantizedEmbedding, QuantizedLinear
 
 CPU = torch.device("cpu")
-BF16_ERROR_RATIO = 1.5  # our bf16 error vs the float32 oracle, relative to transformers' own bf16 error
 UNTIED_SHAPE = ModelShape(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=4, head_dim=32, tie_word_embeddings=False, rope_theta=10000.0)
 GPTQ_CONFIG = {"quant_method": "gptq", "desc_act": False, "sym": True, "static_groups": False}
@@ -162,14 +162,7 @@ def test_bf16_kernels_as_close_to_the_oracle_as_transformers_bf16(method, tmp_pa
     assert model.model.decode_stack is not None
     reference = write_dequantized(model, dense, tmp_path / "dequantized")
     hf32, hf16 = load_hf(reference), load_hf(reference, torch.bfloat16)
-    tokens, steps = decode_schedule()
-    rows, _ = run_steps(model, config, tokens, steps, seed=2)
-    with torch.inference_mode():
-        oracle = {key: hf32(torch.tensor([seq])).logits[0].float() for key, seq in tokens.items()}
-        hf_error = max(float((hf16(torch.tensor([seq])).logits[0].float() - oracle[key]).abs().max())
-                       for key, seq in tokens.items())
-    our_error = max(float((row - oracle[key][position]).abs().max()) for key, position, row in rows)
-    assert our_error <= BF16_ERROR_RATIO * hf_error
+    assert_as_close_as_transformers_bf16(model, config, hf32, hf16)
 
 
 def test_models_endpoint_states_the_quantization(tmp_path):
