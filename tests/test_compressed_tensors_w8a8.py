@@ -43,7 +43,8 @@ from mili_openai.kernels import cpu_supports_kernels, load_cpu_kernels
 from mili_openai.kernels.quantized import PackedWeights, reference_linear
 from mili_openai.model import CheckpointError, build_random_checkpoint, load_model
 from mili_openai.model.checkpoint import ModelShape
-from mili_openai.model.quantization.activations import Int8Activations, quantize_int8_rows
+from mili_openai.kernels.quantized import quantize_int8_rows
+from mili_openai.model.quantization.activations import Int8Activations
 from mili_openai.model.quantization.modules import QuantizedLinear
 from mili_openai.model.quantization.spec import parse_quantization_config
 
@@ -343,13 +344,18 @@ def test_library_compressed_w8a8_checkpoint(activations, tmp_path):
 @needs_kernels
 @pytest.mark.parametrize("activations", [DYNAMIC, STATIC], ids=["dynamic", "static"])
 def test_bf16_kernels_as_close_to_the_hooked_oracle_as_transformers_bf16(activations, tmp_path):
-    """bf16 runs the compiled int8 kernels on the int8 levels (decode rows and prefill GEMMs; never the decode
-    stack, which has no activation quantization), as close to the fp32 hooked oracle as bf16 transformers with
-    the same hook is."""
+    """bf16 runs the compiled kernels: decode rows through the W8A8 kernel (int8 x int8, where the CPU has VNNI),
+    in the decode stack and layer by layer, prefill chunks through the int8 GEMM on the int8 levels; as close to
+    the fp32 hooked oracle as bf16 transformers with the same hook is."""
     dense = build_random_checkpoint(tmp_path / "dense", QUANT_SHAPE, seed=27, dtype=torch.bfloat16)
     quantized, reference, scales = write_w8a8(dense, tmp_path, CHANNEL, activations)
     model, config = load_model(quantized, torch.bfloat16, CPU)
-    assert model.model.decode_stack is None
-    assert all(m.matmul is not reference_linear for m in model.modules() if isinstance(m, QuantizedLinear))
+    modules = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert all(m.matmul is not reference_linear and m.packed.int8_inputs is not None for m in modules)
+    int8_products = load_cpu_kernels()._module.cpu_has_int8_dot_products()
+    assert all(load_cpu_kernels().quantized.supports(m.packed) == int8_products for m in modules)
+    assert (model.model.decode_stack is not None) == int8_products  # the stack quantizes x in the kernel
     hf32, hf16 = hooked_hf(reference, scales), hooked_hf(reference, scales, torch.bfloat16)
+    assert_as_close_as_transformers_bf16(model, config, hf32, hf16)
+    model.model.decode_stack = None  # decode rows module by module
     assert_as_close_as_transformers_bf16(model, config, hf32, hf16)

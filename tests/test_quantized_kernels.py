@@ -140,13 +140,15 @@ def test_unsupported_layouts_keep_the_reference(kernels):
 # Run in a fresh interpreter: Triton picks its interpreter when it is first imported in a process.
 TRITON_CHECK = """
 import torch
-from mili_openai.kernels.quantized import reference_linear
+from mili_openai.kernels.quantized import Int8Inputs, reference_linear
 from mili_openai.kernels.triton_quantized import triton_quantized_linear
 from mili_openai.model.quantization.dynamic import quantize_int4, quantize_int8
 from test_quantized_kernels import random_packed
 
 w = torch.randn(40, 256, generator=torch.Generator().manual_seed(3)) / 16
-for packed in (quantize_int8(w), quantize_int4(w, 64), quantize_int4(w, 128), random_packed(4, 40, 256, 2, False, 9)):
+w8a8 = quantize_int8(w)._replace(int8_inputs=Int8Inputs())  # on x's int8 levels, each row scaled after
+for packed in (quantize_int8(w), quantize_int4(w, 64), quantize_int4(w, 128), random_packed(4, 40, 256, 2, False, 9),
+               w8a8):
     for dtype in (torch.float32, torch.bfloat16):
         for rows in (1, 3, 17):
             x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(dtype)

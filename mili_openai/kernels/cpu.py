@@ -23,7 +23,7 @@ SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("bindings.cpp", "linear_bf16.cpp", "linear_amx.cpp", "paged_decode_attention.cpp",
            "decode_shared_amx.cpp", "paged_prefill_attention.cpp", "prefill_amx.cpp", "rms_norm_bf16.cpp",
            "activation_bf16.cpp", "moe_experts.cpp", "moe_block.cpp", "decode_stack.cpp", "sample_rows.cpp")
-QUANTIZED_SOURCES = ("linear_quantized.cpp", "linear_int8.cpp", "linear_int4.cpp")
+QUANTIZED_SOURCES = ("linear_quantized.cpp", "linear_int8.cpp", "linear_int4.cpp", "linear_w8a8.cpp")
 # not compiled on their own (torch's JIT hashes only the sources); the build's name hashes every file in csrc
 HEADERS = ("simd_bf16.h", "kernels.h", "prefill_products.h", "decode_blocks.h", "row_ranges.h", "amx_tiles.h",
            "decode_shared_amx.h", "decode_partials.h", "prefill_amx.h", "quantized_linear.h", "quantized_tiles.h",
@@ -70,7 +70,8 @@ class CpuKernels:
         self.planned = False  # whether `plan` was timed here (plan_work) or adopted
         self._bf16_dot_products = bool(module.cpu_has_bf16_dot_products())
         self._amx_tiles = bool(module.cpu_has_amx_tiles())
-        self.quantized = CpuQuantizedLinear(module, self._bf16_dot_products, lambda: self.plan)
+        self.quantized = CpuQuantizedLinear(module, self._bf16_dot_products, lambda: self.plan,
+                                            bool(module.cpu_has_int8_dot_products()))
 
     @property
     def bf16_dot_products(self) -> bool:
@@ -222,7 +223,7 @@ class CpuKernels:
         cannot run the shapes or the weights.
 
         norms: per layer input norm, q norm, k norm, post-attention norm; linears: per layer qkv, o, and for a
-        dense layer gate_up, down (bf16, int8 or int4); sparse: per layer its MoE block, or None (dense);
+        dense layer gate_up, down (bf16, int8 or int4, int8 with int8 inputs); sparse: per layer its MoE block, or None (dense);
         embedding: bf16, or int8 or int4 rows (an LM head it is tied to).
         """
         hidden_size = norms[0].shape[0]
@@ -249,8 +250,12 @@ class CpuKernels:
 
     def _packed_linear(self, packed: PackedWeights):
         empty = torch.empty(0)
-        arguments = self.quantized.kernel_arguments(packed) if packed.bits != 16 else (packed.weight, empty)
-        return self._module.PackedLinear(packed.bits, *arguments, *([empty] * (3 - len(arguments))))
+        if packed.bits == 16:
+            return self._module.PackedLinear(16, packed.weight, empty, empty, False, empty)
+        weight, scales, *last = self.quantized.kernel_arguments(packed)  # int4: zeros; W8A8: the static scale
+        if packed.int8_inputs is not None:
+            return self._module.PackedLinear(8, weight, scales, empty, True, last[0])
+        return self._module.PackedLinear(packed.bits, weight, scales, last[0] if last else empty, False, empty)
 
 
 class CpuDecodeStack:

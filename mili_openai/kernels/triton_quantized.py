@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from mili_openai.kernels.quantized import INT4_BLOCK, INT4_LANE, INT4_SYMMETRIC_ZERO, PackedWeights
+from mili_openai.kernels.quantized import (INT4_BLOCK, INT4_LANE, INT4_SYMMETRIC_ZERO, PackedWeights,
+                                           int8_input_linear)
 
 try:
     import triton
@@ -84,7 +85,9 @@ def _row_block(rows: int) -> int:
 
 
 def _triton_quantized_linear(x: torch.Tensor, packed: PackedWeights) -> torch.Tensor:
-    """x (..., K) @ dequantized(packed).T in x's dtype."""
+    """x (..., K) @ dequantized(packed).T in x's dtype (W8A8: on x's int8 levels, rows scaled after)."""
+    if packed.int8_inputs is not None:
+        return int8_input_linear(x, packed, _triton_quantized_linear)
     k, n = packed.in_features, packed.out_features
     flat = x.reshape(-1, k).contiguous()
     rows = flat.shape[0]

@@ -225,9 +225,8 @@ class Qwen3ForCausalLM(nn.Module):
             else:
                 modules += [mlp.gate_up_proj, mlp.down_proj]
                 sparse.append(None)
-            # fp8 (CUDA only) and int8-activation (W8A8) projections run module by module
-            if not all(isinstance(module, Linear) or (isinstance(module, QuantizedLinear) and module.weight_only)
-                       for module in modules):
+            # fp8 projections (CUDA only) run module by module
+            if not all(isinstance(module, (Linear, QuantizedLinear)) for module in modules):
                 self.model.decode_stack = None
                 return
             linears += [module.packed for module in modules]

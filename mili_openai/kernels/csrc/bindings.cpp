@@ -20,8 +20,16 @@ void bind_quantized(pybind11::module& m) {
         "GEMM (widen_to_fp32: on float32 operands)", release_gil());
   m.def("gemm_int4", &gemm_int4, "linear_int4 for many rows of x: slices of weight rows dequantized into torch's "
         "GEMM (widen_to_fp32: on float32 operands)", release_gil());
+  m.def("cpu_has_int8_dot_products", &cpu_has_int8_dot_products, "whether the CPU has AVX512-VNNI");
+  m.def("linear_w8a8", &linear_w8a8, "W8A8: bf16 x (M, K) quantized to int8 (per token, or with a static float32 "
+        "scale (1,)), times int8 w (N, K) as integers, scaled by x's and w's float32 scales (N, G)", release_gil());
+  m.def("quantize_int8_activations", &quantize_int8_activations, "bf16 x (M, K) -> int8 levels (M, K), float32 "
+        "scales (M,): per token (empty static_scale) or with a static scale (1,)", release_gil());
   pybind11::class_<PackedLinear>(m, "PackedLinear")
-      .def(pybind11::init<int64_t, torch::Tensor, torch::Tensor, torch::Tensor>())
+      .def(pybind11::init([](int64_t bits, torch::Tensor weight, torch::Tensor scales, torch::Tensor zeros,
+                             bool int8_inputs, torch::Tensor input_scale) {
+        return PackedLinear{bits, weight, scales, zeros, int8_inputs, input_scale};
+      }))
       .def_readonly("bits", &PackedLinear::bits);
 }
 

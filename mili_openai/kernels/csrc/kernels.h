@@ -47,6 +47,12 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& weight, c
                           const torch::Tensor& zeros);
 torch::Tensor dequantize_int8(const torch::Tensor& weight, const torch::Tensor& scales);
 torch::Tensor dequantize_int4(const torch::Tensor& weight, const torch::Tensor& scales, const torch::Tensor& zeros);
+// W8A8 (linear_w8a8.cpp): x quantized to int8 per token (empty static_scale) or with a static scale, then
+// multiplied as integers (AVX512-VNNI); the quantization alone gives (int8 levels (M, K), float32 scales (M,))
+bool cpu_has_int8_dot_products();
+torch::Tensor linear_w8a8(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales,
+                          const torch::Tensor& static_scale);
+std::vector<torch::Tensor> quantize_int8_activations(const torch::Tensor& x, const torch::Tensor& static_scale);
 // the same products for many rows of x: dequantized `slice_rows` weight rows at a time into torch's GEMM
 torch::Tensor gemm_int8(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales, int64_t slice_rows,
                         bool widen_to_fp32);

@@ -100,6 +100,8 @@ torch::Tensor quantized_gemm(const torch::Tensor& x, const QuantizedRows& rows, 
 
 std::unique_ptr<QuantizedRows> packed_rows(const PackedLinear& w) {
   TORCH_CHECK(w.bits == 8 || w.bits == 4, "packed weight: 8 or 4 bits, got ", w.bits);
+  TORCH_CHECK(!w.int8_inputs || w.bits == 8, "packed weight: int8 inputs multiply 8-bit weights");
+  if (w.int8_inputs) return int8_activation_rows(w.weight, w.scales, w.input_scale);
   return w.bits == 8 ? int8_rows(w.weight, w.scales) : int4_rows(w.weight, w.scales, w.zeros);
 }
 

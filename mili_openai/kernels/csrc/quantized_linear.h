@@ -14,6 +14,8 @@ struct PackedLinear {
   torch::Tensor weight;
   torch::Tensor scales;   // 8: float32 (N, G); 4: float16 (N, G); 16: unused. G groups of K / G along K
   torch::Tensor zeros;    // 4: uint8 (N, G) zero points, or empty for 8 (symmetric); otherwise unused
+  bool int8_inputs = false;  // 8 only (W8A8): x quantized to int8 first (linear_w8a8.cpp)
+  torch::Tensor input_scale;  // where int8_inputs: float32 (1,) static scale, or empty for per token, dynamic
 };
 
 // A quantized weight's rows, as the shared driver (linear_quantized.cpp) asks for them.
@@ -46,6 +48,9 @@ torch::Tensor quantized_gemm(const torch::Tensor& x, const QuantizedRows& rows, 
 std::unique_ptr<QuantizedRows> int8_rows(const torch::Tensor& weight, const torch::Tensor& scales);
 std::unique_ptr<QuantizedRows> int4_rows(const torch::Tensor& weight, const torch::Tensor& scales,
                                          const torch::Tensor& zeros);
+// W8A8: x quantized to int8 (`static_scale` float32 (1,), or empty: per token, dynamic), int8 products (VNNI)
+std::unique_ptr<QuantizedRows> int8_activation_rows(const torch::Tensor& weight, const torch::Tensor& scales,
+                                                    const torch::Tensor& static_scale);
 std::unique_ptr<QuantizedRows> packed_rows(const PackedLinear& w);  // bits 8 or 4
 
 // x (M, K) bf16 @ w.T whatever the weight's format; the decode stack's one matmul.

@@ -25,8 +25,7 @@ def frozen(tensor: torch.Tensor) -> nn.Parameter:
 class QuantizedLinear(nn.Module):
     """y = x @ W.T with W int8 or int4 (the layouts of mili_openai.kernels.quantized), dequantized by `matmul`
     on the fly; `Qwen3ForCausalLM.set_quantized_matmul` routes every one through a kernel. With `activations`
-    (W8A8) x is quantized to int8 first: the matmul takes the integers and each output row is scaled by its
-    token's scale (activations.py)."""
+    (W8A8) the packed weights say so (`int8_inputs`) and the matmul quantizes x to int8 first."""
 
     def __init__(self, packed: PackedWeights, activations: Int8Activations | None = None) -> None:
         super().__init__()
@@ -43,7 +42,8 @@ class QuantizedLinear(nn.Module):
 
     @property
     def packed(self) -> PackedWeights:
-        return PackedWeights(self.bits, self.qweight, self.scales, self.zeros)
+        inputs = None if self.activations is None else self.activations.inputs
+        return PackedWeights(self.bits, self.qweight, self.scales, self.zeros, inputs)
 
     @property
     def weight_only(self) -> bool:
@@ -51,10 +51,7 @@ class QuantizedLinear(nn.Module):
         return self.activations is None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.activations is None:
-            return self.matmul(x, self.packed)
-        levels, scale = self.activations(x)
-        return (self.matmul(levels, self.packed).float() * scale).to(x.dtype)
+        return self.matmul(x, self.packed)
 
     def extra_repr(self) -> str:
         packed = self.packed
