@@ -23,9 +23,9 @@ constexpr int64_t kPairLanes = 32;  // bf16 values per 512-bit register
 constexpr int kBlockRegisters = 4;  // registers of values per block: an int4 block's 64 bytes
 constexpr int64_t kBlockValues = kBlockRegisters * kPairLanes;
 constexpr int kMaxChunkRows = 8;    // rows of x per tile
-// A tile of one weight row streams its bytes, and decodes them about as fast as memory delivers them: left
-// to the hardware prefetchers, the core waits on line after line, its decoding and the memory taking turns
-// rather than overlapping. So such a tile asks for every line it reads this far ahead, into L1.
+// A tile streams its weight rows' bytes, and decodes them about as fast as memory delivers them: left to the
+// hardware prefetchers, the core waits on line after line, its decoding and the memory taking turns rather
+// than overlapping. So a tile asks for every line of each of its rows this far ahead, into L1.
 constexpr int64_t kStreamAheadBytes = 4096;
 constexpr int64_t kCacheLine = 64;
 
@@ -49,9 +49,9 @@ MILI_QUANTIZED inline void tile(const Decoder& d, const at::BFloat16* x, int64_t
       for (int r = 0; r < R; ++r) acc[u][m][r] = _mm512_setzero_ps();
   // One loop with the body written out: through a lambda GCC stored every updated sum to memory as well.
   for (int64_t k = 0; k < K; k += kBlockValues) {
-    if constexpr (R == 1)
+    for (int r = 0; r < R; ++r)
       for (int64_t line = 0; line < Decoder::kBlockBytes; line += kCacheLine)
-        _mm_prefetch(d.address(rows[0], k) + line + kStreamAheadBytes, _MM_HINT_T0);
+        _mm_prefetch(d.address(rows[r], k) + line + kStreamAheadBytes, _MM_HINT_T0);
 #pragma GCC unroll 4
     for (int u = 0; u < kBlockRegisters; ++u) {
       if (u > 0 && k + u * kPairLanes >= K) break;  // int8 rows may end inside a block
