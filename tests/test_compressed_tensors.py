@@ -13,7 +13,9 @@ import torch
 from engine_helpers import assert_matches
 from helpers_server import served_engine
 from quant_helpers import (
+    CPU,
     QUANT_SHAPE,
+    UNTIED_SHAPE,
     compressed_config,
     dequantized_weight,
     greedy,
@@ -27,14 +29,10 @@ from quant_helpers import (
 
 from mili_openai import LLM
 from mili_openai.model import CheckpointError, build_random_checkpoint, load_model
-from mili_openai.model.checkpoint import ModelShape
 from mili_openai.model.quantization.compressed_tensors import CompressedTensorsScheme
 from mili_openai.model.quantization.modules import QuantizedLinear
 from mili_openai.model.quantization.spec import parse_quantization_config
 
-CPU = torch.device("cpu")
-UNTIED_SHAPE = ModelShape(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=4, head_dim=32, tie_word_embeddings=False, rope_theta=10000.0)
 FP8_DYNAMIC_ACTIVATIONS = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}
 
 

@@ -25,6 +25,7 @@ from quant_helpers import (
     CPU,
     MAX_NEW,
     QUANT_SHAPE,
+    UNTIED_SHAPE,
     assert_as_close_as_transformers_bf16,
     compressed_config,
     decode_schedule,
@@ -42,14 +43,11 @@ from mili_openai import LLM
 from mili_openai.kernels import cpu_supports_kernels, load_cpu_kernels
 from mili_openai.kernels.quantized import PackedWeights, reference_linear
 from mili_openai.model import CheckpointError, build_random_checkpoint, load_model
-from mili_openai.model.checkpoint import ModelShape
 from mili_openai.kernels.quantized import quantize_int8_rows
 from mili_openai.model.quantization.activations import Int8Activations
 from mili_openai.model.quantization.modules import QuantizedLinear
 from mili_openai.model.quantization.spec import parse_quantization_config
 
-UNTIED_SHAPE = ModelShape(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=4, head_dim=32, tie_word_embeddings=False, rope_theta=10000.0)
 DYNAMIC = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
 STATIC = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor", "dynamic": False}
 CHANNEL = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "group_size": None}

@@ -12,8 +12,10 @@ import torch
 from engine_helpers import assert_matches, load_hf, random_prompts
 from helpers_server import served_engine
 from quant_helpers import (
+    CPU,
     MAX_NEW,
     QUANT_SHAPE,
+    UNTIED_SHAPE,
     assert_as_close_as_transformers_bf16,
     compressed_config,
     decode_schedule,
@@ -28,13 +30,9 @@ from mili_openai import LLM
 from mili_openai.engine.memory_budget import weight_bytes
 from mili_openai.kernels import cpu_supports_kernels, load_cpu_kernels
 from mili_openai.model import CheckpointError, build_random_checkpoint, load_model
-from mili_openai.model.checkpoint import ModelShape
 from mili_openai.model.quantization.apply import quantize_model
 from mili_openai.model.quantization.modules import Fp8Linear, QuantizedEmbedding, QuantizedLinear
 
-CPU = torch.device("cpu")
-UNTIED_SHAPE = ModelShape(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=4, head_dim=32, tie_word_embeddings=False, rope_theta=10000.0)
 GPTQ_CONFIG = {"quant_method": "gptq", "desc_act": False, "sym": True, "static_groups": False}
 FORMATS = {
     "awq": dict(group=64, config={"quant_method": "awq", "bits": 4, "group_size": 64, "version": "gemm",
