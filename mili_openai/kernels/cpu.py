@@ -223,8 +223,8 @@ class CpuKernels:
         cannot run the shapes or the weights.
 
         norms: per layer input norm, q norm, k norm, post-attention norm; linears: per layer qkv, o, and for a
-        dense layer gate_up, down (bf16, int8 or int4, int8 with int8 inputs); sparse: per layer its MoE block, or None (dense);
-        embedding: bf16, or int8 or int4 rows (an LM head it is tied to).
+        dense layer gate_up, down (bf16, int8 or int4, int8 with int8 inputs); sparse: per layer its MoE block,
+        or None (dense); embedding: bf16, or int8 or int4 rows (an LM head it is tied to).
         """
         hidden_size = norms[0].shape[0]
         probe = torch.empty(1, hidden_size, dtype=torch.bfloat16)

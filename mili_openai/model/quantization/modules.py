@@ -45,11 +45,6 @@ class QuantizedLinear(nn.Module):
         inputs = None if self.activations is None else self.activations.inputs
         return PackedWeights(self.bits, self.qweight, self.scales, self.zeros, inputs)
 
-    @property
-    def weight_only(self) -> bool:
-        """Whether x goes to the matmul as it is (not quantized to int8 first)."""
-        return self.activations is None
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.packed)
 
