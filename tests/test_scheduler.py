@@ -26,7 +26,7 @@ MAX_STEPS = 2000
 
 def make_seq(request_id: str, prompt: list[int], max_tokens: int) -> Sequence:
     return Sequence(
-        request_id=request_id,
+        sequence_id=request_id,
         prompt_token_ids=prompt,
         params=SamplingParams(max_tokens=max_tokens),
         max_tokens=max_tokens,
@@ -56,7 +56,7 @@ class FakeEngine:
         self.fed_pending = 0  # decodes whose input token was still pending when they were scheduled
 
     def add(self, seq: Sequence) -> None:
-        self.live[seq.request_id] = seq
+        self.live[seq.sequence_id] = seq
         self.scheduler.add(seq)
 
     def schedule(self, lookahead: bool) -> ScheduledBatch | None:
@@ -125,7 +125,7 @@ class FakeEngine:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
-        del self.live[seq.request_id]
+        del self.live[seq.sequence_id]
         self.finished.append(seq)
 
     def check(self) -> None:

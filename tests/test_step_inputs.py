@@ -21,7 +21,7 @@ PAGE_SIZE = 4
 
 
 def sequence(name: str, length: int, pages: list[int]) -> Sequence:
-    seq = Sequence(request_id=name, prompt_token_ids=list(range(100, 100 + length)),
+    seq = Sequence(sequence_id=name, prompt_token_ids=list(range(100, 100 + length)),
                    params=SamplingParams(max_tokens=8), max_tokens=8, arrival_time=0.0, detokenizer=None,
                    stop_matcher=None, generator=None)
     seq.pages = pages

@@ -151,14 +151,14 @@ class EngineCore:
                     for index, child_id in enumerate(parent.child_ids)]
         self.requests[request_id] = parent
         for seq in children:
-            self.sequences[seq.request_id] = seq
+            self.sequences[seq.sequence_id] = seq
             self.scheduler.add(seq)
         return parent
 
     def _sequence(self, sequence_id: str, request_id: str, index: int, prompt: list[int], params: SamplingParams,
                   max_tokens: int, arrival_time: float) -> Sequence:
         return Sequence(
-            request_id=sequence_id,
+            sequence_id=sequence_id,
             prompt_token_ids=prompt,
             params=params,
             max_tokens=max_tokens,
@@ -325,7 +325,7 @@ class EngineCore:
         )
 
     def _final_delta(self, seq: Sequence, text: str, token_ids: list[int], logprobs) -> SequenceDelta:
-        del self.sequences[seq.request_id]
+        del self.sequences[seq.sequence_id]
         parent = self.requests[seq.parent_id]
         parent.num_unfinished -= 1
         if parent.num_unfinished == 0:
@@ -338,7 +338,7 @@ class EngineCore:
 
     def request_metrics(self, seq: Sequence) -> RequestMetrics:
         return RequestMetrics(
-            request_id=seq.request_id,
+            request_id=seq.sequence_id,
             arrival_time=seq.arrival_time,
             first_scheduled_time=seq.first_scheduled_time,
             first_token_time=seq.first_token_time,

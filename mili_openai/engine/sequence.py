@@ -28,7 +28,7 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(slots=True, eq=False)
 class Sequence:
-    request_id: str
+    sequence_id: str  # this sample's own id (engine/parallel_sampling.py derives it)
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int  # params.max_tokens resolved against the context length
@@ -71,7 +71,7 @@ class Sequence:
 
     def __post_init__(self) -> None:
         if self.parent_id is None:
-            self.parent_id = self.request_id
+            self.parent_id = self.sequence_id
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
