@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from mili_openai import LLM, SamplingParams
+from mili_openai.engine.contract import check_request
 from mili_openai.kernels import load_cpu_kernels
 from mili_openai.kernels.planning import fastest_seconds
 from mili_openai.model.checkpoint import QWEN3_0_6B_SHAPE, build_random_checkpoint
@@ -151,7 +152,7 @@ def _timed_decode(llm: LLM, prompts: list[list[int]], params: SamplingParams) ->
     """Tokens/s over the pure-decode steps only (prefill steps are timed separately)."""
     core = llm.core
     for i, prompt in enumerate(prompts):
-        core.add(prompt, params, f"bench-{time.monotonic_ns()}-{i}")
+        core.add(check_request(prompt, params, core.info), f"bench-{time.monotonic_ns()}-{i}")
     decode_time, decode_tokens = 0.0, 0
     while core.has_work():
         batch, step = core.schedule()

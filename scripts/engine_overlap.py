@@ -42,6 +42,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from mili_openai.config import EngineConfig  # noqa: E402
 from mili_openai.engine.async_engine import AsyncEngine  # noqa: E402
+from mili_openai.engine.contract import check_request  # noqa: E402
 from mili_openai.engine.core import EngineCore  # noqa: E402
 from mili_openai.engine.sampler import SamplerOutput  # noqa: E402
 from mili_openai.engine.sampling_params import SamplingParams  # noqa: E402
@@ -175,7 +176,8 @@ def run_case(model_path: Path, tokenizer, batch: int, gpu_s: float, steps: int, 
         await engine.start()
         cpu_start = time.thread_time()
         try:
-            counts = await asyncio.gather(*(consume(engine.submit(p, params)) for p in prompts))
+            streams = [await engine.submit(check_request(p, params, engine.info)) for p in prompts]
+            counts = await asyncio.gather(*(consume(stream) for stream in streams))
         finally:
             await engine.shutdown()
             await engine.close()

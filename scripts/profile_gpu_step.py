@@ -27,6 +27,7 @@ import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from mili_openai import LLM, SamplingParams  # noqa: E402
+from mili_openai.engine.contract import check_request  # noqa: E402
 from mili_openai.model import QWEN3_0_6B_SHAPE, build_random_checkpoint  # noqa: E402
 
 TOP_OPERATORS = 15
@@ -78,7 +79,8 @@ def main() -> int:
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.decode_steps + 64, ignore_eos=True)
     for _ in range(args.prompts):
-        core.add([rng.randrange(VOCAB_SAMPLE) for _ in range(args.prompt_len)], params)
+        prompt = [rng.randrange(VOCAB_SAMPLE) for _ in range(args.prompt_len)]
+        core.add(check_request(prompt, params, core.info))
     trace_dir = Path(args.trace) if args.trace else None
     print(f"{torch.cuda.get_device_name()}: {args.prompts} prompts of {args.prompt_len} tokens, budget "
           f"{core.config.max_num_batched_tokens} tokens a step, attention kernel "

@@ -24,6 +24,13 @@ def run_engine(engine, work):
     return asyncio.run(main())
 
 
+async def submit_checked(engine, prompt: list[int], params, request_id: str | None = None):
+    """What a route does: check the request (engine/contract.py), then submit it; the request's stream."""
+    from mili_openai.engine.contract import check_request
+
+    return await engine.submit(check_request(prompt, params, engine.info), request_id)
+
+
 def random_prompts(count: int, lengths: list[int], seed: int = 0, vocab: int = 150000) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(lengths[i % len(lengths)])] for i in range(count)]
@@ -76,7 +83,8 @@ def check_abort_mid_stream_frees_pages(engine) -> None:
         return [delta async for delta in stream]
 
     async def go():
-        streams = [engine.submit(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)) for p in prompts]
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        streams = [await submit_checked(engine, p, params) for p in prompts]
         first = await streams[0].__anext__()
         assert first.finish_reason is None
         await streams[0].aclose()

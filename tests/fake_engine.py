@@ -17,7 +17,15 @@ from pathlib import Path
 
 from mili_openai.config import EngineConfig
 from mili_openai.engine.client import RequestStream
-from mili_openai.engine.outputs import EngineObserver, EngineStats, PageAccounting, SequenceDelta, TokenLogprob
+from mili_openai.engine.contract import EngineInfo, EngineRequest
+from mili_openai.engine.outputs import (
+    EngineObserver,
+    EngineStats,
+    PageAccounting,
+    SequenceDelta,
+    TokenLogprob,
+    abort_deltas,
+)
 from mili_openai.engine.parallel_sampling import ParentRequest, child_params
 from mili_openai.engine.sampling_params import SamplingParams
 
@@ -33,13 +41,11 @@ class FakeEngine:
     def __init__(self, tokenizer, max_model_len: int = 256, num_pages: int = 64, page_size: int = 16,
                  token_delay_s: float = 0.0, fail_with: str | None = None) -> None:
         self.config = EngineConfig(page_size=page_size, num_pages=num_pages, max_model_len=max_model_len)
+        # a test may replace it, e.g. to give the model sampling defaults
+        self.info = EngineInfo(tokenizer=tokenizer, model_path=Path("/fake/Qwen3-fake"), max_model_len=max_model_len,
+                               vocab_size=FAKE_VOCAB_SIZE, eos_token_ids=(tokenizer.eos_token_id,), quantization=None,
+                               sampling_defaults={})
         self.tokenizer = tokenizer
-        self.model_path = Path("/fake/Qwen3-fake")
-        self.max_model_len = max_model_len
-        self.quantization = None
-        self.vocab_size = FAKE_VOCAB_SIZE
-        self.sampling_defaults: dict[str, float | int] = {}  # a test may set the model's defaults
-        self.eos_token_ids = (tokenizer.eos_token_id,)
         self.token_delay_s = token_delay_s
         self.fail_with = fail_with  # set: every request ends with this engine error
         self.fatal_error: str | None = None  # as AsyncEngine's: set, the server exits non-zero
@@ -96,52 +102,37 @@ class FakeEngine:
             best = max(best, common)
         return min(best, len(prompt) - 1) // self.page_size * self.page_size
 
-    async def compile_format(self, params: SamplingParams) -> None:
-        """The fake writes its canned tokens whatever the format, so it has no grammar to compile."""
-        return None
-
-    def submit(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
-    ) -> RequestStream:
+    async def submit(self, request: EngineRequest, request_id: str | None = None) -> RequestStream:
+        """A request the route checked (engine/contract.py); the fake has no grammar to compile: it writes its
+        canned tokens whatever the format."""
         if not self.started:
             raise RuntimeError("the engine is not started")
         request_id = request_id or f"fake-{len(self.submitted)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= self.vocab_size:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size})")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens, but the prompt "
-                             f"has {len(prompt_token_ids)} tokens")
-        room = self.max_model_len - len(prompt_token_ids)
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise ValueError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
-                             f"requested {len(prompt_token_ids) + params.max_tokens} tokens")
-        self.submitted.append((list(prompt_token_ids), params, request_id))
+        prompt, params = list(request.prompt_token_ids), request.params
+        self.submitted.append((prompt, params, request_id))
         parent = ParentRequest.of(request_id, params)
         self.requests[request_id] = parent
         stream = RequestStream(request_id, parent.num_samples, self.abort)
+        room = self.info.max_model_len - len(prompt)
         for index, sequence_id in enumerate(parent.child_ids):
-            self.owned[sequence_id] = -(-len(prompt_token_ids) // self.page_size)
+            self.owned[sequence_id] = -(-len(prompt) // self.page_size)
             self.streams_of[sequence_id] = stream
             self.tasks[sequence_id] = asyncio.create_task(self._generate(
-                stream, sequence_id, index, list(prompt_token_ids), child_params(params, index), room))
+                stream, sequence_id, index, prompt, child_params(params, index), room))
         return stream
 
     def abort(self, request_id: str) -> None:
         parent = self.requests.pop(request_id, None)
         if parent is None:
             return
-        for index, sequence_id in enumerate(parent.child_ids):
-            task = self.tasks.pop(sequence_id, None)
-            if task is None:
-                continue
-            task.cancel()
+        running = [index for index, sequence_id in enumerate(parent.child_ids) if sequence_id in self.tasks]
+        for delta in abort_deltas(request_id, running):
+            sequence_id = parent.child_ids[delta.index]
+            self.tasks.pop(sequence_id).cancel()
             self.owned.pop(sequence_id, None)
-            self.streams_of.pop(sequence_id).put(SequenceDelta(request_id, "", [], None, "abort", None, 0, 0, 0,
-                                                           index=index))
+            self.streams_of.pop(sequence_id).put(delta)
 
     def _next_token(self, rng: random.Random | None, start: int, step: int) -> int:
         if rng is not None:
@@ -177,25 +168,25 @@ class FakeEngine:
             if params.logprobs is not None and token:
                 top = [(w, -0.5 - i) for i, w in enumerate(self.words[: params.logprobs])]
                 logprobs = [TokenLogprob(token[0], -0.25, top)]
-            delta = SequenceDelta(stream.request_id, new_text, token, logprobs, finish,
-                                  stop_reason if finish == "stop" else None, len(prompt), cached, len(tokens),
-                                  error=self.fail_with, index=index)
+            request_finished = finish is not None and self._finished(stream.request_id, sequence_id, index)
             if finish is not None:
-                self._finished(stream.request_id, sequence_id)
                 self.seen_prompts.append(prompt)
-            stream.put(delta)
+            stream.put(SequenceDelta(stream.request_id, new_text, token, logprobs, finish,
+                                     stop_reason if finish == "stop" else None, len(prompt), cached, len(tokens),
+                                     error=self.fail_with, index=index, request_finished=request_finished))
             if finish is not None:
                 return
 
-    def _finished(self, request_id: str, sequence_id: str) -> None:
+    def _finished(self, request_id: str, sequence_id: str, index: int) -> bool:
+        """Sample `index` finished; returns whether it was the request's last."""
         self.tasks.pop(sequence_id, None)
         self.owned.pop(sequence_id, None)
         self.streams_of.pop(sequence_id, None)
         parent = self.requests.get(request_id)
-        if parent is not None:
-            parent.num_unfinished -= 1
-            if parent.num_unfinished == 0:
-                del self.requests[request_id]
+        if parent is None or not parent.progress.finish(index):
+            return False
+        del self.requests[request_id]
+        return True
 
 
 class ScriptedEngine(FakeEngine):
@@ -218,9 +209,7 @@ class ScriptedEngine(FakeEngine):
             logprobs = None
             if params.logprobs is not None:
                 logprobs = [TokenLogprob(token, -0.5, [(token, -0.5), (self.words[0], -1.5)][: params.logprobs])]
-            delta = SequenceDelta(stream.request_id, text[len(emitted):], [token], logprobs, finish, None,
-                                  len(prompt), 0, step + 1, index=index)
+            request_finished = finish is not None and self._finished(stream.request_id, sequence_id, index)
+            stream.put(SequenceDelta(stream.request_id, text[len(emitted):], [token], logprobs, finish, None,
+                                     len(prompt), 0, step + 1, index=index, request_finished=request_finished))
             emitted = text
-            if finish is not None:
-                self._finished(stream.request_id, sequence_id)
-            stream.put(delta)

@@ -7,10 +7,11 @@ import asyncio
 import pytest
 import torch
 
-from engine_helpers import check_abort_mid_stream_frees_pages, random_prompts, run_engine
+from engine_helpers import check_abort_mid_stream_frees_pages, random_prompts, run_engine, submit_checked
 from mili_openai.config import EngineConfig
 from mili_openai.engine.async_engine import AsyncEngine
 from mili_openai.engine.client import RequestStream
+from mili_openai.engine.contract import EngineInfo, RequestError, check_request
 from mili_openai.engine.outputs import SequenceDelta, TokenLogprob
 from mili_openai.engine.sampling_params import SamplingParams
 
@@ -30,7 +31,8 @@ def test_stream_ends_with_length_and_usage(engine):
     prompt = random_prompts(1, [20], seed=1)[0]
 
     async def go():
-        return await collect(engine.submit(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)))
+        return await collect(await submit_checked(engine, prompt,
+                                                  SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)))
 
     deltas = run_engine(engine, go)
     assert [d.finish_reason for d in deltas[:-1]] == [None] * (len(deltas) - 1)
@@ -44,13 +46,13 @@ def test_stop_token_ids_and_max_tokens_none(engine):
     prompt = random_prompts(1, [12], seed=2)[0]
 
     async def go():
-        first = await collect(engine.submit(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)))
+        greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        first = await collect(await submit_checked(engine, prompt, greedy))
         tokens = [token for d in first for token in d.token_ids]
         # the first token that did not occur before it: greedy output stops exactly there
         position = next(i for i in range(1, len(tokens)) if tokens[i] not in tokens[:i])
-        stopped = await collect(engine.submit(prompt, SamplingParams(temperature=0, max_tokens=None,
-                                                                        stop_token_ids=[tokens[position]],
-                                                                        ignore_eos=True)))
+        stopped = await collect(await submit_checked(engine, prompt, SamplingParams(
+            temperature=0, max_tokens=None, stop_token_ids=[tokens[position]], ignore_eos=True)))
         return tokens[position], position, stopped
 
     stop_id, position, stopped = run_engine(engine, go)
@@ -62,7 +64,8 @@ def test_context_length_finishes_with_length(engine):
     prompt = random_prompts(1, [250], seed=3)[0]
 
     async def go():
-        return await collect(engine.submit(prompt, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)))
+        return await collect(await submit_checked(engine, prompt,
+                                                  SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)))
 
     deltas = run_engine(engine, go)
     assert deltas[-1].finish_reason == "length" and deltas[-1].num_output_tokens == 6
@@ -71,13 +74,13 @@ def test_context_length_finishes_with_length(engine):
 def test_invalid_requests_raise_value_error(engine):
     async def go():
         with pytest.raises(ValueError, match="context length"):
-            engine.submit([1] * 300, SamplingParams())
+            await submit_checked(engine, [1] * 300, SamplingParams())
         with pytest.raises(ValueError, match="context length"):
-            engine.submit([1] * 200, SamplingParams(max_tokens=100))
+            await submit_checked(engine, [1] * 200, SamplingParams(max_tokens=100))
         with pytest.raises(ValueError, match="empty"):
-            engine.submit([], SamplingParams())
+            await submit_checked(engine, [], SamplingParams())
         with pytest.raises(ValueError, match="token ids"):
-            engine.submit([10**9], SamplingParams())
+            await submit_checked(engine, [10**9], SamplingParams())
 
     run_engine(engine, go)
 
@@ -90,11 +93,12 @@ def test_stop_string_is_never_emitted(engine):
     prompt = random_prompts(1, [15], seed=6)[0]
 
     async def go():
-        full = await collect(engine.submit(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)))
+        greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        full = await collect(await submit_checked(engine, prompt, greedy))
         text = "".join(d.text for d in full)
         stop = text[len(text) // 2 : len(text) // 2 + 3]
-        cut = await collect(engine.submit(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
-                                                                    stop=[stop])))
+        cut = await collect(await submit_checked(engine, prompt, SamplingParams(temperature=0, max_tokens=12,
+                                                                               ignore_eos=True, stop=[stop])))
         return text, stop, cut
 
     text, stop, cut = run_engine(engine, go)
@@ -121,7 +125,7 @@ def test_steps_planned_ahead_give_the_offline_engines_tokens(engine, tiny_checkp
                                  frequency_penalty=1.0, ignore_eos=True))
     # EOS made the likeliest token: it appears from the 6th token on exactly when the sampler counts the
     # output so far right (one short, and the 6th would still be masked)
-    eos = engine.eos_token_ids[0]
+    eos = engine.info.eos_token_ids[0]
     params.append(SamplingParams(temperature=0, max_tokens=9, min_tokens=5, logit_bias={eos: 100.0},
                                  ignore_eos=True))
     want = [out.outputs[0].token_ids for out in offline.generate(prompts, params)]
@@ -140,7 +144,7 @@ def test_steps_planned_ahead_give_the_offline_engines_tokens(engine, tiny_checkp
 
     def generate(indices):
         async def go():
-            streams = [engine.submit(prompts[i], params[i]) for i in indices]
+            streams = [await submit_checked(engine, prompts[i], params[i]) for i in indices]
             return await asyncio.gather(*(collect(s) for s in streams))
 
         return [[t for d in deltas for t in d.token_ids] for deltas in run_engine(engine, go)]
@@ -172,7 +176,7 @@ def test_loop_thread_runs_torch_serially_and_leaves_the_forward_its_threads(engi
         await asyncio.sleep(0)  # let the engine's loop task enter its body
         loop_threads = torch.get_num_threads()
         prompt = random_prompts(1, [20], seed=9)[0]
-        await collect(engine.submit(prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)))
+        await collect(await submit_checked(engine, prompt, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)))
         return loop_threads, engine._executor.submit(torch.get_num_threads).result()
 
     try:
@@ -221,3 +225,34 @@ def test_a_consumer_keeping_up_reads_every_delta_as_it_comes():
         return reads
 
     assert [d.token_ids for d in asyncio.run(go())] == [[1], [2], [3]]
+
+
+def test_a_stream_the_engine_can_no_longer_feed_ends_every_unfinished_sample():
+    """`end` (an engine process that died): a final "abort" for each sample still owed one, the last one
+    finishing the request; a sample that finished already gets none."""
+    async def go():
+        stream = RequestStream("r", 3, abort=lambda request_id: None)
+        stream.put(delta(1, 1, "length"))
+        stream.end("engine error: gone")
+        return [read async for read in stream]
+
+    read = asyncio.run(go())
+    assert [(d.index, d.finish_reason, d.error, d.request_finished) for d in read] == [
+        (1, "length", None, False), (0, "abort", "engine error: gone", False),
+        (2, "abort", "engine error: gone", True)]
+
+
+def test_the_request_check_names_the_field_and_resolves_max_tokens():
+    info = EngineInfo(tokenizer=None, model_path=None, max_model_len=16, vocab_size=100, eos_token_ids=(0,),
+                      quantization=None, sampling_defaults={})
+    assert check_request([1, 2, 3], SamplingParams(max_tokens=None), info).max_tokens == 13  # what the context leaves
+    assert check_request([1, 2, 3], SamplingParams(max_tokens=5), info).max_tokens == 5
+    with pytest.raises(RequestError, match="16 tokens are in the messages") as too_long:
+        check_request([1] * 16, SamplingParams(max_tokens=None), info, prompt_field="messages")
+    assert too_long.value.param == "messages"
+    with pytest.raises(RequestError, match="Please reduce the length of the prompt") as too_many:
+        check_request([1] * 10, SamplingParams(max_tokens=7), info)
+    assert too_many.value.param is None  # a caller that names no field gets none named (the completions API)
+    with pytest.raises(RequestError) as chat_too_many:
+        check_request([1] * 10, SamplingParams(max_tokens=7), info, prompt_field="messages")
+    assert chat_too_many.value.param == "max_tokens"

@@ -9,7 +9,14 @@ import threading
 
 import pytest
 
-from engine_helpers import check_abort_mid_stream_frees_pages, hf_greedy, load_hf, random_prompts, run_engine
+from engine_helpers import (
+    check_abort_mid_stream_frees_pages,
+    hf_greedy,
+    load_hf,
+    random_prompts,
+    run_engine,
+    submit_checked,
+)
 from mili_openai import LLM
 from mili_openai.config import EngineConfig
 from mili_openai.engine.async_engine import AsyncEngine
@@ -46,7 +53,7 @@ async def collect(stream):
 
 def generate(engine, prompts, params):
     async def go():
-        streams = [engine.submit(p, sp) for p, sp in zip(prompts, params)]
+        streams = [await submit_checked(engine, p, sp) for p, sp in zip(prompts, params)]
         return await asyncio.gather(*(collect(s) for s in streams))
 
     return run_engine(engine, go)
@@ -72,7 +79,7 @@ def test_outputs_match_the_offline_engines(engine, tiny_checkpoint, launches):
     (penalties, min_tokens), which wait for the step before on the worker; all as the offline engine."""
     offline = LLM(str(tiny_checkpoint), **ENGINE_SHAPE)
     prompts = random_prompts(8, [9, 30, 17], seed=7)
-    eos = engine.eos_token_ids[0]
+    eos = engine.info.eos_token_ids[0]
     params = [
         SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=3),
         SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True),
@@ -123,8 +130,8 @@ def test_a_failed_step_fails_only_its_requests(engine, stage):
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
     async def go():
-        failed = await asyncio.gather(*(collect(engine.submit(p, greedy)) for p in prompts[:2]))
-        later = await collect(engine.submit(prompts[2], greedy))
+        failed = await asyncio.gather(*[collect(await submit_checked(engine, p, greedy)) for p in prompts[:2]])
+        later = await collect(await submit_checked(engine, prompts[2], greedy))
         return failed, later
 
     setattr(sampler, stage, failing)

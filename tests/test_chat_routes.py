@@ -111,7 +111,7 @@ def test_tool_choice_none_leaves_the_text_alone_but_shows_the_tools(server):
     choice = body["choices"][0]
     assert choice["message"]["content"] == TOOL_CALL_TEXT and choice["message"]["tool_calls"] == []
     assert choice["finish_reason"] == "stop"
-    prompt = server.engine.tokenizer.decode(server.engine.submitted[-1][0])
+    prompt = server.engine.info.tokenizer.decode(server.engine.submitted[-1][0])
     assert "get_weather" in prompt  # as in vLLM: "none" still renders the tools into the prompt
 
 
@@ -126,7 +126,7 @@ def test_named_tool_choice_sends_a_grammar_and_parses_the_call(server):
     body = chat(server, tools=[WEATHER_TOOL],
                 tool_choice={"type": "function", "function": {"name": "get_weather"}}).json()
     prompt_ids, params, _ = server.engine.submitted[-1]
-    assert server.engine.tokenizer.decode(prompt_ids).endswith("<|im_start|>assistant\n")  # no prefill
+    assert server.engine.info.tokenizer.decode(prompt_ids).endswith("<|im_start|>assistant\n")  # no prefill
     grammar = params.structured_outputs.grammar
     assert '"const": "get_weather"' in grammar and "call_1" not in grammar  # this function, one call
     assert params.structured_outputs.reasoning == "optional"  # the template lets Qwen3 think first
@@ -170,9 +170,9 @@ def test_streamed_arguments_arrive_in_pieces(server, client):
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_call_cut_by_max_tokens_finishes_with_length_and_leaks_nothing(server, client, stream):
     server.engine.script = TOOL_CALL_TEXT
-    tokens = server.engine.tokenizer.encode(TOOL_CALL_TEXT, add_special_tokens=False)
+    tokens = server.engine.info.tokenizer.encode(TOOL_CALL_TEXT, add_special_tokens=False)
     cut = TOOL_CALL_TEXT.index('"Rome"')  # inside the second call's arguments
-    max_tokens = next(n for n in range(len(tokens)) if len(server.engine.tokenizer.decode(tokens[:n])) >= cut)
+    max_tokens = next(n for n in range(len(tokens)) if len(server.engine.info.tokenizer.decode(tokens[:n])) >= cut)
     request = dict(model=MODEL, messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER_TOOL],
                    max_tokens=max_tokens)
     if not stream:
@@ -225,7 +225,7 @@ def test_raw_sse_wire_format(server):
     assert all(c["usage"] is None for c in chunks[:-1])
     usage = chunks[-1]["usage"]
     assert chunks[-1]["choices"] == []
-    num_tokens = len(server.engine.tokenizer.encode(THINKING_TEXT))
+    num_tokens = len(server.engine.info.tokenizer.encode(THINKING_TEXT))
     assert usage["completion_tokens"] == 2 * num_tokens
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
@@ -291,7 +291,7 @@ def test_text_parts_and_developer_role_reach_the_template(server):
     chat(server, messages=[{"role": "developer", "content": "Be brief."},
                                     {"role": "user", "content": [{"type": "text", "text": "Hel"},
                                                                  {"type": "text", "text": "lo"}]}])
-    prompt = server.engine.tokenizer.decode(server.engine.submitted[-1][0])
+    prompt = server.engine.info.tokenizer.decode(server.engine.submitted[-1][0])
     assert prompt.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello<|im_end|>")
 
 

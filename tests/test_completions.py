@@ -45,7 +45,7 @@ async def test_response_shape_and_usage(fake_engine):
     [choice] = body["choices"]
     assert set(choice) == CHOICE_KEYS
     assert choice["index"] == 0 and choice["finish_reason"] == "length" and choice["logprobs"] is None
-    prompt_ids = fake_engine.tokenizer.encode("Hello there")
+    prompt_ids = fake_engine.info.tokenizer.encode("Hello there")
     assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 5,
                              "total_tokens": len(prompt_ids) + 5, "prompt_tokens_details": {"cached_tokens": 0}}
     submitted_prompt, params, request_id = fake_engine.submitted[0]
@@ -73,7 +73,7 @@ async def test_prompts_times_n_choice_indices(fake_engine):
 async def test_list_of_strings_prompt(fake_engine):
     body = await complete(fake_engine, prompt=["one", "two three"], max_tokens=2)
     assert [c["index"] for c in body["choices"]] == [0, 1]
-    assert [s[0] for s in fake_engine.submitted] == [fake_engine.tokenizer.encode(p) for p in ("one", "two three")]
+    assert [s[0] for s in fake_engine.submitted] == [fake_engine.info.tokenizer.encode(p) for p in ("one", "two three")]
 
 
 async def test_seed_reproducible_and_samples_differ(fake_engine):
@@ -90,7 +90,7 @@ async def test_echo_and_logprobs_shape(fake_engine):
     assert choice["text"].startswith("Echo me")
     logprobs = choice["logprobs"]
     assert set(logprobs) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
-    num_prompt = len(fake_engine.tokenizer.encode("Echo me"))
+    num_prompt = len(fake_engine.info.tokenizer.encode("Echo me"))
     assert len(logprobs["tokens"]) == num_prompt + 3
     assert logprobs["token_logprobs"][:num_prompt] == [None] * num_prompt  # prompt tokens are not scored
     assert all(isinstance(lp, float) for lp in logprobs["token_logprobs"][num_prompt:])

@@ -76,9 +76,9 @@ def test_checkpoints_give_transformers_greedy_tokens_on_the_dequantized_weights(
     write_quantized(dense, quantized, reference, "compressed-tensors", **LAYOUTS[name])
     prompts, expected = oracle_tokens(reference)
     llm = LLM(str(quantized), dtype="float32", num_pages=128)
-    assert llm.core.quantization.startswith("compressed-tensors (")
+    assert llm.core.info.quantization.startswith("compressed-tensors (")
     if name.startswith("fp8"):  # on CPU, as fine-grained FP8 checkpoints: dequantized at load
-        assert llm.core.quantization.endswith("dequantized to float32 at load")
+        assert llm.core.info.quantization.endswith("dequantized to float32 at load")
     else:
         quantized_modules = [m for m in llm.core.runner.model.modules() if isinstance(m, QuantizedLinear)]
         dense_down = "dense" in LAYOUTS[name]

@@ -101,7 +101,7 @@ def test_served_on_cuda_through_the_sdk(tiny_checkpoint, oracle):
                        extra_body={"ignore_eos": True})
         whole = client.completions.create(**request)
         streamed = [chunk for chunk in client.completions.create(**request, stream=True) if chunk.choices]
-        expected_text = engine.tokenizer.decode(tokens)
+        expected_text = engine.info.tokenizer.decode(tokens)
     assert whole.usage.completion_tokens == MAX_NEW
     assert whole.choices[0].text == expected_text
     assert "".join(chunk.choices[0].text for chunk in streamed) == expected_text

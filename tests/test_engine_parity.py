@@ -9,6 +9,7 @@ import torch
 from engine_helpers import assert_matches, hf_greedy, load_hf, random_prompts
 from mili_openai import LLM, SamplingParams
 from mili_openai.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from mili_openai.engine.contract import check_request
 from mili_openai.model.checkpoint import ModelShape, build_random_checkpoint
 
 PROMPT_LENGTHS = [1, 2, 7, 16, 17, 33, 64, 100, 150, 211, 256, 300]
@@ -168,6 +169,6 @@ def test_token_budget_defaults_to_the_devices(tiny_checkpoint):
     llm = LLM(str(tiny_checkpoint), dtype="float32", num_pages=64, device="cpu")
     assert llm.core.config.max_num_batched_tokens == DEFAULT_MAX_NUM_BATCHED_TOKENS["cpu"]
     prompt = list(range(1, 1 + DEFAULT_MAX_NUM_BATCHED_TOKENS["cpu"] + 40))  # longer than one step's budget
-    llm.core.add(prompt, SamplingParams(max_tokens=1))
+    llm.core.add(check_request(prompt, SamplingParams(max_tokens=1), llm.core.info))
     batch, _ = llm.core.schedule()
     assert batch.num_new_tokens == [DEFAULT_MAX_NUM_BATCHED_TOKENS["cpu"]]

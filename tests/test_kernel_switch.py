@@ -10,6 +10,7 @@ from concurrent.futures import Future
 
 import pytest
 import torch
+from engine_helpers import submit_checked
 from quant_helpers import QUANT_SHAPE
 
 from mili_openai.config import EngineConfig
@@ -38,7 +39,7 @@ def pending_build(monkeypatch):
 
 async def generate(engine: AsyncEngine, params: SamplingParams = GREEDY) -> list[int]:
     tokens = []
-    async for delta in engine.submit(PROMPT, params):
+    async for delta in await submit_checked(engine, PROMPT, params):
         tokens.extend(delta.token_ids)
     return tokens
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_helpers import random_prompts, run_engine
+from engine_helpers import random_prompts, run_engine, submit_checked
 from mili_openai.config import EngineConfig
 from mili_openai.engine.async_engine import AsyncEngine
 from mili_openai.engine.llm import LLM
@@ -44,7 +44,7 @@ def test_offline_and_served_samples_are_the_same(offline, engine, seed):
 
     async def served() -> RequestOutput:
         result = RequestOutput.empty("served", prompt, params.n)
-        async for delta in engine.submit(prompt, params):
+        async for delta in await submit_checked(engine, prompt, params):
             result.add(delta)
         return result
 
@@ -58,7 +58,7 @@ def test_closing_a_request_aborts_every_sample(engine):
     prompt = random_prompts(1, [12], seed=4)[0]
 
     async def close_early() -> None:
-        stream = engine.submit(prompt, SamplingParams(n=3, max_tokens=200, ignore_eos=True))
+        stream = await submit_checked(engine, prompt, SamplingParams(n=3, max_tokens=200, ignore_eos=True))
         first = await stream.__anext__()
         assert first.finish_reason is None
         await stream.aclose()  # the consumer went away

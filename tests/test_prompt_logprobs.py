@@ -107,7 +107,7 @@ def test_max_tokens_zero_with_echo_scores_the_prompt_alone(tiny_checkpoint, prom
     assert len(logprobs) == len(prompt) and logprobs[0] is None
     assert logprobs[1:] == pytest.approx([float(rows[i - 1][prompt[i]]) for i in range(1, len(prompt))],
                                          abs=LOGPROB_ATOL)
-    assert choice["text"] == engine.tokenizer.decode(prompt)
+    assert choice["text"] == engine.info.tokenizer.decode(prompt)
     assert '"finish_reason":"length"' in streamed.replace(" ", "") and streamed.rstrip().endswith("[DONE]")
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
 

@@ -67,8 +67,8 @@ def test_quantized_at_load_matches_transformers_on_the_dequantized_weights(dense
     prompts, expected = oracle_tokens(write_dequantized(model, dense, tmp_path / "dequantized"))
     llm = LLM(str(dense), dtype="float32", num_pages=128, quantization=method, quantization_group_size=64,
               quantize_lm_head=lm_head)
-    assert llm.core.quantization.startswith(method)
-    assert f"LM head {lm_head or 'int8'}" in llm.core.quantization
+    assert llm.core.info.quantization.startswith(method)
+    assert f"LM head {lm_head or 'int8'}" in llm.core.info.quantization
     assert_matches(llm.generate(prompts, greedy()), expected)
     llm.core.check_integrity()
 
@@ -80,7 +80,7 @@ def test_prequantized_checkpoints_load_as_their_formats_say(dense, name, tmp_pat
     write_quantized(dense, quantized, reference, name.split("-")[0], **options)
     prompts, expected = oracle_tokens(reference)
     llm = LLM(str(quantized), dtype="float32", num_pages=128)
-    assert llm.core.quantization.startswith(name.split("-")[0])
+    assert llm.core.info.quantization.startswith(name.split("-")[0])
     assert_matches(llm.generate(prompts, greedy()), expected)
 
 

@@ -35,7 +35,7 @@ def client(server):
 
 
 def last_prompt(server) -> str:
-    return server.engine.tokenizer.decode(server.engine.submitted[-1][0])
+    return server.engine.info.tokenizer.decode(server.engine.submitted[-1][0])
 
 
 def test_reasoning_and_answer_come_as_items_with_usage(server, client):
@@ -47,7 +47,7 @@ def test_reasoning_and_answer_come_as_items_with_usage(server, client):
     assert response.output_text == "Hello there!"
     usage = response.usage
     assert usage.input_tokens == len(server.engine.submitted[-1][0]) and usage.input_tokens_details.cached_tokens == 0
-    assert usage.output_tokens == len(server.engine.tokenizer.encode(THINKING_TEXT))
+    assert usage.output_tokens == len(server.engine.info.tokenizer.encode(THINKING_TEXT))
     assert 0 < usage.output_tokens_details.reasoning_tokens < usage.output_tokens
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
     assert last_prompt(server).startswith("<|im_start|>system\nBe brief.<|im_end|>")

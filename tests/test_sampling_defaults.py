@@ -3,6 +3,7 @@ leaves out, through the routes, the offline `LLM`, and a real server driven by t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -120,7 +121,7 @@ def anyio_backend():
     ("/generate", {"prompt": PROMPT, "max_tokens": 3}),
 ])
 async def test_every_route_applies_the_engines_defaults(fake_engine, path, body):  # noqa: F811
-    fake_engine.sampling_defaults = dict(QWEN3_DEFAULTS)
+    fake_engine.info = dataclasses.replace(fake_engine.info, sampling_defaults=dict(QWEN3_DEFAULTS))
     async with asgi_client(fake_engine) as client:
         assert (await client.post(path, json=body)).status_code == 200
         assert (await client.post(path, json=body | {"top_p": 0.5, "top_k": 0})).status_code == 200

@@ -26,10 +26,10 @@ async def test_a_failed_submit_aborts_the_prompts_already_submitted(qwen_tokeniz
     engine = FakeEngine(qwen_tokenizer, token_delay_s=0.01)
     original_submit = engine.submit
 
-    def submit(prompt, params, request_id=None):
+    async def submit(request, request_id=None):
         if request_id.endswith("-1"):
             raise ValueError("refused")
-        return original_submit(prompt, params, request_id)
+        return await original_submit(request, request_id)
 
     engine.submit = submit
     async with asgi_client(engine) as client:

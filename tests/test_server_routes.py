@@ -28,7 +28,7 @@ async def test_generate_then_status(fake_engine):
     body = response.json()
     assert set(body) == {"request_id", "text", "token_ids", "finish_reason", "stop_reason", "logprobs", "usage"}
     assert body["request_id"] == "gen-1" and len(body["token_ids"]) == 4 and body["finish_reason"] == "length"
-    assert body["text"] == fake_engine.tokenizer.decode(body["token_ids"])
+    assert body["text"] == fake_engine.info.tokenizer.decode(body["token_ids"])
     record = status.json()
     assert record["state"] == "finished" and record["token_ids"] == body["token_ids"]
     assert record["timings"]["time_to_first_token_s"] >= 0
@@ -75,9 +75,9 @@ async def test_tokenize_detokenize_roundtrip(fake_engine):
         text = (await client.post("/detokenize", json={"tokens": tokenized["tokens"]})).json()
         both = await client.post("/tokenize", json={"prompt": "a", "messages": []})
         out_of_vocab = await client.post("/detokenize", json={"tokens": [10**9]})
-    assert tokenized == {"count": 2, "max_model_len": 256, "tokens": fake_engine.tokenizer.encode("Hello world")}
+    assert tokenized == {"count": 2, "max_model_len": 256, "tokens": fake_engine.info.tokenizer.encode("Hello world")}
     assert text == {"prompt": "Hello world"}
-    rendered = fake_engine.tokenizer.decode(chat["tokens"])
+    rendered = fake_engine.info.tokenizer.decode(chat["tokens"])
     assert "<|im_start|>user\nHi<|im_end|>" in rendered and rendered.endswith("<|im_start|>assistant\n")
     assert both.status_code == 400 and out_of_vocab.status_code == 400
 

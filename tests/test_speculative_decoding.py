@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_helpers import assert_matches, hf_greedy, load_hf, random_prompts
+from engine_helpers import assert_matches, hf_greedy, load_hf, random_prompts, submit_checked
 from helpers_server import served_engine
 from mili_openai import LLM, SamplingParams
 from mili_openai.config import EngineConfig, ServerConfig, SpeculativeConfig
@@ -251,7 +251,7 @@ def test_async_engine_plans_ahead_until_the_text_repeats(tiny_checkpoint, plain_
         await engine.start()
         try:
             async def tokens(prompt):
-                return [t async for delta in engine.submit(prompt, greedy(64)) for t in delta.token_ids]
+                return [t async for delta in await submit_checked(engine, prompt, greedy(64)) for t in delta.token_ids]
             return await asyncio.gather(*(tokens(p) for p in prompts))
         finally:
             await engine.shutdown()
@@ -273,7 +273,7 @@ def test_aborts_while_drafting_steps_run_return_every_page(tiny_checkpoint, prom
         await engine.start()
         try:
             async def read(prompt, stop_after):
-                stream = engine.submit(prompt, greedy(MAX_NEW))
+                stream = await submit_checked(engine, prompt, greedy(MAX_NEW))
                 count = 0
                 async for delta in stream:
                     count += len(delta.token_ids)

@@ -117,8 +117,8 @@ def test_ignore_eos_ends_at_the_eos_that_completes_a_format(llm):
             for ignore in (False, True))
         assert ignoring.finish_reason == plain.finish_reason == "stop"
         assert ignoring.token_ids == plain.token_ids and ignoring.text == plain.text
-        assert ignoring.token_ids[-1] in llm.core.eos_token_ids and len(ignoring.token_ids) < 40
-    eos = llm.core.eos_token_ids[0]  # unconstrained, an EOS made certain still does not end the stream
+        assert ignoring.token_ids[-1] in llm.core.info.eos_token_ids and len(ignoring.token_ids) < 40
+    eos = llm.core.info.eos_token_ids[0]  # unconstrained, an EOS made certain still does not end the stream
     forced = llm.generate(["Tell me something."], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
                                                                  logit_bias={eos: 100.0}))[0].outputs[0]
     assert forced.finish_reason == "length" and forced.token_ids == [eos] * 12
@@ -163,7 +163,7 @@ def test_masks_are_llguidances_own(llm):
 
     from mili_openai.engine.structured_output import mask_rows
 
-    grammars, vocab = llm.core.grammars, llm.core.vocab_size
+    grammars, vocab = llm.core.grammars, llm.core.info.vocab_size
     outputs = [grammars.matcher(StructuredOutputsParams(regex=REGEX)),
                grammars.matcher(StructuredOutputsParams(json=SCHEMA, reasoning="optional"))]
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))

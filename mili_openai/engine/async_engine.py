@@ -1,7 +1,8 @@
 """The asyncio engine: one loop owns all engine state; the forward runs on one worker thread.
 
-It is the server's `EngineClient` (engine/client.py): `submit` queues a request of n samples and returns
-the `RequestStream` of their deltas; `abort` frees what it holds.
+It is the server's `EngineClient` (engine/client.py): `submit` queues a checked request of n samples (its
+structured-output format compiled on a worker thread first) and returns the `RequestStream` of their deltas;
+`abort` frees what it holds.
 The loop is schedule -> prepare -> (worker thread) forward + sample -> postprocess -> deliver. While a
 step runs, the loop plans the next one where it can (`EngineCore.schedule_ahead`) and queues it on the
 worker, which starts it the moment the running step ends: the loop's own work for a step (postprocess,
@@ -39,6 +40,7 @@ from threadpoolctl import threadpool_limits
 
 from mili_openai.config import EngineConfig
 from mili_openai.engine.client import DeltaSink, RequestStream
+from mili_openai.engine.contract import EngineRequest
 from mili_openai.engine.core import EngineCore
 from mili_openai.engine.outputs import EngineObserver, EngineStats, PageAccounting, ProfileFiles, SequenceDelta
 from mili_openai.engine.parallel_sampling import ParentRequest
@@ -91,14 +93,8 @@ class AsyncEngine:
             self._executor.shutdown(wait=False)  # no engine: do not leave its worker thread behind
             raise
         self.core.grammars.load_vocabulary()
-        self.tokenizer = self.core.tokenizer
-        self.model_path = self.core.model_path
-        self.max_model_len = self.core.max_model_len
-        self.quantization = self.core.quantization
-        self.vocab_size = self.core.vocab_size
-        self.sampling_defaults = self.core.sampling_defaults
-        self.eos_token_ids = self.core.eos_token_ids
-        self._streams: dict[str, DeltaSink] = {}  # by request id, until its last sample's final delta
+        self.info = self.core.info
+        self._streams: dict[str, DeltaSink] = {}  # by request id, until the delta that finishes the request
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         # steps handed to the worker, oldest first: the one running and at most one queued behind it
@@ -155,39 +151,36 @@ class AsyncEngine:
         self._executor.shutdown(wait=False)
 
     # ---- requests ----
-    def submit(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
-    ) -> RequestStream:
-        parent = self._add(prompt_token_ids, params, request_id)
+    async def submit(self, request: EngineRequest, request_id: str | None = None) -> RequestStream:
+        await self.compile_format(request.params)
+        parent = self._add(request, request_id)
         stream = RequestStream(parent.request_id, parent.num_samples, self.abort)
         self._streams[parent.request_id] = stream
         return stream
 
-    def submit_to(self, sink: DeltaSink, prompt_token_ids: list[int], params: SamplingParams,
-                  request_id: str) -> None:
-        """As `submit`, with the deltas put into `sink` rather than a new stream (an engine process's
-        outbox, engine/engine_process.py)."""
-        self._add(prompt_token_ids, params, request_id)
+    def submit_to(self, sink: DeltaSink, request: EngineRequest, request_id: str) -> None:
+        """As `submit`, its format compiled already, with the deltas put into `sink` rather than a new stream (an
+        engine process's outbox, engine/engine_process.py)."""
+        self._add(request, request_id)
         self._streams[request_id] = sink
-
-    def _add(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None) -> ParentRequest:
-        if self._wakeup is None:
-            raise RuntimeError("the engine is not started: await engine.start() first")
-        parent = self.core.add(prompt_token_ids, params, request_id)
-        self._wakeup.set()
-        return parent
 
     async def compile_format(self, params: SamplingParams) -> None:
         """Compile the request's structured-output format, if any, on a worker thread (ValueError if it is
-        bad): `submit` then finds it compiled and only copies it, instead of the event loop stalling every
-        stream for the compile."""
+        bad): adding the request then finds it compiled and only copies it, instead of the event loop stalling
+        every stream for the compile."""
         if params.structured_outputs is not None:
             await asyncio.to_thread(self.core.grammars.compile, params.structured_outputs)
+
+    def _add(self, request: EngineRequest, request_id: str | None) -> ParentRequest:
+        if self._wakeup is None:
+            raise RuntimeError("the engine is not started: await engine.start() first")
+        parent = self.core.add(request, request_id)
+        self._wakeup.set()
+        return parent
 
     def abort(self, request_id: str) -> None:
         for delta in self.core.abort(request_id):
             self._deliver(delta)
-        self._streams.pop(request_id, None)
 
     def abort_all(self) -> int:
         """Abort every live request (a shutdown past its grace); returns how many were aborted."""
@@ -238,7 +231,7 @@ class AsyncEngine:
         if stream is None:
             return
         stream.put(delta)
-        if stream.finished:
+        if delta.request_finished:
             del self._streams[delta.request_id]
 
     async def _run(self) -> None:

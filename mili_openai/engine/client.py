@@ -11,33 +11,40 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import replace
+from typing import Protocol
 
+from mili_openai.engine.contract import EngineInfo, EngineRequest
 from mili_openai.engine.outputs import (
     EngineObserver,
     EngineStats,
     PageAccounting,
     ProfileFiles,
     SequenceDelta,
-    merge_deltas,
+    abort_deltas,
 )
-from mili_openai.engine.sampling_params import SamplingDefaults, SamplingParams
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+from mili_openai.engine.parallel_sampling import SampleProgress
 
 
 class DeltaSink(Protocol):
     """Where the engine puts one request's deltas: a `RequestStream`, or, in an engine process, the outbox to
-    the server's process (engine/engine_process.py)."""
+    the server's process (engine/engine_process.py). The engine forgets the sink after the delta that
+    finishes the request (`SequenceDelta.request_finished`)."""
 
     def put(self, delta: SequenceDelta) -> None: ...
 
-    @property
-    def finished(self) -> bool:
-        """Every sample's final delta has been put: the engine forgets the sink."""
-        ...
+
+def merge_deltas(deltas: list[SequenceDelta]) -> SequenceDelta:
+    """Consecutive deltas of one sample as one, the last one's state kept (a stream's consumer fell behind).
+    A delta without logprobs (an abort's) adds none."""
+    last = deltas[-1]
+    logprobs = None
+    if any(delta.logprobs is not None for delta in deltas):
+        logprobs = [entry for delta in deltas if delta.logprobs is not None for entry in delta.logprobs]
+    prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
+    return replace(last, text="".join(delta.text for delta in deltas),
+                   token_ids=[token for delta in deltas for token in delta.token_ids],
+                   logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
 class RequestStream:
@@ -48,7 +55,8 @@ class RequestStream:
     one SSE event then carries several tokens, instead of every token paying an event's cost on the
     event loop that also runs the engine (vLLM's output collector merges the same way).
 
-    `abort` (or `aclose`, when a consumer stops early) aborts the samples still running.
+    `abort` (or `aclose`, when a consumer stops early) aborts the samples still running; `end` finishes the
+    samples still owed a final delta itself (an engine that can send no more).
     """
 
     def __init__(self, request_id: str, num_samples: int, abort: Callable[[str], None]) -> None:
@@ -59,17 +67,17 @@ class RequestStream:
         # the consumer's wait for the next delta (a bare future: one per wait, as asyncio.Event would
         # make, without the Event's own calls on every token); None while it is not waiting
         self._waiter: asyncio.Future[None] | None = None
-        self._undelivered = num_samples  # samples whose final delta the engine has not put yet
-        self._unread = num_samples  # samples whose final delta the consumer has not read yet
+        self._progress = SampleProgress(num_samples)  # samples whose final delta has not been put yet
+        self._closed = False  # the consumer stopped listening
 
     @property
     def finished(self) -> bool:
         """Every sample's final delta has been put (whether or not it has been read)."""
-        return self._undelivered == 0
+        return self._progress.finished
 
     def put(self, delta: SequenceDelta) -> None:
         if delta.finish_reason is not None:
-            self._undelivered -= 1
+            self._progress.finish(delta.index)
         self._queue.append(delta)
         waiter = self._waiter
         if waiter is not None:
@@ -77,13 +85,18 @@ class RequestStream:
             if not waiter.done():  # a consumer cancelled while waiting leaves a cancelled future
                 waiter.set_result(None)
 
+    def end(self, error: str | None) -> None:
+        """A final "abort" delta (with `error`, if any) for every sample still owed one."""
+        for delta in abort_deltas(self.request_id, self._progress.unfinished, error):
+            self.put(delta)
+
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> SequenceDelta:
-        if self._unread == 0:
-            raise StopAsyncIteration
         queue = self._queue
+        if self._closed or (not queue and self.finished):
+            raise StopAsyncIteration
         while not queue:
             self._waiter = asyncio.get_running_loop().create_future()
             try:
@@ -96,8 +109,6 @@ class RequestStream:
             while queue and queue[0].index == delta.index and run[-1].finish_reason is None:
                 run.append(queue.popleft())
             delta = merge_deltas(run)
-        if delta.finish_reason is not None:
-            self._unread -= 1
         return delta
 
     def abort(self) -> None:
@@ -107,7 +118,7 @@ class RequestStream:
 
     async def aclose(self) -> None:
         """Stop listening; aborts what still runs (e.g. the client went away)."""
-        self._unread = 0
+        self._closed = True
         self.abort()
 
 
@@ -115,13 +126,7 @@ class EngineClient(Protocol):
     """The engine as the server uses it: `AsyncEngine` on the server's own event loop, or
     `EngineProcessClient` (engine/process_client.py) in front of one in a process of its own."""
 
-    tokenizer: PreTrainedTokenizerBase
-    model_path: Path | None
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    quantization: str | None  # what the weights are (int8, int4, awq, ...), None for unquantized
-    sampling_defaults: SamplingDefaults  # what a request's omitted sampling fields become
+    info: EngineInfo  # the loaded engine: tokenizer, context length, vocabulary, sampling defaults, ...
 
     async def start(self) -> None: ...
 
@@ -142,9 +147,10 @@ class EngineClient(Protocol):
         exits non-zero (server/drain.py)."""
         ...
 
-    def submit(self, prompt_token_ids: list[int], params: SamplingParams,
-               request_id: str | None = None) -> RequestStream:
-        """Queue a request of `params.n` samples; ValueError for one that can never run."""
+    async def submit(self, request: EngineRequest, request_id: str | None = None) -> RequestStream:
+        """Queue a request checked by `check_request` (engine/contract.py), of `params.n` samples, and return
+        the stream of its deltas. A structured-output format is compiled here, off the event loop (ValueError
+        if it is bad); ValueError for a request id in use."""
         ...
 
     def abort(self, request_id: str) -> None:
@@ -153,10 +159,6 @@ class EngineClient(Protocol):
 
     def abort_all(self) -> int:
         """Abort every live request; returns how many were aborted."""
-        ...
-
-    async def compile_format(self, params: SamplingParams) -> None:
-        """Compile the request's structured-output format off the event loop (ValueError if it is bad)."""
         ...
 
     def stats(self) -> EngineStats: ...

@@ -8,21 +8,20 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import AutoTokenizer
 
 from mili_openai.config import EngineConfig
+from mili_openai.engine.contract import EngineInfo, EngineRequest
 from mili_openai.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher, TokenDecoder
-from mili_openai.engine.kv_pages import KVPageManager, pages_for
+from mili_openai.engine.kv_pages import KVPageManager
 from mili_openai.engine.outputs import (
     EngineObserver,
     EngineStats,
     RequestMetrics,
     SequenceDelta,
     SpeculationCounts,
-    merge_deltas,
 )
 from mili_openai.engine.parallel_sampling import ParentRequest, child_params
 from mili_openai.engine.runner import ModelRunner, Runner
@@ -46,67 +45,29 @@ def make_runner(config: EngineConfig, model_path: Path) -> Runner:
     return ModelRunner(config, model_path)
 
 
-@dataclass(frozen=True, slots=True)
-class RequestLimits:
-    """What decides whether a request can ever run: all `check_request` reads of the engine (so a client in
-    another process, engine/process_client.py, runs the very same check before sending)."""
-
-    vocab_size: int
-    max_model_len: int
-    page_size: int
-    num_pages: int  # the whole KV pool
-
-
-def check_request(prompt: list[int], params: SamplingParams, limits: RequestLimits) -> int:
-    """Raise ValueError for a request that can never run; else its resolved max_tokens."""
-    vocab_size, max_model_len = limits.vocab_size, limits.max_model_len
-    if not prompt:
-        raise ValueError("the prompt is empty: at least one token is needed")
-    if min(prompt) < 0 or max(prompt) >= vocab_size:
-        raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
-    if any(not 0 <= t < vocab_size for t in itertools.chain(params.logit_bias, params.stop_token_ids)):
-        raise ValueError(f"logit_bias and stop_token_ids keys must be token ids in [0, {vocab_size})")
-    if len(prompt) >= max_model_len:
-        raise ValueError(
-            f"This model's maximum context length is {max_model_len} tokens, but the prompt has "
-            f"{len(prompt)} tokens, leaving no room for output"
-        )
-    room = max_model_len - len(prompt)
-    if params.max_tokens is not None and params.max_tokens > room:
-        raise ValueError(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{len(prompt) + params.max_tokens} tokens ({len(prompt)} in the prompt, {params.max_tokens} "
-            f"for the completion). Please reduce the prompt or max_tokens."
-        )
-    max_tokens = params.max_tokens if params.max_tokens is not None else room
-    if pages_for(len(prompt) + max_tokens, limits.page_size) > limits.num_pages:
-        raise ValueError("the request needs more KV cache pages than the whole pool holds")
-    return max_tokens
-
-
 class EngineCore:
     def __init__(
-        self, config: EngineConfig, runner: Runner, tokenizer, observer: EngineObserver | None = None
+        self, config: EngineConfig, runner: Runner, tokenizer, observer: EngineObserver | None = None,
+        model_path: Path | None = None, sampling_defaults: SamplingDefaults | None = None,
     ) -> None:
+        """sampling_defaults: what a request's omitted sampling fields become (from_config reads them from the
+        checkpoint)."""
         config = config.for_device(runner.device.type)  # the device is known only now
         self.config = config
         self.observer = observer
-        self.model_path: Path | None = None
-        # what a request's omitted sampling fields become (from_config reads them from the checkpoint)
-        self.sampling_defaults: SamplingDefaults = {}
         self.runner = runner
         self.tokenizer = tokenizer
-        self.quantization = runner.quantization  # None, or what the weights are (for /v1/models)
         model_config = runner.model_config
-        self.vocab_size = model_config.vocab_size
-        self.eos_token_ids = tuple(model_config.eos_token_ids)
-        self.max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
-                                 runner.num_pages * config.page_size)
+        # the whole KV pool bounds a sequence too, so a request the context admits always fits the pool
+        max_model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                            runner.num_pages * config.page_size)
         if model_config.rope.rope_type == "dynamic":
             # dynamic NTK past the trained context depends on each request's history: refuse it up front
-            self.max_model_len = min(self.max_model_len, model_config.max_position_embeddings)
+            max_model_len = min(max_model_len, model_config.max_position_embeddings)
+        self.info = EngineInfo(tokenizer=tokenizer, model_path=model_path, max_model_len=max_model_len,
+                               vocab_size=model_config.vocab_size, eos_token_ids=tuple(model_config.eos_token_ids),
+                               quantization=runner.quantization, sampling_defaults=sampling_defaults or {})
         self.pages = KVPageManager(runner.num_pages, config.page_size, config.enable_prefix_caching)
-        self.limits = RequestLimits(self.vocab_size, self.max_model_len, config.page_size, runner.num_pages)
         self.scheduler = Scheduler(config, self.pages)
         self.sequences: dict[str, Sequence] = {}  # by sequence id: each sample of each request
         self.requests: dict[str, ParentRequest] = {}  # by request id, until its last sample finishes
@@ -114,7 +75,7 @@ class EngineCore:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.spec_decode = SpeculationCounts()
-        self.grammars = GrammarCompiler(tokenizer, self.vocab_size)
+        self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size)
         # by skip_special_tokens; used on the thread that owns the engine state
         self.decoders = {skip: TokenDecoder(tokenizer, skip) for skip in (True, False)}
 
@@ -124,25 +85,20 @@ class EngineCore:
         model_path = resolve_model_path(config.model, config.default_model_cache)
         sampling_defaults = read_sampling_defaults(config.generation_config, model_path)  # before the slow load
         tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-        core = cls(config, make_runner(config, model_path), tokenizer, observer)
-        core.model_path = model_path
-        core.sampling_defaults = sampling_defaults
-        return core
+        return cls(config, make_runner(config, model_path), tokenizer, observer, model_path, sampling_defaults)
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the model's defaults applied: what a request that sets nothing samples with."""
-        return SamplingParams(**self.sampling_defaults)
+        return SamplingParams(**self.info.sampling_defaults)
 
     # ---- requests in ----
-    def add(self, prompt_token_ids: list[int], params: SamplingParams,
-            request_id: str | None = None) -> ParentRequest:
-        """Validate and queue a request: one sequence per sample of `params.n`, all or none (a parent with
-        children, engine/parallel_sampling.py). Raises ValueError for a request that can never run."""
+    def add(self, request: EngineRequest, request_id: str | None = None) -> ParentRequest:
+        """Queue a checked request (engine/contract.py): one sequence per sample of `params.n`, all or none (a
+        parent with children, engine/parallel_sampling.py). ValueError for a request id in use."""
         request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt = [int(t) for t in prompt_token_ids]
-        max_tokens = check_request(prompt, params, self.limits)
+        prompt, params, max_tokens = request.prompt_token_ids, request.params, request.max_tokens
         parent = ParentRequest.of(request_id, params)
         if any(child_id in self.sequences for child_id in parent.child_ids):
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -252,22 +208,27 @@ class EngineCore:
 
     def _append_tokens(self, seq: Sequence, tokens: list[tuple]) -> SequenceDelta:
         """Append a step's tokens (one, or more after drafts) up to the one that finishes seq; one delta."""
-        if len(tokens) == 1:
-            return self._append_token(seq, *tokens[0])
-        deltas = []
-        for token in tokens:
-            deltas.append(self._append_token(seq, *token))
+        texts, token_ids, logprobs = [], [], []
+        for token_id, logprob in tokens:
+            token_ids.append(token_id)
+            if logprob is not None:
+                logprobs.append(logprob)
+            texts.append(self._append_token(seq, token_id))
             if seq.is_finished:
                 break
-        return deltas[0] if len(deltas) == 1 else merge_deltas(deltas)
+        text = texts[0] if len(texts) == 1 else "".join(texts)
+        if seq.is_finished:
+            return self._final_delta(seq, text, token_ids, logprobs or None)
+        return self._delta(seq, text, token_ids, logprobs or None)
 
-    def _append_token(self, seq: Sequence, token_id: int, logprob) -> SequenceDelta:
+    def _append_token(self, seq: Sequence, token_id: int) -> str:
+        """Append one token; its text safe to show. Finishes seq (the scheduler frees it) if it ends here."""
         seq.append_token(token_id)
         self.generation_tokens_total += 1
-        params = seq.params
+        params, info = seq.params, self.info
         past_min = len(seq.output_token_ids) >= params.min_tokens
         text, finish, stop_reason = "", None, None
-        if past_min and token_id in self.eos_token_ids and (not params.ignore_eos or self._format_done(seq)):
+        if past_min and token_id in info.eos_token_ids and (not params.ignore_eos or self._format_done(seq)):
             finish = "stop"
         elif past_min and token_id in params.stop_token_ids:
             finish, stop_reason = "stop", token_id
@@ -277,11 +238,10 @@ class EngineCore:
                 text, matched = seq.stop_matcher.push(text)
                 if matched is not None:
                     finish, stop_reason = "stop", matched
-        if finish is None and (len(seq.output_token_ids) >= seq.max_tokens or len(seq.token_ids) >= self.max_model_len):
+        if finish is None and (len(seq.output_token_ids) >= seq.max_tokens or len(seq.token_ids) >= info.max_model_len):
             finish = "length"
-        logprobs = [logprob] if logprob is not None else None
         if finish is None:
-            return self._delta(seq, text, [token_id], logprobs)
+            return text
         if not isinstance(stop_reason, str):  # not ended by a stop string: release held-back text
             tail, matched = self._finish_text(seq)
             text += tail
@@ -289,7 +249,7 @@ class EngineCore:
                 finish, stop_reason = "stop", matched
         seq.stop_reason = stop_reason
         self.scheduler.finish(seq, finish)
-        return self._final_delta(seq, text, [token_id], logprobs)
+        return text
 
     @staticmethod
     def _format_done(seq: Sequence) -> bool:
@@ -307,7 +267,8 @@ class EngineCore:
         text, matched = seq.stop_matcher.push(tail)
         return (text, matched) if matched is not None else (text + seq.stop_matcher.flush(), None)
 
-    def _delta(self, seq: Sequence, text: str, token_ids: list[int], logprobs) -> SequenceDelta:
+    def _delta(self, seq: Sequence, text: str, token_ids: list[int], logprobs,
+               request_finished: bool = False) -> SequenceDelta:
         return SequenceDelta(
             request_id=seq.parent_id,
             index=seq.index,
@@ -321,24 +282,26 @@ class EngineCore:
             num_output_tokens=len(seq.output_token_ids),
             error=seq.error,
             # once, with the first output token: by then every prompt chunk has been scored
-            prompt_logprobs=seq.prompt_logprobs if len(seq.output_token_ids) == 1 else None,
+            prompt_logprobs=seq.prompt_logprobs if token_ids and len(seq.output_token_ids) == len(token_ids) else None,
+            request_finished=request_finished,
         )
 
     def _final_delta(self, seq: Sequence, text: str, token_ids: list[int], logprobs) -> SequenceDelta:
+        """The last delta of a finished seq; forgets seq, and its request once every sample has finished."""
         del self.sequences[seq.sequence_id]
-        parent = self.requests[seq.parent_id]
-        parent.num_unfinished -= 1
-        if parent.num_unfinished == 0:
+        request_finished = self.requests[seq.parent_id].progress.finish(seq.index)
+        if request_finished:
             del self.requests[seq.parent_id]
         if seq.first_scheduled_time is not None:
             self.prompt_tokens_total += seq.num_prompt_tokens
         if self.observer is not None:
             self.observer.on_request_finished(self.request_metrics(seq))
-        return self._delta(seq, text, token_ids, logprobs)
+        return self._delta(seq, text, token_ids, logprobs, request_finished)
 
     def request_metrics(self, seq: Sequence) -> RequestMetrics:
         return RequestMetrics(
-            request_id=seq.sequence_id,
+            request_id=seq.parent_id,
+            index=seq.index,
             arrival_time=seq.arrival_time,
             first_scheduled_time=seq.first_scheduled_time,
             first_token_time=seq.first_token_time,

@@ -14,7 +14,6 @@ its parent process is gone.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import signal
@@ -23,20 +22,9 @@ from typing import Any
 
 from mili_openai.config import EngineConfig
 from mili_openai.engine.async_engine import AsyncEngine
-from mili_openai.engine.outputs import RequestMetrics, SequenceDelta
-from mili_openai.engine.process_messages import (
-    Abort,
-    Call,
-    EngineFailed,
-    EngineReady,
-    Outputs,
-    Reply,
-    Submit,
-    encode_frame,
-    read_frame,
-    write_frame,
-)
-from mili_openai.engine.tp_worker import exit_with_parent
+from mili_openai.engine.outputs import RequestMetrics, SequenceDelta, abort_deltas
+from mili_openai.engine.process_helpers import encode_frame, exit_with_parent, freeze_heap, read_frame, write_frame
+from mili_openai.engine.process_messages import Abort, Call, EngineFailed, EngineReady, Outputs, Reply, Submit
 
 logger = logging.getLogger(__name__)
 
@@ -46,39 +34,11 @@ FATAL_POLL_S = 0.25  # how often an idle engine looks whether its runner failed 
 SERVER_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-def freeze_heap() -> None:
-    """Collect once, then leave every object alive now (the model, the tokenizer, the libraries) out of
-    later collections: a full collection over the hundreds of thousands of objects a loaded model holds
-    pauses whichever thread triggers it, the event loop (every stream) or the forward thread (a step)."""
-    gc.collect()
-    gc.freeze()
-    logger.info("garbage collector: %d objects alive after loading frozen", gc.get_freeze_count())
-
-
-class OutboxSink:
-    """One request's `DeltaSink` in the engine process: its deltas go to the shared outbox."""
-
-    __slots__ = ("_outbox", "_undelivered")
-
-    def __init__(self, outbox: Outbox, num_samples: int) -> None:
-        self._outbox = outbox
-        self._undelivered = num_samples
-
-    @property
-    def finished(self) -> bool:
-        return self._undelivered == 0
-
-    def put(self, delta: SequenceDelta) -> None:
-        if delta.finish_reason is not None:
-            self._undelivered -= 1
-        self._outbox.add_delta(delta)
-
-
 class Outbox:
     """What the engine produced since the last flush; sent as one `Outputs` at the end of the loop tick.
 
-    It is also the engine's observer: finished-request metrics travel with the deltas, and the server's
-    process replays them on its own observer (the Prometheus metrics)."""
+    It is every request's `DeltaSink`, and also the engine's observer: finished-request metrics travel with the
+    deltas, and the server's process replays them on its own observer (the Prometheus metrics)."""
 
     def __init__(self, engine: AsyncEngine, writer: asyncio.StreamWriter) -> None:
         self.engine = engine
@@ -89,7 +49,7 @@ class Outbox:
         self._finished: list[RequestMetrics] = []
         self._scheduled = False
 
-    def add_delta(self, delta: SequenceDelta) -> None:
+    def put(self, delta: SequenceDelta) -> None:
         self._deltas.append(delta)
         self.schedule_flush()
 
@@ -124,6 +84,7 @@ class EngineServer:
         self.outbox = Outbox(engine, writer)
         engine.set_observer(self.outbox)
         self._calls: set[asyncio.Task] = set()
+        self._compiling: dict[str, asyncio.Task] = {}  # by request id: Submits whose format is compiling
 
     async def serve(self) -> None:
         """Until the server's end of the socket closes."""
@@ -137,14 +98,26 @@ class EngineServer:
                 self._handle(message)
         finally:
             watcher.cancel()
+            for task in list(self._compiling.values()):
+                task.cancel()
             await self.engine.shutdown()
             await self.engine.close()
 
     def _handle(self, message: Any) -> None:
         if isinstance(message, Submit):
-            self._submit(message)
+            self.outbox.sequences_received += message.request.params.n
+            if message.call_id is None:  # no format to compile: queued now, in order with what follows
+                self._submit(message)
+            else:
+                task = asyncio.create_task(self._compile_and_submit(message))
+                self._compiling[message.request_id] = task
+                task.add_done_callback(lambda done: self._compiled(message.request_id, done))
         elif isinstance(message, Abort):
-            self.engine.abort(message.request_id)
+            compiling = self._compiling.pop(message.request_id, None)
+            if compiling is not None:  # the server gave up on it before its format compiled: never queued
+                compiling.cancel()
+            else:
+                self.engine.abort(message.request_id)
         elif isinstance(message, Call):
             task = asyncio.create_task(self._answer(message))
             self._calls.add(task)
@@ -154,16 +127,28 @@ class EngineServer:
         self.outbox.schedule_flush()  # the server's stats (num_waiting) see the request within the tick
 
     def _submit(self, message: Submit) -> None:
-        num_samples = message.params.n
-        self.outbox.sequences_received += num_samples
-        sink = OutboxSink(self.outbox, num_samples)
         try:
-            self.engine.submit_to(sink, message.prompt_token_ids, message.params, message.request_id)
+            self.engine.submit_to(self.outbox, message.request, message.request_id)
         except Exception as exc:  # the server checked it already: this one failed past those checks
             logger.exception("request %s refused in the engine process", message.request_id)
-            for index in range(num_samples):
-                sink.put(SequenceDelta(message.request_id, "", [], None, "abort", None, 0, 0, 0,
-                                       error=f"engine error: {exc}", index=index))
+            samples = list(range(message.request.params.n))
+            for delta in abort_deltas(message.request_id, samples, f"engine error: {exc}"):
+                self.outbox.put(delta)
+
+    def _compiled(self, request_id: str, task: asyncio.Task) -> None:
+        if self._compiling.get(request_id) is task:  # not a later request's, under the same id
+            del self._compiling[request_id]
+
+    async def _compile_and_submit(self, message: Submit) -> None:
+        """A request with a structured-output format: compiled, then queued; the server awaits the answer (its
+        ValueError if the format is bad)."""
+        try:
+            await self.engine.compile_format(message.request.params)
+            self.engine.submit_to(self.outbox, message.request, message.request_id)
+        except Exception as exc:
+            self._reply(message.call_id, None, _picklable(exc))
+        else:
+            self._reply(message.call_id, None, None)
 
     async def _answer(self, call: Call) -> None:
         try:
@@ -171,16 +156,17 @@ class EngineServer:
         except Exception as exc:
             value, error = None, _picklable(exc)
         self.outbox.flush()  # what the call produced (a shutdown's aborts) arrives before its reply
+        self._reply(call.call_id, value, error)
+
+    def _reply(self, call_id: int, value: Any, error: BaseException | None) -> None:
         if not self.writer.is_closing():
-            write_frame(self.writer, Reply(call.call_id, value, error))
+            write_frame(self.writer, Reply(call_id, value, error))
 
     async def _call(self, method: str, *args: Any) -> Any:
         if method == "start":
             return await self.engine.start()
         if method == "shutdown":
             return await self.engine.shutdown()
-        if method == "compile_format":
-            return await self.engine.compile_format(*args)
         if method == "page_accounting":
             return await self.engine.page_accounting()
         if method == "start_profile":
@@ -217,13 +203,7 @@ def engine_process_main(config: EngineConfig, sock: socket.socket, log_level: in
         logger.exception("the model failed to load in the engine process")
         sock.sendall(encode_frame(EngineFailed(_picklable(exc))))
         return
-    core = engine.core
-    sock.sendall(encode_frame(EngineReady(
-        pid=os.getpid(), tokenizer=engine.tokenizer, model_path=engine.model_path,
-        max_model_len=engine.max_model_len, vocab_size=engine.vocab_size, eos_token_ids=engine.eos_token_ids,
-        quantization=engine.quantization, sampling_defaults=engine.sampling_defaults, limits=core.limits,
-        stats=engine.stats(),
-    )))
+    sock.sendall(encode_frame(EngineReady(os.getpid(), engine.info, engine.stats())))
     if freeze_gc:
         freeze_heap()
     asyncio.run(_serve(engine, sock))

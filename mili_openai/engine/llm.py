@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceABC
 
 from mili_openai.config import EngineConfig
+from mili_openai.engine.contract import check_request
 from mili_openai.engine.core import EngineCore
 from mili_openai.engine.outputs import RequestOutput
 from mili_openai.engine.sampling_params import SamplingParams
@@ -52,7 +53,8 @@ class LLM:
             for prompt_index, (prompt, params) in enumerate(zip(prompt_list, params_list)):
                 text = prompt if isinstance(prompt, str) else None
                 ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-                request = self.core.add(ids, params, f"llm-{id(self)}-{prompt_index}")
+                checked = check_request(ids, params, self.core.info)  # ValueError for one that can never run
+                request = self.core.add(checked, f"llm-{id(self)}-{prompt_index}")
                 results[request.request_id] = RequestOutput.empty(str(prompt_index), ids, params.n, prompt=text)
             self._run_to_completion(results)
         finally:

@@ -3,7 +3,7 @@ metrics and stats through which the server observes it without the engine knowin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -32,19 +32,23 @@ class SequenceDelta:
     # with params.prompt_logprobs, on the delta of the first output token: one entry per prompt token
     prompt_logprobs: list[TokenLogprob | None] | None = None
     index: int = 0  # which of the request's samples (engine/parallel_sampling.py)
+    # the request's last delta: every sample has delivered its final one (engine/parallel_sampling.py counts)
+    request_finished: bool = False
+
+    @classmethod
+    def aborted(cls, request_id: str, index: int, error: str | None = None,
+                request_finished: bool = False) -> SequenceDelta:
+        """The final delta of sample `index` when it is aborted with nothing more to show: by the client, or,
+        with `error`, by an engine that refused or lost the request."""
+        return cls(request_id, "", [], None, "abort", None, 0, 0, 0, error=error, index=index,
+                   request_finished=request_finished)
 
 
-def merge_deltas(deltas: list[SequenceDelta]) -> SequenceDelta:
-    """Consecutive deltas of one sequence as one (a step that kept draft tokens produced several, or a
-    stream's consumer fell behind). A delta without logprobs (an abort's) adds none."""
-    last = deltas[-1]
-    logprobs = None
-    if any(delta.logprobs is not None for delta in deltas):
-        logprobs = [entry for delta in deltas if delta.logprobs is not None for entry in delta.logprobs]
-    prompt_logprobs = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
-    return replace(last, text="".join(delta.text for delta in deltas),
-                   token_ids=[token for delta in deltas for token in delta.token_ids],
-                   logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+def abort_deltas(request_id: str, indices: list[int], error: str | None = None) -> list[SequenceDelta]:
+    """The final "abort" deltas of the samples `indices` (all those still running), the last one finishing the
+    request."""
+    return [SequenceDelta.aborted(request_id, index, error, request_finished=index == indices[-1])
+            for index in indices]
 
 
 @dataclass(slots=True)
@@ -95,15 +99,15 @@ class RequestOutput:
             self.num_cached_tokens = delta.num_cached_tokens
         if delta.prompt_logprobs is not None:  # the same for every sample of the prompt
             self.prompt_logprobs = delta.prompt_logprobs
-        if delta.finish_reason is not None:
-            self.finished = all(output.finish_reason is not None for output in self.outputs)
+        if delta.request_finished:
+            self.finished = True
 
 
 @dataclass(slots=True)
 class RequestMetrics:
     """Timings (time.monotonic seconds) and counts of one finished sequence, for metrics and logs."""
 
-    request_id: str
+    request_id: str  # the request's id: its samples share it (`index` tells them apart)
     arrival_time: float
     first_scheduled_time: float | None  # None if it never left the waiting queue
     first_token_time: float | None
@@ -113,6 +117,7 @@ class RequestMetrics:
     num_output_tokens: int
     finish_reason: str
     num_preemptions: int
+    index: int = 0  # which of the request's samples
 
 
 class EngineObserver(Protocol):

@@ -1,7 +1,9 @@
 """A request of `n` samples: a parent with one child sequence per sample (vLLM's parallel sampling).
 
-This is the one place that derives each sample's sequence id and parameters; the engine core adds the
-children together (all or nothing), tags every delta with the parent's id and the sample's index, and
+This is the one place that derives each sample's sequence id and parameters, and that counts which samples
+have finished (`SampleProgress`: the engine's `ParentRequest`, and across a process boundary the server's
+`RequestStream`). The engine core adds the children together (all or nothing), tags every delta with the
+parent's id and the sample's index, marks the request's last delta (`SequenceDelta.request_finished`), and
 aborts them together. So the server, the offline `LLM` and any client of the engine see one request
 and one stream of per-sample deltas, and can never disagree on the seeds.
 
@@ -13,7 +15,7 @@ a valid int64 and distinct from its siblings'.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mili_openai.engine.sampling_params import INT64_MAX, SamplingParams
 
@@ -31,16 +33,38 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
     return dataclasses.replace(params, n=1, seed=seed)
 
 
+class SampleProgress:
+    """Which of one request's samples have not delivered their final delta yet."""
+
+    __slots__ = ("_unfinished",)
+
+    def __init__(self, num_samples: int) -> None:
+        self._unfinished = set(range(num_samples))
+
+    def finish(self, index: int) -> bool:
+        """Sample `index` delivered its final delta; returns whether every sample now has."""
+        self._unfinished.discard(index)
+        return not self._unfinished
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    @property
+    def unfinished(self) -> list[int]:
+        return sorted(self._unfinished)
+
+
 @dataclass(slots=True, eq=False)
 class ParentRequest:
-    """One request's children, and how many have not delivered their final delta yet."""
+    """One request's children, and which have not delivered their final delta yet."""
 
     request_id: str
     child_ids: list[str]
-    num_unfinished: int = 0
+    progress: SampleProgress = field(init=False)
 
     def __post_init__(self) -> None:
-        self.num_unfinished = len(self.child_ids)
+        self.progress = SampleProgress(len(self.child_ids))
 
     @classmethod
     def of(cls, request_id: str, params: SamplingParams) -> ParentRequest:

@@ -6,12 +6,13 @@ write, the route's bookkeeping) runs between the engine's steps, on the same GIL
 device waits for the host. Split, the engine keeps stepping while the server streams, and a stream that
 falls behind reads its queued deltas merged into one event (`RequestStream`).
 
-The server's side keeps what the Protocol answers at once: the engine's metadata and tokenizer (sent once
-by the loaded engine), the same `check_request` the engine runs (so `submit` stays synchronous and raises
-ValueError for a request that can never run), the live requests' streams, and the latest stats snapshot.
-Requests and aborts are one-way messages; `start`, `shutdown`, `compile_format`, `page_accounting` and the
-profiler's `start_profile` and `stop_profile` are calls answered by the engine. A dead engine process (or one whose runner failed) ends every live stream
-with an engine-error delta and sets `fatal_error`, on which the server exits non-zero (server/drain.py).
+The server's side keeps what the Protocol answers at once: the engine's `EngineInfo` (sent once by the loaded
+engine), the live requests' streams, and the latest stats snapshot. Requests arrive checked (engine/contract.py).
+Requests and aborts are one-way messages, but for a request with a structured-output format, whose `submit`
+waits for the engine to compile it (a bad one is the caller's ValueError); `start`, `shutdown`,
+`page_accounting` and the profiler's `start_profile` and `stop_profile` are calls answered by the engine. A
+dead engine process (or one whose runner failed) ends every live stream with an engine-error delta and sets
+`fatal_error`, on which the server exits non-zero (server/drain.py).
 """
 
 from __future__ import annotations
@@ -23,28 +24,17 @@ import itertools
 import logging
 import multiprocessing
 import socket
+from collections.abc import Callable
 from multiprocessing.util import Finalize
 from typing import Any
 
 from mili_openai.config import EngineConfig
 from mili_openai.engine.client import RequestStream
-from mili_openai.engine.core import check_request
+from mili_openai.engine.contract import EngineRequest
 from mili_openai.engine.engine_process import engine_process_main
-from mili_openai.engine.outputs import EngineObserver, EngineStats, PageAccounting, ProfileFiles, SequenceDelta
-from mili_openai.engine.process_messages import (
-    Abort,
-    Call,
-    EngineFailed,
-    EngineReady,
-    Outputs,
-    Reply,
-    Submit,
-    read_frame,
-    recv_frame,
-    write_frame,
-)
-from mili_openai.engine.sampling_params import SamplingParams
-from mili_openai.engine.tp_runner import describe_exit
+from mili_openai.engine.outputs import EngineObserver, EngineStats, PageAccounting, ProfileFiles
+from mili_openai.engine.process_helpers import describe_exit, read_frame, recv_frame, write_frame
+from mili_openai.engine.process_messages import Abort, Call, EngineFailed, EngineReady, Outputs, Reply, Submit
 
 logger = logging.getLogger(__name__)
 
@@ -60,16 +50,6 @@ def _stop_process(process: multiprocessing.Process, sock: socket.socket) -> None
     if process.is_alive():
         process.kill()
         process.join()
-
-
-class LiveRequest:
-    """A request the engine has not finished: its stream, and which samples still owe a final delta."""
-
-    __slots__ = ("stream", "unfinished")
-
-    def __init__(self, stream: RequestStream, num_samples: int) -> None:
-        self.stream = stream
-        self.unfinished = set(range(num_samples))
 
 
 class EngineProcessClient:
@@ -100,17 +80,10 @@ class EngineProcessClient:
             raise first.error
         ready: EngineReady = first
         self.pid = ready.pid
-        self.tokenizer = ready.tokenizer
-        self.model_path = ready.model_path
-        self.max_model_len = ready.max_model_len
-        self.vocab_size = ready.vocab_size
-        self.eos_token_ids = ready.eos_token_ids
-        self.quantization = ready.quantization
-        self.sampling_defaults = ready.sampling_defaults
-        self._limits = ready.limits
+        self.info = ready.info
         self._stats: EngineStats = ready.stats
         self._observer = observer
-        self._requests: dict[str, LiveRequest] = {}
+        self._requests: dict[str, RequestStream] = {}  # by request id, until the delta that finishes it
         self._request_ids = itertools.count()
         self._call_ids = itertools.count()
         self._calls: dict[int, asyncio.Future] = {}
@@ -161,9 +134,7 @@ class EngineProcessClient:
         return self._engine_fatal or self._death
 
     # ---- requests ----
-    def submit(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
-    ) -> RequestStream:
+    async def submit(self, request: EngineRequest, request_id: str | None = None) -> RequestStream:
         if not self._started or self._writer is None:
             raise RuntimeError("the engine is not started: await engine.start() first")
         if self.fatal_error is not None:
@@ -171,12 +142,19 @@ class EngineProcessClient:
         request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        prompt = [int(t) for t in prompt_token_ids]
-        check_request(prompt, params, self._limits)  # the engine's own check, so a 400 comes from here
-        stream = RequestStream(request_id, params.n, self.abort)
-        self._requests[request_id] = LiveRequest(stream, params.n)
-        self._sequences_sent += params.n
-        write_frame(self._writer, Submit(prompt, params, request_id))
+        stream = RequestStream(request_id, request.params.n, self.abort)
+        self._requests[request_id] = stream
+        self._sequences_sent += request.params.n
+        if request.params.structured_outputs is None:
+            write_frame(self._writer, Submit(request, request_id))
+            return stream
+        try:  # the engine compiles the format, then queues the request and answers
+            await self._request(lambda call_id: Submit(request, request_id, call_id))
+        except BaseException as exc:
+            self._requests.pop(request_id, None)  # (gone already if the engine died meanwhile)
+            if isinstance(exc, asyncio.CancelledError) and self._death is None:
+                write_frame(self._writer, Abort(request_id))  # the caller gave up: the engine drops it
+            raise
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -189,11 +167,6 @@ class EngineProcessClient:
         for request_id in request_ids:
             self.abort(request_id)
         return len(request_ids)
-
-    async def compile_format(self, params: SamplingParams) -> None:
-        """Compiled in the engine process, which keeps it for the request's `submit` (ValueError if bad)."""
-        if params.structured_outputs is not None:
-            await self._call("compile_format", params)
 
     def stats(self) -> EngineStats:
         """The engine's latest snapshot (sent with every tick's outputs), counting as waiting the sequences
@@ -218,6 +191,10 @@ class EngineProcessClient:
 
     # ---- the engine's messages ----
     async def _call(self, method: str, *args: Any) -> Any:
+        return await self._request(lambda call_id: Call(call_id, method, args))
+
+    async def _request(self, message_for: Callable[[int], Any]) -> Any:
+        """Send the message made for a fresh call id, and wait for the engine's `Reply` to it."""
         if self._writer is None:
             raise RuntimeError("the engine is not started: await engine.start() first")
         if self._death is not None:
@@ -227,7 +204,7 @@ class EngineProcessClient:
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self._calls[call_id] = future
-        write_frame(self._writer, Call(call_id, method, args))
+        write_frame(self._writer, message_for(call_id))
         return await future
 
     async def _receive(self) -> None:
@@ -257,14 +234,12 @@ class EngineProcessClient:
                 observer.on_request_finished(metrics)
         requests = self._requests
         for delta in outputs.deltas:
-            live = requests.get(delta.request_id)
-            if live is None:
+            stream = requests.get(delta.request_id)
+            if stream is None:
                 continue
-            live.stream.put(delta)
-            if delta.finish_reason is not None:
-                live.unfinished.discard(delta.index)
-                if not live.unfinished:
-                    del requests[delta.request_id]
+            stream.put(delta)
+            if delta.request_finished:
+                del requests[delta.request_id]
         self._stats = outputs.stats
         self._sequences_received = outputs.sequences_received
         if outputs.fatal_error is not None and self._engine_fatal is None:
@@ -290,8 +265,6 @@ class EngineProcessClient:
 
     def _end_every_request(self, error: str | None) -> None:
         """A final "abort" delta for every sample still owed one (the engine cannot send them any more)."""
-        for request_id, live in list(self._requests.items()):
-            for index in sorted(live.unfinished):
-                live.stream.put(SequenceDelta(request_id, "", [], None, "abort", None, 0, 0, 0,
-                                              error=error, index=index))
+        for stream in self._requests.values():
+            stream.end(error)
         self._requests.clear()

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import shutil
-import signal
 import tempfile
 import threading
 import weakref
@@ -35,6 +34,7 @@ import torch
 import torch.multiprocessing
 
 from mili_openai.config import EngineConfig
+from mili_openai.engine.process_helpers import describe_exit
 from mili_openai.engine.runner import resolve_device
 from mili_openai.engine.step_preparer import LaunchedStep, PreparedStep, StepPreparer, StepRunner
 from mili_openai.engine.sampler import Sampler
@@ -66,15 +66,6 @@ KILL_TIMEOUT_S = 5.0  # then this long after SIGTERM before SIGKILL
 
 class RunnerFailed(RuntimeError):
     """The runner can run no more steps (a tensor-parallel worker died or failed): the engine must stop."""
-
-
-def describe_exit(code: int | None, alive: str) -> str:
-    """How a child process ended, from its exit code (None: still running, then `alive` says what it did)."""
-    if code is None:
-        return alive
-    if code < 0:
-        return f"was killed by signal {-code} ({signal.Signals(-code).name})"
-    return f"exited with code {code}"
 
 
 def _stop_processes(processes: list, conns: list[Connection], rendezvous: str, stopping: threading.Event,

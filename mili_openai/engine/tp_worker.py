@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import io
 import logging
-import multiprocessing
 import os
 import pickle
-import threading
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -34,6 +32,7 @@ from mili_openai.config import EngineConfig
 from mili_openai.distributed import init_tensor_parallel
 from mili_openai.engine.batch_builder import PromptScoring
 from mili_openai.engine.outputs import TokenLogprob
+from mili_openai.engine.process_helpers import exit_with_parent
 from mili_openai.engine.runner import ModelRunner, resolve_device
 from mili_openai.engine.step_inputs import forward_batch_to
 from mili_openai.kernels.cpu import adopt_cpu_kernel_plan
@@ -133,20 +132,6 @@ def _handle(runner: ModelRunner, message: Any) -> Any:
     if isinstance(message, ExpertLoadRequest):  # every rank routes alike: rank 0's counts are the model's
         return ExpertLoadReply(runner.expert_load())
     raise TypeError(f"a tensor-parallel worker got an unknown message {type(message).__name__}")
-
-
-def exit_with_parent() -> None:
-    """Exit the moment the parent process does, even from inside a collective (or a step) that will never
-    complete."""
-    parent = multiprocessing.parent_process()
-    if parent is None:
-        return
-
-    def watch() -> None:
-        parent.join()
-        os._exit(1)
-
-    threading.Thread(target=watch, name="mili-parent-watch", daemon=True).start()
 
 
 def worker_main(rank: int, size: int, config: EngineConfig, model_path: str, init_method: str, conn: Connection,

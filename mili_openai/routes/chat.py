@@ -34,7 +34,6 @@ from mili_openai.protocol.chat import (
     text_chunk_event,
 )
 from mili_openai.protocol.chat_output import ChatDelta, ChatOutputParser, OutputOptions, parse_whole_output
-from mili_openai.protocol.errors import APIError
 from mili_openai.protocol.logprobs import TokenPieces, chat_logprobs_object, prompt_logprobs_object
 from mili_openai.protocol.prompts import RenderedPrompt, render_chat_prompt
 from mili_openai.protocol.reasoning import THINK_END, output_reasoning_mode
@@ -48,23 +47,13 @@ if TYPE_CHECKING:
 TOOL_CALLS_FINISH = "tool_calls"
 ABORT_FINISH = "abort"
 LENGTH_FINISH = "length"
+PROMPT_FIELD = "messages"  # what a chat request's prompt is, in its errors
 
 
 def has_think_tags(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Qwen3 vocabularies have `</think>` as one token; other models get no reasoning split."""
     token_id = tokenizer.convert_tokens_to_ids(THINK_END)
     return token_id is not None and token_id != tokenizer.unk_token_id
-
-
-def check_context(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
-    if num_prompt_tokens >= max_model_len:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens, but the messages "
-                            f"take {num_prompt_tokens} tokens, leaving no room for output.", param="messages")
-    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
-                            f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
-                            f"messages, {max_tokens} in the completion). Please reduce the length of the "
-                            "messages or the completion.", param="max_tokens")
 
 
 def finish_reason_of(engine_reason: str | None, num_calls: int) -> str | None:
@@ -84,38 +73,36 @@ class ChatJob(GenerationJob[ChatCompletionRequest]):
         super().__init__(server, body, request_id)
         self.prompt: RenderedPrompt | None = None
         self.top_k = (body.top_logprobs or 0) if body.logprobs else None
-        self.pieces = TokenPieces(self.engine.tokenizer)
+        self.pieces = TokenPieces(self.engine.info.tokenizer)
         choice = body.effective_tool_choice
         self.options = OutputOptions(
-            split_reasoning=has_think_tags(self.engine.tokenizer),
+            split_reasoning=has_think_tags(self.engine.info.tokenizer),
             include_reasoning=body.include_reasoning,
             parse_tools=bool(body.tools) and choice != "none",
             max_calls=None if body.parallel_tool_calls else 1,
         )
 
     def sampling_params(self) -> SamplingParams:
-        return self.body.to_sampling_params(self.engine.vocab_size, self.engine.sampling_defaults,
+        return self.body.to_sampling_params(self.engine.info.vocab_size, self.engine.info.sampling_defaults,
                                             logprobs=self.top_k, max_tokens=self.body.output_limit,
                                             prompt_logprobs=self.body.prompt_logprobs)
 
     async def submit(self) -> None:
         params = self.sampling_params()
-        self.prompt = await render_chat_prompt(self.engine.tokenizer, self.body)
-        check_context(len(self.prompt.token_ids), params.max_tokens, self.engine.max_model_len)
+        self.prompt = await render_chat_prompt(self.engine.info.tokenizer, self.body)
         choice = self.body.effective_tool_choice
         if self.options.parse_tools and choice != "auto":  # "required" or a named function: enforced
             # the output is then tool calls and no text, so an output format (which shapes text) has nothing
             # to apply to: the calls' grammar replaces it (agents send both, a format for the final answer)
             parallel = self.body.parallel_tool_calls and choice == "required"  # a named function: one call
-            grammar = tool_call_grammar(self.engine.tokenizer, self.body.tools, choice, parallel)
+            grammar = tool_call_grammar(self.engine.info.tokenizer, self.body.tools, choice, parallel)
             params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(grammar=grammar))
         if params.structured_outputs is not None and self.options.split_reasoning:
             # the format starts after the model's thinking, as vLLM's with a reasoning parser
             mode = output_reasoning_mode(self.prompt.assistant_tail)
             params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
                 params.structured_outputs, reasoning=mode))
-        await self.engine.compile_format(params)
-        self.submit_prompts([self.prompt.token_ids], params)
+        await self.submit_prompts([self.prompt.token_ids], params, prompt_field=PROMPT_FIELD)
 
     def parser(self) -> ChatOutputParser:
         return ChatOutputParser(self.prompt.assistant_tail, self.options)
@@ -146,7 +133,7 @@ class ChatJob(GenerationJob[ChatCompletionRequest]):
                                           choices=[self.choice(o) for o in result.outputs],
                                           usage=self.usage_out()).model_dump()
         if self.body.prompt_logprobs is not None:  # vLLM's extra, only when the request asked for it
-            response["prompt_logprobs"] = prompt_logprobs_object(self.engine.tokenizer, result.prompt_logprobs,
+            response["prompt_logprobs"] = prompt_logprobs_object(self.engine.info.tokenizer, result.prompt_logprobs,
                                                                  self.body.prompt_logprobs)
         return response
 

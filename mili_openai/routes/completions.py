@@ -39,23 +39,22 @@ class CompletionJob(GenerationJob[CompletionRequest]):
         super().__init__(server, body, request_id)
         self.n = body.n
         self.prompts = body.prompts()
-        self.pieces = TokenPieces(self.engine.tokenizer)  # shared by every choice's logprobs
+        self.pieces = TokenPieces(self.engine.info.tokenizer)  # shared by every choice's logprobs
 
     @property
     def num_sequences(self) -> int:
         return self.n * len(self.prompts)  # every sample of every prompt is a sequence
 
     async def submit(self) -> None:
-        engine = self.engine
+        info = self.engine.info
         # echo with logprobs scores the prompt too, as OpenAI's legacy API and vLLM do
         prompt_logprobs = self.body.scored_prompt_top_k
         # echo-only requests generate one token, never shown: the engine always samples after a prompt
         limit = {"max_tokens": 1} if self.body.echo_only else {}
-        params = self.body.to_sampling_params(engine.vocab_size, engine.sampling_defaults, logprobs=self.body.logprobs,
+        params = self.body.to_sampling_params(info.vocab_size, info.sampling_defaults, logprobs=self.body.logprobs,
                                               prompt_logprobs=prompt_logprobs, **limit)
-        prompts = await prompt_token_ids(engine.tokenizer, self.prompts, engine.vocab_size)
-        await engine.compile_format(params)
-        self.submit_prompts(prompts, params)
+        prompts = await prompt_token_ids(info.tokenizer, self.prompts, info.vocab_size)
+        await self.submit_prompts(prompts, params)
 
     def usage(self) -> Usage:
         usage = super().usage()
@@ -76,7 +75,7 @@ class CompletionJob(GenerationJob[CompletionRequest]):
         if not self.body.echo:
             return "", None
         prompt = self.prompts[self.prompt_of(choice)]
-        text = prompt_text(self.engine.tokenizer, prompt)
+        text = prompt_text(self.engine.info.tokenizer, prompt)
         logprobs = builder.prompt(self.prompt_ids[self.prompt_of(choice)], scored) if builder is not None else None
         return text, logprobs
 
@@ -90,7 +89,7 @@ class CompletionJob(GenerationJob[CompletionRequest]):
             logprobs = merge_logprobs(logprobs, generated) if logprobs is not None else generated
         prompt_logprobs = None
         if self.body.prompt_logprobs is not None:
-            prompt_logprobs = prompt_logprobs_object(self.engine.tokenizer, scored, self.body.prompt_logprobs)
+            prompt_logprobs = prompt_logprobs_object(self.engine.info.tokenizer, scored, self.body.prompt_logprobs)
         return choice_object(choice, text + output.text, logprobs, output.finish_reason, output.stop_reason,
                              prompt_logprobs)
 

@@ -57,12 +57,12 @@ class GenerateJob(GenerationJob[GenerateRequest]):
         self.record: RequestRecord | None = None
 
     async def submit(self) -> None:
-        params = self.body.to_sampling_params(self.engine.vocab_size, self.engine.sampling_defaults,
+        params = self.body.to_sampling_params(self.engine.info.vocab_size, self.engine.info.sampling_defaults,
                                               logprobs=self.body.logprobs)
-        prompts = await prompt_token_ids(self.engine.tokenizer, [self.body.prompt], self.engine.vocab_size)
+        prompts = await prompt_token_ids(self.engine.info.tokenizer, [self.body.prompt], self.engine.info.vocab_size)
         self.record = self.server.records.start(self.request_id, len(prompts[0]))
         try:
-            self.submit_prompts(prompts, params)
+            await self.submit_prompts(prompts, params)
         except BaseException:
             self.server.records.close(self.record)
             raise

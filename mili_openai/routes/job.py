@@ -7,11 +7,11 @@ for one JSON body, `events` for a stream). The engine fans each prompt out into 
 (engine/parallel_sampling.py); a request with several prompts (/v1/completions) becomes one engine
 request per prompt, merged here into one stream of `(choice, delta)`, choice = prompt * n + sample.
 
-Every prompt is submitted before the response starts, so a bad request is a plain 400 and never a
-broken stream. Whoever stops consuming early (a client disconnect, an error, the request timeout)
-leaves no orphan: every unfinished engine request is aborted and its pages return to the pool. The
-current request's context hears of both ends: submitting ends its queue reservation, and every delta
-is tallied for its log line.
+Every prompt is checked (`check_request`, the one check a request gets) and submitted before the response
+starts, so a bad request is a plain 400 and never a broken stream. Whoever stops consuming early (a client
+disconnect, an error, the request timeout) leaves no orphan: every unfinished engine request is aborted and
+its pages return to the pool. The current request's context hears of both ends: submitting ends its queue
+reservation, and every delta is tallied once (`RequestTally`), for the usage and the request's log line.
 """
 
 from __future__ import annotations
@@ -28,12 +28,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from mili_openai.engine.client import EngineClient, RequestStream
+from mili_openai.engine.contract import check_request
 from mili_openai.engine.outputs import RequestOutput, SequenceDelta
 from mili_openai.engine.sampling_params import SamplingParams
 from mili_openai.protocol.errors import INTERNAL_ERROR, APIError
 from mili_openai.protocol.sampling import SamplingFields
 from mili_openai.server.errors import cancel_on_disconnect, json_response, parse_body
-from mili_openai.server.request_log import current_request
+from mili_openai.server.request_log import RequestTally, current_request
 from mili_openai.server.sse import sse_stream
 from mili_openai.server.state import ServerState, request_id_of, server_state
 
@@ -71,9 +72,8 @@ class GenerationJob(ABC, Generic[BodyT]):
         self.num_samples = 1  # per prompt: set by `submit_prompts`
         self.prompt_ids: list[list[int]] = []
         self.streams: list[RequestStream] = []
-        # usage, tallied as the deltas pass: every generated token, each prompt's cached tokens (sample 0's)
-        self.completion_tokens = 0
-        self.cached_tokens: list[int] = []
+        context = current_request()  # the usage and the request's log line read one tally
+        self.tally = context.tally if context is not None else RequestTally()
 
     @property
     def num_sequences(self) -> int:
@@ -94,21 +94,26 @@ class GenerationJob(ABC, Generic[BodyT]):
         """The stream's events, in order (the SSE layer adds [DONE])."""
 
     # ---- shared ----
-    def submit_prompts(self, prompts: list[list[int]], params: SamplingParams) -> None:
-        """One engine request per prompt, each of `params.n` samples; all or nothing."""
+    async def submit_prompts(self, prompts: list[list[int]], params: SamplingParams,
+                             prompt_field: str | None = None) -> None:
+        """One engine request per prompt, each of `params.n` samples; all or nothing. `prompt_field`: what the
+        request calls its prompt, for the errors to name (see `check_request`)."""
+        info = self.engine.info
+        requests = [check_request(prompt, params, info, prompt_field) for prompt in prompts]
         self.prompt_ids, self.num_samples = prompts, params.n
-        self.cached_tokens = [0] * len(prompts)
         try:
-            for index, prompt in enumerate(prompts):
+            for index, request in enumerate(requests):
                 request_id = self.response_id if len(prompts) == 1 else f"{self.response_id}-{index}"
-                self.streams.append(self.engine.submit(prompt, params, request_id))
+                self.streams.append(await self.engine.submit(request, request_id))
         except BaseException:
             self.abort()
             raise
+        request_ids = [stream.request_id for stream in self.streams]
         context = current_request()
         if context is not None:
-            context.note_submitted(sum(map(len, prompts)), [stream.request_id for stream in self.streams],
-                                   params.n)
+            context.note_submitted(sum(map(len, prompts)), request_ids, params.n)
+        else:
+            self.tally.note_submitted(sum(map(len, prompts)), request_ids, params.n)
 
     def abort(self) -> None:
         """Free whatever the request still holds; a no-op for finished requests."""
@@ -117,7 +122,8 @@ class GenerationJob(ABC, Generic[BodyT]):
 
     def usage(self) -> Usage:
         """As OpenAI counts it: each prompt once (not once per sample), every generated token."""
-        return Usage(sum(map(len, self.prompt_ids)), self.completion_tokens, sum(self.cached_tokens))
+        tally = self.tally
+        return Usage(tally.num_prompt_tokens, tally.num_output_tokens, tally.num_cached_tokens)
 
     async def deltas(self) -> AsyncIterator[tuple[int, SequenceDelta]]:
         """`(choice, delta)` as the engine produces them, until every sample of every prompt has finished.
@@ -129,27 +135,19 @@ class GenerationJob(ABC, Generic[BodyT]):
         # around the next delta: on Python < 3.12 wait_for can swallow a cancellation that lands as the read
         # completes, and a disconnected client's request would then keep generating.
         timer = asyncio.get_running_loop().call_later(max(self.server.config.request_timeout_s, 0.0), self.abort)
-        context = current_request()
-        unfinished = len(self.streams) * self.num_samples
         # a lone stream (most requests) is read in place: a generator between it and this loop would cost
         # every token one more resumption
         lone = self.streams[0] if len(self.streams) == 1 else None
         items = self._merged_items() if lone is None else None
         try:
-            while unfinished:
-                if lone is not None:
-                    prompt, item = 0, await lone.__anext__()
-                else:
-                    prompt, item = await anext(items)
+            while True:
+                try:
+                    prompt, item = (0, await lone.__anext__()) if lone is not None else await anext(items)
+                except StopAsyncIteration:
+                    return
                 if item.error is not None:  # the engine failed the request: a 500, not bad input
                     raise APIError(500, item.error, type=INTERNAL_ERROR)
-                if context is not None:
-                    context.observe(item)
-                self.completion_tokens += len(item.token_ids)
-                if item.index == 0:
-                    self.cached_tokens[prompt] = item.num_cached_tokens
-                if item.finish_reason is not None:
-                    unfinished -= 1
+                self.tally.observe(item)
                 yield prompt * self.num_samples + item.index, item
         finally:
             timer.cancel()
@@ -159,22 +157,28 @@ class GenerationJob(ABC, Generic[BodyT]):
 
     async def _merged_items(self) -> AsyncIterator[tuple[int, SequenceDelta]]:
         """`(prompt, delta)` from the streams of several prompts, as they arrive (a task per stream)."""
-        queue: asyncio.Queue[tuple[int, SequenceDelta | BaseException]] = asyncio.Queue()
+        # (prompt, delta), (prompt, None) once its stream has ended, or (prompt, the error its stream raised)
+        queue: asyncio.Queue[tuple[int, SequenceDelta | BaseException | None]] = asyncio.Queue()
 
         async def pump(prompt: int, stream: RequestStream) -> None:
             try:
                 async for delta in stream:
                     queue.put_nowait((prompt, delta))
+                queue.put_nowait((prompt, None))
             except Exception as exc:  # handed to the consumer, which raises it
                 queue.put_nowait((prompt, exc))
 
         pumps = [asyncio.create_task(pump(prompt, stream)) for prompt, stream in enumerate(self.streams)]
+        streaming = len(pumps)
         try:
-            while True:
+            while streaming:
                 prompt, item = await queue.get()
-                if isinstance(item, BaseException):
+                if item is None:
+                    streaming -= 1
+                elif isinstance(item, BaseException):
                     raise item
-                yield prompt, item
+                else:
+                    yield prompt, item
         finally:
             for task in pumps:
                 task.cancel()

@@ -67,7 +67,7 @@ class ResponsesJob(ChatJob):
 
     def reasoning_tokens(self, reasoning: str) -> int:
         """The thinking's tokens, counted on its text (the tags around it not included)."""
-        return len(self.engine.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+        return len(self.engine.info.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
 
     def response(self, output: list[dict[str, Any]], finish_reason: str | None, reasoning: str) -> dict[str, Any]:
         """The finished response (stored when the request asks to be)."""

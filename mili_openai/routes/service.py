@@ -67,12 +67,12 @@ async def list_models(request: Request) -> Response:
         "object": "model",
         "created": int(server.start_time),
         "owned_by": OWNED_BY,
-        "root": str(engine.model_path),
+        "root": str(engine.info.model_path),
         "parent": None,
         # the tokenizer to count tokens with (the embedded model's random weights come with Qwen3's real one)
-        "tokenizer": DEFAULT_MODEL_TOKENIZER if server.config.engine.model is None else str(engine.model_path),
-        "max_model_len": engine.max_model_len,
-        "quantization": engine.quantization,  # null, or what the weights are (int8, int4, awq, ...)
+        "tokenizer": DEFAULT_MODEL_TOKENIZER if server.config.engine.model is None else str(engine.info.model_path),
+        "max_model_len": engine.info.max_model_len,
+        "quantization": engine.info.quantization,  # null, or what the weights are (int8, int4, awq, ...)
     }
     return json_response({"object": "list", "data": [model]})
 
@@ -92,13 +92,13 @@ async def tokenize(request: Request) -> Response:
     server.check_model(body.model)
     engine = server.require_engine()
     if body.messages is not None:
-        text = await render_messages(engine.tokenizer, body.messages, body.add_generation_prompt)
+        text = await render_messages(engine.info.tokenizer, body.messages, body.add_generation_prompt)
         add_special = bool(body.add_special_tokens)
     else:
         text = body.prompt or ""
         add_special = body.add_special_tokens is not False
-    tokens = await encode_text(engine.tokenizer, text, add_special_tokens=add_special)
-    return json_response({"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens})
+    tokens = await encode_text(engine.info.tokenizer, text, add_special_tokens=add_special)
+    return json_response({"count": len(tokens), "max_model_len": engine.info.max_model_len, "tokens": tokens})
 
 
 async def detokenize(request: Request) -> Response:
@@ -106,8 +106,8 @@ async def detokenize(request: Request) -> Response:
     body = await parse_body(request, DetokenizeRequest)
     server.check_model(body.model)
     engine = server.require_engine()
-    check_token_ids(body.tokens, engine.vocab_size, param="tokens")
-    return json_response({"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+    check_token_ids(body.tokens, engine.info.vocab_size, param="tokens")
+    return json_response({"prompt": engine.info.tokenizer.decode(body.tokens, skip_special_tokens=False)})
 
 
 def routes() -> list[Route]:

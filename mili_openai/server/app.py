@@ -29,8 +29,8 @@ from starlette.routing import BaseRoute, Route
 from mili_openai.config import ServerConfig
 from mili_openai.engine.async_engine import AsyncEngine
 from mili_openai.engine.client import EngineClient
-from mili_openai.engine.engine_process import freeze_heap
 from mili_openai.engine.process_client import EngineProcessClient
+from mili_openai.engine.process_helpers import freeze_heap
 from mili_openai.engine.runner import resolve_device
 from mili_openai.engine.sampling_defaults import describe_sampling_defaults
 from mili_openai.routes import chat, completions, generate, profile, responses, service
@@ -76,10 +76,11 @@ async def load_engine(server: ServerState) -> None:
     if server.config.freeze_gc_after_load:
         freeze_heap()  # before the first request: the collection in it holds the GIL a while
     server.engine = engine
+    info = engine.info
     logger.info("model %s loaded from %s; serving (max_model_len %d, %s)", server.served_model_name,
-                engine.model_path, engine.max_model_len,
-                f"quantization {engine.quantization}" if engine.quantization else "unquantized")
-    logger.info(describe_sampling_defaults(engine.sampling_defaults))
+                info.model_path, info.max_model_len,
+                f"quantization {info.quantization}" if info.quantization else "unquantized")
+    logger.info(describe_sampling_defaults(info.sampling_defaults))
     speculative = server.config.engine.speculative_config
     if speculative is not None:
         limit = speculative.disable_by_batch_size

@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from mili_openai.engine.contract import RequestError
 from mili_openai.protocol.errors import INTERNAL_ERROR, INVALID_REQUEST, TYPE_BY_STATUS, APIError, validation_error
 
 logger = logging.getLogger(__name__)
@@ -97,8 +98,13 @@ async def _pydantic_error(request: Request, exc: Exception) -> Response:
 
 
 async def _value_error(request: Request, exc: Exception) -> Response:
-    # The engine and SamplingParams raise ValueError for requests that can never run.
+    # SamplingParams and the engine raise ValueError for requests that can never run.
     return error_response(APIError(400, str(exc) or "invalid request"))
+
+
+async def _request_error(request: Request, exc: Exception) -> Response:
+    # check_request's refusal, naming the field at fault
+    return error_response(APIError(400, str(exc), param=exc.param))  # type: ignore[attr-defined]
 
 
 async def _client_disconnected(request: Request, exc: Exception) -> Response:
@@ -158,5 +164,6 @@ def install_error_handlers(app: Starlette) -> None:
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(pydantic.ValidationError, _pydantic_error)
     app.add_exception_handler(ValueError, _value_error)
+    app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(ClientDisconnected, _client_disconnected)

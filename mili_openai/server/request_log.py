@@ -52,34 +52,17 @@ class SequenceTally:
 
 
 @dataclass(slots=True, eq=False)
-class RequestContext:
-    request_id: str
-    method: str
-    path: str  # the raw path; the route template is read from the scope when the request ends
-    server: ServerState
-    arrival_time: float = field(default_factory=time.monotonic)
-    reserved_sequences: int = 0  # counted in server.pending_sequences until submitted or finished
-    num_prompt_tokens: int = 0  # each prompt once, however many samples it has (as `usage` counts)
+class RequestTally:
+    """What one HTTP request's engine requests produced, counted as `usage` counts it: the one tally of its
+    deltas, read by the route's usage (routes/job.py) and by the request's log line."""
+
+    num_prompt_tokens: int = 0  # each prompt once, however many samples it has
     # every sample of every engine request it submitted; sample 0's cached tokens count for its prompt
     sequences: dict[SampleKey, SequenceTally] = field(default_factory=dict)
     first_token_time: float | None = None
 
-    # ---- the waiting room ----
-    def reserve(self, num_sequences: int) -> None:
-        """Count `num_sequences` as queued until the route submits them (or the request ends)."""
-        self.release()
-        self.reserved_sequences = num_sequences
-        self.server.pending_sequences += num_sequences
-
-    def release(self) -> None:
-        """Stop counting the reservation (idempotent): the engine's waiting list counts them now."""
-        self.server.pending_sequences -= self.reserved_sequences
-        self.reserved_sequences = 0
-
-    # ---- the token tally ----
     def note_submitted(self, num_prompt_tokens: int, request_ids: list[str], num_samples: int) -> None:
         """Engine requests submitted for `num_prompt_tokens` of prompts, `num_samples` samples each."""
-        self.release()
         self.num_prompt_tokens += num_prompt_tokens
         for request_id in request_ids:
             for index in range(num_samples):
@@ -109,10 +92,33 @@ class RequestContext:
     def finish_reasons(self) -> list[str | None]:
         return [t.finish_reason for t in self.sequences.values()]
 
-    @property
-    def generated(self) -> bool:
-        """Whether this request submitted anything to the engine."""
-        return bool(self.sequences)
+
+@dataclass(slots=True, eq=False)
+class RequestContext:
+    request_id: str
+    method: str
+    path: str  # the raw path; the route template is read from the scope when the request ends
+    server: ServerState
+    arrival_time: float = field(default_factory=time.monotonic)
+    reserved_sequences: int = 0  # counted in server.pending_sequences until submitted or finished
+    tally: RequestTally = field(default_factory=RequestTally)  # what its engine requests produced
+
+    # ---- the waiting room ----
+    def reserve(self, num_sequences: int) -> None:
+        """Count `num_sequences` as queued until the route submits them (or the request ends)."""
+        self.release()
+        self.reserved_sequences = num_sequences
+        self.server.pending_sequences += num_sequences
+
+    def release(self) -> None:
+        """Stop counting the reservation (idempotent): the engine's waiting list counts them now."""
+        self.server.pending_sequences -= self.reserved_sequences
+        self.reserved_sequences = 0
+
+    def note_submitted(self, num_prompt_tokens: int, request_ids: list[str], num_samples: int) -> None:
+        """The route submitted its engine requests (see `RequestTally.note_submitted`): the reservation ends."""
+        self.release()
+        self.tally.note_submitted(num_prompt_tokens, request_ids, num_samples)
 
 
 CURRENT_REQUEST: ContextVar[RequestContext | None] = ContextVar("mili_request_context", default=None)
@@ -124,23 +130,24 @@ def current_request() -> RequestContext | None:
 
 
 def request_log_record(context: RequestContext, endpoint: str, status: int, finished_time: float) -> dict[str, Any]:
-    generated = context.generated
+    tally = context.tally
+    generated = bool(tally.sequences)  # whether it submitted anything to the engine
     ttft = None
-    if context.first_token_time is not None:
-        ttft = round(context.first_token_time - context.arrival_time, TIME_DECIMALS)
+    if tally.first_token_time is not None:
+        ttft = round(tally.first_token_time - context.arrival_time, TIME_DECIMALS)
     return {
         "event": "request",
         "request_id": context.request_id,
         "method": context.method,
         "endpoint": endpoint,
         "status": status,
-        "prompt_tokens": context.num_prompt_tokens if generated else None,
-        "cached_tokens": context.num_cached_tokens if generated else None,
-        "output_tokens": context.num_output_tokens if generated else None,
-        "num_sequences": len(context.sequences),
+        "prompt_tokens": tally.num_prompt_tokens if generated else None,
+        "cached_tokens": tally.num_cached_tokens if generated else None,
+        "output_tokens": tally.num_output_tokens if generated else None,
+        "num_sequences": len(tally.sequences),
         "ttft_s": ttft,
         "total_s": round(finished_time - context.arrival_time, TIME_DECIMALS),
-        "finish_reasons": context.finish_reasons,
+        "finish_reasons": tally.finish_reasons,
     }
 
 

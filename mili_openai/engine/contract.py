@@ -1,0 +1,82 @@
+"""The contract between the API side and the engine: what the engine tells the API side once it has loaded
+(`EngineInfo`), and the only kind of request it takes (`EngineRequest`, made by `check_request`).
+
+The API side (the routes, the offline `LLM`) checks each request once, with `check_request`, before
+`EngineClient.submit`; the engine takes an `EngineRequest` as checked and does not check it again, also when it
+arrives from another process (engine/process_client.py). Importing this module pulls in neither torch nor the
+model.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mili_openai.engine.sampling_params import SamplingDefaults, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+PROMPT_FIELD = "prompt"  # what a request's prompt is called in errors, unless the caller names its own field
+MAX_TOKENS_FIELD = "max_tokens"  # the field a context overflow names, where the caller names its prompt's
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """The loaded engine, as the API side sees it: built once by the engine (`EngineCore.info`), and sent once
+    to a server in another process."""
+
+    tokenizer: PreTrainedTokenizerBase  # the engine's own: the server tokenizes exactly as the engine decodes
+    model_path: Path | None
+    # prompt + output tokens of one sequence: the model's context, never more than the whole KV pool holds
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    quantization: str | None  # what the weights are (int8, int4, awq, ...), None for unquantized
+    sampling_defaults: SamplingDefaults  # what a request's omitted sampling fields become
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """A request that passed `check_request`: it can run to its end in this engine."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # params.max_tokens resolved against the context length
+
+
+class RequestError(ValueError):
+    """A request that can never run: a 400 whose `param` names the field at fault (server/errors.py)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def check_request(prompt_token_ids: list[Any], params: SamplingParams, info: EngineInfo,
+                  prompt_field: str | None = None) -> EngineRequest:
+    """The request as the engine takes it; RequestError for one that can never run. `prompt_field`: what the
+    client called its prompt ("messages" for a chat); given, the errors name the field at fault (`param`), as
+    OpenAI's chat errors do."""
+    prompt = [int(t) for t in prompt_token_ids]
+    vocab_size, max_model_len = info.vocab_size, info.max_model_len
+    what = prompt_field or PROMPT_FIELD
+    if not prompt:
+        raise RequestError("the prompt is empty: at least one token is needed", prompt_field)
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise RequestError(f"prompt token ids must be in [0, {vocab_size})", prompt_field)
+    if any(not 0 <= t < vocab_size for t in itertools.chain(params.logit_bias, params.stop_token_ids)):
+        raise RequestError(f"logit_bias and stop_token_ids keys must be token ids in [0, {vocab_size})")
+    if len(prompt) >= max_model_len:
+        raise RequestError(f"This model's maximum context length is {max_model_len} tokens, but {len(prompt)} tokens "
+                           f"are in the {what}, leaving no room for output.", prompt_field)
+    room = max_model_len - len(prompt)
+    if params.max_tokens is not None and params.max_tokens > room:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{len(prompt) + params.max_tokens} tokens ({len(prompt)} in the {what}, {params.max_tokens} in the "
+            f"completion). Please reduce the length of the {what} or the completion.",
+            MAX_TOKENS_FIELD if prompt_field else None)
+    return EngineRequest(prompt, params, params.max_tokens if params.max_tokens is not None else room)
