@@ -38,16 +38,10 @@ from helpers_server import (  # noqa: F401
 )
 from mili_openai import SamplingParams, cli
 from mili_openai.bench.server_process import ServerProcess
+from mili_openai.engine.contract import EngineRequest
 from mili_openai.engine.outputs import SequenceDelta
-from mili_openai.engine.process_messages import (
-    FRAME_HEADER,
-    Outputs,
-    Submit,
-    encode_frame,
-    read_frame,
-    recv_frame,
-    write_frame,
-)
+from mili_openai.engine.process_helpers import FRAME_HEADER, encode_frame, read_frame, recv_frame, write_frame
+from mili_openai.engine.process_messages import Outputs, Submit
 from test_chat_server import (  # noqa: F401  (collected here too: run against the engine-process server)
     HELLO,
     MODEL,
@@ -223,7 +217,8 @@ def test_frames_cross_a_socket_pair_in_order_both_ways():
         left_reader, left_writer = await asyncio.open_connection(sock=left)
         right_reader, right_writer = await asyncio.open_connection(sock=right)
         delta = SequenceDelta("r", "héllo", [1, 2], None, None, None, 3, 0, 2, index=1)
-        sent = [Submit([1, 2, 3], SamplingParams(n=2, max_tokens=5), "r"), Outputs([delta] * 300), "x" * 200_000]
+        submit = Submit(EngineRequest([1, 2, 3], SamplingParams(n=2, max_tokens=5), 5), "r")
+        sent = [submit, Outputs([delta] * 300), "x" * 200_000]
         for message in sent:
             write_frame(left_writer, message)
         write_frame(right_writer, Outputs(sequences_received=7))
@@ -236,7 +231,7 @@ def test_frames_cross_a_socket_pair_in_order_both_ways():
         return received, back
 
     received, back = asyncio.run(exchange())
-    assert received[0] == Submit([1, 2, 3], SamplingParams(n=2, max_tokens=5), "r")
+    assert received[0] == Submit(EngineRequest([1, 2, 3], SamplingParams(n=2, max_tokens=5), 5), "r")
     assert received[1].deltas == [SequenceDelta("r", "héllo", [1, 2], None, None, None, 3, 0, 2, index=1)] * 300
     assert received[2] == "x" * 200_000
     assert back[0].sequences_received == 7
