@@ -36,7 +36,7 @@ from helpers_server import (  # noqa: F401
     sse_data,
     wait_until,
 )
-from mili_openai import SamplingParams, cli
+from mili_openai import SamplingParams, StructuredOutputsParams, cli
 from mili_openai.bench.server_process import ServerProcess
 from mili_openai.engine.contract import EngineRequest
 from mili_openai.engine.outputs import SequenceDelta
@@ -255,3 +255,58 @@ def test_a_blocking_reader_reads_whole_frames_and_sees_the_end():
         with pytest.raises(EOFError):
             recv_frame(right)
         sender.join()
+
+
+# ---- the engine process's side of a request with a format ----
+class CompilingEngine:
+    """What `EngineServer` calls of an `AsyncEngine`, with a format compile that runs until released."""
+
+    fatal_error = None
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+        self.queued: list[str] = []
+        self.aborted: list[str] = []
+
+    def set_observer(self, observer) -> None:
+        pass
+
+    def stats(self):
+        return None
+
+    async def compile_format(self, params) -> None:
+        await self.release.wait()
+
+    def submit_to(self, sink, request, request_id: str) -> None:
+        self.queued.append(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def test_an_abort_while_the_format_compiles_means_the_request_is_never_queued():
+    from mili_openai.engine.engine_process import EngineServer
+    from mili_openai.engine.process_messages import Abort, Reply
+
+    async def go():
+        ours, theirs = socket.socketpair()
+        reader, writer = await asyncio.open_connection(sock=ours)
+        their_reader, their_writer = await asyncio.open_connection(sock=theirs)
+        engine = CompilingEngine()
+        server = EngineServer(engine, reader, writer)
+        request = EngineRequest([1, 2], SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True)), 5)
+        server._handle(Submit(request, "dropped", call_id=1))
+        server._handle(Submit(request, "kept", call_id=2))
+        await asyncio.sleep(0)  # both compiles are running
+        server._handle(Abort("dropped"))  # the server gave up on it: its compile is cancelled
+        engine.release.set()
+        message = await read_frame(their_reader)
+        while not isinstance(message, Reply):  # the outbox's stats updates come first
+            message = await read_frame(their_reader)
+        writer.close()
+        their_writer.close()
+        return engine, message
+
+    engine, reply = asyncio.run(go())
+    assert engine.queued == ["kept"] and engine.aborted == []
+    assert (reply.call_id, reply.error) == (2, None)
