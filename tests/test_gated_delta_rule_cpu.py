@@ -59,5 +59,10 @@ def test_out_of_range_slot_is_refused(kernels):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_causal_conv_matches_reference(kernels, dtype, with_bias):
-    # 300 channels: a whole 256-channel task and a part one
-    check_causal_conv(kernels.linear_attention, [1, 2, 5, 64], 300, dtype, CPU, with_bias)
+    # 304 channels: a whole 256-channel task and a part one
+    check_causal_conv(kernels.linear_attention, [1, 2, 5, 64], 304, dtype, CPU, with_bias)
+
+
+def test_conv_channels_outside_the_kernel_fall_back_to_torch(kernels):
+    """300 channels are no whole registers: the torch reference runs, with the same results."""
+    check_causal_conv(kernels.linear_attention, [1, 6], 300, torch.float32, CPU, with_bias=True)

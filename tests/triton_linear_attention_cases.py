@@ -23,7 +23,8 @@ if DEVICE.type == "cuda" and not torch.cuda.is_available():
     pytest.skip("Triton compiles for CUDA here and torch sees no GPU (set TRITON_INTERPRET=1 to run on the CPU)",
                 allow_module_level=True)
 
-SEGMENTS = [1, 5, 64, 65, 130]  # either side of the 64-token chunk, and several chunks
+SEGMENTS = {torch.float32: [1, 5, 64, 65, 130],  # either side of the 64-token chunk, and several chunks
+            torch.bfloat16: [5, 70]}  # the roundings only: fewer programs (the interpreter is slow)
 
 
 def test_triton_kernels_are_a_linear_attention_kernel():
@@ -33,7 +34,7 @@ def test_triton_kernels_are_a_linear_attention_kernel():
 # GVA 2 key heads over 4 value heads; Dv 48: a full 32-column block and a masked one; Dk 24: masked lanes
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_delta_rule_matches_reference(dtype):
-    check_delta_rule(KERNEL, SEGMENTS, (2, 4), (24, 48), dtype, DEVICE)
+    check_delta_rule(KERNEL, SEGMENTS[dtype], (2, 4), (24, 48), dtype, DEVICE)
 
 
 @pytest.mark.parametrize("with_bias", [True, False])

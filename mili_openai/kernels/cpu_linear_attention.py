@@ -14,7 +14,7 @@ from mili_openai.kernels import gated_delta_rule as reference
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256  # the kernel stages a head's q, k, v rows on the stack
-VALUE_DIM_MULTIPLE = 16  # the state's columns go in whole AVX-512 registers
+VECTOR_LANES = 16  # the state's columns and the conv's channels go in whole AVX-512 registers
 MAX_CONV_WIDTH = 8
 
 
@@ -22,13 +22,14 @@ def _fits_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state_po
     return (
         all(x.device.type == "cpu" and x.dtype == v.dtype and x.stride(-1) == 1 for x in (q, k, v))
         and v.dtype in KERNEL_DTYPES
-        and k.shape[-1] <= MAX_HEAD_DIM and v.shape[-1] <= MAX_HEAD_DIM and v.shape[-1] % VALUE_DIM_MULTIPLE == 0
+        and k.shape[-1] <= MAX_HEAD_DIM and v.shape[-1] <= MAX_HEAD_DIM and v.shape[-1] % VECTOR_LANES == 0
         and state_pool.is_contiguous()
     )
 
 
 def _fits_conv(x: torch.Tensor, conv_pool: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype in KERNEL_DTYPES and x.stride(-1) == 1 and conv_pool.dtype == x.dtype
+    return (x.device.type == "cpu" and x.dtype in KERNEL_DTYPES and x.stride(-1) == 1 and x.shape[-1] % VECTOR_LANES == 0
+            and conv_pool.dtype == x.dtype
             and conv_pool.is_contiguous() and weight.shape[-1] <= MAX_CONV_WIDTH)
 
 

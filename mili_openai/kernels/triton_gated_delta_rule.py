@@ -31,10 +31,10 @@ BLOCK_V = 32  # state columns per program: a (Dk <= 256, 32) fp32 slice fits a p
 CONV_BLOCK_C = 256  # conv channels per program
 CONV_BLOCK_T = 16  # conv prefill tokens per program
 MAX_HEAD_DIM = 256
-L2NORM_EPS = reference.L2NORM_EPS
 
 
 if triton is not None:
+    L2NORM_EPS = tl.constexpr(reference.L2NORM_EPS)  # a kernel reads only constexpr globals
 
     @triton.jit
     def _normalized(ptr, offsets, mask, scale):

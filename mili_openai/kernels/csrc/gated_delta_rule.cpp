@@ -13,9 +13,11 @@
 
 #include <cmath>
 
+#include "simd_bf16.h"
+
 namespace {
 
-constexpr int64_t kLanes = 16;           // fp32 values per 512-bit register
+using mili::kLanes;
 constexpr int kBlockVectors = 4;         // columns per block: 4 registers, 8 independent FMA chains
 constexpr int64_t kMaxHeadDim = 256;     // q, k and v rows are staged in fp32 on the stack
 constexpr float kL2NormEps = 1e-6f;      // transformers' (and FLA's) l2norm epsilon
@@ -131,12 +133,11 @@ float* state_of(const torch::Tensor& state_pool, int64_t slot, int64_t h) {
   return state_pool.data_ptr<float>() + (slot * state_pool.size(1) + h) * state_pool.size(2) * state_pool.size(3);
 }
 
-inline float silu(float x) { return x / (1.f + std::exp(-x)); }
-
 void check_conv(const torch::Tensor& x, const torch::Tensor& conv_pool, const torch::Tensor& weight,
                 const torch::Tensor& bias, const torch::Tensor& slots) {
   TORCH_CHECK(x.device().is_cpu(), "causal conv1d: CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "causal conv1d: x (N, C), channels contiguous");
+  TORCH_CHECK(x.size(1) % kLanes == 0, "causal conv1d: channels a multiple of 16");
   TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.dim() == 2 &&
               weight.size(0) == x.size(1) && weight.size(1) >= 2 && weight.size(1) <= kMaxConvWidth,
               "causal conv1d: weight float32 (C, K), K from 2 to 8");
@@ -149,31 +150,57 @@ void check_conv(const torch::Tensor& x, const torch::Tensor& conv_pool, const to
   check_slots_in_range(slots, conv_pool.size(0), "causal conv1d");
 }
 
-// Tokens [first, last) of one sequence over channels [c0, c1): inputs before `first` come from the window
-// (oldest first), which is left holding the last K-1 inputs.
+// 16 channels in fp32 registers, from and to the activations' dtype
+template <typename T> inline __m512 load16(const T* p);
+template <> inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <> inline __m512 load16<at::BFloat16>(const at::BFloat16* p) { return mili::widen_bf16(p); }
+template <> inline __m512 load16<at::Half>(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+template <typename T> inline void store16(T* p, __m512 v);
+template <> inline void store16<float>(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+template <> inline void store16<at::BFloat16>(at::BFloat16* p, __m512 v) { mili::store_bf16(p, mili::round_bf16(v)); }
+template <> inline void store16<at::Half>(at::Half* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+// Tokens of one sequence over channels [c0, c1) (whole vectors): inputs before the segment come from the window
+// (oldest first), which is left holding the last K-1 inputs. Token-major, channels in vectors: x's rows are read
+// once, contiguously; the taps and the last K-1 inputs stay in fp32 on the stack.
 template <typename T>
 void conv_tokens(const T* x, int64_t x_stride, T* window, const float* weight, const float* bias, int64_t width,
                  int64_t tokens, int64_t c0, int64_t c1, T* out, int64_t out_stride) {
-  const int64_t history = width - 1;
-  for (int64_t c = c0; c < c1; ++c) {
-    float taps[kMaxConvWidth];  // the last `width` inputs, oldest first
-    T* channel_window = window + c * history;
-    for (int64_t j = 0; j < history; ++j) taps[j] = static_cast<float>(channel_window[j]);
-    const float* w = weight + c * width;
-    for (int64_t t = 0; t < tokens; ++t) {
-      const T input = x[t * x_stride + c];
-      taps[history] = static_cast<float>(input);
-      float acc = bias ? bias[c] : 0.f;
-      for (int64_t j = 0; j < width; ++j) acc += w[j] * taps[j];
-      out[t * out_stride + c] = static_cast<T>(silu(acc));
-      for (int64_t j = 0; j < history; ++j) taps[j] = taps[j + 1];
+  const int64_t history = width - 1, n = c1 - c0;
+  float taps[kMaxConvWidth][kConvChannelGrain];      // taps[j][c - c0] = weight[c, j]
+  float past[kMaxConvWidth - 1][kConvChannelGrain];  // the last K-1 inputs, oldest first
+  for (int64_t c = 0; c < n; ++c) {
+    for (int64_t j = 0; j < width; ++j) taps[j][c] = weight[(c0 + c) * width + j];
+    for (int64_t j = 0; j < history; ++j) past[j][c] = static_cast<float>(window[(c0 + c) * history + j]);
+  }
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t i = 0; i < n; i += kLanes) {
+      const __m512 newest = load16(x + t * x_stride + c0 + i);
+      __m512 acc = bias ? _mm512_loadu_ps(bias + c0 + i) : _mm512_setzero_ps();
+      for (int64_t j = 0; j < history; ++j) acc = _mm512_fmadd_ps(_mm512_loadu_ps(&taps[j][i]), _mm512_loadu_ps(&past[j][i]), acc);
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(&taps[history][i]), newest, acc);
+      store16(out + t * out_stride + c0 + i, mili::silu(acc));
+      for (int64_t j = 0; j + 1 < history; ++j) _mm512_storeu_ps(&past[j][i], _mm512_loadu_ps(&past[j + 1][i]));
+      _mm512_storeu_ps(&past[history - 1][i], newest);
     }
-    // the window keeps inputs in its own dtype: the last K-1 of (old window, x)
-    for (int64_t j = 0; j < history; ++j) {
-      const int64_t from_end = history - j;  // input index counted back from the segment's end
-      channel_window[j] = from_end <= tokens ? x[(tokens - from_end) * x_stride + c]
-                                             : channel_window[j + tokens];
-    }
+  }
+  // exact: every value came from the activations' dtype
+  for (int64_t c = 0; c < n; ++c)
+    for (int64_t j = 0; j < history; ++j) window[(c0 + c) * history + j] = static_cast<T>(past[j][c]);
+}
+
+// The conv's dtypes: fp32, bf16, fp16 activations
+template <typename Body>
+void dispatch_conv_dtype(at::ScalarType type, Body body) {
+  switch (type) {
+    case at::kFloat: return body(float());
+    case at::kBFloat16: return body(at::BFloat16());
+    case at::kHalf: return body(at::Half());
+    default: TORCH_CHECK(false, "causal conv1d: float32, bfloat16 or float16 only");
   }
 }
 
@@ -238,7 +265,8 @@ torch::Tensor causal_conv1d_decode(const torch::Tensor& x, const torch::Tensor& 
   auto out = torch::empty_like(x, at::MemoryFormat::Contiguous);
   const int64_t* slot = slots.data_ptr<int64_t>();
   const float* bias_data = bias_tensor.defined() ? bias_tensor.data_ptr<float>() : nullptr;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "causal_conv1d_decode", [&] {
+  dispatch_conv_dtype(x.scalar_type(), [&](auto zero) {
+    using scalar_t = decltype(zero);
     at::parallel_for(0, x.size(0) * blocks, 1, [&](int64_t first, int64_t last) {
       for (int64_t task = first; task < last; ++task) {
         const int64_t b = task / blocks, c0 = (task % blocks) * kConvChannelGrain;
@@ -266,7 +294,8 @@ torch::Tensor causal_conv1d_prefill(const torch::Tensor& x, const torch::Tensor&
   const int64_t* bounds = cu_seqlens.data_ptr<int64_t>();
   TORCH_CHECK(bounds[0] == 0 && bounds[slots.numel()] == x.size(0), "causal conv1d: cu_seqlens bounds");
   const float* bias_data = bias_tensor.defined() ? bias_tensor.data_ptr<float>() : nullptr;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "causal_conv1d_prefill", [&] {
+  dispatch_conv_dtype(x.scalar_type(), [&](auto zero) {
+    using scalar_t = decltype(zero);
     at::parallel_for(0, slots.numel() * blocks, 1, [&](int64_t first, int64_t last) {
       for (int64_t task = first; task < last; ++task) {
         const int64_t s = task / blocks, c0 = (task % blocks) * kConvChannelGrain;
