@@ -28,8 +28,8 @@ def _fits_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state_po
 
 
 def _fits_conv(x: torch.Tensor, conv_pool: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype in KERNEL_DTYPES and x.stride(-1) == 1 and x.shape[-1] % VECTOR_LANES == 0
-            and conv_pool.dtype == x.dtype
+    return (x.device.type == "cpu" and x.dtype in KERNEL_DTYPES and x.stride(-1) == 1
+            and x.shape[-1] % VECTOR_LANES == 0 and conv_pool.dtype == x.dtype
             and conv_pool.is_contiguous() and weight.shape[-1] <= MAX_CONV_WIDTH)
 
 

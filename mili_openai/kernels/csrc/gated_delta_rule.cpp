@@ -105,7 +105,9 @@ struct TokenRows {
 // checked here, before the parallel region (an exception must not leave a worker thread)
 void check_slots_in_range(const torch::Tensor& slots, int64_t pool_slots, const char* name) {
   const int64_t* slot = slots.data_ptr<int64_t>();
-  for (int64_t i = 0; i < slots.numel(); ++i) TORCH_CHECK(slot[i] >= 0 && slot[i] < pool_slots, name, ": slot out of range");
+  for (int64_t i = 0; i < slots.numel(); ++i) {
+    TORCH_CHECK(slot[i] >= 0 && slot[i] < pool_slots, name, ": slot out of range");
+  }
 }
 
 void check_delta_rule(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& g,
@@ -181,7 +183,9 @@ void conv_tokens(const T* x, int64_t x_stride, T* window, const float* weight, c
     for (int64_t i = 0; i < n; i += kLanes) {
       const __m512 newest = load16(x + t * x_stride + c0 + i);
       __m512 acc = bias ? _mm512_loadu_ps(bias + c0 + i) : _mm512_setzero_ps();
-      for (int64_t j = 0; j < history; ++j) acc = _mm512_fmadd_ps(_mm512_loadu_ps(&taps[j][i]), _mm512_loadu_ps(&past[j][i]), acc);
+      for (int64_t j = 0; j < history; ++j) {
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(&taps[j][i]), _mm512_loadu_ps(&past[j][i]), acc);
+      }
       acc = _mm512_fmadd_ps(_mm512_loadu_ps(&taps[history][i]), newest, acc);
       store16(out + t * out_stride + c0 + i, mili::silu(acc));
       for (int64_t j = 0; j + 1 < history; ++j) _mm512_storeu_ps(&past[j][i], _mm512_loadu_ps(&past[j + 1][i]));
@@ -261,7 +265,8 @@ torch::Tensor causal_conv1d_decode(const torch::Tensor& x, const torch::Tensor& 
   const torch::Tensor bias_tensor = bias.has_value() ? bias->contiguous() : torch::Tensor();
   check_conv(x, conv_pool, weight, bias_tensor, slots);
   TORCH_CHECK(slots.numel() == x.size(0), "causal conv1d: one slot per row");
-  const int64_t channels = x.size(1), width = weight.size(1), blocks = (channels + kConvChannelGrain - 1) / kConvChannelGrain;
+  const int64_t channels = x.size(1), width = weight.size(1);
+  const int64_t blocks = (channels + kConvChannelGrain - 1) / kConvChannelGrain;
   auto out = torch::empty_like(x, at::MemoryFormat::Contiguous);
   const int64_t* slot = slots.data_ptr<int64_t>();
   const float* bias_data = bias_tensor.defined() ? bias_tensor.data_ptr<float>() : nullptr;
@@ -288,7 +293,8 @@ torch::Tensor causal_conv1d_prefill(const torch::Tensor& x, const torch::Tensor&
   check_conv(x, conv_pool, weight, bias_tensor, slots);
   TORCH_CHECK(cu_seqlens.scalar_type() == at::kLong && cu_seqlens.is_contiguous() &&
               cu_seqlens.numel() == slots.numel() + 1, "causal conv1d: cu_seqlens int64 (S + 1,)");
-  const int64_t channels = x.size(1), width = weight.size(1), blocks = (channels + kConvChannelGrain - 1) / kConvChannelGrain;
+  const int64_t channels = x.size(1), width = weight.size(1);
+  const int64_t blocks = (channels + kConvChannelGrain - 1) / kConvChannelGrain;
   auto out = torch::empty_like(x, at::MemoryFormat::Contiguous);
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t* bounds = cu_seqlens.data_ptr<int64_t>();
