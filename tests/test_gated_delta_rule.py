@@ -17,6 +17,7 @@ from mili_openai.kernels.gated_delta_rule import (  # noqa: E402
     gated_delta_rule_decode,
     gated_delta_rule_prefill,
 )
+from mili_openai.kernels.linear_attention import LinearAttentionKernel, TorchLinearAttention  # noqa: E402
 
 SEGMENTS = [1, 5, 64, 65, 130]
 K_HEADS, V_HEADS, K_DIM, V_DIM = 2, 4, 16, 8
@@ -166,3 +167,7 @@ def test_conv_prefill_continues_a_window():
     second = causal_conv1d_prefill(x[2:], torch.tensor([0, 7]), pool, weight, None, slot)
     whole = causal_conv1d_prefill(x, torch.tensor([0, 9]), torch.zeros_like(pool), weight, None, slot)
     torch.testing.assert_close(torch.cat([first, second]), whole, **TOLERANCE)
+
+
+def test_torch_reference_is_a_linear_attention_kernel():
+    assert isinstance(TorchLinearAttention(), LinearAttentionKernel)
