@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from mili_openai.kernels.build_lock import build_directory, exclusive_build, extension_name
+from mili_openai.kernels.cpu_linear_attention import CpuLinearAttention
 from mili_openai.kernels.planning import KernelPlan, plan_decode_prefetch, plan_matmuls, plan_prefill_attention
 from mili_openai.kernels.quantized import CpuQuantizedLinear, PackedWeights
 
@@ -22,7 +23,8 @@ logger = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("bindings.cpp", "linear_bf16.cpp", "linear_amx.cpp", "paged_decode_attention.cpp",
            "decode_shared_amx.cpp", "paged_prefill_attention.cpp", "prefill_amx.cpp", "rms_norm_bf16.cpp",
-           "activation_bf16.cpp", "moe_experts.cpp", "moe_block.cpp", "decode_stack.cpp", "sample_rows.cpp")
+           "activation_bf16.cpp", "moe_experts.cpp", "moe_block.cpp", "decode_stack.cpp", "sample_rows.cpp",
+           "gated_delta_rule.cpp")
 QUANTIZED_SOURCES = ("linear_quantized.cpp", "linear_int8.cpp", "linear_int4.cpp", "linear_w8a8.cpp")
 # not compiled on their own (torch's JIT hashes only the sources); the build's name hashes every file in csrc
 HEADERS = ("simd_bf16.h", "kernels.h", "prefill_products.h", "decode_blocks.h", "row_ranges.h", "amx_tiles.h",
@@ -72,6 +74,7 @@ class CpuKernels:
         self._amx_tiles = bool(module.cpu_has_amx_tiles())
         self.quantized = CpuQuantizedLinear(module, self._bf16_dot_products, lambda: self.plan,
                                             bool(module.cpu_has_int8_dot_products()))
+        self.linear_attention = CpuLinearAttention(module)  # a LinearAttentionKernel (kernels/linear_attention.py)
 
     @property
     def bf16_dot_products(self) -> bool:

@@ -58,3 +58,17 @@ torch::Tensor gemm_int8(const torch::Tensor& x, const torch::Tensor& weight, con
                         bool widen_to_fp32);
 torch::Tensor gemm_int4(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales,
                         const torch::Tensor& zeros, int64_t slice_rows, bool widen_to_fp32);
+// Gated DeltaNet (gated_delta_rule.cpp; semantics in kernels/gated_delta_rule.py): the delta-rule step over a
+// float32 state pool, per token (decode) or per segment (prefill), and the short causal conv over a window pool
+torch::Tensor gated_delta_rule_decode(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                      const torch::Tensor& g, const torch::Tensor& beta,
+                                      const torch::Tensor& state_pool, const torch::Tensor& state_slots);
+torch::Tensor gated_delta_rule_prefill(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                                       const torch::Tensor& g, const torch::Tensor& beta,
+                                       const torch::Tensor& cu_seqlens, const torch::Tensor& state_pool,
+                                       const torch::Tensor& state_slots);
+torch::Tensor causal_conv1d_decode(const torch::Tensor& x, const torch::Tensor& conv_pool, const torch::Tensor& weight,
+                                   const c10::optional<torch::Tensor>& bias, const torch::Tensor& slots);
+torch::Tensor causal_conv1d_prefill(const torch::Tensor& x, const torch::Tensor& cu_seqlens,
+                                    const torch::Tensor& conv_pool, const torch::Tensor& weight,
+                                    const c10::optional<torch::Tensor>& bias, const torch::Tensor& slots);

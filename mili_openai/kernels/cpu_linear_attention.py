@@ -1,0 +1,75 @@
+"""Gated DeltaNet's ops on the compiled CPU kernels (csrc/gated_delta_rule.cpp), a `LinearAttentionKernel`.
+
+Decode runs the fused delta-rule step (the fp32 state read and written once per token); prefill runs the same
+step token by token per (segment, value head), the state staying in cache: on CPU that beats the chunked WY
+form in torch several times over (scripts/bench_gated_delta_rule.py). Shapes outside the kernels' domain go to
+the torch reference (kernels/gated_delta_rule.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mili_openai.kernels import gated_delta_rule as reference
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_HEAD_DIM = 256  # the kernel stages a head's q, k, v rows on the stack
+VECTOR_LANES = 16  # the state's columns and the conv's channels go in whole AVX-512 registers
+MAX_CONV_WIDTH = 8
+
+
+def _fits_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state_pool: torch.Tensor) -> bool:
+    return (
+        all(x.device.type == "cpu" and x.dtype == v.dtype and x.stride(-1) == 1 for x in (q, k, v))
+        and v.dtype in KERNEL_DTYPES
+        and k.shape[-1] <= MAX_HEAD_DIM and v.shape[-1] <= MAX_HEAD_DIM and v.shape[-1] % VECTOR_LANES == 0
+        and state_pool.is_contiguous()
+    )
+
+
+def _fits_conv(x: torch.Tensor, conv_pool: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype in KERNEL_DTYPES and x.stride(-1) == 1
+            and x.shape[-1] % VECTOR_LANES == 0 and conv_pool.dtype == x.dtype
+            and conv_pool.is_contiguous() and weight.shape[-1] <= MAX_CONV_WIDTH)
+
+
+def _float(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None else x.float().contiguous()
+
+
+class CpuLinearAttention:
+    """The four linear-attention ops on AVX-512 CPUs; `module` is the compiled extension."""
+
+    def __init__(self, module) -> None:
+        self._module = module
+
+    def gated_delta_rule_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                beta: torch.Tensor, state_pool: torch.Tensor,
+                                state_slots: torch.Tensor) -> torch.Tensor:
+        reference.check_heads(q, k, v, state_pool)
+        if not _fits_delta_rule(q, k, v, state_pool):
+            return reference.gated_delta_rule_decode(q, k, v, g, beta, state_pool, state_slots)
+        return self._module.gated_delta_rule_decode(q, k, v, g.float(), beta.float(), state_pool,
+                                                    state_slots.long().contiguous())
+
+    def gated_delta_rule_prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                 beta: torch.Tensor, cu_seqlens: torch.Tensor, state_pool: torch.Tensor,
+                                 state_slots: torch.Tensor) -> torch.Tensor:
+        reference.check_heads(q, k, v, state_pool)
+        if not _fits_delta_rule(q, k, v, state_pool):
+            return reference.gated_delta_rule_prefill(q, k, v, g, beta, cu_seqlens, state_pool, state_slots)
+        return self._module.gated_delta_rule_prefill(q, k, v, g.float(), beta.float(), cu_seqlens.long().contiguous(),
+                                                     state_pool, state_slots.long().contiguous())
+
+    def causal_conv1d_decode(self, x: torch.Tensor, conv_pool: torch.Tensor, weight: torch.Tensor,
+                             bias: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+        if not _fits_conv(x, conv_pool, weight):
+            return reference.causal_conv1d_decode(x, conv_pool, weight, bias, slots)
+        return self._module.causal_conv1d_decode(x, conv_pool, _float(weight), _float(bias), slots.long().contiguous())
+
+    def causal_conv1d_prefill(self, x: torch.Tensor, cu_seqlens: torch.Tensor, conv_pool: torch.Tensor,
+                              weight: torch.Tensor, bias: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+        if not _fits_conv(x, conv_pool, weight):
+            return reference.causal_conv1d_prefill(x, cu_seqlens, conv_pool, weight, bias, slots)
+        return self._module.causal_conv1d_prefill(x, cu_seqlens.long().contiguous(), conv_pool, _float(weight),
+                                                  _float(bias), slots.long().contiguous())

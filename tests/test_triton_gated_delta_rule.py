@@ -1,0 +1,64 @@
+"""The Triton gated delta rule and causal conv without a GPU: tests/triton_linear_attention_cases.py run in a
+subprocess with TRITON_INTERPRET=1 (Triton reads the variable when it is imported and keeps it for the process;
+this one must stay uninterpreted)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+CASES = Path(__file__).with_name("triton_linear_attention_cases.py")
+INTERPRETER_TIMEOUT_S = 900  # the cases take well under a minute of CPU; a loaded 2-core machine stretches that
+
+
+def test_kernels_match_the_reference_under_the_interpreter(tmp_path):
+    env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", str(CASES), "-q", "-p", "no:cacheprovider", "-W", "ignore::UserWarning"],
+        cwd=CASES.parent.parent, env=env, capture_output=True, text=True, timeout=INTERPRETER_TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
+
+
+def _ptxas_available() -> bool:
+    triton = pytest.importorskip("triton")
+    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+
+
+POINTERS = {"g": "*fp32", "beta": "*fp32", "state_pool": "*fp32", "slots": "*i64", "cu_seqlens": "*i64",
+            "scale": "fp32"}
+HOPPER = (90, 32)  # compute capability 9.0 (H100, H200), warp size
+
+
+# ~25 s of CPU (the chunked prefill kernel mostly): past this file's budget in the default run
+@pytest.mark.slow
+@pytest.mark.skipif(not _ptxas_available(), reason="this Triton install carries no ptxas for NVIDIA targets")
+def test_kernels_compile_for_hopper(tmp_path, monkeypatch):
+    """The delta-rule kernels, bf16 at Qwen3.5's shape (Dk = Dv = 128) with the launch constants the launchers use:
+    what the interpreter does not check (tl.dot's shape rules, shared memory, types). The conv kernels, plain
+    loads and sums, are left out: compiling costs seconds of CPU each."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mili_openai.kernels import triton_gated_delta_rule as kernels
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    delta_rule = dict(DK=128, DV=128, BLOCK_K=128, BLOCK_V=kernels.BLOCK_V)
+    variants = [(kernels.delta_rule_decode_kernel, delta_rule),
+                (kernels.delta_rule_prefill_kernel, dict(CHUNK=kernels.CHUNK_SIZE, **delta_rule))]
+    for kernel, constexprs in variants:
+        signature = {name: "constexpr" if name in constexprs else POINTERS.get(name, "i32" if name.startswith(
+            ("stride", "num", "group")) else "*bf16") for name in kernel.arg_names}
+        compiled = triton.compile(ASTSource(kernel, signature, constexprs=constexprs),
+                                  target=GPUTarget("cuda", *HOPPER), options=dict(num_warps=4, num_stages=2))
+        assert compiled.asm["cubin"], kernel.__name__
+        assert compiled.metadata.shared <= 227 * 1024, kernel.__name__  # a Hopper block's shared memory

@@ -1,0 +1,43 @@
+"""The Triton gated delta rule and causal conv against the torch reference.
+
+Not collected by the suite itself (no `test_` prefix): tests/test_triton_gated_delta_rule.py runs this file in a
+subprocess with TRITON_INTERPRET=1, where Triton runs the kernels on CPU tensors (the variable must be set before
+Triton is imported and stays for the process). On a GPU machine run it directly: the same cases on CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from linear_attention_helpers import check_causal_conv, check_delta_rule
+
+pytest.importorskip("triton")
+
+from mili_openai.kernels.linear_attention import LinearAttentionKernel  # noqa: E402
+from mili_openai.kernels.triton_gated_delta_rule import TritonLinearAttention  # noqa: E402
+
+KERNEL = TritonLinearAttention()
+DEVICE = torch.device("cpu") if __import__("os").environ.get("TRITON_INTERPRET") == "1" else torch.device("cuda")
+if DEVICE.type == "cuda" and not torch.cuda.is_available():
+    pytest.skip("Triton compiles for CUDA here and torch sees no GPU (set TRITON_INTERPRET=1 to run on the CPU)",
+                allow_module_level=True)
+
+SEGMENTS = {torch.float32: [1, 5, 64, 65, 130],  # either side of the 64-token chunk, and several chunks
+            torch.bfloat16: [5, 70]}  # the roundings only: fewer programs (the interpreter is slow)
+
+
+def test_triton_kernels_are_a_linear_attention_kernel():
+    assert isinstance(KERNEL, LinearAttentionKernel)
+
+
+# GVA 2 key heads over 4 value heads; Dv 48: a full 32-column block and a masked one; Dk 24: masked lanes
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_delta_rule_matches_reference(dtype):
+    check_delta_rule(KERNEL, SEGMENTS[dtype], (2, 4), (24, 48), dtype, DEVICE)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_causal_conv_matches_reference(with_bias):
+    # 300 channels: a whole 256-channel block and a masked one; segments shorter than the window and longer
+    check_causal_conv(KERNEL, [1, 2, 5, 40], 300, torch.float32, DEVICE, with_bias)
