@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from mili_openai.kernels.attention_reference import context_slots
+
 Clock = Callable[[], float]  # seconds on a monotonic clock; tests pass a fake one
 MatmulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, weight) -> x @ weight.T
 # prefill attention as `AttentionKernel.paged_prefill_attention` takes it: (q (T, H, D), k_pool, v_pool
@@ -136,9 +138,8 @@ def sdpa_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.
     """The torch path's cost on one chunk (model.paged_attention's prefill without a kernel): K/V gathered
     through the page table, then SDPA under a bottom-right causal mask. Timing only; its output is not used."""
     length, context = q.shape[0], int(ctx_lens[0])
-    positions = torch.arange(context)
-    context_slots = page_table[0, positions // page_size] * page_size + positions % page_size
-    keys, values = k_pool[context_slots], v_pool[context_slots]
+    slots = context_slots(page_table[0], page_size, context)
+    keys, values = k_pool[slots], v_pool[slots]
     mask = torch.arange(context)[None, :] <= torch.arange(context - length, context)[:, None]
     return F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
                                           values.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale,

@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from mili_openai.kernels.attention_reference import context_slots
 from mili_openai.model.batch import ForwardBatch, PageTables
 
 
@@ -127,7 +128,7 @@ def chunk_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k
         # no cached prefix: the chunk's own K/V are the whole context, no gather, plain causal mask
         keys, values, mask, causal = k_new, v_new, None, True
     else:
-        slots = table_slots(table_row[None, : -(-ctx // page_size)], page_size)[0, :ctx]
+        slots = context_slots(table_row, page_size, ctx)
         keys = gather_slots(k_pool, slots)  # (ctx, kv_heads, D)
         values = gather_slots(v_pool, slots)
         key_pos = torch.arange(ctx, device=q.device)

@@ -44,11 +44,12 @@ inline void list_context_slots(const torch::Tensor& page_table, int64_t page_siz
   });
 }
 
-// The checked table's contexts as slot rows (rows, max length) int64, each row's slots past its length 0.
+// The checked table's contexts as slot rows (rows, max length) int64; a row's entries past its length are
+// left unset (the kernels read a row only up to its length).
 inline torch::Tensor context_slot_rows(const torch::Tensor& page_table, int64_t page_size, const int64_t* lengths,
                                        int64_t rows) {
   const int64_t width = rows ? *std::max_element(lengths, lengths + rows) : 0;
-  auto slots = torch::zeros({rows, width}, torch::dtype(at::kLong));
+  auto slots = torch::empty({rows, width}, torch::dtype(at::kLong));
   int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r) list_context_slots(page_table, page_size, r, lengths[r], sp + r * width);
   return slots;
