@@ -99,7 +99,7 @@ class SimulatedRunner:
         self.num_pages = config.num_pages
         self.async_launch = bool(config.async_launch)
         # prepared as for CUDA (inputs staged in one buffer, no rotary on the host); unpinned: no CUDA here
-        self.steps = StepPreparer(torch.device("cuda"), config.page_size, True,
+        self.steps = StepPreparer(torch.device("cuda"), config.page_size,
                                   RotaryTable(RotaryEmbedding(self.model_config), torch.float32),
                                   feed_on_device=self.async_launch, pin_memory=False)
         self.stream, self.gpu_s, self.launch_ops, self.graph_launch_s = stream, gpu_s, launch_ops, graph_launch_s

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from mili_openai.model import ForwardBatch, PrefillSegment
+from mili_openai.model.batch import PageTables
 
 VOCAB_SAMPLE = 150000  # ids drawn below the special tokens
 
@@ -38,38 +39,48 @@ class PagedSequences:
         pages = torch.tensor(self.pages[key], dtype=torch.int64)
         return pages[positions // self.page_size] * self.page_size + positions % self.page_size
 
+    def _table(self, keys: list[str]) -> torch.Tensor:
+        """The page table of `keys`' sequences, a row each, padded with page 0."""
+        width = max(len(self.pages[key]) for key in keys)
+        return torch.tensor([self.pages[key] + [0] * (width - len(self.pages[key])) for key in keys],
+                            dtype=torch.int64)
+
     def batch(self, decode: list[str] = (), prefill: list[tuple[str, int]] = ()) -> tuple[ForwardBatch, list]:
         """One forward: a token of each `decode` key, then `n` tokens of each `(key, n)` prefill chunk.
         -> (batch, [(key, position)] per row, all rows wanted as logits)."""
         ids, positions, slot_mapping, rows = [], [], [], []
-        decode_slots = decode_ctx_lens = None
+        decode_table = decode_ctx_lens = None
         if decode:
             contexts = [self._slots(key, self.computed[key] + 1) for key in decode]
-            width = max(len(c) for c in contexts)
-            decode_slots = torch.zeros(len(decode), width, dtype=torch.int64)
+            decode_table = self._table(list(decode))
             decode_ctx_lens = torch.tensor([len(c) for c in contexts])
-            for i, (key, context) in enumerate(zip(decode, contexts)):
-                decode_slots[i, : len(context)] = context
+            for key, context in zip(decode, contexts):
                 position = self.computed[key]
                 ids.append(self.tokens[key][position])
                 positions.append(position)
                 slot_mapping.append(int(context[-1]))
                 rows.append((key, position))
                 self.computed[key] += 1
-        segments = []
+        segments, lengths = [], []
         for key, count in prefill:
             start = self.computed[key]
             context = self._slots(key, start + count)
-            segments.append(PrefillSegment(start=len(ids), length=count, context_slots=context))
+            segments.append(PrefillSegment(start=len(ids), length=count, context_len=start + count))
+            lengths.append(count)
             ids.extend(self.tokens[key][start: start + count])
             positions.extend(range(start, start + count))
             slot_mapping.extend(context[start:].tolist())
             rows.extend((key, p) for p in range(start, start + count))
             self.computed[key] += count
+        pages = PageTables(
+            self.page_size, decode=decode_table, prefill=self._table([key for key, _ in prefill]) if prefill else None,
+            prefill_cu_seqlens=torch.tensor([0, *lengths]).cumsum(0) if prefill else None,
+            prefill_ctx_lens=torch.tensor([s.context_len for s in segments]) if prefill else None,
+            max_prefill_len=max(lengths, default=0))
         batch = ForwardBatch(
             input_ids=torch.tensor(ids), positions=torch.tensor(positions), slot_mapping=torch.tensor(slot_mapping),
-            num_decode=len(decode), decode_slots=decode_slots, prefills=segments,
-            logits_indices=torch.arange(len(ids)), decode_ctx_lens=decode_ctx_lens,
+            num_decode=len(decode), prefills=segments, logits_indices=torch.arange(len(ids)),
+            decode_ctx_lens=decode_ctx_lens, pages=pages,
         )
         return batch, rows
 

@@ -1,6 +1,6 @@
 """Decode steps through `DecodeGraphs`' padded buckets. On the CPU it runs the padded batch eagerly, so
-these tests check the padding without a GPU: padded rows and context change no real row's output and
-write no K/V but the scratch slot's. Capture and replay themselves run in tests/test_cuda_path.py."""
+these tests check the padding without a GPU: padded rows and page table columns change no real row's
+output and write no K/V but the scratch slot's. Capture and replay themselves run in tests/test_cuda_path.py."""
 
 from __future__ import annotations
 
@@ -9,19 +9,19 @@ import torch
 
 from model_helpers import PagedSequences, random_tokens
 
-from mili_openai.engine.cuda_graphs import MAX_GATHERED_SLOTS, DecodeGraphs, context_bucket, row_bucket
+from mili_openai.engine.cuda_graphs import DecodeGraphs, capture_size
 from mili_openai.model import KVCache, load_model
 
 NUM_PAGES, PAGE_SIZE = 48, 4
 SCRATCH_SLOT = NUM_PAGES * PAGE_SIZE  # the first slot of the one page past those handed out
 PROMPTS = {"a": 9, "b": 30, "c": 17, "d": 5}
+TABLE_WIDTH = 12  # pages of the longest context the graphs take (48 slots)
 FP32_ATOL = 1e-5  # a padded batch is a taller matmul, which may sum in another order
 
 
 def test_buckets():
-    assert [row_bucket(n) for n in (1, 2, 3, 4, 5, 256)] == [1, 2, 4, 4, 8, 256]
-    assert row_bucket(257) is None
-    assert [context_bucket(n) for n in (1, 256, 257, 1000, 1024, 1025)] == [256, 256, 512, 1024, 1024, 2048]
+    assert [capture_size(n) for n in (1, 2, 3, 4, 5, 9, 256)] == [1, 2, 4, 4, 8, 16, 256]
+    assert capture_size(257) is None
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def test_padded_decode_matches_eager_and_writes_only_the_scratch_slot(model_and_
     model, config = model_and_config
     eager_pages, eager_cache = prefilled(config, model)
     graph_pages, graph_cache = prefilled(config, model)
-    graphs = DecodeGraphs(model, graph_cache, SCRATCH_SLOT)
+    graphs = DecodeGraphs(model, graph_cache, SCRATCH_SLOT, TABLE_WIDTH)
     # four rows (bucket 4), then three in the same bucket: the fourth row's slots from the step before
     # must not be written again; then one row (bucket 1)
     steps = [["a", "b", "c", "d"], ["a", "b", "c", "d"], ["b", "c", "a"], ["c"], ["a", "d", "b"]]
@@ -57,7 +57,7 @@ def test_padded_decode_matches_eager_and_writes_only_the_scratch_slot(model_and_
         expected = model(eager_batch, eager_cache)
         got = graphs.run(graph_batch, bucket)
         torch.testing.assert_close(got, expected, rtol=0, atol=FP32_ATOL)
-    assert set(graphs.graphs) == {(4, 256), (1, 256)} and graphs.steps_run == len(steps)
+    assert set(graphs.graphs) == {4, 1} and graphs.steps_run == len(steps)
     real_slots = slice(0, SCRATCH_SLOT)
     torch.testing.assert_close(graph_cache.pools[:, :, real_slots], eager_cache.pools[:, :, real_slots],
                                rtol=0, atol=FP32_ATOL)
@@ -68,9 +68,9 @@ def test_padded_decode_matches_eager_and_writes_only_the_scratch_slot(model_and_
 def test_only_decode_batches_within_the_buckets_run_from_graphs(model_and_config):
     model, config = model_and_config
     pages, cache = prefilled(config, model)
-    graphs = DecodeGraphs(model, cache, SCRATCH_SLOT)
+    graphs = DecodeGraphs(model, cache, SCRATCH_SLOT, TABLE_WIDTH)
     decode, _ = pages.batch(decode=["a"])
-    assert graphs.bucket(decode) == (1, 256)
+    assert graphs.bucket(decode) == 1
     mixed, _ = pages.batch(decode=["a"], prefill=[("b", 2)])
     assert graphs.bucket(mixed) is None  # a prefill chunk: eager
     prefill, _ = pages.batch(prefill=[("c", 3)])
@@ -78,19 +78,19 @@ def test_only_decode_batches_within_the_buckets_run_from_graphs(model_and_config
     decode.rotary = model.model.rotary(decode.positions)
     assert graphs.bucket(decode) is None  # rotary built ahead (the CPU path): eager
     decode.rotary = None
-    wide = decode.decode_slots.new_zeros(1, MAX_GATHERED_SLOTS + 1)
-    decode.decode_slots = wide
-    assert graphs.bucket(decode) is None  # a gather past the cap
+    decode.pages.decode = decode.pages.decode.new_zeros(1, TABLE_WIDTH + 1)
+    assert graphs.bucket(decode) is None  # a context past the graphs' page tables
     with pytest.raises(ValueError, match="scratch slot"):
-        DecodeGraphs(model, cache, cache.num_slots)
+        DecodeGraphs(model, cache, cache.num_slots, TABLE_WIDTH)
+    with pytest.raises(ValueError, match="page table width"):
+        DecodeGraphs(model, cache, SCRATCH_SLOT, 0)
 
 
-def test_capture_ahead_takes_every_bucket_up_to_the_limits_once(model_and_config):
+def test_capture_ahead_takes_every_bucket_up_to_the_limit_once(model_and_config):
     model, config = model_and_config
     _, cache = prefilled(config, model)
-    graphs = DecodeGraphs(model, cache, SCRATCH_SLOT)
-    assert graphs.capture_ahead(max_rows=5, max_context=600) == 4 * 3  # rows 1, 2, 4, 8; contexts 256-1024
-    assert set(graphs.graphs) == {(rows, context) for rows in (1, 2, 4, 8) for context in (256, 512, 1024)}
-    assert graphs.capture_ahead(max_rows=5, max_context=600) == 0
-    assert graphs.capture_ahead(max_rows=1, max_context=MAX_GATHERED_SLOTS * 4) == 8  # 2048 .. 2^18 slots
-    assert max(rows * context for rows, context in graphs.graphs) == MAX_GATHERED_SLOTS
+    graphs = DecodeGraphs(model, cache, SCRATCH_SLOT, TABLE_WIDTH)
+    assert graphs.capture_ahead(max_rows=5) == 4  # rows 1, 2, 4, 8
+    assert set(graphs.graphs) == {1, 2, 4, 8}
+    assert graphs.capture_ahead(max_rows=5) == 0
+    assert graphs.capture_ahead(max_rows=17) == 2  # 16 and 24

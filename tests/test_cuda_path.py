@@ -44,7 +44,7 @@ def oracle(tiny_checkpoint):
         dict(page_size=4, max_num_batched_tokens=48),  # chunked prefill mixed with decodes
         dict(page_size=4, max_num_batched_tokens=64, num_pages=100),  # too few pages: preemption
         dict(page_size=16, max_num_batched_tokens=4096, enforce_eager=True),  # decode op by op, no graphs
-        dict(page_size=4, max_num_batched_tokens=48, attention_backend="torch"),  # SDPA over gathered pages
+        dict(page_size=4, max_num_batched_tokens=48, attention_backend="torch"),  # SDPA over gathered pages, eager
     ],
     ids=["batched", "chunked", "preempting", "eager", "torch-attention"],
 )
@@ -55,8 +55,10 @@ def test_greedy_on_cuda_matches_transformers(tiny_checkpoint, oracle, engine_arg
     first = llm.generate(prompts, greedy())
     assert_matches(first, expected)
     graphs = llm.core.runner.decode_graphs
-    assert (graphs is None) == engine_args.get("enforce_eager", False)
-    assert llm.core.runner.page_tables == (engine_args.get("attention_backend") != "torch")
+    torch_attention = engine_args.get("attention_backend") == "torch"
+    assert (llm.core.runner.model.attention_kernel is None) == torch_attention
+    # graphs need an attention kernel (torch's SDPA would gather every row's whole page table)
+    assert (graphs is None) == (engine_args.get("enforce_eager", False) or torch_attention)
     assert graphs is None or graphs.steps_run > 0  # decode steps ran from captured graphs
     # again: the prompts' pages are cached now, and reusing them must not change a token
     second = llm.generate(prompts, greedy())

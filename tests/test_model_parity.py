@@ -117,12 +117,12 @@ def test_prefill_chunks_attend_through_the_compiled_kernel(models):
 
     class CountingKernel:  # proves the chunks went through the kernel rather than SDPA
         supports_decode_attention = staticmethod(kernel.supports_decode_attention)
-        decode_attention = staticmethod(kernel.decode_attention)
+        paged_decode_attention = staticmethod(kernel.paged_decode_attention)
         supports_prefill_attention = staticmethod(kernel.prefill_attention_fits)  # whichever the plan picked
 
-        def prefill_attention(self, q, *args):
-            chunk_lengths.append(q.shape[0])
-            return kernel.prefill_attention(q, *args)
+        def paged_prefill_attention(self, q, k_pool, v_pool, page_table, page_size, cu_seqlens, *args, **kwargs):
+            chunk_lengths.extend(cu_seqlens.diff().tolist())  # every chunk of the step in one call
+            return kernel.paged_prefill_attention(q, k_pool, v_pool, page_table, page_size, cu_seqlens, *args, **kwargs)
 
     model.set_attention_kernel(CountingKernel())
     try:
@@ -139,7 +139,7 @@ def test_prefill_chunks_attend_through_the_compiled_kernel(models):
 
 
 def test_decode_rows_through_torch_ops_without_compiled_kernels(checkpoint, models):
-    """The portable path (GPUs, CPUs without AVX512-BF16): gathered context, masked SDPA."""
+    """The portable path (GPUs, CPUs without AVX512-BF16): context gathered through the page tables, masked SDPA."""
     model, config = load_model(checkpoint, torch.float32, torch.device("cpu"), use_decode_kernel=False)
     assert all(layer.self_attn.attention_kernel is None for layer in model.model.layers)
     hf = models[2]

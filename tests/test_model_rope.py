@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mili_openai.model import ForwardBatch, KVCache, ModelConfig, PrefillSegment, load_model
+from mili_openai.model.batch import PageTables
 from mili_openai.model.checkpoint import TINY_SHAPE, build_random_checkpoint, config_dict
 from mili_openai.model.rope import RotaryEmbedding, RotaryTable
 
@@ -131,10 +132,12 @@ def test_logits_match_transformers(tmp_path, variant):
     length = min(POSITIONS, shape.max_position_embeddings)
     tokens = torch.randint(0, shape.vocab_size, (length,), generator=torch.Generator().manual_seed(6))
     slots = torch.arange(length)
+    pages = PageTables(16, decode=None, prefill=torch.arange(length // 16)[None, :],
+                       prefill_cu_seqlens=torch.tensor([0, length]), prefill_ctx_lens=torch.tensor([length]),
+                       max_prefill_len=length)
     batch = ForwardBatch(input_ids=tokens, positions=torch.arange(length), slot_mapping=slots, num_decode=0,
-                         decode_slots=None, decode_ctx_lens=None,
-                         prefills=[PrefillSegment(0, length, slots)],
-                         logits_indices=torch.arange(length))
+                         decode_ctx_lens=None, prefills=[PrefillSegment(0, length, length)],
+                         logits_indices=torch.arange(length), pages=pages)
     cache = KVCache(config, num_pages=length // 16, page_size=16, dtype=torch.float32, device=torch.device("cpu"))
     got = model.compute_logits(model(batch, cache))
     want = hf(tokens[None]).logits[0].float()

@@ -1,8 +1,8 @@
-"""A step's inputs in the page-table form the Triton kernels read, and packed for one copy to the GPU.
+"""A step's inputs as page tables, which every attention path reads, and packed for one copy to the GPU.
 
-The page-table form must address exactly the slots the slot-table form (the CPU kernels', SDPA's) does:
-decode rows (drafts included), and prefill chunks after a cached prefix. Packing must hand the model the
-same values, as views of one buffer that the runner can still write pending token ids into.
+The page tables must address exactly each row's context: decode rows (drafts included), and prefill chunks
+after a cached prefix. Packing must hand the model the same values, as views of one buffer that the runner
+can still write pending token ids into.
 """
 
 from __future__ import annotations
@@ -40,22 +40,34 @@ def mixed_batch() -> ScheduledBatch:
                           draft_tokens=[[], [42, 43]])
 
 
-def test_page_tables_address_the_same_slots_as_slot_tables():
-    batch = mixed_batch()
-    slots = build_forward_batch(batch, PAGE_SIZE)
-    paged = build_forward_batch(batch, PAGE_SIZE, page_tables=True)
-    assert paged.decode_slots is None and all(s.context_slots is None for s in paged.prefills)
-    for name in ("input_ids", "positions", "slot_mapping", "logits_indices", "decode_ctx_lens"):
-        assert torch.equal(getattr(paged, name), getattr(slots, name)), name
-    pages = paged.pages
-    assert pages.page_size == PAGE_SIZE and pages.decode.shape[0] == paged.num_decode == 4  # 1 + (1 + 2 drafts)
-    for row, ctx in enumerate(paged.decode_ctx_lens.tolist()):
-        assert torch.equal(context_slots(pages.decode[row], PAGE_SIZE, ctx), slots.decode_slots[row, :ctx])
+def slot_of(pages: list[int], position: int) -> int:
+    return pages[position // PAGE_SIZE] * PAGE_SIZE + position % PAGE_SIZE
+
+
+def test_page_tables_address_each_rows_context():
+    """Decode rows (drafts included) and prefill chunks after a cached prefix read, through their page
+    table rows, exactly the slots of their sequences' positions; new tokens are written to theirs."""
+    scheduled = mixed_batch()
+    batch = build_forward_batch(scheduled, PAGE_SIZE)
+    decode, drafting, chunked, short = scheduled.seqs
+    # (sequence, position) of each row: a decode, a decode with two drafts, a chunk at 6..15, a short prompt
+    rows = [(decode, 8), *((drafting, p) for p in (5, 6, 7)), *((chunked, p) for p in range(6, 16)),
+            *((short, p) for p in range(3))]
+    assert batch.positions.tolist() == [p for _, p in rows]
+    assert batch.slot_mapping.tolist() == [slot_of(seq.pages, p) for seq, p in rows]
+    assert batch.logits_indices.tolist() == [0, 1, 2, 3, 16]  # decode rows and the short prompt's last
+    pages = batch.pages
+    assert pages.page_size == PAGE_SIZE and pages.decode.shape[0] == batch.num_decode == 4  # 1 + (1 + 2 drafts)
+    assert batch.decode_ctx_lens.tolist() == [9, 6, 7, 8]
+    for row, (seq, position) in enumerate(rows[:4]):
+        want = [slot_of(seq.pages, p) for p in range(position + 1)]
+        assert context_slots(pages.decode[row], PAGE_SIZE, position + 1).tolist() == want
     assert pages.prefill_cu_seqlens.tolist() == [0, 10, 13] and pages.prefill_ctx_lens.tolist() == [16, 3]
     assert pages.max_prefill_len == 10
-    for row, segment in enumerate(slots.prefills):
+    assert [(s.start, s.length, s.context_len) for s in batch.prefills] == [(4, 10, 16), (14, 3, 3)]
+    for row, seq in enumerate((chunked, short)):
         ctx = int(pages.prefill_ctx_lens[row])
-        assert torch.equal(context_slots(pages.prefill[row], PAGE_SIZE, ctx), segment.context_slots)
+        assert context_slots(pages.prefill[row], PAGE_SIZE, ctx).tolist() == [slot_of(seq.pages, p) for p in range(ctx)]
 
 
 def test_page_arrays_kept_across_steps_follow_every_change_of_a_page_list():
@@ -70,31 +82,29 @@ def test_page_arrays_kept_across_steps_follow_every_change_of_a_page_list():
         positions = [4 * len(seq.pages) - 1 for seq in seqs]
         batch = ScheduledBatch(seqs=seqs, num_new_tokens=[1] * len(seqs), positions=positions,
                                num_decode=len(seqs), samples=[True] * len(seqs), draft_tokens=[[] for _ in seqs])
-        for page_tables in (False, True):
-            kept = build_forward_batch(batch, PAGE_SIZE, page_tables, page_arrays)
-            fresh = build_forward_batch(batch, PAGE_SIZE, page_tables)
-            pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-            collect(kept, fresh, pairs)
-            assert pairs and all(torch.equal(got, want) for got, want in pairs)
+        kept = build_forward_batch(batch, PAGE_SIZE, page_arrays)
+        fresh = build_forward_batch(batch, PAGE_SIZE)
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        collect(kept, fresh, pairs)
+        assert pairs and all(torch.equal(got, want) for got, want in pairs)
         first.pages = list(first.pages)  # a new list object with the same pages: still served right
 
 
 def test_staged_inputs_are_views_of_one_buffer_with_the_same_values():
-    for page_tables in (False, True):
-        batch = build_forward_batch(mixed_batch(), PAGE_SIZE, page_tables)
-        expected = map_tensors(batch, torch.clone)
-        staged, buffer = stage_forward_batch(batch, pin_memory=False)
-        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        collect(staged, expected, pairs)
-        for got, want in pairs:
-            assert got.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
-            assert torch.equal(got, want)
-        staged.input_ids.numpy()[1] = 7  # the runner feeds a pending token after staging
-        moved = views_of(staged, buffer.clone())  # as the GPU copy is
-        pairs.clear()
-        collect(moved, staged, pairs)
-        assert all(torch.equal(got, want) for got, want in pairs) and int(moved.input_ids[1]) == 7
-        assert moved.pages is None if not page_tables else moved.pages.max_prefill_len == 10
+    batch = build_forward_batch(mixed_batch(), PAGE_SIZE)
+    expected = map_tensors(batch, torch.clone)
+    staged, buffer = stage_forward_batch(batch, pin_memory=False)
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+    collect(staged, expected, pairs)
+    for got, want in pairs:
+        assert got.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+        assert torch.equal(got, want)
+    staged.input_ids.numpy()[1] = 7  # the runner feeds a pending token after staging
+    moved = views_of(staged, buffer.clone())  # as the GPU copy is
+    pairs.clear()
+    collect(moved, staged, pairs)
+    assert all(torch.equal(got, want) for got, want in pairs) and int(moved.input_ids[1]) == 7
+    assert moved.pages.max_prefill_len == 10 and moved.prefills == batch.prefills
 
 
 def collect(batch: ForwardBatch, other: ForwardBatch, pairs: list) -> None:

@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 from mili_openai import LLM, SamplingParams  # noqa: E402
 from mili_openai.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from mili_openai.engine.memory_profile import dummy_prefill_batch  # noqa: E402
+from mili_openai.engine.step_inputs import map_tensors  # noqa: E402
 from mili_openai.kernels.attention_reference import (  # noqa: E402
     paged_decode_reference,
     paged_prefill_reference,
@@ -141,22 +142,6 @@ def test_varlen_prefill_under_other_launch_constants(config):
     check_varlen_prefill(backend, 8, 1, 128, torch.bfloat16)
 
 
-def test_slot_addressed_calls_match_the_reference():
-    """The CPU kernels' interface (slot tables, one prefill chunk a call): page size 1."""
-    heads, kv_heads, head_dim = 4, 2, 64
-    k_pool, v_pool = pools(kv_heads, head_dim, torch.float32, seed=10)
-    generator = torch.Generator().manual_seed(11)
-    slots = torch.randperm(NUM_PAGES * PAGE_SIZE, generator=generator)[:3 * 40].view(3, 40).to(DEVICE)
-    ctx_lens = torch.tensor([40, 1, 23], device=DEVICE)
-    q = queries(3, heads, head_dim, torch.float32, seed=12)
-    assert_close(BACKEND.decode_attention(q, k_pool, v_pool, slots, ctx_lens, 0.125),
-                 paged_decode_reference(q, k_pool, v_pool, slots, 1, ctx_lens, 0.125))
-    chunk = queries(9, heads, head_dim, torch.float32, seed=13)
-    cu_seqlens, context = torch.tensor([0, 9], device=DEVICE), torch.tensor([40], device=DEVICE)
-    assert_close(BACKEND.prefill_attention(chunk, k_pool, v_pool, slots[0], 0.125),
-                 paged_prefill_reference(chunk, k_pool, v_pool, slots[:1], 1, cu_seqlens, context, 0.125))
-
-
 def test_a_mixed_step_writes_its_new_tokens_and_attends_every_row():
     """Decode rows and two prefill chunks (one after a cached prefix) in one batch: K/V written at the
     slots, then one decode call and one varlen call fill the rows in place."""
@@ -180,10 +165,11 @@ def test_a_mixed_step_writes_its_new_tokens_and_attends_every_row():
     pages = PageTables(PAGE_SIZE, decode=decode_table, prefill=prefill_table,
                        prefill_cu_seqlens=torch.tensor([0, lengths[0], sum(lengths)], device=DEVICE),
                        prefill_ctx_lens=torch.tensor(prefill_ctx, device=DEVICE), max_prefill_len=max(lengths))
-    segments = [PrefillSegment(3, lengths[0], None), PrefillSegment(3 + lengths[0], lengths[1], None)]
+    segments = [PrefillSegment(3, lengths[0], prefill_ctx[0]),
+                PrefillSegment(3 + lengths[0], lengths[1], prefill_ctx[1])]
     batch = ForwardBatch(input_ids=torch.zeros(tokens, dtype=torch.int64, device=DEVICE),
                          positions=torch.zeros(tokens, dtype=torch.int64, device=DEVICE),
-                         slot_mapping=torch.tensor(slot_mapping, device=DEVICE), num_decode=3, decode_slots=None,
+                         slot_mapping=torch.tensor(slot_mapping, device=DEVICE), num_decode=3,
                          decode_ctx_lens=torch.tensor(decode_ctx, device=DEVICE), prefills=segments,
                          logits_indices=torch.arange(tokens, device=DEVICE), pages=pages)
     got = paged_attention(q, k_new, v_new, k_pool, v_pool, batch, 0.125, BACKEND)
@@ -219,7 +205,7 @@ def test_engine_on_triton_matches_transformers(tiny_checkpoint, oracle, engine_a
     prompts, expected = oracle
     llm = LLM(str(tiny_checkpoint), dtype="float32", device=DEVICE.type, attention_backend="triton", num_pages=96,
               **engine_args)
-    assert llm.core.runner.page_tables
+    assert isinstance(llm.core.runner.model.attention_kernel, TritonAttention)
     assert_matches(llm.generate(prompts, greedy()), expected)
     second = llm.generate(prompts, greedy())  # the prompts' pages are cached now: prefix hits
     assert_matches(second, expected)
@@ -229,22 +215,22 @@ def test_engine_on_triton_matches_transformers(tiny_checkpoint, oracle, engine_a
 
 @pytest.fixture(scope="module")
 def models(tiny_checkpoint):
-    """(the model on the Triton backend, the same weights on torch's SDPA over slot tables)."""
+    """(the model on the Triton backend, the same weights on torch's SDPA)."""
     triton_model, config = load_model(tiny_checkpoint, torch.float32, DEVICE, attention_backend="triton")
     torch_model, _ = load_model(tiny_checkpoint, torch.float32, DEVICE, use_decode_kernel=False,
                                 attention_backend="torch")
-    assert triton_model.uses_page_tables and not torch_model.uses_page_tables
+    assert isinstance(triton_model.attention_kernel, TritonAttention) and torch_model.attention_kernel is None
     return triton_model, torch_model, config
 
 
 @torch.inference_mode()
 def test_the_profiling_step_runs_either_form(models):
-    """memory_profile's dummy step (several prefill chunks) gives the same hidden states as slot tables
-    through SDPA and as page tables through Triton."""
+    """memory_profile's dummy step (several prefill chunks) gives the same hidden states through SDPA and
+    through Triton."""
     triton_model, torch_model, config = models
     hidden = []
     for model in (triton_model, torch_model):
-        batch = dummy_prefill_batch(70, 32, 8, model.uses_page_tables, DEVICE)
+        batch = dummy_prefill_batch(70, 32, 8, DEVICE)
         cache = KVCache(config, 3 * 4, 8, torch.float32, DEVICE)
         hidden.append(model(batch, cache))
     torch.testing.assert_close(hidden[0], hidden[1], rtol=0, atol=1e-4)
@@ -265,43 +251,22 @@ def test_page_table_graph_buckets_pad_without_touching_real_slots(models):
             key = "abc"[index]
             sequences.add(key, random_tokens(length + 4, seed=index))
             batch, _ = sequences.batch(prefill=[(key, length)])
-            triton_model(with_page_tables(batch, sequences, [key]), cache)
+            triton_model(on_device(batch), cache)
         return sequences, cache
 
     eager_sequences, eager_cache = prefilled()
     graph_sequences, graph_cache = prefilled()
     graphs = DecodeGraphs(triton_model, graph_cache, scratch_slot, page_table_width=16)
     for keys in (["a", "b", "c"], ["b", "c"], ["c"]):
-        eager = with_page_tables(eager_sequences.batch(decode=keys)[0], eager_sequences, keys)
-        batch = with_page_tables(graph_sequences.batch(decode=keys)[0], graph_sequences, keys)
+        eager = on_device(eager_sequences.batch(decode=keys)[0])
+        batch = on_device(graph_sequences.batch(decode=keys)[0])
         bucket = graphs.bucket(batch)
-        assert bucket == ({3: 4, 2: 2, 1: 1}[len(keys)], 0)
+        assert bucket == {3: 4, 2: 2, 1: 1}[len(keys)]
         torch.testing.assert_close(graphs.run(batch, bucket), triton_model(eager, eager_cache), rtol=0, atol=1e-5)
     real = slice(0, scratch_slot)
     torch.testing.assert_close(graph_cache.pools[:, :, real], eager_cache.pools[:, :, real], rtol=0, atol=1e-5)
 
 
-def with_page_tables(batch: ForwardBatch, sequences: PagedSequences, keys: list[str],
-                     device: torch.device = DEVICE) -> ForwardBatch:
-    """A PagedSequences batch (slot tables) with page tables instead, as the engine builds them, on `device`;
-    `keys`: the sequence of each decode row, then of each prefill chunk."""
-    width = max(len(sequences.pages[key]) for key in keys)
-    table = torch.zeros(len(keys), width, dtype=torch.int64)
-    for row, key in enumerate(keys):
-        table[row, : len(sequences.pages[key])] = torch.tensor(sequences.pages[key])
-    table = table.to(device)
-    lengths = torch.tensor([segment.length for segment in batch.prefills], dtype=torch.int64)
-    prefill = None
-    if batch.prefills:
-        prefill = dict(prefill=table[batch.num_decode:],
-                       prefill_cu_seqlens=torch.cat((torch.zeros(1, dtype=torch.int64), lengths.cumsum(0))).to(device),
-                       prefill_ctx_lens=torch.tensor([len(s.context_slots) for s in batch.prefills], device=device),
-                       max_prefill_len=int(lengths.max()))
-    pages = PageTables(sequences.page_size,
-                       decode=table[: batch.num_decode] if batch.num_decode else None,
-                       **(prefill or dict(prefill=None, prefill_cu_seqlens=None, prefill_ctx_lens=None)))
-    decode_ctx_lens = None if batch.decode_ctx_lens is None else batch.decode_ctx_lens.to(device)
-    return ForwardBatch(batch.input_ids.to(device), batch.positions.to(device), batch.slot_mapping.to(device),
-                        batch.num_decode, None, decode_ctx_lens, batch.prefills, batch.logits_indices.to(device),
-                        pages=pages)
-
+def on_device(batch: ForwardBatch) -> ForwardBatch:
+    """A PagedSequences batch (built on the CPU) on the backend's device."""
+    return map_tensors(batch, lambda t: t.to(DEVICE))

@@ -16,7 +16,7 @@ from model_helpers import PagedSequences, random_tokens
 
 pytest.importorskip("triton")
 
-from triton_attention_cases import DEVICE, with_page_tables  # noqa: E402
+from triton_attention_cases import DEVICE  # noqa: E402
 
 from mili_openai.kernels.triton_attention import TritonAttention  # noqa: E402
 from mili_openai.model import KVCache, load_model  # noqa: E402
@@ -118,7 +118,6 @@ def test_serving_steps_launch_only_the_variants_the_warm_up_compiled(tiny_checkp
     with LaunchRecorder(kernels) as serving:
         for decode, prefill in steps:
             batch, _ = sequences.batch(decode=decode, prefill=prefill)
-            batch = with_page_tables(batch, sequences, decode + [key for key, _ in prefill], torch.device("cpu"))
             # as the runner hands a step over: index tensors at their offsets in one staged buffer
             staged, buffer = stage_forward_batch(batch, pin_memory=False)
             model(forward_batch_to(staged, DEVICE, buffer), cache)

@@ -1,4 +1,4 @@
-"""Turns a scheduled batch into the model's `ForwardBatch`: token ids, positions and KV slots.
+"""Turns a scheduled batch into the model's `ForwardBatch`: token ids, positions, KV slots and page tables.
 
 Runs on the event loop thread (it reads sequence state the loop owns), once per step, for every token of
 the step. It works in numpy and hands torch the finished arrays (`torch.from_numpy` shares them): a
@@ -17,12 +17,6 @@ import torch
 from mili_openai.engine.scheduled_batch import ScheduledBatch
 from mili_openai.engine.sequence import Sequence
 from mili_openai.model.batch import ForwardBatch, PageTables, PrefillSegment
-
-
-def _context_slots(pages: list[int], length: int, page_size: int) -> np.ndarray:
-    """(length,) int64 slots of positions [0, length) of a sequence whose page table is `pages`."""
-    positions = np.arange(length, dtype=np.int64)
-    return np.asarray(pages, dtype=np.int64)[positions // page_size] * page_size + positions % page_size
 
 
 def pending_inputs(batch: ScheduledBatch, sample_index: dict[Sequence, int]) -> tuple[list[int], list[int]]:
@@ -91,12 +85,11 @@ class PageArrays:
 
 
 class _DecodeRows:
-    """The decode rows' inputs: a sequence's row at `position` attends to slots [0, position]. A decode
+    """The decode rows' inputs: a sequence's row at `position` attends to positions [0, position]. A decode
     with drafts has a row for its last token and one for each draft, at consecutive positions, all reading
-    its page table (each row sees the K/V the rows before it write in the same layer). With `page_tables`
-    the rows keep their page table (`table`) and no slot table is built (`slots` is None)."""
+    its page table (each row sees the K/V the rows before it write in the same layer)."""
 
-    def __init__(self, batch: ScheduledBatch, page_size: int, page_tables: bool, page_arrays: PageArrays) -> None:
+    def __init__(self, batch: ScheduledBatch, page_size: int, page_arrays: PageArrays) -> None:
         num_decode = batch.num_decode
         seqs, starts = batch.seqs[:num_decode], batch.positions[:num_decode]
         counts = batch.num_new_tokens[:num_decode]
@@ -109,23 +102,16 @@ class _DecodeRows:
             offset_in_seq = np.arange(num_rows) - (np.cumsum(counts) - counts)[seq_of_row]
             self.positions = np.asarray(starts, dtype=np.int64)[seq_of_row] + offset_in_seq
         self.ctx_lens = self.positions + 1  # (rows,)
-        max_ctx = int(self.ctx_lens.max())
-        width = -(-max_ctx // page_size)  # pages that cover the longest context
-        table = np.zeros((num_decode, width), dtype=np.int64)  # padded with page 0 (masked out)
+        width = -(-int(self.ctx_lens.max()) // page_size)  # pages that cover the longest context
+        table = np.zeros((num_decode, width), dtype=np.int64)  # padded with page 0 (never read)
         for index, pages in enumerate(page_arrays.of(seqs)):
             pages = pages[:width]
             table[index, : len(pages)] = pages
         if seq_of_row is not None:
             table = table[seq_of_row]
-        self.table = table if page_tables else None  # (rows, width)
-        if page_tables:
-            self.slots = None
-            self.slot_mapping = (table[np.arange(num_rows), self.positions // page_size] * page_size
-                                 + self.positions % page_size)
-        else:
-            offsets = np.arange(page_size, dtype=np.int64)
-            self.slots = (table[:, :, None] * page_size + offsets).reshape(num_rows, -1)[:, :max_ctx].copy()
-            self.slot_mapping = self.slots[np.arange(num_rows), self.positions]
+        self.table = table  # (rows, width)
+        self.slot_mapping = (table[np.arange(num_rows), self.positions // page_size] * page_size
+                             + self.positions % page_size)
         # a token still being sampled by the step before gets 0 here (see `pending_inputs`)
         self.input_ids = [seq.token_ids[p] if p < len(seq.token_ids) else 0 for seq, p in zip(seqs, starts)]
         if seq_of_row is not None:
@@ -133,15 +119,11 @@ class _DecodeRows:
                               for token in (first, *drafts)]
 
 
-def build_forward_batch(batch: ScheduledBatch, page_size: int, page_tables: bool = False,
-                        page_arrays: PageArrays | None = None) -> ForwardBatch:
+def build_forward_batch(batch: ScheduledBatch, page_size: int, page_arrays: PageArrays | None = None) -> ForwardBatch:
     """The step's inputs; a decode whose token is pending gets 0 as its id (see `pending_inputs`).
-
-    page_tables: the contexts as page tables (`ForwardBatch.pages`), for a model whose attention kernel
-    reads them; otherwise as slot tables. page_arrays: the decodes' page arrays kept from the step before
-    (built afresh without it)."""
+    page_arrays: the decodes' page arrays kept from the step before (built afresh without it)."""
     num_decode = batch.num_decode
-    decode = _DecodeRows(batch, page_size, page_tables, page_arrays or PageArrays()) if num_decode else None
+    decode = _DecodeRows(batch, page_size, page_arrays or PageArrays()) if num_decode else None
     input_ids: list[int] = decode.input_ids if decode else []
     positions: list[np.ndarray] = [decode.positions] if decode else []
     slot_mapping: list[np.ndarray] = [decode.slot_mapping] if decode else []
@@ -149,7 +131,7 @@ def build_forward_batch(batch: ScheduledBatch, page_size: int, page_tables: bool
     logits_indices: list[int] = list(range(num_decode_rows))  # every decode row samples (drafts are verified)
 
     prefills: list[PrefillSegment] = []
-    prefill_pages: list[list[int]] = []  # with page_tables: each chunk's pages up to its end
+    prefill_pages: list[list[int]] = []  # each chunk's pages up to its end
     row = num_decode_rows
     for index in range(num_decode, len(batch.seqs)):
         seq, num_new, start = batch.seqs[index], batch.num_new_tokens[index], batch.positions[index]
@@ -159,37 +141,29 @@ def build_forward_batch(batch: ScheduledBatch, page_size: int, page_tables: bool
         input_ids.extend(seq.token_ids[start:end])
         chunk_positions = np.arange(start, end, dtype=np.int64)
         positions.append(chunk_positions)
-        if page_tables:
-            chunk_pages = seq.pages[: -(-end // page_size)]
-            prefill_pages.append(chunk_pages)
-            slot_mapping.append(np.asarray(chunk_pages, dtype=np.int64)[chunk_positions // page_size] * page_size
-                                + chunk_positions % page_size)
-            context_slots = None
-        else:
-            context = _context_slots(seq.pages, end, page_size)
-            slot_mapping.append(context[start:])
-            context_slots = torch.from_numpy(context)
-        prefills.append(PrefillSegment(start=row, length=num_new, context_slots=context_slots))
+        chunk_pages = seq.pages[: -(-end // page_size)]
+        prefill_pages.append(chunk_pages)
+        slot_mapping.append(np.asarray(chunk_pages, dtype=np.int64)[chunk_positions // page_size] * page_size
+                            + chunk_positions % page_size)
+        prefills.append(PrefillSegment(start=row, length=num_new, context_len=end))
         row += num_new
         if batch.samples[index]:
             logits_indices.append(row - 1)
 
-    pages = _page_tables(page_size, decode, prefills, prefill_pages, batch) if page_tables else None
     return ForwardBatch(
         input_ids=torch.from_numpy(np.array(input_ids, dtype=np.int64)),
         positions=torch.from_numpy(np.concatenate(positions)),
         slot_mapping=torch.from_numpy(np.concatenate(slot_mapping)),
         num_decode=num_decode_rows,
-        decode_slots=torch.from_numpy(decode.slots) if decode and decode.slots is not None else None,
+        decode_ctx_lens=torch.from_numpy(decode.ctx_lens) if decode else None,
         prefills=prefills,
         logits_indices=torch.from_numpy(np.array(logits_indices, dtype=np.int64)),
-        decode_ctx_lens=torch.from_numpy(decode.ctx_lens) if decode else None,
-        pages=pages,
+        pages=_page_tables(page_size, decode, prefills, prefill_pages),
     )
 
 
 def _page_tables(page_size: int, decode: _DecodeRows | None, prefills: list[PrefillSegment],
-                 prefill_pages: list[list[int]], batch: ScheduledBatch) -> PageTables:
+                 prefill_pages: list[list[int]]) -> PageTables:
     """The step's page tables: the decode rows' (built with them), then one row per prefill chunk."""
     prefill_table = cu_seqlens = ctx_lens = None
     if prefills:
@@ -198,8 +172,7 @@ def _page_tables(page_size: int, decode: _DecodeRows | None, prefills: list[Pref
             prefill_table[index, : len(pages)] = pages
         lengths = np.asarray([segment.length for segment in prefills], dtype=np.int64)
         cu_seqlens = torch.from_numpy(np.concatenate(([0], np.cumsum(lengths))))
-        ends = np.asarray(batch.positions[batch.num_decode :], dtype=np.int64) + lengths
-        ctx_lens = torch.from_numpy(ends)
+        ctx_lens = torch.from_numpy(np.asarray([segment.context_len for segment in prefills], dtype=np.int64))
         prefill_table = torch.from_numpy(prefill_table)
     return PageTables(
         page_size=page_size,

@@ -36,10 +36,9 @@ class GpuMemoryProfile:
                 "{peak_activation:.2f} GiB peak activation, {kv_cache:.2f} GiB for the KV cache").format(**gib)
 
 
-def dummy_prefill_batch(num_tokens: int, segment_len: int, page_size: int, page_tables: bool,
-                        device: torch.device) -> ForwardBatch:
+def dummy_prefill_batch(num_tokens: int, segment_len: int, page_size: int, device: torch.device) -> ForwardBatch:
     """num_tokens prompt tokens as prefill chunks of up to segment_len from position 0, on consecutive pages
-    from page 0, every chunk's last row sampled; with `page_tables` as the Triton kernels read them."""
+    from page 0, every chunk's last row sampled."""
     lengths = [min(segment_len, num_tokens - start) for start in range(0, num_tokens, segment_len)]
     pages_per_segment = -(-segment_len // page_size)
     positions = torch.cat([torch.arange(length) for length in lengths])
@@ -47,17 +46,14 @@ def dummy_prefill_batch(num_tokens: int, segment_len: int, page_size: int, page_
     segment_of_row = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     slots = first_page[segment_of_row] * page_size + positions
     starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
-    prefills = [PrefillSegment(start, length, None if page_tables else slots[start : start + length].to(device))
-                for start, length in zip(starts, lengths)]
-    pages = None
-    if page_tables:
-        table = first_page[:, None] + torch.arange(pages_per_segment)[None, :]
-        pages = PageTables(page_size, decode=None, prefill=table.to(device),
-                           prefill_cu_seqlens=torch.tensor(starts, device=device),
-                           prefill_ctx_lens=torch.tensor(lengths, device=device), max_prefill_len=max(lengths))
+    prefills = [PrefillSegment(start, length, length) for start, length in zip(starts, lengths)]
+    table = first_page[:, None] + torch.arange(pages_per_segment)[None, :]
+    pages = PageTables(page_size, decode=None, prefill=table.to(device),
+                       prefill_cu_seqlens=torch.tensor(starts, device=device),
+                       prefill_ctx_lens=torch.tensor(lengths, device=device), max_prefill_len=max(lengths))
     return ForwardBatch(
         input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device), positions=positions.to(device),
-        slot_mapping=slots.to(device), num_decode=0, decode_slots=None, decode_ctx_lens=None, prefills=prefills,
+        slot_mapping=slots.to(device), num_decode=0, decode_ctx_lens=None, prefills=prefills,
         logits_indices=torch.tensor(starts[1:], device=device) - 1, pages=pages)
 
 
@@ -68,7 +64,7 @@ def profile_gpu_memory(model: Qwen3ForCausalLM, model_config: ModelConfig, page_
     """Run the largest step once and size the KV cache from what is left (see the module docstring)."""
     dtype = model.dtype  # the activations' (quantized weights have other dtypes)
     segment_len = min(max_num_batched_tokens, max_model_len)
-    batch = dummy_prefill_batch(max_num_batched_tokens, segment_len, page_size, model.uses_page_tables, device)
+    batch = dummy_prefill_batch(max_num_batched_tokens, segment_len, page_size, device)
     num_pages = len(batch.prefills) * -(-segment_len // page_size)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()

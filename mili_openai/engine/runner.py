@@ -19,7 +19,7 @@ import torch
 from mili_openai.config import EngineConfig
 from mili_openai.distributed import TensorParallelGroup
 from mili_openai.engine.batch_builder import PromptScoring
-from mili_openai.engine.cuda_graphs import AHEAD_CONTEXT, DecodeGraphs
+from mili_openai.engine.cuda_graphs import DecodeGraphs
 from mili_openai.engine.memory_budget import BYTES_PER_GIB, check_kv_cache_fits, log_memory, weight_bytes
 from mili_openai.engine.memory_profile import profile_gpu_memory
 from mili_openai.engine.outputs import TokenLogprob
@@ -113,17 +113,17 @@ class ModelRunner(StepRunner):
         self.dtype = self.model.dtype
         self.quantization = self.model.quantization  # None, or what the weights are
         self.page_size = config.page_size
-        self.page_tables = self.model.uses_page_tables  # build page tables, not slot tables, for its kernel
         self.async_launch = config.async_launch  # see Runner.async_launch
-        self.steps = StepPreparer(self.device, self.page_size, self.page_tables, self.model.rotary_table(),
+        self.steps = StepPreparer(self.device, self.page_size, self.model.rotary_table(),
                                   feed_on_device=self.async_launch)
         self.parallel = parallel
         # the KV heads this process holds: all of them, or a tensor-parallel rank's
         self.kv_config = shard_config(self.model_config, parallel.size) if parallel is not None else self.model_config
         self.num_pages = config.num_pages or self._pages_for_budget(config)
-        # Dynamic NTK RoPE checks each forward's positions on the host, which a graph cannot capture
+        # Dynamic NTK RoPE checks each forward's positions on the host, which a graph cannot capture; torch's
+        # SDPA would gather each row's whole page table, as wide as the longest context
         use_graphs = (self.device.type == "cuda" and not config.enforce_eager
-                      and self.model.model.rotary_emb.dynamic_limit is None)
+                      and self.model.model.rotary_emb.dynamic_limit is None and self.model.attention_kernel is not None)
         # with graphs, one page more than the engine hands out: its first slot takes padded rows' K/V
         pool_pages = self.num_pages + (1 if use_graphs else 0)
         weights = weight_bytes(self.model)
@@ -156,7 +156,6 @@ class ModelRunner(StepRunner):
             return
         use_cpu_kernels(self.model, self.dtype, kernels)
         self.sampler.kernel = kernels
-        self.page_tables = self.steps.page_tables = self.model.uses_page_tables
         logger.info("switched to the compiled CPU kernels")
 
     def _max_model_len(self, config: EngineConfig, num_pages: int) -> int:
@@ -191,16 +190,14 @@ class ModelRunner(StepRunner):
     def _capture_decode_graphs(self, config: EngineConfig) -> None:
         """Decode steps' CUDA graphs for up to max_num_seqs rows, captured before serving (cuda_graphs.py)."""
         scratch_slot = self.num_pages * self.page_size  # the first slot of the page past those handed out
-        width = None
-        if self.page_tables:  # every context the engine admits fits the graphs' page tables
-            width = -(-self._max_model_len(config, self.num_pages) // self.page_size)
+        # every context the engine admits fits the graphs' page tables
+        width = -(-self._max_model_len(config, self.num_pages) // self.page_size)
         self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, scratch_slot, width)
         start = time.perf_counter()
         with torch.inference_mode():
-            count = self.decode_graphs.capture_ahead(config.max_num_seqs,
-                                                     min(AHEAD_CONTEXT, self.num_pages * self.page_size))
-        logger.info("captured %d CUDA graphs of decode steps (up to %d rows, %s) in %.1f s", count,
-                    config.max_num_seqs, "any context" if width else "contexts by bucket", time.perf_counter() - start)
+            count = self.decode_graphs.capture_ahead(config.max_num_seqs)
+        logger.info("captured %d CUDA graphs of decode steps (up to %d rows) in %.1f s", count, config.max_num_seqs,
+                    time.perf_counter() - start)
 
     @torch.inference_mode()
     def _launch_forward(self, step: PreparedStep, source: LaunchedStep | None) -> LaunchedStep:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from mili_openai.model.batch import ForwardBatch, PageTables, PrefillSegment
+from mili_openai.model.batch import ForwardBatch, PageTables
 
 TensorMap = Callable[[torch.Tensor], torch.Tensor]
 
@@ -27,20 +27,17 @@ def map_tensors(batch: ForwardBatch, move: TensorMap) -> ForwardBatch:
         return None if t is None else move(t)
 
     pages = batch.pages
-    if pages is not None:
-        pages = PageTables(pages.page_size, apply(pages.decode), apply(pages.prefill),
-                           apply(pages.prefill_cu_seqlens), apply(pages.prefill_ctx_lens), pages.max_prefill_len)
     return ForwardBatch(
         input_ids=move(batch.input_ids),
         positions=move(batch.positions),
         slot_mapping=move(batch.slot_mapping),
         num_decode=batch.num_decode,
-        decode_slots=apply(batch.decode_slots),
         decode_ctx_lens=apply(batch.decode_ctx_lens),
-        prefills=[PrefillSegment(p.start, p.length, apply(p.context_slots)) for p in batch.prefills],
+        prefills=list(batch.prefills),  # host ints only
         logits_indices=move(batch.logits_indices),
+        pages=PageTables(pages.page_size, apply(pages.decode), apply(pages.prefill), apply(pages.prefill_cu_seqlens),
+                         apply(pages.prefill_ctx_lens), pages.max_prefill_len),
         rotary=batch.rotary,
-        pages=pages,
     )
 
 

@@ -70,10 +70,10 @@ LaunchForward = Callable[[PreparedStep, LaunchedStep | None], LaunchedStep]
 
 
 class StepPreparer:
-    """Builds `PreparedStep`s for a model with `page_size`-token pages (page tables rather than slot tables
-    where `page_tables`), and feeds each the tokens the step before it sampled."""
+    """Builds `PreparedStep`s for a model with `page_size`-token pages, and feeds each the tokens the step
+    before it sampled."""
 
-    def __init__(self, device: torch.device, page_size: int, page_tables: bool, rotary_table: RotaryTable,
+    def __init__(self, device: torch.device, page_size: int, rotary_table: RotaryTable,
                  feed_on_device: bool = False, pin_memory: bool | None = None) -> None:
         """feed_on_device: steps read their pending input ids from the step before's sampled ids on the
         device (so they may launch before it finishes), unless they need them on the host. pin_memory: stage
@@ -82,7 +82,6 @@ class StepPreparer:
         self.pin_memory = device.type == "cuda" if pin_memory is None else pin_memory
         self.feed_on_device = feed_on_device
         self.page_size = page_size
-        self.page_tables = page_tables
         self.rotary_table = rotary_table  # grown and read on the loop thread only
         self.page_arrays = PageArrays()  # likewise
         self._own_rows: dict[Sequence, SamplingRow] = {}  # likewise (see `prepare`)
@@ -129,7 +128,7 @@ class StepPreparer:
                 rows.append(SamplingRow(params=seq.params, generator=seq.generator,
                                         prompt_token_ids=seq.prompt_token_ids, output_token_ids=draft_history))
         self._own_rows = own_rows
-        forward_batch = build_forward_batch(batch, self.page_size, self.page_tables, self.page_arrays)
+        forward_batch = build_forward_batch(batch, self.page_size, self.page_arrays)
         staged = None
         if self.device.type == "cpu":
             # here rather than in the forward: see `_feed_pending_tokens`

@@ -239,8 +239,8 @@ class TensorParallelRunner(StepRunner):
         self.workers = WorkerGroup(worker_config, model_path, size,
                                    cpu_kernels.plan if cpu_kernels is not None else None)
         ready = self.workers.ready[0]  # the ranks size the KV pool (each its own memory) and agree on it
-        self.num_pages, self.page_tables = ready.num_pages, ready.page_tables
-        self.steps = StepPreparer(self.device, config.page_size, self.page_tables,
+        self.num_pages = ready.num_pages
+        self.steps = StepPreparer(self.device, config.page_size,
                                   RotaryTable(RotaryEmbedding(self.model_config), dtype))
 
     @property

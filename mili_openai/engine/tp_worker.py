@@ -79,7 +79,6 @@ class WorkerReady:
     rank: int
     pid: int
     num_pages: int  # of the KV pool, the same on every rank (the fewest any rank had room for)
-    page_tables: bool  # whether the rank's attention reads page tables rather than slot tables
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +150,7 @@ def worker_main(rank: int, size: int, config: EngineConfig, model_path: str, ini
     except BaseException:
         conn.send_bytes(encode(WorkerFailed(rank, traceback.format_exc())))
         return
-    conn.send_bytes(encode(WorkerReady(rank, os.getpid(), runner.num_pages, runner.page_tables)))
+    conn.send_bytes(encode(WorkerReady(rank, os.getpid(), runner.num_pages)))
     try:
         _serve(runner, conn, rank)
     finally:

@@ -1,6 +1,6 @@
-"""Plain torch references for the Triton paged attention (triton_attention.py): the same arguments, one
-sequence at a time in float64, K/V gathered through the page table and expanded per query head. For
-tests: slow and obviously right."""
+"""Plain torch references for the paged attention kernels (triton_attention.py, cpu.py): the same arguments,
+one sequence at a time in float64, K/V gathered through the page table and expanded per query head. For
+tests: slow and obviously right (`context_slots` also serves the torch paths)."""
 
 from __future__ import annotations
 

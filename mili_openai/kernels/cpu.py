@@ -27,8 +27,8 @@ SOURCES = ("bindings.cpp", "linear_bf16.cpp", "linear_amx.cpp", "paged_decode_at
            "gated_delta_rule.cpp")
 QUANTIZED_SOURCES = ("linear_quantized.cpp", "linear_int8.cpp", "linear_int4.cpp", "linear_w8a8.cpp")
 # not compiled on their own (torch's JIT hashes only the sources); the build's name hashes every file in csrc
-HEADERS = ("simd_bf16.h", "kernels.h", "prefill_products.h", "decode_blocks.h", "row_ranges.h", "amx_tiles.h",
-           "decode_shared_amx.h", "decode_partials.h", "prefill_amx.h", "quantized_linear.h", "quantized_tiles.h",
+HEADERS = ("attention_pages.h", "simd_bf16.h", "kernels.h", "prefill_products.h", "decode_blocks.h", "row_ranges.h",
+           "amx_tiles.h", "decode_shared_amx.h", "decode_partials.h", "prefill_amx.h", "quantized_linear.h", "quantized_tiles.h",
            "moe.h", "expert_tiles.h")
 EXTENSION_PREFIX = "mili_cpu_kernels"
 # -fopenmp: without it ATen's parallel_for compiles to a serial loop inside the extension
@@ -98,7 +98,7 @@ class CpuKernels:
         which dtypes prefill attention runs the kernel rather than torch's SDPA, and how far ahead decode
         attention prefetches."""
         max_rows, large_matmul = plan_matmuls(self._kernel_matmul)
-        prefill_dtypes = plan_prefill_attention(self.prefill_attention, ATTENTION_DTYPES)
+        prefill_dtypes = plan_prefill_attention(self.paged_prefill_attention, ATTENTION_DTYPES)
         prefetch_blocks = plan_decode_prefetch(self._decode_attention)
         self.plan = KernelPlan(max_rows, large_matmul, prefill_dtypes, prefetch_blocks)
         self.planned = True
@@ -177,16 +177,23 @@ class CpuKernels:
             and k_pool.is_contiguous()
         )
 
-    def decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
-                         ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        """q (B, H, D) against the pool rows at slots[b, :ctx_lens[b]] -> (B, H, D)."""
-        return self._decode_attention(q, k_pool, v_pool, slots, ctx_lens, scale, self.plan.decode_prefetch_blocks)
+    def paged_decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                               page_table: torch.Tensor, page_size: int, ctx_lens: torch.Tensor, scale: float,
+                               out: torch.Tensor | None = None) -> torch.Tensor:
+        """q (B, H, D), each row against positions [0, ctx_lens[b]) of its page table row -> (B, H, D), into
+        `out` where given (contiguous)."""
+        return self._decode_attention(q, k_pool, v_pool, page_table, page_size, ctx_lens, scale,
+                                      self.plan.decode_prefetch_blocks, out)
 
-    def _decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
-                          ctx_lens: torch.Tensor, scale: float, prefetch_blocks: int) -> torch.Tensor:
+    def _decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
+                          page_size: int, ctx_lens: torch.Tensor, scale: float, prefetch_blocks: int,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
         pairs = self._bf16_dot_products and q.dtype == torch.bfloat16
-        return self._module.paged_decode_attention(q.contiguous(), k_pool, v_pool, slots, ctx_lens, scale, pairs,
-                                                   pairs and self._amx_tiles, prefetch_blocks)
+        q = q.contiguous()
+        out = torch.empty_like(q) if out is None else out
+        self._module.paged_decode_attention(q, k_pool, v_pool, page_table, page_size, ctx_lens, scale, pairs,
+                                            pairs and self._amx_tiles, prefetch_blocks, out)
+        return out
 
     def supports_prefill_attention(self, q: torch.Tensor, k_pool: torch.Tensor) -> bool:
         """Whether prefill attention runs here: the kernel takes the shapes and, timed at load, beats SDPA."""
@@ -201,12 +208,18 @@ class CpuKernels:
             and num_heads // num_kv_heads <= PREFILL_ATTENTION_MAX_GROUP
         )
 
-    def prefill_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                          context_slots: torch.Tensor, scale: float) -> torch.Tensor:
-        """q (L, H, D), the last L of the context's slots -> causal attention over the context, (L, H, D)."""
+    def paged_prefill_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                                page_table: torch.Tensor, page_size: int, cu_seqlens: torch.Tensor,
+                                ctx_lens: torch.Tensor, max_length: int, scale: float,
+                                out: torch.Tensor | None = None) -> torch.Tensor:
+        """q (T, H, D), chunk s its rows [cu_seqlens[s], cu_seqlens[s + 1]), each the last rows of a context of
+        ctx_lens[s] tokens on page table row s -> causal attention over each context, (T, H, D), into `out`
+        where given (contiguous). max_length: the Triton kernels' grid size, not needed here."""
         pairs = self._bf16_dot_products and q.dtype == torch.bfloat16
-        return self._module.paged_prefill_attention(q, k_pool, v_pool, context_slots, scale, pairs,
-                                                    pairs and self._amx_tiles)
+        out = torch.empty(q.shape, dtype=q.dtype) if out is None else out
+        self._module.paged_prefill_attention(q, k_pool, v_pool, page_table, page_size, cu_seqlens, ctx_lens, scale,
+                                             pairs, pairs and self._amx_tiles, out)
+        return out
 
     def sample_rows(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                     min_p: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -274,10 +287,12 @@ class CpuDecodeStack:
         return self._kernels.max_kernel_rows
 
     def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, pools: torch.Tensor,
-                slot_mapping: torch.Tensor, slots: torch.Tensor, ctx_lens: torch.Tensor) -> torch.Tensor:
-        """input_ids (B,) -> (B, hidden) after the last layer, K/V written to `pools`. One call that runs no
-        torch op from Python: the GIL is held until it is released for the whole stack."""
-        return self._stack.forward(input_ids, cos, signed_sin, pools, slot_mapping, slots, ctx_lens)
+                slot_mapping: torch.Tensor, page_table: torch.Tensor, page_size: int,
+                ctx_lens: torch.Tensor) -> torch.Tensor:
+        """input_ids (B,) -> (B, hidden) after the last layer, K/V written to `pools`, each row attending to
+        positions [0, ctx_lens[b]) of its page table row. One call that runs no torch op from Python: the GIL
+        is held until it is released for the whole stack."""
+        return self._stack.forward(input_ids, cos, signed_sin, pools, slot_mapping, page_table, page_size, ctx_lens)
 
 
 @functools.lru_cache(maxsize=1)

@@ -16,14 +16,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from mili_openai.kernels.attention_reference import context_slots
+
 Clock = Callable[[], float]  # seconds on a monotonic clock; tests pass a fake one
 MatmulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, weight) -> x @ weight.T
-# prefill attention: (q (L, H, D), k_pool, v_pool (slots, KV, D), the context's slots, scale) -> (L, H, D)
-PrefillAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
-# decode attention: (q (B, H, D), k_pool, v_pool (slots, KV, D), slots (B, C), ctx_lens (B,), scale,
-# prefetch distance) -> (B, H, D)
-DecodeAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, int],
+# prefill attention as `AttentionKernel.paged_prefill_attention` takes it: (q (T, H, D), k_pool, v_pool
+# (slots, KV, D), page_table (S, W), page_size, cu_seqlens (S + 1,), ctx_lens (S,), max_length, scale) -> (T, H, D)
+PrefillAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor,
+                               torch.Tensor, int, float], torch.Tensor]
+# decode attention: (q (B, H, D), k_pool, v_pool (slots, KV, D), page_table (B, W), page_size, ctx_lens (B,),
+# scale, prefetch distance) -> (B, H, D)
+DecodeAttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor, float, int],
                              torch.Tensor]
+CALIBRATION_PAGE_SIZE = 16  # the CPU's default page size
 
 # Rows of x the matmul kernel takes: decode batches, where its single pass over the weights wins, and the
 # decode stack (every layer in one call) runs batches of up to that many rows; the largest choice at
@@ -127,12 +132,14 @@ def plan_matmuls(kernel: MatmulFn, clock: Clock = time.perf_counter,
     return max_rows, large_matmul
 
 
-def sdpa_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                           context_slots: torch.Tensor, scale: float) -> torch.Tensor:
-    """The torch path's cost (model.paged_attention.prefill_attention without a kernel): K/V gathered from
-    the pool, then SDPA under a bottom-right causal mask. Timing only; its output is not used."""
-    length, context = q.shape[0], context_slots.shape[0]
-    keys, values = k_pool[context_slots], v_pool[context_slots]
+def sdpa_prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, page_table: torch.Tensor,
+                           page_size: int, cu_seqlens: torch.Tensor, ctx_lens: torch.Tensor, max_length: int,
+                           scale: float) -> torch.Tensor:
+    """The torch path's cost on one chunk (model.paged_attention's prefill without a kernel): K/V gathered
+    through the page table, then SDPA under a bottom-right causal mask. Timing only; its output is not used."""
+    length, context = q.shape[0], int(ctx_lens[0])
+    slots = context_slots(page_table[0], page_size, context)
+    keys, values = k_pool[slots], v_pool[slots]
     mask = torch.arange(context)[None, :] <= torch.arange(context - length, context)[:, None]
     return F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
                                           values.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale,
@@ -150,8 +157,11 @@ def plan_prefill_attention(kernel: PrefillAttentionFn, dtypes: tuple[torch.dtype
         q = torch.randn(CALIBRATION_CHUNK, heads, head_dim, generator=generator).to(dtype)
         k_pool, v_pool = (torch.randn(CALIBRATION_CONTEXT, kv_heads, head_dim, generator=generator).to(dtype)
                           for _ in range(2))
-        slots = torch.arange(CALIBRATION_CONTEXT)
-        runs = [lambda run=run: run(q, k_pool, v_pool, slots, head_dim ** -0.5) for run in (kernel, reference)]
+        table = torch.arange(CALIBRATION_CONTEXT // CALIBRATION_PAGE_SIZE)[None, :]
+        cu_seqlens = torch.tensor([0, CALIBRATION_CHUNK])
+        ctx_lens = torch.tensor([CALIBRATION_CONTEXT])
+        runs = [lambda run=run: run(q, k_pool, v_pool, table, CALIBRATION_PAGE_SIZE, cu_seqlens, ctx_lens,
+                                    CALIBRATION_CHUNK, head_dim ** -0.5) for run in (kernel, reference)]
         if median_time_ratio(*runs, clock=clock) < 1.0:
             faster.add(dtype)
     return frozenset(faster)
@@ -168,13 +178,13 @@ def plan_decode_prefetch(kernel: DecodeAttentionFn, clock: Clock = time.perf_cou
               torch.ones(batch * context, kv_heads, head_dim, dtype=torch.bfloat16))
              for _ in range(CALIBRATION_DECODE_LAYERS)]
     q = torch.ones(batch, heads, head_dim, dtype=torch.bfloat16)
-    slots = torch.arange(batch * context).view(batch, context)
+    table = torch.arange(batch * context // CALIBRATION_PAGE_SIZE).view(batch, -1)
     ctx_lens = torch.full((batch,), context)
     evict = torch.ones(evict_bytes // 2, dtype=torch.bfloat16).sum if evict_bytes else None
 
     def step(blocks: int) -> None:
         for k_pool, v_pool in pools:
-            kernel(q, k_pool, v_pool, slots, ctx_lens, head_dim ** -0.5, blocks)
+            kernel(q, k_pool, v_pool, table, CALIBRATION_PAGE_SIZE, ctx_lens, head_dim ** -0.5, blocks)
 
     best = DECODE_PREFETCH_CHOICES[0]
     for blocks in DECODE_PREFETCH_CHOICES[1:]:  # the earlier choice keeps a tie

@@ -10,10 +10,9 @@
 Launch constants live in `DecodeConfig` and `ExtendConfig`; scripts/tune_gpu_kernels.py times the
 alternatives on a GPU.
 
-It also takes the slot-addressed calls of the CPU kernels' interface (a slot table is a page table with
-page size 1), so it can stand in wherever those run. Outside CUDA it runs only under Triton's CPU
-interpreter (TRITON_INTERPRET=1 for the whole process, set before Triton is imported), which is how the
-tests check it on any machine.
+It takes the same calls as the CPU kernels (model.paged_attention.AttentionKernel). Outside CUDA it runs
+only under Triton's CPU interpreter (TRITON_INTERPRET=1 for the whole process, set before Triton is
+imported), which is how the tests check it on any machine.
 """
 
 from __future__ import annotations
@@ -87,7 +86,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 class TritonAttention:
-    """The Triton attention backend (implements model.paged_attention.PagedAttentionKernel)."""
+    """The Triton attention backend (implements model.paged_attention.AttentionKernel)."""
 
     def __init__(self, decode: DecodeConfig = DecodeConfig(), extend: ExtendConfig = ExtendConfig(),
                  multiprocessors: int | None = None) -> None:
@@ -136,21 +135,6 @@ class TritonAttention:
 
     supports_decode_attention = supports_paged_attention
     supports_prefill_attention = supports_paged_attention
-
-    # ---- the CPU kernels' slot-addressed interface (model.paged_attention.AttentionKernel) ----
-    def decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
-                         ctx_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        """q (B, H, D) against the pool rows at slots[b, :ctx_lens[b]] -> (B, H, D)."""
-        return self.paged_decode_attention(q, k_pool, v_pool, slots, 1, ctx_lens, scale)
-
-    def prefill_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                          context_slots: torch.Tensor, scale: float) -> torch.Tensor:
-        """q (L, H, D), the last L of the context's slots -> causal attention over the context, (L, H, D)."""
-        length = q.shape[0]
-        cu_seqlens = torch.tensor([0, length], dtype=torch.int64, device=q.device)
-        ctx_lens = torch.tensor([context_slots.shape[0]], dtype=torch.int64, device=q.device)
-        return self.paged_prefill_attention(q, k_pool, v_pool, context_slots.unsqueeze(0), 1, cu_seqlens, ctx_lens,
-                                            length, scale)
 
     # ---- page-table addressed, every row of a kind in one launch ----
     def paged_decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,

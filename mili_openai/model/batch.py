@@ -2,11 +2,9 @@
 
 The engine's runner builds it; the model only reads it. Token rows are ordered decode sequences first
 (one token each), then prefill chunks (several tokens each). A KV *slot* is `page * page_size + offset`
-in the flat per-layer cache of `KVCache`.
-
-Contexts come in one of two forms, whichever the model's attention kernel reads: slot tables
-(`decode_slots`, `PrefillSegment.context_slots`; the CPU kernels and torch's SDPA), or page tables
-(`pages`; the Triton kernels, which then get every decode row in one call and every prefill chunk in one).
+in the flat per-layer cache of `KVCache`; every attention path (the CPU and Triton kernels, torch's SDPA)
+reads a context through its page table (`PageTables`), every decode row in one call and every prefill
+chunk in one more.
 """
 
 from __future__ import annotations
@@ -20,8 +18,7 @@ import torch
 class PrefillSegment:
     start: int  # first row of this chunk in the flat batch
     length: int  # tokens in this chunk
-    # (ctx_len,) int64: slots of the cached prefix followed by this chunk; None in a batch with page tables
-    context_slots: torch.Tensor | None
+    context_len: int  # tokens of the cached prefix followed by this chunk
 
 
 @dataclass(slots=True)
@@ -36,7 +33,7 @@ class PageTables:
     # (segments + 1,) int64: segment s has rows [cu[s], cu[s + 1]) counted from the first prefill row
     prefill_cu_seqlens: torch.Tensor | None
     prefill_ctx_lens: torch.Tensor | None  # (segments,) int64: context length after each chunk
-    max_prefill_len: int = 0  # the longest chunk (sizes the extend kernel's grid)
+    max_prefill_len: int = 0  # the longest chunk (sizes the Triton extend kernel's grid)
 
 
 @dataclass(slots=True)
@@ -47,14 +44,13 @@ class ForwardBatch:
     # rows [0, num_decode) are single-token decodes: one per sequence, or, for a sequence verifying draft
     # tokens, consecutive rows at consecutive positions (each attends to the rows before it)
     num_decode: int
-    decode_slots: torch.Tensor | None  # (num_decode, max_ctx) int64 context slots, padded with 0; None with pages
-    # (num_decode,) int64 valid context of each decode row (slots past it are padding); None without decodes
+    # (num_decode,) int64 context of each decode row, itself included; None without decodes
     decode_ctx_lens: torch.Tensor | None
     prefills: list[PrefillSegment]  # rows [num_decode, T) in order; each attends causally to its context
     logits_indices: torch.Tensor  # (S,) int64 rows whose logits are wanted (decode rows, last token of sampled chunks)
+    pages: PageTables  # every row's context
     # (cos, signed_sin) of `positions`, (T, 1, D) each, where the builder computed them ahead (else the model does)
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None
-    pages: PageTables | None = None  # the contexts as page tables instead of slot tables (see the docstring)
 
     @property
     def num_tokens(self) -> int:

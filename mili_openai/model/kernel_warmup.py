@@ -51,7 +51,7 @@ def mixed_step(device: torch.device) -> tuple[ForwardBatch, int]:
         positions += range(prefix, prefix + new)
         slots += [pages[p // WARMUP_PAGE_SIZE] * WARMUP_PAGE_SIZE + p % WARMUP_PAGE_SIZE
                   for p in range(prefix, prefix + new)]
-        prefills.append(PrefillSegment(row, new, None))
+        prefills.append(PrefillSegment(row, new, prefix + new))
         row += new
     width = max(len(pages) for pages in table_rows)
     table = torch.tensor([pages + [0] * (width - len(pages)) for pages in table_rows], device=device)
@@ -64,7 +64,7 @@ def mixed_step(device: torch.device) -> tuple[ForwardBatch, int]:
     batch = ForwardBatch(
         input_ids=torch.zeros(tokens, dtype=torch.int64, device=device),
         positions=torch.tensor(positions, device=device), slot_mapping=torch.tensor(slots, device=device),
-        num_decode=MIXED_DECODE_ROWS, decode_slots=None,
+        num_decode=MIXED_DECODE_ROWS,
         decode_ctx_lens=torch.ones(MIXED_DECODE_ROWS, dtype=torch.int64, device=device), prefills=prefills,
         logits_indices=torch.arange(tokens, device=device), pages=pages)
     return batch, first_page
@@ -75,7 +75,7 @@ def decode_step(rows: int, device: torch.device) -> ForwardBatch:
     zeros = torch.zeros(rows, dtype=torch.int64, device=device)
     pages = PageTables(WARMUP_PAGE_SIZE, decode=zeros[:, None], prefill=None, prefill_cu_seqlens=None,
                        prefill_ctx_lens=None)
-    return ForwardBatch(input_ids=zeros, positions=zeros, slot_mapping=zeros, num_decode=rows, decode_slots=None,
+    return ForwardBatch(input_ids=zeros, positions=zeros, slot_mapping=zeros, num_decode=rows,
                         decode_ctx_lens=zeros + 1, prefills=[], logits_indices=torch.arange(rows, device=device),
                         pages=pages)
 
@@ -86,8 +86,6 @@ def warm_up_kernels(model: Qwen3ForCausalLM, config: ModelConfig, decode_rows: l
     """Run the forwards that compile every kernel variant (module docstring) on a scratch KV cache of
     `config`'s shapes (this rank's, under tensor parallelism), freed after -> how many forwards ran.
     decode_rows: the row counts of the decode steps (each the fewest rows of one decode split count)."""
-    if not model.uses_page_tables:
-        raise ValueError("the kernel warm-up builds page-table batches: the model's attention must read them")
     mixed, pages = mixed_step(device)
     cache = KVCache(config, pages, WARMUP_PAGE_SIZE, model.dtype, device)
     model.compute_logits(model(mixed, cache)[:MAX_LOGITS_ROWS])

@@ -1,8 +1,8 @@
 """Attention over the paged KV cache for one layer: write the new tokens' K/V into their slots, then
-attend — all decode rows in one call, each prefill chunk in its own causal call; through a compiled
-kernel reading the pool in place where one applies, else torch's SDPA over gathered copies. A batch that
-carries page tables (`ForwardBatch.pages`) goes to a `PagedAttentionKernel` instead: all decode rows in
-one call and all prefill chunks in one more.
+attend through the step's page tables (`ForwardBatch.pages`): all decode rows in one call, all prefill
+chunks in one more, through a compiled kernel reading the pool in place where one applies
+(`AttentionKernel`: the CPU kernels, the Triton kernels), else torch's SDPA over copies gathered through
+the same page tables (each prefill chunk on its own).
 
 Grouped-query attention uses SDPA's `enable_gqa=True`: it matches expanding the KV heads exactly and
 copies nothing per head, which makes fp32 decode much faster on CPU.
@@ -10,39 +10,27 @@ copies nothing per head, which makes fp32 decode much faster on CPU.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from mili_openai.model.batch import ForwardBatch, PageTables, PrefillSegment
+from mili_openai.kernels.attention_reference import context_slots
+from mili_openai.model.batch import ForwardBatch, PageTables
 
 
 class AttentionKernel(Protocol):
-    """Compiled decode and prefill attention reading K/V in place (see mili_openai.kernels.CpuKernels)."""
+    """Compiled attention reading K/V in place through page tables, every decode row of a step in one call
+    and every prefill chunk in another (mili_openai.kernels.CpuKernels, kernels.triton_attention). Page
+    tables are (rows, W) int64 or int32; `out`, where given, is a contiguous (rows, H, D) the result goes to."""
 
     def supports_decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor) -> bool: ...
-
-    def decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor,
-                         ctx_lens: torch.Tensor, scale: float) -> torch.Tensor: ...
-
-    def supports_prefill_attention(self, q: torch.Tensor, k_pool: torch.Tensor) -> bool: ...
-
-    def prefill_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                          context_slots: torch.Tensor, scale: float) -> torch.Tensor: ...
-
-
-@runtime_checkable
-class PagedAttentionKernel(AttentionKernel, Protocol):
-    """An `AttentionKernel` that also reads contexts through page tables, every decode row of a step in
-    one call and every prefill chunk in another (mili_openai.kernels.triton_attention). The runner
-    builds page tables instead of slot tables for a model that has one."""
-
-    def supports_paged_attention(self, q: torch.Tensor, k_pool: torch.Tensor) -> bool: ...
 
     def paged_decode_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                page_table: torch.Tensor, page_size: int, ctx_lens: torch.Tensor, scale: float,
                                out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def supports_prefill_attention(self, q: torch.Tensor, k_pool: torch.Tensor) -> bool: ...
 
     def paged_prefill_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                                 page_table: torch.Tensor, page_size: int, cu_seqlens: torch.Tensor,
@@ -78,43 +66,71 @@ def gather_slots(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return pool.index_select(0, slots.reshape(-1)).view(*slots.shape, *pool.shape[1:])
 
 
-def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch,
-                     scale: float, kernel: AttentionKernel | None = None) -> torch.Tensor:
-    """One query per sequence against its context. q (B, H, D) -> (B, H, D).
 
-    With a compiled kernel the context is read in place from the pool; otherwise it is gathered into a
-    padded (B, C) copy and masked.
+def table_slots(page_table: torch.Tensor, page_size: int) -> torch.Tensor:
+    """(rows, W) page table -> (rows, W * page_size) int64: the slot of every position its pages cover."""
+    offsets = torch.arange(page_size, device=page_table.device)
+    return (page_table.long()[:, :, None] * page_size + offsets).flatten(1)
+
+
+def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pages: PageTables,
+                     ctx_lens: torch.Tensor, scale: float, kernel: AttentionKernel | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query per row against its context. q (B, H, D) -> (B, H, D), into `out` where given.
+
+    With a compiled kernel the context is read in place from the pool; otherwise every row's pages are
+    gathered into a padded (B, W * page_size) copy and masked past its length.
     """
-    slots, ctx_lens = batch.decode_slots, batch.decode_ctx_lens
     if kernel is not None and kernel.supports_decode_attention(q, k_pool):
-        return kernel.decode_attention(q, k_pool, v_pool, slots, ctx_lens, scale)
+        return kernel.paged_decode_attention(q, k_pool, v_pool, pages.decode, pages.page_size, ctx_lens, scale, out=out)
+    slots = table_slots(pages.decode, pages.page_size)  # (B, C)
     mask = (torch.arange(slots.shape[1], device=slots.device)[None, :] < ctx_lens[:, None])[:, None, None, :]
     compute = decode_compute_dtype(q.dtype, q.device)
     keys = gather_slots(k_pool, slots).to(compute).transpose(1, 2)  # (B, kv_heads, C, D)
     values = gather_slots(v_pool, slots).to(compute).transpose(1, 2)  # (B, kv_heads, C, D)
-    out = F.scaled_dot_product_attention(
+    attended = F.scaled_dot_product_attention(
         q.to(compute).unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=True
-    )  # (B, H, 1, D)
-    return out.squeeze(2).to(q.dtype)
+    ).squeeze(2)  # (B, H, D)
+    if out is None:
+        return attended.to(q.dtype)
+    out.copy_(attended)
+    return out
 
 
 def prefill_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_pool: torch.Tensor,
-                      v_pool: torch.Tensor, segment: PrefillSegment, scale: float,
-                      kernel: AttentionKernel | None = None) -> torch.Tensor:
-    """One chunk of one sequence, causally over its cached prefix plus itself.
+                      v_pool: torch.Tensor, batch: ForwardBatch, scale: float, kernel: AttentionKernel | None,
+                      out: torch.Tensor) -> torch.Tensor:
+    """Every prefill chunk causally over its cached prefix plus itself, into `out`.
 
-    q (L, H, D); k_new, v_new (L, kv_heads, D) the chunk's own K/V (already written to the pool)
-    -> (L, H, D). Query i sits at context position ctx - L + i and sees context [0, ctx - L + i].
+    q, out (P, H, D); k_new, v_new (P, kv_heads, D): the prefill rows and their own K/V (already written to
+    the pool). Row i of a chunk of L sits at context position ctx - L + i and sees context [0, ctx - L + i].
     """
+    pages = batch.pages
     if kernel is not None and kernel.supports_prefill_attention(q, k_pool):
-        return kernel.prefill_attention(q, k_pool, v_pool, segment.context_slots, scale)
-    length, ctx = segment.length, int(segment.context_slots.shape[0])
+        return kernel.paged_prefill_attention(q, k_pool, v_pool, pages.prefill, pages.page_size,
+                                              pages.prefill_cu_seqlens, pages.prefill_ctx_lens, pages.max_prefill_len,
+                                              scale, out=out)
+    first = batch.num_decode
+    for index, segment in enumerate(batch.prefills):
+        rows = slice(segment.start - first, segment.start - first + segment.length)
+        out[rows] = chunk_attention(q[rows], k_new[rows], v_new[rows], k_pool, v_pool, pages.prefill[index],
+                                    pages.page_size, segment.context_len, scale)
+    return out
+
+
+def chunk_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_pool: torch.Tensor,
+                    v_pool: torch.Tensor, table_row: torch.Tensor, page_size: int, ctx: int,
+                    scale: float) -> torch.Tensor:
+    """One chunk through torch's SDPA: q (L, H, D) over the `ctx` positions its pages `table_row` hold, its
+    own K/V (k_new, v_new) the last L -> (L, H, D)."""
+    length = q.shape[0]
     if ctx == length:
         # no cached prefix: the chunk's own K/V are the whole context, no gather, plain causal mask
         keys, values, mask, causal = k_new, v_new, None, True
     else:
-        keys = gather_slots(k_pool, segment.context_slots)  # (ctx, kv_heads, D)
-        values = gather_slots(v_pool, segment.context_slots)
+        slots = context_slots(table_row, page_size, ctx)
+        keys = gather_slots(k_pool, slots)  # (ctx, kv_heads, D)
+        values = gather_slots(v_pool, slots)
         key_pos = torch.arange(ctx, device=q.device)
         query_pos = torch.arange(ctx - length, ctx, device=q.device)
         mask, causal = key_pos[None, :] <= query_pos[:, None], False  # (L, ctx), bottom-right causal
@@ -132,40 +148,13 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: t
                     kernel: AttentionKernel | None = None) -> torch.Tensor:
     """q (T, H, D), k/v (T, kv_heads, D) of the batch's new tokens -> attention output (T, H, D)."""
     write_kv(k_pool, v_pool, k, v, batch.slot_mapping)
-    if batch.pages is not None:
-        return attention_through_page_tables(q, k_pool, v_pool, batch, batch.pages, scale, kernel)
     num_decode = batch.num_decode
-    if num_decode and not batch.prefills:  # the steady state: skip the output buffer
-        return decode_attention(q, k_pool, v_pool, batch, scale, kernel)
-    if len(batch.prefills) == 1 and not num_decode:
-        segment = batch.prefills[0]
-        return prefill_attention(q, k, v, k_pool, v_pool, segment, scale, kernel)
-    out = torch.empty_like(q)  # (T, H, D)
+    if not batch.prefills:  # the steady state: no output buffer to fill
+        return decode_attention(q, k_pool, v_pool, batch.pages, batch.decode_ctx_lens, scale, kernel)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (T, H, D), contiguous whatever q's strides
     if num_decode:
-        out[:num_decode] = decode_attention(q[:num_decode], k_pool, v_pool, batch, scale, kernel)
-    for segment in batch.prefills:
-        rows = slice(segment.start, segment.start + segment.length)
-        out[rows] = prefill_attention(q[rows], k[rows], v[rows], k_pool, v_pool, segment, scale, kernel)
-    return out
-
-
-def attention_through_page_tables(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: ForwardBatch,
-                                  pages: PageTables, scale: float, kernel: AttentionKernel | None) -> torch.Tensor:
-    """The decode rows in one kernel call, every prefill chunk in one more, both writing one output: no
-    per-chunk loop, no gathered copy."""
-    supports = getattr(kernel, "supports_paged_attention", None)  # cheaper than isinstance on a Protocol
-    if supports is None or not supports(q, k_pool):
-        raise RuntimeError("the batch carries page tables, but the model has no attention kernel that reads "
-                           f"them for {q.dtype} queries on {q.device}")
-    num_decode = batch.num_decode
-    if not batch.prefills:
-        return kernel.paged_decode_attention(q, k_pool, v_pool, pages.decode, pages.page_size,
-                                             batch.decode_ctx_lens, scale)
-    out = torch.empty_like(q)  # (T, H, D)
-    if num_decode:
-        kernel.paged_decode_attention(q[:num_decode], k_pool, v_pool, pages.decode, pages.page_size,
-                                      batch.decode_ctx_lens, scale, out=out[:num_decode])
-    kernel.paged_prefill_attention(q[num_decode:], k_pool, v_pool, pages.prefill, pages.page_size,
-                                   pages.prefill_cu_seqlens, pages.prefill_ctx_lens, pages.max_prefill_len, scale,
-                                   out=out[num_decode:])
+        decode_attention(q[:num_decode], k_pool, v_pool, batch.pages, batch.decode_ctx_lens, scale, kernel,
+                         out[:num_decode])
+    prefill_attention(q[num_decode:], k[num_decode:], v[num_decode:], k_pool, v_pool, batch, scale, kernel,
+                      out[num_decode:])
     return out

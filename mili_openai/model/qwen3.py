@@ -28,7 +28,7 @@ from mili_openai.model.config import ModelConfig
 from mili_openai.model.kv_cache import KVCache
 from mili_openai.model.layers import FusedOpKernel, Linear, MatmulFn, ResidualNormKernel, RMSNorm, SwiGLUMLP
 from mili_openai.model.moe import ExpertsKernel, GroupedExperts, SparseMoeBlock, SparseMoeKernel
-from mili_openai.model.paged_attention import AttentionKernel, PagedAttentionKernel
+from mili_openai.model.paged_attention import AttentionKernel
 from mili_openai.model.quantization.modules import (
     Fp8Linear,
     Fp8MatmulFn,
@@ -47,7 +47,8 @@ class DecodeStack(Protocol):
     max_rows: int  # decode batches up to this size; larger ones run layer by layer
 
     def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, pools: torch.Tensor,
-                slot_mapping: torch.Tensor, slots: torch.Tensor, ctx_lens: torch.Tensor) -> torch.Tensor: ...
+                slot_mapping: torch.Tensor, page_table: torch.Tensor, page_size: int,
+                ctx_lens: torch.Tensor) -> torch.Tensor: ...
 
 
 class DecodeStackKernel(Protocol):
@@ -113,7 +114,7 @@ class Qwen3Model(nn.Module):
         if (stack is not None and not batch.prefills and batch.decode_ctx_lens is not None
                 and batch.num_decode <= stack.max_rows):
             hidden = stack.forward(batch.input_ids, cos, sin, kv_cache.pools, batch.slot_mapping,
-                                   batch.decode_slots, batch.decode_ctx_lens)
+                                   batch.pages.decode, batch.pages.page_size, batch.decode_ctx_lens)
             return self.norm(hidden)
         hidden = self.embed_tokens(batch.input_ids)  # (T, hidden)
         residual = None
@@ -135,7 +136,7 @@ class Qwen3ForCausalLM(nn.Module):
         self.lm_head: nn.Module | None = (None if config.tie_word_embeddings
                                           else Linear(config.hidden_size, local.vocab_size))
         self._logits_matmul: MatmulFn = F.linear
-        self.uses_page_tables = False  # whether forward batches must carry page tables (set_attention_kernel)
+        self.attention_kernel: AttentionKernel | None = None  # the layers' (set_attention_kernel); None: torch's SDPA
         self.quantization: str | None = None  # the scheme's description, set by the loader
 
     @property
@@ -181,11 +182,10 @@ class Qwen3ForCausalLM(nn.Module):
                 module.kernel = kernel
 
     def set_attention_kernel(self, kernel: AttentionKernel | None) -> None:
-        """Let decode rows and prefill chunks attend straight from the paged pool through a compiled kernel.
-        One that reads page tables (`PagedAttentionKernel`) gets batches that carry them (`uses_page_tables`)."""
+        """Let decode rows and prefill chunks attend straight from the paged pool through a compiled kernel."""
         for layer in self.model.layers:
             layer.self_attn.attention_kernel = kernel
-        self.uses_page_tables = isinstance(kernel, PagedAttentionKernel)
+        self.attention_kernel = kernel
 
     def set_fused_op_kernel(self, kernel: FusedOpKernel | None) -> None:
         """Run every RMSNorm, each layer's q/k norm + RoPE and SwiGLU activation through a compiled kernel."""

@@ -51,11 +51,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "y = x @ w.T for bf16 x (M, K) and w (N, K), fp32 accumulation; "
         "bf16_dot_products: several rows of x multiply bf16 pairs (AVX512-BF16); amx_tiles: up to 16 rows on "
         "AMX tiles", release_gil());
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over paged K/V slots; amx_tiles: "
-        "prefixes several sequences share on AMX tiles, once for all of them", release_gil());
-  m.def("paged_prefill_attention", &paged_prefill_attention, "causal prefill attention over paged K/V slots; "
-        "amx_tiles: bf16 on AMX tiles",
-        release_gil());
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention through page tables into out; "
+        "amx_tiles: prefixes several sequences share on AMX tiles, once for all of them", release_gil());
+  m.def("paged_prefill_attention", &paged_prefill_attention, "causal attention of every prefill chunk through "
+        "page tables into out; amx_tiles: bf16 on AMX tiles", release_gil());
   m.def("cpu_has_bf16_dot_products", &cpu_has_bf16_dot_products, "whether the CPU has AVX512-BF16");
   m.def("cpu_has_amx_tiles", &cpu_has_amx_tiles, "whether the CPU has AMX-BF16 tiles that Linux lets us use");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm with transformers' bf16 rounding", release_gil());

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <vector>
 
+#include "attention_pages.h"
 #include "kernels.h"
 #include "moe.h"
 #include "quantized_linear.h"
@@ -77,11 +78,12 @@ class DecodeStack {
     TORCH_CHECK(next == linears.size(), "decode_stack: more linears than the layers take");
   }
 
-  // input_ids (B,) int64; cos, signed_sin (B, 1, D); pools (layers, 2, slots, KV, D); slot_mapping (B,),
-  // slots (B, C), ctx_lens (B,) int64 -> hidden after the last layer, before the final norm.
+  // input_ids (B,) int64; cos, signed_sin (B, 1, D); pools (layers, 2, slots, KV, D); slot_mapping (B,) int64;
+  // page_table (B, W) int64 or int32 of page_size slots a page, ctx_lens (B,) int64 -> hidden after the last
+  // layer, before the final norm. The contexts' slots are listed once, for every layer.
   torch::Tensor forward(const torch::Tensor& input_ids, const torch::Tensor& cos, const torch::Tensor& signed_sin,
-                        const torch::Tensor& pools, const torch::Tensor& slot_mapping, const torch::Tensor& slots,
-                        const torch::Tensor& ctx_lens) const {
+                        const torch::Tensor& pools, const torch::Tensor& slot_mapping, const torch::Tensor& page_table,
+                        int64_t page_size, const torch::Tensor& ctx_lens) const {
     torch::Tensor hidden = embed(input_ids);
     const int64_t tokens = hidden.size(0), heads = num_q_heads_ + num_kv_heads_, row = num_kv_heads_ * head_dim_;
     TORCH_CHECK(pools.scalar_type() == at::kBFloat16 && pools.is_contiguous() && pools.dim() == 5 &&
@@ -91,6 +93,11 @@ class DecodeStack {
                 slot_mapping.numel() == tokens, "decode_stack: one int64 slot per token");
     const int64_t num_slots = pools.size(2);
     const int64_t* mapping = slot_mapping.data_ptr<int64_t>();
+    TORCH_CHECK(ctx_lens.scalar_type() == at::kLong && ctx_lens.is_contiguous() && ctx_lens.numel() == tokens,
+                "decode_stack: one int64 context length per token");
+    const int64_t* lengths = ctx_lens.data_ptr<int64_t>();
+    mili::check_page_table(page_table, page_size, lengths, tokens, num_slots, "decode_stack");
+    const torch::Tensor slots = mili::context_slot_rows(page_table, page_size, lengths, tokens);
     for (size_t index = 0; index < layers_.size(); ++index) {
       const LayerWeights& w = layers_[index];
       const torch::Tensor k_pool = pools.select(0, index).select(0, 0);
@@ -104,9 +111,10 @@ class DecodeStack {
       write_kv(qk.data_ptr<at::BFloat16>() + num_q_heads_ * head_dim_, heads * head_dim_,
                qkv.data_ptr<at::BFloat16>() + heads * head_dim_, qkv.size(1), mapping, tokens, row, num_slots,
                k_pool.data_ptr<at::BFloat16>(), v_pool.data_ptr<at::BFloat16>());
-      const torch::Tensor attended = paged_decode_attention(qk.narrow(1, 0, num_q_heads_).contiguous(), k_pool, v_pool,
-                                                            slots, ctx_lens, scale_, bf16_dot_products_,
-                                                            amx_tiles_, prefetch_blocks_);  // (B, H, D)
+      const torch::Tensor q = qk.narrow(1, 0, num_q_heads_).contiguous();
+      torch::Tensor attended = torch::empty_like(q);  // (B, H, D)
+      decode_attention_over_slots(q, k_pool, v_pool, slots, ctx_lens, scale_, bf16_dot_products_, amx_tiles_,
+                                  prefetch_blocks_, attended);
       hidden = linear_packed(attended.view({tokens, num_q_heads_ * head_dim_}), w.o, bf16_dot_products_, amx_tiles_)
                    .add_(hidden);
       const torch::Tensor normed = rms_norm_bf16(hidden, w.post_norm, eps_);

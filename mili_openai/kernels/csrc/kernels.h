@@ -17,13 +17,19 @@ void multiply_weight_rows_packing(const at::BFloat16* x, int64_t M, int64_t K, c
 bool cpu_has_amx_tiles();  // AMX-BF16, with Linux's leave to use the tiles (asked once per process)
 bool amx_linear_fits(int64_t M, int64_t N, int64_t K);
 torch::Tensor linear_amx(const torch::Tensor& x, const torch::Tensor& w);
-torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool,
-                                     const torch::Tensor& v_pool, const torch::Tensor& slots,
-                                     const torch::Tensor& ctx_lens, double scale, bool bf16_dot_products,
-                                     bool amx_tiles, int64_t prefetch_blocks);
-torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
-                                      const torch::Tensor& context_slots, double scale, bool bf16_dot_products,
-                                      bool amx_tiles);
+// Attention through page tables (attention_pages.h), as kernels/triton_attention.py takes it; out: (T, H, D)
+void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                            const torch::Tensor& page_table, int64_t page_size, const torch::Tensor& ctx_lens,
+                            double scale, bool bf16_dot_products, bool amx_tiles, int64_t prefetch_blocks,
+                            torch::Tensor out);
+// the same over slot rows (B, C) int64 already listed: for the decode stack, which lists them once for all layers
+void decode_attention_over_slots(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                                 const torch::Tensor& slots, const torch::Tensor& ctx_lens, double scale,
+                                 bool bf16_dot_products, bool amx_tiles, int64_t prefetch_blocks, torch::Tensor& out);
+void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                             const torch::Tensor& page_table, int64_t page_size, const torch::Tensor& cu_seqlens,
+                             const torch::Tensor& ctx_lens, double scale, bool bf16_dot_products, bool amx_tiles,
+                             torch::Tensor out);
 bool cpu_has_bf16_dot_products();
 torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight, double eps);
 torch::Tensor qk_norm_rope_bf16(const torch::Tensor& qk, const torch::Tensor& q_weight, const torch::Tensor& k_weight,

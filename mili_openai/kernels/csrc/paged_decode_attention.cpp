@@ -1,5 +1,5 @@
-// Decode attention straight from the paged KV pool: one query token per sequence attends to the
-// context slots listed for it, without gathering the context into a contiguous copy first.
+// Decode attention straight from the paged KV pool: one query token per sequence attends to the context
+// its page table row addresses (attention_pages.h), without gathering it into a contiguous copy first.
 //
 // Split over the context ("flash-decoding"): each sequence's context is cut into spans, and one task per
 // (sequence, span) walks its slots in blocks of 16, reading each slot's row once for every KV head
@@ -24,6 +24,7 @@
 #include <limits>
 #include <vector>
 
+#include "attention_pages.h"
 #include "decode_blocks.h"
 #include "decode_partials.h"
 #include "decode_shared_amx.h"
@@ -263,13 +264,12 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
 
 }  // namespace
 
-// q (B, H, D); k_pool, v_pool (slots, KV, D); slots (B, C) int64; ctx_lens (B,) int64 -> (B, H, D).
-// amx_tiles (with bf16_dot_products): prefixes several sequences share are attended on AMX tiles.
-// prefetch_blocks: how many blocks of 16 slots ahead the walk asks for (decode_blocks.h).
-torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool,
-                                     const torch::Tensor& v_pool, const torch::Tensor& slots,
-                                     const torch::Tensor& ctx_lens, double scale, bool bf16_dot_products,
-                                     bool amx_tiles, int64_t prefetch_blocks) {
+// q (B, H, D); k_pool, v_pool (slots, KV, D); slots (B, C) int64, each row's context slots; ctx_lens (B,)
+// int64 -> out (B, H, D). amx_tiles (with bf16_dot_products): prefixes several sequences share are attended
+// on AMX tiles. prefetch_blocks: how many blocks of 16 slots ahead the walk asks for (decode_blocks.h).
+void decode_attention_over_slots(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                                 const torch::Tensor& slots, const torch::Tensor& ctx_lens, double scale,
+                                 bool bf16_dot_products, bool amx_tiles, int64_t prefetch_blocks, torch::Tensor& out) {
   TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu(), "paged_decode_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(), "paged_decode_attention: shapes");
   TORCH_CHECK(q.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() && slots.is_contiguous() &&
@@ -278,6 +278,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
               "paged_decode_attention: q and the pools share a dtype");
   TORCH_CHECK(slots.scalar_type() == at::kLong && ctx_lens.scalar_type() == at::kLong, "int64 slots and lengths");
   TORCH_CHECK(q.size(2) == k_pool.size(2), "q and the pools share head_dim");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.is_contiguous(),
+              "paged_decode_attention: out (B, H, D) contiguous, q's dtype");
   TORCH_CHECK(!bf16_dot_products || cpu_has_bf16_dot_products(),
               "paged_decode_attention: this CPU has no AVX512-BF16");
   TORCH_CHECK(prefetch_blocks >= 1 && prefetch_blocks <= kMaxBlocksAhead,
@@ -289,7 +291,6 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const int64_t* lp = ctx_lens.data_ptr<int64_t>();
   TORCH_CHECK(std::all_of(lp, lp + ctx_lens.size(0), [&](int64_t n) { return n >= 1 && n <= slots.size(1); }),
               "paged_decode_attention: each context holds 1 to slots.size(1) tokens");
-  auto out = torch::empty_like(q);
   if (q.scalar_type() == at::kBFloat16) {
     run<at::BFloat16>(q, k_pool, v_pool, slots, ctx_lens, scale, bf16_dot_products, amx_tiles, prefetch_blocks, out);
   } else if (q.scalar_type() == at::kFloat) {
@@ -297,5 +298,20 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   } else {
     TORCH_CHECK(false, "paged_decode_attention: bf16 or fp32 only");
   }
-  return out;
+}
+
+// q (B, H, D); k_pool, v_pool (slots, KV, D); page_table (B, W) int64 or int32, page_size slots a page;
+// ctx_lens (B,) int64 -> out (B, H, D): each row against positions [0, ctx_lens[b]) of its pages.
+void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                            const torch::Tensor& page_table, int64_t page_size, const torch::Tensor& ctx_lens,
+                            double scale, bool bf16_dot_products, bool amx_tiles, int64_t prefetch_blocks,
+                            torch::Tensor out) {
+  TORCH_CHECK(ctx_lens.scalar_type() == at::kLong && ctx_lens.is_contiguous() && ctx_lens.dim() == 1 &&
+              q.dim() == 3 && ctx_lens.size(0) == q.size(0) && k_pool.dim() == 3,
+              "paged_decode_attention: q (B, H, D), ctx_lens (B,) int64");
+  const int64_t* lengths = ctx_lens.data_ptr<int64_t>();
+  mili::check_page_table(page_table, page_size, lengths, q.size(0), k_pool.size(0), "paged_decode_attention");
+  const torch::Tensor slots = mili::context_slot_rows(page_table, page_size, lengths, q.size(0));
+  decode_attention_over_slots(q, k_pool, v_pool, slots, ctx_lens, scale, bf16_dot_products, amx_tiles,
+                              prefetch_blocks, out);
 }

@@ -1,6 +1,7 @@
-// Prefill attention straight from the paged KV pool: a chunk of L query tokens of one sequence attends
-// causally to its context (cached prefix plus the chunk itself, already written to the pool), without
-// gathering the context into a contiguous copy or building a mask.
+// Prefill attention straight from the paged KV pool: each chunk of L query tokens of one sequence attends
+// causally to its context (cached prefix plus the chunk itself, already written to the pool), read through
+// the chunk's page table row (attention_pages.h), without gathering it into a contiguous copy or building a
+// mask. The chunks of a step come in one call and run one after another, each over every thread.
 //
 // Flash-attention order on AVX-512: one task per (KV head, block of query positions) holds the block's
 // rows for every query head sharing that KV head (grouped-query attention: each K and V row serves the
@@ -17,7 +18,9 @@
 #include <algorithm>
 #include <atomic>
 #include <limits>
+#include <vector>
 
+#include "attention_pages.h"
 #include "kernels.h"
 #include "prefill_amx.h"
 #include "prefill_products.h"
@@ -114,13 +117,13 @@ void attend_task(const T* q, const T* k_pool, const T* v_pool, const int64_t* sl
 }
 
 template <typename T, typename Products>
-void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
-         const torch::Tensor& slots, double scale, torch::Tensor& out) {
+void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool, const int64_t* sp,
+         int64_t ctx, double scale, torch::Tensor& out) {
   Shapes s{};
   s.length = q.size(0);
   s.num_heads = q.size(1);
   s.head_dim = q.size(2);
-  s.ctx = slots.size(0);
+  s.ctx = ctx;
   s.num_kv_heads = k_pool.size(1);
   s.group = s.num_heads / s.num_kv_heads;
   s.positions_per_task = kTaskRows / s.group;
@@ -130,7 +133,6 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
   const T* qp = q.data_ptr<T>();
   const T* kp = k_pool.data_ptr<T>();
   const T* vp = v_pool.data_ptr<T>();
-  const int64_t* sp = slots.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   // Later position blocks see more keys: hand them out first, from a shared counter, so the cheap early
   // blocks fill in at the end and no thread is left with the long tail.
@@ -147,54 +149,73 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
   });
 }
 
+// One chunk: q (L, H, D) against its context slots [0, ctx) (the chunk's own L last) into out (L, H, D).
+void attend_chunk(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                  const int64_t* slots, int64_t ctx, double scale, bool bf16_dot_products, bool amx_tiles,
+                  torch::Tensor out) {
+  if (amx_tiles && mili::prefill::amx_prefill_fits(q.size(1), k_pool.size(1), q.size(2))) {
+    const mili::prefill::AmxPrefillShape shape{q.size(0), ctx, q.size(1), k_pool.size(1), q.size(2), q.stride(0),
+                                               k_pool.stride(0)};
+    mili::prefill::attend_prefill_amx(q.data_ptr<at::BFloat16>(), k_pool.data_ptr<at::BFloat16>(),
+                                      v_pool.data_ptr<at::BFloat16>(), slots, shape, static_cast<float>(scale),
+                                      out.data_ptr<at::BFloat16>());
+  } else if (bf16_dot_products) {
+    run<at::BFloat16, mili::Bf16DotProducts>(q, k_pool, v_pool, slots, ctx, scale, out);
+  } else if (q.scalar_type() == at::kBFloat16) {
+    run<at::BFloat16, mili::Fp32Products<at::BFloat16>>(q, k_pool, v_pool, slots, ctx, scale, out);
+  } else {
+    run<float, mili::Fp32Products<float>>(q, k_pool, v_pool, slots, ctx, scale, out);
+  }
+}
+
 }  // namespace
 
-// q (L, H, D) (rows may be strided, each row's heads contiguous); k_pool, v_pool (slots, KV, D);
-// context_slots (ctx,) int64, the chunk's own L slots last -> (L, H, D). Query i sits at context position
-// ctx - L + i and sees positions [0, ctx - L + i]. bf16_dot_products: bf16 inputs multiply in bf16
-// pairs (VDPBF16PS), on a CPU that has them; amx_tiles: with them, on AMX tiles where the heads fit
-// (prefill_amx.cpp).
-torch::Tensor paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
-                                      const torch::Tensor& context_slots, double scale, bool bf16_dot_products,
-                                      bool amx_tiles) {
+// q (T, H, D), every chunk's rows (rows may be strided, each row's heads contiguous); k_pool, v_pool (slots,
+// KV, D); page_table (S, W) int64 or int32, a row per chunk, page_size slots a page (attention_pages.h);
+// cu_seqlens (S + 1,) int64: chunk s is rows [cu[s], cu[s + 1]); ctx_lens (S,) int64: its context after the
+// chunk -> out (T, H, D) contiguous. Row i of a chunk of L sits at context position ctx - L + i and sees
+// positions [0, ctx - L + i]. bf16_dot_products: bf16 inputs multiply in bf16 pairs (VDPBF16PS), on a CPU
+// that has them; amx_tiles: with them, on AMX tiles where the heads fit (prefill_amx.cpp).
+void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                             const torch::Tensor& page_table, int64_t page_size, const torch::Tensor& cu_seqlens,
+                             const torch::Tensor& ctx_lens, double scale, bool bf16_dot_products, bool amx_tiles,
+                             torch::Tensor out) {
   TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu(), "paged_prefill_attention: CPU tensors only");
   TORCH_CHECK(q.dim() == 3 && k_pool.dim() == 3 && v_pool.sizes() == k_pool.sizes(), "paged_prefill_attention: shapes");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "paged_prefill_attention: each q row's heads contiguous");
-  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && context_slots.is_contiguous(),
-              "paged_prefill_attention: contiguous pools and slots");
+  TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous(), "paged_prefill_attention: contiguous pools");
   TORCH_CHECK(q.scalar_type() == k_pool.scalar_type() && q.scalar_type() == v_pool.scalar_type(),
               "paged_prefill_attention: q and the pools share a dtype");
-  TORCH_CHECK(context_slots.scalar_type() == at::kLong, "paged_prefill_attention: int64 slots");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kFloat, "paged_prefill_attention: bf16 or fp32 only");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type() && out.is_contiguous(),
+              "paged_prefill_attention: out (T, H, D) contiguous, q's dtype");
   TORCH_CHECK(q.size(2) == k_pool.size(2) && q.size(2) % kLanes == 0, "head_dim: shared, a multiple of 16");
   TORCH_CHECK(q.size(1) % k_pool.size(1) == 0 && q.size(1) / k_pool.size(1) <= kTaskRows,
               "query heads must be a multiple of KV heads, at most 64 per KV head");
-  TORCH_CHECK(context_slots.size(0) >= q.size(0), "the context includes the chunk");
   TORCH_CHECK(!bf16_dot_products || (q.scalar_type() == at::kBFloat16 && mili::cpu_has_bf16_dot_products()),
               "paged_prefill_attention: bf16 dot products need bf16 inputs and a CPU with AVX512-BF16");
-  const int64_t* slot = context_slots.data_ptr<int64_t>();
-  const int64_t num_slots = k_pool.size(0);
-  TORCH_CHECK(std::all_of(slot, slot + context_slots.size(0), [&](int64_t c) { return c >= 0 && c < num_slots; }),
-              "paged_prefill_attention: a context slot lies outside the pool");
   TORCH_CHECK(!amx_tiles || (bf16_dot_products && cpu_has_amx_tiles()),
               "paged_prefill_attention: AMX tiles need bf16 dot products and a CPU that grants the tiles");
-  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  if (q.size(0) == 0) return out;
-  if (amx_tiles && mili::prefill::amx_prefill_fits(q.size(1), k_pool.size(1), q.size(2))) {
-    const mili::prefill::AmxPrefillShape shape{q.size(0), context_slots.size(0), q.size(1), k_pool.size(1),
-                                               q.size(2), q.stride(0), k_pool.stride(0)};
-    mili::prefill::attend_prefill_amx(q.data_ptr<at::BFloat16>(), k_pool.data_ptr<at::BFloat16>(),
-                                      v_pool.data_ptr<at::BFloat16>(), slot, shape, static_cast<float>(scale),
-                                      out.data_ptr<at::BFloat16>());
-  } else if (bf16_dot_products) {
-    run<at::BFloat16, mili::Bf16DotProducts>(q, k_pool, v_pool, context_slots, scale, out);
-  } else if (q.scalar_type() == at::kBFloat16) {
-    run<at::BFloat16, mili::Fp32Products<at::BFloat16>>(q, k_pool, v_pool, context_slots, scale, out);
-  } else if (q.scalar_type() == at::kFloat) {
-    run<float, mili::Fp32Products<float>>(q, k_pool, v_pool, context_slots, scale, out);
-  } else {
-    TORCH_CHECK(false, "paged_prefill_attention: bf16 or fp32 only");
+  const int64_t segments = ctx_lens.numel();
+  TORCH_CHECK(ctx_lens.scalar_type() == at::kLong && cu_seqlens.scalar_type() == at::kLong &&
+              ctx_lens.is_contiguous() && cu_seqlens.is_contiguous() && cu_seqlens.numel() == segments + 1,
+              "paged_prefill_attention: ctx_lens (S,) and cu_seqlens (S + 1,) int64");
+  const int64_t* cu = cu_seqlens.data_ptr<int64_t>();
+  const int64_t* lengths = ctx_lens.data_ptr<int64_t>();
+  TORCH_CHECK(cu[0] == 0 && cu[segments] == q.size(0), "paged_prefill_attention: cu_seqlens cover q's rows");
+  for (int64_t seg = 0; seg < segments; ++seg)
+    TORCH_CHECK(cu[seg] <= cu[seg + 1] && cu[seg + 1] - cu[seg] <= lengths[seg],
+                "paged_prefill_attention: each chunk lies within its context");
+  mili::check_page_table(page_table, page_size, lengths, segments, k_pool.size(0), "paged_prefill_attention");
+  std::vector<int64_t> slots;
+  for (int64_t seg = 0; seg < segments; ++seg) {
+    const int64_t length = cu[seg + 1] - cu[seg];
+    if (length == 0) continue;
+    slots.resize(lengths[seg]);
+    mili::list_context_slots(page_table, page_size, seg, lengths[seg], slots.data());
+    attend_chunk(q.narrow(0, cu[seg], length), k_pool, v_pool, slots.data(), lengths[seg], scale, bf16_dot_products,
+                 amx_tiles, out.narrow(0, cu[seg], length));
   }
-  return out;
 }
 
 bool cpu_has_bf16_dot_products() { return mili::cpu_has_bf16_dot_products(); }
