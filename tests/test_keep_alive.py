@@ -44,3 +44,17 @@ async def test_a_client_gone_mid_body_is_counted_and_gets_nothing(fake_engine, c
     value = metrics.registry.get_sample_value(
         "mili_client_disconnects_total", {"path": "/v1/completions", "phase": "request_body"})
     assert value == 1
+
+
+HTTPX_POOL_EXPIRY_S = 5.0  # httpx's default keepalive_expiry: the openai SDK's, LangChain's
+
+
+def test_the_server_idles_out_after_common_client_pools_and_the_flag_reaches_uvicorn():
+    from mili_openai.cli import build_parser, config_from_args, uvicorn_config
+
+    default = uvicorn_config(ServerConfig(), app=None)
+    assert default.timeout_keep_alive > HTTPX_POOL_EXPIRY_S  # the client's pool closes first: no race
+    args = build_parser().parse_args(["serve", "--timeout-keep-alive", "620"])
+    assert uvicorn_config(config_from_args(args), app=None).timeout_keep_alive == 620
+    with pytest.raises(ValueError, match="timeout_keep_alive_s"):
+        ServerConfig(timeout_keep_alive_s=0)
