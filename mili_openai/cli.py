@@ -35,6 +35,8 @@ from mili_openai.config import (
 from mili_openai.server.request_log import REQUEST_LOGGER_NAME
 
 if TYPE_CHECKING:
+    import uvicorn
+
     from mili_openai.server.drain import DrainingServer
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -64,6 +66,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="allowed CORS origin (repeatable; none = CORS off)")
     net.add_argument("--shutdown-grace-period", type=float, default=defaults.shutdown_grace_s,
                      help="seconds in-flight requests get to finish on SIGTERM")
+    net.add_argument("--timeout-keep-alive", type=int, default=defaults.timeout_keep_alive_s, metavar="SECONDS",
+                     help="close a keep-alive connection idle this long; keep it above clients' pool expiry (httpx: "
+                          "5 s) and below the idle timeout of any load balancer in front (docs/deployment.md)")
     net.add_argument("--responses-store-size", type=int, default=defaults.responses_store_size,
                      help="POST /v1/responses answers kept in memory for previous_response_id and GET "
                           "/v1/responses/{id} (the latest N, per replica; 0 keeps none)")
@@ -181,6 +186,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_body_bytes=args.max_body_bytes,
         cors_allow_origins=tuple(args.cors_allow_origins),
         shutdown_grace_s=args.shutdown_grace_period,
+        timeout_keep_alive_s=args.timeout_keep_alive,
         responses_store_size=args.responses_store_size,
         log_level=args.log_level,
         debug_endpoints=args.debug_endpoints,
@@ -202,18 +208,23 @@ def make_server(config: ServerConfig) -> DrainingServer:
     """A uvicorn server for `config` that drains the app on SIGTERM/SIGINT, then exits 0 (or exits 1 at once
     when the model fails to load)."""
     # imported here, not above: the server pulls in torch and the model, which `mili bench` never needs
-    import uvicorn
-
     from mili_openai.server.app import create_app
     from mili_openai.server.drain import DrainingServer
 
     app = create_app(config)
-    uv_config = uvicorn.Config(
+    return DrainingServer(uvicorn_config(config, app), app.state.server, config.shutdown_grace_s)
+
+
+def uvicorn_config(config: ServerConfig, app: Any) -> uvicorn.Config:
+    """uvicorn's settings for serving `app` under `config`."""
+    import uvicorn
+
+    return uvicorn.Config(
         app, host=config.host, port=config.port, log_level=config.log_level,
         access_log=False,  # the request log (one JSON line per request) replaces it
+        timeout_keep_alive=config.timeout_keep_alive_s,
         timeout_graceful_shutdown=math.ceil(config.shutdown_grace_s + UVICORN_SHUTDOWN_MARGIN_S),
     )
-    return DrainingServer(uv_config, app.state.server, config.shutdown_grace_s)
 
 
 def configure_logging(level: str) -> None:

@@ -206,6 +206,10 @@ class ServerConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     cors_allow_origins: tuple[str, ...] = ()  # empty = CORS off
     shutdown_grace_s: float = 30.0  # in-flight requests get this long to finish on SIGTERM
+    # An idle keep-alive connection is closed after this long. Well above the 5 s of httpx's pool (the openai
+    # SDK's, LangChain's...): a server that idles out first races the client's reuse of the connection, and
+    # the request sent into the closing socket is lost. Load balancers in front must idle out before it.
+    timeout_keep_alive_s: int = 75
     log_level: str = "info"
     # POST /v1/responses answers kept for previous_response_id and GET /v1/responses/{id}: the latest this
     # many, in this process's memory (per replica); 0 keeps none
@@ -227,6 +231,8 @@ class ServerConfig:
             raise ValueError("max_body_bytes must be >= 1024")
         if self.shutdown_grace_s < 0:
             raise ValueError("shutdown_grace_s must be >= 0")
+        if self.timeout_keep_alive_s < 1:
+            raise ValueError("timeout_keep_alive_s must be >= 1")
         if self.responses_store_size < 0:
             raise ValueError("responses_store_size must be >= 0")
 

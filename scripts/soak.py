@@ -11,6 +11,8 @@ mid-stream, bad inputs that must get a 4xx), then `--burst` concurrent streams, 
 radix tree's integrity check clean. It compares the server's RSS after the last round with the
 first (same traffic, so memory must stay flat), then sends SIGTERM and expects exit code 0.
 Prints a JSON report; exits 1 if any check failed. Bounded by `--deadline-s`. Not part of pytest.
+A request lost to a transport error (the connection dropped: httpx.ReadError, RemoteProtocolError...) is
+a failed request in the report, its status the error's name; it never ends the soak without a verdict.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Awaitable
 from pathlib import Path
 
 import httpx
@@ -118,6 +121,14 @@ async def wait_healthy(client: httpx.AsyncClient, proc: subprocess.Popen) -> Non
 
 
 # ---- one request of each kind: returns (kind, ok, status) ----
+async def outcome(kind: str, request: Awaitable[tuple[bool, int]]) -> tuple[str, bool, int | str]:
+    """(kind, ok, status) of one request; a transport error fails it, with the error's name as its status."""
+    try:
+        return (kind, *await request)
+    except httpx.TransportError as exc:
+        return kind, False, type(exc).__name__
+
+
 async def stream_ok(client: httpx.AsyncClient, path: str, body: dict, hang_up: bool = False) -> tuple[bool, int]:
     async with client.stream("POST", path, json=body) as response:
         if response.status_code != 200:
@@ -145,7 +156,7 @@ async def plain_ok(client: httpx.AsyncClient, path: str, body: dict) -> tuple[bo
     return all(c.get("finish_reason") in ("length", "stop") for c in choices), 200
 
 
-async def one_request(client: httpx.AsyncClient, index: int, args: argparse.Namespace) -> tuple[str, bool, int]:
+async def one_request(client: httpx.AsyncClient, index: int, args: argparse.Namespace) -> tuple[str, bool, int | str]:
     kind, max_tokens = index % 9, args.max_tokens
     rng = random.Random(f"{args.seed}-{index}")  # the same request in every round, whatever the interleaving
     sampling = {"model": MODEL_NAME, "max_tokens": max_tokens, "temperature": args.temperature, "seed": index,
@@ -153,28 +164,32 @@ async def one_request(client: httpx.AsyncClient, index: int, args: argparse.Name
     prompt = f"Request {index}: tell me about number {rng.randrange(10**6)}."
     messages = [{"role": "user", "content": prompt}]
     if kind == 0:
-        return ("completion", *await plain_ok(client, "/v1/completions", {**sampling, "prompt": prompt}))
+        return await outcome("completion", plain_ok(client, "/v1/completions", {**sampling, "prompt": prompt}))
     if kind == 1:
-        return ("completion_stream", *await stream_ok(client, "/v1/completions",
-                                                      {**sampling, "prompt": prompt, "stream": True}))
+        return await outcome("completion_stream", stream_ok(client, "/v1/completions",
+                                                            {**sampling, "prompt": prompt, "stream": True}))
     if kind == 2:
-        return ("completion_n3", *await plain_ok(client, "/v1/completions", {**sampling, "prompt": prompt, "n": 3}))
+        return await outcome("completion_n3", plain_ok(client, "/v1/completions",
+                                                       {**sampling, "prompt": prompt, "n": 3}))
     if kind == 3:
-        return ("shared_prefix", *await plain_ok(client, "/v1/completions",
-                                                 {**sampling, "prompt": SHARED_PREFIX + prompt}))
+        return await outcome("shared_prefix", plain_ok(client, "/v1/completions",
+                                                       {**sampling, "prompt": SHARED_PREFIX + prompt}))
     if kind == 4:
-        return ("chat", *await plain_ok(client, "/v1/chat/completions", {**sampling, "messages": messages}))
+        return await outcome("chat", plain_ok(client, "/v1/chat/completions", {**sampling, "messages": messages}))
     if kind == 5:
-        return ("chat_stream_n2", *await stream_ok(client, "/v1/chat/completions",
-                                                   {**sampling, "messages": messages, "stream": True, "n": 2}))
+        return await outcome("chat_stream_n2", stream_ok(client, "/v1/chat/completions",
+                                                         {**sampling, "messages": messages, "stream": True, "n": 2}))
     if kind == 6:
-        return ("generate", *await plain_ok(client, "/generate", {**sampling, "prompt": prompt}))
+        return await outcome("generate", plain_ok(client, "/generate", {**sampling, "prompt": prompt}))
     if kind == 7:
         body = {**sampling, "prompt": SHARED_PREFIX + prompt, "stream": True, "max_tokens": max_tokens * 8}
-        return ("hang_up", *await stream_ok(client, "/v1/completions", body, hang_up=True))
-    path, raw = BAD_REQUESTS[index // 9 % len(BAD_REQUESTS)]
+        return await outcome("hang_up", stream_ok(client, "/v1/completions", body, hang_up=True))
+    return await outcome("bad_input", bad_input_ok(client, *BAD_REQUESTS[index // 9 % len(BAD_REQUESTS)]))
+
+
+async def bad_input_ok(client: httpx.AsyncClient, path: str, raw: bytes) -> tuple[bool, int]:
     response = await client.post(path, content=raw, headers={"content-type": "application/json"})
-    return "bad_input", 400 <= response.status_code < 500, response.status_code
+    return 400 <= response.status_code < 500, response.status_code
 
 
 # ---- a round ----
@@ -191,14 +206,16 @@ async def run_round(client: httpx.AsyncClient, args: argparse.Namespace) -> dict
     mixed_s = time.monotonic() - started
     burst_body = {"model": MODEL_NAME, "max_tokens": args.max_tokens, "stream": True, "ignore_eos": True}
     started = time.monotonic()
-    burst = await asyncio.gather(*(stream_ok(client, "/v1/completions", {**burst_body, "prompt": f"burst {i}"})
+    burst = await asyncio.gather(*(outcome("burst_stream", stream_ok(client, "/v1/completions",
+                                                                     {**burst_body, "prompt": f"burst {i}"}))
                                    for i in range(args.burst)))
     burst_s = time.monotonic() - started
     long_ids = [rng.randrange(*VOCAB_SAFE_IDS) for _ in range(args.long_prompt_tokens)]
     started = time.monotonic()
-    long_ok = await plain_ok(client, "/v1/completions", {"model": MODEL_NAME, "prompt": long_ids, "max_tokens": 4})
+    long_prompt = await outcome("long_prompt", plain_ok(client, "/v1/completions",
+                                                        {"model": MODEL_NAME, "prompt": long_ids, "max_tokens": 4}))
     long_s = time.monotonic() - started
-    outcomes = [*mixed, *(("burst_stream", ok, status) for ok, status in burst), ("long_prompt", *long_ok)]
+    outcomes = [*mixed, *burst, long_prompt]
     return {
         "requests": len(outcomes),
         "failed": Counter(kind for kind, ok, _ in outcomes if not ok),
@@ -212,7 +229,13 @@ async def wait_idle(client: httpx.AsyncClient) -> dict:
     """The engine's page accounting once nothing runs (aborted hang-ups take a step to land)."""
     deadline = time.monotonic() + IDLE_TIMEOUT_S
     while True:
-        state = (await client.get("/debug/engine")).json()
+        try:
+            state = (await client.get("/debug/engine")).json()
+        except httpx.TransportError:  # a dropped connection: poll again (the deadline still bounds it)
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(POLL_S)
+            continue
         stats, pages = state["stats"], state["pages"]
         idle = stats["num_running"] == stats["num_waiting"] == 0 and pages["num_sequences"] == 0
         if idle or time.monotonic() > deadline:
@@ -259,6 +282,8 @@ def verdict(report: dict) -> list[str]:
         problems += [f"round {number}: {n} {kind} request(s) failed" for kind, n in result["failed"].items()]
         problems += [f"round {number}: {n} answer(s) with status {s}" for s, n in result["statuses"].items()
                      if s.startswith("5")]
+        problems += [f"round {number}: {n} request(s) lost to {s}" for s, n in result["statuses"].items()
+                     if not s.isdigit()]
         problems += [f"round {number}: {p}" for p in result["page_problems"]]
     first, last = report["rounds"][0]["rss_bytes"], report["rounds"][-1]["rss_bytes"]
     tolerance = max(RSS_TOLERANCE_BYTES, RSS_TOLERANCE_RATIO * first)

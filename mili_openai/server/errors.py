@@ -2,8 +2,11 @@
 
 Every error leaves the server as `{"error": {"message", "type", "param", "code"}}` with a fitting
 status: bad input is a 400 (never a 500), unknown routes 404, wrong methods 405, and only a real bug
-becomes a 500 `internal_error` (logged with its traceback). A client that leaves before a plain (not
-streamed) response is ready gets its work cancelled (`cancel_on_disconnect`) and is logged as 499.
+becomes a 500 `internal_error` (logged with its traceback). A client that leaves before its answer has
+started -- while its request body is still arriving, or while a plain (not streamed) response is being
+generated (`cancel_on_disconnect` then cancels the work) -- is no error of ours: it is logged at info as a
+client disconnect, counted in `mili_client_disconnects_total`, logged as a 499 by the request log, and
+nothing is sent to its closed socket.
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ import orjson
 import pydantic
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mili_openai.engine.contract import RequestError
 from mili_openai.protocol.errors import INTERNAL_ERROR, INVALID_REQUEST, TYPE_BY_STATUS, APIError, validation_error
+from mili_openai.server.metrics import ServerMetrics
+from mili_openai.server.request_log import current_request
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +38,27 @@ T = TypeVar("T")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away before an answer started"
 
 
+# Where in its request a client went away: the `phase` label of mili_client_disconnects_total.
+DISCONNECT_PHASES = {
+    "request_body": "while its request body was still arriving",  # e.g. a keep-alive connection closing under it
+    "before_response": "before its response was ready",
+    "stream": "in the middle of its stream",  # server/sse.py
+}
+
+
 class ClientDisconnected(Exception):
-    """The client closed the connection before the response was ready."""
+    """The client closed the connection before its response started (`phase`: a key of DISCONNECT_PHASES)."""
+
+    def __init__(self, phase: str) -> None:
+        super().__init__(f"the client disconnected {DISCONNECT_PHASES[phase]}")
+        self.phase = phase
+
+
+def note_client_disconnect(phase: str, method: str, path: str, metrics: ServerMetrics | None) -> None:
+    """A client left before its answer was complete: its own doing, so one info line (no traceback) and a count."""
+    logger.info("client disconnected %s: %s %s", DISCONNECT_PHASES[phase], method, path)
+    if metrics is not None:
+        metrics.client_disconnects.labels(path, phase).inc()
 
 
 def json_response(body: Any, status_code: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -48,7 +72,10 @@ def error_response(exc: APIError, headers: dict[str, str] | None = None) -> Resp
 
 async def parse_body(request: Request, model_cls: type[ModelT]) -> ModelT:
     """Read the JSON body (orjson) and validate it against `model_cls`; APIError(400) on any failure."""
-    raw = await request.body()
+    try:
+        raw = await request.body()
+    except ClientDisconnect:
+        raise ClientDisconnected("request_body") from None
     try:
         data = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -70,7 +97,7 @@ async def _wait_for_disconnect(request: Request) -> None:
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Await `work`; if the client disconnects first, cancel it (its cleanup aborts the engine requests)
-    and raise ClientDisconnected. A streamed response notices the disconnect itself (sse-starlette)."""
+    and raise ClientDisconnected. A streamed response notices the disconnect itself (server/sse.py)."""
     work_task = asyncio.ensure_future(work)
     watcher = asyncio.create_task(_wait_for_disconnect(request))
     try:
@@ -85,7 +112,7 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     work_task.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
         await work_task
-    raise ClientDisconnected
+    raise ClientDisconnected("before_response")
 
 
 # ---- handlers ----
@@ -107,10 +134,6 @@ async def _request_error(request: Request, exc: Exception) -> Response:
     return error_response(APIError(400, str(exc), param=exc.param))  # type: ignore[attr-defined]
 
 
-async def _client_disconnected(request: Request, exc: Exception) -> Response:
-    return Response(status_code=CLIENT_CLOSED_REQUEST)
-
-
 async def _http_error(request: Request, exc: Exception) -> Response:
     status = getattr(exc, "status_code", 500)
     if status == 404:
@@ -124,7 +147,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 class CatchAllMiddleware:
-    """Turns an exception no handler knew into a logged 500 (instead of a dropped connection).
+    """Turns an exception no handler knew into a logged 500 (instead of a dropped connection), and a client
+    that went away (`ClientDisconnected`) into an info line and a count, with nothing sent.
 
     Starlette's own 500 handler re-raises after answering; this one answers and stops there, and
     when a response has already started (a stream) it can only log.
@@ -147,6 +171,10 @@ class CatchAllMiddleware:
 
         try:
             await self.app(scope, receive, tracking_send)
+        except ClientDisconnected as exc:  # its socket is closed: no answer can reach it
+            context = current_request()
+            note_client_disconnect(exc.phase, scope["method"], scope["path"],
+                                   context.server.metrics if context is not None else None)
         except Exception:
             logger.exception("unhandled error on %s %s", scope.get("method"), scope.get("path"))
             if started:
@@ -166,4 +194,3 @@ def install_error_handlers(app: Starlette) -> None:
     app.add_exception_handler(ValueError, _value_error)
     app.add_exception_handler(RequestError, _request_error)
     app.add_exception_handler(HTTPException, _http_error)
-    app.add_exception_handler(ClientDisconnected, _client_disconnected)

@@ -91,6 +91,11 @@ class ServerMetrics:
         self.rejected_requests = Counter(
             "mili_rejected_requests", "Requests refused before reaching the engine.", ["reason"], registry=self.registry
         )
+        # path: only routes with fixed paths read a body or stream, so the label stays bounded
+        self.client_disconnects = Counter(
+            "mili_client_disconnects", "Clients that closed the connection before their answer was complete, by "
+            "path and phase (request_body, before_response, stream).", ["path", "phase"], registry=self.registry
+        )
 
     def on_request_finished(self, metrics: RequestMetrics) -> None:
         self.requests_finished.labels(metrics.finish_reason).inc()

@@ -6,7 +6,9 @@ and their streams end with finish_reason "abort" and [DONE] -- never cut silentl
 serve` the drain (server/drain.py) does this and marks the server `grace_expired`; the stream then
 also says why, with a 503 error event before [DONE]. Under a plain uvicorn, sse-starlette's own
 shutdown event starts a per-stream grace timer instead (abort, no error event). A client that
-disconnects cancels the generator and `on_disconnect` aborts its engine requests.
+disconnects mid-stream cancels the generator, `on_disconnect` aborts its engine requests, and the
+disconnect is logged at info and counted (`mili_client_disconnects_total{phase="stream"}`), as
+server/errors.py does for one that leaves before its answer starts.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.types import Message, Send
 
 from mili_openai.protocol.errors import INTERNAL_ERROR, APIError
+from mili_openai.server.errors import note_client_disconnect
 from mili_openai.server.request_log import current_request
 
 logger = logging.getLogger(__name__)
@@ -125,6 +128,8 @@ def sse_stream(
         yield DONE_EVENT
 
     async def client_closed(message: dict[str, Any]) -> None:
+        if context is not None:
+            note_client_disconnect("stream", context.method, context.path, server.metrics)
         await _call(on_disconnect)
 
     return EventStreamResponse(
