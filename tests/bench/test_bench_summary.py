@@ -192,7 +192,7 @@ def test_server_process_reports_early_exit(tmp_path):
 
 # ---- scripts/serving_limits.py: W3 against the floors measured around it ----
 def _serving_limits():
-    scripts = str(Path(__file__).resolve().parent.parent / "scripts")
+    scripts = str(Path(__file__).resolve().parents[2] / "scripts")
     if scripts not in sys.path:
         sys.path.insert(0, scripts)
     import serving_limits

@@ -32,6 +32,10 @@ from mili_openai.engine.sampling_params import SamplingParams
 FAKE_VOCAB_SIZE = 151936  # Qwen3's embedding rows (the tokenizer knows 151669 of them)
 FAKE_WORDS = " the quick brown fox jumps over a lazy dog and then sleeps in warm sun"
 
+# two Hermes tool calls after some text, as a scripted Qwen3 writes them (chat and LangChain tests)
+TOOL_CALL_TEXT = ('I will look it up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                  '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
+
 
 class FakeEngine:
     """Scripted generation: greedy output cycles through FAKE_WORDS from a prompt-dependent start;

@@ -12,11 +12,10 @@ import pytest
 from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_openai import ChatOpenAI
 
-from fake_engine import ScriptedEngine
+from fake_engine import TOOL_CALL_TEXT, ScriptedEngine
 from helpers_server import live_server, qwen_tokenizer, real_engine, real_server  # noqa: F401
 from mili_openai.config import ServerConfig
 from mili_openai.server.app import create_app
-from test_chat_routes import TOOL_CALL_TEXT
 
 MAX_TOKENS = 6
 

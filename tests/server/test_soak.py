@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-SOAK_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "soak.py"
+SOAK_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
 SMALL_SOAK = ["--requests", "36", "--burst", "16", "--long-prompt-tokens", "2000", "--max-model-len", "4096",
               "--num-pages", "1024", "--deadline-s", "900"]  # 900: a first start builds the kernels
 

@@ -15,14 +15,13 @@ import orjson
 import pytest
 
 from helpers_server import qwen_tokenizer  # noqa: F401
+from fake_engine import TOOL_CALL_TEXT
 from helpers_server import scripted_server as serve_script
 
 MODEL = "scripted-qwen3"
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
-TOOL_CALL_TEXT = ('I will look it up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-                  '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
 THINKING_TEXT = "<think>\nThe user greets me.\n</think>\n\nHello there!"
 
 

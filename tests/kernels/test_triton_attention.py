@@ -32,7 +32,7 @@ def test_kernels_match_their_reference_under_the_interpreter(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_CACHE_DIR": str(tmp_path / "triton")}
     result = subprocess.run(
         [sys.executable, "-m", "pytest", *map(str, CASES), "-q", "-p", "no:cacheprovider", "-W", "ignore::UserWarning"],
-        cwd=CASES[0].parent.parent, env=env, capture_output=True, text=True, timeout=INTERPRETER_TIMEOUT_S,
+        cwd=CASES[0].parents[2], env=env, capture_output=True, text=True, timeout=INTERPRETER_TIMEOUT_S,
     )
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
