@@ -39,10 +39,10 @@ timeout 290 python3 scripts/bench_gpu.py --out-dir /tmp/bench-gpu --deadline-s 2
 BENCH=$?
 
 stage "CUDA tests: parity with transformers, no compile under load, fp8 and int weights"
-# the benchmark warms Triton's cache for some; not tests/test_cuda_graphs.py: it runs on the CPU, and would build
+# the benchmark warms Triton's cache for some; not tests/engine/test_cuda_graphs.py: it runs on the CPU, and would build
 # the CPU kernels there first
-timeout "$(budget 170)" python3 -m pytest tests/test_cuda_path.py tests/triton_compile_cases.py \
-  tests/test_quantized_cuda.py -q --maxfail=6 -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"
+timeout "$(budget 170)" python3 -m pytest tests/engine/test_cuda_path.py tests/kernels/triton_compile_cases.py \
+  tests/quant/test_quantized_cuda.py -q --maxfail=6 -p no:cacheprovider 2>&1 | tee "$OUT/tests.log"
 TESTS=$?
 
 stage "torch profile of the serving engine's steps at concurrency 64 (the issue's flags)"
@@ -60,8 +60,8 @@ stage "Triton launch constants timed (scripts/tune_gpu_kernels.py)"
 timeout "$(budget 60)" python3 scripts/tune_gpu_kernels.py 2>&1 | tee "$OUT/tune.txt" | tail -30
 
 stage "the other CUDA tests, in the time left: MoE experts, Triton attention against its reference"
-timeout "$(budget 600)" python3 -m pytest tests/triton_attention_cases.py \
-  "tests/test_moe.py::test_cuda_experts_through_triton_and_graphs_match_transformers" -q --maxfail=6 \
+timeout "$(budget 600)" python3 -m pytest tests/kernels/triton_attention_cases.py \
+  "tests/model/test_moe.py::test_cuda_experts_through_triton_and_graphs_match_transformers" -q --maxfail=6 \
   -p no:cacheprovider 2>&1 | tee "$OUT/tests-more.log" | tail -3
 
 stage "done"

@@ -2,7 +2,7 @@
 arrive on.
 
 The routes type against `EngineClient`, not against `AsyncEngine`: the server never reaches into the
-engine's loop, scheduler or model, and a test engine (tests/fake_engine.py) serves the routes by
+engine's loop, scheduler or model, and a test engine (tests/helpers/fake_engine.py) serves the routes by
 following this Protocol. Importing this module pulls in neither torch nor the model.
 """
 

@@ -17,7 +17,7 @@ prefill chunks run eagerly, and so does a model whose attention has no kernel (t
 every row's whole page table).
 
 Built on the CPU too, where it replays nothing and runs the padded batch eagerly: the padding is then
-testable without a GPU (tests/test_cuda_graphs.py), and the GPU adds only capture and replay.
+testable without a GPU (tests/engine/test_cuda_graphs.py), and the GPU adds only capture and replay.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Nothing here syncs with the host: the grid is sized for the worst case padding (
 row short of a block) and programs past the real padded length return at once, so a CUDA graph can
 capture the whole layer. Block sizes are fixed, not tuned per GPU.
 
-Tested on CPU tensors under TRITON_INTERPRET=1 (tests/test_triton_moe.py); `grouped_swiglu` in
+Tested on CPU tensors under TRITON_INTERPRET=1 (tests/kernels/test_triton_moe.py); `grouped_swiglu` in
 model/moe.py is the reference.
 """
 

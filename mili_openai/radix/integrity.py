@@ -8,16 +8,42 @@ can assert on the message.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Optional
+from collections.abc import Mapping
+from typing import Optional, Protocol
 
-if TYPE_CHECKING:
-    from mili_openai.radix.tree import RadixCache, RadixNode
+from mili_openai.radix.page_pool import PagePool
+
+
+class CheckedNode(Protocol):
+    """What the check reads of a `RadixNode` (typed here so that tree.py imports this module, not the reverse)."""
+
+    key: Sequence[int]
+    pages: Sequence[int]
+    lock_ref: int
+    parent: Optional[CheckedNode]
+    children: Mapping[tuple[int, ...], CheckedNode]
+
+    @property
+    def is_root(self) -> bool: ...
+
+
+class CheckedTree(Protocol):
+    """What the check reads of a `RadixCache`."""
+
+    page_size: int
+    root: CheckedNode
+    pool: PagePool
+
+    @property
+    def cached_pages(self) -> int: ...
+
+    def iter_nodes(self) -> Iterable[CheckedNode]: ...
 
 # How many offending page ids a message lists before it stops.
 MAX_PAGES_IN_MESSAGE = 8
 
 
-def find_integrity_problem(cache: RadixCache, owned: Iterable[Sequence[int]]) -> Optional[str]:
+def find_integrity_problem(cache: CheckedTree, owned: Iterable[Sequence[int]]) -> Optional[str]:
     """None if all is well, otherwise a sentence saying what is wrong."""
     try:
         cache.pool.check_integrity()
@@ -29,7 +55,7 @@ def find_integrity_problem(cache: RadixCache, owned: Iterable[Sequence[int]]) ->
     return _accounting_problem(cache, [list(pages) for pages in owned])
 
 
-def _structure_problem(cache: RadixCache) -> Optional[str]:
+def _structure_problem(cache: CheckedTree) -> Optional[str]:
     page_size = cache.page_size
     root = cache.root
     if root.key or root.pages or root.parent is not None or root.lock_ref != 0:
@@ -60,7 +86,7 @@ def _structure_problem(cache: RadixCache) -> Optional[str]:
     return None
 
 
-def _children_problem(node: RadixNode, page_size: int) -> Optional[str]:
+def _children_problem(node: CheckedNode, page_size: int) -> Optional[str]:
     children_locks = 0
     for first_page, child in node.children.items():
         if child.parent is not node:
@@ -74,7 +100,7 @@ def _children_problem(node: RadixNode, page_size: int) -> Optional[str]:
     return None
 
 
-def _accounting_problem(cache: RadixCache, owned: list[list[int]]) -> Optional[str]:
+def _accounting_problem(cache: CheckedTree, owned: list[list[int]]) -> Optional[str]:
     num_pages = cache.pool.num_pages
     holders: dict[int, str] = {}
     everything: list[tuple[str, Iterable[int]]] = [("free", cache.pool.free_page_ids())]

@@ -25,14 +25,19 @@ import logging
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import orjson
 
 from mili_openai.engine.outputs import SequenceDelta
 
-if TYPE_CHECKING:
-    from mili_openai.server.state import ServerState  # which imports this module
+
+class PendingSequences(Protocol):
+    """The count a request's context reserves into (`ServerState`; typed here, since server/state.py imports
+    this module)."""
+
+    pending_sequences: int
+
 
 REQUEST_LOGGER_NAME = "mili_openai.requests"
 QUIET_PATHS = frozenset({"/health", "/metrics"})
@@ -98,7 +103,7 @@ class RequestContext:
     request_id: str
     method: str
     path: str  # the raw path; the route template is read from the scope when the request ends
-    server: ServerState
+    server: PendingSequences
     arrival_time: float = field(default_factory=time.monotonic)
     reserved_sequences: int = 0  # counted in server.pending_sequences until submitted or finished
     tally: RequestTally = field(default_factory=RequestTally)  # what its engine requests produced
