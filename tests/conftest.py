@@ -73,3 +73,9 @@ def kernels():
     loaded = load_cpu_kernels()
     assert loaded is not None, "the CPU supports AVX512 but the kernels did not build"
     return loaded
+
+
+@pytest.fixture
+def anyio_backend():
+    """The async tests run on asyncio, as the server does."""
+    return "asyncio"

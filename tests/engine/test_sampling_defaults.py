@@ -108,11 +108,6 @@ def test_omitted_fields_take_the_defaults_and_given_ones_win():
     assert SamplingFields().to_sampling_params(1000, {}).temperature == 1.0  # OpenAI's default
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.mark.anyio
 @pytest.mark.parametrize("path, body", [
     ("/v1/completions", {"model": TEST_MODEL_NAME, "prompt": PROMPT, "max_tokens": 3}),

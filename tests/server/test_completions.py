@@ -25,11 +25,6 @@ COMPLETION_KEYS = {"id", "object", "created", "model", "choices", "usage", "syst
 CHOICE_KEYS = {"index", "text", "logprobs", "finish_reason", "stop_reason"}
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 async def complete(engine, **body):
     async with asgi_client(engine) as client:
         response = await client.post("/v1/completions", json={"model": TEST_MODEL_NAME, **body})

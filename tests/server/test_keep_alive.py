@@ -14,11 +14,6 @@ from mili_openai.server.app import create_app
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 async def test_a_client_gone_mid_body_is_counted_and_gets_nothing(fake_engine, caplog):  # noqa: F811
     app = create_app(ServerConfig(), engine=fake_engine)
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",

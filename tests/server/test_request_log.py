@@ -17,11 +17,6 @@ LOG_FIELDS = {"event", "request_id", "method", "endpoint", "status", "prompt_tok
 
 
 @pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture
 def request_log(caplog):
     caplog.set_level(logging.INFO, logger=REQUEST_LOGGER_NAME)
 

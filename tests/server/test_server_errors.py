@@ -11,11 +11,6 @@ MODEL = TEST_MODEL_NAME
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 client_for = asgi_client
 
 

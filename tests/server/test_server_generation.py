@@ -16,11 +16,6 @@ from mili_openai.server.sse import event_bytes, sse_stream
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 async def test_a_failed_submit_aborts_the_prompts_already_submitted(qwen_tokenizer):  # noqa: F811
     """A request's prompts are submitted all or nothing: the second prompt's refusal frees the first's."""
     engine = FakeEngine(qwen_tokenizer, token_delay_s=0.01)

@@ -14,11 +14,6 @@ from mili_openai.server.state import RequestRecords
 pytestmark = pytest.mark.anyio
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 async def test_generate_then_status(fake_engine):
     async with asgi_client(fake_engine) as client:
         response = await client.post("/generate", json={"prompt": "Hi", "max_tokens": 4, "temperature": 0},
