@@ -164,9 +164,9 @@ print("checked")
 def test_triton_kernel_matches_the_reference():
     """In the interpreter, on the same bf16 weights as the reference, float32 products (triton_quantized.py)."""
     pytest.importorskip("triton")
-    tests_dir = Path(__file__).parents[1] / "helpers"
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(tests_dir), os.environ.get("PYTHONPATH")]))}
+    here = Path(__file__).parent  # this module, and the helpers it imports
+    paths = [str(here), str(here.parent / "helpers"), os.environ.get("PYTHONPATH")]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, paths))}
     done = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True,
                           timeout=SUBPROCESS_TIMEOUT_S)
     assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-3000:]
