@@ -94,9 +94,9 @@ def test_rows_of_a_batch_are_sampled_independently(kernels):
     probs = [0.5, 0.3, 0.2]
     logits = torch.cat([logits_from_probs(probs), logits_from_probs([0.0, 0.0, 1.0])]).repeat(NUM_DRAWS // 2, 1)
     out = kernel_sampler(kernels, seed=3)(logits, [row(SamplingParams(temperature=1.0)) for _ in range(NUM_DRAWS)])
-    firsts, seconds = out.token_ids[0::2], out.token_ids[1::2]
-    assert set(seconds) == {2}
-    assert chi_square([firsts.count(t) for t in range(3)], probs) < CHI2_CRITICAL_DF2
+    first_rows, second_rows = out.token_ids[0::2], out.token_ids[1::2]
+    assert set(second_rows) == {2}
+    assert chi_square([first_rows.count(t) for t in range(3)], probs) < CHI2_CRITICAL_DF2
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
