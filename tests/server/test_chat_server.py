@@ -15,8 +15,6 @@ import json
 import openai
 import pytest
 
-from helpers_server import qwen_tokenizer, real_engine, real_server  # noqa: F401
-
 MODEL = "tiny-qwen3"
 HELLO = [{"role": "user", "content": "Say hello."}]
 FORCED_BIAS = 100
@@ -25,12 +23,12 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def client(real_server):  # noqa: F811
+def client(real_server):
     return openai.OpenAI(base_url=real_server.api_base, api_key="unused", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
-def api_base(real_server):  # noqa: F811
+def api_base(real_server):
     return real_server.api_base
 
 
@@ -100,7 +98,7 @@ def test_stop_string_cuts_the_content_before_it(client):
     assert result.choices[0].message.content == text[: text.index(stop)]
 
 
-def test_tool_call_forced_through_the_real_model(client, qwen_tokenizer):  # noqa: F811
+def test_tool_call_forced_through_the_real_model(client, qwen_tokenizer):
     prefill = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call'
     close = qwen_tokenizer.convert_tokens_to_ids(">")
     messages = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": prefill}]
