@@ -1,5 +1,5 @@
 """The engine and server on a CUDA device, against HF transformers: skipped where torch sees no GPU (CI
-has none; run it on a GPU machine with `pytest tests/test_cuda_path.py`).
+has none; run it on a GPU machine with `pytest tests/engine/test_cuda_path.py`).
 
 The CPU tests cover the same logic through the compiled CPU kernels (and the Triton kernels under its
 interpreter); here the GPU path runs: the Triton page-table attention kernels (and torch's SDPA over

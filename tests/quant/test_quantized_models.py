@@ -190,7 +190,7 @@ def test_int4_lm_head_served_as_offline(tmp_path):
 def test_fp8_model_on_cpu_gives_transformers_logits_on_the_dequantized_weights(dense, tmp_path):
     """fp8 projections (`--quantization fp8` needs CUDA to serve; here quantize_model on a float32 model)
     through their torch paths, weight-only for float32: every row's logits are transformers' on the
-    dequantized weights, through prefill chunks and decode steps (tests/test_quantized_cuda.py holds the
+    dequantized weights, through prefill chunks and decode steps (tests/quant/test_quantized_cuda.py holds the
     Triton kernels to the same oracle on the GPU)."""
     model, config = load_model(dense, torch.float32, CPU)
     quantize_model(model, "fp8", group_size=128)

@@ -5,7 +5,7 @@ The chat tests of test_chat_server.py pass against it unchanged; greedy completi
 in-process engine's; bad requests are 400s in OpenAI's shape and the server keeps serving; a client that
 goes away frees its pages; /metrics counts the requests the engine finished (replayed from the engine
 process); SIGTERM to the whole process group drains (the engine process ignores it); a killed engine process
-takes the server down with a non-zero exit (a model that fails to load in it: tests/test_cli.py).
+takes the server down with a non-zero exit (a model that fails to load in it: tests/server/test_cli.py).
 The frame codec the two processes speak is tested on its own at the end.
 """
 
