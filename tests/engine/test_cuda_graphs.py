@@ -1,6 +1,6 @@
 """Decode steps through `DecodeGraphs`' padded buckets. On the CPU it runs the padded batch eagerly, so
 these tests check the padding without a GPU: padded rows and page table columns change no real row's
-output and write no K/V but the scratch slot's. Capture and replay themselves run in tests/test_cuda_path.py."""
+output and write no K/V but the scratch slot's. Capture and replay themselves run in tests/engine/test_cuda_path.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The engine and server on a CUDA device, against HF transformers: skipped where torch sees no GPU (CI
-has none; run it on a GPU machine with `pytest tests/test_cuda_path.py`).
+has none; run it on a GPU machine with `pytest tests/engine/test_cuda_path.py`).
 
 The CPU tests cover the same logic through the compiled CPU kernels (and the Triton kernels under its
 interpreter); here the GPU path runs: the Triton page-table attention kernels (and torch's SDPA over
@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from engine_helpers import LOGPROB_ATOL, assert_matches, hf_greedy, load_hf, random_prompts
+from engine_helpers import LOGPROB_ATOL, assert_matches, greedy, hf_greedy, load_hf, random_prompts
 from helpers_server import served_engine
 from mili_openai import LLM, SamplingParams
 from mili_openai.engine.cuda_graphs import CAPTURE_SIZES
@@ -24,10 +24,6 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch see
 PROMPT_LENGTHS = [1, 7, 17, 64, 150, 300]
 MAX_NEW = 12
 BF16_LOGPROB_ATOL = 0.1  # bf16 rounds differently in each implementation's kernels; the CPU test's bound
-
-
-def greedy(max_tokens: int = MAX_NEW, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=3, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +48,7 @@ def test_greedy_on_cuda_matches_transformers(tiny_checkpoint, oracle, engine_arg
     prompts, expected = oracle
     llm = LLM(str(tiny_checkpoint), dtype="float32", device="cuda", **{"num_pages": 512, **engine_args})
     assert llm.core.runner.device.type == "cuda" and llm.core.runner.kv_cache.device.type == "cuda"
-    first = llm.generate(prompts, greedy())
+    first = llm.generate(prompts, greedy(MAX_NEW))
     assert_matches(first, expected)
     graphs = llm.core.runner.decode_graphs
     torch_attention = engine_args.get("attention_backend") == "torch"
@@ -61,7 +57,7 @@ def test_greedy_on_cuda_matches_transformers(tiny_checkpoint, oracle, engine_arg
     assert (graphs is None) == (engine_args.get("enforce_eager", False) or torch_attention)
     assert graphs is None or graphs.steps_run > 0  # decode steps ran from captured graphs
     # again: the prompts' pages are cached now, and reusing them must not change a token
-    second = llm.generate(prompts, greedy())
+    second = llm.generate(prompts, greedy(MAX_NEW))
     assert_matches(second, expected)
     if "num_pages" in engine_args:
         assert llm.core.stats().num_preemptions_total > 0
@@ -125,5 +121,5 @@ def test_cuda_defaults_size_the_pool_from_gpu_memory_and_graph_every_batch_size(
     prompt = random_prompts(1, [2100], seed=35)[0]
     expected = hf_greedy(load_hf(tiny_checkpoint), prompt, MAX_NEW)
     before = graphs.steps_run
-    assert_matches(llm.generate([prompt], greedy()), [expected])
+    assert_matches(llm.generate([prompt], greedy(MAX_NEW)), [expected])
     assert graphs.steps_run > before and len(graphs.graphs) == len(CAPTURE_SIZES)  # no capture for the long one

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import assert_matches, hf_greedy, load_hf, random_prompts
+from engine_helpers import assert_matches, greedy, hf_greedy, load_hf, random_prompts
 from mili_openai import LLM, SamplingParams
 from mili_openai.config import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from mili_openai.engine.contract import check_request
@@ -14,10 +14,6 @@ from mili_openai.model.checkpoint import ModelShape, build_random_checkpoint
 
 PROMPT_LENGTHS = [1, 2, 7, 16, 17, 33, 64, 100, 150, 211, 256, 300]
 MAX_NEW = 8
-
-
-def greedy(max_tokens: int = MAX_NEW, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=3, **kw)
 
 
 @pytest.fixture(scope="module", params=["tiny_checkpoint", "tiny_checkpoint_mha_untied"])
@@ -45,7 +41,7 @@ def oracle(checkpoint):
 def test_greedy_matches_transformers(checkpoint, oracle, engine_args):
     prompts, expected = oracle
     llm = LLM(str(checkpoint), dtype="float32", num_pages=512, **engine_args)
-    outputs = llm.generate(prompts, greedy())
+    outputs = llm.generate(prompts, greedy(MAX_NEW))
     assert_matches(outputs, expected)
     llm.core.check_integrity()
     assert llm.core.pages.tree.locked_pages == 0
@@ -57,8 +53,8 @@ def test_prefix_cache_hits_give_same_tokens(tiny_checkpoint):
     prompts = [system + tail for tail in random_prompts(4, [5, 9, 16, 23], seed=8)]
     expected = [hf_greedy(model, p, MAX_NEW) for p in prompts]
     llm = LLM(str(tiny_checkpoint), dtype="float32", num_pages=256, page_size=8, max_num_batched_tokens=64)
-    first = llm.generate(prompts, greedy())
-    second = llm.generate(prompts, greedy())
+    first = llm.generate(prompts, greedy(MAX_NEW))
+    second = llm.generate(prompts, greedy(MAX_NEW))
     assert_matches(first, expected)
     assert_matches(second, expected)
     # the shared system prompt was computed once and reused; the repeat hits nearly everything
@@ -72,7 +68,7 @@ def test_n_samples_share_prompt_pages(tiny_checkpoint):
     prompt = random_prompts(1, [120], seed=3)[0]
     expected = hf_greedy(model, prompt, MAX_NEW)
     llm = LLM(str(tiny_checkpoint), dtype="float32", num_pages=128, page_size=16)
-    (output,) = llm.generate([prompt], greedy(n=4))
+    (output,) = llm.generate([prompt], greedy(MAX_NEW, n=4))
     assert len(output.outputs) == 4
     assert_matches([output], [expected])
     stats = llm.core.stats()
@@ -137,7 +133,7 @@ def test_samples_sharing_a_prompt_decode_close_to_transformers_in_bf16(tmp_path)
     model = load_hf(checkpoint, dtype=torch.bfloat16)
     prompt = random_prompts(1, [150], seed=4)[0]
     llm = LLM(str(checkpoint), dtype="bfloat16", num_pages=128, page_size=16)
-    (output,) = llm.generate([prompt], greedy(n=4))
+    (output,) = llm.generate([prompt], greedy(MAX_NEW, n=4))
     for sample in output.outputs:
         rows = torch.log_softmax(model(torch.tensor([prompt + sample.token_ids])).logits[0].float(), dim=-1)
         for step, got in enumerate(sample.logprobs):

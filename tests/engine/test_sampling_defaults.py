@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from helpers_server import TEST_MODEL_NAME, asgi_client, fake_engine, qwen_tokenizer, served_engine  # noqa: F401
+from helpers_server import TEST_MODEL_NAME, asgi_client, served_engine
 
 from mili_openai.config import EngineConfig
 from mili_openai.engine.sampling_defaults import (
@@ -115,7 +115,7 @@ def test_omitted_fields_take_the_defaults_and_given_ones_win():
                               "max_tokens": 3}),
     ("/generate", {"prompt": PROMPT, "max_tokens": 3}),
 ])
-async def test_every_route_applies_the_engines_defaults(fake_engine, path, body):  # noqa: F811
+async def test_every_route_applies_the_engines_defaults(fake_engine, path, body):
     fake_engine.info = dataclasses.replace(fake_engine.info, sampling_defaults=dict(QWEN3_DEFAULTS))
     async with asgi_client(fake_engine) as client:
         assert (await client.post(path, json=body)).status_code == 200

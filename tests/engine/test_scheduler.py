@@ -1,9 +1,10 @@
 """The scheduler and page bookkeeping without a model: random workloads driven step by step.
 
-A fake forward samples a token from a counter for each sequence whose step samples. After every step
-the pages must be conserved (free + tree + owned == pool) and at the end everything must finish with
-nothing locked. With `lookahead`, the engine plans each decode step's successor before the step's
-tokens come back, as the async engine does.
+`EngineCore` runs as the engine runs it, on a runner with no model: each step a counter stands in for the
+model's samples, and `EngineCore.postprocess` takes them back (draft verification, finishing, prefix
+caching). After every step the pages must be conserved (free + tree + owned == pool) and at the end
+everything must finish with nothing locked. With `lookahead`, the driver plans each decode step's
+successor before the step's tokens come back (`EngineCore.schedule_ahead`), as the async engine does.
 """
 
 from __future__ import annotations
@@ -11,15 +12,21 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mili_openai.config import EngineConfig, SpeculativeConfig
+from mili_openai.engine.contract import check_request
+from mili_openai.engine.core import EngineCore
 from mili_openai.engine.kv_pages import KVPageManager
+from mili_openai.engine.sampler import SamplerOutput
 from mili_openai.engine.sampling_params import SamplingParams
 from mili_openai.engine.scheduled_batch import ScheduledBatch
 from mili_openai.engine.scheduler import Scheduler, common_prefix_length
 from mili_openai.engine.sequence import Sequence, SequenceStatus
+from mili_openai.model import ModelConfig
+from mili_openai.model.checkpoint import TINY_SHAPE, config_dict
 
 MAX_STEPS = 2000
 
@@ -37,32 +44,64 @@ def make_seq(request_id: str, prompt: list[int], max_tokens: int) -> Sequence:
     )
 
 
-class FakeEngine:
-    def __init__(self, num_pages: int, page_size: int, budget: int, max_seqs: int, caching: bool = True,
+class ModelFreeRunner:
+    """What `EngineCore` reads of a runner (engine/runner.py's `Runner`), without a model: the step driver
+    makes up each step's samples, so a step has no inputs to prepare."""
+
+    device = torch.device("cpu")
+    model_config = ModelConfig.from_dicts(config_dict(TINY_SHAPE, torch.float32))
+    quantization = None
+    failure = None
+    kernel_build = None
+    async_launch = False
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+
+    def prepare(self, batch: ScheduledBatch, sample_index: dict[Sequence, int] | None = None) -> None:
+        return None
+
+
+class StepDriver:
+    """An `EngineCore` on a `ModelFreeRunner`, one step at a time, checking every scheduled batch."""
+
+    def __init__(self, tokenizer, num_pages: int, page_size: int, budget: int, max_seqs: int, caching: bool = True,
                  lookahead: bool = False, speculative: int = 0) -> None:
         drafting = SpeculativeConfig(speculative, prompt_lookup_min=1, prompt_lookup_max=2) if speculative else None
         config = EngineConfig(page_size=page_size, num_pages=num_pages, max_num_batched_tokens=budget,
                               max_num_seqs=max_seqs, enable_prefix_caching=caching, speculative_config=drafting)
-        self.pages = KVPageManager(num_pages, page_size, caching)
-        self.scheduler = Scheduler(config, self.pages)
+        self.core = EngineCore(config, ModelFreeRunner(num_pages), tokenizer)
+        self.pages = self.core.pages
+        self.scheduler = self.core.scheduler
         self.lookahead = lookahead
-        self.live: dict[str, Sequence] = {}
-        self.finished: list[Sequence] = []
+        self.added: list[Sequence] = []
         # with drafts, a small alphabet, so that n-grams recur and the fake model agrees with some drafts
         self.next_token = itertools.cycle([0, 1, 2, 1, 1]) if speculative else itertools.count(1000)
-        self.num_drafted = self.num_accepted = 0
         self.computed_tokens = 0
         self.in_flight: list[ScheduledBatch] = []  # scheduled, tokens not back yet (oldest first)
         self.fed_pending = 0  # decodes whose input token was still pending when they were scheduled
 
-    def add(self, seq: Sequence) -> None:
-        self.live[seq.sequence_id] = seq
-        self.scheduler.add(seq)
+    @property
+    def live(self) -> list[Sequence]:
+        """The sequences the engine still holds (a finished one is forgotten with its last delta)."""
+        return list(self.core.sequences.values())
 
-    def schedule(self, lookahead: bool) -> ScheduledBatch | None:
-        batch = self.scheduler.schedule(lookahead=lookahead)
-        if batch is None:
-            return None
+    @property
+    def finished(self) -> list[Sequence]:
+        return [seq for seq in self.added if seq.is_finished]
+
+    def add(self, request_id: str, prompt: list[int], max_tokens: int) -> Sequence:
+        request = check_request(prompt, SamplingParams(max_tokens=max_tokens), self.core.info)
+        (sequence_id,) = self.core.add(request, request_id).child_ids
+        seq = self.core.sequences[sequence_id]
+        self.added.append(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        (delta,) = self.core.abort(seq.parent_id)
+        assert delta.finish_reason == "abort" and delta.request_finished and seq.is_finished
+
+    def checked(self, batch: ScheduledBatch, lookahead: bool) -> ScheduledBatch:
         seen = set()
         for index, seq in enumerate(batch.seqs):
             assert seq not in seen and seq.status is SequenceStatus.RUNNING
@@ -88,55 +127,36 @@ class FakeEngine:
 
     def step(self) -> None:
         if not self.in_flight:
-            batch = self.schedule(lookahead=False)
-            assert batch is not None, "work remains but nothing was scheduled"
-            self.in_flight.append(batch)
-        running = self.in_flight[0]
-        if self.lookahead and len(self.in_flight) == 1 and self.scheduler.can_plan_ahead(running):
-            ahead = self.schedule(lookahead=True)
+            scheduled = self.core.schedule()
+            assert scheduled is not None, "work remains but nothing was scheduled"
+            self.in_flight.append(self.checked(scheduled[0], lookahead=False))
+        if self.lookahead and len(self.in_flight) == 1:
+            ahead = self.core.schedule_ahead(self.in_flight[0])
             if ahead is not None:
-                self.in_flight.append(ahead)
+                self.in_flight.append(self.checked(ahead[0], lookahead=True))
         self.complete(self.in_flight.pop(0))
         self.check()
 
     def complete(self, batch: ScheduledBatch) -> None:
-        """The step's tokens come back (as EngineCore.postprocess handles them)."""
-        for index, seq in enumerate(batch.seqs):
-            if seq.is_finished:
-                continue
-            if index >= batch.num_decode:
-                self.pages.cache_computed_pages(seq)
-            if not batch.samples[index]:
-                continue
-            drafts = batch.drafts(index)
-            sampled = [next(self.next_token) for _ in range(1 + len(drafts))]
-            accepted = 0
-            while accepted < len(drafts) and sampled[accepted] == drafts[accepted]:
-                accepted += 1
-            if drafts:
-                seq.settle_drafts(len(drafts), accepted)
-                self.num_drafted += len(drafts)
-                self.num_accepted += accepted
-            for token in sampled[: accepted + 1]:
-                seq.append_token(token)
-                if len(seq.output_token_ids) >= seq.max_tokens:
-                    self.finish(seq, "length")
-                    break
-
-    def finish(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.finish(seq, reason)
-        del self.live[seq.sequence_id]
-        self.finished.append(seq)
+        """The step's samples come back: one per sampling row and draft, as the model gives them (also for a
+        row whose sequence was aborted meanwhile), into `EngineCore.postprocess`."""
+        token_ids = [next(self.next_token) for index, samples in enumerate(batch.samples) if samples
+                     for _ in range(1 + len(batch.drafts(index)))]
+        deltas = self.core.postprocess(batch, SamplerOutput(token_ids, [None] * len(token_ids)))
+        for delta in deltas:
+            if delta.finish_reason is not None:
+                assert delta.finish_reason == "length" and delta.request_finished
 
     def check(self) -> None:
-        self.pages.check_integrity(self.live.values())
+        self.core.check_integrity()
 
     def run(self) -> None:
         for _ in range(MAX_STEPS):
-            if not self.scheduler.has_work():
+            if not self.core.has_work():
                 break
             self.step()
-        assert not self.scheduler.has_work(), "the workload did not finish"
+        assert not self.core.has_work(), "the workload did not finish"
+        assert not self.core.sequences and not self.core.requests
         assert self.pages.tree.locked_pages == 0
         assert self.pages.pool.num_free + self.pages.tree.cached_pages == self.pages.num_pages
 
@@ -149,21 +169,21 @@ def test_common_prefix_length():
 
 
 @pytest.mark.parametrize("lookahead", [False, True])
-def test_shared_prefix_arriving_together_is_computed_once(lookahead):
-    engine = FakeEngine(num_pages=64, page_size=4, budget=64, max_seqs=8, lookahead=lookahead)
+def test_shared_prefix_arriving_together_is_computed_once(qwen_tokenizer, lookahead):
+    engine = StepDriver(qwen_tokenizer, num_pages=64, page_size=4, budget=64, max_seqs=8, lookahead=lookahead)
     shared = list(range(40))
     for i in range(4):
-        engine.add(make_seq(f"r{i}", shared + [100 + i], max_tokens=3))
+        engine.add(f"r{i}", shared + [100 + i], max_tokens=3)
     engine.run()
     # one sequence computes the 40 shared tokens, the others only their uncached tails
     assert engine.computed_tokens <= 41 + 3 * (1 + 3) + 4 * 3
     assert engine.scheduler.prefix_cache_hits_total == 3 * 40
 
 
-def test_lookahead_decodes_feed_on_pending_tokens_and_stop_at_max_tokens():
-    engine = FakeEngine(num_pages=64, page_size=4, budget=64, max_seqs=8, lookahead=True)
+def test_lookahead_decodes_feed_on_pending_tokens_and_stop_at_max_tokens(qwen_tokenizer):
+    engine = StepDriver(qwen_tokenizer, num_pages=64, page_size=4, budget=64, max_seqs=8, lookahead=True)
     for i in range(3):
-        engine.add(make_seq(f"r{i}", [i] * 5, max_tokens=6 + i))
+        engine.add(f"r{i}", [i] * 5, max_tokens=6 + i)
     engine.run()
     assert engine.fed_pending > 0
     assert sorted(len(s.output_token_ids) for s in engine.finished) == [6, 7, 8]  # never a token past max_tokens
@@ -171,10 +191,10 @@ def test_lookahead_decodes_feed_on_pending_tokens_and_stop_at_max_tokens():
 
 
 @pytest.mark.parametrize("lookahead", [False, True])
-def test_preemption_under_page_pressure_finishes_everything(lookahead):
-    engine = FakeEngine(num_pages=12, page_size=4, budget=32, max_seqs=8, lookahead=lookahead)
+def test_preemption_under_page_pressure_finishes_everything(qwen_tokenizer, lookahead):
+    engine = StepDriver(qwen_tokenizer, num_pages=12, page_size=4, budget=32, max_seqs=8, lookahead=lookahead)
     for i in range(5):
-        engine.add(make_seq(f"r{i}", [i] * 10, max_tokens=30))
+        engine.add(f"r{i}", [i] * 10, max_tokens=30)
     engine.run()
     assert engine.scheduler.num_preemptions_total > 0
     assert all(len(s.output_token_ids) == 30 for s in engine.finished)
@@ -196,25 +216,25 @@ def test_preemption_under_page_pressure_finishes_everything(lookahead):
         max_size=8,
     ),
 )
-def test_random_workloads_conserve_pages(page_size, extra_pages, budget, max_seqs, caching, lookahead, speculative,
-                                        requests):
+def test_random_workloads_conserve_pages(qwen_tokenizer, page_size, extra_pages, budget, max_seqs, caching, lookahead,
+                                        speculative, requests):
     longest = max(len(p) + m for p, m, _, _ in requests)
     num_pages = -(-longest // page_size) + extra_pages
-    engine = FakeEngine(num_pages, page_size, budget, max_seqs, caching, lookahead, speculative)
-    pending = [(arrival, i, make_seq(f"r{i}", p, m), abort) for i, (p, m, arrival, abort) in enumerate(requests)]
+    engine = StepDriver(qwen_tokenizer, num_pages, page_size, budget, max_seqs, caching, lookahead, speculative)
+    pending = [(arrival, i, p, m, abort) for i, (p, m, arrival, abort) in enumerate(requests)]
     pending.sort(key=lambda item: (item[0], item[1]))
     step = 0
-    while pending or engine.scheduler.has_work():
+    while pending or engine.core.has_work():
         while pending and pending[0][0] <= step:
-            _, _, seq, abort_later = pending.pop(0)
-            engine.add(seq)
+            _, i, prompt, max_tokens, abort_later = pending.pop(0)
+            seq = engine.add(f"r{i}", prompt, max_tokens)
             if abort_later and step % 2 == 0:
-                engine.finish(seq, "abort")  # aborted while still waiting
-        if engine.scheduler.has_work():
+                engine.abort(seq)  # aborted while still waiting
+        if engine.core.has_work():
             engine.step()
-            for seq in list(engine.live.values()):
+            for seq in engine.live:
                 if seq.params.max_tokens == 1 and seq.status is SequenceStatus.RUNNING and step % 3 == 0:
-                    engine.finish(seq, "abort")  # aborted while running
+                    engine.abort(seq)  # aborted while running
                     engine.check()
         step += 1
         assert step < MAX_STEPS
@@ -222,14 +242,17 @@ def test_random_workloads_conserve_pages(page_size, extra_pages, budget, max_seq
 
 
 @pytest.mark.parametrize("caching", [False, True])
-def test_drafts_roll_back_and_finish_at_max_tokens(caching):
+def test_drafts_roll_back_and_finish_at_max_tokens(qwen_tokenizer, caching):
     """Decodes verify drafts (some kept, some rolled back), under page pressure, and stop exactly at
     max_tokens; every page comes back."""
-    engine = FakeEngine(num_pages=14, page_size=4, budget=16, max_seqs=4, caching=caching, speculative=3)
+    engine = StepDriver(qwen_tokenizer, num_pages=14, page_size=4, budget=16, max_seqs=4, caching=caching,
+                        speculative=3)
     for i in range(4):
-        engine.add(make_seq(f"r{i}", [0, 1, 2, 1, 1] * 2 + [i], max_tokens=17 + i))
+        engine.add(f"r{i}", [0, 1, 2, 1, 1] * 2 + [i], max_tokens=17 + i)
     engine.run()
-    assert engine.num_accepted > 0 and engine.num_drafted > engine.num_accepted
+    stats = engine.core.stats()
+    num_drafted, num_accepted = stats.spec_decode_num_draft_tokens_total, stats.spec_decode_num_accepted_tokens_total
+    assert num_accepted > 0 and num_drafted > num_accepted
     assert sorted(len(s.output_token_ids) for s in engine.finished) == [17, 18, 19, 20]
     assert all(s.num_pending_tokens == 0 for s in engine.finished)
 

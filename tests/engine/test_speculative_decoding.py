@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_helpers import assert_matches, hf_greedy, load_hf, random_prompts, submit_checked
+from engine_helpers import assert_matches, greedy, hf_greedy, load_hf, random_prompts, submit_checked
 from helpers_server import served_engine
 from mili_openai import LLM, SamplingParams
 from mili_openai.config import EngineConfig, ServerConfig, SpeculativeConfig
@@ -36,10 +36,6 @@ def looping_prompts(count: int, seed: int) -> list[list[int]]:
         pattern = [rng.randrange(1000, 60000) for _ in range(rng.randrange(2, 7))]
         prompts.append([rng.randrange(1000, 60000) for _ in range(rng.randrange(0, 20))] + pattern * 5)
     return prompts
-
-
-def greedy(max_tokens: int = MAX_NEW, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2, **kw)
 
 
 def assert_drafts_kept_and_rejected(llm: LLM) -> None:
@@ -124,7 +120,7 @@ def test_speculative_config_defaults_and_checks():
 def test_greedy_with_drafts_matches_transformers(tiny_checkpoint, prompts, oracle, engine_args):
     engine_args = {"num_pages": 256, **engine_args}
     llm = LLM(str(tiny_checkpoint), dtype="float32", speculative_config=SPECULATIVE, **engine_args)
-    assert_matches(llm.generate(prompts, greedy()), oracle)
+    assert_matches(llm.generate(prompts, greedy(MAX_NEW)), oracle)
     assert_drafts_kept_and_rejected(llm)
     assert (llm.core.stats().num_preemptions_total > 0) == (engine_args["num_pages"] < 64)
 
@@ -132,13 +128,13 @@ def test_greedy_with_drafts_matches_transformers(tiny_checkpoint, prompts, oracl
 def test_penalties_min_tokens_and_stops_see_the_drafts(tiny_checkpoint, prompts, plain_llm):
     """Draft rows sample as if the drafts before them were kept: penalties count them, min_tokens counts
     them, and a stop token inside a run of kept drafts ends the sequence there."""
-    plain_tokens = plain_llm.generate(prompts[:1], greedy())[0].outputs[0].token_ids
+    plain_tokens = plain_llm.generate(prompts[:1], greedy(MAX_NEW))[0].outputs[0].token_ids
     stop_token = plain_tokens[4]  # where the plain run would stop
     cases = [
-        greedy(repetition_penalty=1.3),
-        greedy(presence_penalty=0.7, frequency_penalty=0.4),
-        greedy(stop_token_ids=[stop_token]),
-        greedy(stop_token_ids=[stop_token], min_tokens=plain_tokens.index(stop_token) + 3),
+        greedy(MAX_NEW, repetition_penalty=1.3),
+        greedy(MAX_NEW, presence_penalty=0.7, frequency_penalty=0.4),
+        greedy(MAX_NEW, stop_token_ids=[stop_token]),
+        greedy(MAX_NEW, stop_token_ids=[stop_token], min_tokens=plain_tokens.index(stop_token) + 3),
         greedy(max_tokens=7),
     ]
     llm = LLM(str(tiny_checkpoint), dtype="float32", num_pages=256, page_size=8, speculative_config=SPECULATIVE)
@@ -159,7 +155,7 @@ def test_a_prefix_cached_from_drafting_decodes_holds_only_kept_tokens(tiny_check
     """Pages a drafting decode wrote go to the prefix cache when it finishes: a second request that
     extends the first one's output reads them, and must see the kept tokens' K/V, never a rejected draft's."""
     llm = LLM(str(tiny_checkpoint), dtype="float32", num_pages=256, page_size=4, speculative_config=SPECULATIVE)
-    first = [out.outputs[0].token_ids for out in llm.generate(prompts, greedy())]
+    first = [out.outputs[0].token_ids for out in llm.generate(prompts, greedy(MAX_NEW))]
     extended = [prompt + output[:18] for prompt, output in zip(prompts, first)]
     hits_before = llm.core.stats().prefix_cache_hits_total
     model = load_hf(tiny_checkpoint)
@@ -195,7 +191,7 @@ def test_random_rows_keep_the_distribution_of_plain_decoding(tiny_checkpoint, pl
 def test_drafts_through_a_real_server(tiny_checkpoint, prompts, plain_llm):
     """The openai SDK against a live server that drafts: a streamed completion has plain decoding's text,
     a logprob per token and the right usage; /metrics counts the drafts."""
-    expected = plain_llm.generate(prompts[:2], greedy())
+    expected = plain_llm.generate(prompts[:2], greedy(MAX_NEW))
     config = SpeculativeConfig(**SPECULATIVE)
     with served_engine(tiny_checkpoint, num_pages=128, page_size=8, speculative_config=config) as (live, _):
         client = openai.OpenAI(base_url=f"{live.base_url}/v1", api_key="unused", max_retries=0)
@@ -225,9 +221,9 @@ def test_bf16_drafting_decodes_match_plain_decoding(tiny_checkpoint, prompts):
     """In bfloat16 on CPU, a decode with drafts runs through the compiled decode stack as several rows of
     one sequence (each attending to the rows before it): the tokens of plain decoding, logprobs close."""
     args = dict(dtype="bfloat16", num_pages=256, page_size=8)
-    plain = LLM(str(tiny_checkpoint), **args).generate(prompts, greedy())
+    plain = LLM(str(tiny_checkpoint), **args).generate(prompts, greedy(MAX_NEW))
     llm = LLM(str(tiny_checkpoint), speculative_config=SPECULATIVE, **args)
-    drafted = llm.generate(prompts, greedy())
+    drafted = llm.generate(prompts, greedy(MAX_NEW))
     for want, have in zip(plain, drafted):
         want, have = want.outputs[0], have.outputs[0]
         assert have.token_ids == want.token_ids

@@ -9,7 +9,17 @@ import random
 import pytest
 import torch
 
+from mili_openai.engine.sampling_params import SamplingParams
+
 LOGPROB_ATOL = 2e-4  # float32 on both sides; differences come only from summation order
+GREEDY_TOP_LOGPROBS = 3  # alternatives per token that `assert_matches` holds to the oracle's rows
+
+
+def greedy(max_tokens: int, **params) -> SamplingParams:
+    """Greedy decoding of exactly `max_tokens` tokens (EOS ignored), with logprobs to compare against the
+    oracle's (`hf_greedy`, `assert_matches`); `params` adds or overrides sampling fields."""
+    return SamplingParams(**{"temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True,
+                             "logprobs": GREEDY_TOP_LOGPROBS, **params})
 
 
 def run_engine(engine, work):
@@ -75,8 +85,6 @@ def assert_matches(outputs, expected, atol: float = LOGPROB_ATOL) -> None:
 def check_abort_mid_stream_frees_pages(engine) -> None:
     """Requests aborted mid-stream (a closed stream, an abort) end with "abort", the rest run to their
     length, and every page is back: free or cached, none locked."""
-    from mili_openai.engine.sampling_params import SamplingParams
-
     prompts = random_prompts(6, [30, 45], seed=4)
 
     async def collect(stream):

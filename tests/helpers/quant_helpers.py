@@ -19,7 +19,6 @@ from safetensors.torch import load_file, save_file
 from engine_helpers import hf_greedy, load_hf, random_prompts
 from model_helpers import PagedSequences, random_tokens
 
-from mili_openai import SamplingParams
 from mili_openai.kernels.fp8 import dequantize_fp8
 from mili_openai.kernels.quantized import dequantize
 from mili_openai.model import KVCache
@@ -38,10 +37,6 @@ PROMPT_LENGTHS = [1, 9, 40, 130]
 MAX_NEW = 8
 BF16_ERROR_RATIO = 1.5  # our bf16 error vs the float32 oracle, relative to transformers' own bf16 error
 CPU = torch.device("cpu")
-
-
-def greedy() -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=3)
 
 
 def oracle_tokens(reference) -> tuple[list[list[int]], list]:

@@ -1,9 +1,9 @@
 """The Triton attention backend without a GPU.
 
 - Its kernels, the model and the engine through them, under Triton's CPU interpreter: the cases live in
-  tests/triton_attention_cases.py (and tests/triton_compile_cases.py: no compile under load) and run in a
-  subprocess with TRITON_INTERPRET=1, because Triton reads that variable when it is imported and keeps it
-  for the process (this one must stay uninterpreted).
+  tests/kernels/triton_attention_cases.py (and tests/kernels/triton_compile_cases.py: no compile under load)
+  and run in a subprocess with TRITON_INTERPRET=1, because Triton reads that variable when it is imported and
+  keeps it for the process (this one must stay uninterpreted).
 - Its kernels compile for the GPU it serves on (Hopper, sm_90), with the compiler and ptxas Triton ships,
   which need no GPU: what the interpreter does not check (tl.dot's shape rules, shared memory, types).
 """

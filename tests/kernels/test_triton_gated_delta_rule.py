@@ -1,4 +1,4 @@
-"""The Triton gated delta rule and causal conv without a GPU: tests/triton_linear_attention_cases.py run in a
+"""The Triton gated delta rule and causal conv without a GPU: tests/kernels/triton_linear_attention_cases.py run in a
 subprocess with TRITON_INTERPRET=1 (Triton reads the variable when it is imported and keeps it for the process;
 this one must stay uninterpreted)."""
 

@@ -1,9 +1,9 @@
 """The Triton paged attention kernels against their torch reference, and the engine through them.
 
-Not collected by the suite itself (no `test_` prefix): tests/test_triton_attention.py runs this file in a
+Not collected by the suite itself (no `test_` prefix): tests/kernels/test_triton_attention.py runs this file in a
 subprocess with TRITON_INTERPRET=1, where Triton runs the kernels on CPU tensors; the variable must be set
 before Triton is imported and stays for the whole process, so it cannot share one with other tests. On a
-GPU machine run it directly (`pytest tests/triton_attention_cases.py`): the same cases on CUDA.
+GPU machine run it directly (`pytest tests/kernels/triton_attention_cases.py`): the same cases on CUDA.
 
 Shapes stay small: the interpreter runs every program of a launch in Python.
 """
@@ -13,12 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import assert_matches, hf_greedy, load_hf, random_prompts
+from engine_helpers import assert_matches, greedy, hf_greedy, load_hf, random_prompts
 from model_helpers import PagedSequences, random_tokens
 
 pytest.importorskip("triton")
 
-from mili_openai import LLM, SamplingParams  # noqa: E402
+from mili_openai import LLM  # noqa: E402
 from mili_openai.engine.cuda_graphs import DecodeGraphs  # noqa: E402
 from mili_openai.engine.memory_profile import dummy_prefill_batch  # noqa: E402
 from mili_openai.engine.step_inputs import map_tensors  # noqa: E402
@@ -186,10 +186,6 @@ PROMPT_LENGTHS = [1, 9, 40]
 MAX_NEW = 4
 
 
-def greedy() -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=2)
-
-
 @pytest.fixture(scope="module")
 def oracle(tiny_checkpoint):
     model = load_hf(tiny_checkpoint)
@@ -206,8 +202,8 @@ def test_engine_on_triton_matches_transformers(tiny_checkpoint, oracle, engine_a
     llm = LLM(str(tiny_checkpoint), dtype="float32", device=DEVICE.type, attention_backend="triton", num_pages=96,
               **engine_args)
     assert isinstance(llm.core.runner.model.attention_kernel, TritonAttention)
-    assert_matches(llm.generate(prompts, greedy()), expected)
-    second = llm.generate(prompts, greedy())  # the prompts' pages are cached now: prefix hits
+    assert_matches(llm.generate(prompts, greedy(MAX_NEW)), expected)
+    second = llm.generate(prompts, greedy(MAX_NEW))  # the prompts' pages are cached now: prefix hits
     assert_matches(second, expected)
     assert sum(output.num_cached_tokens for output in second) > 0
     llm.core.check_integrity()

@@ -12,19 +12,15 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from engine_helpers import assert_matches, hf_greedy, random_prompts
+from engine_helpers import assert_matches, greedy, hf_greedy, random_prompts
 from model_helpers import copy_without_weight
-from mili_openai import LLM, SamplingParams
+from mili_openai import LLM
 from mili_openai.model import ModelConfig, load_model
 from mili_openai.model.loader import SINGLE_FILE
 from mili_openai.model.moe import SparseMoeBlock
 
 CPU = torch.device("cpu")
 MAX_NEW = 8
-
-
-def greedy(max_tokens: int = MAX_NEW, **kw) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=3, **kw)
 
 
 def load_hf_moe(path):
@@ -145,7 +141,7 @@ def test_greedy_matches_transformers(tiny_moe_checkpoint, hf_moe, engine_args):
     prompts = random_prompts(6, [1, 7, 17, 40, 100, 150], seed=1)
     expected = [hf_greedy(hf_moe, p, MAX_NEW) for p in prompts]
     llm = LLM(str(tiny_moe_checkpoint), dtype="float32", num_pages=256, **engine_args)
-    assert_matches(llm.generate(prompts, greedy()), expected)
+    assert_matches(llm.generate(prompts, greedy(MAX_NEW)), expected)
     llm.core.check_integrity()
 
 
@@ -211,5 +207,5 @@ def test_cuda_experts_through_triton_and_graphs_match_transformers(tiny_moe_chec
     expected = [hf_greedy(hf_moe, p, MAX_NEW) for p in prompts]
     llm = LLM(str(tiny_moe_checkpoint), dtype="float32", num_pages=256, device="cuda")
     assert llm.core.runner.decode_graphs is not None
-    assert_matches(llm.generate(prompts, greedy()), expected)
+    assert_matches(llm.generate(prompts, greedy(MAX_NEW)), expected)
     assert llm.core.runner.decode_graphs.steps_run > 0

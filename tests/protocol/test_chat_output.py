@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from helpers_server import qwen_tokenizer  # noqa: F401
 from mili_openai.engine.outputs import TokenLogprob
 from mili_openai.protocol.chat import ChoiceLogprobs, TokenLogprobOut, TopLogprob
 from mili_openai.protocol.logprobs import TokenPieces, chat_logprobs_object, token_bytes
@@ -53,7 +52,7 @@ def test_without_tools_or_think_tags_the_text_passes_through():
     assert (delta.reasoning, delta.content, delta.calls) == ("", text, [])
 
 
-def test_logprob_bytes_rebuild_multibyte_text(qwen_tokenizer):  # noqa: F811
+def test_logprob_bytes_rebuild_multibyte_text(qwen_tokenizer):
     text = "héllo 世界 🙂 <think>"
     ids = qwen_tokenizer.encode(text, add_special_tokens=False)
     assert b"".join(token_bytes(qwen_tokenizer, t) for t in ids) == text.encode()
@@ -77,7 +76,7 @@ def models_chat_logprobs(tokenizer, logprobs: list[TokenLogprob], top_k: int) ->
 
 
 @pytest.mark.parametrize("top_k", [0, 1, 3])
-def test_chat_logprobs_object_is_the_models_dump(qwen_tokenizer, top_k):  # noqa: F811
+def test_chat_logprobs_object_is_the_models_dump(qwen_tokenizer, top_k):
     # parts of characters, an added token, eos, an id past the tokenizer's vocabulary; an int logprob, -inf
     ids = [*qwen_tokenizer.encode("héllo 世界 🙂 <think> héllo", add_special_tokens=False),
            qwen_tokenizer.eos_token_id, 151935]
@@ -89,7 +88,7 @@ def test_chat_logprobs_object_is_the_models_dump(qwen_tokenizer, top_k):  # noqa
     assert chat_logprobs_object(pieces, [], top_k) == ChoiceLogprobs(content=[]).model_dump()
 
 
-def test_token_pieces_text_is_the_token_decoded_alone(qwen_tokenizer):  # noqa: F811
+def test_token_pieces_text_is_the_token_decoded_alone(qwen_tokenizer):
     pieces = TokenPieces(qwen_tokenizer)
     ids = [*qwen_tokenizer.encode("héllo 世界 🙂 <think>", add_special_tokens=False), qwen_tokenizer.eos_token_id]
     for _ in range(2):  # the second time from what it remembers

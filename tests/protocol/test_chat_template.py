@@ -6,7 +6,6 @@ import asyncio
 
 import pytest
 
-from helpers_server import qwen_tokenizer  # noqa: F401
 from mili_openai.protocol.chat import ChatCompletionRequest
 from mili_openai.protocol.prompts import render_chat_prompt, render_chat_text
 
@@ -29,7 +28,7 @@ def request(**body) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate(body)
 
 
-def test_tools_and_tool_history_render_as_qwen3_expects(qwen_tokenizer):  # noqa: F811
+def test_tools_and_tool_history_render_as_qwen3_expects(qwen_tokenizer):
     text, tail = render_chat_text(qwen_tokenizer, request(messages=HISTORY, tools=[WEATHER_TOOL]))
     assert text.startswith("<|im_start|>system\nYou are helpful.\n\n# Tools\n")
     assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in text
@@ -40,7 +39,7 @@ def test_tools_and_tool_history_render_as_qwen3_expects(qwen_tokenizer):  # noqa
     assert tail == ""
 
 
-def test_dict_arguments_are_accepted_too(qwen_tokenizer):  # noqa: F811
+def test_dict_arguments_are_accepted_too(qwen_tokenizer):
     history = [dict(m) for m in HISTORY[:4]]
     history[2] = {"role": "assistant", "content": None, "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
@@ -48,32 +47,32 @@ def test_dict_arguments_are_accepted_too(qwen_tokenizer):  # noqa: F811
     assert '"arguments": {"city": "Paris"}}' in text
 
 
-def test_enable_thinking_false_closes_the_thinking_block_in_the_prompt(qwen_tokenizer):  # noqa: F811
+def test_enable_thinking_false_closes_the_thinking_block_in_the_prompt(qwen_tokenizer):
     text, tail = render_chat_text(qwen_tokenizer, request(chat_template_kwargs={"enable_thinking": False}))
     assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert tail == "<think>\n\n</think>\n\n"
 
 
-def test_tool_choice_leaves_the_prompt_as_the_template_renders_it(qwen_tokenizer):  # noqa: F811
+def test_tool_choice_leaves_the_prompt_as_the_template_renders_it(qwen_tokenizer):
     """"required" and named choices are held by a grammar (protocol/tool_calls.py), not a prefill."""
     required, tail = render_chat_text(qwen_tokenizer, request(tools=[WEATHER_TOOL], tool_choice="required"))
     assert tail == ""
     assert required == render_chat_text(qwen_tokenizer, request(tools=[WEATHER_TOOL], tool_choice="auto"))[0]
 
 
-def test_continue_final_message_ends_the_prompt_inside_the_assistant_turn(qwen_tokenizer):  # noqa: F811
+def test_continue_final_message_ends_the_prompt_inside_the_assistant_turn(qwen_tokenizer):
     messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "One, two,"}]
     text, tail = render_chat_text(qwen_tokenizer, request(messages=messages, continue_final_message=True))
     assert text.endswith("One, two,") and tail.endswith("One, two,")
 
 
-def test_token_ids_are_the_template_text_without_added_bos(qwen_tokenizer):  # noqa: F811
+def test_token_ids_are_the_template_text_without_added_bos(qwen_tokenizer):
     rendered = asyncio.run(render_chat_prompt(qwen_tokenizer, request()))
     assert qwen_tokenizer.decode(rendered.token_ids) == rendered.text
     assert rendered.token_ids[0] == qwen_tokenizer.convert_tokens_to_ids("<|im_start|>")
 
 
-def test_template_errors_become_value_errors_with_the_template_message(qwen_tokenizer):  # noqa: F811
+def test_template_errors_become_value_errors_with_the_template_message(qwen_tokenizer):
     class RaisingTemplate:
         chat_template = "x"
 

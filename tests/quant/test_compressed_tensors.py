@@ -10,15 +10,15 @@ import openai
 import pytest
 import torch
 
-from engine_helpers import assert_matches
+from engine_helpers import assert_matches, greedy
 from helpers_server import served_engine
 from quant_helpers import (
     CPU,
+    MAX_NEW,
     QUANT_SHAPE,
     UNTIED_SHAPE,
     compressed_config,
     dequantized_weight,
-    greedy,
     library_fused,
     oracle_tokens,
     read_weights,
@@ -84,7 +84,7 @@ def test_checkpoints_give_transformers_greedy_tokens_on_the_dequantized_weights(
         dense_down = "dense" in LAYOUTS[name]
         assert len(quantized_modules) == (3 if dense_down else 4) * QUANT_SHAPE.num_hidden_layers
         assert {m.bits for m in quantized_modules} == {LAYOUTS[name]["bits"]}
-    assert_matches(llm.generate(prompts, greedy()), expected)
+    assert_matches(llm.generate(prompts, greedy(MAX_NEW)), expected)
 
 
 @pytest.mark.parametrize("raw, want", [
@@ -235,7 +235,7 @@ def test_library_compressed_checkpoint_reads_back_the_librarys_weights(name, tmp
             assert torch.equal(got, want), f"layer {layer} {module_name}"
     reference = write_checkpoint(dense, tmp_path / "reference", plain, None)
     prompts, expected = oracle_tokens(reference)
-    assert_matches(LLM(str(quantized), dtype="float32", num_pages=128).generate(prompts, greedy()), expected)
+    assert_matches(LLM(str(quantized), dtype="float32", num_pages=128).generate(prompts, greedy(MAX_NEW)), expected)
 
 
 def test_int4_scales_float16_cannot_hold_are_rounded_and_said(tmp_path, caplog):

@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine_helpers import LOGPROB_ATOL, hf_greedy, load_hf, random_prompts
+from engine_helpers import LOGPROB_ATOL, greedy, hf_greedy, load_hf, random_prompts
 from quant_helpers import (
     CPU,
     MAX_NEW,
@@ -30,7 +30,6 @@ from quant_helpers import (
     compressed_config,
     decode_schedule,
     dequantized_weight,
-    greedy,
     library_fused,
     read_weights,
     run_steps,
@@ -169,7 +168,7 @@ def test_w8a8_gives_the_hooked_oracles_greedy_tokens(dense, name, tmp_path):
     assert llm.core.info.quantization.endswith(f"; int-quantized; int8 activations {per})")
     modules = [m for m in llm.core.runner.model.modules() if isinstance(m, QuantizedLinear)]
     assert len(modules) == 4 * QUANT_SHAPE.num_hidden_layers and all(m.activations is not None for m in modules)
-    assert_greedy_up_to_near_ties(llm.generate(prompts, greedy()), expected)
+    assert_greedy_up_to_near_ties(llm.generate(prompts, greedy(MAX_NEW)), expected)
     llm.core.check_integrity()
 
 
@@ -335,8 +334,8 @@ def test_library_compressed_w8a8_checkpoint(activations, tmp_path):
     prompts = random_prompts(len(PROMPT_LENGTHS), PROMPT_LENGTHS, seed=11)
     hf = hooked_hf(reference, scales)
     expected = [hf_greedy(hf, prompt, MAX_NEW) for prompt in prompts]
-    assert_greedy_up_to_near_ties(LLM(str(quantized), dtype="float32", num_pages=128).generate(prompts, greedy()),
-                                  expected)
+    llm = LLM(str(quantized), dtype="float32", num_pages=128)
+    assert_greedy_up_to_near_ties(llm.generate(prompts, greedy(MAX_NEW)), expected)
 
 
 @needs_kernels

@@ -9,7 +9,7 @@ import openai
 import pytest
 import torch
 
-from engine_helpers import assert_matches, load_hf, random_prompts
+from engine_helpers import assert_matches, greedy, load_hf, random_prompts
 from helpers_server import served_engine
 from quant_helpers import (
     CPU,
@@ -19,7 +19,6 @@ from quant_helpers import (
     assert_as_close_as_transformers_bf16,
     compressed_config,
     decode_schedule,
-    greedy,
     oracle_tokens,
     run_steps,
     write_dequantized,
@@ -69,7 +68,7 @@ def test_quantized_at_load_matches_transformers_on_the_dequantized_weights(dense
               quantize_lm_head=lm_head)
     assert llm.core.info.quantization.startswith(method)
     assert f"LM head {lm_head or 'int8'}" in llm.core.info.quantization
-    assert_matches(llm.generate(prompts, greedy()), expected)
+    assert_matches(llm.generate(prompts, greedy(MAX_NEW)), expected)
     llm.core.check_integrity()
 
 
@@ -81,7 +80,7 @@ def test_prequantized_checkpoints_load_as_their_formats_say(dense, name, tmp_pat
     prompts, expected = oracle_tokens(reference)
     llm = LLM(str(quantized), dtype="float32", num_pages=128)
     assert llm.core.info.quantization.startswith(name.split("-")[0])
-    assert_matches(llm.generate(prompts, greedy()), expected)
+    assert_matches(llm.generate(prompts, greedy(MAX_NEW)), expected)
 
 
 def test_refused_checkpoints_fail_at_start_with_the_reason(tmp_path):
@@ -177,7 +176,7 @@ def test_int4_lm_head_served_as_offline(tmp_path):
     options = dict(num_pages=64, quantization="int4", quantization_group_size=64, quantize_lm_head="int4")
     prompts = random_prompts(2, [5, 33], seed=12)
     llm = LLM(str(dense), dtype="float32", **options)
-    offline = [output.outputs[0].text for output in llm.generate(prompts, greedy())]
+    offline = [output.outputs[0].text for output in llm.generate(prompts, greedy(MAX_NEW))]
     del llm
     with served_engine(dense, **options) as (live, _):
         client = openai.OpenAI(base_url=live.api_base, api_key="x", max_retries=0)
@@ -191,7 +190,7 @@ def test_int4_lm_head_served_as_offline(tmp_path):
 def test_fp8_model_on_cpu_gives_transformers_logits_on_the_dequantized_weights(dense, tmp_path):
     """fp8 projections (`--quantization fp8` needs CUDA to serve; here quantize_model on a float32 model)
     through their torch paths, weight-only for float32: every row's logits are transformers' on the
-    dequantized weights, through prefill chunks and decode steps (tests/test_quantized_cuda.py holds the
+    dequantized weights, through prefill chunks and decode steps (tests/quant/test_quantized_cuda.py holds the
     Triton kernels to the same oracle on the GPU)."""
     model, config = load_model(dense, torch.float32, CPU)
     quantize_model(model, "fp8", group_size=128)

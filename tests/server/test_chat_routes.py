@@ -14,7 +14,6 @@ import openai
 import orjson
 import pytest
 
-from helpers_server import qwen_tokenizer  # noqa: F401
 from fake_engine import TOOL_CALL_TEXT
 from helpers_server import scripted_server as serve_script
 
@@ -26,7 +25,7 @@ THINKING_TEXT = "<think>\nThe user greets me.\n</think>\n\nHello there!"
 
 
 @pytest.fixture(scope="module")
-def server(qwen_tokenizer):  # noqa: F811
+def server(qwen_tokenizer):
     with serve_script(qwen_tokenizer, THINKING_TEXT, MODEL) as live:
         yield live
 

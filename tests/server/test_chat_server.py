@@ -15,8 +15,6 @@ import json
 import openai
 import pytest
 
-from helpers_server import qwen_tokenizer, real_engine, real_server  # noqa: F401
-
 MODEL = "tiny-qwen3"
 HELLO = [{"role": "user", "content": "Say hello."}]
 FORCED_BIAS = 100
@@ -25,28 +23,28 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def client(real_server):  # noqa: F811
+def client(real_server):
     return openai.OpenAI(base_url=real_server.api_base, api_key="unused", max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
-def api_base(real_server):  # noqa: F811
+def api_base(real_server):
     return real_server.api_base
 
 
-def greedy(client, **kwargs):
+def greedy_chat(client, **kwargs):
     kwargs.setdefault("messages", HELLO)
     return client.chat.completions.create(model=MODEL, temperature=0, **kwargs)
 
 
 def test_greedy_stream_equals_the_whole_response(client):
-    whole = greedy(client, max_tokens=8)
+    whole = greedy_chat(client, max_tokens=8)
     choice = whole.choices[0]
     assert choice.finish_reason == "length" and whole.usage.completion_tokens == 8
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + 8
     assert whole.usage.prompt_tokens_details.cached_tokens >= 0
     streamed_content, streamed_reasoning, finishes, usage = "", "", [], None
-    for chunk in greedy(client, max_tokens=8, stream=True, stream_options={"include_usage": True}):
+    for chunk in greedy_chat(client, max_tokens=8, stream=True, stream_options={"include_usage": True}):
         if chunk.usage is not None:
             usage = chunk.usage
         for c in chunk.choices:
@@ -73,7 +71,7 @@ def test_n_choices_with_a_seed_are_reproducible(client):
 
 
 def test_logprobs_agree_with_greedy_choice(client):
-    result = greedy(client, max_tokens=5, logprobs=True, top_logprobs=3)
+    result = greedy_chat(client, max_tokens=5, logprobs=True, top_logprobs=3)
     tokens = result.choices[0].logprobs.content
     assert len(tokens) == 5
     for token in tokens:
@@ -100,19 +98,19 @@ def test_stop_string_cuts_the_content_before_it(client):
     assert result.choices[0].message.content == text[: text.index(stop)]
 
 
-def test_tool_call_forced_through_the_real_model(client, qwen_tokenizer):  # noqa: F811
+def test_tool_call_forced_through_the_real_model(client, qwen_tokenizer):
     prefill = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call'
     close = qwen_tokenizer.convert_tokens_to_ids(">")
     messages = [{"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": prefill}]
     kwargs = dict(messages=messages, tools=[WEATHER_TOOL], max_tokens=1, logit_bias={str(close): FORCED_BIAS},
                   extra_body={"continue_final_message": True, "add_generation_prompt": False})
-    result = greedy(client, **kwargs)
+    result = greedy_chat(client, **kwargs)
     choice = result.choices[0]
     # max_tokens ended the output (its one token completed the call): "length", the complete call kept
     assert choice.finish_reason == "length" and choice.message.content is None
     (call,) = choice.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
-    streamed = [c for chunk in greedy(client, stream=True, **kwargs) for c in chunk.choices]
+    streamed = [c for chunk in greedy_chat(client, stream=True, **kwargs) for c in chunk.choices]
     calls = [t for c in streamed for t in c.delta.tool_calls or []]
     assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in calls] == [
         (0, "get_weather", {"city": "Paris"})]  # the prefill wrote it all: one piece
@@ -121,7 +119,7 @@ def test_tool_call_forced_through_the_real_model(client, qwen_tokenizer):  # noq
 
 def test_context_overflow_is_a_400_with_the_numbers(client):
     with pytest.raises(openai.BadRequestError, match="maximum context length is 512"):
-        greedy(client, max_tokens=100_000)
+        greedy_chat(client, max_tokens=100_000)
 
 
 def test_async_client_streams_and_answers(api_base):

@@ -8,16 +8,7 @@ import time
 import orjson
 import pytest
 
-from helpers_server import (  # noqa: F401
-    SETTLE_POLL_S,
-    SETTLE_TIMEOUT_S,
-    TEST_MODEL_NAME,
-    FakeEngine,
-    asgi_client,
-    fake_engine,
-    qwen_tokenizer,
-    sse_data,
-)
+from helpers_server import SETTLE_POLL_S, SETTLE_TIMEOUT_S, TEST_MODEL_NAME, FakeEngine, asgi_client, sse_data
 
 pytestmark = pytest.mark.anyio
 
@@ -165,7 +156,7 @@ async def settles(predicate, timeout_s: float = SETTLE_TIMEOUT_S) -> bool:
     return True
 
 
-async def test_abandoned_non_streaming_request_is_aborted(qwen_tokenizer):  # noqa: F811
+async def test_abandoned_non_streaming_request_is_aborted(qwen_tokenizer):
     engine = FakeEngine(qwen_tokenizer, token_delay_s=0.05)
     async with asgi_client(engine) as client:
         task = asyncio.create_task(client.post("/v1/completions", json={"prompt": "slow", "max_tokens": 200}))
@@ -177,7 +168,7 @@ async def test_abandoned_non_streaming_request_is_aborted(qwen_tokenizer):  # no
     assert not engine.tasks and not engine.owned
 
 
-async def test_request_timeout_aborts(qwen_tokenizer):  # noqa: F811
+async def test_request_timeout_aborts(qwen_tokenizer):
     engine = FakeEngine(qwen_tokenizer, token_delay_s=0.02)
     async with asgi_client(engine, request_timeout_s=0.2) as client:
         response = await client.post("/v1/completions", json={"prompt": "slow", "max_tokens": 200})

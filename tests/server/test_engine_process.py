@@ -5,7 +5,7 @@ The chat tests of test_chat_server.py pass against it unchanged; greedy completi
 in-process engine's; bad requests are 400s in OpenAI's shape and the server keeps serving; a client that
 goes away frees its pages; /metrics counts the requests the engine finished (replayed from the engine
 process); SIGTERM to the whole process group drains (the engine process ignores it); a killed engine process
-takes the server down with a non-zero exit (a model that fails to load in it: tests/test_cli.py).
+takes the server down with a non-zero exit (a model that fails to load in it: tests/server/test_cli.py).
 The frame codec the two processes speak is tested on its own at the end.
 """
 
@@ -24,14 +24,11 @@ import openai
 import orjson
 import pytest
 
-from helpers_server import (  # noqa: F401
+from helpers_server import (
     REAL_ENGINE_CONFIG,
     REAL_SERVE_FLAGS,
     check_greedy_completions_match_offline,
     mili_serve_process,
-    qwen_tokenizer,
-    real_engine,
-    real_server,
     sdk_client,
     sse_data,
     wait_until,
@@ -93,7 +90,7 @@ def test_greedy_completions_match_the_in_process_engine(client, tiny_checkpoint)
     check_greedy_completions_match_offline(client, MODEL, tiny_checkpoint, n=2)
 
 
-def test_greedy_chat_matches_the_in_process_server(client, real_server):  # noqa: F811
+def test_greedy_chat_matches_the_in_process_server(client, real_server):
     in_process = sdk_client(real_server.api_base)
     for messages in (HELLO, [{"role": "user", "content": "Count to five, slowly."}]):
         want = in_process.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=10)

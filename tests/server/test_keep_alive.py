@@ -7,14 +7,13 @@ import logging
 
 import pytest
 
-from helpers_server import fake_engine, qwen_tokenizer  # noqa: F401
 from mili_openai.config import ServerConfig
 from mili_openai.server.app import create_app
 
 pytestmark = pytest.mark.anyio
 
 
-async def test_a_client_gone_mid_body_is_counted_and_gets_nothing(fake_engine, caplog):  # noqa: F811
+async def test_a_client_gone_mid_body_is_counted_and_gets_nothing(fake_engine, caplog):
     app = create_app(ServerConfig(), engine=fake_engine)
     scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
              "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",

@@ -19,14 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from helpers_server import (  # noqa: F401
-    REAL_SERVE_FLAGS,
-    asgi_client,
-    fake_engine,
-    mili_serve_process,
-    qwen_tokenizer,
-    sdk_client,
-)
+from helpers_server import REAL_SERVE_FLAGS, asgi_client, mili_serve_process, sdk_client
 from mili_openai.bench.cli import EXIT_OK, main as bench_main
 from mili_openai.bench.server_process import ServerProcess
 
@@ -119,7 +112,7 @@ def test_bench_serve_profile_prints_where_the_files_went(profiled_server, tmp_pa
     assert f"trace {profile['trace']}, summary {profile['summary']}" in printed.out
 
 
-def test_bench_serve_profile_against_a_server_without_the_flag_says_why(qwen_tokenizer, tmp_path, capsys):  # noqa: F811
+def test_bench_serve_profile_against_a_server_without_the_flag_says_why(qwen_tokenizer, tmp_path, capsys):
     from bench_helpers import fake_openai_app, serve_in_thread
 
     with serve_in_thread(fake_openai_app()) as base_url:
@@ -130,7 +123,7 @@ def test_bench_serve_profile_against_a_server_without_the_flag_says_why(qwen_tok
 
 
 @pytest.mark.anyio
-async def test_without_the_flag_the_routes_are_404s_saying_how_to_enable_them(fake_engine):  # noqa: F811
+async def test_without_the_flag_the_routes_are_404s_saying_how_to_enable_them(fake_engine):
     async with asgi_client(fake_engine) as client:
         for path in ("/start_profile", "/stop_profile"):
             response = await client.post(path)

@@ -7,7 +7,7 @@ import logging
 import orjson
 import pytest
 
-from helpers_server import FakeEngine, asgi_client, fake_engine, qwen_tokenizer, sse_data  # noqa: F401
+from helpers_server import FakeEngine, asgi_client, sse_data
 from mili_openai.server.request_log import REQUEST_LOGGER_NAME
 
 pytestmark = pytest.mark.anyio
@@ -34,7 +34,7 @@ def only_line(lines: list[dict], request_id: str) -> dict:
     return matching[0]
 
 
-async def test_completion_line_matches_usage(fake_engine, request_log):  # noqa: F811
+async def test_completion_line_matches_usage(fake_engine, request_log):
     async with asgi_client(fake_engine) as client:
         response = await client.post("/v1/completions", json={"prompt": "log me", "max_tokens": 4, "n": 2},
                                      headers={"x-request-id": "log-1"})
@@ -49,7 +49,7 @@ async def test_completion_line_matches_usage(fake_engine, request_log):  # noqa:
     assert 0 <= line["ttft_s"] <= line["total_s"]
 
 
-async def test_stream_is_logged_when_it_ends(qwen_tokenizer, request_log):  # noqa: F811
+async def test_stream_is_logged_when_it_ends(qwen_tokenizer, request_log):
     engine = FakeEngine(qwen_tokenizer, token_delay_s=0.01)
     async with asgi_client(engine) as client:
         response = await client.post("/generate", json={"prompt": "stream me", "max_tokens": 5, "stream": True},
@@ -61,7 +61,7 @@ async def test_stream_is_logged_when_it_ends(qwen_tokenizer, request_log):  # no
     assert line["total_s"] >= line["ttft_s"] >= 0.01  # the first token took one fake step
 
 
-async def test_errors_carry_the_id_and_are_logged(qwen_tokenizer, request_log):  # noqa: F811
+async def test_errors_carry_the_id_and_are_logged(qwen_tokenizer, request_log):
     engine = FakeEngine(qwen_tokenizer)
 
     def broken_submit(*args, **kwargs):
@@ -93,7 +93,7 @@ async def test_errors_carry_the_id_and_are_logged(qwen_tokenizer, request_log): 
     assert not [line for line in lines if line["request_id"] == "probe"]  # probes are not logged
 
 
-async def test_fresh_id_when_none_or_a_bad_one_is_given(fake_engine, request_log):  # noqa: F811
+async def test_fresh_id_when_none_or_a_bad_one_is_given(fake_engine, request_log):
     async with asgi_client(fake_engine) as client:
         plain = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1})
         odd = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1},
@@ -103,7 +103,7 @@ async def test_fresh_id_when_none_or_a_bad_one_is_given(fake_engine, request_log
     assert {line["request_id"] for line in request_log()} == ids
 
 
-async def test_cors_is_off_by_default_and_exposes_the_id_when_on(fake_engine):  # noqa: F811
+async def test_cors_is_off_by_default_and_exposes_the_id_when_on(fake_engine):
     origin = "https://ui.example"
     async with asgi_client(fake_engine) as client:
         closed = await client.get("/v1/models", headers={"origin": origin})

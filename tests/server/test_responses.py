@@ -11,7 +11,6 @@ import httpx
 import openai
 import pytest
 
-from helpers_server import qwen_tokenizer  # noqa: F401
 from helpers_server import scripted_server as serve_script
 from mili_openai.server.state import ResponseStore, StoredResponse
 
@@ -24,7 +23,7 @@ WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Curre
 
 
 @pytest.fixture(scope="module")
-def server(qwen_tokenizer):  # noqa: F811
+def server(qwen_tokenizer):
     with serve_script(qwen_tokenizer, THINKING_TEXT, MODEL, responses_store_size=8) as live:
         yield live
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from helpers_server import TEST_MODEL_NAME, FakeEngine, asgi_client, fake_engine, qwen_tokenizer, sse_data  # noqa: F401
+from helpers_server import TEST_MODEL_NAME, FakeEngine, asgi_client, sse_data
 
 MODEL = TEST_MODEL_NAME
 pytestmark = pytest.mark.anyio
@@ -115,7 +115,7 @@ async def test_body_over_limit_is_413_by_header_and_by_stream(fake_engine):
     assert_error_shape(streamed, 413)
 
 
-async def test_not_ready_is_503_and_health_follows(qwen_tokenizer):  # noqa: F811
+async def test_not_ready_is_503_and_health_follows(qwen_tokenizer):
     engine = FakeEngine(qwen_tokenizer)
     async with client_for(engine) as client:
         assert (await client.get("/health")).status_code == 200
@@ -125,7 +125,7 @@ async def test_not_ready_is_503_and_health_follows(qwen_tokenizer):  # noqa: F81
         assert error["type"] == "service_unavailable"
 
 
-async def test_engine_failure_is_500_not_a_hang(qwen_tokenizer):  # noqa: F811
+async def test_engine_failure_is_500_not_a_hang(qwen_tokenizer):
     engine = FakeEngine(qwen_tokenizer, fail_with="engine error: boom")
     async with client_for(engine) as client:
         plain = await client.post("/v1/completions", json={"prompt": "hi"})
@@ -147,7 +147,7 @@ async def test_request_id_is_echoed_and_used(fake_engine):
     assert odd.headers["x-request-id"] != "bad id\twith spaces"
 
 
-async def test_queue_full_is_429(qwen_tokenizer):  # noqa: F811
+async def test_queue_full_is_429(qwen_tokenizer):
     engine = FakeEngine(qwen_tokenizer)
     engine.stats = lambda: type("S", (), {"num_waiting": 5})()  # a queue already over max_queue
     async with client_for(engine, max_queue=5) as client:

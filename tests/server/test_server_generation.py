@@ -9,14 +9,14 @@ import pytest
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from helpers_server import FakeEngine, asgi_client, qwen_tokenizer, sse_data  # noqa: F401
+from helpers_server import FakeEngine, asgi_client, sse_data
 from mili_openai.protocol.errors import APIError
 from mili_openai.server.sse import event_bytes, sse_stream
 
 pytestmark = pytest.mark.anyio
 
 
-async def test_a_failed_submit_aborts_the_prompts_already_submitted(qwen_tokenizer):  # noqa: F811
+async def test_a_failed_submit_aborts_the_prompts_already_submitted(qwen_tokenizer):
     """A request's prompts are submitted all or nothing: the second prompt's refusal frees the first's."""
     engine = FakeEngine(qwen_tokenizer, token_delay_s=0.01)
     original_submit = engine.submit
@@ -33,7 +33,7 @@ async def test_a_failed_submit_aborts_the_prompts_already_submitted(qwen_tokeniz
     assert len(engine.submitted) == 1 and not engine.tasks and not engine.requests
 
 
-async def test_engine_error_is_a_500_on_every_generation_route(qwen_tokenizer):  # noqa: F811
+async def test_engine_error_is_a_500_on_every_generation_route(qwen_tokenizer):
     engine = FakeEngine(qwen_tokenizer, fail_with="engine error: oom")
     async with asgi_client(engine) as client:
         for path, body in (("/v1/completions", {"prompt": "x"}), ("/generate", {"prompt": "x"}),
@@ -89,7 +89,7 @@ async def test_sse_api_error_keeps_its_message():
                                               "param": "x", "code": None}
 
 
-async def test_shutdown_lets_streams_end_with_abort_and_done(qwen_tokenizer, monkeypatch):  # noqa: F811
+async def test_shutdown_lets_streams_end_with_abort_and_done(qwen_tokenizer, monkeypatch):
     import asyncio
 
     from sse_starlette.sse import AppStatus

@@ -36,13 +36,13 @@ def client(live):
     return openai.OpenAI(base_url=live.api_base, api_key="unused", max_retries=0)
 
 
-def greedy(client, prompt="The quick brown fox", max_tokens=12, **kwargs):
+def greedy_completion(client, prompt="The quick brown fox", max_tokens=12, **kwargs):
     return client.completions.create(model=TEST_MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0,
                                      extra_body={"ignore_eos": True}, **kwargs)
 
 
 def test_sync_completion_shape(client):
-    completion = greedy(client)
+    completion = greedy_completion(client)
     assert completion.object == "text_completion" and completion.model == TEST_MODEL_NAME
     [choice] = completion.choices
     assert choice.finish_reason == "length" and choice.index == 0
@@ -51,9 +51,9 @@ def test_sync_completion_shape(client):
 
 
 def test_greedy_is_deterministic_and_stream_matches(client):
-    plain = greedy(client).choices[0].text
-    assert greedy(client).choices[0].text == plain
-    stream = greedy(client, stream=True, stream_options={"include_usage": True})
+    plain = greedy_completion(client).choices[0].text
+    assert greedy_completion(client).choices[0].text == plain
+    stream = greedy_completion(client, stream=True, stream_options={"include_usage": True})
     pieces, finishes, usage = [], [], None
     for chunk in stream:
         assert chunk.object == "text_completion"
@@ -95,9 +95,9 @@ def test_seed_reproducible(client):
 
 
 def test_stop_string(client):
-    text = greedy(client, max_tokens=16).choices[0].text
+    text = greedy_completion(client, max_tokens=16).choices[0].text
     stop = text[len(text) // 2: len(text) // 2 + 2]
-    stopped = greedy(client, max_tokens=16, stop=[stop]).choices[0]
+    stopped = greedy_completion(client, max_tokens=16, stop=[stop]).choices[0]
     assert stopped.finish_reason == "stop"
     assert stopped.text == text[: text.index(stop)]
 
@@ -188,7 +188,7 @@ def test_disconnected_plain_request_is_aborted(live):
 
 
 def test_repeated_long_prompt_reports_cached_tokens(client):
-    first = greedy(client, prompt=LONG_PROMPT, max_tokens=2)
-    second = greedy(client, prompt=LONG_PROMPT, max_tokens=2)
+    first = greedy_completion(client, prompt=LONG_PROMPT, max_tokens=2)
+    second = greedy_completion(client, prompt=LONG_PROMPT, max_tokens=2)
     assert first.usage.prompt_tokens > 32
     assert second.usage.prompt_tokens_details.cached_tokens > 0

@@ -7,7 +7,7 @@ import asyncio
 import orjson
 import pytest
 
-from helpers_server import TEST_MODEL_NAME, FakeEngine, asgi_client, fake_engine, qwen_tokenizer, sse_data  # noqa: F401
+from helpers_server import TEST_MODEL_NAME, FakeEngine, asgi_client, sse_data
 from mili_openai import __version__
 from mili_openai.server.state import RequestRecords
 
@@ -30,7 +30,7 @@ async def test_generate_then_status(fake_engine):
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "request_not_found"
 
 
-async def test_generate_stream_and_running_status(qwen_tokenizer):  # noqa: F811
+async def test_generate_stream_and_running_status(qwen_tokenizer):
     engine = FakeEngine(qwen_tokenizer, token_delay_s=0.02)
     async with asgi_client(engine) as client:
         task = asyncio.create_task(client.post("/generate", json={"prompt": [1, 2, 3], "max_tokens": 10,

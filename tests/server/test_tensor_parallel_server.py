@@ -15,11 +15,10 @@ import openai
 import orjson
 import pytest
 
-from helpers_server import (  # noqa: F401
+from helpers_server import (
     REAL_SERVE_FLAGS,
     check_greedy_completions_match_offline,
     mili_serve_process,
-    qwen_tokenizer,
     sdk_client,
     sse_data,
 )
