@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from mili_openai.engine.contract import check_request
 from mili_openai.engine.sampling_params import SamplingParams
 
 LOGPROB_ATOL = 2e-4  # float32 on both sides; differences come only from summation order
@@ -36,8 +37,6 @@ def run_engine(engine, work):
 
 async def submit_checked(engine, prompt: list[int], params, request_id: str | None = None):
     """What a route does: check the request (engine/contract.py), then submit it; the request's stream."""
-    from mili_openai.engine.contract import check_request
-
     return await engine.submit(check_request(prompt, params, engine.info), request_id)
 
 

@@ -5,8 +5,8 @@ model, instant.
 into the engine's own `RequestStream`s, fanning a request of n samples out as the engine does (one task
 per sample, seeded by `child_params`), reports cached tokens for prompts sharing page-aligned prefixes
 with earlier ones, and can fail every request (`fail_with`) or pace its tokens (`token_delay_s`).
-`helpers_server` builds it as a fixture. `ScriptedEngine` streams a fixed text instead, for route tests
-of outputs a random-weight model would never write.
+tests/conftest.py builds it as the `fake_engine` fixture. `ScriptedEngine` streams a fixed text instead, for
+route tests of outputs a random-weight model would never write.
 """
 
 from __future__ import annotations

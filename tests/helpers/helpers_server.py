@@ -11,6 +11,8 @@ tests/conftest.py.
   `script` behind a live server named `name`; the LiveServer's `.engine` is it, to change the script.
 - `asgi_client(engine, **server_config)`: an httpx.AsyncClient on `create_app(...)` in-process, lifespan run.
 - `sse_data(text)`: the `data:` payloads of an SSE body, in order.
+- `interrupted_stream(base_url, model, interrupt, max_tokens)`: a real server's stream with `interrupt()` (a
+  signal, a killed process) called after its first chunk; `stream_error_messages(payloads)`: its error events.
 - `FakeEngine` (fake_engine.py, also importable from here): `AsyncEngine`'s interface with scripted tokens.
 """
 
@@ -22,11 +24,13 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
+import orjson
 import uvicorn
 
 from fake_engine import FakeEngine
@@ -71,8 +75,6 @@ class LiveServer:
 @contextlib.contextmanager
 def live_server(app: Any, ready_path: str | None = "/health") -> Iterator[LiveServer]:
     """Serve `app` with uvicorn on a free 127.0.0.1 port until the block ends (waits for `ready_path` 200)."""
-    import httpx
-
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -129,8 +131,6 @@ TEST_MODEL_NAME = "test-model"
 
 @contextlib.asynccontextmanager
 async def asgi_client(engine: Any, **server_config: Any):
-    import httpx
-
     from mili_openai.server.app import create_app
 
     server_config.setdefault("served_model_name", TEST_MODEL_NAME)
@@ -196,4 +196,27 @@ def sdk_client(api_base: str) -> openai.OpenAI:
 
 def sse_data(text: str) -> list[str]:
     return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+
+
+def interrupted_stream(base_url: str, model: str, interrupt: Callable[[], None], max_tokens: int,
+                       prompt: str = "keep going") -> list[str]:
+    """A streamed greedy completion of `max_tokens` tokens from the server at `base_url`, with `interrupt()`
+    called once its first chunk has arrived (a signal, a killed process): the stream's `data:` payloads, in
+    order, up to where it ended. A server that exits may close the connection: the payloads end there."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", base_url + "/v1/completions", json=body, timeout=60) as response:
+        payloads = (line[len("data: "):] for line in response.iter_lines() if line.startswith("data: "))
+        received = [next(payloads)]
+        interrupt()
+        try:
+            received.extend(payloads)
+        except httpx.HTTPError:
+            pass
+    return received
+
+
+def stream_error_messages(payloads: list[str]) -> list[str]:
+    """The messages of the error events among a stream's payloads."""
+    events = [orjson.loads(payload) for payload in payloads if payload != "[DONE]"]
+    return [event["error"]["message"] for event in events if "error" in event]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import threading
-import time
 
 import pytest
 import torch
@@ -22,11 +22,10 @@ from mili_openai.model import (
     resolve_dtype,
     resolve_model_path,
 )
-from mili_openai.model.default_model import DEFAULT_MODEL_SHAPE
+from mili_openai.model.default_model import DEFAULT_MODEL_SHAPE, HubUnreachableError
 from mili_openai.model.loader import SINGLE_FILE
 
 CPU = torch.device("cpu")
-HUB_FAILURE_DEADLINE_S = 10.0
 
 
 def copy_checkpoint(source, target):
@@ -218,11 +217,16 @@ def test_a_file_is_not_a_model(tiny_checkpoint):
 
 
 def test_unreachable_hub_fails_fast_with_advice(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # an empty hub cache for this test only
-    start = time.monotonic()
-    with pytest.raises(ValueError, match="local directory|local checkpoint directory"):
-        resolve_model_path("mili-openai-tests/no-such-model", None)
-    assert time.monotonic() - start < HUB_FAILURE_DEADLINE_S
+    """The hub is a local port that refuses connections (no network), its cache an empty folder: set on
+    huggingface_hub's constants, which it reads from the environment once, at import."""
+    import huggingface_hub.constants as hub
+
+    with socket.socket() as refusing:  # bound but not listening: a connection is refused at once
+        refusing.bind(("127.0.0.1", 0))
+        monkeypatch.setattr(hub, "ENDPOINT", f"http://127.0.0.1:{refusing.getsockname()[1]}")
+        monkeypatch.setattr(hub, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+        with pytest.raises(HubUnreachableError, match="could not be reached.*pass its local directory instead"):
+            resolve_model_path("mili-openai-tests/no-such-model", None)
 
 
 def test_invalid_hub_id_is_a_value_error():

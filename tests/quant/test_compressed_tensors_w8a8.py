@@ -40,9 +40,8 @@ from quant_helpers import (
 
 from mili_openai import LLM
 from mili_openai.kernels import cpu_supports_kernels, load_cpu_kernels
-from mili_openai.kernels.quantized import PackedWeights, reference_linear
+from mili_openai.kernels.quantized import PackedWeights, quantize_int8_rows, reference_linear
 from mili_openai.model import CheckpointError, build_random_checkpoint, load_model
-from mili_openai.kernels.quantized import quantize_int8_rows
 from mili_openai.model.quantization.activations import Int8Activations
 from mili_openai.model.quantization.modules import QuantizedLinear
 from mili_openai.model.quantization.spec import parse_quantization_config

@@ -83,6 +83,7 @@ class RadixLineCounter:
     def __init__(self) -> None:
         self.lines = 0
         self.radix_dir = os.path.dirname(radix_package.__file__)
+        self._previous = None
 
     def _local(self, frame, event, arg):  # noqa: ANN001, ANN202 (sys.settrace's signature)
         if event == "line":
@@ -93,11 +94,12 @@ class RadixLineCounter:
         return self._local if frame.f_code.co_filename.startswith(self.radix_dir) else None
 
     def __enter__(self) -> RadixLineCounter:
+        self._previous = sys.gettrace()  # a coverage tool's or a debugger's, handed back on exit
         sys.settrace(self._global)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        sys.settrace(None)
+        sys.settrace(self._previous)
 
 
 def test_long_prompt_match_and_insert_work_per_page_not_per_token() -> None:

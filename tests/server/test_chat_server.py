@@ -23,12 +23,7 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def client(real_server):
-    return openai.OpenAI(base_url=real_server.api_base, api_key="unused", max_retries=0, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def api_base(real_server):
+def api_base(real_server):  # conftest's `client` is the SDK on it
     return real_server.api_base
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ import httpx
 import pytest
 
 from mili_openai import cli
+from mili_openai.bench.server_process import free_port
 from mili_openai.config import EngineConfig, ServerConfig, SpeculativeConfig
 
 SERVE_START_TIMEOUT_S = 60.0
@@ -91,12 +91,6 @@ def test_mili_has_serve_and_bench():
     assert parser.parse_args(["serve"]).func is cli.run_serve
     bench = parser.parse_args(["bench", "serve", "--base-url", "http://127.0.0.1:1"])
     assert bench.command == "bench" and bench.bench_command == "serve"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.slow  # test_shutdown.py covers the same path (python -m mili_openai serve, SIGTERM mid-stream)

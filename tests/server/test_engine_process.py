@@ -28,9 +28,10 @@ from helpers_server import (
     REAL_ENGINE_CONFIG,
     REAL_SERVE_FLAGS,
     check_greedy_completions_match_offline,
+    interrupted_stream,
     mili_serve_process,
     sdk_client,
-    sse_data,
+    stream_error_messages,
     wait_until,
 )
 from mili_openai import SamplingParams, StructuredOutputsParams, cli
@@ -77,13 +78,8 @@ def ep_server(tiny_checkpoint, tmp_path_factory) -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="module")
-def api_base(ep_server) -> str:
+def api_base(ep_server) -> str:  # conftest's `client` is the SDK on it
     return ep_server.spec.base_url + "/v1"
-
-
-@pytest.fixture(scope="module")
-def client(api_base) -> openai.OpenAI:
-    return sdk_client(api_base)
 
 
 def test_greedy_completions_match_the_in_process_engine(client, tiny_checkpoint):
@@ -159,16 +155,12 @@ def test_sigterm_to_the_process_group_drains_then_exits_0(tiny_checkpoint, tmp_p
     """Only the server handles the signal: the engine process, signalled too, keeps serving the drain."""
     with engine_process_server(tiny_checkpoint, tmp_path / "server.log", "--shutdown-grace-period", "60") as server:
         server.wait_healthy(START_TIMEOUT_S)
-        body = {"model": MODEL, "prompt": "in flight", "max_tokens": 40, "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", server.spec.base_url + "/v1/completions", json=body, timeout=60) as response:
-            lines = response.iter_lines()
-            first = next(line for line in lines if line.startswith("data: "))
-            os.killpg(server.process.pid, signal.SIGTERM)
-            rest = [line for line in lines if line.startswith("data: ")]
+        payloads = interrupted_stream(server.spec.base_url, MODEL,
+                                      lambda: os.killpg(server.process.pid, signal.SIGTERM), 40, prompt="in flight")
         code = server.process.wait(timeout=EXIT_TIMEOUT_S)
     assert code == 0, server.log_tail()
-    assert rest[-1] == "data: [DONE]"
-    events = [orjson.loads(event) for event in sse_data("\n".join([first, *rest])) if event != "[DONE]"]
+    assert payloads[-1] == "[DONE]"
+    events = [orjson.loads(event) for event in payloads[:-1]]
     assert events[-1]["choices"][0]["finish_reason"] == "length"
     assert sum(len(event["choices"][0]["text"]) > 0 for event in events) > 1
 
@@ -177,23 +169,13 @@ def test_a_killed_engine_process_stops_the_server(tiny_checkpoint, tmp_path):
     with engine_process_server(tiny_checkpoint, tmp_path / "server.log") as server:
         server.wait_healthy(START_TIMEOUT_S)
         pid = engine_pid(server)
-        body = {"model": MODEL, "prompt": "keep going", "max_tokens": 400, "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", server.spec.base_url + "/v1/completions", json=body, timeout=60) as response:
-            lines = response.iter_lines()
-            first = next(line for line in lines if line.startswith("data: "))
-            os.kill(pid, signal.SIGKILL)
-            rest = []
-            try:
-                rest.extend(line for line in lines if line.startswith("data: "))
-            except httpx.HTTPError:  # the server may close the connection while exiting
-                pass
+        payloads = interrupted_stream(server.spec.base_url, MODEL, lambda: os.kill(pid, signal.SIGKILL), 400)
         code = server.process.wait(timeout=EXIT_TIMEOUT_S)
     assert code != 0
     log = server.log_tail()
     assert f"the engine process (pid {pid}) was killed by signal 9 (SIGKILL)" in log
     assert "exiting: the engine cannot continue" in log
-    events = [orjson.loads(event) for event in sse_data("\n".join([first, *rest])) if event != "[DONE]"]
-    errors = [event["error"]["message"] for event in events if "error" in event]
+    errors = stream_error_messages(payloads)
     assert errors and "the engine process" in errors[0]
 
 

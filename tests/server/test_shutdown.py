@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ import httpx
 import orjson
 
 from helpers_server import sse_data
+from mili_openai.bench.server_process import free_port
 from mili_openai.cli import make_server
 from mili_openai.config import EngineConfig, ServerConfig
 from mili_openai.server.drain import DrainingServer
@@ -39,12 +39,6 @@ ENDLESS_STREAM_TOKENS = 4000
 UNBOUNDED_GRACE_S = 3600.0
 SERVE_FLAGS = ("--dtype", "float32", "--num-pages", "320", "--max-model-len", "4096", "--log-level", "info")
 EXIT_TIMEOUT_S = 120.0  # a hang guard, not a deadline the drain is held to
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -10,17 +10,15 @@ import re
 import signal
 from collections.abc import Iterator
 
-import httpx
 import openai
-import orjson
 import pytest
 
 from helpers_server import (
     REAL_SERVE_FLAGS,
     check_greedy_completions_match_offline,
+    interrupted_stream,
     mili_serve_process,
-    sdk_client,
-    sse_data,
+    stream_error_messages,
 )
 from mili_openai.bench.server_process import ServerProcess
 from test_chat_server import (  # noqa: F401  (collected here too: run against the tensor-parallel server)
@@ -37,6 +35,7 @@ from test_chat_server import (  # noqa: F401  (collected here too: run against t
 TENSOR_PARALLEL_SIZE = 2
 START_TIMEOUT_S = 180.0  # two worker processes import torch and load on a busy 2-core machine
 EXIT_DEADLINE_S = 30.0  # the bound from a rank's death to the server's exit
+KILLED_STREAM_TOKENS = 400  # the stream a rank is killed under: still running when the kill lands
 # the engine settings the chat tests were written for (REAL_SERVE_FLAGS: their 512-token context)
 SERVE_FLAGS = (*REAL_SERVE_FLAGS, "--tensor-parallel-size", str(TENSOR_PARALLEL_SIZE), "--served-model-name", MODEL)
 READY_LINE = re.compile(r"tensor-parallel rank (\d+) of \d+ ready \(pid (\d+)\)")
@@ -60,13 +59,8 @@ def tp_server(tiny_checkpoint, tmp_path_factory) -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="module")
-def api_base(tp_server) -> str:
+def api_base(tp_server) -> str:  # conftest's `client` is the SDK on it
     return tp_server.spec.base_url + "/v1"
-
-
-@pytest.fixture(scope="module")
-def client(api_base) -> openai.OpenAI:
-    return sdk_client(api_base)
 
 
 def test_greedy_completions_match_one_rank(client, tiny_checkpoint):
@@ -86,23 +80,14 @@ def test_a_worker_killed_mid_request_stops_the_server(tiny_checkpoint, tmp_path)
     with tp_server_process(tiny_checkpoint, tmp_path / "server.log") as server:
         server.wait_healthy(START_TIMEOUT_S)
         pids = worker_pids(server)
-        body = {"model": MODEL, "prompt": "keep going", "max_tokens": 400, "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", server.spec.base_url + "/v1/completions", json=body, timeout=60) as response:
-            lines = response.iter_lines()
-            first = next(line for line in lines if line.startswith("data: "))
-            os.kill(pids[1], signal.SIGKILL)
-            rest = []
-            try:
-                rest.extend(line for line in lines if line.startswith("data: "))
-            except httpx.HTTPError:  # the server may close the connection while exiting
-                pass
+        payloads = interrupted_stream(server.spec.base_url, MODEL, lambda: os.kill(pids[1], signal.SIGKILL),
+                                      KILLED_STREAM_TOKENS)
         code = server.process.wait(timeout=EXIT_DEADLINE_S)
     assert code != 0
     log = server.log_tail()
     assert f"tensor-parallel rank 1 (pid {pids[1]}) was killed by signal 9 (SIGKILL)" in log
     assert "exiting: the engine cannot continue" in log
-    events = [orjson.loads(event) for event in sse_data("\n".join([first, *rest])) if event != "[DONE]"]
-    errors = [event["error"]["message"] for event in events if "error" in event]
+    errors = stream_error_messages(payloads)
     assert errors and "tensor-parallel rank 1" in errors[0]
     with pytest.raises(ProcessLookupError):  # the other rank went with it
         os.kill(pids[0], 0)
