@@ -13,13 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from math import prod
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from mili_openai.model.kv_cache import KVCache
-    from mili_openai.model.state_cache import StateCache
 
 KV_PAIR = 2  # a K and a V vector per token
 
@@ -73,5 +68,7 @@ class ModelCaches:
     """Everything a forward reads and writes besides its inputs: the paged K/V of the attention layers and
     the per-sequence states of the linear-attention layers (None where the model has no layer of the kind)."""
 
-    kv: KVCache | None
-    state: StateCache | None = None
+    # model/kv_cache.py's KVCache and model/state_cache.py's StateCache, named but not imported: both import
+    # this module, and the package has no import cycle, not even under TYPE_CHECKING
+    kv: KVCache | None  # noqa: F821
+    state: StateCache | None = None  # noqa: F821

@@ -108,6 +108,8 @@ def build_random_hybrid_checkpoint(path: str | Path, layout: str, config_fields:
     tie = bool(fields.pop("tie_word_embeddings", False))
     model = _transformers_model(layout, fields, tie).to(dtype)
     model.to_empty(device="cpu")  # each tensor allocated once, in `dtype`, then drawn into
+    if tie:
+        model.tie_weights()  # to_empty gave the LM head its own storage: share the embedding's again
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
