@@ -80,6 +80,16 @@ class Runner(Protocol):
         """{sparse layer: (token, expert) pairs each expert received since load}; empty for a dense model."""
 
 
+def refuse_hybrid_models(model_path: Path) -> None:
+    """Qwen3.5 / Qwen3.6 / Qwen3-Next keep a state per sequence in their linear-attention layers, which this
+    engine does not allocate yet (state slots beside the KV pages: branch `backend`): refuse them at start
+    rather than serve them wrongly. The model itself runs (mili_openai/model/qwen3_5.py)."""
+    config = ModelConfig.from_pretrained(model_path)
+    if config.hybrid is not None:
+        raise NotImplementedError(f"{config.architecture} is not served yet: its linear-attention layers need a "
+                                  "state slot per running sequence, which this engine does not allocate yet")
+
+
 class ModelRunner(StepRunner):
     """The model and its KV cache in this process (a `Runner`)."""
 
@@ -96,6 +106,7 @@ class ModelRunner(StepRunner):
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         config = config.for_device(self.device.type)
+        refuse_hybrid_models(model_path)
         compiled_later = (config.cpu_kernels_in_background and self.device.type == "cpu" and parallel is None
                           and config.attention_backend != "triton" and not cpu_kernels_built())
         self.model, self.model_config = load_model(model_path, resolve_dtype(config.dtype), self.device,
