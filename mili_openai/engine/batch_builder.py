@@ -175,6 +175,10 @@ def build_forward_batch(batch: ScheduledBatch, page_size: int, page_tables: bool
             logits_indices.append(row - 1)
 
     pages = _page_tables(page_size, decode, prefills, prefill_pages, batch) if page_tables else None
+    # one row per decode (hybrid models draft nothing), then one per chunk: each sequence's slot in batch order
+    state_slots = None
+    if batch.seqs[0].state_slot is not None:
+        state_slots = torch.from_numpy(np.array([seq.state_slot for seq in batch.seqs], dtype=np.int64))
     return ForwardBatch(
         input_ids=torch.from_numpy(np.array(input_ids, dtype=np.int64)),
         positions=torch.from_numpy(np.concatenate(positions)),
@@ -185,6 +189,7 @@ def build_forward_batch(batch: ScheduledBatch, page_size: int, page_tables: bool
         logits_indices=torch.from_numpy(np.array(logits_indices, dtype=np.int64)),
         decode_ctx_lens=torch.from_numpy(decode.ctx_lens) if decode else None,
         pages=pages,
+        state_slots=state_slots,
     )
 
 

@@ -41,6 +41,7 @@ def map_tensors(batch: ForwardBatch, move: TensorMap) -> ForwardBatch:
         logits_indices=move(batch.logits_indices),
         rotary=batch.rotary,
         pages=pages,
+        state_slots=apply(batch.state_slots),
     )
 
 

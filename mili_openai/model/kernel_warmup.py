@@ -21,6 +21,7 @@ import torch
 
 from mili_openai.model.batch import ForwardBatch, PageTables, PrefillSegment
 from mili_openai.model.config import ModelConfig
+from mili_openai.model.cache_spec import ModelCaches
 from mili_openai.model.kv_cache import KVCache
 from mili_openai.model.qwen3 import Qwen3ForCausalLM
 
@@ -89,7 +90,7 @@ def warm_up_kernels(model: Qwen3ForCausalLM, config: ModelConfig, decode_rows: l
     if not model.uses_page_tables:
         raise ValueError("the kernel warm-up builds page-table batches: the model's attention must read them")
     mixed, pages = mixed_step(device)
-    cache = KVCache(config, pages, WARMUP_PAGE_SIZE, model.dtype, device)
+    cache = ModelCaches(KVCache(model.cache_specs(), pages, WARMUP_PAGE_SIZE, model.dtype, device))
     model.compute_logits(model(mixed, cache)[:MAX_LOGITS_ROWS])
     for rows in decode_rows:
         model.compute_logits(model(decode_step(rows, device), cache))
