@@ -1,16 +1,69 @@
-"""The engine and Qwen3.5 / Qwen3-Next checkpoints. Until it allocates a state slot per running sequence (the
-per-layer cache spec of branch `backend`), it refuses them at start, naming the architecture, rather than
-serve them wrongly."""
+"""The engine on Qwen3.5 / Qwen3.5-MoE / Qwen3-Next checkpoints against transformers' classes (fp32, their torch
+delta rule): greedy tokens identical and log-probabilities close, through batching, chunked prefill beside
+decodes, preemption (a preempted sequence recomputes from scratch on a fresh state slot), n > 1 (each sample
+forks the prompt's state), and a prompt past 1,000 tokens. Every state slot is back in the pool at the end."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from mili_openai import LLM
+from engine_helpers import assert_matches, hf_greedy
+from hybrid_helpers import hybrid_tokens, transformers_class
+
+from mili_openai import LLM, SamplingParams
+
+PROMPT_LENGTHS = [1, 5, 33, 70, 130, 1010]
+MAX_NEW = 8
+LAYOUTS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
 
 
-@pytest.mark.parametrize("layout, architecture", [("qwen3_5_vl", "Qwen3_5ForConditionalGeneration"),
-                                                  ("qwen3_next", "Qwen3NextForCausalLM")])
-def test_hybrid_checkpoints_are_refused_at_start(hybrid_checkpoint, layout, architecture):
-    with pytest.raises(NotImplementedError, match=f"{architecture} is not served yet: its linear-attention"):
-        LLM(str(hybrid_checkpoint(layout)), dtype="float32")
+def greedy(max_tokens: int = MAX_NEW, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=3, **kw)
+
+
+@pytest.fixture(scope="module", params=LAYOUTS)
+def oracle(request, hybrid_checkpoint):
+    """(checkpoint, prompts, transformers' greedy tokens and logprob rows per prompt), once per layout."""
+    checkpoint = hybrid_checkpoint(request.param)
+    model = transformers_class(request.param).from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    prompts = [hybrid_tokens(length, seed=100 + length) for length in PROMPT_LENGTHS]
+    return checkpoint, model, prompts, [hf_greedy(model, prompt, MAX_NEW) for prompt in prompts]
+
+
+def assert_slots_released(llm: LLM) -> None:
+    llm.core.check_integrity()
+    slots = llm.core.state_slots
+    assert slots is not None and slots.num_free == slots.num_slots
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(page_size=16, max_num_batched_tokens=4096),  # whole prompts in one step, all batched
+    dict(page_size=4, max_num_batched_tokens=61),  # odd chunks of prefill beside the others' decodes
+], ids=["batched", "chunked"])
+def test_greedy_matches_transformers(oracle, engine_args):
+    checkpoint, _, prompts, expected = oracle
+    llm = LLM(str(checkpoint), dtype="float32", num_pages=512, **engine_args)
+    assert_matches(llm.generate(prompts, greedy()), expected)
+    assert_slots_released(llm)
+
+
+def test_preemption_recomputes_exactly(oracle):
+    checkpoint, model, _, _ = oracle
+    prompts = [hybrid_tokens(length, seed=length) for length in (20, 33, 41, 27, 38, 22)]
+    expected = [hf_greedy(model, prompt, 24) for prompt in prompts]
+    # 6 sequences of ~55 tokens need ~85 pages of 4; 30 pages force preemption and recomputation
+    llm = LLM(str(checkpoint), dtype="float32", num_pages=30, page_size=4, max_num_batched_tokens=64)
+    outputs = llm.generate(prompts, greedy(max_tokens=24))
+    assert llm.core.stats().num_preemptions_total > 0
+    assert_matches(outputs, expected)
+    assert_slots_released(llm)
+
+
+def test_n_samples_fork_the_prompt_state(oracle):
+    checkpoint, _, prompts, expected = oracle
+    llm = LLM(str(checkpoint), dtype="float32", num_pages=256, page_size=16, max_num_batched_tokens=64)
+    outputs = llm.generate(prompts[2:5], greedy(n=3))
+    assert all(len(output.outputs) == 3 for output in outputs)
+    assert_matches(outputs, expected[2:5])
+    assert_slots_released(llm)

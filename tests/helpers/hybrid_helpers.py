@@ -51,12 +51,8 @@ def hybrid_tokens(length: int, seed: int) -> list[int]:
 def hybrid_caches(model, num_pages: int, page_size: int, num_slots: int,
                   dtype: torch.dtype = torch.float32) -> ModelCaches:
     """The paged KV of the attention layers and `num_slots` zeroed state slots of the linear ones."""
-    device = torch.device("cpu")
-    try:  # per-layer cache specs (branch `backend`): pools for the attention layers only
-        kv = KVCache(model.cache_specs(), num_pages, page_size, dtype, device)
-    except AttributeError:  # before it: pools for every layer, which `layer(i)` reads by decoder index alike
-        kv = KVCache(model.config, num_pages, page_size, dtype, device)
-    return ModelCaches(kv, StateCache(model.cache_specs(), num_slots, dtype, device))
+    specs, device = model.cache_specs(), torch.device("cpu")
+    return ModelCaches(KVCache(specs, num_pages, page_size, dtype, device), StateCache(specs, num_slots, dtype, device))
 
 
 def with_state_slots(batch: ForwardBatch, decode: list[str], prefill: list[tuple[str, int]],
