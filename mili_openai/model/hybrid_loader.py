@@ -24,14 +24,14 @@ def check_hybrid_options(config: ModelConfig, parallel: TensorParallelGroup | No
     if checkpoint_quantization is not None:
         raise NotImplementedError(f"{name}: pre-quantized checkpoints ({checkpoint_quantization.method}) are not "
                                   "supported yet; load the bf16 checkpoint")
-    if quantization is not None:
-        raise NotImplementedError(f"{name}: --quantization {quantization} is not supported for it yet")
+    if quantization is not None and config.moe is not None:
+        raise NotImplementedError(f"{name}: --quantization {quantization} runs dense models only, not MoE ones, yet")
 
 
 def build_hybrid_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                        device: torch.device, source: str) -> Qwen3_5ForCausalLM:
     """The model in eval mode on `device`, weights (and kept MTP weights) in `dtype`; `tensors` are consumed.
-    `source` names the checkpoint in errors."""
+    `source` names the checkpoint in errors. (`--quantization` applies after, as for Qwen3: loader.py.)"""
     with torch.device("meta"):
         model = Qwen3_5ForCausalLM(config)
     mtp, missing = prepare_hybrid_tensors(tensors, config)

@@ -125,6 +125,8 @@ def load_model(
         check_hybrid_options(config, parallel, quantization, checkpoint_quantization)
         model = build_hybrid_model(config, read_checkpoint_tensors(directory), dtype, device,
                                    str(directory / "config.json"))
+        if quantization is not None:
+            model.quantization = quantize_model(model, quantization, group_size, lm_head_quantization or "int8")
         _set_up_kernels(model, config, dtype, device, use_decode_kernel, attention_backend, defer_cpu_kernels)
         return model, config
     if (quantization or checkpoint_quantization) and (parallel is not None or config.moe is not None):

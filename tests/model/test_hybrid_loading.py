@@ -63,9 +63,9 @@ def test_unsupported_options_are_refused_by_name(hybrid_checkpoint, tmp_path, ed
         load_model(checkpoint, torch.float32, CPU, use_decode_kernel=False)
 
 
-def test_quantization_is_refused_naming_the_model(hybrid_checkpoint):
-    with pytest.raises(NotImplementedError, match="Qwen3_5ForCausalLM: --quantization int8"):
-        load_model(hybrid_checkpoint("qwen3_5"), torch.float32, CPU, quantization="int8")
+def test_quantizing_a_hybrid_moe_is_refused_naming_the_model(hybrid_checkpoint):
+    with pytest.raises(NotImplementedError, match="Qwen3_5MoeForCausalLM: --quantization int8 runs dense models"):
+        load_model(hybrid_checkpoint("qwen3_5_moe"), torch.float32, CPU, quantization="int8")
 
 
 def test_a_missing_weight_is_named_in_the_checkpoint_spelling(hybrid_checkpoint, tmp_path):
