@@ -8,10 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import assert_matches, hf_greedy
-from hybrid_helpers import hybrid_tokens, transformers_class
+from engine_helpers import assert_matches, check_abort_mid_stream_frees_pages, hf_greedy
+from hybrid_helpers import HYBRID_VOCAB, hybrid_tokens, transformers_class
 
 from mili_openai import LLM, SamplingParams
+from mili_openai.config import EngineConfig
+from mili_openai.engine.async_engine import AsyncEngine
 
 PROMPT_LENGTHS = [1, 5, 33, 70, 130, 1010]
 MAX_NEW = 8
@@ -67,3 +69,18 @@ def test_n_samples_fork_the_prompt_state(oracle):
     assert all(len(output.outputs) == 3 for output in outputs)
     assert_matches(outputs, expected[2:5])
     assert_slots_released(llm)
+
+
+def test_abort_frees_the_state_slot(hybrid_checkpoint):
+    engine = AsyncEngine(EngineConfig(model=str(hybrid_checkpoint("qwen3_5_tokenizer_vocab")), dtype="float32",
+                                      num_pages=64, page_size=8, max_num_batched_tokens=64, max_model_len=256))
+    check_abort_mid_stream_frees_pages(engine, vocab=HYBRID_VOCAB)
+    slots = engine.core.state_slots
+    assert slots.num_free == slots.num_slots
+
+
+def test_speculative_decoding_is_refused_and_prefix_reuse_off(hybrid_checkpoint):
+    checkpoint = str(hybrid_checkpoint("qwen3_next"))
+    with pytest.raises(ValueError, match="speculative decoding"):
+        LLM(checkpoint, dtype="float32", speculative_config={"num_speculative_tokens": 2})
+    assert not LLM(checkpoint, dtype="float32", num_pages=64).core.config.enable_prefix_caching

@@ -31,9 +31,17 @@ TINY_HYBRID_MOE_CONFIG = {k: v for k, v in TINY_HYBRID_CONFIG.items() if k != "i
 TINY_NEXT_CONFIG = TINY_HYBRID_CONFIG | EXPERTS | dict(
     mlp_only_layers=[1], tie_word_embeddings=True,
     rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25))
-LAYOUT_CONFIGS = {"qwen3_5": TINY_HYBRID_CONFIG, "qwen3_5_vl": TINY_HYBRID_CONFIG,
-                  "qwen3_5_moe": TINY_HYBRID_MOE_CONFIG, "qwen3_next": TINY_NEXT_CONFIG}
-LAYOUT_SEEDS = {"qwen3_5": 10, "qwen3_5_vl": 11, "qwen3_5_moe": 12, "qwen3_next": 13}
+# the tokenizer's whole vocabulary (Qwen3's, in these checkpoints): what the server path needs, whose
+# structured-output grammar covers every token the tokenizer has
+TOKENIZER_VOCAB = 151936
+# fixture name -> (layout, config fields, seed)
+HYBRID_CHECKPOINTS = {
+    "qwen3_5": ("qwen3_5", TINY_HYBRID_CONFIG, 10),
+    "qwen3_5_vl": ("qwen3_5_vl", TINY_HYBRID_CONFIG, 11),
+    "qwen3_5_moe": ("qwen3_5_moe", TINY_HYBRID_MOE_CONFIG, 12),
+    "qwen3_next": ("qwen3_next", TINY_NEXT_CONFIG, 13),
+    "qwen3_5_tokenizer_vocab": ("qwen3_5", TINY_HYBRID_CONFIG | dict(vocab_size=TOKENIZER_VOCAB), 14),
+}
 
 
 def transformers_class(layout: str):
