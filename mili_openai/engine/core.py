@@ -32,6 +32,7 @@ from mili_openai.engine.sampling_params import SamplingDefaults, SamplingParams
 from mili_openai.engine.scheduled_batch import ScheduledBatch
 from mili_openai.engine.scheduler import Scheduler
 from mili_openai.engine.sequence import Sequence
+from mili_openai.engine.state_slots import StateSlotManager, config_for_state_slots
 from mili_openai.engine.structured_output import GrammarCompiler
 from mili_openai.model import resolve_model_path
 
@@ -53,6 +54,8 @@ class EngineCore:
         """sampling_defaults: what a request's omitted sampling fields become (from_config reads them from the
         checkpoint)."""
         config = config.for_device(runner.device.type)  # the device is known only now
+        if runner.num_state_slots:  # linear-attention layers: a state slot per running sequence
+            config = config_for_state_slots(config)
         self.config = config
         self.observer = observer
         self.runner = runner
@@ -68,7 +71,8 @@ class EngineCore:
                                vocab_size=model_config.vocab_size, eos_token_ids=tuple(model_config.eos_token_ids),
                                quantization=runner.quantization, sampling_defaults=sampling_defaults or {})
         self.pages = KVPageManager(runner.num_pages, config.page_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.pages)
+        self.state_slots = StateSlotManager(runner.num_state_slots) if runner.num_state_slots else None
+        self.scheduler = Scheduler(config, self.pages, self.state_slots)
         self.sequences: dict[str, Sequence] = {}  # by sequence id: each sample of each request
         self.requests: dict[str, ParentRequest] = {}  # by request id, until its last sample finishes
         self._request_ids = itertools.count()
@@ -323,6 +327,8 @@ class EngineCore:
             num_free_pages=pool.num_free,
             num_cached_pages=self.pages.tree.cached_pages,
             kv_cache_usage=self.pages.usage(),
+            num_state_slots=self.state_slots.num_slots if self.state_slots is not None else 0,
+            num_free_state_slots=self.state_slots.num_free if self.state_slots is not None else 0,
             num_preemptions_total=self.scheduler.num_preemptions_total,
             prefix_cache_queries_total=self.scheduler.prefix_cache_queries_total,
             prefix_cache_hits_total=self.scheduler.prefix_cache_hits_total,
@@ -334,5 +340,7 @@ class EngineCore:
         )
 
     def check_integrity(self) -> None:
-        """Pages conserved: free + tree + owned == pool, nothing shared that should not be."""
+        """Pages conserved: free + tree + owned == pool, nothing shared that should not be; likewise state slots."""
         self.pages.check_integrity(self.sequences.values())
+        if self.state_slots is not None:
+            self.state_slots.check_integrity(self.sequences.values())

@@ -28,6 +28,7 @@ import torch
 
 from mili_openai.model import KVCache
 from mili_openai.model.batch import ForwardBatch, PageTables
+from mili_openai.model.cache_spec import ModelCaches
 
 CAPTURE_SIZES = (1, 2, 4, *range(8, 257, 8))  # vLLM's: a step pads at most 7 rows
 
@@ -54,6 +55,7 @@ class DecodeGraphs:
             raise ValueError("decode graphs need a page table width >= 1 and a scratch slot at the start of a page")
         self.model = model
         self.kv_cache = kv_cache
+        self.caches = ModelCaches(kv_cache)  # what the model's forward reads (attention layers only, yet)
         self.scratch_slot = scratch_slot
         self.page_table_width = page_table_width
         self.device = kv_cache.device
@@ -91,7 +93,7 @@ class DecodeGraphs:
         self._fill(entry.inputs, batch)
         self.steps_run += 1
         if entry.graph is None:
-            return self.model(entry.inputs, self.kv_cache)[:batch.num_tokens]
+            return self.model(entry.inputs, self.caches)[:batch.num_tokens]
         entry.graph.replay()
         return entry.hidden[:batch.num_tokens]
 
@@ -132,13 +134,13 @@ class DecodeGraphs:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self.model(inputs, self.kv_cache)
+            self.model(inputs, self.caches)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the event loop thread may touch CUDA meanwhile (a seeded request's generator), which
         # the default "global" mode would count as an error in this capture
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            hidden = self.model(inputs, self.kv_cache)
+            hidden = self.model(inputs, self.caches)
         if self._pool is None:
             self._pool = graph.pool()
         return DecodeGraph(inputs, hidden, graph)

@@ -1,4 +1,10 @@
-"""What the weights and the KV cache take, and whether the cache still fits once the weights are loaded.
+"""What the weights and the caches take, and whether the caches still fit once the weights are loaded.
+
+The cache budget (`--kv-cache-memory-gb`, or on CUDA what the memory profile leaves) holds one pool per kind
+of layer cache (model/cache_spec.py): the state pool of the linear-attention layers first, one slot per
+sequence the scheduler may run (`max_num_seqs`, as SGLang sizes its Mamba pool from its running requests),
+then KV pages for the attention layers in the rest. A model without linear-attention layers has no state
+pool.
 
 Quantized weights leave room for a larger cache: on CUDA the pool is sized from the memory left after the
 weights (memory_profile.py); an explicit `--kv-cache-memory-gb` is checked against the memory free after
@@ -45,7 +51,8 @@ def free_bytes(device: torch.device) -> int | None:
 
 
 def check_kv_cache_fits(kv_bytes: int, weights: int, device: torch.device) -> None:
-    """ValueError when a cache of `kv_bytes` exceeds what the device has free beside the loaded weights."""
+    """ValueError when caches of `kv_bytes` (KV pages and state slots) exceed what the device has free beside
+    the loaded weights."""
     free = free_bytes(device)
     if free is not None and kv_bytes > free:
         raise ValueError(f"the KV cache ({kv_bytes / BYTES_PER_GIB:.2f} GiB) does not fit in the "
@@ -54,8 +61,20 @@ def check_kv_cache_fits(kv_bytes: int, weights: int, device: torch.device) -> No
                          "quantize the weights (--quantization)")
 
 
+def pages_beside_states(budget: int, bytes_per_page: int, state_bytes: int, what: str) -> int:
+    """KV pages that fit in `budget` bytes beside a state pool of `state_bytes`; ValueError naming `what` set
+    the budget when not even one page does."""
+    num_pages = (budget - state_bytes) // bytes_per_page
+    if num_pages < 1:
+        states = f" beside the state pool ({state_bytes} bytes)" if state_bytes else ""
+        raise ValueError(f"{what} leaves no room for one KV page of {bytes_per_page} bytes{states}")
+    return num_pages
+
+
 def log_memory(weights: int, quantization: str | None, dtype: torch.dtype, kv_bytes: int, num_pages: int,
-               page_size: int) -> None:
+               page_size: int, state_bytes: int = 0, num_state_slots: int = 0) -> None:
     kind = quantization or f"{str(dtype).removeprefix('torch.')}, unquantized"
-    logger.info("weights %.2f GiB (%s); KV cache %.2f GiB: %d pages of %d tokens", weights / BYTES_PER_GIB, kind,
-                kv_bytes / BYTES_PER_GIB, num_pages, page_size)
+    states = (f"; state pool {state_bytes / BYTES_PER_GIB:.2f} GiB: {num_state_slots} sequence slots"
+              if num_state_slots else "")
+    logger.info("weights %.2f GiB (%s); KV cache %.2f GiB: %d pages of %d tokens%s", weights / BYTES_PER_GIB, kind,
+                kv_bytes / BYTES_PER_GIB, num_pages, page_size, states)

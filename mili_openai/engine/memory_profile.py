@@ -4,7 +4,7 @@ The engine may fill `utilization` of the GPU's memory. What it already holds (th
 context and library workspaces, anything another process took) is read from the driver after one dummy
 forward of the largest step the scheduler can build (`max_num_batched_tokens` prefill tokens, then the
 logits and sampling of `max_num_seqs` rows); that forward's peak of transient memory is kept free too.
-The KV pool gets the rest. The dummy forward also compiles the prefill kernels before any request waits
+The caches get the rest (memory_budget.py splits it between the state pool and the KV pool). The dummy forward also compiles the prefill kernels before any request waits
 on them.
 """
 
@@ -15,8 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from mili_openai.model import ForwardBatch, KVCache, ModelConfig, PrefillSegment, Qwen3ForCausalLM
+from mili_openai.model import ForwardBatch, KVCache, PrefillSegment, Qwen3ForCausalLM
 from mili_openai.model.batch import PageTables
+from mili_openai.model.cache_spec import ModelCaches, has_recurrent_layers
+from mili_openai.model.state_cache import StateCache
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +30,7 @@ class GpuMemoryProfile:
     total: int  # bytes of GPU memory
     in_use: int  # held after the profile: weights, CUDA context, workspaces, other processes
     peak_activation: int  # transient bytes of the largest step, beyond the KV cache it wrote to
-    kv_cache: int  # what the KV pool may take: total * utilization - in_use - peak_activation
+    kv_cache: int  # what the caches may take (KV and state pools): total * utilization - in_use - peak_activation
 
     def describe(self) -> str:
         gib = {name: getattr(self, name) / BYTES_PER_GIB for name in ("total", "in_use", "peak_activation", "kv_cache")}
@@ -58,7 +60,7 @@ def dummy_prefill_batch(num_tokens: int, segment_len: int, page_size: int, devic
 
 
 @torch.inference_mode()
-def profile_gpu_memory(model: Qwen3ForCausalLM, model_config: ModelConfig, page_size: int, max_num_batched_tokens: int,
+def profile_gpu_memory(model: Qwen3ForCausalLM, page_size: int, max_num_batched_tokens: int,
                        max_num_seqs: int, max_model_len: int, utilization: float,
                        device: torch.device) -> GpuMemoryProfile:
     """Run the largest step once and size the KV cache from what is left (see the module docstring)."""
@@ -70,14 +72,19 @@ def profile_gpu_memory(model: Qwen3ForCausalLM, model_config: ModelConfig, page_
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
-    cache = KVCache(model_config, num_pages, page_size, dtype, device)
-    hidden = model(batch, cache)
+    specs = model.cache_specs()
+    cache = KVCache(specs, num_pages, page_size, dtype, device)
+    states = None
+    if has_recurrent_layers(specs):  # a state slot per chunk, as the engine gives each sequence one
+        states = StateCache(specs, len(batch.prefills), dtype, device)
+        batch.state_slots = torch.arange(len(batch.prefills), device=device)
+    hidden = model(batch, ModelCaches(cache, states))
     rows = torch.arange(max_num_batched_tokens, device=device)[-min(max_num_seqs, max_num_batched_tokens):]
     probs = model.compute_logits(hidden[rows]).softmax(dim=-1)  # (rows, vocab) float32, as the sampler's
     probs.div_(torch.rand_like(probs)).argmax(dim=-1)
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - before - cache.nbytes
-    del cache, hidden, probs
+    peak = torch.cuda.max_memory_allocated(device) - before - cache.nbytes - (states.nbytes if states else 0)
+    del cache, states, hidden, probs
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     in_use = total - free

@@ -145,6 +145,9 @@ class EngineStats:
     spec_decode_num_drafts_total: int = 0
     spec_decode_num_draft_tokens_total: int = 0
     spec_decode_num_accepted_tokens_total: int = 0
+    # the state pool of linear-attention layers (one slot per running sequence); 0 for attention-only models
+    num_state_slots: int = 0
+    num_free_state_slots: int = 0
 
 
 @dataclass(frozen=True, slots=True)

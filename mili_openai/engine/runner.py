@@ -20,7 +20,13 @@ from mili_openai.config import EngineConfig
 from mili_openai.distributed import TensorParallelGroup
 from mili_openai.engine.batch_builder import PromptScoring
 from mili_openai.engine.cuda_graphs import DecodeGraphs
-from mili_openai.engine.memory_budget import BYTES_PER_GIB, check_kv_cache_fits, log_memory, weight_bytes
+from mili_openai.engine.memory_budget import (
+    BYTES_PER_GIB,
+    check_kv_cache_fits,
+    log_memory,
+    pages_beside_states,
+    weight_bytes,
+)
 from mili_openai.engine.memory_profile import profile_gpu_memory
 from mili_openai.engine.outputs import TokenLogprob
 from mili_openai.engine.sampler import Sampler, SamplerOutput, token_logprobs
@@ -30,8 +36,9 @@ from mili_openai.engine.step_inputs import forward_batch_to
 from mili_openai.engine.step_preparer import LaunchedStep, PreparedStep, StepPreparer, StepRunner
 from mili_openai.kernels import build_cpu_kernels_in_background, cpu_kernels_built, load_cpu_kernels
 from mili_openai.model import KVCache, ModelConfig, load_model, resolve_dtype
+from mili_openai.model.cache_spec import ModelCaches, has_recurrent_layers
 from mili_openai.model.loader import use_cpu_kernels
-from mili_openai.model.tensor_parallel import shard_config
+from mili_openai.model.state_cache import StateCache
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +60,7 @@ class Runner(Protocol):
     model_config: ModelConfig
     quantization: str | None  # None, or what the weights are (for /v1/models)
     num_pages: int  # KV pages the engine may hand out
+    num_state_slots: int  # state slots of the linear-attention layers (one per running sequence); 0 without any
     failure: str | None  # why the runner can run no more steps; None while it can
     kernel_build: Future[bool] | None  # CPU kernels compiling meanwhile, to switch to once done; None: none
 
@@ -117,20 +125,26 @@ class ModelRunner(StepRunner):
         self.steps = StepPreparer(self.device, self.page_size, self.model.rotary_table(),
                                   feed_on_device=self.async_launch)
         self.parallel = parallel
-        # the KV heads this process holds: all of them, or a tensor-parallel rank's
-        self.kv_config = shard_config(self.model_config, parallel.size) if parallel is not None else self.model_config
-        self.num_pages = config.num_pages or self._pages_for_budget(config)
-        # Dynamic NTK RoPE checks each forward's positions on the host, which a graph cannot capture; torch's
-        # SDPA would gather each row's whole page table, as wide as the longest context
-        use_graphs = (self.device.type == "cuda" and not config.enforce_eager
+        # what each layer keeps per sequence, in this process's shapes (a tensor-parallel rank's KV heads)
+        self.cache_specs = self.model.cache_specs()
+        self.num_state_slots = config.max_num_seqs if has_recurrent_layers(self.cache_specs) else 0
+        state_bytes = self.num_state_slots * StateCache.bytes_per_slot(self.cache_specs, self.dtype)
+        self.num_pages = config.num_pages or self._pages_for_budget(config, state_bytes)
+        # Dynamic NTK RoPE checks each forward's positions on the host, which a graph cannot capture
+        # (not for linear-attention layers yet: the graphs replay K/V writes only, not state-slot updates)
+        use_graphs = (self.device.type == "cuda" and not config.enforce_eager and not self.num_state_slots
                       and self.model.model.rotary_emb.dynamic_limit is None and self.model.attention_kernel is not None)
         # with graphs, one page more than the engine hands out: its first slot takes padded rows' K/V
         pool_pages = self.num_pages + (1 if use_graphs else 0)
         weights = weight_bytes(self.model)
-        kv_bytes = pool_pages * KVCache.bytes_per_page(self.kv_config, self.page_size, self.dtype)
-        check_kv_cache_fits(kv_bytes, weights, self.device)
-        self.kv_cache = KVCache(self.kv_config, pool_pages, self.page_size, self.dtype, self.device)
-        log_memory(weights, self.quantization, self.dtype, kv_bytes, pool_pages, self.page_size)
+        kv_bytes = pool_pages * KVCache.bytes_per_page(self.cache_specs, self.page_size, self.dtype)
+        check_kv_cache_fits(kv_bytes + state_bytes, weights, self.device)
+        self.kv_cache = KVCache(self.cache_specs, pool_pages, self.page_size, self.dtype, self.device)
+        self.state_cache = (StateCache(self.cache_specs, self.num_state_slots, self.dtype, self.device)
+                            if self.num_state_slots else None)
+        self.caches = ModelCaches(self.kv_cache, self.state_cache)
+        log_memory(weights, self.quantization, self.dtype, kv_bytes, pool_pages, self.page_size, state_bytes,
+                   self.num_state_slots)
         self.decode_graphs = None
         if use_graphs:
             self._capture_decode_graphs(config)
@@ -161,31 +175,27 @@ class ModelRunner(StepRunner):
     def _max_model_len(self, config: EngineConfig, num_pages: int) -> int:
         return min(config.max_model_len or self.model_config.max_position_embeddings, num_pages * self.page_size)
 
-    def _pages_for_budget(self, config: EngineConfig) -> int:
-        """Pages of the pool: in kv_cache_memory_gb where given (always on CPU), else on CUDA what
+    def _pages_for_budget(self, config: EngineConfig, state_bytes: int) -> int:
+        """Pages of the KV pool: what the cache budget holds beside a state pool of `state_bytes`
+        (memory_budget.py): kv_cache_memory_gb where given (always on CPU), else on CUDA what
         gpu_memory_utilization leaves after the weights and a profiled step (memory_profile.py). Tensor-parallel
         ranks take the fewest any of them has room for: they share one page table."""
-        num_pages = self._pages_for_this_process(config)
+        num_pages = self._pages_for_this_process(config, state_bytes)
         return num_pages if self.parallel is None else self.parallel.min_over_ranks(num_pages)
 
-    def _pages_for_this_process(self, config: EngineConfig) -> int:
-        per_page = KVCache.bytes_per_page(self.kv_config, self.page_size, self.dtype)
+    def _pages_for_this_process(self, config: EngineConfig, state_bytes: int) -> int:
+        per_page = KVCache.bytes_per_page(self.cache_specs, self.page_size, self.dtype)
         if config.kv_cache_memory_gb is not None:
-            num_pages = int(config.kv_cache_memory_gb * BYTES_PER_GIB // per_page)
-            if num_pages < 1:
-                raise ValueError(f"kv_cache_memory_gb={config.kv_cache_memory_gb} holds no page of {per_page} bytes")
-            return num_pages
+            return pages_beside_states(int(config.kv_cache_memory_gb * BYTES_PER_GIB), per_page, state_bytes,
+                                       f"kv_cache_memory_gb={config.kv_cache_memory_gb}")
         start = time.perf_counter()
-        profile = profile_gpu_memory(self.model, self.kv_config, self.page_size, config.max_num_batched_tokens,
+        profile = profile_gpu_memory(self.model, self.page_size, config.max_num_batched_tokens,
                                      config.max_num_seqs, self._max_model_len(config, 1 << 62),
                                      config.gpu_memory_utilization, self.device)
-        num_pages = profile.kv_cache // per_page
-        logger.info("%s: %d KV pages of %d tokens (profiled in %.1f s)", profile.describe(), max(num_pages, 0),
-                    self.page_size, time.perf_counter() - start)
-        if num_pages < 1:
-            raise ValueError(f"gpu_memory_utilization={config.gpu_memory_utilization} leaves no room for the KV "
-                             f"cache ({profile.describe()}); raise it, or lower max_num_batched_tokens")
-        return num_pages
+        logger.info("%s (profiled in %.1f s)", profile.describe(), time.perf_counter() - start)
+        return pages_beside_states(profile.kv_cache, per_page, state_bytes,
+                                   f"gpu_memory_utilization={config.gpu_memory_utilization} ({profile.describe()}; "
+                                   "raise it, or lower max_num_batched_tokens)")
 
     def _capture_decode_graphs(self, config: EngineConfig) -> None:
         """Decode steps' CUDA graphs for up to max_num_seqs rows, captured before serving (cuda_graphs.py)."""
@@ -204,6 +214,8 @@ class ModelRunner(StepRunner):
         """Queue the forward and sampling (on CPU: run them). Every op is asynchronous on CUDA but prompt
         scoring's, which reads its logprobs at once (a prefill chunk's, rare)."""
         batch = forward_batch_to(step.forward_batch, self.device, step.staged)
+        if step.new_state_slots is not None:  # sequences admitted in this step start from zero states
+            self.state_cache.reset(step.new_state_slots)
         if source is not None:  # pending input ids from the step before's sampled ids, on the device
             index = step.pending_index.to(self.device, non_blocking=True)  # (2, P): rows over sources
             batch.input_ids.index_copy_(0, index[0], source.token_ids.index_select(0, index[1]))
@@ -211,7 +223,7 @@ class ModelRunner(StepRunner):
         if bucket is not None:
             hidden = self.decode_graphs.run(batch, bucket)  # (T, hidden)
         else:
-            hidden = self.model(batch, self.kv_cache)
+            hidden = self.model(batch, self.caches)
         scored = self.score_prompts(hidden, step.prompt_scorings) if step.prompt_scorings else None
         if not step.rows:
             return LaunchedStep(sampled=None, token_ids=None, prompt_logprobs=scored)

@@ -23,6 +23,8 @@ class ScheduledBatch:
     preempted: list[Sequence] = field(default_factory=list)
     # per decode (seqs[:num_decode]), the draft tokens it verifies after its last token ([] for none)
     draft_tokens: list[list[int]] = field(default_factory=list)
+    # state slots handed out in this step (engine/state_slots.py): the runner zeroes them before the forward
+    new_state_slots: list[int] = field(default_factory=list)
 
     def drafts(self, index: int) -> list[int]:
         """The draft tokens seqs[index] verifies: [] for a prefill chunk or a decode without drafts."""

@@ -5,6 +5,10 @@ are part-way through their prompt, then of newly admitted ones) under a token bu
 out, the newest running sequence is preempted: its pages are released (full ones stay cached in the
 radix tree) and it goes back to the front of the queue to be recomputed.
 
+A model with linear-attention layers also needs a state slot per running sequence (`state_slots`,
+engine/state_slots.py): a sequence is admitted only when both a slot and its pages are free, and gives its
+slot back when it finishes or is preempted.
+
 Scheduling a step commits it: the tokens it computes count as computed, and the tokens it samples as
 pending until `Sequence.append_token`. So the next step can be planned while this one runs (`lookahead`):
 a decode then feeds the token its sequence has pending, which the model runner takes from the step
@@ -36,6 +40,7 @@ from mili_openai.config import EngineConfig, SpeculativeConfig
 from mili_openai.engine.kv_pages import KVPageManager
 from mili_openai.engine.scheduled_batch import ScheduledBatch
 from mili_openai.engine.sequence import Sequence, SequenceStatus
+from mili_openai.engine.state_slots import StateSlotManager
 
 
 def common_prefix_length(a: list[int], b: list[int]) -> int:
@@ -88,11 +93,12 @@ class NgramProposer:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pages: KVPageManager) -> None:
+    def __init__(self, config: EngineConfig, pages: KVPageManager, state_slots: StateSlotManager | None = None) -> None:
         if config.max_num_batched_tokens is None or config.max_num_seqs is None:
             raise ValueError("the scheduler needs a config with the device's defaults (EngineConfig.for_device)")
         self.config = config
         self.pages = pages
+        self.state_slots = state_slots  # None for a model without linear-attention layers
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions_total = 0
@@ -112,7 +118,7 @@ class Scheduler:
         """Take seq out of the engine (finished or aborted) and release its pages."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-            self.pages.release(seq)
+            self._release(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SequenceStatus.FINISHED
@@ -144,8 +150,9 @@ class Scheduler:
             budget -= len(draft_tokens[-1])
         decodes = [(seq, 1 + len(drafts)) for (seq, _), drafts in zip(decodes, draft_tokens)]
 
+        new_state_slots: list[int] = []
         if not preempted:
-            budget = self._admit(budget, prefills)
+            budget = self._admit(budget, prefills, new_state_slots)
 
         scheduled = decodes + prefills
         if not scheduled:
@@ -159,6 +166,7 @@ class Scheduler:
             samples=[True] * len(decodes) + [seq.num_uncomputed_tokens == n for seq, n in prefills],
             preempted=preempted,
             draft_tokens=draft_tokens,
+            new_state_slots=new_state_slots,
         )
         for seq, num_new, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
             seq.num_computed_tokens += num_new
@@ -219,16 +227,23 @@ class Scheduler:
                 return False
         return True
 
+    def _release(self, seq: Sequence) -> None:
+        """Give back what a running sequence holds: its pages and its state slot."""
+        self.pages.release(seq)
+        if self.state_slots is not None:
+            self.state_slots.release(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.pages.release(seq)
+        self._release(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(seq)
 
-    def _admit(self, budget: int, prefills: list[tuple[Sequence, int]]) -> int:
-        """Move waiting sequences into running while budget, sequence cap and pages allow (FIFO)."""
+    def _admit(self, budget: int, prefills: list[tuple[Sequence, int]], new_state_slots: list[int]) -> int:
+        """Move waiting sequences into running while budget, sequence cap, pages and state slots allow (FIFO);
+        the slots handed out go to `new_state_slots`."""
         deferred: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.popleft()
@@ -240,10 +255,14 @@ class Scheduler:
                 deferred.append(seq)
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
-            if not self.pages.allocate(seq, self.pages.pages_needed(seq, num_new)):
+            no_slot = self.state_slots is not None and self.state_slots.num_free == 0
+            if no_slot or not self.pages.allocate(seq, self.pages.pages_needed(seq, num_new)):
                 self.pages.release(seq)
                 self.waiting.appendleft(seq)
                 break
+            if self.state_slots is not None:
+                self.state_slots.allocate(seq)
+                new_state_slots.append(seq.state_slot)
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
                 seq.num_cached_tokens = matched

@@ -56,6 +56,8 @@ class Sequence:
     pages: list[int] = field(default_factory=list)
     num_tree_pages: int = 0
     tree_node: RadixNode | None = None
+    # the state slot of a model with linear-attention layers (engine/state_slots.py); None: holds none
+    state_slot: int | None = None
 
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None

@@ -38,6 +38,7 @@ def map_tensors(batch: ForwardBatch, move: TensorMap) -> ForwardBatch:
         pages=PageTables(pages.page_size, apply(pages.decode), apply(pages.prefill), apply(pages.prefill_cu_seqlens),
                          apply(pages.prefill_ctx_lens), pages.max_prefill_len),
         rotary=batch.rotary,
+        state_slots=apply(batch.state_slots),
     )
 
 

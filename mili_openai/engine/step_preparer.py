@@ -40,6 +40,8 @@ class PreparedStep:
     staged: torch.Tensor | None = None  # on CUDA: the pinned buffer holding forward_batch's tensors
     # (2, P) int64 (pinned on CUDA): pending_rows over pending_sources, where steps are fed on the device
     pending_index: torch.Tensor | None = None
+    # (N,) int64: state slots handed out in this step, zeroed before its forward (ScheduledBatch.new_state_slots)
+    new_state_slots: torch.Tensor | None = None
 
     @property
     def needs_host_tokens(self) -> bool:
@@ -141,8 +143,9 @@ class StepPreparer:
         if pending_rows and self.feed_on_device:
             pending_index = torch.tensor([pending_rows, pending_sources], dtype=torch.int64,
                                          pin_memory=self.pin_memory)
+        new_state_slots = torch.tensor(batch.new_state_slots, dtype=torch.int64) if batch.new_state_slots else None
         return PreparedStep(forward_batch, rows, pending_rows, pending_sources, pending_histories,
-                            prompt_scorings(batch, forward_batch), staged, pending_index)
+                            prompt_scorings(batch, forward_batch), staged, pending_index, new_state_slots)
 
     def launch(self, step: PreparedStep, launch_forward: LaunchForward) -> LaunchedStep:
         """Feed `step` the tokens the step before sampled and queue its forward and sampling

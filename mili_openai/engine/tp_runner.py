@@ -240,6 +240,7 @@ class TensorParallelRunner(StepRunner):
                                    cpu_kernels.plan if cpu_kernels is not None else None)
         ready = self.workers.ready[0]  # the ranks size the KV pool (each its own memory) and agree on it
         self.num_pages = ready.num_pages
+        self.num_state_slots = ready.num_state_slots
         self.steps = StepPreparer(self.device, config.page_size,
                                   RotaryTable(RotaryEmbedding(self.model_config), dtype))
 

@@ -79,6 +79,7 @@ class WorkerReady:
     rank: int
     pid: int
     num_pages: int  # of the KV pool, the same on every rank (the fewest any rank had room for)
+    num_state_slots: int  # of the linear-attention layers' state pool (Runner.num_state_slots)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +118,7 @@ def run_step(runner: ModelRunner, request: StepRequest) -> StepReply:
     batch = forward_batch_to(request.forward_batch, runner.device)
     graphs = runner.decode_graphs
     bucket = graphs.bucket(batch) if graphs is not None else None
-    hidden = graphs.run(batch, bucket) if bucket is not None else runner.model(batch, runner.kv_cache)
+    hidden = graphs.run(batch, bucket) if bucket is not None else runner.model(batch, runner.caches)
     scored = runner.score_prompts(hidden, request.prompt_scorings) if request.prompt_scorings else None
     logits = None
     if request.num_sampled:
@@ -150,7 +151,7 @@ def worker_main(rank: int, size: int, config: EngineConfig, model_path: str, ini
     except BaseException:
         conn.send_bytes(encode(WorkerFailed(rank, traceback.format_exc())))
         return
-    conn.send_bytes(encode(WorkerReady(rank, os.getpid(), runner.num_pages)))
+    conn.send_bytes(encode(WorkerReady(rank, os.getpid(), runner.num_pages, runner.num_state_slots)))
     try:
         _serve(runner, conn, rank)
     finally:

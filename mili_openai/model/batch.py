@@ -51,6 +51,9 @@ class ForwardBatch:
     pages: PageTables  # every row's context
     # (cos, signed_sin) of `positions`, (T, 1, D) each, where the builder computed them ahead (else the model does)
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+    # (num_decode + len(prefills),) int64: the state slot (model/state_cache.py) of each decode row, then of
+    # each prefill chunk, in batch order; None for a model without linear-attention layers
+    state_slots: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,8 +1,9 @@
-"""`ModelConfig`: the architecture of a Qwen3 or Qwen3-MoE checkpoint, read from its `config.json` and
-`generation_config.json`.
+"""`ModelConfig`: the architecture of a Qwen3, Qwen3-MoE, Qwen3.5 / Qwen3.6 (dense and MoE) or Qwen3-Next
+checkpoint, read from its `config.json` and `generation_config.json`.
 
-Defaults for absent keys follow transformers' `Qwen3Config` and `Qwen3MoeConfig` (the numerical oracle), not
-guesses: e.g. a missing `head_dim` is 128 there, not hidden_size / num_attention_heads.
+Defaults for absent keys follow transformers' config classes (the numerical oracle), not guesses: e.g. a
+missing `head_dim` is 128 for Qwen3, 256 for the hybrids, not hidden_size / num_attention_heads. The hybrids'
+own fields (layer types, linear attention, mRoPE) are read by model/hybrid_config.py into `ModelConfig.hybrid`.
 """
 
 from __future__ import annotations
@@ -12,6 +13,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mili_openai.model.hybrid_config import (
+    DEFAULT_HYBRID_HEAD_DIM,
+    DEFAULT_SHARED_EXPERT_INTERMEDIATE_SIZE,
+    HYBRID_ARCHITECTURES,
+    QWEN3_5_MOE_TYPES,
+    HybridConfig,
+    is_hybrid,
+    partial_rotary_factor,
+    read_hybrid,
+    text_dict,
+)
+
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 
@@ -20,6 +33,7 @@ SUPPORTED_ARCHITECTURES = {"qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeFo
 SUPPORTED_MODEL_TYPES = tuple(SUPPORTED_ARCHITECTURES)
 SUPPORTED_ACTIVATION = "silu"
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+MROPE_TYPE = "mrope"
 
 # transformers' Qwen3Config defaults, used when a key is absent
 DEFAULT_HEAD_DIM = 128
@@ -52,6 +66,7 @@ class RopeScaling:
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
     truncate: bool = True  # yarn: round the correction range to whole dims
+    partial_rotary_factor: float = 1.0  # the share of head_dim rotated (the hybrids: 0.25), the rest passes
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
@@ -76,6 +91,8 @@ class MoeConfig:
     norm_topk_prob: bool  # renormalise the chosen experts' probabilities to sum to 1
     decoder_sparse_step: int  # layer i is sparse when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (these keep a dense MLP)
+    # Qwen3.5-MoE / Qwen3-Next: one more SwiGLU expert every token goes through, scaled by a sigmoid gate; 0: none
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
@@ -106,6 +123,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     moe: MoeConfig | None = None  # None: every layer has the dense MLP (Qwen3ForCausalLM)
+    hybrid: HybridConfig | None = None  # Qwen3.5 / Qwen3.6 / Qwen3-Next: linear-attention layers among the others
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -131,11 +149,20 @@ class ModelConfig:
         return self.moe is not None and self.moe.is_sparse_layer(index)
 
     @property
+    def rotary_dim(self) -> int:
+        """The leading dims of each head RoPE rotates (all of head_dim for Qwen3)."""
+        return int(self.head_dim * self.rope.partial_rotary_factor)
+
+    @property
     def architecture(self) -> str:
+        if self.hybrid is not None:
+            return HYBRID_ARCHITECTURES[self.hybrid.model_type][0]
         return SUPPORTED_ARCHITECTURES["qwen3_moe" if self.moe is not None else "qwen3"]
 
     @classmethod
     def from_dicts(cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
+        if is_hybrid(config):
+            return _hybrid_config(config, generation_config)
         _check_architecture(config)
         eos = (generation_config or {}).get("eos_token_id")
         if eos is None:
@@ -173,17 +200,81 @@ class ModelConfig:
         return cls.from_dicts(config, generation)
 
 
+def _hybrid_config(config: dict[str, Any], generation_config: dict[str, Any] | None) -> ModelConfig:
+    """A Qwen3.5 / Qwen3.6 / Qwen3-Next config: the language model's fields, its hybrid layout, its experts."""
+    model_type = config["model_type"]
+    text = text_dict(config)
+    _check_activation(text)
+    head_dim = int(text.get("head_dim") or DEFAULT_HYBRID_HEAD_DIM)
+    max_positions = int(text.get("max_position_embeddings", DEFAULT_MAX_POSITION_EMBEDDINGS))
+    rope = _read_rope(text, max_positions, partial_rotary_factor(text))
+    hybrid = read_hybrid(model_type, text, int(head_dim * rope.partial_rotary_factor))
+    moe = _read_hybrid_moe(model_type, text)
+    heads = int(text["num_attention_heads"])
+    eos = (generation_config or {}).get("eos_token_id")
+    bos = (generation_config or {}).get("bos_token_id", text.get("bos_token_id"))
+    return ModelConfig(
+        vocab_size=int(text["vocab_size"]),
+        hidden_size=int(text["hidden_size"]),
+        # Qwen3.5-MoE has no dense MLP: the field then holds the experts' size, which nothing reads
+        intermediate_size=int(text.get("intermediate_size") or moe.moe_intermediate_size),
+        num_hidden_layers=int(text["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(text.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(text.get("rms_norm_eps", DEFAULT_RMS_NORM_EPS)),
+        rope=rope,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+        eos_token_ids=_as_id_tuple(eos if eos is not None else text.get("eos_token_id")),
+        bos_token_id=None if bos is None else int(bos),
+        moe=moe,
+        hybrid=hybrid,
+    )
+
+
+def _read_hybrid_moe(model_type: str, text: dict[str, Any]) -> MoeConfig | None:
+    """Qwen3.5-MoE: experts in every layer, top-k always renormalised (transformers' router has no switch).
+    Qwen3-Next: Qwen3-MoE's placement rules (`decoder_sparse_step`, `mlp_only_layers`); no experts: dense."""
+    if model_type in QWEN3_5_MOE_TYPES:
+        sparse_step, only_dense, normalize = 1, (), True
+    elif text.get("num_experts"):
+        sparse_step = int(text.get("decoder_sparse_step") or DEFAULT_DECODER_SPARSE_STEP)
+        only_dense = tuple(int(i) for i in text.get("mlp_only_layers") or ())
+        normalize = bool(text.get("norm_topk_prob", True))
+    else:
+        return None
+    shared = int(text.get("shared_expert_intermediate_size", DEFAULT_SHARED_EXPERT_INTERMEDIATE_SIZE))
+    if shared < 1:
+        raise NotImplementedError(f"shared_expert_intermediate_size={shared}: a sparse block without its shared "
+                                  "expert is not supported")
+    return MoeConfig(
+        num_experts=int(text.get("num_experts") or DEFAULT_NUM_EXPERTS),
+        num_experts_per_tok=int(text.get("num_experts_per_tok", DEFAULT_NUM_EXPERTS_PER_TOK)),
+        moe_intermediate_size=int(text.get("moe_intermediate_size", DEFAULT_MOE_INTERMEDIATE_SIZE)),
+        norm_topk_prob=normalize,
+        decoder_sparse_step=sparse_step,
+        mlp_only_layers=only_dense,
+        shared_expert_intermediate_size=shared,
+    )
+
+
+def _check_activation(config: dict[str, Any]) -> None:
+    activation = config.get("hidden_act", SUPPORTED_ACTIVATION)
+    if activation != SUPPORTED_ACTIVATION:
+        raise NotImplementedError(f"hidden_act {activation!r} is not supported (Qwen uses {SUPPORTED_ACTIVATION!r})")
+
+
 def _check_architecture(config: dict[str, Any]) -> None:
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {model_type!r} is not supported; this server runs {SUPPORTED_MODEL_TYPES}")
+        raise ValueError(f"model_type {model_type!r} is not supported; this server runs "
+                         f"{SUPPORTED_MODEL_TYPES + tuple(HYBRID_ARCHITECTURES)}")
     architectures = config.get("architectures") or [SUPPORTED_ARCHITECTURES[model_type]]
     if SUPPORTED_ARCHITECTURES[model_type] not in architectures:
         raise ValueError(f"architectures {architectures} are not supported for model_type {model_type!r}; "
                          f"this server runs {SUPPORTED_ARCHITECTURES[model_type]}")
-    activation = config.get("hidden_act", SUPPORTED_ACTIVATION)
-    if activation != SUPPORTED_ACTIVATION:
-        raise NotImplementedError(f"hidden_act {activation!r} is not supported (Qwen3 uses {SUPPORTED_ACTIVATION!r})")
+    _check_activation(config)
     # Real Qwen3 checkpoints have neither; refusing beats silently computing a different model.
     if config.get("attention_bias"):
         raise NotImplementedError("attention_bias=True is not supported (Qwen3 projections have no bias)")
@@ -209,18 +300,23 @@ def _read_moe(config: dict[str, Any]) -> MoeConfig | None:
     )
 
 
-def _read_rope(config: dict[str, Any], max_positions: int) -> RopeScaling:
+def _read_rope(config: dict[str, Any], max_positions: int, partial_rotary: float | None = None) -> RopeScaling:
     """Merge both spellings: transformers 5.x `rope_parameters` and the older top-level `rope_theta` plus
-    `rope_scaling` that real Qwen3 checkpoints carry. Explicit `rope_parameters` entries win."""
+    `rope_scaling` that real Qwen3 checkpoints carry. Explicit `rope_parameters` entries win.
+    `partial_rotary`: the hybrids' share of head_dim rotated; None: Qwen3, which rotates every dim."""
     params: dict[str, Any] = {}
     params.update(config.get("rope_scaling") or {})
     params.update(config.get("rope_parameters") or {})
     if "type" in params and "rope_type" not in params:  # the oldest spelling
         params["rope_type"] = params["type"]
     rope_type = params.get("rope_type", "default")
+    if rope_type == MROPE_TYPE:  # the Qwen2-VL spelling of mRoPE, whose text positions make it default RoPE
+        rope_type = "default"
     theta = params.get("rope_theta", config.get("rope_theta", DEFAULT_ROPE_THETA))
     partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
+    if partial_rotary is not None:
+        partial = partial_rotary
+    elif partial != 1.0:
         raise NotImplementedError(f"partial_rotary_factor={partial} is not supported (Qwen3 rotates all dims)")
     original = params.get("original_max_position_embeddings")
     if rope_type in ("yarn", "llama3") and original is None:
@@ -241,6 +337,7 @@ def _read_rope(config: dict[str, Any], max_positions: int) -> RopeScaling:
         mscale=_optional_float(params.get("mscale")),
         mscale_all_dim=_optional_float(params.get("mscale_all_dim")),
         truncate=bool(params.get("truncate", True)),
+        partial_rotary_factor=float(partial),
     )
 
 

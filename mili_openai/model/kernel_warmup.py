@@ -21,6 +21,7 @@ import torch
 
 from mili_openai.model.batch import ForwardBatch, PageTables, PrefillSegment
 from mili_openai.model.config import ModelConfig
+from mili_openai.model.cache_spec import ModelCaches
 from mili_openai.model.kv_cache import KVCache
 from mili_openai.model.qwen3 import Qwen3ForCausalLM
 
@@ -87,7 +88,7 @@ def warm_up_kernels(model: Qwen3ForCausalLM, config: ModelConfig, decode_rows: l
     `config`'s shapes (this rank's, under tensor parallelism), freed after -> how many forwards ran.
     decode_rows: the row counts of the decode steps (each the fewest rows of one decode split count)."""
     mixed, pages = mixed_step(device)
-    cache = KVCache(config, pages, WARMUP_PAGE_SIZE, model.dtype, device)
+    cache = ModelCaches(KVCache(model.cache_specs(), pages, WARMUP_PAGE_SIZE, model.dtype, device))
     model.compute_logits(model(mixed, cache)[:MAX_LOGITS_ROWS])
     for rows in decode_rows:
         model.compute_logits(model(decode_step(rows, device), cache))

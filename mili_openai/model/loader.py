@@ -1,6 +1,7 @@
 """Load a Qwen3 checkpoint directory: build the model on the meta device (no memory, no random init),
 read `model.safetensors` or the shards named by `model.safetensors.index.json`, map the names, cast,
-and assign the tensors in place of the meta parameters. A tensor-parallel rank reads only its slices."""
+and assign the tensors in place of the meta parameters. A tensor-parallel rank reads only its slices.
+Qwen3.5 / Qwen3.6 / Qwen3-Next checkpoints build through model/hybrid_loader.py, then share the kernel setup."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from safetensors.torch import load_file
 from mili_openai.distributed import TensorParallelGroup
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.huge_pages import move_parameters_to_huge_pages
+from mili_openai.model.hybrid_loader import build_hybrid_model, check_hybrid_options
 from mili_openai.model.kernel_warmup import warm_up_kernels
 from mili_openai.model.quantization.apply import load_checkpoint_quantization, quantize_model
 from mili_openai.model.quantization.modules import Fp8Linear
@@ -27,6 +29,7 @@ from mili_openai.model.quantization.spec import (
     read_checkpoint_quantization,
 )
 from mili_openai.model.qwen3 import Qwen3ForCausalLM
+from mili_openai.model.qwen3_5 import Qwen3_5ForCausalLM
 from mili_openai.model.tensor_parallel import CheckpointShard, shard_config
 from mili_openai.model.weights import CheckpointError, checkpoint_to_model_state
 
@@ -95,7 +98,7 @@ def load_model(
     attention_backend: str = "auto", parallel: TensorParallelGroup | None = None,
     quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE, defer_cpu_kernels: bool = False,
     lm_head_quantization: str | None = None,
-) -> tuple[Qwen3ForCausalLM, ModelConfig]:
+) -> tuple[Qwen3ForCausalLM | Qwen3_5ForCausalLM, ModelConfig]:
     """-> (model in eval mode on `device` with weights in `dtype`, its config).
 
     `parallel`: this process is one rank of a tensor-parallel group; the model holds its shard
@@ -118,6 +121,14 @@ def load_model(
     device = torch.device(device)
     checkpoint_quantization = read_checkpoint_quantization(directory)
     check_quantization(quantization, checkpoint_quantization, device.type)
+    if config.hybrid is not None:
+        check_hybrid_options(config, parallel, quantization, checkpoint_quantization)
+        model = build_hybrid_model(config, read_checkpoint_tensors(directory), dtype, device,
+                                   str(directory / "config.json"))
+        if quantization is not None:
+            model.quantization = quantize_model(model, quantization, group_size, lm_head_quantization or "int8")
+        _set_up_kernels(model, config, dtype, device, use_decode_kernel, attention_backend, defer_cpu_kernels)
+        return model, config
     if (quantization or checkpoint_quantization) and (parallel is not None or config.moe is not None):
         raise ValueError("quantized weights run dense models on one rank: not with --tensor-parallel-size > 1, "
                          "nor with MoE checkpoints, yet")
@@ -140,9 +151,17 @@ def load_model(
     del tensors, state, placed  # the parameters hold the only references: each frees as it moves below
     if quantization is not None and checkpoint_quantization is None:
         model.quantization = quantize_model(model, quantization, group_size, lm_head_quantization or "int8")
+    rank_config = shard_config(config, parallel.size) if parallel is not None else config
+    _set_up_kernels(model, rank_config, dtype, device, use_decode_kernel, attention_backend, defer_cpu_kernels)
+    return model, config
+
+
+def _set_up_kernels(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, rank_config: ModelConfig, dtype: torch.dtype,
+                    device: torch.device, use_decode_kernel: bool, attention_backend: str,
+                    defer_cpu_kernels: bool) -> None:
+    """Huge pages on CPU, then each compiled kernel the device has (see load_model)."""
     if device.type == "cpu":
         move_parameters_to_huge_pages(model)
-    rank_config = shard_config(config, parallel.size) if parallel is not None else config
     triton_attention = None
     if attention_backend == "triton" or (attention_backend == "auto" and device.type == "cuda"):
         triton_attention = _use_triton_attention(model, rank_config, dtype, device,
@@ -151,17 +170,30 @@ def load_model(
         from mili_openai.kernels import load_cpu_kernels  # only worth building (and only possible) on CPU
 
         use_cpu_kernels(model, dtype, load_cpu_kernels())
-    if device.type == "cuda" and config.moe is not None:
+    if device.type == "cuda" and rank_config.moe is not None:
         _use_triton_moe(model)
     if device.type == "cuda":
         _use_cuda_kernels(model)
+    if rank_config.hybrid is not None:
+        if device.type == "cuda":
+            _use_triton_linear_attention(model)
+        return  # the warm-up below builds Qwen3 batches (no state slots)
     if device.type == "cuda" and triton_attention is not None:
         start = time.perf_counter()
         decode_rows = triton_attention.decode_split_rows(rank_config.num_key_value_heads)
         forwards = warm_up_kernels(model, rank_config, decode_rows, device)
         logger.info("compiled the Triton kernels for every step shape in %.1f s (%d warm-up forwards)",
                     time.perf_counter() - start, forwards)
-    return model, config
+
+
+def _use_triton_linear_attention(model: Qwen3_5ForCausalLM) -> None:
+    """Gated DeltaNet's conv and delta rule through the Triton kernels (without Triton, torch's ops stay)."""
+    from mili_openai.kernels.triton_gated_delta_rule import TritonLinearAttention
+
+    if TritonLinearAttention is None:
+        logger.warning("Triton is not installed: Gated DeltaNet runs as torch ops")
+        return
+    model.set_linear_attention_kernel(TritonLinearAttention())
 
 
 def _use_triton_moe(model: Qwen3ForCausalLM) -> None:
@@ -205,6 +237,8 @@ def use_cpu_kernels(model: Qwen3ForCausalLM, dtype: torch.dtype, kernels: CpuKer
     if kernels is None:
         return
     model.set_attention_kernel(kernels)
+    if isinstance(model, Qwen3_5ForCausalLM):
+        model.set_linear_attention_kernel(kernels.linear_attention)
     if dtype == torch.bfloat16:
         model.set_matmul(kernels.linear)
         model.set_quantized_matmul(kernels.quantized.linear)

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mili_openai.model.layers import FusedOpKernel, MatmulFn
+from mili_openai.model.layers import FusedOpKernel, Linear, MatmulFn, SwiGLUMLP
 
 
 class ExpertsKernel(Protocol):
@@ -143,3 +143,19 @@ class SparseMoeBlock(nn.Module):
         flat = ids.reshape(-1)
         self.expert_load.index_add_(0, flat, torch.ones_like(flat))  # no host sync: a CUDA graph replays it
         return self.experts(x, ids, weights)
+
+
+class SharedExpertMoeBlock(SparseMoeBlock):
+    """Qwen3.5-MoE / Qwen3-Next's sparse block: the routed experts plus a shared SwiGLU expert every token goes
+    through, scaled by sigmoid(shared_expert_gate(x)) (transformers' Qwen3NextSparseMoeBlock)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, normalize: bool,
+                 shared_intermediate_size: int) -> None:
+        super().__init__(hidden_size, num_experts, top_k, intermediate_size, normalize)
+        self.shared_expert = SwiGLUMLP(hidden_size, shared_intermediate_size)
+        self.shared_expert_gate = Linear(hidden_size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, H) -> (T, H)."""
+        shared = self.shared_expert(x).mul_(torch.sigmoid(self.shared_expert_gate(x)))
+        return super().forward(x).add_(shared)

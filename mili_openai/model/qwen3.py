@@ -24,6 +24,7 @@ from mili_openai.kernels.cpu import SparseMoeWeights
 from mili_openai.kernels.quantized import PackedWeights
 from mili_openai.model.attention import Qwen3Attention
 from mili_openai.model.batch import ForwardBatch
+from mili_openai.model.cache_spec import LayerCacheSpec, ModelCaches, PagedKVSpec
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.kv_cache import KVCache
 from mili_openai.model.layers import FusedOpKernel, Linear, MatmulFn, ResidualNormKernel, RMSNorm, SwiGLUMLP
@@ -109,6 +110,7 @@ class Qwen3Model(nn.Module):
         return self.rotary_emb(positions, self.dtype)
 
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """-> (T, hidden) after the final norm; every layer attends, so only the K/V pool is read."""
         cos, sin = batch.rotary if batch.rotary is not None else self.rotary(batch.positions)
         stack = self.decode_stack
         if (stack is not None and not batch.prefills and batch.decode_ctx_lens is not None
@@ -143,8 +145,16 @@ class Qwen3ForCausalLM(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.model.dtype
 
-    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
-        """Run every token of the batch, writing its K/V into `kv_cache`; -> (T, hidden) after the final norm."""
+    def cache_specs(self) -> list[LayerCacheSpec]:
+        """One spec per decoder layer (model/cache_spec.py): every Qwen3 layer attends, keeping K/V in pages
+        (this rank's KV heads under tensor parallelism)."""
+        return [PagedKVSpec(layer.self_attn.num_kv_heads, layer.self_attn.head_dim) for layer in self.model.layers]
+
+    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        """Run every token of the batch, writing its K/V into `caches.kv`; -> (T, hidden) after the final norm."""
+        kv_cache = caches.kv
+        if kv_cache is None:
+            raise ValueError("Qwen3 attends in every layer: it needs a KV cache")
         if kv_cache.dtype != self.dtype:  # index_copy_ would fail deep inside the first layer otherwise
             raise ValueError(f"KV cache dtype {kv_cache.dtype} differs from the model's {self.dtype}")
         return self.model(batch, kv_cache)

@@ -78,8 +78,9 @@ def _yarn_inv_freq(rope: RopeScaling, dim: int) -> tuple[torch.Tensor, float]:
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """(inv_freq (head_dim/2,) float32 on CPU, cos/sin scale) for the config's rope type."""
-    rope, dim = config.rope, config.head_dim
+    """(inv_freq (rotary_dim/2,) float32 on CPU, cos/sin scale) for the config's rope type; rotary_dim is
+    head_dim, or its rotated share under a partial_rotary_factor (as transformers computes it)."""
+    rope, dim = config.rope, config.rotary_dim
     if rope.rope_type in ("default", "dynamic"):  # dynamic equals default inside the pretraining context
         return _default_inv_freq(rope.rope_theta, dim), 1.0
     if rope.rope_type == "linear":
@@ -172,3 +173,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     identical, in four ops instead of a split, six products and a concatenation.
     """
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary` on the leading cos.shape[-1] dims of each head, the rest passed through (a
+    partial_rotary_factor, as transformers' apply_rotary_pos_emb for Qwen3.5 / Qwen3-Next). x (T, heads, D)."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return apply_rotary(x, cos, signed_sin)
+    rotated = apply_rotary(x[..., :rotary_dim], cos, signed_sin)
+    return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)

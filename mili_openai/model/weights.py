@@ -1,6 +1,7 @@
-"""The map between a transformers Qwen3 / Qwen3-MoE state dict and ours: q/k/v and gate/up concatenated
-into the fused projections, each sparse layer's experts stacked into two (E, ...) tensors, everything
-else by the same name. Missing or unexpected weights are an error that names them in the checkpoint's
+"""The map between a transformers Qwen3 / Qwen3-MoE / Qwen3.5 / Qwen3-Next state dict and ours: q/k/v and
+gate/up (and Gated DeltaNet's four input projections) concatenated into the fused projections, each sparse
+layer's experts stacked into two (E, ...) tensors, everything else by the same name (the hybrids' own
+renames come first: model/hybrid_weights.py). Missing or unexpected weights are an error that names them in the checkpoint's
 own spelling."""
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ MAX_NAMES_SHOWN = 8  # keep an error about a mismatched checkpoint readable
 FUSED_PARTS: dict[str, tuple[str, ...]] = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    # Qwen3.5 / Qwen3-Next (model/qwen3_5.py); absent from Qwen3's modules, so skipped there
+    "linear_attn.in_proj": ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z", "linear_attn.in_proj_b",
+                            "linear_attn.in_proj_a"),
+    "mlp.shared_expert.gate_up_proj": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
 }
 DENSE_MLP = "mlp.gate_up_proj"
 # stacked experts (relative to a layer) -> the parts of expert e, in row order, each under `EXPERT_PREFIX.e.`;
@@ -40,18 +45,19 @@ def _names(names: Iterable[str]) -> str:
 
 
 def checkpoint_to_model_state(
-    tensors: dict[str, torch.Tensor], config: ModelConfig, expected: Iterable[str]
+    tensors: dict[str, torch.Tensor], config: ModelConfig, expected: Iterable[str],
+    missing: list[str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Turn checkpoint tensors (consumed: the dict is emptied) into our state dict.
 
-    `expected` is the set of our model's state-dict keys. Raises CheckpointError listing every missing or
-    unexpected checkpoint name.
+    `expected` is the set of our model's state-dict keys; `missing`, checkpoint names an earlier step found
+    absent. Raises CheckpointError listing every missing or unexpected checkpoint name.
     """
     expected = set(expected)
+    missing = list(missing or ())
     if config.tie_word_embeddings:
         tensors.pop(LM_HEAD, None)  # transformers ties it to the embedding and ignores a stored copy too
     state: dict[str, torch.Tensor] = {}
-    missing: list[str] = []
     for layer in range(config.num_hidden_layers):
         prefix = f"{LAYER_PREFIX}.{layer}"
         sparse = config.is_sparse_layer(layer)

@@ -56,6 +56,10 @@ class EngineStatsCollector(Collector):
         yield GaugeMetricFamily(
             "mili_prefix_cache_pages", "KV pages held by the radix prefix cache.", value=stats.num_cached_pages
         )
+        yield GaugeMetricFamily("mili_state_slots", "State slots of the linear-attention layers (0: none).",
+                                value=stats.num_state_slots)
+        yield GaugeMetricFamily("mili_state_slots_used", "State slots held by running sequences.",
+                                value=stats.num_state_slots - stats.num_free_state_slots)
         for name, documentation, field in ENGINE_COUNTERS:
             yield CounterMetricFamily(name, documentation, value=getattr(stats, field))
 

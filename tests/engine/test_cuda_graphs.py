@@ -10,7 +10,7 @@ import torch
 from model_helpers import PagedSequences, random_tokens
 
 from mili_openai.engine.cuda_graphs import DecodeGraphs, capture_size
-from mili_openai.model import KVCache, load_model
+from mili_openai.model import KVCache, ModelCaches, load_model
 
 NUM_PAGES, PAGE_SIZE = 48, 4
 SCRATCH_SLOT = NUM_PAGES * PAGE_SIZE  # the first slot of the one page past those handed out
@@ -32,11 +32,11 @@ def model_and_config(tiny_checkpoint):
 def prefilled(config, model) -> tuple[PagedSequences, KVCache]:
     """Every prompt prefilled, on the same shuffled pages each call (seeded)."""
     pages = PagedSequences(NUM_PAGES, PAGE_SIZE, seed=3)
-    cache = KVCache(config, NUM_PAGES + 1, PAGE_SIZE, torch.float32, torch.device("cpu"))
+    cache = KVCache(model.cache_specs(), NUM_PAGES + 1, PAGE_SIZE, torch.float32, torch.device("cpu"))
     for index, (key, length) in enumerate(PROMPTS.items()):
         pages.add(key, random_tokens(length + 8, seed=index))
         batch, _ = pages.batch(prefill=[(key, length)])
-        model(batch, cache)
+        model(batch, ModelCaches(cache))
     return pages, cache
 
 
@@ -54,7 +54,7 @@ def test_padded_decode_matches_eager_and_writes_only_the_scratch_slot(model_and_
         graph_batch, _ = graph_pages.batch(decode=keys)
         bucket = graphs.bucket(graph_batch)
         assert bucket is not None
-        expected = model(eager_batch, eager_cache)
+        expected = model(eager_batch, ModelCaches(eager_cache))
         got = graphs.run(graph_batch, bucket)
         torch.testing.assert_close(got, expected, rtol=0, atol=FP32_ATOL)
     assert set(graphs.graphs) == {4, 1} and graphs.steps_run == len(steps)

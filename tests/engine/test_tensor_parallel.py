@@ -19,6 +19,7 @@ from mili_openai.engine.tp_runner import RunnerFailed
 from mili_openai.kernels import cpu_supports_kernels
 from mili_openai.kernels.cpu import CpuKernels
 from mili_openai.model import KVCache, ModelConfig
+from mili_openai.model.cache_spec import PagedKVSpec
 from mili_openai.model.loader import SINGLE_FILE, read_checkpoint_tensors
 from mili_openai.model.tensor_parallel import CheckpointShard, check_tensor_parallel, shard_config
 
@@ -177,7 +178,8 @@ def test_dead_worker_is_a_clear_error_not_a_hang(tiny_checkpoint):
     args = {**ENGINE_ARGS, "num_pages": None, "kv_cache_memory_gb": budget_gb}
     llm = LLM(str(tiny_checkpoint), tensor_parallel_size=2, **args)
     rank_config = shard_config(ModelConfig.from_pretrained(tiny_checkpoint), 2)
-    per_page = KVCache.bytes_per_page(rank_config, ENGINE_ARGS["page_size"], torch.float32)
+    specs = [PagedKVSpec(rank_config.num_key_value_heads, rank_config.head_dim)] * rank_config.num_hidden_layers
+    per_page = KVCache.bytes_per_page(specs, ENGINE_ARGS["page_size"], torch.float32)
     assert llm.core.runner.num_pages == int(budget_gb * (1 << 30)) // per_page
     workers = llm.core.runner.workers
     prompt = random_prompts(1, [20], seed=3)[0]

@@ -81,10 +81,10 @@ def assert_matches(outputs, expected, atol: float = LOGPROB_ATOL) -> None:
                     assert alt_logprob == pytest.approx(float(row[alt_id]), abs=atol)
 
 
-def check_abort_mid_stream_frees_pages(engine) -> None:
+def check_abort_mid_stream_frees_pages(engine, vocab: int = 150000) -> None:
     """Requests aborted mid-stream (a closed stream, an abort) end with "abort", the rest run to their
-    length, and every page is back: free or cached, none locked."""
-    prompts = random_prompts(6, [30, 45], seed=4)
+    length, and every page is back: free or cached, none locked. Prompt ids are drawn below `vocab`."""
+    prompts = random_prompts(6, [30, 45], seed=4, vocab=vocab)
 
     async def collect(stream):
         return [delta async for delta in stream]

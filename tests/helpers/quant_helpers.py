@@ -21,7 +21,7 @@ from model_helpers import PagedSequences, random_tokens
 
 from mili_openai.kernels.fp8 import dequantize_fp8
 from mili_openai.kernels.quantized import dequantize
-from mili_openai.model import KVCache
+from mili_openai.model import KVCache, ModelCaches
 from mili_openai.model.checkpoint import ModelShape
 from mili_openai.model.quantization.modules import Fp8Linear, QuantizedLinear
 
@@ -60,11 +60,11 @@ def run_steps(model, config, tokens, steps, seed: int) -> tuple[list, torch.Tens
     pages = PagedSequences(num_pages=64, page_size=4, seed=seed)
     for key, seq in tokens.items():
         pages.add(key, seq)
-    cache = KVCache(config, 64, 4, model.dtype, CPU)
+    cache = KVCache(model.cache_specs(), 64, 4, model.dtype, CPU)
     rows = []
     for decode, prefill in steps:
         batch, keys = pages.batch(decode, prefill)
-        logits = model.compute_logits(model(batch, cache)[batch.logits_indices])
+        logits = model.compute_logits(model(batch, ModelCaches(cache))[batch.logits_indices])
         rows.extend((key, position, logits[i]) for i, (key, position) in enumerate(keys))
     return rows, cache.pools
 

@@ -91,7 +91,7 @@ def _model_hidden(checkpoint, residual_kernel: bool) -> tuple[torch.Tensor, int]
     from model_helpers import PagedSequences, random_tokens
 
     from mili_openai.kernels.triton_fused_ops import TritonFusedOps
-    from mili_openai.model import KVCache, load_model
+    from mili_openai.model import KVCache, ModelCaches, load_model
 
     class Counting(TritonFusedOps):
         calls = 0
@@ -108,7 +108,7 @@ def _model_hidden(checkpoint, residual_kernel: bool) -> tuple[torch.Tensor, int]
     pages.add("b", random_tokens(5, seed=2))
     batch, _ = pages.batch([], [("a", 9), ("b", 5)])
     with torch.inference_mode():
-        hidden = model(batch, KVCache(config, 16, 4, torch.float32, torch.device("cpu")))
+        hidden = model(batch, ModelCaches(KVCache(model.cache_specs(), 16, 4, torch.float32, torch.device("cpu"))))
     return hidden, Counting.calls
 
 

@@ -27,7 +27,7 @@ from mili_openai.kernels.attention_reference import (  # noqa: E402
     paged_prefill_reference,
 )
 from mili_openai.kernels.triton_attention import ExtendConfig, TritonAttention  # noqa: E402
-from mili_openai.model import KVCache, load_model  # noqa: E402
+from mili_openai.model import KVCache, ModelCaches, load_model  # noqa: E402
 from mili_openai.model.batch import ForwardBatch, PageTables, PrefillSegment  # noqa: E402
 from mili_openai.model.paged_attention import paged_attention  # noqa: E402
 
@@ -227,8 +227,8 @@ def test_the_profiling_step_runs_either_form(models):
     hidden = []
     for model in (triton_model, torch_model):
         batch = dummy_prefill_batch(70, 32, 8, DEVICE)
-        cache = KVCache(config, 3 * 4, 8, torch.float32, DEVICE)
-        hidden.append(model(batch, cache))
+        cache = KVCache(model.cache_specs(), 3 * 4, 8, torch.float32, DEVICE)
+        hidden.append(model(batch, ModelCaches(cache)))
     torch.testing.assert_close(hidden[0], hidden[1], rtol=0, atol=1e-4)
 
 
@@ -242,12 +242,12 @@ def test_page_table_graph_buckets_pad_without_touching_real_slots(models):
 
     def prefilled() -> tuple[PagedSequences, KVCache]:
         sequences = PagedSequences(num_pages, page_size, seed=3)
-        cache = KVCache(config, num_pages + 1, page_size, torch.float32, DEVICE)
+        cache = KVCache(triton_model.cache_specs(), num_pages + 1, page_size, torch.float32, DEVICE)
         for index, length in enumerate((9, 30, 17)):
             key = "abc"[index]
             sequences.add(key, random_tokens(length + 4, seed=index))
             batch, _ = sequences.batch(prefill=[(key, length)])
-            triton_model(on_device(batch), cache)
+            triton_model(on_device(batch), ModelCaches(cache))
         return sequences, cache
 
     eager_sequences, eager_cache = prefilled()
@@ -258,7 +258,8 @@ def test_page_table_graph_buckets_pad_without_touching_real_slots(models):
         batch = on_device(graph_sequences.batch(decode=keys)[0])
         bucket = graphs.bucket(batch)
         assert bucket == {3: 4, 2: 2, 1: 1}[len(keys)]
-        torch.testing.assert_close(graphs.run(batch, bucket), triton_model(eager, eager_cache), rtol=0, atol=1e-5)
+        want = triton_model(eager, ModelCaches(eager_cache))
+        torch.testing.assert_close(graphs.run(batch, bucket), want, rtol=0, atol=1e-5)
     real = slice(0, scratch_slot)
     torch.testing.assert_close(graph_cache.pools[:, :, real], eager_cache.pools[:, :, real], rtol=0, atol=1e-5)
 

@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 from triton_attention_cases import DEVICE  # noqa: E402
 
 from mili_openai.kernels.triton_attention import TritonAttention  # noqa: E402
-from mili_openai.model import KVCache, load_model  # noqa: E402
+from mili_openai.model import KVCache, ModelCaches, load_model  # noqa: E402
 
 
 def _kernel_params(kernel) -> list:
@@ -105,7 +105,7 @@ def test_serving_steps_launch_only_the_variants_the_warm_up_compiled(tiny_checkp
 
     page_size = 4
     sequences = PagedSequences(num_pages=96, page_size=page_size, seed=5)
-    cache = KVCache(config, 96, page_size, torch.float32, DEVICE)
+    cache = ModelCaches(KVCache(model.cache_specs(), 96, page_size, torch.float32, DEVICE))
     for key, length in (("a", 40), ("b", 20), ("c", 50), ("d", 20), ("e", 70)):
         sequences.add(key, random_tokens(length, seed=len(key) + length))
     # (decode keys, prefill chunks): tables 1 to 16 pages wide (16: a width divisible by 16), 8 tokens (48 q/k

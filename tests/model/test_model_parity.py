@@ -9,7 +9,7 @@ import torch
 from model_helpers import PagedSequences, random_tokens
 
 from mili_openai.kernels import cpu_supports_kernels
-from mili_openai.model import KVCache, load_model
+from mili_openai.model import KVCache, ModelCaches, load_model
 
 FP32_ATOL = 1e-4
 BF16_ERROR_RATIO = 1.5  # our bf16 error vs the float32 oracle, relative to transformers' own bf16 error
@@ -24,11 +24,11 @@ def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
 def run_steps(model, config, pages: PagedSequences, steps, dtype=torch.float32, num_pages=64,
               cache: KVCache | None = None) -> list:
     """Run each (decode, prefill) step; -> [(key, position, logits row)] over all steps."""
-    cache = cache or KVCache(config, num_pages, pages.page_size, dtype, torch.device("cpu"))
+    cache = cache or KVCache(model.cache_specs(), num_pages, pages.page_size, dtype, torch.device("cpu"))
     results = []
     for decode, prefill in steps:
         batch, rows = pages.batch(decode, prefill)
-        logits = model.compute_logits(model(batch, cache)[batch.logits_indices])
+        logits = model.compute_logits(model(batch, ModelCaches(cache))[batch.logits_indices])
         assert logits.dtype == torch.float32 and logits.shape == (len(rows), config.vocab_size)
         results.extend((key, position, logits[i]) for i, (key, position) in enumerate(rows))
     return results
@@ -196,7 +196,7 @@ def test_compiled_decode_stack_matches_the_modules_bit_for_bit(checkpoint, reque
         pages = PagedSequences(num_pages=64, page_size=4, seed=6)
         for key, seq in tokens.items():
             pages.add(key, seq)
-        cache = KVCache(config, 64, 4, torch.bfloat16, torch.device("cpu"))
+        cache = KVCache(model.cache_specs(), 64, 4, torch.bfloat16, torch.device("cpu"))
         runs[name] = run_steps(model, config, pages, steps, cache=cache), cache.pools
     model.model.decode_stack = stack
     assert stack_calls == [len(decode) for decode, prefill in steps if not prefill]  # every pure decode step
@@ -221,4 +221,4 @@ def test_kv_cache_dtype_must_match_weights(tiny_checkpoint):
     pages.add("a", [1, 2, 3])
     batch, _ = pages.batch([], [("a", 3)])
     with pytest.raises(ValueError, match="dtype"):
-        model(batch, KVCache(config, 8, 4, torch.bfloat16, torch.device("cpu")))
+        model(batch, ModelCaches(KVCache(model.cache_specs(), 8, 4, torch.bfloat16, torch.device("cpu"))))

@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from mili_openai.model import ForwardBatch, KVCache, ModelConfig, PrefillSegment, load_model
+from mili_openai.model import ForwardBatch, KVCache, ModelCaches, ModelConfig, PrefillSegment, load_model
 from mili_openai.model.batch import PageTables
 from mili_openai.model.checkpoint import TINY_SHAPE, build_random_checkpoint, config_dict
 from mili_openai.model.rope import RotaryEmbedding, RotaryTable
@@ -138,7 +138,8 @@ def test_logits_match_transformers(tmp_path, variant):
     batch = ForwardBatch(input_ids=tokens, positions=torch.arange(length), slot_mapping=slots, num_decode=0,
                          decode_ctx_lens=None, prefills=[PrefillSegment(0, length, length)],
                          logits_indices=torch.arange(length), pages=pages)
-    cache = KVCache(config, num_pages=length // 16, page_size=16, dtype=torch.float32, device=torch.device("cpu"))
-    got = model.compute_logits(model(batch, cache))
+    cache = KVCache(model.cache_specs(), num_pages=length // 16, page_size=16, dtype=torch.float32,
+                    device=torch.device("cpu"))
+    got = model.compute_logits(model(batch, ModelCaches(cache)))
     want = hf(tokens[None]).logits[0].float()
     torch.testing.assert_close(got, want, rtol=0, atol=FP32_ATOL)

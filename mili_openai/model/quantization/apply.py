@@ -21,7 +21,9 @@ from torch import nn
 
 from mili_openai.kernels.fp8 import Fp8Weights, dequantize_fp8, per_row_weights
 from mili_openai.model.config import ModelConfig
+from mili_openai.model.layers import Linear
 from mili_openai.model.qwen3 import Qwen3ForCausalLM
+from mili_openai.model.qwen3_5 import Qwen3_5ForCausalLM
 from mili_openai.model.quantization.activations import Int8Activations
 from mili_openai.model.quantization.compressed_tensors import STATIC_TENSOR, CompressedTensorsScheme
 from mili_openai.model.quantization.dynamic import quantize_fp8, quantize_int4, quantize_int8
@@ -53,17 +55,18 @@ def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (model.get_submodule(parent_name) if parent_name else model), attribute
 
 
-def quantize_model(model: Qwen3ForCausalLM, method: str, group_size: int, lm_head: str = "int8") -> str:
+def quantize_model(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, method: str, group_size: int, lm_head: str = "int8") -> str:
     """Quantize every decoder projection (and the LM head to `lm_head`, int8 or int4: see the module
     docstring) in place, freeing the dense weights; -> what was done, for the start-up log and /v1/models."""
     if method != "fp8" and lm_head not in LM_HEAD_METHODS:
         raise ValueError(f"the LM head quantizes to one of {LM_HEAD_METHODS}, got {lm_head!r}")
-    config = model.config
-    for layer in range(config.num_hidden_layers):
-        for projection in LAYER_PROJECTIONS:
-            parent, attribute = _parent(model, f"{LAYER_PREFIX}.{layer}.{projection}")
-            dense = getattr(parent, attribute).weight.detach()
-            setattr(parent, attribute, _quantized(dense, method, group_size))
+    # every projection of every decoder layer: Qwen3's four (LAYER_PROJECTIONS), or a hybrid layer's own
+    # (Gated DeltaNet's in_proj / out_proj or gated attention's, and the MLP's)
+    projections = [name for name, module in model.model.layers.named_modules() if isinstance(module, Linear)]
+    for name in projections:
+        parent, attribute = _parent(model, f"{LAYER_PREFIX}.{name}")
+        dense = getattr(parent, attribute).weight.detach()
+        setattr(parent, attribute, _quantized(dense, method, group_size))
     if method == "fp8":
         return ("fp8 (e4m3 weights with a scale per row: weight-only for decode batches, activations per token for "
                 "prefill; LM head unquantized)")

@@ -1,0 +1,79 @@
+"""State-slot bookkeeping for models with linear-attention layers: one slot per running sequence.
+
+Plain Python beside the page pool (engine/kv_pages.py): a slot indexes the state pool of every
+linear-attention layer (model/state_cache.py). A sequence takes a slot when it is admitted and gives it
+back when it finishes, is aborted or is preempted (it then recomputes from its first token, into a fresh
+slot). A slot handed out is zeroed by the runner before the step that first uses it runs
+(`ScheduledBatch.new_state_slots`), so a new sequence starts from zeros whatever the slot held before.
+Every slot is free or owned by exactly one sequence (`Sequence.state_slot`); `check_integrity` verifies it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable
+
+from mili_openai.config import EngineConfig
+from mili_openai.engine.sequence import Sequence
+from mili_openai.radix import PagePool
+
+logger = logging.getLogger(__name__)
+
+
+def config_for_state_slots(config: EngineConfig) -> EngineConfig:
+    """The engine's config for a model with linear-attention layers. No speculative decoding yet (a decode
+    runs one row per sequence: a rejected draft would leave its state advanced). No prefix reuse: cached
+    pages hold K/V alone, and a sequence resumed from them would miss its recurrent state."""
+    if config.speculative_config is not None:
+        raise ValueError("speculative decoding (--speculative-config) does not run models with linear-attention "
+                         "layers yet")
+    if not config.enable_prefix_caching:
+        return config
+    logger.info("prefix caching is off: this model has linear-attention layers, whose state pages cannot restore")
+    return dataclasses.replace(config, enable_prefix_caching=False)
+
+
+class StateSlotManager:
+    def __init__(self, num_slots: int) -> None:
+        self.pool = PagePool(num_slots)  # a free list of ids with double-free checks: the same job as for pages
+
+    @property
+    def num_slots(self) -> int:
+        return self.pool.num_pages
+
+    @property
+    def num_free(self) -> int:
+        return self.pool.num_free
+
+    def allocate(self, seq: Sequence) -> bool:
+        """Give seq a slot unless it holds one; False (nothing done) when none is free."""
+        if seq.state_slot is not None:
+            return True
+        if self.pool.num_free == 0:
+            return False
+        seq.state_slot = self.pool.allocate(1)[0]
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        """Take seq's slot back, if it holds one."""
+        if seq.state_slot is not None:
+            self.pool.free([seq.state_slot])
+            seq.state_slot = None
+
+    def check_integrity(self, sequences: Iterable[Sequence]) -> None:
+        """RuntimeError unless free slots and the sequences' slots account for every slot exactly once."""
+        self.pool.check_integrity()
+        owned = [seq.state_slot for seq in sequences if seq.state_slot is not None]
+        if len(owned) != len(set(owned)):
+            raise RuntimeError(f"state slots: a slot is owned by two sequences: {sorted(owned)}")
+        free = set(self.pool.free_page_ids())
+        both = free.intersection(owned)
+        if both:
+            raise RuntimeError(f"state slots: slots both free and owned: {sorted(both)[:8]}")
+        if len(free) + len(owned) != self.num_slots:
+            raise RuntimeError(f"state slots: {len(free)} free + {len(owned)} owned != {self.num_slots} slots "
+                               "(a slot leaked)")
+
+    def usage(self) -> float:
+        return 1.0 - self.pool.num_free / self.pool.num_pages

@@ -1,0 +1,119 @@
+"""Gated DeltaNet, the linear-attention layer of Qwen3.5 / Qwen3.6 / Qwen3-Next, over per-sequence state slots.
+
+Per token: one projection gives the conv's input (q, k, v channels), the output gate z, and b, a per value head.
+q, k, v pass a short causal depthwise conv (kernel 4) with SiLU; the delta rule then runs per value head over
+an fp32 (Dk, Dv) state with decay g = -exp(A_log) * softplus(a + dt_bias) and write strength beta = sigmoid(b)
+(q and k are L2-normalised inside the op); its output passes a gated RMSNorm (gate z) and `out_proj`.
+
+`in_proj` holds Qwen3.5's four projections stacked, rows [in_proj_qkv; in_proj_z; in_proj_b; in_proj_a], so a
+token reads one matrix; the loader builds the same rows from Qwen3-Next's interleaved in_proj_qkvz / in_proj_ba
+(model/hybrid_weights.py). A sequence's conv window and recurrent state live in slot `ForwardBatch.state_slots`
+of the layer's pools (model/state_cache.py): decode rows take the recurrent step, prefill chunks the chunked
+form, both continuing the slot's state and leaving it updated (kernels/gated_delta_rule.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mili_openai.kernels.linear_attention import LinearAttentionKernel, TorchLinearAttention
+from mili_openai.model.batch import ForwardBatch
+from mili_openai.model.config import ModelConfig
+from mili_openai.model.hybrid_norms import GatedRMSNorm
+from mili_openai.model.layers import Linear
+
+BETA_AND_DECAY = 2  # in_proj's b and a rows: one of each per value head
+
+
+@dataclass(frozen=True, slots=True)
+class StateRows:
+    """Where a forward's rows keep their state, shared by every linear layer of the step."""
+
+    decode_slots: torch.Tensor  # (num_decode,) int64: the state slot of each decode row
+    prefill_slots: torch.Tensor  # (segments,) int64: the state slot of each prefill chunk
+    cu_seqlens: torch.Tensor  # (segments + 1,) int64: chunk bounds counted from the first prefill row
+    num_decode: int
+
+    @classmethod
+    def of(cls, batch: ForwardBatch) -> StateRows:
+        if batch.state_slots is None:
+            raise ValueError("a model with linear-attention layers needs ForwardBatch.state_slots (a state slot per "
+                             "decode row and prefill chunk)")
+        decode = batch.num_decode
+        lengths = [0] + [segment.length for segment in batch.prefills]
+        if batch.state_slots.shape[0] != decode + len(batch.prefills):
+            raise ValueError(f"state_slots has {batch.state_slots.shape[0]} entries for {decode} decode rows and "
+                             f"{len(batch.prefills)} prefill chunks (speculative decode rows are not supported "
+                             "with linear attention)")
+        cu_seqlens = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(batch.state_slots.device)
+        return cls(batch.state_slots[:decode], batch.state_slots[decode:], cu_seqlens, decode)
+
+
+class ShortConv(nn.Module):
+    """The depthwise causal conv's weight, (channels, kernel) (the checkpoint's (channels, 1, kernel) squeezed)."""
+
+    def __init__(self, channels: int, kernel_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, kernel_size))
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        linear = config.hybrid.linear
+        self.num_k_heads, self.num_v_heads = linear.num_key_heads, linear.num_value_heads
+        self.head_k_dim, self.head_v_dim = linear.key_head_dim, linear.value_head_dim
+        self.key_dim, self.value_dim, self.conv_dim = linear.key_dim, linear.value_dim, linear.conv_dim
+        self.in_proj = Linear(config.hidden_size, self.conv_dim + self.value_dim + BETA_AND_DECAY * self.num_v_heads)
+        self.conv1d = ShortConv(self.conv_dim, linear.conv_kernel_dim)
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        self.out_proj = Linear(self.value_dim, config.hidden_size)
+        # the conv and delta-rule ops (set by Qwen3_5ForCausalLM.set_linear_attention_kernel); torch's by default
+        self.kernel: LinearAttentionKernel = TorchLinearAttention()
+
+    def forward(self, x: torch.Tensor, rows: StateRows, conv_pool: torch.Tensor,
+                state_pool: torch.Tensor) -> torch.Tensor:
+        """x (T, hidden); conv_pool (slots, conv_dim, K-1); state_pool (slots, Hv, Dk, Dv) fp32 -> (T, hidden)."""
+        tokens = x.shape[0]
+        mixed, z, b, a = self.in_proj(x).split((self.conv_dim, self.value_dim, self.num_v_heads,
+                                                self.num_v_heads), dim=-1)
+        mixed = self._conv(mixed, rows, conv_pool)  # (T, conv_dim)
+        q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
+        q = q.view(tokens, self.num_k_heads, self.head_k_dim)
+        k = k.view(tokens, self.num_k_heads, self.head_k_dim)
+        v = v.view(tokens, self.num_v_heads, self.head_v_dim)
+        beta = b.sigmoid()  # (T, Hv)
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # (T, Hv) float32
+        out = self._delta_rule(q, k, v, g, beta, rows, state_pool)  # (T, Hv, Dv)
+        out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(out.view(tokens, self.value_dim))
+
+    def _conv(self, mixed: torch.Tensor, rows: StateRows, conv_pool: torch.Tensor) -> torch.Tensor:
+        decode, kernel, weight = rows.num_decode, self.kernel, self.conv1d.weight
+        if rows.prefill_slots.numel() == 0:
+            return kernel.causal_conv1d_decode(mixed, conv_pool, weight, None, rows.decode_slots)
+        prefill = kernel.causal_conv1d_prefill(mixed[decode:], rows.cu_seqlens, conv_pool, weight, None,
+                                               rows.prefill_slots)
+        if not decode:
+            return prefill
+        return torch.cat((kernel.causal_conv1d_decode(mixed[:decode], conv_pool, weight, None, rows.decode_slots),
+                          prefill))
+
+    def _delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    rows: StateRows, state_pool: torch.Tensor) -> torch.Tensor:
+        decode, kernel = rows.num_decode, self.kernel
+        if rows.prefill_slots.numel() == 0:
+            return kernel.gated_delta_rule_decode(q, k, v, g, beta, state_pool, rows.decode_slots)
+        prefill = kernel.gated_delta_rule_prefill(q[decode:], k[decode:], v[decode:], g[decode:], beta[decode:],
+                                                  rows.cu_seqlens, state_pool, rows.prefill_slots)
+        if not decode:
+            return prefill
+        decoded = kernel.gated_delta_rule_decode(q[:decode], k[:decode], v[:decode], g[:decode], beta[:decode],
+                                                 state_pool, rows.decode_slots)
+        return torch.cat((decoded, prefill))

@@ -1,0 +1,127 @@
+"""Random Qwen3.5 / Qwen3.6 / Qwen3-Next checkpoints, written by transformers' own classes (`save_pretrained`),
+so they carry exactly the config keys and weight names real ones do.
+
+Four layouts: `qwen3_5` (`Qwen3_5ForCausalLM`, the text model at the top level), `qwen3_5_vl`
+(`Qwen3_5ForConditionalGeneration`: the language model under `model.language_model.`, a tiny vision tower
+beside it), `qwen3_5_moe` (`Qwen3_5MoeForCausalLM`) and `qwen3_next` (`Qwen3NextForCausalLM`, fused
+`in_proj_qkvz` / `in_proj_ba`). Each also gets the multi-token-prediction weights real checkpoints ship
+(`mtp.*`, which transformers' classes do not build): a (hidden, 2 * hidden) `fc`, three norms and one
+full-attention decoder layer per `mtp_num_hidden_layers`.
+
+Weights are drawn so every part of the model matters to the logits (see checkpoint.random_weights): matrices
+with std 1/sqrt(fan_in), zero-centred norm weights around 0 (applied as 1 + w), the gated norm's around 1,
+decay rates A = exp(A_log) in [0.05, 2] so a linear layer's state remembers over tens of tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from mili_openai.model.checkpoint import (
+    NORM_WEIGHT_STD,
+    SAFETENSORS_METADATA,
+    _draw,
+    _write_generation_config_and_tokenizer,
+)
+
+HYBRID_LAYOUTS = ("qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_next")
+DECAY_RATE_RANGE = (0.05, 2.0)  # A = exp(A_log): per-token decay exp(-A * softplus(a + dt_bias))
+DT_BIAS_STD = 0.5
+GATED_NORM = "linear_attn.norm.weight"  # the one norm that is not zero-centred
+TINY_VISION_CONFIG: dict[str, Any] = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2)
+MTP_NORMS = ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden")
+# Qwen3.5-0.8B's text config (config.json's text_config), for benchmarks and the embedded default model
+QWEN3_5_0_8B_CONFIG: dict[str, Any] = dict(
+    vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
+    num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=True, max_position_embeddings=262144,
+    rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[11, 11, 10],
+                         mrope_interleaved=True),
+    mtp_num_hidden_layers=1)
+
+
+def _transformers_model(layout: str, fields: dict[str, Any], tie: bool):
+    """transformers' model for `layout`, built on the meta device."""
+    import transformers
+
+    fields = dict(fields)
+    mtp_layers = fields.pop("mtp_num_hidden_layers", 0)
+    if layout == "qwen3_5_vl":
+        vision = dict(TINY_VISION_CONFIG, out_hidden_size=fields["hidden_size"])
+        config = transformers.Qwen3_5Config(text_config=dict(fields, mtp_num_hidden_layers=mtp_layers),
+                                            vision_config=vision, tie_word_embeddings=tie)
+        model_class = transformers.Qwen3_5ForConditionalGeneration
+    else:
+        config_class, model_class = {
+            "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
+            "qwen3_5_moe": (transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM),
+            "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM),
+        }[layout]
+        config = config_class(**fields, tie_word_embeddings=tie)
+        config.mtp_num_hidden_layers = mtp_layers  # config.json carries it; transformers' classes ignore it
+    with torch.device("meta"):
+        return model_class(config)
+
+
+def _draw_hybrid(name: str, dims: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    if name.endswith("A_log"):
+        low, high = DECAY_RATE_RANGE
+        return (low + (high - low) * torch.rand(dims, generator=generator)).log()
+    if name.endswith("dt_bias"):
+        return DT_BIAS_STD * torch.randn(dims, generator=generator)
+    if name.endswith("norm.weight") and not name.endswith(GATED_NORM) and "visual" not in name:
+        return NORM_WEIGHT_STD * torch.randn(dims, generator=generator)  # zero-centred: applied as 1 + w
+    if name.endswith("conv1d.weight"):  # (channels, 1, kernel): fan-in is the kernel
+        return torch.randn(dims, generator=generator) / math.sqrt(dims[-1])
+    return _draw(name, dims, generator)
+
+
+def _mtp_weights(state: dict[str, torch.Tensor], config, layers: int, generator: torch.Generator,
+                 dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """`mtp.*` as real checkpoints name them: fc, three norms, and copies of a full-attention layer's tensors
+    (redrawn) as each MTP layer."""
+    text = config.get_text_config()
+    hidden = text.hidden_size
+    source = next(index for index, kind in enumerate(text.layer_types) if kind == "full_attention")
+    layer_prefix = next(name for name in state if f"layers.{source}." in name).split(f"layers.{source}.")[0]
+    shapes = {"fc.weight": (hidden, 2 * hidden)} | {f"{norm}.weight": (hidden,) for norm in MTP_NORMS}
+    for index in range(layers):
+        for name, tensor in state.items():
+            if name.startswith(f"{layer_prefix}layers.{source}."):
+                shapes[f"layers.{index}." + name.removeprefix(f"{layer_prefix}layers.{source}.")] = tuple(tensor.shape)
+    return {f"mtp.{name}": _draw_hybrid(name, dims, generator).to(dtype) for name, dims in shapes.items()}
+
+
+def build_random_hybrid_checkpoint(path: str | Path, layout: str, config_fields: dict[str, Any], seed: int,
+                                   dtype: torch.dtype = torch.float32) -> Path:
+    """A checkpoint dir at `path` in `layout` (HYBRID_LAYOUTS): transformers' config from `config_fields` (the
+    text config's fields, plus `mtp_num_hidden_layers`), its model's weights drawn from `seed`, saved by
+    `save_pretrained`, the MTP weights added, generation config and tokenizer files beside."""
+    if layout not in HYBRID_LAYOUTS:
+        raise ValueError(f"layout must be one of {HYBRID_LAYOUTS}, got {layout!r}")
+    fields = dict(config_fields)
+    tie = bool(fields.pop("tie_word_embeddings", False))
+    model = _transformers_model(layout, fields, tie).to(dtype)
+    model.to_empty(device="cpu")  # each tensor allocated once, in `dtype`, then drawn into
+    if tie:
+        model.tie_weights()  # to_empty gave the LM head its own storage: share the embedding's again
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            parameter.copy_(_draw_hybrid(name, tuple(parameter.shape), generator))
+    directory = Path(path)
+    model.save_pretrained(directory)
+    mtp_layers = config_fields.get("mtp_num_hidden_layers", 0)
+    if mtp_layers:
+        weights_file = directory / "model.safetensors"
+        weights = load_file(str(weights_file))
+        weights.update(_mtp_weights(model.state_dict(), model.config, mtp_layers, generator, dtype))
+        save_file(weights, str(weights_file), metadata=SAFETENSORS_METADATA)
+    _write_generation_config_and_tokenizer(directory)
+    return directory
+

@@ -1,0 +1,47 @@
+"""Build a Qwen3.5 / Qwen3.6 / Qwen3-Next model from its checkpoint's tensors (model/loader.py reads them and
+sets up the kernels): on the meta device, the hybrid renames (model/hybrid_weights.py), the shared name map
+(model/weights.py), then the weights assigned in place. What mili does not run yet for these models is refused
+here, before any weight is placed."""
+
+from __future__ import annotations
+
+import torch
+
+from mili_openai.distributed import TensorParallelGroup
+from mili_openai.model.config import ModelConfig
+from mili_openai.model.hybrid_weights import prepare_hybrid_tensors
+from mili_openai.model.quantization.spec import CheckpointQuantization
+from mili_openai.model.qwen3_5 import Qwen3_5ForCausalLM
+from mili_openai.model.weights import CheckpointError, checkpoint_to_model_state
+
+
+def check_hybrid_options(config: ModelConfig, parallel: TensorParallelGroup | None, quantization: str | None,
+                         checkpoint_quantization: CheckpointQuantization | None) -> None:
+    """Refuse, naming it, what the hybrid models do not run yet."""
+    name = config.architecture
+    if parallel is not None:
+        raise NotImplementedError(f"{name} runs on one rank: --tensor-parallel-size > 1 is not supported for it yet")
+    if checkpoint_quantization is not None:
+        raise NotImplementedError(f"{name}: pre-quantized checkpoints ({checkpoint_quantization.method}) are not "
+                                  "supported yet; load the bf16 checkpoint")
+    if quantization is not None and config.moe is not None:
+        raise NotImplementedError(f"{name}: --quantization {quantization} runs dense models only, not MoE ones, yet")
+
+
+def build_hybrid_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                       device: torch.device, source: str) -> Qwen3_5ForCausalLM:
+    """The model in eval mode on `device`, weights (and kept MTP weights) in `dtype`; `tensors` are consumed.
+    `source` names the checkpoint in errors. (`--quantization` applies after, as for Qwen3: loader.py.)"""
+    with torch.device("meta"):
+        model = Qwen3_5ForCausalLM(config)
+    mtp, missing = prepare_hybrid_tensors(tensors, config)
+    tensors = {name: t.to(dtype=dtype) if t.is_floating_point() else t for name, t in tensors.items()}
+    state = checkpoint_to_model_state(tensors, config, model.state_dict().keys(), missing)
+    try:
+        model.load_state_dict({name: t.to(device) for name, t in state.items()}, strict=True, assign=True)
+    except RuntimeError as exc:  # size mismatches: the config and the weights disagree
+        raise CheckpointError(f"checkpoint weights do not fit {source}: {exc}") from exc
+    if mtp is not None:
+        model.mtp = mtp.to(device=device, dtype=dtype)
+    model.to(device)  # the RoPE buffer and the experts' load counters, built on CPU, follow the weights
+    return model.requires_grad_(False).eval()

@@ -1,0 +1,192 @@
+"""Qwen3.5 / Qwen3.6 (dense and MoE) and Qwen3-Next for causal LM: the hybrid decoder, over a flattened batch,
+the paged KV cache of its attention layers and the per-sequence state slots of its linear ones.
+
+Each decoder layer mixes tokens with either Gated DeltaNet (model/gated_deltanet.py; `linear_attn`) or gated
+full attention (model/gated_attention.py; `self_attn`), as `config.hybrid.layer_types` says (three of every
+four are linear), then a SwiGLU MLP, or a sparse MoE block with a gated shared expert. Every norm but the
+DeltaNet's gated one is zero-centred (1 + w). Module names follow transformers' language model
+(`model.layers.N.linear_attn.out_proj`, `model.norm`, `lm_head`), with the fusions the loader maps
+(model/hybrid_weights.py): `linear_attn.in_proj`, `self_attn.qkv_proj`, `mlp.gate_up_proj`,
+`mlp.shared_expert.gate_up_proj`, stacked experts. A checkpoint's multi-token-prediction weights are kept in
+`mtp` (model/mtp.py), unused until speculative decoding runs them.
+
+One rank only for now, and no compiled decode stack: every layer runs module by module.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mili_openai.kernels.linear_attention import LinearAttentionKernel
+from mili_openai.model.batch import ForwardBatch
+from mili_openai.model.cache_spec import LayerCacheSpec, ModelCaches, PagedKVSpec, RecurrentStateSpec
+from mili_openai.model.config import ModelConfig
+from mili_openai.model.gated_attention import GatedAttention
+from mili_openai.model.gated_deltanet import GatedDeltaNet, StateRows
+from mili_openai.model.hybrid_config import LINEAR_ATTENTION
+from mili_openai.model.hybrid_norms import ZeroCenteredRMSNorm
+from mili_openai.model.layers import FusedOpKernel, Linear, MatmulFn, SwiGLUMLP
+from mili_openai.model.moe import ExpertsKernel, GroupedExperts, SharedExpertMoeBlock, SparseMoeBlock, SparseMoeKernel
+from mili_openai.model.mtp import MultiTokenPredictorWeights
+from mili_openai.model.paged_attention import AttentionKernel
+from mili_openai.model.quantization.modules import Fp8Linear, Fp8MatmulFn, QuantizedLinear, QuantizedMatmulFn
+from mili_openai.model.rope import RotaryEmbedding, RotaryTable
+
+
+def _mlp(config: ModelConfig, index: int) -> nn.Module:
+    moe = config.moe
+    if not config.is_sparse_layer(index):
+        return SwiGLUMLP(config.hidden_size, config.intermediate_size)
+    return SharedExpertMoeBlock(config.hidden_size, moe.num_experts, moe.num_experts_per_tok,
+                                moe.moe_intermediate_size, moe.norm_topk_prob, moe.shared_expert_intermediate_size)
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.is_linear = config.hybrid.layer_type(index) == LINEAR_ATTENTION
+        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(config)
+        else:
+            self.self_attn = GatedAttention(config)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = _mlp(config, index)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                batch: ForwardBatch, rows: StateRows | None, caches: ModelCaches) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP's output, the residual stream before it), both (T, hidden), as Qwen3DecoderLayer."""
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            residual, normed = self.input_layernorm.add_and_norm(hidden, residual)
+        if self.is_linear:
+            conv_pool, state_pool = caches.state.layer(self.index)
+            mixed = self.linear_attn(normed, rows, conv_pool, state_pool)
+        else:
+            k_pool, v_pool = caches.kv.layer(self.index)
+            mixed = self.self_attn(normed, cos, sin, batch, k_pool, v_pool)
+        residual, normed = self.post_attention_layernorm.add_and_norm(mixed, residual)
+        return self.mlp(normed), residual
+
+
+class HybridModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(HybridDecoderLayer(config, index) for index in range(config.num_hidden_layers))
+        self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)  # over the rotary_dim leading dims of each head
+        self.decode_stack = None  # no compiled decode stack for the hybrids: the runner reads it as Qwen3's
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        cos, sin = batch.rotary if batch.rotary is not None else self.rotary_emb(batch.positions, self.dtype)
+        rows = StateRows.of(batch)
+        hidden = self.embed_tokens(batch.input_ids)  # (T, hidden)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cos, sin, batch, rows, caches)
+        return self.norm.add_and_norm(hidden, residual)[1]
+
+
+class Qwen3_5ForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.hybrid is None:
+            raise ValueError(f"{config.architecture} is not a hybrid model: load it as Qwen3ForCausalLM")
+        self.config = config
+        self.parallel = None  # one rank only (the loader refuses --tensor-parallel-size > 1)
+        self.model = HybridModel(config)
+        self.lm_head: nn.Module | None = (None if config.tie_word_embeddings
+                                          else Linear(config.hidden_size, config.vocab_size))
+        self.mtp: MultiTokenPredictorWeights | None = None  # the checkpoint's MTP weights (model/mtp.py)
+        self._logits_matmul: MatmulFn = F.linear
+        self.attention_kernel: AttentionKernel | None = None
+        self.quantization: str | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    def cache_specs(self) -> list[LayerCacheSpec]:
+        """One spec per decoder layer (model/cache_spec.py): K/V pages for attention layers; for linear ones a
+        conv window (the last K-1 inputs of every conv channel) and an fp32 (Dk, Dv) state per value head."""
+        config, linear = self.config, self.config.hybrid.linear
+        conv_shape = (linear.conv_dim, linear.conv_kernel_dim - 1)
+        recurrent_shape = (linear.num_value_heads, linear.key_head_dim, linear.value_head_dim)
+        return [RecurrentStateSpec(conv_shape, recurrent_shape) if layer.is_linear
+                else PagedKVSpec(config.num_key_value_heads, config.head_dim) for layer in self.model.layers]
+
+    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
+        """Run every token of the batch, writing K/V into `caches.kv` and each sequence's state into its slot of
+        `caches.state`; -> (T, hidden) after the final norm."""
+        if caches.kv is None or caches.state is None:
+            raise ValueError("a hybrid model needs both a KV cache (attention layers) and a state cache (linear ones)")
+        if caches.kv.dtype != self.dtype:
+            raise ValueError(f"KV cache dtype {caches.kv.dtype} differs from the model's {self.dtype}")
+        return self.model(batch, caches)
+
+    def rotary_table(self) -> RotaryTable:
+        return RotaryTable(self.model.rotary_emb, self.dtype)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (N, hidden) -> logits (N, vocab) float32; computed in the weights' dtype like transformers."""
+        if isinstance(self.lm_head, QuantizedLinear):
+            return self.lm_head(hidden).float()
+        weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
+        return self._logits_matmul(hidden, weight).float()
+
+    def expert_load(self) -> dict[int, list[int]]:
+        return {index: layer.mlp.expert_load.tolist() for index, layer in enumerate(self.model.layers)
+                if isinstance(layer.mlp, SparseMoeBlock)}
+
+    @property
+    def holds_packed_weights(self) -> bool:
+        return any(isinstance(module, QuantizedLinear) for module in self.modules())
+
+    def _set_all(self, kinds: type | tuple[type, ...], attribute: str, value) -> None:
+        for module in self.modules():
+            if isinstance(module, kinds):
+                setattr(module, attribute, value)
+
+    def set_linear_attention_kernel(self, kernel: LinearAttentionKernel) -> None:
+        """Run every Gated DeltaNet's conv and delta rule through `kernel` (kernels/linear_attention.py)."""
+        self._set_all(GatedDeltaNet, "kernel", kernel)
+
+    def set_attention_kernel(self, kernel: AttentionKernel | None) -> None:
+        self._set_all(GatedAttention, "attention_kernel", kernel)
+        self.attention_kernel = kernel
+
+    def set_matmul(self, matmul: MatmulFn) -> None:
+        self._set_all((Linear, GroupedExperts), "matmul", matmul)
+        self._logits_matmul = matmul
+
+    def set_quantized_matmul(self, matmul: QuantizedMatmulFn) -> None:
+        self._set_all(QuantizedLinear, "matmul", matmul)
+
+    def set_fused_op_kernel(self, kernel: FusedOpKernel | None) -> None:
+        """SwiGLU's activation only: the hybrids' norms are zero-centred, which the fused norm kernels are not."""
+        self._set_all((SwiGLUMLP, GroupedExperts), "kernel", kernel)
+
+    def set_sparse_moe_kernel(self, kernel: SparseMoeKernel | None) -> None:
+        self._set_all(SparseMoeBlock, "kernel", kernel)
+
+    def set_experts_kernel(self, kernel: ExpertsKernel | None) -> None:
+        self._set_all(GroupedExperts, "experts_kernel", kernel)
+
+    def set_fp8_matmul(self, matmul: Fp8MatmulFn) -> None:
+        self._set_all(Fp8Linear, "matmul", matmul)
+
+    def set_residual_norm_kernel(self, kernel) -> None:
+        """Nothing to set: the fused add + RMSNorm kernels round as Qwen3's norm, not as the zero-centred one."""
+
+    def set_decode_stack_kernel(self, kernel) -> None:
+        """No compiled decode stack runs linear attention yet: every step runs layer by layer."""
+        self.model.decode_stack = None

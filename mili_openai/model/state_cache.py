@@ -1,0 +1,70 @@
+"""The state pool of the linear-attention layers: a fixed-size state per sequence, in numbered slots.
+
+Each `RecurrentStateSpec` layer keeps, per sequence, a conv window (the last inputs of its short causal
+conv, in the model's dtype) and a recurrent matrix per head (float32). A slot holds one sequence's state
+for every such layer; the engine hands a slot to each running sequence (engine/state_slots.py) and passes
+the batch's slots in `ForwardBatch.state_slots`. All layers' conv windows are one tensor and all their
+recurrent states another, so the pool is two allocations whatever the layer count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from mili_openai.model.cache_spec import RECURRENT_DTYPE, LayerCacheSpec, RecurrentStateSpec, recurrent_layers
+
+
+def _recurrent_spec(specs: Sequence[LayerCacheSpec]) -> tuple[list[int], RecurrentStateSpec]:
+    """(the linear-attention layers' decoder indices, their one spec): the pool is one tensor per kind."""
+    layers = recurrent_layers(specs)
+    if not layers:
+        raise ValueError("a state cache needs at least one linear-attention layer (RecurrentStateSpec)")
+    shapes = {specs[index] for index in layers}
+    if len(shapes) > 1:
+        raise ValueError(f"linear-attention layers with different state shapes are not supported: "
+                         f"{sorted(map(str, shapes))}")
+    return layers, specs[layers[0]]
+
+
+class StateCache:
+    def __init__(self, specs: Sequence[LayerCacheSpec], num_slots: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        """specs: the model's cache spec per decoder layer; slots for its linear-attention layers."""
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        layers, spec = _recurrent_spec(specs)
+        self.num_slots = num_slots
+        self._index_of_layer = {decoder_index: index for index, decoder_index in enumerate(layers)}
+        self.conv = torch.zeros((len(layers), num_slots, *spec.conv_shape), dtype=dtype, device=device)
+        self.recurrent = torch.zeros((len(layers), num_slots, *spec.recurrent_shape), dtype=RECURRENT_DTYPE,
+                                     device=device)
+
+    @staticmethod
+    def bytes_per_slot(specs: Sequence[LayerCacheSpec], dtype: torch.dtype) -> int:
+        """Bytes one sequence's state takes across every linear-attention layer (0 without any)."""
+        return sum(spec.bytes_per_sequence(dtype) for spec in specs if isinstance(spec, RecurrentStateSpec))
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv (slots, *conv_shape), recurrent (slots, *recurrent_shape) float32) of decoder layer `index`."""
+        position = self._index_of_layer.get(index)
+        if position is None:
+            raise ValueError(f"decoder layer {index} is not a linear-attention layer: it keeps no state")
+        return self.conv[position], self.recurrent[position]
+
+    def reset(self, slots: torch.Tensor) -> None:
+        """Zero these slots in every layer: a new sequence starts from zeros (the conv's causal padding)."""
+        slots = slots.to(self.conv.device)
+        self.conv.index_fill_(1, slots, 0)
+        self.recurrent.index_fill_(1, slots, 0)
+
+    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """State of slots `src` into slots `dst`, pairwise, in every layer (a fork: n > 1, snapshots)."""
+        src, dst = src.to(self.conv.device), dst.to(self.conv.device)
+        self.conv.index_copy_(1, dst, self.conv.index_select(1, src))
+        self.recurrent.index_copy_(1, dst, self.recurrent.index_select(1, src))
+
+    @property
+    def nbytes(self) -> int:
+        return self.conv.numel() * self.conv.element_size() + self.recurrent.numel() * self.recurrent.element_size()
