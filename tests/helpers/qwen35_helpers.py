@@ -1,0 +1,50 @@
+"""The Qwen3.5 tokenizer and chat template, for the tests of the Qwen3.5 text path.
+
+Import the fixtures into a test module (pytest picks up imported fixtures):
+
+    from qwen35_helpers import qwen35_tokenizer, qwen35_tokenizer_dir  # noqa: F401
+
+- `qwen35_tokenizer_dir` (session): a directory holding the files a random Qwen3.5 checkpoint ships
+  (tokenizer.json, tokenizer_config.json, chat_template.jinja: model/qwen35_tokenizer.py).
+- `qwen35_tokenizer` (session): transformers' tokenizer loaded from it, as the engine loads a checkpoint's.
+- `shared_qwen35()`: `shared/qwen35/` (the test vectors and Qwen3.5's real template): beside the checkout in CI,
+  inside it on a device machine, a level further up from a worktree.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mili_openai.model.qwen35_tokenizer import write_qwen35_tokenizer_files
+
+SHARED_SUBDIR = ("shared", "qwen35")
+
+
+def shared_qwen35() -> Path:
+    for parent in Path(__file__).resolve().parents:
+        candidate = parent.joinpath(*SHARED_SUBDIR)
+        if candidate.is_dir():
+            return candidate
+    raise FileNotFoundError(f"no {'/'.join(SHARED_SUBDIR)} above {Path(__file__).parent}: the Qwen3.5 test data "
+                            "lives beside the checkout")
+
+
+def tokenizer_vectors() -> dict:
+    return json.loads((shared_qwen35() / "tokenizer_vectors.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def qwen35_tokenizer_dir(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("qwen35-tokenizer")
+    write_qwen35_tokenizer_files(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def qwen35_tokenizer(qwen35_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(qwen35_tokenizer_dir))
