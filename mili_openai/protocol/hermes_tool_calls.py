@@ -21,7 +21,7 @@ import json
 import re
 from typing import Any
 
-from mili_openai.engine.structured_output import single_token_id, strict_json_schema
+from mili_openai.engine.structured_output import strict_json_schema
 from mili_openai.protocol.chat import NamedToolChoice, ToolDefinition
 from mili_openai.protocol.reasoning import partial_tag_length
 from mili_openai.protocol.tool_calls import (
@@ -32,6 +32,9 @@ from mili_openai.protocol.tool_calls import (
     CallSink,
     ToolCallStreamParser,
     ToolParseDelta,
+    calls_rule,
+    enforced_functions,
+    tag_terminal,
 )
 
 # the head of a block that streams: its name, then the object its arguments are (group 1: the name as JSON)
@@ -160,19 +163,6 @@ class HermesToolCallParser(ToolCallStreamParser):
 
 
 # ---- enforced calls ----
-def tag_terminal(tokenizer: Any, tag: str) -> str:
-    """A Lark terminal for a tag: the token itself where the vocabulary has it as one (llguidance sees
-    such added tokens as special, not as their text), else the text."""
-    token_id = single_token_id(tokenizer, tag)
-    return f"<[{token_id}]>" if token_id is not None else json.dumps(tag)
-
-
-def enforced_functions(tools: list[ToolDefinition], choice: str | NamedToolChoice) -> list[Any]:
-    """The functions a "required" (any of `tools`) or named choice allows."""
-    return [tool.function for tool in tools
-            if not isinstance(choice, NamedToolChoice) or tool.function.name == choice.function.name]
-
-
 def hermes_call_grammar(tokenizer: Any, tools: list[ToolDefinition], choice: str | NamedToolChoice,
                         parallel: bool) -> str:
     """A Lark grammar (llguidance's dialect) for one call, or with `parallel` one or more, of the named
@@ -191,5 +181,4 @@ def hermes_call_grammar(tokenizer: Any, tools: list[ToolDefinition], choice: str
         rules.append(f"call_{index}: %json {json.dumps(schema)}")
     start, end = tag_terminal(tokenizer, TOOL_CALL_START), tag_terminal(tokenizer, TOOL_CALL_END)
     bodies = " | ".join(f"call_{index}" for index in range(len(functions)))
-    top = 'start: call ("\\n" call)*' if parallel else "start: call"
-    return "\n".join([top, f'call: {start} "\\n" ({bodies}) "\\n" {end}', *rules])
+    return "\n".join([calls_rule(parallel), f'call: {start} "\\n" ({bodies}) "\\n" {end}', *rules])

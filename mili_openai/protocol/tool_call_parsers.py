@@ -13,10 +13,9 @@ from typing import Any
 
 from mili_openai.config import HERMES_TOOL_PARSER, XML_TOOL_PARSER
 from mili_openai.protocol.chat import NamedToolChoice, ToolDefinition
-from mili_openai.protocol.errors import APIError
 from mili_openai.protocol.hermes_tool_calls import HermesToolCallParser, hermes_call_grammar
 from mili_openai.protocol.tool_calls import ToolCallStreamParser
-from mili_openai.protocol.xml_tool_calls import FUNCTION_START, XmlToolCallParser
+from mili_openai.protocol.xml_tool_calls import FUNCTION_START, XmlToolCallParser, xml_call_grammar
 
 
 def template_tool_parser(chat_template: Any) -> str:
@@ -42,8 +41,5 @@ def make_tool_parser(name: str, tools: list | None, max_calls: int | None) -> To
 def tool_call_grammar(name: str, tokenizer: Any, tools: list[ToolDefinition], choice: str | NamedToolChoice,
                       parallel: bool) -> str:
     """The grammar that holds the output to calls, for `tool_choice` "required" or a named function."""
-    if name == HERMES_TOOL_PARSER:
-        return hermes_call_grammar(tokenizer, tools, choice, parallel)
-    raise APIError(400, f"tool_choice {choice if isinstance(choice, str) else 'naming a function'!r} is not "
-                        f"supported for models that write {name} tool calls yet: use tool_choice 'auto'",
-                   param="tool_choice")
+    grammar = {HERMES_TOOL_PARSER: hermes_call_grammar, XML_TOOL_PARSER: xml_call_grammar}[name]
+    return grammar(tokenizer, tools, choice, parallel)

@@ -20,15 +20,23 @@ What the formats share, here:
   which), while the whole response leaves such a call out.
 
 Everything depends only on the text, never on where a stream's pieces were cut.
+
+`tool_choice: "required"` or a named function is enforced as vLLM does: a grammar (structured outputs) in the
+format makes the whole output tool calls, each call's arguments held to its function's JSON schema; the parser
+then reads them back as it reads calls the model chose to make. The grammars' shared parts are at the end.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+from mili_openai.engine.structured_output import single_token_id
+from mili_openai.protocol.chat import FunctionDefinition, NamedToolChoice, ToolDefinition
 from mili_openai.protocol.reasoning import partial_tag_length
 
 TOOL_CALL_START = "<tool_call>"
@@ -223,3 +231,22 @@ class ToolCallStreamParser(ABC):
             self._after_block = True
         else:
             delta.content += self._space_before_block + TOOL_CALL_START + verbatim + TOOL_CALL_END
+
+
+# ---- enforced calls: the grammars' shared parts (llguidance's Lark dialect) ----
+def tag_terminal(tokenizer: Any, tag: str) -> str:
+    """A Lark terminal for a tag: the token itself where the vocabulary has it as one (llguidance sees
+    such added tokens as special, not as their text), else the text."""
+    token_id = single_token_id(tokenizer, tag)
+    return f"<[{token_id}]>" if token_id is not None else json.dumps(tag)
+
+
+def enforced_functions(tools: list[ToolDefinition], choice: str | NamedToolChoice) -> list[FunctionDefinition]:
+    """The functions a "required" (any of `tools`) or named choice allows."""
+    return [tool.function for tool in tools
+            if not isinstance(choice, NamedToolChoice) or tool.function.name == choice.function.name]
+
+
+def calls_rule(parallel: bool) -> str:
+    """The start rule: one `call`, or with `parallel` one or more on their own lines."""
+    return 'start: call ("\\n" call)*' if parallel else "start: call"

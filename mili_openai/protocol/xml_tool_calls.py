@@ -28,6 +28,11 @@ the text is one (booleans in any case: the template writes Python's `True`), `ob
 JSON, null (`null`, or Python's `None` the template writes) where the schema admits null; otherwise, and for
 parameters the schema does not declare, the value stays a string. The first of several types (`anyOf`, a type
 list) that the text is wins.
+
+The grammar for `tool_choice` "required" or a named function writes the calls as the template does, the
+function's parameters in the schema's order (the required ones always), each value as its type: digits for an
+integer, a JSON number, `true` / `false`, JSON held to the schema for an object or array, one of an enum's
+strings, `null` where admitted, and for a string any text up to the `\n</parameter>\n` that ends it.
 """
 
 from __future__ import annotations
@@ -38,14 +43,19 @@ import math
 import re
 from typing import Any
 
-from mili_openai.protocol.chat import ToolDefinition
+from mili_openai.engine.structured_output import strict_json_schema
+from mili_openai.protocol.chat import NamedToolChoice, ToolDefinition
 from mili_openai.protocol.tool_calls import (
     TOOL_CALL_END,
+    TOOL_CALL_START,
     BlockClosed,
     CallBlock,
     CallSink,
     ToolCallStreamParser,
     ToolParseDelta,
+    calls_rule,
+    enforced_functions,
+    tag_terminal,
 )
 
 FUNCTION_START = "<function="
@@ -61,6 +71,10 @@ NULL_WORDS = frozenset({"null", "none"})
 INTEGER = re.compile(r"[-+]?\d+")
 NUMBER = re.compile(r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?")
 JSON_TYPES = {"object": dict, "array": list}
+# the grammar's values, by schema type (llguidance's Lark dialect)
+VALUE_TERMINALS = {"integer": "/-?[0-9]+/", "number": r"/-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][-+]?[0-9]+)?/",
+                   "boolean": '("true" | "false")', "null": '"null"'}
+VALUE_END = "\n" + PARAMETER_END + "\n"
 
 
 # ---- values typed by the schema ----
@@ -249,3 +263,51 @@ class XmlToolCallParser(ToolCallStreamParser):
 
     def _open_block(self) -> CallBlock:
         return XmlBlock(self.sink, self.schemas)
+
+
+# ---- enforced calls ----
+def _literal(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+def _value_rule(rule: str, schema: Any) -> tuple[str, bool]:
+    """`(rule text, whether it ends the value itself)`: a string's text runs to the value's end tag."""
+    kinds = schema_types(schema)
+    enum = schema.get("enum") if isinstance(schema, dict) else None
+    if isinstance(enum, list) and enum and all(isinstance(option, str) for option in enum):
+        return f"{rule}: {' | '.join(_literal(option) for option in enum)}", False
+    if not kinds or "string" in kinds or not set(kinds) <= {*VALUE_TERMINALS, *JSON_TYPES}:
+        return f"{rule}[suffix={_literal(VALUE_END)}]: /(.|\\n)*/", True
+    options = []
+    for kind in kinds:
+        if kind in JSON_TYPES:
+            options.append(f"%json {json.dumps(strict_json_schema({**schema, 'type': kind}))}")
+        else:
+            options.append(VALUE_TERMINALS[kind])
+    return f"{rule}: {' | '.join(options)}", False
+
+
+def _call_rules(index: int, name: str, parameters: dict[str, Any]) -> list[str]:
+    properties = parameters.get("properties") if isinstance(parameters.get("properties"), dict) else {}
+    required = set(parameters.get("required") or [])
+    parts, rules = [], []
+    for number, (parameter, schema) in enumerate(properties.items()):
+        value, ends_itself = _value_rule(f"c{index}_v{number}", schema)
+        end = "" if ends_itself else f" {_literal(VALUE_END)}"
+        rules += [f"c{index}_p{number}: {_literal(PARAMETER_START + parameter + TAG_CLOSE + chr(10))} "
+                  f"c{index}_v{number}{end}", value]
+        parts.append(f"c{index}_p{number}" + ("" if parameter in required else "?"))
+    head = _literal(f"\n{FUNCTION_START}{name}{TAG_CLOSE}\n")
+    return [f"c{index}: {head} {' '.join(parts)} {_literal(FUNCTION_END + chr(10))}", *rules]
+
+
+def xml_call_grammar(tokenizer: Any, tools: list[ToolDefinition], choice: str | NamedToolChoice,
+                     parallel: bool) -> str:
+    """A Lark grammar (llguidance's dialect) for one call, or with `parallel` one or more, of the named
+    function or, for "required", of any of `tools`, written as the template writes calls."""
+    functions = enforced_functions(tools, choice)
+    rules = [rule for index, function in enumerate(functions)
+             for rule in _call_rules(index, function.name, function.parameters or {})]
+    start, end = tag_terminal(tokenizer, TOOL_CALL_START), tag_terminal(tokenizer, TOOL_CALL_END)
+    bodies = " | ".join(f"c{index}" for index in range(len(functions)))
+    return "\n".join([calls_rule(parallel), f"call: {start} ({bodies}) {end}", *rules])

@@ -2,9 +2,10 @@
 (thinking opened by the template, tools in XML), and XML tool calls come back as OpenAI `tool_calls`, whole and
 streamed in pieces, on /v1/chat/completions and /v1/responses.
 
-The scripted engine writes what a Qwen3.5 model writes (a random-weight model never would); a last test runs
-the real engine on a tiny random Qwen3 that speaks Qwen3.5's vocabulary and template, its one output token
-forced to the `</tool_call>` that closes a prefilled call.
+The scripted engine writes what a Qwen3.5 model writes (a random-weight model never would). The last tests run
+the real engine on a tiny random Qwen3 that speaks Qwen3.5's vocabulary and template: its one output token
+forced to the `</tool_call>` that closes a prefilled call, and tool_choice "required" / a named function held
+to XML calls by the grammar.
 """
 
 from __future__ import annotations
@@ -142,13 +143,6 @@ def test_the_tool_history_goes_back_into_the_prompt_as_xml(server, client):
         "<think>\n")
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_enforced_tool_choice_is_refused_for_the_xml_format_with_a_400(client, tool_choice):
-    with pytest.raises(openai.BadRequestError, match="not supported for models that write qwen3_coder") as error:
-        client.chat.completions.create(model=MODEL, messages=QUESTION, tools=[WEATHER_TOOL], tool_choice=tool_choice)
-    assert error.value.body["param"] == "tool_choice"
-
-
 def test_the_configured_parser_overrides_the_templates(qwen35_tokenizer):  # noqa: F811
     async def go() -> dict:
         engine = Qwen35ScriptedEngine(qwen35_tokenizer, f"{ANSWER}\n{CALLS_TEXT}")
@@ -161,22 +155,55 @@ def test_the_configured_parser_overrides_the_templates(qwen35_tokenizer):  # noq
     assert message["tool_calls"] == [] and message["content"] == f"{ANSWER}\n{CALLS_TEXT}"  # not Hermes JSON
 
 
-def test_real_engine_with_qwen35_vocabulary_closes_a_prefilled_xml_call(tmp_path_factory):
+@pytest.fixture(scope="module")
+def qwen35_vocab_server(tmp_path_factory):
     checkpoint = qwen3_checkpoint_with_qwen35_tokenizer(tmp_path_factory.mktemp("qwen3-qwen35-vocab"))
     engine_args = {key: value for key, value in REAL_ENGINE_CONFIG.items() if key != "dtype"}
+    with served_engine(checkpoint, **engine_args) as (live, engine):
+        yield live, engine
+
+
+def test_real_engine_with_qwen35_vocabulary_closes_a_prefilled_xml_call(qwen35_vocab_server):
+    live, engine = qwen35_vocab_server
     prefill = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
     messages = [*QUESTION, {"role": "assistant", "content": prefill}]
-    with served_engine(checkpoint, **engine_args) as (live, engine):
-        close = engine.tokenizer.convert_tokens_to_ids("</tool_call>")
-        kwargs = dict(model="tiny", messages=messages, tools=[WEATHER_TOOL], max_tokens=1, temperature=0,
-                      logit_bias={str(close): FORCED_BIAS},
-                      extra_body={"continue_final_message": True, "add_generation_prompt": False})
-        client = sdk_client(live.api_base)
-        choice = client.chat.completions.create(**kwargs).choices[0]
-        assert choice.finish_reason == "length" and choice.message.content is None
-        (call,) = choice.message.tool_calls
-        assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
-        streamed = [c for chunk in client.chat.completions.create(stream=True, **kwargs) for c in chunk.choices]
-        calls = [t for c in streamed for t in c.delta.tool_calls or []]
-        assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in calls] == [
-            (0, "get_weather", {"city": "Paris"})]  # the prefill wrote it all: one piece
+    close = engine.tokenizer.convert_tokens_to_ids("</tool_call>")
+    kwargs = dict(model="tiny", messages=messages, tools=[WEATHER_TOOL], max_tokens=1, temperature=0,
+                  logit_bias={str(close): FORCED_BIAS},
+                  extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    client = sdk_client(live.api_base)
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    streamed = [c for chunk in client.chat.completions.create(stream=True, **kwargs) for c in chunk.choices]
+    calls = [t for c in streamed for t in c.delta.tool_calls or []]
+    assert [(t.index, t.function.name, json.loads(t.function.arguments)) for t in calls] == [
+        (0, "get_weather", {"city": "Paris"})]  # the prefill wrote it all: one piece
+
+
+ENUM_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"enum": ["Paris", "Oslo"]}, "hourly": {"type": "boolean"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"enum": ["CET", "UTC"]}}, "required": ["zone"]}}},
+]
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+def test_real_engine_enforced_tool_choice_writes_xml_calls_of_the_schemas(qwen35_vocab_server, tool_choice):
+    """A random model never writes a call by itself: the XML grammar holds it to one, values of their types."""
+    live, _ = qwen35_vocab_server
+    reply = sdk_client(live.api_base).chat.completions.create(
+        model="tiny", messages=QUESTION, tools=ENUM_TOOLS, tool_choice=tool_choice, parallel_tool_calls=False,
+        max_tokens=80, temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    ((name, arguments),) = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    if isinstance(tool_choice, dict):
+        assert name == "get_time"
+    if name == "get_time":
+        assert arguments in ({"zone": "CET"}, {"zone": "UTC"})
+    else:
+        assert arguments["city"] in ("Paris", "Oslo") and set(arguments) <= {"city", "hourly"}
+        assert isinstance(arguments.get("hourly", True), bool)
