@@ -40,7 +40,8 @@ def test_added_tokens_have_their_ids_and_the_parsers_tags_survive_skip_special(q
         assert qwen35_tokenizer.convert_tokens_to_ids(token) == ADDED_TOKENS_START + offset
     assert len(qwen35_tokenizer) == ADDED_TOKENS_START + len(ADDED_TOKENS) <= QWEN35_VOCAB_SIZE
     assert (qwen35_tokenizer.eos_token_id, qwen35_tokenizer.pad_token_id) == EOS_TOKEN_IDS
-    text = "<|im_start|>assistant\n<think>\nhm\n</think>\n\n<tool_call>\n<function=f>\n</function>\n</tool_call><|im_end|>"
+    text = ("<|im_start|>assistant\n<think>\nhm\n</think>\n\n<tool_call>\n<function=f>\n</function>\n</tool_call>"
+            "<|im_end|>")
     ids = qwen35_tokenizer.encode(text, add_special_tokens=False)
     assert ids[0] == ADDED_TOKENS_START + ADDED_TOKENS.index("<|im_start|>")  # special text is its token
     assert qwen35_tokenizer.decode(ids) == text

@@ -64,9 +64,10 @@ def accepts(compiler, tokenizer, grammar: str, text: str) -> bool:
     (NAMED, False, call("get_weather", city="Oslo"), False),
     ("required", False, "Sure! " + call("get_time"), False),
 ])
-def test_the_grammar_takes_calls_of_the_schemas_types_only(compiler, qwen35_tokenizer, choice, parallel, text,  # noqa: F811
-                                                          ok):
-    assert accepts(compiler, qwen35_tokenizer, xml_call_grammar(qwen35_tokenizer, TOOLS, choice, parallel), text) is ok
+def test_the_grammar_takes_calls_of_the_schemas_types_only(compiler, qwen35_tokenizer, choice, parallel,  # noqa: F811
+                                                          text, ok):
+    grammar = xml_call_grammar(qwen35_tokenizer, TOOLS, choice, parallel)
+    assert accepts(compiler, qwen35_tokenizer, grammar, text) is ok
 
 
 def test_what_the_grammar_takes_parses_back_to_typed_arguments():

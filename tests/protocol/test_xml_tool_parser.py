@@ -220,7 +220,7 @@ def test_qwen35_output_after_the_template_thinks_then_calls(qwen35_tokenizer):  
     assert arguments(whole.calls) == [("get_weather", {"city": "Paris", "days": 2})]
 
 
-def test_the_parser_is_the_one_the_chat_template_teaches_unless_configured(qwen35_tokenizer, qwen_tokenizer):  # noqa: F811
+def test_the_parser_is_the_one_the_template_teaches_unless_configured(qwen35_tokenizer, qwen_tokenizer):  # noqa: F811
     assert template_tool_parser(qwen35_tokenizer.chat_template) == XML_TOOL_PARSER
     assert template_tool_parser(qwen_tokenizer.chat_template) == HERMES_TOOL_PARSER
     assert template_tool_parser(None) == HERMES_TOOL_PARSER
