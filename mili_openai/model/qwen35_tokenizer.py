@@ -23,7 +23,6 @@ import base64
 import importlib.util
 import json
 import shutil
-from functools import cache
 from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
@@ -98,9 +97,8 @@ def vocab_and_merges(ranks: dict[bytes, int]) -> tuple[dict[str, int], list[tupl
             [(text(left), text(right)) for *_, left, right in ranked_merges])
 
 
-@cache
 def build_qwen35_tokenizer() -> Tokenizer:
-    """The Qwen3.5 `tokenizers.Tokenizer` (a few seconds: cached for the process; callers must not mutate it)."""
+    """The Qwen3.5 `tokenizers.Tokenizer` (a few seconds: build it once, then save or keep it)."""
     vocab, merges = vocab_and_merges(load_ranks(ranks_path()))
     if len(vocab) != ADDED_TOKENS_START:
         raise RuntimeError(f"{ranks_path()} holds {len(vocab)} ranks, expected {ADDED_TOKENS_START}")
