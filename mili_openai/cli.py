@@ -27,6 +27,7 @@ from mili_openai.config import (
     LM_HEAD_QUANTIZATIONS,
     QUANTIZATION_GROUP_SIZES,
     QUANTIZATION_METHODS,
+    TOOL_CALL_PARSERS,
     EngineConfig,
     ServerConfig,
     SpeculativeConfig,
@@ -73,6 +74,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="POST /v1/responses answers kept in memory for previous_response_id and GET "
                           "/v1/responses/{id} (the latest N, per replica; 0 keeps none)")
     net.add_argument("--log-level", choices=LOG_LEVELS, default=defaults.log_level)
+    net.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                     help="the format tool calls are parsed in: hermes (Qwen3's JSON) or qwen3_coder (the XML of "
+                          "Qwen3.5, Qwen3.6 and Qwen3-Coder); default: the one the model's chat template teaches")
     net.add_argument("--debug-endpoints", action="store_true",
                      help="serve GET /debug/engine (KV page accounting) for soak tests; not for production")
     eng = serve.add_argument_group("engine")
@@ -190,6 +194,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         responses_store_size=args.responses_store_size,
         log_level=args.log_level,
         debug_endpoints=args.debug_endpoints,
+        tool_call_parser=args.tool_call_parser,
         freeze_gc_after_load=True,  # this process only serves
     )
 

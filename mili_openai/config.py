@@ -28,6 +28,9 @@ SPECULATIVE_METHODS = ("ngram",)
 QUANTIZATION_METHODS = ("int8", "int4", "fp8")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)  # int4: values along a row per scale and zero point
 LM_HEAD_QUANTIZATIONS = ("int8", "int4")  # under int8 or int4 weights; int8 (a scale per row) unless chosen
+# tool-call formats, by vLLM's parser names: Qwen3's JSON, and the XML of Qwen3.5 / Qwen3.6 / Qwen3-Coder
+HERMES_TOOL_PARSER, XML_TOOL_PARSER = "hermes", "qwen3_coder"
+TOOL_CALL_PARSERS = (HERMES_TOOL_PARSER, XML_TOOL_PARSER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,8 +222,12 @@ class ServerConfig:
     # as vLLM does after start-up: a full collection over them stalls the process. For a process
     # that only serves (`mili serve` sets it); off by default, as it freezes whatever else the process holds.
     freeze_gc_after_load: bool = False
+    # the format tool calls are parsed in (TOOL_CALL_PARSERS); None = the one the model's chat template teaches
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
         if not 0 <= self.port < 65536:
             raise ValueError("port must be in [0, 65535]")
         if self.max_queue < 1:

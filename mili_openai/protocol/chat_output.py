@@ -9,14 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mili_openai.config import HERMES_TOOL_PARSER
+from mili_openai.protocol.chat import ToolDefinition
 from mili_openai.protocol.reasoning import THINK_END, ReasoningStreamParser
-from mili_openai.protocol.tool_calls import (
-    ParsedToolCall,
-    ToolCallPiece,
-    ToolCallStreamParser,
-    append_piece,
-    merge_pieces,
-)
+from mili_openai.protocol.tool_call_parsers import make_tool_parser
+from mili_openai.protocol.tool_calls import ParsedToolCall, ToolCallPiece, append_piece, merge_pieces
 
 
 @dataclass(slots=True)
@@ -41,13 +38,16 @@ class OutputOptions:
     include_reasoning: bool  # false: reasoning is parsed out and dropped
     parse_tools: bool  # tool_choice is not "none" and tools were given
     max_calls: int | None  # 1 when parallel_tool_calls is false
+    tool_parser: str = HERMES_TOOL_PARSER  # the format the model writes calls in (protocol/tool_call_parsers.py)
+    tools: list[ToolDefinition] | None = None  # the request's: their schemas type the XML format's values
 
 
 class ChatOutputParser:
     def __init__(self, assistant_tail: str, options: OutputOptions) -> None:
         self.options = options
         self._reasoning = ReasoningStreamParser() if options.split_reasoning else None
-        self._tools = ToolCallStreamParser(options.max_calls) if options.parse_tools else None
+        self._tools = (make_tool_parser(options.tool_parser, options.tools, options.max_calls)
+                       if options.parse_tools else None)
         if self._reasoning is not None:
             self._reasoning.prime(assistant_tail)
             # only the answer part of the prefill can hold a tool call

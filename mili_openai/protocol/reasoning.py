@@ -1,15 +1,16 @@
 """Qwen3 thinking split: text inside `<think>...</think>` is reasoning, the rest is the answer.
 
-`<think>` and `</think>` are *not* special tokens in the Qwen3 vocabulary (ids 151667/151668 are
-added tokens with `special: false`), so `skip_special_tokens=True` keeps them in the decoded text and
-the parser can work on text deltas.
+`<think>` and `</think>` are *not* special tokens in the Qwen3 and Qwen3.5 vocabularies (added tokens
+with `special: false`: 151667/151668, 248068/248069), so `skip_special_tokens=True` keeps them in the
+decoded text and the parser can work on text deltas.
 
 Where the output starts matters: the Qwen3 template renders `<think>\\n\\n</think>\\n\\n` into the
 prompt when `enable_thinking` is false (the output is then all answer), and newer Qwen3 thinking
-templates end the prompt with `<think>\\n`, so the output begins *inside* the block and contains only
-`</think>`. The route therefore primes the parser with the prompt's assistant-turn tail (`prime`),
-and the parser continues from the state that text leaves it in. Without priming, an output that
-starts with `<think>` (after optional whitespace) opens the block; anything else is answer.
+templates and Qwen3.5's (thinking by default) end the prompt with `<think>\\n`, so the output begins
+*inside* the block and contains only `</think>`. The route therefore primes the parser with the prompt's
+assistant-turn tail (`prime`), and the parser continues from the state that text leaves it in. Without
+priming, an output that starts with `<think>` (after optional whitespace) opens the block; anything
+else is answer.
 """
 
 from __future__ import annotations

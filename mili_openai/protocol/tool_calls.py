@@ -1,45 +1,42 @@
-"""Qwen3 (Hermes-style) tool calls, `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`: parsed
-out of the output as the model writes them, and enforced by a grammar for `tool_choice` "required" or a
-named function.
+"""Tool calls parsed out of a model's output as it writes them: the shapes every format shares, and the stream
+parser around the `<tool_call>` ... `</tool_call>` blocks that Qwen models write them in.
 
-The model writes each call as one JSON object between the tags, possibly several in a row. The parser
-turns each block into an OpenAI tool call (`call_...` id, function name, arguments as JSON text) and
-leaves everything else as content:
+Two formats fill those blocks (one file each, one parser class each):
+- Hermes JSON, Qwen3's: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` (hermes_tool_calls.py);
+- XML, Qwen3.5's, Qwen3.6's and Qwen3-Coder's: `<tool_call>\n<function=NAME>\n<parameter=P>\nvalue\n</parameter>\n
+  </function>\n</tool_call>`, vLLM's `qwen3_coder` (xml_tool_calls.py).
+tool_call_parsers.py picks one for the model.
 
-- text outside the blocks stays content; whitespace that only separates blocks from each other or
-  from the text around them is dropped (the template writes "\n" around every block);
-- a call streams as vLLM's Hermes parser streams it: once the block's head `{"name": "...",
-  "arguments": {` is written, a first piece announces the call (id and name), then the arguments follow
-  in pieces as they arrive, their text exactly as the model writes it (the pieces join to the whole
-  output's `arguments`);
-- a block whose head is not that (the arguments first, or given as a JSON string) waits for its end and
-  counts if it parses as a call; one that does not is returned as content verbatim: a bad generation is
-  the model's answer, never a server error;
-- a block still open when the output ends counts if its JSON is complete (the model may stop at EOS or
-  a stop string instead of writing `</tool_call>`), as vLLM's Hermes parser does. An incomplete one (the
-  output cut by max_tokens) is dropped, never shown as content. Streamed, its call may have been
-  announced already: the stream cannot take back what it sent, so its arguments end where the output
-  did (`incomplete_calls` says which), while the whole response leaves such a call out.
+What the formats share, here:
+- text outside the blocks stays content; whitespace that only separates blocks from each other or from the
+  text around them is dropped (the templates write "\n" around every block);
+- a block becomes an OpenAI tool call (`call_...` id, function name, arguments as JSON text). A stream
+  announces the call (a first piece with its id and name) as soon as the block's head shows it is one, then
+  sends its arguments in pieces; the pieces join to the whole output's `arguments`;
+- a block that is not a call is returned as content verbatim: a bad generation is the model's answer, never a
+  server error;
+- a call still open when the output ends was cut (max_tokens) unless its format says it is complete. The
+  stream cannot take back what it sent, so its arguments end where the output did (`incomplete_calls` says
+  which), while the whole response leaves such a call out.
 
-Everything above depends only on the text, never on where a stream's pieces were cut: the pieces of a
-stream join to the whole output's result.
+Everything depends only on the text, never on where a stream's pieces were cut.
 
-`tool_choice: "required"` or a named function is enforced as vLLM does: a grammar (structured outputs)
-makes the whole output tool calls, each call's arguments held to its function's JSON schema; the parser
-then reads them back as it reads calls the model chose to make.
+`tool_choice: "required"` or a named function is enforced as vLLM does: a grammar (structured outputs) in the
+format makes the whole output tool calls, each call's arguments held to its function's JSON schema; the parser
+then reads them back as it reads calls the model chose to make. The grammars' shared parts are at the end.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mili_openai.engine.structured_output import single_token_id, strict_json_schema
-from mili_openai.protocol.chat import NamedToolChoice, ToolDefinition
+from mili_openai.engine.structured_output import single_token_id
+from mili_openai.protocol.chat import FunctionDefinition, NamedToolChoice, ToolDefinition
 from mili_openai.protocol.reasoning import partial_tag_length
 
 TOOL_CALL_START = "<tool_call>"
@@ -47,8 +44,6 @@ TOOL_CALL_END = "</tool_call>"
 
 CALL_ID_PREFIX = "call_"
 CALL_ID_HEX_CHARS = 24
-# the head of a block that streams: its name, then the object its arguments are (group 1: the name as JSON)
-CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
 
 
 def new_call_id() -> str:
@@ -90,32 +85,6 @@ def append_piece(pieces: list[ToolCallPiece], piece: ToolCallPiece) -> None:
         pieces.append(ToolCallPiece(piece.index, piece.arguments, piece.id, piece.name))
 
 
-def parse_call_block(block: str) -> tuple[str, str] | None:
-    """`(name, arguments JSON)` of one block's body, or None if it is not a well-formed call."""
-    try:
-        payload = json.loads(block)
-    except ValueError:
-        return None
-    if not isinstance(payload, dict) or not isinstance(payload.get("name"), str) or not payload["name"]:
-        return None
-    arguments = payload.get("arguments", payload.get("parameters", {}))
-    if isinstance(arguments, str):  # some generations double-encode the arguments
-        try:
-            arguments = json.loads(arguments)
-        except ValueError:
-            return None
-    if not isinstance(arguments, dict):
-        return None
-    return payload["name"], json.dumps(arguments, ensure_ascii=False)
-
-
-def _json_string(text: str) -> str | None:
-    try:
-        return json.loads(text)
-    except ValueError:  # an escape JSON does not have
-        return None
-
-
 def merge_pieces(pieces: list[ToolCallPiece], dropped: set[int] = frozenset()) -> list[ParsedToolCall]:
     """The whole calls the pieces of a stream make up, less those in `dropped`."""
     calls: dict[int, ParsedToolCall] = {}
@@ -130,60 +99,73 @@ def merge_pieces(pieces: list[ToolCallPiece], dropped: set[int] = frozenset()) -
     return list(calls.values())
 
 
-class _JsonValueEnd:
-    """Finds where a JSON object or array ends, fed its text in pieces (strings and escapes tracked)."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.in_string = False
-        self.escaped = False
-        self.done = False
-
-    def scan(self, text: str) -> int:
-        """How much of `text` belongs to the value (all of it until the value closes)."""
-        for position, char in enumerate(text):
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif char == "\\":
-                    self.escaped = True
-                elif char == '"':
-                    self.in_string = False
-            elif char == '"':
-                self.in_string = True
-            elif char in "{[":
-                self.depth += 1
-            elif char in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    self.done = True
-                    return position + 1
-        return len(text)
+@dataclass(frozen=True, slots=True)
+class BlockClosed:
+    rest: str  # the output after the block's `</tool_call>`
+    verbatim: str | None = None  # the block was no call: its body, returned as content between the tags
 
 
-@dataclass(slots=True)
-class _Block:
-    """The call being written: its body so far and, once its head is in, its streamed arguments."""
+class CallSink:
+    """What a block reports its calls to (the parser): announcements, argument text, calls cut off."""
 
-    body: str = ""
-    index: int | None = None  # set when the call is announced
-    scanned: int = 0  # how far into `body` the arguments have been sent
-    value: _JsonValueEnd = field(default_factory=_JsonValueEnd)
-
-
-class ToolCallStreamParser:
-    """Feed content pieces; get content to show and tool-call pieces back."""
-
-    def __init__(self, max_calls: int | None = None, make_id: Callable[[], str] = new_call_id) -> None:
+    def __init__(self, max_calls: int | None, make_id: Callable[[], str]) -> None:
         self.max_calls = max_calls  # parallel_tool_calls=false keeps only the first call
         self._make_id = make_id
-        self._block: _Block | None = None  # inside a block
-        self._buffer = ""  # outside a block: held text (tag prefix, trailing whitespace); inside: unread text
+        self.num_calls = 0  # calls seen (including any dropped by max_calls)
+        self.incomplete_calls: set[int] = set()  # announced calls whose arguments never closed
+
+    def announce(self, delta: ToolParseDelta, name: str, arguments: str = "") -> int:
+        """A new call: its index, and its first piece (id, name, the first of its arguments) in `delta`."""
+        index = self.num_calls
+        self.num_calls += 1
+        if self._keeps(index):
+            delta.add_piece(index, arguments, self._make_id(), name)
+        return index
+
+    def send(self, delta: ToolParseDelta, index: int, arguments: str) -> None:
+        if arguments and self._keeps(index):
+            delta.add_piece(index, arguments)
+
+    def _keeps(self, index: int) -> bool:
+        return self.max_calls is None or index < self.max_calls
+
+
+class CallBlock(ABC):
+    """One `<tool_call>` block being read (the text after its start tag), in one format."""
+
+    @abstractmethod
+    def read(self, text: str, delta: ToolParseDelta) -> BlockClosed | None:
+        """Take the block's next text; calls and their pieces go to the sink and `delta`. Returns how the
+        block closed once its `</tool_call>` is in, else None (everything taken)."""
+
+    @abstractmethod
+    def finish(self, delta: ToolParseDelta) -> str | None:
+        """The output ended inside the block: report what it completed; the block's text if it shows as
+        content, else None."""
+
+
+class ToolCallStreamParser(ABC):
+    """Feed content pieces; get content to show and tool-call pieces back. A format gives its blocks."""
+
+    def __init__(self, max_calls: int | None = None, make_id: Callable[[], str] = new_call_id) -> None:
+        self.sink = CallSink(max_calls, make_id)
+        self._block: CallBlock | None = None  # inside a block
+        self._buffer = ""  # outside a block: held text (tag prefix, trailing whitespace)
         self._after_block = False  # drop the whitespace that separates a block from what follows
         self._space_before_block = ""
         self._primed = ToolParseDelta()  # pieces of a call the prefill already began, for the first delta
-        self.num_calls = 0  # calls seen (including any dropped by max_calls)
-        self.incomplete_calls: set[int] = set()  # announced calls whose arguments never closed
+
+    @abstractmethod
+    def _open_block(self) -> CallBlock:
+        """A reader for the block that just opened."""
+
+    @property
+    def num_calls(self) -> int:
+        return self.sink.num_calls
+
+    @property
+    def incomplete_calls(self) -> set[int]:
+        return self.sink.incomplete_calls
 
     def prime(self, text: str) -> None:
         """Advance over text that is already in the prompt (an assistant prefill); emits no content.
@@ -201,15 +183,12 @@ class ToolCallStreamParser:
         delta, self._primed = self._primed, ToolParseDelta()
         while self._buffer:
             if self._block is not None:
-                end = self._buffer.find(TOOL_CALL_END)
-                readable = end if end >= 0 else len(self._buffer) - partial_tag_length(self._buffer, TOOL_CALL_END)
-                self._block.body += self._buffer[:readable]
-                self._buffer = self._buffer[readable:]
-                self._stream_block(delta)
-                if end < 0:
+                text, self._buffer = self._buffer, ""
+                closed = self._block.read(text, delta)
+                if closed is None:
                     break
-                self._buffer = self._buffer[len(TOOL_CALL_END):]
-                self._close_block(delta)
+                self._block, self._buffer = None, closed.rest
+                self._close_block(closed.verbatim, delta)
                 continue
             if self._after_block:
                 self._buffer = self._buffer.lstrip()
@@ -219,12 +198,12 @@ class ToolCallStreamParser:
             start = self._buffer.find(TOOL_CALL_START)
             if start >= 0:
                 # whitespace right before a block only separates it from the text (kept if the block
-                # turns out malformed and is shown verbatim)
+                # turns out not to be a call and is shown verbatim)
                 before = self._buffer[:start]
                 delta.content += before.rstrip()
                 self._space_before_block = before[len(before.rstrip()):]
                 self._buffer = self._buffer[start + len(TOOL_CALL_START):]
-                self._block = _Block()
+                self._block = self._open_block()
                 continue
             held = partial_tag_length(self._buffer, TOOL_CALL_START)
             body = self._buffer[: len(self._buffer) - held]
@@ -235,70 +214,26 @@ class ToolCallStreamParser:
         return delta
 
     def finish(self) -> ToolParseDelta:
-        """The output ended: an open block counts if its JSON is complete, else it is dropped; held text
-        is released."""
+        """The output ended: an open block reports what it completed; held text is released."""
         delta, self._primed = self._primed, ToolParseDelta()
         held, self._buffer = self._buffer, ""
         block, self._block = self._block, None
         if block is not None:
-            if block.index is not None:
-                if not block.value.done:
-                    self.incomplete_calls.add(block.index)
-            else:
-                self._accept(block.body, delta)
+            verbatim = block.finish(delta)
+            if verbatim is not None:
+                delta.content += self._space_before_block + TOOL_CALL_START + verbatim
         elif held.strip() or not self.num_calls:
             delta.content += held  # trailing whitespace is dropped only where it trails a call
         return delta
 
-    def _stream_block(self, delta: ToolParseDelta) -> None:
-        """Announce the call once its head is in, then send the arguments written since the last piece."""
-        block = self._block
-        if block.index is None:
-            head = CALL_HEAD.match(block.body)
-            name = _json_string(head.group(1)) if head is not None else None
-            if not name:  # not yet, or not a head that streams: the block waits for its end
-                return
-            block.index, block.scanned = self._new_call(), head.end()
-            if self._keeps(block.index):
-                delta.add_piece(block.index, "", self._make_id(), name)
-        if block.value.done:
-            return
-        new = block.body[block.scanned:]
-        taken = block.value.scan(new)
-        if self._keeps(block.index) and taken:
-            delta.add_piece(block.index, new[:taken])
-        block.scanned += taken
-
-    def _close_block(self, delta: ToolParseDelta) -> None:
-        block, self._block = self._block, None
-        if block.index is not None:  # announced: a call, whatever follows its arguments
-            if not block.value.done:
-                self.incomplete_calls.add(block.index)
-            self._after_block = True
-        elif self._accept(block.body, delta):
+    def _close_block(self, verbatim: str | None, delta: ToolParseDelta) -> None:
+        if verbatim is None:
             self._after_block = True
         else:
-            delta.content += self._space_before_block + TOOL_CALL_START + block.body + TOOL_CALL_END
-
-    def _accept(self, body: str, delta: ToolParseDelta) -> bool:
-        """A block that did not stream: one whole call if it parses as one."""
-        parsed = parse_call_block(body)
-        if parsed is None:
-            return False
-        index = self._new_call()
-        if self._keeps(index):
-            delta.add_piece(index, parsed[1], self._make_id(), parsed[0])
-        return True
-
-    def _new_call(self) -> int:
-        self.num_calls += 1
-        return self.num_calls - 1
-
-    def _keeps(self, index: int) -> bool:
-        return self.max_calls is None or index < self.max_calls
+            delta.content += self._space_before_block + TOOL_CALL_START + verbatim + TOOL_CALL_END
 
 
-# ---- enforced calls ----
+# ---- enforced calls: the grammars' shared parts (llguidance's Lark dialect) ----
 def tag_terminal(tokenizer: Any, tag: str) -> str:
     """A Lark terminal for a tag: the token itself where the vocabulary has it as one (llguidance sees
     such added tokens as special, not as their text), else the text."""
@@ -306,24 +241,12 @@ def tag_terminal(tokenizer: Any, tag: str) -> str:
     return f"<[{token_id}]>" if token_id is not None else json.dumps(tag)
 
 
-def tool_call_grammar(tokenizer: Any, tools: list[ToolDefinition], choice: str | NamedToolChoice,
-                      parallel: bool) -> str:
-    """A Lark grammar (llguidance's dialect) for one call, or with `parallel` one or more, of the named
-    function or, for "required", of any of `tools`."""
-    functions = [tool.function for tool in tools
-                 if not isinstance(choice, NamedToolChoice) or tool.function.name == choice.function.name]
-    rules = []
-    for index, function in enumerate(functions):
-        schema = {
-            "x-guidance": {"whitespace_flexible": False},  # compact: whitespace is where a model could loop
-            "type": "object",
-            "properties": {"name": {"const": function.name},
-                           "arguments": strict_json_schema(function.parameters or {"type": "object"})},
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        rules.append(f"call_{index}: %json {json.dumps(schema)}")
-    start, end = tag_terminal(tokenizer, TOOL_CALL_START), tag_terminal(tokenizer, TOOL_CALL_END)
-    bodies = " | ".join(f"call_{index}" for index in range(len(functions)))
-    top = 'start: call ("\\n" call)*' if parallel else "start: call"
-    return "\n".join([top, f'call: {start} "\\n" ({bodies}) "\\n" {end}', *rules])
+def enforced_functions(tools: list[ToolDefinition], choice: str | NamedToolChoice) -> list[FunctionDefinition]:
+    """The functions a "required" (any of `tools`) or named choice allows."""
+    return [tool.function for tool in tools
+            if not isinstance(choice, NamedToolChoice) or tool.function.name == choice.function.name]
+
+
+def calls_rule(parallel: bool) -> str:
+    """The start rule: one `call`, or with `parallel` one or more on their own lines."""
+    return 'start: call ("\\n" call)*' if parallel else "start: call"

@@ -37,7 +37,7 @@ from mili_openai.protocol.chat_output import ChatDelta, ChatOutputParser, Output
 from mili_openai.protocol.logprobs import TokenPieces, chat_logprobs_object, prompt_logprobs_object
 from mili_openai.protocol.prompts import RenderedPrompt, render_chat_prompt
 from mili_openai.protocol.reasoning import THINK_END, output_reasoning_mode
-from mili_openai.protocol.tool_calls import tool_call_grammar
+from mili_openai.protocol.tool_call_parsers import model_tool_parser, tool_call_grammar
 from mili_openai.routes.job import GenerationJob, serve_job
 from mili_openai.server.state import ServerState
 
@@ -80,6 +80,8 @@ class ChatJob(GenerationJob[ChatCompletionRequest]):
             include_reasoning=body.include_reasoning,
             parse_tools=bool(body.tools) and choice != "none",
             max_calls=None if body.parallel_tool_calls else 1,
+            tool_parser=model_tool_parser(server.config.tool_call_parser, self.engine.info.tokenizer),
+            tools=body.tools,
         )
 
     def sampling_params(self) -> SamplingParams:
@@ -95,7 +97,8 @@ class ChatJob(GenerationJob[ChatCompletionRequest]):
             # the output is then tool calls and no text, so an output format (which shapes text) has nothing
             # to apply to: the calls' grammar replaces it (agents send both, a format for the final answer)
             parallel = self.body.parallel_tool_calls and choice == "required"  # a named function: one call
-            grammar = tool_call_grammar(self.engine.info.tokenizer, self.body.tools, choice, parallel)
+            grammar = tool_call_grammar(self.options.tool_parser, self.engine.info.tokenizer, self.body.tools, choice,
+                                        parallel)
             params = dataclasses.replace(params, structured_outputs=StructuredOutputsParams(grammar=grammar))
         if params.structured_outputs is not None and self.options.split_reasoning:
             # the format starts after the model's thinking, as vLLM's with a reasoning parser

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mili_openai.protocol.tool_calls import ParsedToolCall, ToolCallStreamParser, merge_pieces, parse_call_block
+from mili_openai.protocol.hermes_tool_calls import HermesToolCallParser, parse_call_block
+from mili_openai.protocol.tool_calls import ParsedToolCall, merge_pieces
 
 
 @dataclass
@@ -21,7 +22,7 @@ class Whole:
 
 def parse_tool_calls(text: str, prompt_tail: str = "", max_calls: int | None = None) -> Whole:
     """Whole-output form of the stream parser: calls cut off by the end are left out."""
-    parser = ToolCallStreamParser(max_calls)
+    parser = HermesToolCallParser(max_calls)
     parser.prime(prompt_tail)
     delta = parser.feed(text)
     end = parser.finish()
@@ -39,7 +40,7 @@ def calls_of(delta):
 
 def stream(text: str, cuts: list[int], max_calls: int | None = None, tail: str = ""):
     """(content, calls the pieces make up, the pieces) of `text` fed in pieces cut at `cuts`."""
-    parser = ToolCallStreamParser(max_calls)
+    parser = HermesToolCallParser(max_calls)
     parser.prime(tail)
     content, pieces = "", []
     bounds = [0, *sorted(cuts), len(text)]
@@ -107,7 +108,7 @@ def test_a_call_cut_by_the_end_is_dropped_and_the_complete_ones_kept(cut):
 
 
 def test_a_streamed_call_cut_by_the_end_says_so():
-    parser = ToolCallStreamParser()
+    parser = HermesToolCallParser()
     pieces = parser.feed(TIME + WEATHER[:WEATHER.index('"Paris"')]).calls + parser.finish().calls
     assert [(p.index, p.name) for p in pieces if p.id] == [(0, "get_time"), (1, "get_weather")]
     assert parser.incomplete_calls == {1}
@@ -115,7 +116,7 @@ def test_a_streamed_call_cut_by_the_end_says_so():
 
 def test_arguments_stream_in_pieces_as_written():
     text = "<tool_call>\n" + '{"name": "get_weather", "arguments": {"city": "Pa}ris\\"", "n": [1, {"a": 2}]}}' + "\n</tool_call>"
-    parser = ToolCallStreamParser()
+    parser = HermesToolCallParser()
     pieces = [piece for char in text for piece in parser.feed(char).calls] + parser.finish().calls
     first, *rest = pieces
     # announced with the arguments' first character, the one that completes its head
@@ -154,7 +155,7 @@ def test_prefilled_plain_text_is_not_echoed():
 
 
 def test_partial_start_tag_is_held_back_then_released():
-    parser = ToolCallStreamParser()
+    parser = HermesToolCallParser()
     assert parser.feed("Hi <tool").content == "Hi"
     assert parser.feed("box> ok").content == " <toolbox> ok"
 
