@@ -13,6 +13,7 @@ import threading
 import httpx
 import uvicorn
 
+from mili_openai.bench.server_process import free_port
 from mili_openai.cli import uvicorn_config
 from mili_openai.config import ServerConfig
 
@@ -48,12 +49,6 @@ async def plain_app(scope, receive, send):
     await receive()
     await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(BODY))]})
     await send({"type": "http.response.body", "body": BODY})
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def read_response(connection: socket.socket) -> bytes:
