@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vision_helpers import IMAGE_SIZES, test_image
+from vision_helpers import IMAGE_SIZES, drawn_image
 
 from mili_openai import LLM, SamplingParams
 from mili_openai.engine.image_processor import ImagePreprocessor, expand_image_placeholders
@@ -41,7 +41,7 @@ def oracle(vision_checkpoint, qwen35_tokenizer):
     preprocess = ImagePreprocessor(spec)
     model = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(str(vision_checkpoint),
                                                                           dtype=torch.float32).eval()
-    images = [test_image(width, height, seed) for seed, (width, height) in enumerate(IMAGE_SIZES)]
+    images = [drawn_image(width, height, seed) for seed, (width, height) in enumerate(IMAGE_SIZES)]
     expected = []
     for text, which in PROMPTS:
         features = [preprocess(images[i]) for i in which]

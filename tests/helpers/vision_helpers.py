@@ -32,7 +32,7 @@ def build_vision_checkpoint(path: Path) -> Path:
     return path
 
 
-def test_image(width: int, height: int, seed: int):
+def drawn_image(width: int, height: int, seed: int):
     """An RGB PIL image with structure (gradients and blocks), so resizing and patching matter."""
     from PIL import Image
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from vision_helpers import IMAGE_SIZES, test_image
+from vision_helpers import IMAGE_SIZES, drawn_image
 
 from mili_openai.engine.image_processor import ImagePreprocessor
 from mili_openai.model.loader import load_model
@@ -30,14 +30,14 @@ def checkpoint(hybrid_checkpoint):
 def features(checkpoint):
     spec = read_vision_spec(checkpoint, json.loads((checkpoint / "config.json").read_text()))
     preprocess = ImagePreprocessor(spec)
-    return [preprocess(test_image(width, height, seed)) for seed, (width, height) in enumerate(IMAGE_SIZES)]
+    return [preprocess(drawn_image(width, height, seed)) for seed, (width, height) in enumerate(IMAGE_SIZES)]
 
 
 def test_preprocessing_equals_the_checkpoint_image_processor(checkpoint, features):
     from transformers import AutoImageProcessor
 
     reference = AutoImageProcessor.from_pretrained(str(checkpoint))
-    images = [test_image(width, height, seed) for seed, (width, height) in enumerate(IMAGE_SIZES)]
+    images = [drawn_image(width, height, seed) for seed, (width, height) in enumerate(IMAGE_SIZES)]
     out = reference(images=images, return_tensors="np")
     assert np.array_equal(np.concatenate([f.pixel_values for f in features]), out["pixel_values"])
     assert [list(f.grid_thw) for f in features] == out["image_grid_thw"].tolist()
