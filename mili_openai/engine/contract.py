@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mili_openai.engine.image_inputs import ImageFeatures, RequestImages, place_images
+from mili_openai.engine.image_inputs import TEXT_ONLY_MODEL, ImageFeatures, RequestImages, place_images
 from mili_openai.engine.sampling_params import SamplingDefaults, SamplingParams
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ def check_request(prompt_token_ids: list[Any], params: SamplingParams, info: Eng
 def _place_images(prompt: list[int], images: list[ImageFeatures], info: EngineInfo,
                   prompt_field: str | None) -> RequestImages:
     if info.vision is None:
-        raise RequestError("this model takes text only: it has no vision tower for image inputs", prompt_field)
+        raise RequestError(TEXT_ONLY_MODEL, prompt_field)
     try:
         return place_images(prompt, info.vision.image_token_id, images)
     except ValueError as exc:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MROPE_STREAMS = 3  # temporal, height, width
+TEXT_ONLY_MODEL = "images are not supported by this model: it takes text only (it has no vision tower)"
 
 
 @dataclass(frozen=True, slots=True, eq=False)

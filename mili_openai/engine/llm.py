@@ -11,7 +11,7 @@ from collections.abc import Sequence as SequenceABC
 from mili_openai.config import EngineConfig
 from mili_openai.engine.contract import check_request
 from mili_openai.engine.core import EngineCore
-from mili_openai.engine.image_inputs import ImageFeatures
+from mili_openai.engine.image_inputs import TEXT_ONLY_MODEL, ImageFeatures
 from mili_openai.engine.image_processor import ImagePreprocessor, as_rgb_image, expand_image_placeholders
 from mili_openai.engine.outputs import RequestOutput
 from mili_openai.engine.sampling_params import SamplingParams
@@ -90,7 +90,7 @@ class LLM:
         if data is None:
             return text, ids, None
         if self._preprocess_image is None:
-            raise ValueError("this model takes text only: it has no vision tower for image inputs")
+            raise ValueError(TEXT_ONLY_MODEL)
         images = [self._preprocess_image(as_rgb_image(image))
                   for image in (data if isinstance(data, (list, tuple)) else [data])]
         return text, expand_image_placeholders(ids, images, self.core.info.vision.image_token_id), images

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from mili_openai.config import MediaConfig
-from mili_openai.engine.image_inputs import ImageFeatures
+from mili_openai.engine.image_inputs import TEXT_ONLY_MODEL, ImageFeatures
 from mili_openai.engine.image_processor import ImagePreprocessor
 from mili_openai.protocol.chat import ChatCompletionRequest
 from mili_openai.protocol.errors import APIError
@@ -113,8 +113,7 @@ async def load_images(urls: list[tuple[str, str]], limits: MediaConfig,
     if not urls:
         return []
     if preprocess is None:
-        raise APIError(400, "this model takes text only: it has no vision tower for image inputs",
-                       param=urls[0][1], code="images_not_supported")
+        raise APIError(400, TEXT_ONLY_MODEL, param=urls[0][1], code="images_not_supported")
     if len(urls) > limits.max_images_per_request:
         raise APIError(400, f"the request has {len(urls)} images; at most {limits.max_images_per_request} are "
                             "allowed", param=urls[0][1], code="too_many_images")
