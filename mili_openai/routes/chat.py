@@ -94,6 +94,8 @@ class ChatJob(GenerationJob[ChatCompletionRequest]):
 
     async def submit(self) -> None:
         params = self.sampling_params()
+        images = await load_images(request_image_urls(self.body), self.server.config.media,
+                                   self.server.image_preprocessor())
         self.prompt = await render_chat_prompt(self.engine.info.tokenizer, self.body)
         choice = self.body.effective_tool_choice
         if self.options.parse_tools and choice != "auto":  # "required" or a named function: enforced
@@ -108,8 +110,6 @@ class ChatJob(GenerationJob[ChatCompletionRequest]):
             mode = output_reasoning_mode(self.prompt.assistant_tail)
             params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
                 params.structured_outputs, reasoning=mode))
-        images = await load_images(request_image_urls(self.body), self.server.config.media,
-                                   self.server.image_preprocessor())
         token_ids = self.prompt.token_ids
         if images:  # each image's one placeholder, as the template wrote it, becomes one per merged patch
             try:

@@ -2,7 +2,8 @@
 with a data-URL image and the Responses API with `input_image` run the image (the prompt counts its merged
 patches; the same image gives the same greedy answer, another image another); fuzzed image inputs (corrupt or
 truncated bytes, a non-image MIME type, too many pixels, too many images, a URL off the allow-list, an image to
-a text-only model) are OpenAI-shaped 400s and leave the server healthy."""
+a text-only model) are OpenAI-shaped 400s and leave the server healthy. LangChain's `ChatOpenAI` sends an image
+message as the SDK does."""
 
 from __future__ import annotations
 
@@ -47,8 +48,14 @@ def server(vision_checkpoint):
         yield live
 
 
-def greedy_chat(client: openai.OpenAI, messages: list[dict]):
-    return client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+def greedy_chat(client: openai.OpenAI, messages: list[dict], **kwargs):
+    return client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0, **kwargs)
+
+
+def said(completion) -> str:
+    """All the text of a chat answer: a Qwen3.5 template opens thinking, so it starts in reasoning_content."""
+    message = completion.choices[0].message
+    return (getattr(message, "reasoning_content", None) or "") + (message.content or "")
 
 
 def test_chat_with_a_data_url_image_runs_the_image(server, vision_checkpoint, qwen35_tokenizer):
@@ -56,18 +63,17 @@ def test_chat_with_a_data_url_image_runs_the_image(server, vision_checkpoint, qw
     image, other = drawn_image(300, 120, 1), drawn_image(90, 260, 2)
     first = greedy_chat(client, image_message(data_url(image)))
     spec = read_vision_spec(vision_checkpoint, json.loads((vision_checkpoint / "config.json").read_text()))
-    text_ids = qwen35_tokenizer.apply_chat_template(
+    text_ids = qwen35_tokenizer.encode(qwen35_tokenizer.apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}],
-        tokenize=True, add_generation_prompt=True)
-    text_ids = text_ids["input_ids"] if isinstance(text_ids, dict) else text_ids
+        tokenize=False, add_generation_prompt=True))
     assert first.usage.prompt_tokens == len(text_ids) - 1 + ImagePreprocessor(spec)(image).num_tokens
     assert first.usage.completion_tokens == 8
-    again = greedy_chat(client, image_message(data_url(image, "JPEG", "image/jpeg")))  # decoded alike? near
+    again = greedy_chat(client, image_message(data_url(image, "JPEG", "image/jpeg")))  # same size, so same count
     assert again.usage.prompt_tokens == first.usage.prompt_tokens
     repeat = greedy_chat(client, image_message(data_url(image)))
-    assert repeat.choices[0].message.content == first.choices[0].message.content
+    assert said(repeat) == said(first) and said(first)
     different = greedy_chat(client, image_message(data_url(other)))
-    assert different.choices[0].message.content != first.choices[0].message.content
+    assert said(different) != said(first)
 
 
 def test_two_images_and_an_image_in_a_later_turn(server):
@@ -87,7 +93,22 @@ def test_responses_with_input_image(server):
                                      {"type": "input_text", "text": QUESTION}]}])
     chat = greedy_chat(sdk_client(server.api_base), image_message(url))
     assert response.usage.input_tokens == chat.usage.prompt_tokens
-    assert response.output_text == chat.choices[0].message.content
+    reasoning = "".join(part.text for item in response.output if item.type == "reasoning" for part in item.content or [])
+    assert reasoning + response.output_text == said(chat)
+
+
+def test_langchain_chat_openai_with_an_image_message(server):
+    from langchain_core.messages import HumanMessage
+    from langchain_openai import ChatOpenAI
+
+    url = data_url(drawn_image(300, 120, 1))
+    no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}  # the answer in `content`, which LangChain reads
+    chat_model = ChatOpenAI(base_url=server.api_base, api_key="unused", model="tiny", temperature=0, max_tokens=8,
+                            max_retries=0, timeout=60, extra_body=no_thinking)
+    message = chat_model.invoke([HumanMessage(content=[{"type": "image_url", "image_url": {"url": url}},
+                                                       {"type": "text", "text": QUESTION}])])
+    expected = greedy_chat(sdk_client(server.api_base), image_message(url), extra_body=no_thinking)
+    assert message.content == expected.choices[0].message.content and message.content
 
 
 def truncated_png() -> str:
