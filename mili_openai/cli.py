@@ -29,6 +29,7 @@ from mili_openai.config import (
     QUANTIZATION_METHODS,
     TOOL_CALL_PARSERS,
     EngineConfig,
+    MediaConfig,
     ServerConfig,
     SpeculativeConfig,
     speculative_config_from,
@@ -77,6 +78,14 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     net.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                      help="the format tool calls are parsed in: hermes (Qwen3's JSON) or qwen3_coder (the XML of "
                           "Qwen3.5, Qwen3.6 and Qwen3-Coder); default: the one the model's chat template teaches")
+    media = MediaConfig()
+    net.add_argument("--allowed-media-domains", nargs="*", default=[], metavar="DOMAIN",
+                     help="hosts whose http(s) image URLs may be fetched (none by default: data URLs only)")
+    net.add_argument("--max-images-per-request", type=int, default=media.max_images_per_request)
+    net.add_argument("--max-image-pixels", type=int, default=media.max_image_pixels,
+                     help="largest decoded width x height of an image")
+    net.add_argument("--media-fetch-timeout", type=float, default=media.fetch_timeout_s, metavar="SECONDS",
+                     help="time allowed to fetch one image URL")
     net.add_argument("--debug-endpoints", action="store_true",
                      help="serve GET /debug/engine (KV page accounting) for soak tests; not for production")
     eng = serve.add_argument_group("engine")
@@ -195,6 +204,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         log_level=args.log_level,
         debug_endpoints=args.debug_endpoints,
         tool_call_parser=args.tool_call_parser,
+        media=MediaConfig(allowed_domains=tuple(args.allowed_media_domains),
+                          max_images_per_request=args.max_images_per_request,
+                          max_image_pixels=args.max_image_pixels, fetch_timeout_s=args.media_fetch_timeout),
         freeze_gc_after_load=True,  # this process only serves
     )
 

@@ -198,6 +198,24 @@ class EngineConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MediaConfig:
+    """Limits on the images a request may carry (protocol/image_loading.py). http(s) image URLs are fetched only
+    from `allowed_domains` (vLLM's --allowed-media-domains); empty, as by default, allows data URLs only."""
+
+    allowed_domains: tuple[str, ...] = ()
+    max_images_per_request: int = 8
+    max_image_bytes: int = 16 * 1024 * 1024  # encoded, as sent or fetched
+    max_image_pixels: int = 64 * 1024 * 1024  # decoded width x height, checked before the pixels are decoded
+    fetch_timeout_s: float = 10.0  # an image URL's whole fetch
+
+    def __post_init__(self) -> None:
+        if self.max_images_per_request < 0 or self.max_image_bytes < 1 or self.max_image_pixels < 1:
+            raise ValueError("image limits must be positive (max_images_per_request may be 0: no images)")
+        if self.fetch_timeout_s <= 0:
+            raise ValueError("the image fetch timeout must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
@@ -224,6 +242,7 @@ class ServerConfig:
     freeze_gc_after_load: bool = False
     # the format tool calls are parsed in (TOOL_CALL_PARSERS); None = the one the model's chat template teaches
     tool_call_parser: str | None = None
+    media: MediaConfig = field(default_factory=MediaConfig)  # what images a request may carry
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:

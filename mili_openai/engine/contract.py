@@ -14,10 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mili_openai.engine.image_inputs import TEXT_ONLY_MODEL, ImageFeatures, RequestImages, place_images
 from mili_openai.engine.sampling_params import SamplingDefaults, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from mili_openai.model.vision_config import VisionSpec
 
 PROMPT_FIELD = "prompt"  # what a request's prompt is called in errors, unless the caller names its own field
 MAX_TOKENS_FIELD = "max_tokens"  # the field a context overflow names, where the caller names its prompt's
@@ -36,6 +39,7 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...]
     quantization: str | None  # what the weights are (int8, int4, awq, ...), None for unquantized
     sampling_defaults: SamplingDefaults  # what a request's omitted sampling fields become
+    vision: VisionSpec | None = None  # a model that takes images: its placeholder tokens and preprocessing
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +49,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int  # params.max_tokens resolved against the context length
+    images: RequestImages | None = None  # the prompt's images and their placement (engine/image_inputs.py)
 
 
 class RequestError(ValueError):
@@ -56,7 +61,7 @@ class RequestError(ValueError):
 
 
 def check_request(prompt_token_ids: list[Any], params: SamplingParams, info: EngineInfo,
-                  prompt_field: str | None = None) -> EngineRequest:
+                  prompt_field: str | None = None, images: list[ImageFeatures] | None = None) -> EngineRequest:
     """The request as the engine takes it; RequestError for one that can never run. `prompt_field`: what the
     client called its prompt ("messages" for a chat); given, the errors name the field at fault (`param`), as
     OpenAI's chat errors do."""
@@ -79,4 +84,15 @@ def check_request(prompt_token_ids: list[Any], params: SamplingParams, info: Eng
             f"{len(prompt) + params.max_tokens} tokens ({len(prompt)} in the {what}, {params.max_tokens} in the "
             f"completion). Please reduce the length of the {what} or the completion.",
             MAX_TOKENS_FIELD if prompt_field else None)
-    return EngineRequest(prompt, params, params.max_tokens if params.max_tokens is not None else room)
+    placed = _place_images(prompt, images, info, prompt_field) if images else None
+    return EngineRequest(prompt, params, params.max_tokens if params.max_tokens is not None else room, placed)
+
+
+def _place_images(prompt: list[int], images: list[ImageFeatures], info: EngineInfo,
+                  prompt_field: str | None) -> RequestImages:
+    if info.vision is None:
+        raise RequestError(TEXT_ONLY_MODEL, prompt_field)
+    try:
+        return place_images(prompt, info.vision.image_token_id, images)
+    except ValueError as exc:
+        raise RequestError(str(exc), prompt_field) from None

@@ -35,6 +35,7 @@ from mili_openai.engine.sequence import Sequence
 from mili_openai.engine.state_slots import StateSlotManager, config_for_state_slots
 from mili_openai.engine.structured_output import GrammarCompiler
 from mili_openai.model import resolve_model_path
+from mili_openai.model.vision_config import checkpoint_vision_spec
 
 
 def make_runner(config: EngineConfig, model_path: Path) -> Runner:
@@ -69,7 +70,8 @@ class EngineCore:
             max_model_len = min(max_model_len, model_config.max_position_embeddings)
         self.info = EngineInfo(tokenizer=tokenizer, model_path=model_path, max_model_len=max_model_len,
                                vocab_size=model_config.vocab_size, eos_token_ids=tuple(model_config.eos_token_ids),
-                               quantization=runner.quantization, sampling_defaults=sampling_defaults or {})
+                               quantization=runner.quantization, sampling_defaults=sampling_defaults or {},
+                               vision=checkpoint_vision_spec(model_config, model_path))
         self.pages = KVPageManager(runner.num_pages, config.page_size, config.enable_prefix_caching)
         self.state_slots = StateSlotManager(runner.num_state_slots) if runner.num_state_slots else None
         self.scheduler = Scheduler(config, self.pages, self.state_slots)
@@ -111,6 +113,7 @@ class EngineCore:
                     for index, child_id in enumerate(parent.child_ids)]
         self.requests[request_id] = parent
         for seq in children:
+            seq.images = request.images
             self.sequences[seq.sequence_id] = seq
             self.scheduler.add(seq)
         return parent

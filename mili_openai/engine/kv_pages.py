@@ -32,8 +32,10 @@ class KVPageManager:
 
         At least one token is left uncached, since the last one must run through the model for logits.
         """
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
-            return 0  # scoring the prompt needs every prompt position's logits, cached ones included
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None or seq.images is not None:
+            # scoring the prompt needs every prompt position's logits, cached ones included; an image's
+            # placeholder tokens are the same ids whatever the image, so a match could be another image's K/V
+            return 0
         match = self.tree.match_prefix(seq.token_ids[: seq.num_tokens - 1])
         self.tree.lock(match.node)
         seq.pages = list(match.pages)
@@ -61,8 +63,8 @@ class KVPageManager:
         Where the tree already held the same prefix (a sibling computed it in the same step), seq's own
         copy is freed and its page table switched to the tree's pages, which hold identical K/V.
         """
-        if not self.enable_prefix_caching:
-            return
+        if not self.enable_prefix_caching or seq.images is not None:
+            return  # its image tokens' ids do not say which image: never share them (see `match`)
         num_full = seq.num_known_computed_tokens // self.page_size
         if num_full <= seq.num_tree_pages:
             return

@@ -276,8 +276,8 @@ class Scheduler:
         return budget
 
     def _shares_prefix_in_flight(self, seq: Sequence, matched: int, prefills: list[tuple[Sequence, int]]) -> bool:
-        if not self.pages.enable_prefix_caching:
-            return False
+        if not self.pages.enable_prefix_caching or seq.images is not None:
+            return False  # a sequence with images never reuses cached pages (engine/kv_pages.py)
         page_size = self.pages.page_size
         for other, _ in prefills:
             limit = min(seq.num_tokens - 1, other.num_tokens)

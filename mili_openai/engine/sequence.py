@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     import torch
 
     from mili_openai.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+    from mili_openai.engine.image_inputs import RequestImages
     from mili_openai.engine.outputs import TokenLogprob
     from mili_openai.radix import RadixNode
 
@@ -41,6 +42,7 @@ class Sequence:
     # the request this sequence is a sample of, and which sample (engine/parallel_sampling.py); None: itself
     parent_id: str | None = None
     index: int = 0
+    images: RequestImages | None = None  # the prompt's images (engine/image_inputs.py); None: text only
 
     # tokens: prompt followed by outputs. num_computed_tokens counts the tokens whose K/V is in `pages`
     # or is being written by a step already handed to the model runner (steps run in order, so nothing

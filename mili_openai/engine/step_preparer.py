@@ -18,6 +18,7 @@ from mili_openai.engine.batch_builder import (
     pending_inputs,
     prompt_scorings,
 )
+from mili_openai.engine.image_batch import vision_batch
 from mili_openai.engine.sampler import SamplerOutput, SamplingRow
 from mili_openai.engine.scheduled_batch import ScheduledBatch
 from mili_openai.engine.sequence import Sequence
@@ -131,6 +132,7 @@ class StepPreparer:
                                         prompt_token_ids=seq.prompt_token_ids, output_token_ids=draft_history))
         self._own_rows = own_rows
         forward_batch = build_forward_batch(batch, self.page_size, self.page_arrays)
+        forward_batch.vision = vision_batch(batch)
         staged = None
         if self.device.type == "cpu":
             # here rather than in the forward: see `_feed_pending_tokens`

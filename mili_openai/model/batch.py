@@ -10,8 +10,12 @@ chunk in one more.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from mili_openai.model.vision_batch import VisionBatch
 
 
 @dataclass(slots=True)
@@ -54,6 +58,9 @@ class ForwardBatch:
     # (num_decode + len(prefills),) int64: the state slot (model/state_cache.py) of each decode row, then of
     # each prefill chunk, in batch order; None for a model without linear-attention layers
     state_slots: torch.Tensor | None = None
+    # the step's images (model/vision_batch.py): mRoPE positions of every row, image rows and their embeddings;
+    # None when no sequence with images runs
+    vision: VisionBatch | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,7 @@ own fields (layer types, linear attention, mRoPE) are read by model/hybrid_confi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from mili_openai.model.hybrid_config import (
     read_hybrid,
     text_dict,
 )
+from mili_openai.model.vision_config import read_vision_tower
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -209,6 +211,8 @@ def _hybrid_config(config: dict[str, Any], generation_config: dict[str, Any] | N
     max_positions = int(text.get("max_position_embeddings", DEFAULT_MAX_POSITION_EMBEDDINGS))
     rope = _read_rope(text, max_positions, partial_rotary_factor(text))
     hybrid = read_hybrid(model_type, text, int(head_dim * rope.partial_rotary_factor))
+    if hybrid.vision:
+        hybrid = dataclasses.replace(hybrid, vision_tower=read_vision_tower(config, int(text["hidden_size"])))
     moe = _read_hybrid_moe(model_type, text)
     heads = int(text["num_attention_heads"])
     eos = (generation_config or {}).get("eos_token_id")

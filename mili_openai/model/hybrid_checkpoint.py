@@ -3,7 +3,7 @@ so they carry exactly the config keys and weight names real ones do.
 
 Four layouts: `qwen3_5` (`Qwen3_5ForCausalLM`, the text model at the top level), `qwen3_5_vl`
 (`Qwen3_5ForConditionalGeneration`: the language model under `model.language_model.`, a tiny vision tower
-beside it), `qwen3_5_moe` (`Qwen3_5MoeForCausalLM`) and `qwen3_next` (`Qwen3NextForCausalLM`, fused
+beside it, Qwen3.5's preprocessor_config.json), `qwen3_5_moe` (`Qwen3_5MoeForCausalLM`) and `qwen3_next` (`Qwen3NextForCausalLM`, fused
 `in_proj_qkvz` / `in_proj_ba`). Each also gets the multi-token-prediction weights real checkpoints ship
 (`mtp.*`, which transformers' classes do not build): a (hidden, 2 * hidden) `fc`, three norms and one
 full-attention decoder layer per `mtp_num_hidden_layers`.
@@ -15,6 +15,7 @@ decay rates A = exp(A_log) in [0.05, 2] so a linear layer's state remembers over
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,11 @@ DT_BIAS_STD = 0.5
 GATED_NORM = "linear_attn.norm.weight"  # the one norm that is not zero-centred
 TINY_VISION_CONFIG: dict[str, Any] = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2)
 MTP_NORMS = ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden")
+# Qwen3.5's preprocessor_config.json (the vision-language layout ships it): 256 * 256 to 4096 * 4096 pixels
+QWEN3_5_PREPROCESSOR_CONFIG: dict[str, Any] = dict(
+    size=dict(longest_edge=16777216, shortest_edge=65536), patch_size=16, temporal_patch_size=2, merge_size=2,
+    image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5], processor_class="Qwen3VLProcessor",
+    image_processor_type="Qwen2VLImageProcessorFast")
 # Qwen3.5-0.8B's text config (config.json's text_config), for benchmarks and the embedded default model
 QWEN3_5_0_8B_CONFIG: dict[str, Any] = dict(
     vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24, num_attention_heads=8,
@@ -123,5 +129,7 @@ def build_random_hybrid_checkpoint(path: str | Path, layout: str, config_fields:
         weights.update(_mtp_weights(model.state_dict(), model.config, mtp_layers, generator, dtype))
         save_file(weights, str(weights_file), metadata=SAFETENSORS_METADATA)
     _write_generation_config_and_tokenizer(directory)
+    if layout == "qwen3_5_vl":
+        (directory / "preprocessor_config.json").write_text(json.dumps(QWEN3_5_PREPROCESSOR_CONFIG, indent=2))
     return directory
 

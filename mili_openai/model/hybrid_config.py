@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from mili_openai.model.vision_config import VisionTowerConfig
+
 LINEAR_ATTENTION = "linear_attention"
 FULL_ATTENTION = "full_attention"
 LAYER_TYPES = (LINEAR_ATTENTION, FULL_ATTENTION)
@@ -87,7 +89,8 @@ class HybridConfig:
     linear: LinearAttentionConfig
     mrope_section: tuple[int, ...] | None  # rotary pairs per position stream; None: plain RoPE (Qwen3-Next)
     mtp_num_hidden_layers: int  # multi-token-prediction layers the checkpoint may carry (kept, unused yet)
-    vision: bool  # a vision tower beside the language model (its weights are skipped; images refused)
+    vision: bool  # a vision tower beside the language model
+    vision_tower: VisionTowerConfig | None = None  # its shape (config.json's vision_config), where `vision`
 
     def layer_type(self, index: int) -> str:
         return self.layer_types[index]

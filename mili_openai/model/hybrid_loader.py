@@ -9,9 +9,11 @@ import torch
 
 from mili_openai.distributed import TensorParallelGroup
 from mili_openai.model.config import ModelConfig
-from mili_openai.model.hybrid_weights import prepare_hybrid_tensors
+from mili_openai.model.hybrid_weights import VISION_PREFIXES, prepare_hybrid_tensors
 from mili_openai.model.quantization.spec import CheckpointQuantization
 from mili_openai.model.qwen3_5 import Qwen3_5ForCausalLM
+from mili_openai.model.qwen3_5_vision import Qwen3_5VisionTower
+from mili_openai.model.vision_config import VisionTowerConfig
 from mili_openai.model.weights import CheckpointError, checkpoint_to_model_state
 
 
@@ -28,12 +30,30 @@ def check_hybrid_options(config: ModelConfig, parallel: TensorParallelGroup | No
         raise NotImplementedError(f"{name}: --quantization {quantization} runs dense models only, not MoE ones, yet")
 
 
+def take_vision_tower(tensors: dict[str, torch.Tensor], tower: VisionTowerConfig, dtype: torch.dtype,
+                      device: torch.device, source: str) -> Qwen3_5VisionTower:
+    """The vision tower, its weights (`model.visual.*`) taken out of `tensors`, in `dtype` on `device`."""
+    prefix = next((p for p in VISION_PREFIXES if any(name.startswith(p) for name in tensors)), VISION_PREFIXES[0])
+    state = {name.removeprefix(prefix): tensors.pop(name).to(dtype=dtype, device=device)
+             for name in [n for n in tensors if n.startswith(prefix)]}
+    with torch.device("meta"):
+        visual = Qwen3_5VisionTower(tower)
+    try:
+        visual.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:  # missing, unexpected or misshapen: the config and the weights disagree
+        raise CheckpointError(f"the vision tower's weights do not fit {source}: {exc}") from exc
+    visual.to(device)  # the rotary frequencies, built on CPU, follow
+    return visual.requires_grad_(False).eval()
+
+
 def build_hybrid_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                        device: torch.device, source: str) -> Qwen3_5ForCausalLM:
     """The model in eval mode on `device`, weights (and kept MTP weights) in `dtype`; `tensors` are consumed.
     `source` names the checkpoint in errors. (`--quantization` applies after, as for Qwen3: loader.py.)"""
     with torch.device("meta"):
         model = Qwen3_5ForCausalLM(config)
+    tower = config.hybrid.vision_tower
+    visual = take_vision_tower(tensors, tower, dtype, device, source) if tower is not None else None
     mtp, missing = prepare_hybrid_tensors(tensors, config)
     tensors = {name: t.to(dtype=dtype) if t.is_floating_point() else t for name, t in tensors.items()}
     state = checkpoint_to_model_state(tensors, config, model.state_dict().keys(), missing)
@@ -43,5 +63,7 @@ def build_hybrid_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dt
         raise CheckpointError(f"checkpoint weights do not fit {source}: {exc}") from exc
     if mtp is not None:
         model.mtp = mtp.to(device=device, dtype=dtype)
+    if visual is not None:
+        model.visual = visual
     model.to(device)  # the RoPE buffer and the experts' load counters, built on CPU, follow the weights
     return model.requires_grad_(False).eval()

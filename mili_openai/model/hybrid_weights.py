@@ -2,8 +2,8 @@
 before the shared name map (model/weights.py) runs.
 
 - `Qwen3_5ForConditionalGeneration` (and the MoE one) keep the language model under `model.language_model.`:
-  renamed to `model.`; the vision tower (`model.visual.*`) is skipped with a log line (images are refused
-  at the API until vision lands).
+  renamed to `model.`; the vision tower (`model.visual.*`) is taken out before (model/hybrid_loader.py), and
+  a text-only checkpoint that carries one anyway has it skipped with a log line.
 - The multi-token-prediction weights (`mtp.*`) are taken out and kept (model/mtp.py).
 - Gated DeltaNet's conv weight is stored (channels, 1, kernel): squeezed to (channels, kernel).
 - Qwen3-Next stores its DeltaNet inputs fused and interleaved per key head: `in_proj_qkvz` rows are, for each
@@ -46,8 +46,7 @@ def prepare_hybrid_tensors(tensors: dict[str, torch.Tensor],
     for name in vision:
         del tensors[name]
     if vision:
-        logger.info("skipped the vision tower's %d tensors: this server runs the language model only (requests "
-                    "with images are refused)", len(vision))
+        logger.info("skipped the vision tower's %d tensors: the config declares a text-only model", len(vision))
     mtp = take_mtp_weights(tensors, config.hybrid.mtp_num_hidden_layers)
     if mtp is None and config.hybrid.mtp_num_hidden_layers:
         logger.warning("the config names %d MTP layers but the checkpoint has no mtp.* weights: MTP speculative "

@@ -32,7 +32,9 @@ from mili_openai.model.moe import ExpertsKernel, GroupedExperts, SharedExpertMoe
 from mili_openai.model.mtp import MultiTokenPredictorWeights
 from mili_openai.model.paged_attention import AttentionKernel
 from mili_openai.model.quantization.modules import Fp8Linear, Fp8MatmulFn, QuantizedLinear, QuantizedMatmulFn
+from mili_openai.model.qwen3_5_vision import Qwen3_5VisionTower
 from mili_openai.model.rope import RotaryEmbedding, RotaryTable
+from mili_openai.model.vision_batch import ImageEmbeddingCache, mrope_pair_streams, mrope_rotary
 
 
 def _mlp(config: ModelConfig, index: int) -> nn.Module:
@@ -80,16 +82,26 @@ class HybridModel(nn.Module):
         self.layers = nn.ModuleList(HybridDecoderLayer(config, index) for index in range(config.num_hidden_layers))
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)  # over the rotary_dim leading dims of each head
+        sections = config.hybrid.mrope_section
+        with torch.device("cpu"):  # built on CPU even under the loader's meta device; moved where it is read
+            self.mrope_streams = (mrope_pair_streams(sections, config.rotary_dim // 2) if sections is not None
+                                  else torch.zeros(config.rotary_dim // 2, dtype=torch.int64))
         self.decode_stack = None  # no compiled decode stack for the hybrids: the runner reads it as Qwen3's
 
     @property
     def dtype(self) -> torch.dtype:
         return self.norm.weight.dtype
 
-    def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
-        cos, sin = batch.rotary if batch.rotary is not None else self.rotary_emb(batch.positions, self.dtype)
+    def forward(self, batch: ForwardBatch, caches: ModelCaches, image_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        if batch.vision is not None:  # a sequence with images runs: every row's position in three streams
+            cos, sin = mrope_rotary(batch.vision.positions, self.rotary_emb.inv_freq, self.rotary_emb.attention_scaling,
+                                    self.mrope_streams, self.dtype)
+        else:
+            cos, sin = batch.rotary if batch.rotary is not None else self.rotary_emb(batch.positions, self.dtype)
         rows = StateRows.of(batch)
         hidden = self.embed_tokens(batch.input_ids)  # (T, hidden)
+        if image_embeds is not None:
+            hidden[batch.vision.rows.to(hidden.device)] = image_embeds.to(hidden.dtype)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos, sin, batch, rows, caches)
@@ -107,6 +119,8 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.lm_head: nn.Module | None = (None if config.tie_word_embeddings
                                           else Linear(config.hidden_size, config.vocab_size))
         self.mtp: MultiTokenPredictorWeights | None = None  # the checkpoint's MTP weights (model/mtp.py)
+        self.visual: Qwen3_5VisionTower | None = None  # a vision-language checkpoint's tower (model.visual.*)
+        self.image_cache = ImageEmbeddingCache()
         self._logits_matmul: MatmulFn = F.linear
         self.attention_kernel: AttentionKernel | None = None
         self.quantization: str | None = None
@@ -131,7 +145,18 @@ class Qwen3_5ForCausalLM(nn.Module):
             raise ValueError("a hybrid model needs both a KV cache (attention layers) and a state cache (linear ones)")
         if caches.kv.dtype != self.dtype:
             raise ValueError(f"KV cache dtype {caches.kv.dtype} differs from the model's {self.dtype}")
-        return self.model(batch, caches)
+        image_embeds = None
+        if batch.vision is not None and batch.vision.pieces:
+            if self.visual is None:
+                raise ValueError(f"{self.config.architecture} has no vision tower: it cannot take images")
+            image_embeds = self.image_cache.embeddings(batch.vision.pieces, self.encode_images)
+        return self.model(batch, caches, image_embeds)
+
+    def encode_images(self, pixel_values: list[torch.Tensor], grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """Each image's merged-patch embeddings, (tokens, hidden), through the vision tower in one call."""
+        merge = self.visual.config.spatial_merge_size
+        embeddings = self.visual(torch.cat(pixel_values), grids)
+        return list(embeddings.split([t * h * w // merge ** 2 for t, h, w in grids]))
 
     def rotary_table(self) -> RotaryTable:
         return RotaryTable(self.model.rotary_emb, self.dtype)

@@ -1,8 +1,8 @@
 """Wire types of `POST /v1/chat/completions`: the request (validated) and the response shapes.
 
-Field names are OpenAI's; vLLM's sampling extras are accepted too. Anything this server cannot do
-is refused with a 400 that says so (image/audio parts, for one) rather than
-silently ignored. Unknown top-level fields are ignored, as OpenAI-compatible servers commonly do.
+Field names are OpenAI's; vLLM's sampling extras are accepted too. Content parts are text and `image_url`
+(a model with a vision tower reads them: protocol/image_loading.py); anything this server cannot do is refused
+with a 400 that says so (audio parts, for one) rather than silently ignored. Unknown top-level fields are ignored, as OpenAI-compatible servers commonly do.
 """
 
 from __future__ import annotations
@@ -39,20 +39,33 @@ class ToolCall(_Lenient):
     function: FunctionCall
 
 
-def _text_parts(parts: list[Any]) -> list[TextPart]:
-    """Keep text parts; refuse any other kind (this server serves text-only models)."""
+class ImageURL(_Lenient):
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None  # accepted; the image processor's bounds decide the size
+
+
+class ImagePart(_Lenient):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+CONTENT_PARTS = {"text": TextPart, "image_url": ImagePart}
+
+
+def _content_parts(parts: list[Any]) -> list[TextPart | ImagePart]:
+    """Text and image parts; refuse any other kind."""
     result = []
     for part in parts:
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text":
-            raise ValueError(f"content parts of type {kind!r} are not supported: only 'text' parts are")
-        result.append(TextPart.model_validate(part))
+        if kind not in CONTENT_PARTS:
+            raise ValueError(f"content parts of type {kind!r} are not supported: only 'text' and 'image_url' are")
+        result.append(CONTENT_PARTS[kind].model_validate(part))
     return result
 
 
 class ChatMessage(_Lenient):
     role: Role
-    content: str | list[TextPart] | None = None
+    content: str | list[TextPart | ImagePart] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant only
     tool_call_id: str | None = None  # tool only
@@ -60,8 +73,8 @@ class ChatMessage(_Lenient):
 
     @field_validator("content", mode="before")
     @classmethod
-    def _only_text_parts(cls, value: Any) -> Any:
-        return _text_parts(value) if isinstance(value, list) else value
+    def _known_parts(cls, value: Any) -> Any:
+        return _content_parts(value) if isinstance(value, list) else value
 
     @model_validator(mode="after")
     def _check_role_fields(self) -> ChatMessage:
@@ -79,7 +92,10 @@ class ChatMessage(_Lenient):
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def image_urls(self) -> list[str]:
+        return [part.image_url.url for part in self.content or () if isinstance(part, ImagePart)]
 
 
 class FunctionDefinition(_Lenient):

@@ -18,7 +18,7 @@ from typing import Any
 
 import jinja2
 
-from mili_openai.protocol.chat import ChatCompletionRequest, ChatMessage
+from mili_openai.protocol.chat import ChatCompletionRequest, ChatMessage, ImagePart
 from mili_openai.protocol.errors import APIError
 
 # Texts longer than this are tokenised on a worker thread: the tokenizer releases the GIL, so the event
@@ -97,6 +97,9 @@ def message_dict(message: ChatMessage) -> dict[str, Any]:
     """One message as the template reads it."""
     role = "system" if message.role == "developer" else message.role
     out: dict[str, Any] = {"role": role, "content": message.text()}
+    if message.image_urls():  # the template writes each image's placeholder where its part sits
+        out["content"] = [{"type": "image"} if isinstance(part, ImagePart) else {"type": "text", "text": part.text}
+                          for part in message.content]
     if message.name is not None:
         out["name"] = message.name
     if message.tool_calls:

@@ -5,8 +5,9 @@ A Responses request is a chat request in other clothes, so it runs the chat path
 list of message / function_call / function_call_output / reasoning items, after the stored conversation
 of `previous_response_id`) becomes chat messages, with `instructions` as the system message first;
 function tools, `tool_choice`, `text.format`, `max_output_tokens`, `temperature` and `top_p` map onto
-their chat fields (routes/responses.py serves the result). What this server cannot do (built-in tools,
-images, files, background runs) is refused with a 400 that says so.
+their chat fields (routes/responses.py serves the result); `input_image` parts (an image_url) become chat
+`image_url` parts. What this server cannot do (built-in tools, files, background runs) is refused with a 400
+that says so.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from mili_openai.protocol.errors import APIError
 from mili_openai.protocol.tool_calls import ParsedToolCall
 
 TEXT_PART_TYPES = frozenset({"input_text", "output_text", "text", "reasoning_text", "summary_text"})
+INPUT_IMAGE = "input_image"
 INCOMPLETE_FINISH_REASONS = {"length": "max_output_tokens"}  # engine finish reason -> incomplete_details.reason
 
 
@@ -141,6 +143,24 @@ def _text_of(content: Any, where: str) -> str:
     return "".join(texts)
 
 
+def _content_of(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A user/system message's content: text, or, when it holds `input_image` parts, chat content parts (text
+    and `image_url`) in order."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == INPUT_IMAGE for p in content):
+        return _text_of(content, where)
+    parts: list[dict[str, Any]] = []
+    for index, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") == INPUT_IMAGE:
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url:
+                raise APIError(400, f"{where}.content[{index}]: an input_image needs an image_url (file_id is not "
+                                    "supported)", param=f"{where}.content")
+            parts.append({"type": "image_url", "image_url": {"url": url, "detail": part.get("detail")}})
+        else:
+            parts.append({"type": "text", "text": _text_of([part], where)})
+    return parts
+
+
 def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Responses input items as chat messages: function calls join the assistant turn they follow, a
     reasoning item becomes the next assistant turn's `reasoning_content`, a call's output a tool message."""
@@ -166,12 +186,11 @@ def chat_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise APIError(400, f"{where}.role must be user, system, developer or assistant", param=f"{where}.role")
-            text = _text_of(item.get("content", ""), where)
             if role == "assistant":
                 turn = assistant_turn()
-                turn["content"] = (turn["content"] or "") + text
+                turn["content"] = (turn["content"] or "") + _text_of(item.get("content", ""), where)
             else:
-                messages.append({"role": role, "content": text})
+                messages.append({"role": role, "content": _content_of(item.get("content", ""), where)})
         elif kind == "function_call":
             call_id, name = item.get("call_id"), item.get("name")
             if not isinstance(call_id, str) or not isinstance(name, str):

@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from mili_openai.engine.image_processor import expand_image_placeholders
 from mili_openai.engine.outputs import CompletionOutput, SequenceDelta
 from mili_openai.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from mili_openai.protocol.chat import (
@@ -34,6 +35,8 @@ from mili_openai.protocol.chat import (
     text_chunk_event,
 )
 from mili_openai.protocol.chat_output import ChatDelta, ChatOutputParser, OutputOptions, parse_whole_output
+from mili_openai.protocol.errors import APIError
+from mili_openai.protocol.image_loading import load_images, request_image_urls
 from mili_openai.protocol.logprobs import TokenPieces, chat_logprobs_object, prompt_logprobs_object
 from mili_openai.protocol.prompts import RenderedPrompt, render_chat_prompt
 from mili_openai.protocol.reasoning import THINK_END, output_reasoning_mode
@@ -91,6 +94,8 @@ class ChatJob(GenerationJob[ChatCompletionRequest]):
 
     async def submit(self) -> None:
         params = self.sampling_params()
+        images = await load_images(request_image_urls(self.body), self.server.config.media,
+                                   self.server.image_preprocessor())
         self.prompt = await render_chat_prompt(self.engine.info.tokenizer, self.body)
         choice = self.body.effective_tool_choice
         if self.options.parse_tools and choice != "auto":  # "required" or a named function: enforced
@@ -105,7 +110,13 @@ class ChatJob(GenerationJob[ChatCompletionRequest]):
             mode = output_reasoning_mode(self.prompt.assistant_tail)
             params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
                 params.structured_outputs, reasoning=mode))
-        await self.submit_prompts([self.prompt.token_ids], params, prompt_field=PROMPT_FIELD)
+        token_ids = self.prompt.token_ids
+        if images:  # each image's one placeholder, as the template wrote it, becomes one per merged patch
+            try:
+                token_ids = expand_image_placeholders(token_ids, images, self.engine.info.vision.image_token_id)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param=PROMPT_FIELD) from None
+        await self.submit_prompts([token_ids], params, prompt_field=PROMPT_FIELD, images=images or None)
 
     def parser(self) -> ChatOutputParser:
         return ChatOutputParser(self.prompt.assistant_tail, self.options)

@@ -29,6 +29,7 @@ from starlette.responses import Response
 
 from mili_openai.engine.client import EngineClient, RequestStream
 from mili_openai.engine.contract import check_request
+from mili_openai.engine.image_inputs import ImageFeatures
 from mili_openai.engine.outputs import RequestOutput, SequenceDelta
 from mili_openai.engine.sampling_params import SamplingParams
 from mili_openai.protocol.errors import INTERNAL_ERROR, APIError
@@ -95,11 +96,11 @@ class GenerationJob(ABC, Generic[BodyT]):
 
     # ---- shared ----
     async def submit_prompts(self, prompts: list[list[int]], params: SamplingParams,
-                             prompt_field: str | None = None) -> None:
+                             prompt_field: str | None = None, images: list[ImageFeatures] | None = None) -> None:
         """One engine request per prompt, each of `params.n` samples; all or nothing. `prompt_field`: what the
-        request calls its prompt, for the errors to name (see `check_request`)."""
+        request calls its prompt, for the errors to name (see `check_request`); `images`: a single prompt's."""
         info = self.engine.info
-        requests = [check_request(prompt, params, info, prompt_field) for prompt in prompts]
+        requests = [check_request(prompt, params, info, prompt_field, images) for prompt in prompts]
         self.prompt_ids, self.num_samples = prompts, params.n
         try:
             for index, request in enumerate(requests):

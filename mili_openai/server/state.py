@@ -28,6 +28,7 @@ from starlette.requests import Request
 
 from mili_openai.config import ServerConfig
 from mili_openai.engine.client import EngineClient
+from mili_openai.engine.image_processor import ImagePreprocessor
 from mili_openai.engine.outputs import CompletionOutput, SequenceDelta
 from mili_openai.protocol.errors import APIError
 from mili_openai.server.metrics import ServerMetrics
@@ -201,6 +202,7 @@ class ServerState:
     active_requests: int = 0  # HTTP requests in flight, probes and scrapes excepted (what a drain waits for)
     load_error: str | None = None  # why the model failed to load, if it did
     start_time: float = 0.0
+    _image_preprocessor: ImagePreprocessor | None = None  # built at the first image, for the engine's model
 
     def __post_init__(self) -> None:
         if self.responses is None:
@@ -208,6 +210,15 @@ class ServerState:
 
     def is_ready(self) -> bool:
         return self.engine is not None and self.engine.is_ready() and not self.draining
+
+    def image_preprocessor(self) -> ImagePreprocessor | None:
+        """The loaded model's image processor; None for a model that takes no images."""
+        vision = self.require_engine().info.vision
+        if vision is None:
+            return None
+        if self._image_preprocessor is None or self._image_preprocessor.spec != vision:
+            self._image_preprocessor = ImagePreprocessor(vision)
+        return self._image_preprocessor
 
     def require_engine(self) -> EngineClient:
         """The running engine, or a 503 the client may retry."""

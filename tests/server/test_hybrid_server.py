@@ -1,5 +1,5 @@
 """A Qwen3.5 checkpoint behind the real server and the openai SDK: chat completions whole and streamed agree
-(greedy), a request with an image part is a 400 (the vision tower is not served), and /metrics shows the state
+(greedy), a request with an image part is a 400 (a text-only checkpoint), and /metrics shows the state
 pool beside the KV pool."""
 
 from __future__ import annotations

@@ -160,7 +160,9 @@ def test_store_keeps_the_latest():
 @pytest.mark.parametrize(("body", "status", "param"), [
     ({"input": "hi", "previous_response_id": "resp_missing"}, 404, "previous_response_id"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools[0].type"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "input[0].content"),
+    # an image to this text-only model: refused where the chat path reads it
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400, "messages[0].content"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "x"}]}]}, 400, "input[0].content"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, 400, "input[0].type"),
     ({"input": "hi", "background": True}, 400, "background"),
     ({"input": "hi", "max_output_tokens": 0}, 400, "max_output_tokens"),

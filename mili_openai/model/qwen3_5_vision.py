@@ -1,0 +1,177 @@
+"""Qwen3.5 / Qwen3.6's vision tower (transformers' `Qwen3_5VisionModel`): images' patches -> one embedding per
+2 x 2 block of patches, the width of the language model's hidden states.
+
+A patch is temporal_patch_size x patch_size x patch_size pixels of each channel, flattened as the image processor
+writes it (`pixel_values` rows, in 2 x 2 merge-block order). Steps, per transformers:
+- patch embedding: a Conv3d whose stride is its kernel, i.e. one matmul per patch (run as F.linear on the
+  flattened kernel);
+- a learned (side x side) position table, bilinearly resampled (align_corners) to each image's patch grid;
+- `depth` pre-norm blocks (LayerNorm, attention with a 2-D rotary of each patch's (row, column), LayerNorm, GELU
+  MLP); attention runs over each image's (each frame's) own patches only, bidirectionally;
+- the merger: LayerNorm, each 2 x 2 block's four patches concatenated, a GELU MLP out to the text hidden size.
+Module names are the checkpoint's (`model.visual.` stripped): `patch_embed.proj`, `pos_embed`, `blocks.N.attn.qkv`,
+`blocks.N.attn.proj`, `blocks.N.mlp.linear_fc1/2`, `blocks.N.norm1/2`, `merger.norm`, `merger.linear_fc1/2`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mili_openai.model.vision_config import VisionTowerConfig
+
+LAYER_NORM_EPS = 1e-6
+GridTHW = tuple[int, int, int]  # an image's (frames / temporal_patch_size, patch rows, patch columns)
+
+
+def _gelu(name: str):
+    return (lambda x: F.gelu(x, approximate="tanh")) if name == "gelu_pytorch_tanh" else F.gelu
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def merge_block_coordinates(grid: GridTHW, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, column) of each patch of one image, in the order its pixel_values rows come: 2 x 2 merge blocks in
+    raster order, each block's patches in raster order, frame after frame. -> two (t * h * w,) int64."""
+    frames, height, width = grid
+    rows = torch.arange(height).view(height // merge, merge, 1, 1).expand(-1, -1, width // merge, merge)
+    cols = torch.arange(width).view(1, 1, width // merge, merge).expand(height // merge, merge, -1, -1)
+    rows, cols = rows.transpose(1, 2).reshape(-1), cols.transpose(1, 2).reshape(-1)
+    return rows.repeat(frames), cols.repeat(frames)
+
+
+class VisionPatchEmbed(nn.Module):
+    def __init__(self, config: VisionTowerConfig) -> None:
+        super().__init__()
+        kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
+        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel_size=kernel, stride=kernel, bias=True)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        """patches (N, patch_dim) -> (N, hidden): the conv over one kernel-sized patch is a dot product."""
+        weight = self.proj.weight
+        return F.linear(patches.to(weight.dtype), weight.reshape(weight.shape[0], -1), self.proj.bias)
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, config: VisionTowerConfig) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = config.num_heads, config.head_dim
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=True)
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """x (N, hidden), cos/sin (N, head_dim) float32, lengths: patches per image frame (sum N)."""
+        count = x.shape[0]
+        q, k, v = self.qkv(x).view(count, 3, self.num_heads, self.head_dim).unbind(1)
+        # rotated in float32, then back, as transformers' apply_rotary_pos_emb_vision
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
+        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
+        outputs = [F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1))
+                   for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
+        return self.proj(torch.cat([out.transpose(0, 1) for out in outputs]).reshape(count, -1))
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, config: VisionTowerConfig) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=True)
+        self.linear_fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=True)
+        self.act = _gelu(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, config: VisionTowerConfig) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(config.hidden_size, eps=LAYER_NORM_EPS)
+        self.norm2 = nn.LayerNorm(config.hidden_size, eps=LAYER_NORM_EPS)
+        self.attn = VisionAttention(config)
+        self.mlp = VisionMLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, lengths)
+        return x + self.mlp(self.norm2(x))
+
+
+class VisionPatchMerger(nn.Module):
+    def __init__(self, config: VisionTowerConfig) -> None:
+        super().__init__()
+        self.merged_size = config.hidden_size * config.spatial_merge_size ** 2
+        self.norm = nn.LayerNorm(config.hidden_size, eps=LAYER_NORM_EPS)
+        self.linear_fc1 = nn.Linear(self.merged_size, self.merged_size, bias=True)
+        self.linear_fc2 = nn.Linear(self.merged_size, config.out_hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) in merge-block order -> (N / merge^2, out_hidden)."""
+        return self.linear_fc2(F.gelu(self.linear_fc1(self.norm(x).view(-1, self.merged_size))))
+
+
+class Qwen3_5VisionTower(nn.Module):
+    def __init__(self, config: VisionTowerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.side = round(config.num_position_embeddings ** 0.5)
+        self.patch_embed = VisionPatchEmbed(config)
+        self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
+        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
+        self.merger = VisionPatchMerger(config)
+        with torch.device("cpu"):  # float32 whatever the weights' dtype, as transformers keeps it
+            spatial = config.head_dim // 2
+            inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float32) / spatial))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        inv_freq = self.inv_freq  # keep the rotary frequencies float32 through .to(dtype)
+        result = super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(device=self.inv_freq.device, dtype=torch.float32)
+        return result
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pos_embed.weight.dtype
+
+    def _position_embeddings(self, rows: torch.Tensor, cols: torch.Tensor, grid: GridTHW) -> torch.Tensor:
+        """The learned table resampled bilinearly (align_corners) to the image's grid, at each patch."""
+        device, side = self.pos_embed.weight.device, self.side
+        taps, weights = [], []
+        for index, size in ((rows, grid[1]), (cols, grid[2])):
+            source = index.to(torch.float32) * (side - 1) / max(size - 1, 1)
+            floor = source.floor()
+            axis_taps = (floor.long()[:, None] + torch.arange(2)).clamp(0, side - 1)
+            taps.append(axis_taps)
+            weights.append((1 - (source[:, None] - floor[:, None] - torch.arange(2)).abs()).clamp(min=0))
+        indices = (taps[0][:, :, None] * side + taps[1][:, None, :]).reshape(-1, 4).to(device)
+        tap_weights = (weights[0][:, :, None] * weights[1][:, None, :]).reshape(-1, 4).to(device)
+        return (self.pos_embed(indices) * tap_weights[:, :, None]).sum(1)
+
+    def _rotary(self, rows: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (N, head_dim) float32: the first half of each head's pairs turn with the row, the rest with
+        the column, as transformers' axial rotary."""
+        inv_freq = self.inv_freq
+        positions = torch.stack((rows, cols), dim=1).to(device=inv_freq.device, dtype=torch.float32)
+        freqs = (positions[..., None] * inv_freq).reshape(positions.shape[0], -1)  # (N, [rows' | cols'])
+        freqs = torch.cat((freqs, freqs), dim=-1)
+        return freqs.cos(), freqs.sin()
+
+    def forward(self, pixel_values: torch.Tensor, grids: list[GridTHW]) -> torch.Tensor:
+        """pixel_values (sum of t*h*w, patch_dim) for `grids`' images, in order -> (sum of t*h*w / merge^2,
+        out_hidden): each image's embeddings, in order."""
+        merge = self.config.spatial_merge_size
+        coordinates = [merge_block_coordinates(grid, merge) for grid in grids]
+        rows = torch.cat([r for r, _ in coordinates])
+        cols = torch.cat([c for _, c in coordinates])
+        hidden = self.patch_embed(pixel_values.to(self.pos_embed.weight.device))
+        hidden = hidden + torch.cat([self._position_embeddings(r, c, grid)
+                                     for (r, c), grid in zip(coordinates, grids)]).to(hidden.dtype)
+        cos, sin = self._rotary(rows, cols)
+        lengths = [h * w for t, h, w in grids for _ in range(t)]  # each frame attends to itself
+        for block in self.blocks:
+            hidden = block(hidden, cos, sin, lengths)
+        return self.merger(hidden)

@@ -1,0 +1,132 @@
+"""Where a request's images sit and how their tokens are positioned: mRoPE positions equal transformers'
+`Qwen3_5Model.get_rope_index` (the oracle) for prompts with several images of different grids; the rotary of three
+position streams equals transformers' `Qwen3_5TextRotaryEmbedding`, and plain RoPE where the streams agree; a
+step's image rows and embedding slices follow chunk boundaries that cut through images; a sequence with images
+never matches nor fills the prefix cache."""
+
+from __future__ import annotations
+
+import functools
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from mili_openai.engine.image_batch import vision_batch
+from mili_openai.engine.image_inputs import ImageFeatures, place_images
+from mili_openai.engine.image_processor import expand_image_placeholders
+from mili_openai.engine.kv_pages import KVPageManager
+from mili_openai.engine.scheduled_batch import ScheduledBatch
+from mili_openai.engine.sequence import Sequence
+from mili_openai.model.vision_batch import mrope_pair_streams, mrope_rotary
+
+IMAGE_TOKEN, START, END = 900, 901, 902
+MERGE = 2
+GRIDS = [(1, 4, 6), (1, 8, 2), (1, 2, 2)]
+
+
+def features(grid: tuple[int, int, int], seed: int) -> ImageFeatures:
+    patches = grid[0] * grid[1] * grid[2]
+    return ImageFeatures(np.full((patches, 4), seed, dtype=np.float32), grid, MERGE, f"image-{seed}")
+
+
+def prompt_with(images: list[ImageFeatures]) -> list[int]:
+    ids = [1, 2, 3]
+    for index, _ in enumerate(images):
+        ids += [START, IMAGE_TOKEN, END] + [10 + index] * (index + 2)
+    return expand_image_placeholders(ids, images, IMAGE_TOKEN)
+
+
+def transformers_rope_index(ids: list[int], images: list[ImageFeatures]) -> tuple[torch.Tensor, torch.Tensor]:
+    from transformers import Qwen3_5Model
+
+    owner = SimpleNamespace(config=SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=MERGE)),
+                            get_vision_position_ids=functools.partial(Qwen3_5Model.get_vision_position_ids, None))
+    inputs = torch.tensor([ids])
+    return Qwen3_5Model.get_rope_index(owner, inputs, (inputs == IMAGE_TOKEN).int(),
+                                       image_grid_thw=torch.tensor([image.grid_thw for image in images]))
+
+
+def test_positions_match_transformers_get_rope_index():
+    images = [features(grid, seed) for seed, grid in enumerate(GRIDS)]
+    ids = prompt_with(images)
+    placed = place_images(ids, IMAGE_TOKEN, images)
+    positions, delta = transformers_rope_index(ids, images)
+    assert np.array_equal(placed.positions, positions[:, 0].numpy())
+    assert placed.delta == int(delta)
+    runs = [i for i, token in enumerate(ids) if token == IMAGE_TOKEN and ids[i - 1] != IMAGE_TOKEN]
+    assert placed.starts == tuple(runs)
+    # decode tokens continue at index + delta on every stream, as transformers' cached rope_deltas
+    after = placed.positions_of(len(ids) - 2, 4)
+    assert after[:, :2].tolist() == placed.positions[:, -2:].tolist()
+    assert after[:, 2:].tolist() == [[len(ids) + delta, len(ids) + 1 + delta]] * 3
+
+
+def test_placeholder_mismatches_are_refused():
+    images = [features(GRIDS[0], 0)]
+    with pytest.raises(ValueError, match="placeholders"):
+        expand_image_placeholders([1, IMAGE_TOKEN, IMAGE_TOKEN], images, IMAGE_TOKEN)
+    with pytest.raises(ValueError, match="needs"):
+        place_images([1, IMAGE_TOKEN, 2], IMAGE_TOKEN, images)
+    with pytest.raises(ValueError, match="places 0"):
+        place_images([1, 2], IMAGE_TOKEN, images)
+
+
+def test_mrope_rotary_matches_transformers():
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+
+    config = Qwen3_5TextConfig(hidden_size=64, num_attention_heads=4, head_dim=32, rope_parameters=dict(
+        rope_type="default", rope_theta=1e7, partial_rotary_factor=0.5, mrope_section=[3, 3, 2],
+        mrope_interleaved=True))
+    reference = Qwen3_5TextRotaryEmbedding(config)
+    images = [features(grid, seed) for seed, grid in enumerate(GRIDS)]
+    positions = torch.from_numpy(place_images(prompt_with(images), IMAGE_TOKEN, images).positions)
+    cos_ref, sin_ref = reference(torch.zeros(1, dtype=torch.float32), positions[:, None, :])
+    streams = mrope_pair_streams((3, 3, 2), 8)
+    cos, signed_sin = mrope_rotary(positions, reference.inv_freq, 1.0, streams, torch.float32)
+    assert torch.equal(cos[:, 0], cos_ref[0])
+    assert torch.equal(signed_sin[:, 0, 8:], sin_ref[0, :, 8:]) and torch.equal(signed_sin[:, 0, :8], -sin_ref[0, :, :8])
+
+
+def sequence(ids: list[int], images=None) -> Sequence:
+    from mili_openai.engine.sampling_params import SamplingParams
+
+    seq = Sequence("s", ids, SamplingParams(max_tokens=4), 4, 0.0, detokenizer=None, stop_matcher=None,
+                   generator=None)
+    seq.images = images
+    return seq
+
+
+def test_step_rows_follow_chunks_through_images():
+    images = [features(grid, seed) for seed, grid in enumerate(GRIDS)]
+    ids = prompt_with(images)
+    placed = place_images(ids, IMAGE_TOKEN, images)
+    with_images, text = sequence(ids, placed), sequence([5, 6, 7, 8])
+    cuts = [0, 7, 16, 22, len(ids)]  # 7 and 16 fall inside the first and second images
+    embedded_rows = []
+    for start, end in zip(cuts, cuts[1:]):
+        batch = ScheduledBatch([text, with_images], [1, end - start], [3, start], num_decode=1, samples=[True, True])
+        step = vision_batch(batch)
+        assert step.positions[:, 0].tolist() == [3, 3, 3]
+        assert torch.equal(step.positions[:, 1:], torch.from_numpy(placed.positions[:, start:end]))
+        rows = step.rows.tolist()
+        assert [ids[start + row - 1] for row in rows] == [IMAGE_TOKEN] * len(rows)
+        assert sum(piece.end - piece.start for piece in step.pieces) == len(rows)
+        embedded_rows += [(piece.digest, i) for piece in step.pieces for i in range(piece.start, piece.end)]
+    assert embedded_rows == [(image.digest, i) for image in images for i in range(image.num_tokens)]
+    assert vision_batch(ScheduledBatch([text], [1], [3], num_decode=1, samples=[True])) is None
+
+
+def test_sequences_with_images_never_share_cached_pages():
+    pages = KVPageManager(num_pages=16, page_size=2, enable_prefix_caching=True)
+    images = [features(GRIDS[2], 0)]
+    ids = prompt_with(images)
+    first = sequence(ids, place_images(ids, IMAGE_TOKEN, images))
+    assert pages.match(first) == 0 and pages.allocate(first, pages.pages_needed(first, len(ids)))
+    first.num_computed_tokens = len(ids)
+    pages.cache_computed_pages(first)
+    assert pages.tree.match_prefix(ids).num_tokens == 0  # nothing entered the tree
+    text = sequence(ids)
+    assert pages.match(text) == 0

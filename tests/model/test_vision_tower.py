@@ -1,0 +1,73 @@
+"""Qwen3.5's vision side against transformers on a random vision-language checkpoint written by transformers itself:
+the image preprocessing gives exactly the pixel values and grids of the checkpoint's own image processor
+(`AutoImageProcessor`), and mili's vision tower (model/qwen3_5_vision.py, loaded from `model.visual.*`) gives
+transformers' `Qwen3_5VisionModel` merged embeddings in fp32, for images of several sizes and aspect ratios encoded
+together (each attending to its own patches only). Unsupported vision options are refused at load, by name."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from vision_helpers import IMAGE_SIZES, drawn_image
+
+from mili_openai.engine.image_processor import ImagePreprocessor
+from mili_openai.model.loader import load_model
+from mili_openai.model.vision_config import read_vision_spec, read_vision_tower
+
+EMBEDDING_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def checkpoint(hybrid_checkpoint):
+    return hybrid_checkpoint("qwen3_5_vl")
+
+
+@pytest.fixture(scope="module")
+def features(checkpoint):
+    spec = read_vision_spec(checkpoint, json.loads((checkpoint / "config.json").read_text()))
+    preprocess = ImagePreprocessor(spec)
+    return [preprocess(drawn_image(width, height, seed)) for seed, (width, height) in enumerate(IMAGE_SIZES)]
+
+
+def test_preprocessing_equals_the_checkpoint_image_processor(checkpoint, features):
+    from transformers import AutoImageProcessor
+
+    reference = AutoImageProcessor.from_pretrained(str(checkpoint))
+    images = [drawn_image(width, height, seed) for seed, (width, height) in enumerate(IMAGE_SIZES)]
+    out = reference(images=images, return_tensors="np")
+    assert np.array_equal(np.concatenate([f.pixel_values for f in features]), out["pixel_values"])
+    assert [list(f.grid_thw) for f in features] == out["image_grid_thw"].tolist()
+    assert [f.num_tokens for f in features] == [t * h * w // 4 for t, h, w in out["image_grid_thw"].tolist()]
+    assert len({f.digest for f in features}) == len(features)
+
+
+def test_vision_tower_matches_transformers(checkpoint, features):
+    import transformers
+
+    model, _ = load_model(checkpoint, torch.float32, torch.device("cpu"), use_decode_kernel=False)
+    reference = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(str(checkpoint), dtype=torch.float32)
+    pixel_values = torch.cat([torch.from_numpy(f.pixel_values) for f in features])
+    grids = [f.grid_thw for f in features]
+    with torch.no_grad():
+        expected = reference.model.visual(pixel_values, grid_thw=torch.tensor(grids)).pooler_output
+        got = model.encode_images([torch.from_numpy(f.pixel_values) for f in features], grids)
+    assert [g.shape[0] for g in got] == [f.num_tokens for f in features]
+    torch.testing.assert_close(torch.cat(got), expected, atol=EMBEDDING_ATOL, rtol=0)
+    # one image alone gives its rows of the batch: attention stays within each image
+    with torch.no_grad():
+        alone = model.encode_images([torch.from_numpy(features[1].pixel_values)], [features[1].grid_thw])[0]
+    torch.testing.assert_close(alone, got[1], atol=EMBEDDING_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("vision_config, message", [
+    (dict(deepstack_visual_indexes=[1]), "DeepStack"),
+    (dict(hidden_act="relu"), "hidden_act"),
+    (dict(rope_parameters=dict(rope_type="yarn")), "rope type"),
+])
+def test_unsupported_vision_options_are_refused(vision_config, message):
+    with pytest.raises(NotImplementedError, match=message):
+        read_vision_tower({"vision_config": dict(hidden_size=32, num_heads=2, out_hidden_size=64) | vision_config}, 64)
