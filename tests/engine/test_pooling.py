@@ -12,11 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from pooling_helpers import (
-    sentence_transformers_vectors,
-    transformers_rerank_scores,
-    write_sentence_transformers_files,
-)
+from pooling_helpers import sentence_transformers_vectors, transformers_rerank_scores
 
 from mili_openai.config import EngineConfig
 from mili_openai.engine.contract import EngineInfo, RequestError, check_pooling_request, check_request
@@ -33,7 +29,7 @@ from mili_openai.engine.pooling_spec import (
 )
 from mili_openai.engine.sampling_params import SamplingParams
 from mili_openai.model import ModelConfig
-from mili_openai.model.checkpoint import TINY_SHAPE
+from mili_openai.model.checkpoint import TINY_SHAPE, write_sentence_transformers_files
 from mili_openai.model.pooling_config import read_checkpoint_pooling
 
 COSINE_FLOOR = 0.9999  # the bar per vector
@@ -112,10 +108,11 @@ def test_generation_and_pooling_requests_are_refused_by_the_other_kind_of_model(
 # ---- what a checkpoint says ----
 def test_checkpoint_pooling_is_read_from_modules_json(tmp_path):
     assert read_checkpoint_pooling(tmp_path) is None
-    write_sentence_transformers_files(tmp_path, "mean", normalize=False)
+    write_sentence_transformers_files(tmp_path, "mean", TINY_SHAPE.hidden_size, normalize=False)
     pooling = read_checkpoint_pooling(tmp_path)
     assert (pooling.pooling_type, pooling.normalize) == ("mean", False)
-    write_sentence_transformers_files(tmp_path, "last", extra_modules=("sentence_transformers.models.Dense",))
+    write_sentence_transformers_files(tmp_path, "last", TINY_SHAPE.hidden_size,
+                                      extra_modules=("sentence_transformers.models.Dense",))
     with pytest.raises(ValueError, match="Dense"):
         read_checkpoint_pooling(tmp_path)
 
@@ -125,7 +122,7 @@ def test_resolve_pooling_follows_the_flags_over_the_checkpoint(tmp_path, qwen_to
     assert resolve_pooling(EngineConfig(), tmp_path, config, qwen_tokenizer) is None  # no modules.json: generate
     spec = resolve_pooling(EngineConfig(runner="pooling"), tmp_path, config, qwen_tokenizer)
     assert (spec.task, spec.pooling_type, spec.normalize) == ("embed", "last", True)
-    write_sentence_transformers_files(tmp_path, "cls")
+    write_sentence_transformers_files(tmp_path, "cls", TINY_SHAPE.hidden_size)
     assert resolve_pooling(EngineConfig(), tmp_path, config, qwen_tokenizer).pooling_type == "cls"
     assert resolve_pooling(EngineConfig(pooling_type="mean"), tmp_path, config, qwen_tokenizer).pooling_type == "mean"
     rerank = resolve_pooling(EngineConfig(runner="pooling", pooling_task="rerank"), tmp_path, config, qwen_tokenizer)

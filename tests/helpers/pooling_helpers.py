@@ -6,37 +6,16 @@ that score them: sentence-transformers' own `encode`, and transformers' `Qwen3Fo
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from mili_openai.model.checkpoint import TINY_SHAPE, build_random_checkpoint
-
-ST_POOLING_MODES = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token"}
-
-
-def write_sentence_transformers_files(directory: Path, pooling: str, normalize: bool = True,
-                                      extra_modules: tuple[str, ...] = ()) -> Path:
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
-    if normalize:
-        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
-        (directory / "2_Normalize").mkdir(exist_ok=True)
-    for kind in extra_modules:
-        modules.append({"idx": len(modules), "name": str(len(modules)), "path": kind, "type": kind})
-    (directory / "modules.json").write_text(json.dumps(modules))
-    (directory / "1_Pooling").mkdir(exist_ok=True)
-    fields = {"word_embedding_dimension": TINY_SHAPE.hidden_size, "include_prompt": True,
-              **{flag: name == pooling for name, flag in ST_POOLING_MODES.items()}}
-    (directory / "1_Pooling" / "config.json").write_text(json.dumps(fields))
-    (directory / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512, "do_lower_case": False}))
-    return directory
+from mili_openai.model.checkpoint import TINY_SHAPE, build_random_checkpoint, write_sentence_transformers_files
 
 
 def build_embedding_checkpoint(directory: Path, pooling: str, seed: int, normalize: bool = True) -> Path:
     build_random_checkpoint(directory, TINY_SHAPE, seed)
-    return write_sentence_transformers_files(directory, pooling, normalize)
+    return write_sentence_transformers_files(directory, pooling, TINY_SHAPE.hidden_size, normalize)
 
 
 def sentence_transformers_vectors(checkpoint: Path, texts: list[str]) -> torch.Tensor:
