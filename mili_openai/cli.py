@@ -17,6 +17,7 @@ import logging
 import math
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mili_openai.bench.cli import add_bench_parser
@@ -25,8 +26,11 @@ from mili_openai.config import (
     DEVICES,
     DTYPES,
     LM_HEAD_QUANTIZATIONS,
+    POOLING_TASKS,
+    POOLING_TYPES,
     QUANTIZATION_GROUP_SIZES,
     QUANTIZATION_METHODS,
+    RUNNERS,
     TOOL_CALL_PARSERS,
     EngineConfig,
     MediaConfig,
@@ -143,6 +147,18 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="enable POST /start_profile and POST /stop_profile: a torch profile of the engine's steps "
                           "(CPU ops, and GPU kernels on CUDA) written into DIR as a Chrome trace and a text summary "
                           "(as vLLM's torch profiler directory; off: the routes answer 404). Slows serving while it runs")
+    pool = serve.add_argument_group("pooling (embeddings, reranking)")
+    pool.add_argument("--runner", choices=RUNNERS, default=engine.runner,
+                      help="generate text, or pool: embeddings (/v1/embeddings) and scores (/v1/rerank, /score); auto "
+                           "pools where the checkpoint has a sentence-transformers Pooling module (Qwen3-Embedding)")
+    pool.add_argument("--pooling-task", choices=POOLING_TASKS, default=engine.pooling_task,
+                      help="a pooling model's task: embed, or rerank for a Qwen3-Reranker (P('yes') over 'no' at the "
+                           "last token of its prompt; auto = embed)")
+    pool.add_argument("--pooling-type", choices=POOLING_TYPES, default=None,
+                      help="which hidden states make an embedding (default: the checkpoint's modules.json, else last)")
+    pool.add_argument("--rerank-template", default=None, metavar="FILE",
+                      help="a file holding the reranker's prompt for one pair, with {query}, {document} and optionally "
+                           "{instruction} (default: Qwen3-Reranker's model card format)")
     eng.add_argument("--default-model-cache", default=None,
                      help="where the embedded default model is built (default: ~/.cache/mili-openai)")
     serve.set_defaults(func=run_serve, parser=serve)
@@ -186,6 +202,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         async_launch=args.async_launch,
         switch_interval_s=args.switch_interval,
         torch_profiler_dir=args.torch_profiler_dir,
+        runner=args.runner,
+        pooling_task=args.pooling_task,
+        pooling_type=args.pooling_type,
         cpu_kernels_in_background=True,  # a first start answers while the kernels compile
     )
     return ServerConfig(
@@ -207,6 +226,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         media=MediaConfig(allowed_domains=tuple(args.allowed_media_domains),
                           max_images_per_request=args.max_images_per_request,
                           max_image_pixels=args.max_image_pixels, fetch_timeout_s=args.media_fetch_timeout),
+        rerank_template=Path(args.rerank_template).read_text() if args.rerank_template is not None else None,
         freeze_gc_after_load=True,  # this process only serves
     )
 

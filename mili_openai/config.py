@@ -30,6 +30,12 @@ QUANTIZATION_GROUP_SIZES = (32, 64, 128)  # int4: values along a row per scale a
 LM_HEAD_QUANTIZATIONS = ("int8", "int4")  # under int8 or int4 weights; int8 (a scale per row) unless chosen
 # tool-call formats, by vLLM's parser names: Qwen3's JSON, and the XML of Qwen3.5 / Qwen3.6 / Qwen3-Coder
 HERMES_TOOL_PARSER, XML_TOOL_PARSER = "hermes", "qwen3_coder"
+# what the engine serves (vLLM's `--runner`): auto = pooling where the checkpoint has a sentence-transformers
+# Pooling module, else generation; and a pooling model's task and pooling (engine/pooling_setup.py)
+RUNNERS = ("auto", "generate", "pooling")
+POOLING_TASKS = ("auto", "embed", "rerank")
+POOLING_TYPES = ("last", "mean", "cls")
+RERANK_TEMPLATE_FIELDS = ("{query}", "{document}")  # what a --rerank-template must place ({instruction}: optional)
 TOOL_CALL_PARSERS = (HERMES_TOOL_PARSER, XML_TOOL_PARSER)
 
 
@@ -134,6 +140,9 @@ class EngineConfig:
     # where POST /stop_profile writes a torch profile of the engine's steps (a Chrome trace and a text summary);
     # None = profiling off, and the profile routes answer 404 (vLLM's torch profiler directory)
     torch_profiler_dir: str | None = None
+    runner: str = "auto"  # RUNNERS: generate text, or pool (embeddings, rerank scores); auto reads the checkpoint
+    pooling_task: str = "auto"  # POOLING_TASKS: auto = embed; rerank serves a Qwen3-Reranker
+    pooling_type: str | None = None  # POOLING_TYPES; None = the checkpoint's (modules.json), else last
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative_config, dict):  # as the offline LLM(speculative_config={...}) takes it
@@ -160,6 +169,12 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.torch_profiler_dir is not None and not self.torch_profiler_dir.strip():
             raise ValueError("torch_profiler_dir must name a directory")
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        if self.pooling_task not in POOLING_TASKS:
+            raise ValueError(f"pooling_task must be one of {POOLING_TASKS}, got {self.pooling_task!r}")
+        if self.pooling_type is not None and self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling_type must be one of {POOLING_TYPES}, got {self.pooling_type!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if not _is_count(self.tensor_parallel_size):
@@ -243,10 +258,15 @@ class ServerConfig:
     # the format tool calls are parsed in (TOOL_CALL_PARSERS); None = the one the model's chat template teaches
     tool_call_parser: str | None = None
     media: MediaConfig = field(default_factory=MediaConfig)  # what images a request may carry
+    # a reranker's prompt for one pair, with {query}, {document} and optionally {instruction}; None = the
+    # Qwen3-Reranker model card's (protocol/scoring.py)
+    rerank_template: str | None = None
 
     def __post_init__(self) -> None:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
+        if self.rerank_template is not None and not all(f in self.rerank_template for f in RERANK_TEMPLATE_FIELDS):
+            raise ValueError(f"the rerank template must contain {' and '.join(RERANK_TEMPLATE_FIELDS)}")
         if not 0 <= self.port < 65536:
             raise ValueError("port must be in [0, 65535]")
         if self.max_queue < 1:

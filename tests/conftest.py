@@ -26,6 +26,8 @@ tokenizer, fake and real engines and servers.
 - `real_engine` (module): an `AsyncEngine` on `tiny_checkpoint` with a small KV pool (REAL_ENGINE_CONFIG).
 - `real_server` (module): a `LiveServer` (helpers/helpers_server.py: a real uvicorn in a thread on 127.0.0.1)
   serving `real_engine` as "tiny-qwen3"; stopped at the end of the module.
+- `embedding_checkpoint` (session): a function of a pooling type ("last", "mean", "cls") -> a tiny random Qwen3
+  with Qwen3-Embedding's sentence-transformers files (helpers/pooling_helpers.py), each built once per session.
 - `anyio_backend`: asyncio, for the async tests.
 
 The helper modules the folders share are in tests/helpers, on pytest's pythonpath (pyproject.toml).
@@ -41,6 +43,7 @@ import torch
 
 from fake_engine import FakeEngine
 from helpers_server import REAL_ENGINE_CONFIG, live_server, load_qwen_tokenizer
+from pooling_helpers import build_embedding_checkpoint
 
 from mili_openai.bench.prompt_tokens import load_tokenizer
 from mili_openai.config import EngineConfig, ServerConfig
@@ -52,6 +55,7 @@ from mili_openai.model.qwen35_tokenizer import write_qwen35_tokenizer_files
 TINY_SEED = 0
 MHA_UNTIED_SEED = 1
 MOE_SEED = 2
+EMBEDDING_SEED = 3
 TINY_MOE_CONFIG = dict(vocab_size=151936, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
                        num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
@@ -100,6 +104,16 @@ def vision_checkpoint(tmp_path_factory):
     from vision_helpers import build_vision_checkpoint
 
     return build_vision_checkpoint(tmp_path_factory.mktemp("tiny-qwen3_5-vision"))
+def embedding_checkpoint(tmp_path_factory):
+    built = {}
+
+    def checkpoint(pooling: str):
+        if pooling not in built:
+            directory = tmp_path_factory.mktemp(f"embedding-{pooling}")
+            built[pooling] = build_embedding_checkpoint(directory, pooling, EMBEDDING_SEED)
+        return built[pooling]
+
+    return checkpoint
 
 
 @pytest.fixture(scope="session")

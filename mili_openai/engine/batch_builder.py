@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from mili_openai.engine.pooling_spec import PoolingRow
 from mili_openai.engine.scheduled_batch import ScheduledBatch
 from mili_openai.engine.sequence import Sequence
 from mili_openai.model.batch import ForwardBatch, PageTables, PrefillSegment
@@ -58,6 +59,17 @@ def prompt_scorings(batch: ScheduledBatch, forward_batch: ForwardBatch) -> list[
             targets = seq.prompt_token_ids[start + 1 : stop + 1]
             scorings.append(PromptScoring(index, segment.start, start + 1, targets, top_k))
     return scorings
+
+
+def pooling_rows(batch: ScheduledBatch, forward_batch: ForwardBatch) -> list[PoolingRow]:
+    """The prefill chunks of pooling requests (engine/pooling_spec.py), with their rows in `forward_batch`."""
+    rows = []
+    for index, segment in enumerate(forward_batch.prefills, start=batch.num_decode):
+        seq, start = batch.seqs[index], batch.positions[index]
+        if seq.pooled:
+            rows.append(PoolingRow(index, segment.start, segment.length, start,
+                                   final=start + segment.length == seq.num_prompt_tokens))
+    return rows
 
 
 class PageArrays:

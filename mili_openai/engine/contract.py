@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mili_openai.engine.image_inputs import TEXT_ONLY_MODEL, ImageFeatures, RequestImages, place_images
+from mili_openai.engine.pooling_spec import PoolingSpec
 from mili_openai.engine.sampling_params import SamplingDefaults, SamplingParams
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ class EngineInfo:
     quantization: str | None  # what the weights are (int8, int4, awq, ...), None for unquantized
     sampling_defaults: SamplingDefaults  # what a request's omitted sampling fields become
     vision: VisionSpec | None = None  # a model that takes images: its placeholder tokens and preprocessing
+    pooling: PoolingSpec | None = None  # a pooling model's output (embeddings, rerank scores); None: it generates
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +52,7 @@ class EngineRequest:
     params: SamplingParams
     max_tokens: int  # params.max_tokens resolved against the context length
     images: RequestImages | None = None  # the prompt's images and their placement (engine/image_inputs.py)
+    pooled: bool = False  # a pooling request: the prompt's vector (PoolingSpec) instead of tokens
 
 
 class RequestError(ValueError):
@@ -65,13 +68,12 @@ def check_request(prompt_token_ids: list[Any], params: SamplingParams, info: Eng
     """The request as the engine takes it; RequestError for one that can never run. `prompt_field`: what the
     client called its prompt ("messages" for a chat); given, the errors name the field at fault (`param`), as
     OpenAI's chat errors do."""
-    prompt = [int(t) for t in prompt_token_ids]
+    if info.pooling is not None:
+        raise RequestError(f"this server runs a pooling model ({info.pooling.task}): it does not generate text; "
+                           "use /v1/embeddings, /v1/rerank or /score")
+    prompt = _checked_prompt(prompt_token_ids, info, prompt_field)
     vocab_size, max_model_len = info.vocab_size, info.max_model_len
     what = prompt_field or PROMPT_FIELD
-    if not prompt:
-        raise RequestError("the prompt is empty: at least one token is needed", prompt_field)
-    if min(prompt) < 0 or max(prompt) >= vocab_size:
-        raise RequestError(f"prompt token ids must be in [0, {vocab_size})", prompt_field)
     if any(not 0 <= t < vocab_size for t in itertools.chain(params.logit_bias, params.stop_token_ids)):
         raise RequestError(f"logit_bias and stop_token_ids keys must be token ids in [0, {vocab_size})")
     if len(prompt) >= max_model_len:
@@ -96,3 +98,31 @@ def _place_images(prompt: list[int], images: list[ImageFeatures], info: EngineIn
         return place_images(prompt, info.vision.image_token_id, images)
     except ValueError as exc:
         raise RequestError(str(exc), prompt_field) from None
+
+
+def check_pooling_request(prompt_token_ids: list[Any], info: EngineInfo, prompt_field: str = "input",
+                          truncate_to: int | None = None) -> EngineRequest:
+    """A pooling request (its prompt's vector, no output) as the engine takes it; RequestError for one that can
+    never run. `truncate_to`: keep the prompt's last so many tokens (vLLM's `truncate_prompt_tokens`), else a
+    prompt over the context is refused."""
+    if info.pooling is None:
+        raise RequestError("this server runs a generative model: embeddings and scores need a pooling model "
+                           "(mili serve CKPT --runner pooling)")
+    prompt = _checked_prompt(prompt_token_ids, info, prompt_field)
+    if truncate_to is not None:
+        prompt = prompt[-truncate_to:]
+    if len(prompt) > info.max_model_len:
+        raise RequestError(f"This model's maximum context length is {info.max_model_len} tokens, but {len(prompt)} "
+                           f"tokens are in the {prompt_field}. Shorten it, or set truncate_prompt_tokens.",
+                           prompt_field)
+    # nothing is sampled: the parameters only fill the sequence's fields
+    return EngineRequest(prompt, SamplingParams(max_tokens=1), max_tokens=1, pooled=True)
+
+
+def _checked_prompt(prompt_token_ids: list[Any], info: EngineInfo, prompt_field: str | None) -> list[int]:
+    prompt = [int(t) for t in prompt_token_ids]
+    if not prompt:
+        raise RequestError("the prompt is empty: at least one token is needed", prompt_field)
+    if min(prompt) < 0 or max(prompt) >= info.vocab_size:
+        raise RequestError(f"prompt token ids must be in [0, {info.vocab_size})", prompt_field)
+    return prompt

@@ -10,6 +10,7 @@ import itertools
 import time
 from pathlib import Path
 
+import numpy as np
 from transformers import AutoTokenizer
 
 from mili_openai.config import EngineConfig
@@ -24,6 +25,8 @@ from mili_openai.engine.outputs import (
     SpeculationCounts,
 )
 from mili_openai.engine.parallel_sampling import ParentRequest, child_params
+from mili_openai.engine.pooling_setup import resolve_pooling
+from mili_openai.engine.pooling_spec import PoolingRow, PoolingSpec, accumulate_pooled
 from mili_openai.engine.runner import ModelRunner, Runner
 from mili_openai.engine.step_preparer import PreparedStep
 from mili_openai.engine.sampler import Sampler, SamplerOutput
@@ -51,9 +54,10 @@ class EngineCore:
     def __init__(
         self, config: EngineConfig, runner: Runner, tokenizer, observer: EngineObserver | None = None,
         model_path: Path | None = None, sampling_defaults: SamplingDefaults | None = None,
+        pooling: PoolingSpec | None = None,
     ) -> None:
         """sampling_defaults: what a request's omitted sampling fields become (from_config reads them from the
-        checkpoint)."""
+        checkpoint). pooling: serve a pooling model (embeddings, rerank scores) instead of generating."""
         config = config.for_device(runner.device.type)  # the device is known only now
         if runner.num_state_slots:  # linear-attention layers: a state slot per running sequence
             config = config_for_state_slots(config)
@@ -71,8 +75,11 @@ class EngineCore:
         self.info = EngineInfo(tokenizer=tokenizer, model_path=model_path, max_model_len=max_model_len,
                                vocab_size=model_config.vocab_size, eos_token_ids=tuple(model_config.eos_token_ids),
                                quantization=runner.quantization, sampling_defaults=sampling_defaults or {},
-                               vision=checkpoint_vision_spec(model_config, model_path))
-        self.pages = KVPageManager(runner.num_pages, config.page_size, config.enable_prefix_caching)
+                               vision=checkpoint_vision_spec(model_config, model_path), pooling=pooling)
+        if pooling is not None:
+            runner.set_pooling(pooling)
+        prefix_caching = config.enable_prefix_caching and (pooling is None or pooling.uses_prefix_cache)
+        self.pages = KVPageManager(runner.num_pages, config.page_size, prefix_caching)
         self.state_slots = StateSlotManager(runner.num_state_slots) if runner.num_state_slots else None
         self.scheduler = Scheduler(config, self.pages, self.state_slots)
         self.sequences: dict[str, Sequence] = {}  # by sequence id: each sample of each request
@@ -91,7 +98,9 @@ class EngineCore:
         model_path = resolve_model_path(config.model, config.default_model_cache)
         sampling_defaults = read_sampling_defaults(config.generation_config, model_path)  # before the slow load
         tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-        return cls(config, make_runner(config, model_path), tokenizer, observer, model_path, sampling_defaults)
+        runner = make_runner(config, model_path)
+        pooling = resolve_pooling(config, model_path, runner.model_config, tokenizer)
+        return cls(config, runner, tokenizer, observer, model_path, sampling_defaults, pooling)
 
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams() with the model's defaults applied: what a request that sets nothing samples with."""
@@ -111,6 +120,8 @@ class EngineCore:
         now = time.monotonic()
         children = [self._sequence(child_id, request_id, index, prompt, child_params(params, index), max_tokens, now)
                     for index, child_id in enumerate(parent.child_ids)]
+        for seq in children:
+            seq.pooled = request.pooled
         self.requests[request_id] = parent
         for seq in children:
             seq.images = request.images
@@ -191,6 +202,11 @@ class EngineCore:
                 seq.prompt_logprobs[first : first + len(entries)] = entries
             if index >= batch.num_decode:
                 self.pages.cache_computed_pages(seq)
+            if seq.pooled:
+                delta = self._pool(seq, batch, index, output.pooled or {})
+                if delta is not None:
+                    deltas.append(delta)
+                continue
             if not tokens:
                 continue
             if seq.first_token_time is None:
@@ -199,6 +215,21 @@ class EngineCore:
                 tokens = self._verify_drafts(seq, drafts, tokens)
             deltas.append(self._append_tokens(seq, tokens))
         return deltas
+
+    def _pool(self, seq: Sequence, batch: ScheduledBatch, index: int,
+              pooled: dict[int, np.ndarray]) -> SequenceDelta | None:
+        """Fold a pooling request's chunk into its vector (engine/pooling_spec.py); once its last chunk ran, it
+        finishes with the vector in its final delta."""
+        start, length = batch.positions[index], batch.num_new_tokens[index]
+        row = PoolingRow(index, 0, length, start, final=start + length == seq.num_prompt_tokens)
+        seq.pooling_partial, vector = accumulate_pooled(seq.pooling_partial, pooled.get(index), row,
+                                                        self.info.pooling.pooling_type, seq.num_prompt_tokens)
+        if not row.final:
+            return None
+        seq.first_token_time = time.monotonic()  # the result's time, as a first token's for the metrics
+        seq.pooling_partial = None
+        self.scheduler.finish(seq, "stop")
+        return self._final_delta(seq, text="", token_ids=[], logprobs=None, pooled=vector.tolist())
 
     def _verify_drafts(self, seq: Sequence, drafts: list[int], sampled: list[tuple]) -> list[tuple]:
         """The tokens a decode with drafts produced: the drafts its rows sampled too, then the first
@@ -275,7 +306,7 @@ class EngineCore:
         return (text, matched) if matched is not None else (text + seq.stop_matcher.flush(), None)
 
     def _delta(self, seq: Sequence, text: str, token_ids: list[int], logprobs,
-               request_finished: bool = False) -> SequenceDelta:
+               request_finished: bool = False, pooled: list[float] | None = None) -> SequenceDelta:
         return SequenceDelta(
             request_id=seq.parent_id,
             index=seq.index,
@@ -291,9 +322,11 @@ class EngineCore:
             # once, with the first output token: by then every prompt chunk has been scored
             prompt_logprobs=seq.prompt_logprobs if token_ids and len(seq.output_token_ids) == len(token_ids) else None,
             request_finished=request_finished,
+            pooled=pooled,
         )
 
-    def _final_delta(self, seq: Sequence, text: str, token_ids: list[int], logprobs) -> SequenceDelta:
+    def _final_delta(self, seq: Sequence, text: str, token_ids: list[int], logprobs,
+                     pooled: list[float] | None = None) -> SequenceDelta:
         """The last delta of a finished seq; forgets seq, and its request once every sample has finished."""
         del self.sequences[seq.sequence_id]
         request_finished = self.requests[seq.parent_id].progress.finish(seq.index)
@@ -303,7 +336,7 @@ class EngineCore:
             self.prompt_tokens_total += seq.num_prompt_tokens
         if self.observer is not None:
             self.observer.on_request_finished(self.request_metrics(seq))
-        return self._delta(seq, text, token_ids, logprobs, request_finished)
+        return self._delta(seq, text, token_ids, logprobs, request_finished, pooled)
 
     def request_metrics(self, seq: Sequence) -> RequestMetrics:
         return RequestMetrics(

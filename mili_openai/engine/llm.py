@@ -1,4 +1,5 @@
-"""The offline batch API, shaped like vLLM's: `LLM(model=...).generate(prompts, sampling_params)`.
+"""The offline batch API, shaped like vLLM's: `LLM(model=...).generate(prompts, sampling_params)`, and for a
+pooling model `LLM(model=..., runner="pooling").embed(prompts)` and `.score(text_1, text_2)`.
 
 A prompt with images is vLLM's dict: `{"prompt": text, "multi_modal_data": {"image": image or [images]}}` (or
 `"prompt_token_ids"`), its text holding one `<|image_pad|>` per image as the chat template writes it; images are
@@ -9,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence as SequenceABC
 
 from mili_openai.config import EngineConfig
-from mili_openai.engine.contract import check_request
+from mili_openai.engine.contract import check_pooling_request, check_request
 from mili_openai.engine.core import EngineCore
 from mili_openai.engine.image_inputs import TEXT_ONLY_MODEL, ImageFeatures
 from mili_openai.engine.image_processor import ImagePreprocessor, as_rgb_image, expand_image_placeholders
-from mili_openai.engine.outputs import RequestOutput
+from mili_openai.engine.outputs import EmbeddingOutput, PoolingRequestOutput, RequestOutput, ScoringOutput
+from mili_openai.engine.pooling_spec import QWEN3_RERANK_TEMPLATE, RERANK, cosine, finish_vector, render_pair
 from mili_openai.engine.sampling_params import SamplingParams
 
 PromptInput = str | list[int] | dict
@@ -70,7 +72,62 @@ class LLM:
                 self.core.abort(request_id)  # a no-op for finished requests; frees the rest after an error
         return list(results.values())
 
+    def embed(self, prompts: PromptInput | SequenceABC[PromptInput], truncate_prompt_tokens: int | None = None,
+              dimensions: int | None = None, normalize: bool | None = None) -> list[PoolingRequestOutput]:
+        """Each prompt's embedding (an embedding model: `runner="pooling"`), its first `dimensions` values if
+        given, L2-normalised as the model's own pooling says unless `normalize` says otherwise."""
+        spec = self.core.info.pooling
+        if spec is None or spec.task == RERANK:
+            raise ValueError("embed needs an embedding model (LLM(model, runner='pooling'))")
+        prompt_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+                      for p in self._normalise_prompts(prompts)]
+        vectors = self._pool(prompt_ids, truncate_prompt_tokens)
+        normalize = spec.normalize if normalize is None else normalize
+        return [PoolingRequestOutput(str(index), ids, EmbeddingOutput(finish_vector(v, dimensions, normalize).tolist()))
+                for index, (ids, v) in enumerate(zip(prompt_ids, vectors))]
+
+    def score(self, text_1: str | list[str], text_2: str | list[str],
+              instruction: str | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's `LLM.score`: text_1 against each text_2 (or pairwise, equal lengths). A reranker scores each
+        pair in its prompt (Qwen3-Reranker's format); an embedding model by the cosine of their embeddings."""
+        spec = self.core.info.pooling
+        if spec is None:
+            raise ValueError("score needs a pooling model (LLM(model, runner='pooling'))")
+        first = [text_1] if isinstance(text_1, str) else list(text_1)
+        second = [text_2] if isinstance(text_2, str) else list(text_2)
+        if len(first) not in (1, len(second)):
+            raise ValueError("give one text_1, or as many as text_2")
+        pairs = list(zip(first * len(second), second)) if len(first) == 1 else list(zip(first, second))
+        if spec.task == RERANK:
+            prompt_ids = [self.tokenizer.encode(render_pair(QWEN3_RERANK_TEMPLATE, query, document, instruction),
+                                                add_special_tokens=False) for query, document in pairs]
+            scores = [vector[0] for vector in self._pool(prompt_ids, None)]
+        else:
+            texts = list(dict.fromkeys(text for pair in pairs for text in pair))
+            prompt_ids = [self.tokenizer.encode(text) for text in texts]
+            vectors = dict(zip(texts, self._pool(prompt_ids, None)))
+            scores = [cosine(vectors[a], vectors[b]) for a, b in pairs]
+        return [PoolingRequestOutput(str(index), [], ScoringOutput(score)) for index, score in enumerate(scores)]
+
+    def _pool(self, prompt_ids: list[list[int]], truncate_to: int | None) -> list[list[float]]:
+        """Every prompt's vector from the engine (engine/pooling_spec.py), in order."""
+        results: dict[str, list[float]] = {}
+        request_ids = []
+        try:
+            for index, ids in enumerate(prompt_ids):
+                request_id = f"llm-{id(self)}-pool-{index}"
+                self.core.add(check_pooling_request(ids, self.core.info, truncate_to=truncate_to), request_id)
+                request_ids.append(request_id)
+            self._run_steps(lambda delta: results.__setitem__(delta.request_id, delta.pooled))
+        finally:
+            for request_id in request_ids:
+                self.core.abort(request_id)
+        return [results[request_id] for request_id in request_ids]
+
     def _run_to_completion(self, results: dict[str, RequestOutput]) -> None:
+        self._run_steps(lambda delta: results[delta.request_id].add(delta))
+
+    def _run_steps(self, on_delta) -> None:
         while self.core.has_work():
             scheduled = self.core.schedule()
             if scheduled is None:
@@ -78,7 +135,7 @@ class LLM:
             batch, step = scheduled
             output = self.core.runner.execute(step)
             for delta in self.core.postprocess(batch, output):
-                results[delta.request_id].add(delta)
+                on_delta(delta)
 
     def _prompt_inputs(self, prompt: PromptInput) -> tuple[str | None, list[int], list[ImageFeatures] | None]:
         """(text or None, token ids with image placeholders expanded, images or None)."""

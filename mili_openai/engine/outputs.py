@@ -34,6 +34,8 @@ class SequenceDelta:
     index: int = 0  # which of the request's samples (engine/parallel_sampling.py)
     # the request's last delta: every sample has delivered its final one (engine/parallel_sampling.py counts)
     request_finished: bool = False
+    # a pooling request's result, on its final delta: the embedding, or [score] (engine/pooling_spec.py)
+    pooled: list[float] | None = None
 
     @classmethod
     def aborted(cls, request_id: str, index: int, error: str | None = None,
@@ -190,3 +192,24 @@ class SpeculationCounts:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted_tokens
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    score: float
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """One input's result from the offline `LLM.embed` / `LLM.score` (vLLM's EmbeddingRequestOutput and
+    ScoringRequestOutput: the vector or score is `outputs.embedding` / `outputs.score`)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput | ScoringOutput
+    finished: bool = True

@@ -29,6 +29,8 @@ from mili_openai.engine.memory_budget import (
 )
 from mili_openai.engine.memory_profile import profile_gpu_memory
 from mili_openai.engine.outputs import TokenLogprob
+from mili_openai.engine.pooler import Pooler
+from mili_openai.engine.pooling_spec import PoolingSpec
 from mili_openai.engine.sampler import Sampler, SamplerOutput, token_logprobs
 from mili_openai.engine.scheduled_batch import ScheduledBatch
 from mili_openai.engine.sequence import Sequence
@@ -87,6 +89,9 @@ class Runner(Protocol):
     def expert_load(self) -> dict[int, list[int]]:
         """{sparse layer: (token, expert) pairs each expert received since load}; empty for a dense model."""
 
+    def set_pooling(self, spec: PoolingSpec) -> None:
+        """Serve a pooling model: pooling requests' chunks reduce to `spec`'s vectors (engine/pooler.py)."""
+
 
 class ModelRunner(StepRunner):
     """The model and its KV cache in this process (a `Runner`)."""
@@ -96,6 +101,7 @@ class ModelRunner(StepRunner):
     # the CPU kernels compiling while the model runs on torch's ops (EngineConfig.cpu_kernels_in_background);
     # None when there is nothing to switch to
     kernel_build: Future[bool] | None = None
+    pooler: Pooler | None = None  # a pooling model's (set_pooling); None: the model generates
 
     def __init__(self, config: EngineConfig, model_path: Path, parallel: TensorParallelGroup | None = None) -> None:
         """`parallel`: this process is one rank of a tensor-parallel group (engine/tp_worker.py) and holds its
@@ -225,11 +231,15 @@ class ModelRunner(StepRunner):
         else:
             hidden = self.model(batch, self.caches)
         scored = self.score_prompts(hidden, step.prompt_scorings) if step.prompt_scorings else None
+        pooled = self.pooler(hidden, step.pooling_rows) if step.pooling_rows and self.pooler is not None else None
         if not step.rows:
-            return LaunchedStep(sampled=None, token_ids=None, prompt_logprobs=scored)
+            return LaunchedStep(sampled=None, token_ids=None, prompt_logprobs=scored, pooled=pooled)
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S, vocab) float32
         sampled = self.sampler.launch(logits, step.rows)
-        return LaunchedStep(sampled=sampled, token_ids=sampled.token_ids, prompt_logprobs=scored)
+        return LaunchedStep(sampled=sampled, token_ids=sampled.token_ids, prompt_logprobs=scored, pooled=pooled)
+
+    def set_pooling(self, spec: PoolingSpec) -> None:
+        self.pooler = Pooler.for_model(spec, self.model)
 
     def expert_load(self) -> dict[int, list[int]]:
         """{sparse layer: (token, expert) pairs each expert received since load}; empty for a dense model."""

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from mili_openai.engine import logits_processing as lp
@@ -53,6 +54,8 @@ class SamplerOutput(NamedTuple):
     # scored prompt tokens (params.prompt_logprobs), set by the model runner: batch index of the
     # sequence -> (prompt index of the first entry, the entries)
     prompt_logprobs: dict[int, tuple[int, list[TokenLogprob]]] | None = None
+    # pooling chunks' reductions (engine/pooler.py), set by the model runner: batch index -> float32 vector
+    pooled: dict[int, np.ndarray] | None = None
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], top_ks: Sequence[int],

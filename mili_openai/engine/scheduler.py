@@ -162,8 +162,9 @@ class Scheduler:
             num_new_tokens=[n for _, n in scheduled],
             positions=[seq.num_computed_tokens for seq, _ in scheduled],
             num_decode=len(decodes),
-            # a decode always samples (its drafts are computed, not pending); a chunk does at the prompt's end
-            samples=[True] * len(decodes) + [seq.num_uncomputed_tokens == n for seq, n in prefills],
+            # a decode always samples (its drafts are computed, not pending); a chunk does at the prompt's end,
+            # unless it is a pooling request's (it ends there: EngineCore.postprocess)
+            samples=[True] * len(decodes) + [seq.num_uncomputed_tokens == n and not seq.pooled for seq, n in prefills],
             preempted=preempted,
             draft_tokens=draft_tokens,
             new_state_slots=new_state_slots,

@@ -43,6 +43,10 @@ class Sequence:
     parent_id: str | None = None
     index: int = 0
     images: RequestImages | None = None  # the prompt's images (engine/image_inputs.py); None: text only
+    # a pooling request (engine/pooling_spec.py): prefill only, its vector instead of tokens; its chunks'
+    # partial state (a mean's running sum, a CLS vector) lives in pooling_partial until the last chunk
+    pooled: bool = False
+    pooling_partial: Any = None
 
     # tokens: prompt followed by outputs. num_computed_tokens counts the tokens whose K/V is in `pages`
     # or is being written by a step already handed to the model runner (steps run in order, so nothing

@@ -16,9 +16,11 @@ from mili_openai.engine.batch_builder import (
     PromptScoring,
     build_forward_batch,
     pending_inputs,
+    pooling_rows,
     prompt_scorings,
 )
 from mili_openai.engine.image_batch import vision_batch
+from mili_openai.engine.pooling_spec import PoolingRow
 from mili_openai.engine.sampler import SamplerOutput, SamplingRow
 from mili_openai.engine.scheduled_batch import ScheduledBatch
 from mili_openai.engine.sequence import Sequence
@@ -43,6 +45,7 @@ class PreparedStep:
     pending_index: torch.Tensor | None = None
     # (N,) int64: state slots handed out in this step, zeroed before its forward (ScheduledBatch.new_state_slots)
     new_state_slots: torch.Tensor | None = None
+    pooling_rows: list[PoolingRow] = field(default_factory=list)  # pooling requests' chunks (engine/pooler.py)
 
     @property
     def needs_host_tokens(self) -> bool:
@@ -62,6 +65,7 @@ class LaunchedStep:
     sampled: Any  # the runner's own: what its finish reads (the sampler's PendingSample on a ModelRunner)
     token_ids: torch.Tensor | None  # (S,) the sampled ids on the device, where the step after can read them
     prompt_logprobs: dict | None = None  # SamplerOutput.prompt_logprobs, scored at launch
+    pooled: dict | None = None  # SamplerOutput.pooled, reduced at launch
     source: LaunchedStep | None = None  # the step whose device ids this one's pending rows read
     output: SamplerOutput | None = None  # set by a successful finish
     failed: bool = False
@@ -147,7 +151,8 @@ class StepPreparer:
                                          pin_memory=self.pin_memory)
         new_state_slots = torch.tensor(batch.new_state_slots, dtype=torch.int64) if batch.new_state_slots else None
         return PreparedStep(forward_batch, rows, pending_rows, pending_sources, pending_histories,
-                            prompt_scorings(batch, forward_batch), staged, pending_index, new_state_slots)
+                            prompt_scorings(batch, forward_batch), staged, pending_index, new_state_slots,
+                            pooling_rows(batch, forward_batch))
 
     def launch(self, step: PreparedStep, launch_forward: LaunchForward) -> LaunchedStep:
         """Feed `step` the tokens the step before sampled and queue its forward and sampling
@@ -186,7 +191,7 @@ class StepPreparer:
                 output = SamplerOutput(token_ids=[], logprobs=[])
             else:
                 output = finish_sample(launched.sampled)
-            output = output._replace(prompt_logprobs=launched.prompt_logprobs)
+            output = output._replace(prompt_logprobs=launched.prompt_logprobs, pooled=launched.pooled)
         except BaseException:
             launched.failed = True
             raise

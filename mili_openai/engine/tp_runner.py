@@ -255,6 +255,9 @@ class TensorParallelRunner(StepRunner):
     def expert_load(self) -> dict[int, list[int]]:
         return self.workers.request(ExpertLoadRequest(), ExpertLoadReply).expert_load
 
+    def set_pooling(self, spec) -> None:
+        raise ValueError("pooling models (embeddings, reranking) run on one rank: not with --tensor-parallel-size > 1")
+
     def switch_to_cpu_kernels(self) -> None:
         """Nothing to switch: see `kernel_build`."""
 

