@@ -36,6 +36,8 @@ class EngineInfo:
     eos_token_ids: tuple[int, ...]
     quantization: str | None  # what the weights are (int8, int4, awq, ...), None for unquantized
     sampling_defaults: SamplingDefaults  # what a request's omitted sampling fields become
+    # the LoRA adapters a request may name as its `model` (`--lora-modules`), in their order: (name, path)
+    lora_adapters: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +47,7 @@ class EngineRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int  # params.max_tokens resolved against the context length
+    lora_name: str | None = None  # the LoRA adapter it runs with (one of EngineInfo.lora_adapters); None: the base
 
 
 class RequestError(ValueError):
@@ -56,10 +59,12 @@ class RequestError(ValueError):
 
 
 def check_request(prompt_token_ids: list[Any], params: SamplingParams, info: EngineInfo,
-                  prompt_field: str | None = None) -> EngineRequest:
+                  prompt_field: str | None = None, lora_name: str | None = None) -> EngineRequest:
     """The request as the engine takes it; RequestError for one that can never run. `prompt_field`: what the
     client called its prompt ("messages" for a chat); given, the errors name the field at fault (`param`), as
-    OpenAI's chat errors do."""
+    OpenAI's chat errors do. `lora_name`: the LoRA adapter to run with (None: the base model)."""
+    if lora_name is not None and lora_name not in (name for name, _ in info.lora_adapters):
+        raise RequestError(f"no LoRA adapter named {lora_name!r} is loaded", "model")
     prompt = [int(t) for t in prompt_token_ids]
     vocab_size, max_model_len = info.vocab_size, info.max_model_len
     what = prompt_field or PROMPT_FIELD
@@ -79,4 +84,4 @@ def check_request(prompt_token_ids: list[Any], params: SamplingParams, info: Eng
             f"{len(prompt) + params.max_tokens} tokens ({len(prompt)} in the {what}, {params.max_tokens} in the "
             f"completion). Please reduce the length of the {what} or the completion.",
             MAX_TOKENS_FIELD if prompt_field else None)
-    return EngineRequest(prompt, params, params.max_tokens if params.max_tokens is not None else room)
+    return EngineRequest(prompt, params, params.max_tokens if params.max_tokens is not None else room, lora_name)

@@ -16,6 +16,7 @@ from mili_openai.config import EngineConfig
 from mili_openai.engine.contract import EngineInfo, EngineRequest
 from mili_openai.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher, TokenDecoder
 from mili_openai.engine.kv_pages import KVPageManager
+from mili_openai.engine.lora_manager import lora_ids
 from mili_openai.engine.outputs import (
     EngineObserver,
     EngineStats,
@@ -69,7 +70,9 @@ class EngineCore:
             max_model_len = min(max_model_len, model_config.max_position_embeddings)
         self.info = EngineInfo(tokenizer=tokenizer, model_path=model_path, max_model_len=max_model_len,
                                vocab_size=model_config.vocab_size, eos_token_ids=tuple(model_config.eos_token_ids),
-                               quantization=runner.quantization, sampling_defaults=sampling_defaults or {})
+                               quantization=runner.quantization, sampling_defaults=sampling_defaults or {},
+                               lora_adapters=config.lora.modules if config.lora is not None else ())
+        self.lora_ids = lora_ids(config.lora)  # adapter name -> the id its sequences carry
         self.pages = KVPageManager(runner.num_pages, config.page_size, config.enable_prefix_caching)
         self.state_slots = StateSlotManager(runner.num_state_slots) if runner.num_state_slots else None
         self.scheduler = Scheduler(config, self.pages, self.state_slots)
@@ -109,6 +112,9 @@ class EngineCore:
         now = time.monotonic()
         children = [self._sequence(child_id, request_id, index, prompt, child_params(params, index), max_tokens, now)
                     for index, child_id in enumerate(parent.child_ids)]
+        if request.lora_name is not None:
+            for seq in children:
+                seq.lora_id = self.lora_ids[request.lora_name]
         self.requests[request_id] = parent
         for seq in children:
             self.sequences[seq.sequence_id] = seq

@@ -41,6 +41,7 @@ class Sequence:
     # the request this sequence is a sample of, and which sample (engine/parallel_sampling.py); None: itself
     parent_id: str | None = None
     index: int = 0
+    lora_id: int = 0  # the LoRA adapter it runs with (engine/lora_manager.py); 0: the base model alone
 
     # tokens: prompt followed by outputs. num_computed_tokens counts the tokens whose K/V is in `pages`
     # or is being written by a step already handed to the model runner (steps run in order, so nothing

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from mili_openai.engine.batch_builder import (
@@ -17,6 +18,7 @@ from mili_openai.engine.batch_builder import (
     build_forward_batch,
     pending_inputs,
     prompt_scorings,
+    row_lora_ids,
 )
 from mili_openai.engine.sampler import SamplerOutput, SamplingRow
 from mili_openai.engine.scheduled_batch import ScheduledBatch
@@ -42,6 +44,8 @@ class PreparedStep:
     pending_index: torch.Tensor | None = None
     # (N,) int64: state slots handed out in this step, zeroed before its forward (ScheduledBatch.new_state_slots)
     new_state_slots: torch.Tensor | None = None
+    # (T,) each row's LoRA adapter id (0: the base model); None when every row runs on the base
+    lora_ids: np.ndarray | None = None
 
     @property
     def needs_host_tokens(self) -> bool:
@@ -145,7 +149,8 @@ class StepPreparer:
                                          pin_memory=self.pin_memory)
         new_state_slots = torch.tensor(batch.new_state_slots, dtype=torch.int64) if batch.new_state_slots else None
         return PreparedStep(forward_batch, rows, pending_rows, pending_sources, pending_histories,
-                            prompt_scorings(batch, forward_batch), staged, pending_index, new_state_slots)
+                            prompt_scorings(batch, forward_batch), staged, pending_index, new_state_slots,
+                            row_lora_ids(batch))
 
     def launch(self, step: PreparedStep, launch_forward: LaunchForward) -> LaunchedStep:
         """Feed `step` the tokens the step before sampled and queue its forward and sampling

@@ -74,7 +74,11 @@ async def list_models(request: Request) -> Response:
         "max_model_len": engine.info.max_model_len,
         "quantization": engine.info.quantization,  # null, or what the weights are (int8, int4, awq, ...)
     }
-    return json_response({"object": "list", "data": [model]})
+    # each LoRA adapter as its own model, its parent the base (as vLLM lists them)
+    adapters = [{"id": name, "object": "model", "created": model["created"], "owned_by": OWNED_BY, "root": path,
+                 "parent": server.served_model_name, "max_model_len": engine.info.max_model_len}
+                for name, path in engine.info.lora_adapters]
+    return json_response({"object": "list", "data": [model, *adapters]})
 
 
 async def render_messages(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
