@@ -4,6 +4,7 @@ Qwen3 with the adapter merged by PEFT's `merge_and_unload()`."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -24,7 +25,9 @@ def write_peft_adapter(checkpoint: Path, directory: Path, rank: int, seed: int, 
     torch.manual_seed(seed)
     config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank,
                         target_modules=targets or ALL_TARGETS, use_rslora=use_rslora, init_lora_weights=False)
-    model = get_peft_model(load_hf(checkpoint), config)
+    with warnings.catch_warnings():  # PEFT calls a transformers method that warns of its own deprecation
+        warnings.simplefilter("ignore", FutureWarning)
+        model = get_peft_model(load_hf(checkpoint), config)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "lora_" in name:
