@@ -16,7 +16,7 @@ from mili_openai.config import EngineConfig
 from mili_openai.engine.contract import EngineInfo, EngineRequest
 from mili_openai.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher, TokenDecoder
 from mili_openai.engine.kv_pages import KVPageManager
-from mili_openai.engine.lora_manager import lora_ids
+from mili_openai.engine.lora_manager import adapter_names, lora_ids
 from mili_openai.engine.outputs import (
     EngineObserver,
     EngineStats,
@@ -343,6 +343,9 @@ class EngineCore:
             spec_decode_num_drafts_total=self.spec_decode.num_drafts,
             spec_decode_num_draft_tokens_total=self.spec_decode.num_draft_tokens,
             spec_decode_num_accepted_tokens_total=self.spec_decode.num_accepted_tokens,
+            running_lora_adapters=adapter_names(self.scheduler.running, self.lora_ids),
+            waiting_lora_adapters=adapter_names(self.scheduler.waiting, self.lora_ids),
+            max_lora=self.config.lora.max_loras if self.config.lora is not None else 0,
         )
 
     def check_integrity(self) -> None:

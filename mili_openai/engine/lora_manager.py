@@ -11,12 +11,14 @@ before have read it. The scheduler keeps the adapters of one step within `max_lo
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 import numpy as np
 import torch
 from torch import nn
 
 from mili_openai.config import LoraConfig
+from mili_openai.engine.sequence import Sequence
 from mili_openai.kernels.lora import LoraGroup, lora_groups
 from mili_openai.model.lora_adapter import LoraAdapter, load_lora_adapter
 from mili_openai.model.lora_layers import LoraSlots
@@ -27,6 +29,14 @@ BASE_MODEL_ID = 0  # a sequence on the base model alone
 def lora_ids(config: LoraConfig | None) -> dict[str, int]:
     """{adapter name: its id}, as every part of the engine numbers them."""
     return {} if config is None else {name: index for index, (name, _) in enumerate(config.modules, start=1)}
+
+
+def adapter_names(seqs: Iterable[Sequence], ids: dict[str, int]) -> tuple[str, ...]:
+    """The adapters `seqs` run with (`ids`: as `lora_ids` numbers them), by name, in id order; () without LoRA."""
+    if not ids:
+        return ()
+    used = {seq.lora_id for seq in seqs}
+    return tuple(name for name, adapter_id in ids.items() if adapter_id in used)
 
 
 class LoraManager:

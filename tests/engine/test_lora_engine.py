@@ -14,7 +14,9 @@ from mili_openai.model.lora_adapter import AdapterError
 
 PROMPTS = random_prompts(3, [5, 23, 40], seed=11)
 MAX_NEW = 6
-ENGINE_ARGS = dict(dtype="float32", num_pages=256, page_size=8, max_num_batched_tokens=512)
+# cpu_kernels_in_background: where the CPU kernels are not built yet, run on torch's ops rather than wait for them
+ENGINE_ARGS = dict(dtype="float32", num_pages=256, page_size=8, max_num_batched_tokens=512,
+                   cpu_kernels_in_background=True)
 MAX_RANK = 64
 
 

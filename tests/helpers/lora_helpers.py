@@ -51,5 +51,7 @@ def peft_greedy(checkpoint: Path, adapter: Path | None, prompts: list[list[int]]
 
     model = load_hf(checkpoint)
     if adapter is not None:
-        model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
+        with warnings.catch_warnings():  # as in `write_peft_adapter`
+            warnings.simplefilter("ignore", FutureWarning)
+            model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
     return [hf_greedy(model, prompt, max_new) for prompt in prompts]

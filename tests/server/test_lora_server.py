@@ -4,6 +4,7 @@ shape; the `mili serve` flags build the config."""
 
 from __future__ import annotations
 
+import httpx
 import openai
 import pytest
 
@@ -26,7 +27,9 @@ def lora_config(lora_adapters):
 
 @pytest.fixture(scope="module")
 def live(tiny_checkpoint, lora_config):
-    engine_config = EngineConfig(model=str(tiny_checkpoint), lora=lora_config, **REAL_ENGINE_CONFIG)
+    # where the CPU kernels are not built yet, serve on torch's ops rather than wait for them
+    engine_config = EngineConfig(model=str(tiny_checkpoint), lora=lora_config, cpu_kernels_in_background=True,
+                                 **REAL_ENGINE_CONFIG)
     app = create_app(ServerConfig(engine=engine_config, served_model_name=TEST_MODEL_NAME, request_timeout_s=60.0),
                      engine=AsyncEngine(engine_config))
     with live_server(app) as server:
@@ -41,7 +44,8 @@ def api_base(live):
 @pytest.fixture(scope="module")
 def offline_texts(tiny_checkpoint, lora_config):
     """{model name: greedy texts of PROMPTS} from the offline LLM with the same adapters."""
-    llm = LLM(str(tiny_checkpoint), dtype="float32", num_pages=REAL_ENGINE_CONFIG["num_pages"], lora=lora_config)
+    llm = LLM(str(tiny_checkpoint), dtype="float32", num_pages=REAL_ENGINE_CONFIG["num_pages"], lora=lora_config,
+              cpu_kernels_in_background=True)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     return {name: [output.outputs[0].text for output in llm.generate(PROMPTS, params, lora_request=adapter)]
             for name, adapter in [(TEST_MODEL_NAME, None), *((name, name) for name in ADAPTERS)]}
@@ -88,6 +92,12 @@ def test_unknown_model_is_a_404_in_openai_shape(client):
         client.completions.create(model="no-such-adapter", prompt="hi", max_tokens=2)
     error = raised.value.body
     assert error["code"] == "model_not_found" and error["param"] == "model" and "no-such-adapter" in error["message"]
+
+
+def test_metrics_show_the_adapters_as_vllm_does(live):
+    text = httpx.get(f"{live.base_url}/metrics").text
+    [line] = [line for line in text.splitlines() if line.startswith("vllm:lora_requests_info{")]
+    assert 'max_lora="2"' in line and 'running_lora_adapters=""' in line and 'waiting_lora_adapters=""' in line
 
 
 def test_serve_flags_build_the_lora_config(tmp_path):
