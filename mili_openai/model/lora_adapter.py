@@ -3,8 +3,8 @@ against the base model it is to serve on.
 
 Each targeted projection keeps its pair as PEFT stores it, A (r, in) and B (out, r), with the adapter's scale
 (`lora_alpha / r`, or `lora_alpha / sqrt(r)` under rsLoRA) folded into B, so the delta is `x @ A.T @ B.T`.
-What the serving path does not build (DoRA, `modules_to_save`, LoRA on the embedding or LM head, per-module
-rank or alpha patterns, bias training) is refused here, by name, before anything is served.
+What the serving path does not build (DoRA, `modules_to_save`, LoRA on the embedding or LM head, bias training)
+is refused here, by name, before anything is served.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 SUPPORTED_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+_BLOCK = {**dict.fromkeys(ATTENTION_TARGETS, "self_attn"), **dict.fromkeys(MLP_TARGETS, "mlp")}
 # PEFT's shorthand for "every linear layer but the head"
 ALL_LINEAR = "all-linear"
 # base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (an adapter name may sit before ".weight")
@@ -34,8 +35,6 @@ _WEIGHT_NAME = re.compile(
 _REFUSED_OPTIONS = {
     "use_dora": False,
     "modules_to_save": None,
-    "rank_pattern": {},
-    "alpha_pattern": {},
     "fan_in_fan_out": False,
     "lora_bias": False,
     "use_qalora": False,
@@ -95,6 +94,8 @@ def load_lora_adapter(name: str, path: str | Path, shapes: dict[tuple[int, str],
     if not pairs:
         raise AdapterError(f"LoRA adapter {name!r}: {weights_file} holds no LoRA weights")
     alpha, use_rslora = float(config.get("lora_alpha", config.get("r", 8))), bool(config.get("use_rslora", False))
+    # each module's rank is its weights' (rank_pattern only says what they hold); alpha_pattern overrides alpha
+    alpha_pattern = config.get("alpha_pattern") or {}
     weights, top_rank = {}, 0
     for (layer, module), pair in sorted(pairs.items()):
         where = f"LoRA adapter {name!r}, layer {layer} {module}"
@@ -109,9 +110,18 @@ def load_lora_adapter(name: str, path: str | Path, shapes: dict[tuple[int, str],
                                f"base has in {shape.in_features}, out {shape.out_features})")
         if rank > max_rank:
             raise AdapterError(f"{where}: rank {rank} is over --max-lora-rank {max_rank}")
-        weights[(layer, module)] = (a.contiguous(), b * lora_scale(alpha, rank, use_rslora))
+        module_alpha = _pattern_value(alpha_pattern, f"model.layers.{layer}.{_BLOCK[module]}.{module}", alpha)
+        weights[(layer, module)] = (a.contiguous(), b * lora_scale(module_alpha, rank, use_rslora))
         top_rank = max(top_rank, rank)
     return LoraAdapter(name, directory, top_rank, weights)
+
+
+def _pattern_value(patterns: dict[str, float], module_name: str, default: float) -> float:
+    """PEFT's per-module override: the first pattern that matches the module's full name or a dotted suffix of it."""
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", module_name):
+            return float(value)
+    return default
 
 
 def _read_config(name: str, directory: Path) -> dict:

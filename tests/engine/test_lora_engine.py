@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from engine_helpers import assert_matches, greedy, random_prompts
-from lora_helpers import peft_greedy
+from lora_helpers import peft_greedy, write_peft_adapter
 from mili_openai import LLM
 from mili_openai.engine.contract import RequestError
-from mili_openai.model.lora_adapter import AdapterError
+from mili_openai.model.lora_adapter import ATTENTION_TARGETS, AdapterError
 
 PROMPTS = random_prompts(3, [5, 23, 40], seed=11)
 MAX_NEW = 6
@@ -101,3 +101,12 @@ def test_unknown_adapter_is_refused(llm):
 def test_adapter_over_the_rank_limit_is_refused_at_start(tiny_checkpoint, lora_adapters):
     with pytest.raises(AdapterError, match="'r64'.*rank 64 is over --max-lora-rank 8"):
         lora_llm(tiny_checkpoint, {"r64": lora_adapters["r64"]}, max_lora_rank=8)
+
+
+def test_moe_attention_adapter_matches_peft(tiny_moe_checkpoint, tmp_path):
+    """Qwen3-MoE: LoRA on every attention projection (PEFT targets the MLP names' expert parameters through
+    `target_parameters`, which mili refuses)."""
+    adapter = write_peft_adapter(tiny_moe_checkpoint, tmp_path / "moe", 8, seed=31, targets=ATTENTION_TARGETS)
+    expected = peft_greedy(tiny_moe_checkpoint, adapter, PROMPTS[:2], MAX_NEW)
+    llm = lora_llm(tiny_moe_checkpoint, {"moe": adapter})
+    assert_matches(llm.generate(PROMPTS[:2], greedy(MAX_NEW), lora_request="moe"), expected)

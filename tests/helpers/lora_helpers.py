@@ -9,12 +9,19 @@ from pathlib import Path
 
 import torch
 
-from engine_helpers import hf_greedy, load_hf
+from engine_helpers import hf_greedy
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # LoRA's A and B both drawn at random (PEFT's init_lora_weights=False), then scaled down so that the delta moves
 # the tiny model's tokens without swamping them
 WEIGHT_SCALE = 0.5
+
+
+def load_hf_any(checkpoint: Path):
+    """transformers' own class for the checkpoint (Qwen3, Qwen3-MoE), float32, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
 
 
 def write_peft_adapter(checkpoint: Path, directory: Path, rank: int, seed: int, targets: list[str] | None = None,
@@ -27,7 +34,7 @@ def write_peft_adapter(checkpoint: Path, directory: Path, rank: int, seed: int, 
                         target_modules=targets or ALL_TARGETS, use_rslora=use_rslora, init_lora_weights=False)
     with warnings.catch_warnings():  # PEFT calls a transformers method that warns of its own deprecation
         warnings.simplefilter("ignore", FutureWarning)
-        model = get_peft_model(load_hf(checkpoint), config)
+        model = get_peft_model(load_hf_any(checkpoint), config)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if "lora_" in name:
@@ -49,7 +56,7 @@ def peft_greedy(checkpoint: Path, adapter: Path | None, prompts: list[list[int]]
     PEFT (None: the base model)."""
     from peft import PeftModel
 
-    model = load_hf(checkpoint)
+    model = load_hf_any(checkpoint)
     if adapter is not None:
         with warnings.catch_warnings():  # as in `write_peft_adapter`
             warnings.simplefilter("ignore", FutureWarning)

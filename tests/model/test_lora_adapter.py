@@ -53,13 +53,21 @@ def test_scale_is_folded_into_b(adapter_dir, slots):
     (dict(use_dora=True), "use_dora"),
     (dict(modules_to_save=["lm_head"]), "modules_to_save"),
     (dict(target_modules=["q_proj", "embed_tokens"]), "embed_tokens"),
-    (dict(rank_pattern={"q_proj": 4}), "rank_pattern"),
+    (dict(use_qalora=True), "use_qalora"),
     (dict(bias="all"), "bias"),
     (dict(peft_type="IA3"), "IA3"),
 ])
 def test_unsupported_options_are_refused_by_name(adapter_dir, slots, tmp_path, fields, named):
     with pytest.raises(AdapterError, match=named):
         load_lora_adapter("bad", edited_copy(adapter_dir, tmp_path, **fields), slots.shapes, RANK)
+
+
+def test_alpha_pattern_overrides_a_modules_alpha(adapter_dir, slots, tmp_path):
+    edited = edited_copy(adapter_dir, tmp_path, alpha_pattern={"v_proj": 8.0}, rank_pattern={"v_proj": RANK})
+    plain = load_lora_adapter("a", adapter_dir, slots.shapes, RANK)
+    patterned = load_lora_adapter("a", edited, slots.shapes, RANK)
+    torch.testing.assert_close(patterned.weights[(0, "v_proj")][1], plain.weights[(0, "v_proj")][1] * 2)
+    assert torch.equal(patterned.weights[(0, "q_proj")][1], plain.weights[(0, "q_proj")][1])
 
 
 def test_rank_over_the_maximum_is_refused(adapter_dir, slots):
