@@ -110,3 +110,8 @@ def test_moe_attention_adapter_matches_peft(tiny_moe_checkpoint, tmp_path):
     expected = peft_greedy(tiny_moe_checkpoint, adapter, PROMPTS[:2], MAX_NEW)
     llm = lora_llm(tiny_moe_checkpoint, {"moe": adapter})
     assert_matches(llm.generate(PROMPTS[:2], greedy(MAX_NEW), lora_request="moe"), expected)
+
+
+def test_hybrid_model_is_refused_at_start(hybrid_checkpoint, lora_adapters):
+    with pytest.raises(ValueError, match="Qwen3 and Qwen3-MoE checkpoints only, not on Qwen3_5ForCausalLM"):
+        lora_llm(hybrid_checkpoint("qwen3_5"), {"r8": lora_adapters["r8"]})
