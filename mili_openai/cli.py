@@ -34,6 +34,7 @@ from mili_openai.config import (
     TOOL_CALL_PARSERS,
     EngineConfig,
     MediaConfig,
+    LoraConfig,
     ServerConfig,
     SpeculativeConfig,
     speculative_config_from,
@@ -159,6 +160,16 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     pool.add_argument("--rerank-template", default=None, metavar="FILE",
                       help="a file holding the reranker's prompt for one pair, with {query}, {document} and optionally "
                            "{instruction} (default: Qwen3-Reranker's model card format)")
+    lora = serve.add_argument_group("LoRA adapters (vLLM's flags)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters beside the base model")
+    lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                      help="PEFT adapter directories, each as name=path or a JSON object {\"name\": ..., \"path\": ...};"
+                           " a request runs one by naming it as its `model`")
+    lora.add_argument("--max-loras", type=int, default=LoraConfig.max_loras, help="adapters in one step")
+    lora.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept loaded in host memory "
+                                                                        "(default: --max-loras)")
+    lora.add_argument("--max-lora-rank", type=int, default=LoraConfig.max_lora_rank,
+                      help="the largest adapter rank served (sizes the adapter slots)")
     eng.add_argument("--default-model-cache", default=None,
                      help="where the embedded default model is built (default: ~/.cache/mili-openai)")
     serve.set_defaults(func=run_serve, parser=serve)
@@ -205,6 +216,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         runner=args.runner,
         pooling_task=args.pooling_task,
         pooling_type=args.pooling_type,
+        lora=lora_config_from_args(args),
         cpu_kernels_in_background=True,  # a first start answers while the kernels compile
     )
     return ServerConfig(
@@ -229,6 +241,32 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         rerank_template=Path(args.rerank_template).read_text() if args.rerank_template is not None else None,
         freeze_gc_after_load=True,  # this process only serves
     )
+
+
+def lora_config_from_args(args: argparse.Namespace) -> LoraConfig | None:
+    """--enable-lora's config; ValueError for adapters named without it, or malformed."""
+    if not args.enable_lora:
+        if args.lora_modules:
+            raise ValueError("--lora-modules needs --enable-lora")
+        return None
+    return LoraConfig(modules=tuple(parse_lora_module(text) for text in args.lora_modules),
+                      max_loras=args.max_loras, max_cpu_loras=args.max_cpu_loras, max_lora_rank=args.max_lora_rank)
+
+
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """One --lora-modules item, `name=path` or vLLM's JSON form, -> (name, path)."""
+    if text.lstrip().startswith("{"):
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--lora-modules {text!r} is not valid JSON: {exc}") from None
+        if not isinstance(fields, dict) or not isinstance(fields.get("name"), str) or not isinstance(fields.get("path"), str):
+            raise ValueError(f"--lora-modules {text!r}: a JSON item needs string 'name' and 'path'")
+        return fields["name"], fields["path"]
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora-modules {text!r}: expected name=path")
+    return name, path
 
 
 def parse_speculative_config(text: str | None) -> SpeculativeConfig | None:

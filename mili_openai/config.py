@@ -81,6 +81,36 @@ class SpeculativeConfig:
         object.__setattr__(self, "prompt_lookup_max", high)
 
 
+@dataclass(frozen=True, slots=True)
+class LoraConfig:
+    """LoRA adapters served beside the base model, as vLLM's `--enable-lora` flags: each request picks one by
+    naming it as its `model`. `modules`: (name, PEFT adapter directory) pairs, each checked at start.
+    `max_loras`: adapters in one step (each a slot on the device); `max_cpu_loras`: adapters kept loaded on the
+    host (None = max_loras); `max_lora_rank`: the largest rank an adapter may have (sizes the slots)."""
+
+    modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 1
+    max_cpu_loras: int | None = None
+    max_lora_rank: int = 16
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "modules", tuple((str(name), str(path)) for name, path in self.modules))
+        names = [name for name, _ in self.modules]
+        if len(set(names)) != len(names) or not all(names):
+            raise ValueError(f"LoRA adapter names must be distinct and non-empty, got {names}")
+        for field_name in ("max_loras", "max_lora_rank"):
+            if not _is_count(getattr(self, field_name)):
+                raise ValueError(f"{field_name} must be an integer >= 1, got {getattr(self, field_name)!r}")
+        if self.max_cpu_loras is not None and not (_is_count(self.max_cpu_loras) and self.max_cpu_loras >= self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), "
+                             f"got {self.max_cpu_loras!r}")
+
+    @property
+    def cpu_capacity(self) -> int:
+        """Adapters kept loaded on the host."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
 def _is_count(value) -> bool:
     """An int >= 1, and not a bool (JSON `true` would pass as 1)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
@@ -143,8 +173,13 @@ class EngineConfig:
     runner: str = "auto"  # RUNNERS: generate text, or pool (embeddings, rerank scores); auto reads the checkpoint
     pooling_task: str = "auto"  # POOLING_TASKS: auto = embed; rerank serves a Qwen3-Reranker
     pooling_type: str | None = None  # POOLING_TYPES; None = the checkpoint's (modules.json), else last
+    lora: LoraConfig | None = None  # None = no adapters (vLLM's --enable-lora off)
 
     def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):  # as the offline LLM(lora={...}) takes it
+            object.__setattr__(self, "lora", LoraConfig(**self.lora))
+        if self.lora is not None and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters are not served under tensor parallelism yet")
         if isinstance(self.speculative_config, dict):  # as the offline LLM(speculative_config={...}) takes it
             object.__setattr__(self, "speculative_config", speculative_config_from(self.speculative_config))
         if not isinstance(self.speculative_config, SpeculativeConfig | None):

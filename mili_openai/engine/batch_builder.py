@@ -179,6 +179,13 @@ def build_forward_batch(batch: ScheduledBatch, page_size: int, page_arrays: Page
     )
 
 
+def row_lora_ids(batch: ScheduledBatch) -> np.ndarray | None:
+    """Each row's LoRA adapter id (a decode's draft rows and a chunk's rows repeat their sequence's); None when
+    no sequence of the step runs an adapter."""
+    ids = [seq.lora_id for seq in batch.seqs]
+    return np.repeat(np.asarray(ids, dtype=np.int64), batch.num_new_tokens) if any(ids) else None
+
+
 def _page_tables(page_size: int, decode: _DecodeRows | None, prefills: list[PrefillSegment],
                  prefill_pages: list[list[int]]) -> PageTables:
     """The step's page tables: the decode rows' (built with them), then one row per prefill chunk."""

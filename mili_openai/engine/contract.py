@@ -42,6 +42,8 @@ class EngineInfo:
     sampling_defaults: SamplingDefaults  # what a request's omitted sampling fields become
     vision: VisionSpec | None = None  # a model that takes images: its placeholder tokens and preprocessing
     pooling: PoolingSpec | None = None  # a pooling model's output (embeddings, rerank scores); None: it generates
+    # the LoRA adapters a request may name as its `model` (`--lora-modules`), in their order: (name, path)
+    lora_adapters: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +55,7 @@ class EngineRequest:
     max_tokens: int  # params.max_tokens resolved against the context length
     images: RequestImages | None = None  # the prompt's images and their placement (engine/image_inputs.py)
     pooled: bool = False  # a pooling request: the prompt's vector (PoolingSpec) instead of tokens
+    lora_name: str | None = None  # the LoRA adapter it runs with (one of EngineInfo.lora_adapters); None: the base
 
 
 class RequestError(ValueError):
@@ -64,13 +67,17 @@ class RequestError(ValueError):
 
 
 def check_request(prompt_token_ids: list[Any], params: SamplingParams, info: EngineInfo,
-                  prompt_field: str | None = None, images: list[ImageFeatures] | None = None) -> EngineRequest:
+                  prompt_field: str | None = None, images: list[ImageFeatures] | None = None,
+                  lora_name: str | None = None) -> EngineRequest:
     """The request as the engine takes it; RequestError for one that can never run. `prompt_field`: what the
     client called its prompt ("messages" for a chat); given, the errors name the field at fault (`param`), as
-    OpenAI's chat errors do."""
+    OpenAI's chat errors do. `images`: the prompt's preprocessed images; `lora_name`: the LoRA adapter to run with
+    (None: the base model)."""
     if info.pooling is not None:
         raise RequestError(f"this server runs a pooling model ({info.pooling.task}): it does not generate text; "
                            "use /v1/embeddings, /v1/rerank or /score")
+    if lora_name is not None and lora_name not in (name for name, _ in info.lora_adapters):
+        raise RequestError(f"no LoRA adapter named {lora_name!r} is loaded", "model")
     prompt = _checked_prompt(prompt_token_ids, info, prompt_field)
     vocab_size, max_model_len = info.vocab_size, info.max_model_len
     what = prompt_field or PROMPT_FIELD
@@ -87,7 +94,8 @@ def check_request(prompt_token_ids: list[Any], params: SamplingParams, info: Eng
             f"completion). Please reduce the length of the {what} or the completion.",
             MAX_TOKENS_FIELD if prompt_field else None)
     placed = _place_images(prompt, images, info, prompt_field) if images else None
-    return EngineRequest(prompt, params, params.max_tokens if params.max_tokens is not None else room, placed)
+    max_tokens = params.max_tokens if params.max_tokens is not None else room
+    return EngineRequest(prompt, params, max_tokens, placed, lora_name=lora_name)
 
 
 def _place_images(prompt: list[int], images: list[ImageFeatures], info: EngineInfo,

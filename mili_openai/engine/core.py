@@ -17,6 +17,7 @@ from mili_openai.config import EngineConfig
 from mili_openai.engine.contract import EngineInfo, EngineRequest
 from mili_openai.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher, TokenDecoder
 from mili_openai.engine.kv_pages import KVPageManager
+from mili_openai.engine.lora_manager import adapter_names, lora_ids
 from mili_openai.engine.outputs import (
     EngineObserver,
     EngineStats,
@@ -75,7 +76,9 @@ class EngineCore:
         self.info = EngineInfo(tokenizer=tokenizer, model_path=model_path, max_model_len=max_model_len,
                                vocab_size=model_config.vocab_size, eos_token_ids=tuple(model_config.eos_token_ids),
                                quantization=runner.quantization, sampling_defaults=sampling_defaults or {},
-                               vision=checkpoint_vision_spec(model_config, model_path), pooling=pooling)
+                               vision=checkpoint_vision_spec(model_config, model_path), pooling=pooling,
+                               lora_adapters=config.lora.modules if config.lora is not None else ())
+        self.lora_ids = lora_ids(config.lora)  # adapter name -> the id its sequences carry
         if pooling is not None:
             runner.set_pooling(pooling)
         prefix_caching = config.enable_prefix_caching and (pooling is None or pooling.uses_prefix_cache)
@@ -122,6 +125,9 @@ class EngineCore:
                     for index, child_id in enumerate(parent.child_ids)]
         for seq in children:
             seq.pooled = request.pooled
+        if request.lora_name is not None:
+            for seq in children:
+                seq.lora_id = self.lora_ids[request.lora_name]
         self.requests[request_id] = parent
         for seq in children:
             seq.images = request.images
@@ -373,6 +379,9 @@ class EngineCore:
             spec_decode_num_drafts_total=self.spec_decode.num_drafts,
             spec_decode_num_draft_tokens_total=self.spec_decode.num_draft_tokens,
             spec_decode_num_accepted_tokens_total=self.spec_decode.num_accepted_tokens,
+            running_lora_adapters=adapter_names(self.scheduler.running, self.lora_ids),
+            waiting_lora_adapters=adapter_names(self.scheduler.waiting, self.lora_ids),
+            max_lora=self.config.lora.max_loras if self.config.lora is not None else 0,
         )
 
     def check_integrity(self) -> None:

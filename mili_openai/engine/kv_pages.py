@@ -12,8 +12,22 @@ from mili_openai.engine.sequence import Sequence
 from mili_openai.radix import PagePool, RadixCache
 
 
+# a LoRA sequence's prefix-cache key shifts every token id by its adapter id times this (past any vocabulary),
+# so prefixes computed under one adapter (or the base, id 0, unshifted) never match under another
+LORA_KEY_STRIDE = 1 << 32
+
+
 def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
+
+
+def cache_key(seq: Sequence, num_tokens: int) -> list[int]:
+    """The radix tree's key for seq's first num_tokens tokens: the K/V under them depends on its adapter too."""
+    tokens = seq.token_ids[:num_tokens]
+    if not seq.lora_id:
+        return tokens
+    offset = seq.lora_id * LORA_KEY_STRIDE
+    return [token + offset for token in tokens]
 
 
 class KVPageManager:
@@ -36,7 +50,7 @@ class KVPageManager:
             # scoring the prompt needs every prompt position's logits, cached ones included; an image's
             # placeholder tokens are the same ids whatever the image, so a match could be another image's K/V
             return 0
-        match = self.tree.match_prefix(seq.token_ids[: seq.num_tokens - 1])
+        match = self.tree.match_prefix(cache_key(seq, seq.num_tokens - 1))
         self.tree.lock(match.node)
         seq.pages = list(match.pages)
         seq.num_tree_pages = len(match.pages)
@@ -68,7 +82,7 @@ class KVPageManager:
         num_full = seq.num_known_computed_tokens // self.page_size
         if num_full <= seq.num_tree_pages:
             return
-        result = self.tree.insert(seq.token_ids[: num_full * self.page_size], seq.pages[:num_full])
+        result = self.tree.insert(cache_key(seq, num_full * self.page_size), seq.pages[:num_full])
         duplicates = [
             mine
             for mine, tree_page in zip(seq.pages[seq.num_tree_pages : num_full], result.pages[seq.num_tree_pages :])

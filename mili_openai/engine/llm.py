@@ -46,9 +46,12 @@ class LLM:
         self,
         prompts: PromptInput | SequenceABC[PromptInput],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        lora_request: str | SequenceABC[str | None] | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order, with `params.n` outputs each (the engine fans a prompt
-        out into its samples: engine/parallel_sampling.py)."""
+        out into its samples: engine/parallel_sampling.py). `lora_request`: the name of a LoRA adapter the
+        config registered (`LLM(model, lora={"modules": [(name, path)], ...})`) to run every prompt with, or one
+        name (None: the base model) per prompt."""
         prompt_list = self._normalise_prompts(prompts)
         if sampling_params is None:
             params_list = [self.get_default_sampling_params()] * len(prompt_list)
@@ -59,11 +62,19 @@ class LLM:
             if len(params_list) != len(prompt_list):
                 raise ValueError("give one SamplingParams, or exactly one per prompt")
 
+        if lora_request is None or isinstance(lora_request, str):
+            lora_list = [lora_request] * len(prompt_list)
+        else:
+            lora_list = list(lora_request)
+            if len(lora_list) != len(prompt_list):
+                raise ValueError("give one lora_request, or exactly one per prompt")
+
         results: dict[str, RequestOutput] = {}  # by engine request id, in prompt order
         try:
-            for prompt_index, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+            for prompt_index, (prompt, params, lora_name) in enumerate(zip(prompt_list, params_list, lora_list)):
                 text, ids, images = self._prompt_inputs(prompt)
-                checked = check_request(ids, params, self.core.info, images=images)  # ValueError: can never run
+                # ValueError for one that can never run (an adapter not registered included)
+                checked = check_request(ids, params, self.core.info, images=images, lora_name=lora_name)
                 request = self.core.add(checked, f"llm-{id(self)}-{prompt_index}")
                 results[request.request_id] = RequestOutput.empty(str(prompt_index), ids, params.n, prompt=text)
             self._run_to_completion(results)

@@ -150,6 +150,10 @@ class EngineStats:
     # the state pool of linear-attention layers (one slot per running sequence); 0 for attention-only models
     num_state_slots: int = 0
     num_free_state_slots: int = 0
+    # LoRA (vLLM's vllm:lora_requests_info): adapters of running and of waiting sequences; max_lora 0: LoRA off
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0
 
 
 @dataclass(frozen=True, slots=True)

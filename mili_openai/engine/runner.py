@@ -20,6 +20,7 @@ from mili_openai.config import EngineConfig
 from mili_openai.distributed import TensorParallelGroup
 from mili_openai.engine.batch_builder import PromptScoring
 from mili_openai.engine.cuda_graphs import DecodeGraphs
+from mili_openai.engine.lora_manager import LoraManager
 from mili_openai.engine.memory_budget import (
     BYTES_PER_GIB,
     check_kv_cache_fits,
@@ -124,6 +125,8 @@ class ModelRunner(StepRunner):
             logger.info("quantized weights: compiling the CPU kernels before serving")
             use_cpu_kernels(self.model, self.model.dtype, load_cpu_kernels())
             compiled_later = False
+        # LoRA slots wrap the projections before the memory is sized, so the KV budget counts them
+        self.lora = LoraManager(config.lora, self.model) if config.lora is not None else None
         self.dtype = self.model.dtype
         self.quantization = self.model.quantization  # None, or what the weights are
         self.page_size = config.page_size
@@ -138,7 +141,9 @@ class ModelRunner(StepRunner):
         self.num_pages = config.num_pages or self._pages_for_budget(config, state_bytes)
         # Dynamic NTK RoPE checks each forward's positions on the host, which a graph cannot capture
         # (not for linear-attention layers yet: the graphs replay K/V writes only, not state-slot updates)
+        # (nor LoRA yet: a graph replays the projections without the adapters' row groups)
         use_graphs = (self.device.type == "cuda" and not config.enforce_eager and not self.num_state_slots
+                      and self.lora is None
                       and self.model.model.rotary_emb.dynamic_limit is None and self.model.attention_kernel is not None)
         # with graphs, one page more than the engine hands out: its first slot takes padded rows' K/V
         pool_pages = self.num_pages + (1 if use_graphs else 0)
@@ -228,6 +233,9 @@ class ModelRunner(StepRunner):
         bucket = self.decode_graphs.bucket(batch) if self.decode_graphs is not None else None
         if bucket is not None:
             hidden = self.decode_graphs.run(batch, bucket)  # (T, hidden)
+        elif step.lora_ids is not None:  # rows on adapters: each LoRA projection adds its rows' deltas
+            with self.lora.slots.rows(self.lora.groups(step.lora_ids, self.device)):
+                hidden = self.model(batch, self.caches)
         else:
             hidden = self.model(batch, self.caches)
         scored = self.score_prompts(hidden, step.prompt_scorings) if step.prompt_scorings else None

@@ -246,8 +246,14 @@ class Scheduler:
         """Move waiting sequences into running while budget, sequence cap, pages and state slots allow (FIFO);
         the slots handed out go to `new_state_slots`."""
         deferred: list[Sequence] = []
+        adapters = self._running_adapters()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.popleft()
+            if adapters is not None and seq.lora_id and seq.lora_id not in adapters:
+                if len(adapters) >= self.config.lora.max_loras:  # its adapter would be one too many in a step
+                    deferred.append(seq)
+                    continue
+                adapters.add(seq.lora_id)
             matched = self.pages.match(seq)
             if self._shares_prefix_in_flight(seq, matched, prefills):
                 # A sequence already being prefilled is computing pages this one could reuse: wait one
@@ -276,11 +282,20 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         return budget
 
+    def _running_adapters(self) -> set[int] | None:
+        """The LoRA adapters the running sequences use (every step runs them all): at most max_loras; None
+        without LoRA."""
+        if self.config.lora is None:
+            return None
+        return {seq.lora_id for seq in self.running if seq.lora_id}
+
     def _shares_prefix_in_flight(self, seq: Sequence, matched: int, prefills: list[tuple[Sequence, int]]) -> bool:
         if not self.pages.enable_prefix_caching or seq.images is not None:
             return False  # a sequence with images never reuses cached pages (engine/kv_pages.py)
         page_size = self.pages.page_size
         for other, _ in prefills:
+            if other.lora_id != seq.lora_id:  # its pages hold another adapter's K/V
+                continue
             limit = min(seq.num_tokens - 1, other.num_tokens)
             shared = common_prefix_length(seq.token_ids[:limit], other.token_ids[:limit])
             if shared // page_size > matched // page_size:

@@ -47,6 +47,7 @@ class Sequence:
     # partial state (a mean's running sum, a CLS vector) lives in pooling_partial until the last chunk
     pooled: bool = False
     pooling_partial: Any = None
+    lora_id: int = 0  # the LoRA adapter it runs with (engine/lora_manager.py); 0: the base model alone
 
     # tokens: prompt followed by outputs. num_computed_tokens counts the tokens whose K/V is in `pages`
     # or is being written by a step already handed to the model runner (steps run in order, so nothing

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from mili_openai.engine.batch_builder import (
@@ -18,6 +19,7 @@ from mili_openai.engine.batch_builder import (
     pending_inputs,
     pooling_rows,
     prompt_scorings,
+    row_lora_ids,
 )
 from mili_openai.engine.image_batch import vision_batch
 from mili_openai.engine.pooling_spec import PoolingRow
@@ -46,6 +48,8 @@ class PreparedStep:
     # (N,) int64: state slots handed out in this step, zeroed before its forward (ScheduledBatch.new_state_slots)
     new_state_slots: torch.Tensor | None = None
     pooling_rows: list[PoolingRow] = field(default_factory=list)  # pooling requests' chunks (engine/pooler.py)
+    # (T,) each row's LoRA adapter id (0: the base model); None when every row runs on the base
+    lora_ids: np.ndarray | None = None
 
     @property
     def needs_host_tokens(self) -> bool:
@@ -152,7 +156,7 @@ class StepPreparer:
         new_state_slots = torch.tensor(batch.new_state_slots, dtype=torch.int64) if batch.new_state_slots else None
         return PreparedStep(forward_batch, rows, pending_rows, pending_sources, pending_histories,
                             prompt_scorings(batch, forward_batch), staged, pending_index, new_state_slots,
-                            pooling_rows(batch, forward_batch))
+                            pooling_rows(batch, forward_batch), row_lora_ids(batch))
 
     def launch(self, step: PreparedStep, launch_forward: LaunchForward) -> LaunchedStep:
         """Feed `step` the tokens the step before sampled and queue its forward and sampling

@@ -69,7 +69,8 @@ class GenerationJob(ABC, Generic[BodyT]):
         self.engine: EngineClient = server.require_engine()
         self.response_id = f"{self.id_prefix}-{request_id}"
         self.created = int(time.time())
-        self.model = server.served_model_name
+        self.model = server.served_model_name  # what responses name: the LoRA adapter's name where one runs
+        self.lora_name: str | None = None  # set by `serve_job` from the request's `model`
         self.num_samples = 1  # per prompt: set by `submit_prompts`
         self.prompt_ids: list[list[int]] = []
         self.streams: list[RequestStream] = []
@@ -100,7 +101,8 @@ class GenerationJob(ABC, Generic[BodyT]):
         """One engine request per prompt, each of `params.n` samples; all or nothing. `prompt_field`: what the
         request calls its prompt, for the errors to name (see `check_request`); `images`: a single prompt's."""
         info = self.engine.info
-        requests = [check_request(prompt, params, info, prompt_field, images) for prompt in prompts]
+        requests = [check_request(prompt, params, info, prompt_field, images, lora_name=self.lora_name)
+                    for prompt in prompts]
         self.prompt_ids, self.num_samples = prompts, params.n
         try:
             for index, request in enumerate(requests):
@@ -209,8 +211,10 @@ async def serve_job(request: Request, body_type: type[RequestT],
     """The handler of every generation endpoint: parse, admit, submit, then stream or answer once."""
     server = server_state(request)
     body = await parse_body(request, body_type)
-    server.check_model(body.model)
+    lora_name = server.check_model(body.model)
     job = job_type(server, body, request_id_of(request))
+    if lora_name is not None:
+        job.lora_name = job.model = lora_name
     server.check_queue(job.num_sequences)
     await job.submit()
     if body.stream:

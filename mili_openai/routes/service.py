@@ -79,7 +79,11 @@ async def list_models(request: Request) -> Response:
     if engine.info.pooling is not None:
         model["pooling"] = {"type": engine.info.pooling.pooling_type, "normalize": engine.info.pooling.normalize,
                             "dimensions": engine.info.pooling.output_size}
-    return json_response({"object": "list", "data": [model]})
+    # each LoRA adapter as its own model, its parent the base (as vLLM lists them)
+    adapters = [{"id": name, "object": "model", "created": model["created"], "owned_by": OWNED_BY, "root": path,
+                 "parent": server.served_model_name, "max_model_len": engine.info.max_model_len}
+                for name, path in engine.info.lora_adapters]
+    return json_response({"object": "list", "data": [model, *adapters]})
 
 
 async def render_messages(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:

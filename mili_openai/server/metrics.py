@@ -6,6 +6,7 @@ engine-wide counters are read from `engine.stats()` at scrape time, so they cost
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -60,6 +61,13 @@ class EngineStatsCollector(Collector):
                                 value=stats.num_state_slots)
         yield GaugeMetricFamily("mili_state_slots_used", "State slots held by running sequences.",
                                 value=stats.num_state_slots - stats.num_free_state_slots)
+        if stats.max_lora:  # vLLM's shape, which the Gateway API inference extension's endpoint picker reads
+            info = GaugeMetricFamily("vllm:lora_requests_info", "Running and waiting LoRA adapters (the value: "
+                                     "the scrape's Unix time).",
+                                     labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+            info.add_metric([",".join(stats.running_lora_adapters), ",".join(stats.waiting_lora_adapters),
+                             str(stats.max_lora)], time.time())
+            yield info
         for name, documentation, field in ENGINE_COUNTERS:
             yield CounterMetricFamily(name, documentation, value=getattr(stats, field))
 

@@ -229,10 +229,20 @@ class ServerState:
             raise APIError(503, f"the model is not ready{detail}", type="service_unavailable")
         return self.engine
 
-    def check_model(self, name: str | None) -> None:
-        """404 for a model this server does not serve (None means "the one served")."""
-        if name is not None and name != self.served_model_name:
-            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter `name` picks (None: the base model, also for None, "the one served"); 404 for a
+        model this server does not serve."""
+        if name is None or name == self.served_model_name:
+            return None
+        if name in self.lora_names:
+            return name
+        raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The LoRA adapters served beside the base model (`--lora-modules`)."""
+        lora = self.config.engine.lora
+        return () if lora is None else tuple(name for name, _ in lora.modules)
 
     def check_queue(self, num_sequences: int = 1) -> None:
         """429 once `max_queue` sequences wait: shed load instead of queueing forever.

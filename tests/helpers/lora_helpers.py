@@ -1,0 +1,64 @@
+"""PEFT LoRA adapters written by PEFT itself on a tiny checkpoint, and the oracle that serves them: transformers'
+Qwen3 with the adapter merged by PEFT's `merge_and_unload()`."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+
+from engine_helpers import hf_greedy
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# LoRA's A and B both drawn at random (PEFT's init_lora_weights=False), then scaled down so that the delta moves
+# the tiny model's tokens without swamping them
+WEIGHT_SCALE = 0.5
+
+
+def load_hf_any(checkpoint: Path):
+    """transformers' own class for the checkpoint (Qwen3, Qwen3-MoE), float32, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+
+
+def write_peft_adapter(checkpoint: Path, directory: Path, rank: int, seed: int, targets: list[str] | None = None,
+                       alpha: float | None = None, use_rslora: bool = False) -> Path:
+    """A random PEFT LoRA adapter for `checkpoint`, saved by PEFT's `save_pretrained` into `directory`."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank,
+                        target_modules=targets or ALL_TARGETS, use_rslora=use_rslora, init_lora_weights=False)
+    with warnings.catch_warnings():  # PEFT calls a transformers method that warns of its own deprecation
+        warnings.simplefilter("ignore", FutureWarning)
+        model = get_peft_model(load_hf_any(checkpoint), config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.mul_(WEIGHT_SCALE)
+    model.save_pretrained(str(directory))
+    return directory
+
+
+def edit_adapter_config(directory: Path, **fields) -> None:
+    """Overwrite fields of an adapter's adapter_config.json (to make one the server must refuse)."""
+    path = directory / "adapter_config.json"
+    config = json.loads(path.read_text())
+    config.update(fields)
+    path.write_text(json.dumps(config))
+
+
+def peft_greedy(checkpoint: Path, adapter: Path | None, prompts: list[list[int]], max_new: int):
+    """The oracle: greedy tokens and log-softmax rows of transformers' Qwen3 in float32 with `adapter` merged by
+    PEFT (None: the base model)."""
+    from peft import PeftModel
+
+    model = load_hf_any(checkpoint)
+    if adapter is not None:
+        with warnings.catch_warnings():  # as in `write_peft_adapter`
+            warnings.simplefilter("ignore", FutureWarning)
+            model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
+    return [hf_greedy(model, prompt, max_new) for prompt in prompts]
