@@ -1,7 +1,7 @@
 """Build a Qwen3.5 / Qwen3.6 / Qwen3-Next model from its checkpoint's tensors (model/loader.py reads them and
-sets up the kernels): on the meta device, the hybrid renames (model/hybrid_weights.py), the shared name map
-(model/weights.py), then the weights assigned in place. What mili does not run yet for these models is refused
-here, before any weight is placed."""
+sets up the kernels): on the meta device, the hybrid renames (model/hybrid_weights.py), a tensor-parallel rank's
+slices (model/hybrid_tensor_parallel.py), the shared name map (model/weights.py), then the weights assigned in
+place. What mili does not run yet for these models is refused here, before any weight is placed."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import torch
 
 from mili_openai.distributed import TensorParallelGroup
 from mili_openai.model.config import ModelConfig
+from mili_openai.model.hybrid_tensor_parallel import shard_hybrid_tensors
 from mili_openai.model.hybrid_weights import prepare_hybrid_tensors
 from mili_openai.model.quantization.spec import CheckpointQuantization
 from mili_openai.model.qwen3_5 import Qwen3_5ForCausalLM
+from mili_openai.model.tensor_parallel import shard_config
 from mili_openai.model.weights import CheckpointError, checkpoint_to_model_state
 
 
@@ -19,8 +21,8 @@ def check_hybrid_options(config: ModelConfig, parallel: TensorParallelGroup | No
                          checkpoint_quantization: CheckpointQuantization | None) -> None:
     """Refuse, naming it, what the hybrid models do not run yet."""
     name = config.architecture
-    if parallel is not None:
-        raise NotImplementedError(f"{name} runs on one rank: --tensor-parallel-size > 1 is not supported for it yet")
+    if parallel is not None and (quantization is not None or checkpoint_quantization is not None):
+        raise NotImplementedError(f"{name}: quantized weights run on one rank, not with --tensor-parallel-size > 1")
     if checkpoint_quantization is not None:
         raise NotImplementedError(f"{name}: pre-quantized checkpoints ({checkpoint_quantization.method}) are not "
                                   "supported yet; load the bf16 checkpoint")
@@ -29,14 +31,20 @@ def check_hybrid_options(config: ModelConfig, parallel: TensorParallelGroup | No
 
 
 def build_hybrid_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                       device: torch.device, source: str) -> Qwen3_5ForCausalLM:
-    """The model in eval mode on `device`, weights (and kept MTP weights) in `dtype`; `tensors` are consumed.
-    `source` names the checkpoint in errors. (`--quantization` applies after, as for Qwen3: loader.py.)"""
+                       device: torch.device, source: str,
+                       parallel: TensorParallelGroup | None = None) -> Qwen3_5ForCausalLM:
+    """The model in eval mode on `device`, weights (and kept MTP weights) in `dtype`; `tensors` (the whole
+    checkpoint's) are consumed. `parallel`: this rank's shard. `source` names the checkpoint in errors.
+    (`--quantization` applies after, as for Qwen3: loader.py.)"""
     with torch.device("meta"):
-        model = Qwen3_5ForCausalLM(config)
+        model = Qwen3_5ForCausalLM(config, parallel)
     mtp, missing = prepare_hybrid_tensors(tensors, config)
+    local = config
+    if parallel is not None:
+        shard_hybrid_tensors(tensors, config, parallel.rank, parallel.size)
+        local = shard_config(config, parallel.size)
     tensors = {name: t.to(dtype=dtype) if t.is_floating_point() else t for name, t in tensors.items()}
-    state = checkpoint_to_model_state(tensors, config, model.state_dict().keys(), missing)
+    state = checkpoint_to_model_state(tensors, local, model.state_dict().keys(), missing)
     try:
         model.load_state_dict({name: t.to(device) for name, t in state.items()}, strict=True, assign=True)
     except RuntimeError as exc:  # size mismatches: the config and the weights disagree
