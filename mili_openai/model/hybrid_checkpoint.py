@@ -147,7 +147,8 @@ def build_random_hybrid_checkpoint(path: str | Path, layout: str, config_fields:
 
 def write_qwen35_generation_config_and_tokenizer(directory: Path) -> None:
     """Qwen3.5's end-of-turn ids in generation_config.json, its tokenizer files and chat template."""
-    generation = {"eos_token_id": list(EOS_TOKEN_IDS), "pad_token_id": ADDED_TOKENS_START + ADDED_TOKENS.index(ENDOFTEXT)}
+    pad = ADDED_TOKENS_START + ADDED_TOKENS.index(ENDOFTEXT)
+    generation = {"eos_token_id": list(EOS_TOKEN_IDS), "pad_token_id": pad}
     (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
     write_qwen35_tokenizer_files(directory)
 

@@ -11,6 +11,7 @@ from mili_openai.distributed import TensorParallelGroup
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.hybrid_tensor_parallel import shard_hybrid_tensors
 from mili_openai.model.hybrid_weights import prepare_hybrid_tensors
+from mili_openai.model.quantization.apply import load_checkpoint_quantization
 from mili_openai.model.quantization.spec import CheckpointQuantization
 from mili_openai.model.qwen3_5 import Qwen3_5ForCausalLM
 from mili_openai.model.tensor_parallel import shard_config
@@ -23,19 +24,21 @@ def check_hybrid_options(config: ModelConfig, parallel: TensorParallelGroup | No
     name = config.architecture
     if parallel is not None and (quantization is not None or checkpoint_quantization is not None):
         raise NotImplementedError(f"{name}: quantized weights run on one rank, not with --tensor-parallel-size > 1")
-    if checkpoint_quantization is not None:
-        raise NotImplementedError(f"{name}: pre-quantized checkpoints ({checkpoint_quantization.method}) are not "
-                                  "supported yet; load the bf16 checkpoint")
+    if checkpoint_quantization is not None and (config.moe is not None or config.hybrid.linear.fused_projections):
+        raise NotImplementedError(f"{name}: pre-quantized checkpoints ({checkpoint_quantization.method}) load for the "
+                                  "dense Qwen3.5 / Qwen3.6 layout only, not MoE ones nor Qwen3-Next's fused "
+                                  "in_proj_qkvz / in_proj_ba, yet; load the bf16 checkpoint")
     if quantization is not None and config.moe is not None:
         raise NotImplementedError(f"{name}: --quantization {quantization} runs dense models only, not MoE ones, yet")
 
 
 def build_hybrid_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                       device: torch.device, source: str,
-                       parallel: TensorParallelGroup | None = None) -> Qwen3_5ForCausalLM:
+                       device: torch.device, source: str, parallel: TensorParallelGroup | None = None,
+                       checkpoint_quantization: CheckpointQuantization | None = None) -> Qwen3_5ForCausalLM:
     """The model in eval mode on `device`, weights (and kept MTP weights) in `dtype`; `tensors` (the whole
-    checkpoint's) are consumed. `parallel`: this rank's shard. `source` names the checkpoint in errors.
-    (`--quantization` applies after, as for Qwen3: loader.py.)"""
+    checkpoint's) are consumed. `parallel`: this rank's shard. `checkpoint_quantization`: the projections are
+    built as the checkpoint stores them (model/quantization/apply.py), the rest loads dense. `source` names the
+    checkpoint in errors. (`--quantization` applies after, as for Qwen3: loader.py.)"""
     with torch.device("meta"):
         model = Qwen3_5ForCausalLM(config, parallel)
     mtp, missing = prepare_hybrid_tensors(tensors, config)
@@ -43,13 +46,18 @@ def build_hybrid_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dt
     if parallel is not None:
         shard_hybrid_tensors(tensors, config, parallel.rank, parallel.size)
         local = shard_config(config, parallel.size)
+    placed: dict[str, torch.Tensor] = {}
+    if checkpoint_quantization is not None:
+        model.quantization = load_checkpoint_quantization(model, tensors, checkpoint_quantization, dtype, device)
+        placed = {name: t for name, t in model.state_dict().items() if not t.is_meta}  # quantized modules' own
     tensors = {name: t.to(dtype=dtype) if t.is_floating_point() else t for name, t in tensors.items()}
-    state = checkpoint_to_model_state(tensors, local, model.state_dict().keys(), missing)
+    state = checkpoint_to_model_state(tensors, local, model.state_dict().keys() - placed.keys(), missing)
     try:
-        model.load_state_dict({name: t.to(device) for name, t in state.items()}, strict=True, assign=True)
+        model.load_state_dict({name: t.to(device) for name, t in state.items()} | placed, strict=True, assign=True)
     except RuntimeError as exc:  # size mismatches: the config and the weights disagree
         raise CheckpointError(f"checkpoint weights do not fit {source}: {exc}") from exc
     if mtp is not None:
-        model.mtp = mtp.to(device=device, dtype=dtype)
+        # a quantized checkpoint's MTP projections stay as stored (a cast would drop their scales' meaning)
+        model.mtp = mtp.to(device=device) if checkpoint_quantization is not None else mtp.to(device=device, dtype=dtype)
     model.to(device)  # the RoPE buffer and the experts' load counters, built on CPU, follow the weights
     return model.requires_grad_(False).eval()

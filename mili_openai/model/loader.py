@@ -124,7 +124,7 @@ def load_model(
     if config.hybrid is not None:
         check_hybrid_options(config, parallel, quantization, checkpoint_quantization)
         model = build_hybrid_model(config, read_checkpoint_tensors(directory), dtype, device,
-                                   str(directory / "config.json"), parallel)
+                                   str(directory / "config.json"), parallel, checkpoint_quantization)
         if quantization is not None:
             model.quantization = quantize_model(model, quantization, group_size, lm_head_quantization or "int8")
         rank_config = shard_config(config, parallel.size) if parallel is not None else config
