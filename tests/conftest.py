@@ -9,7 +9,8 @@ tokenizer, fake and real engines and servers.
   names): 8 experts, top-2 renormalised, layer 1 dense among sparse layers 0 and 2 (`mlp_only_layers`),
   an untied LM head, sizes that split over 2 and 4 tensor-parallel ranks; float32.
 - `hybrid_checkpoint`: a function of a name (qwen3_5, qwen3_5_vl, qwen3_5_moe, qwen3_next: each layout at a
-  1,024-token vocabulary; qwen3_5_tokenizer_vocab: the tokenizer's whole vocabulary, for the server path) -> a
+  1,024-token vocabulary with Qwen3's tokenizer files; qwen3_5_qwen35_tokenizer: Qwen3.5's own tokenizer, chat
+  template and whole vocabulary, for the server path) -> a
   tiny random Qwen3.5 / Qwen3-Next checkpoint written by transformers' own class
   (tests/helpers/hybrid_helpers.py), each built once per session, float32.
 - `lora_adapters` (session): {name: directory} of random PEFT LoRA adapters on `tiny_checkpoint` (ranks 8 and 64
@@ -91,9 +92,9 @@ def hybrid_checkpoint(tmp_path_factory):
 
     def checkpoint(name: str):
         if name not in built:
-            layout, fields, seed = HYBRID_CHECKPOINTS[name]
+            layout, fields, seed, tokenizer = HYBRID_CHECKPOINTS[name]
             built[name] = build_random_hybrid_checkpoint(tmp_path_factory.mktemp(f"tiny-{name}"), layout, fields,
-                                                         seed=seed)
+                                                         seed=seed, tokenizer=tokenizer)
         return built[name]
 
     return checkpoint

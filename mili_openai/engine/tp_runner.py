@@ -266,7 +266,8 @@ class TensorParallelRunner(StepRunner):
         """Send the step to every worker, and sample from rank 0's logits here."""
         if source is not None:  # the workers read the input ids this process sends: they must be on the host
             raise RuntimeError("a tensor-parallel step launches only once the step before has finished")
-        request = StepRequest(step.forward_batch, num_sampled=len(step.rows), prompt_scorings=step.prompt_scorings)
+        request = StepRequest(step.forward_batch, num_sampled=len(step.rows), prompt_scorings=step.prompt_scorings,
+                              new_state_slots=step.new_state_slots)
         reply: StepReply = self.workers.request(request, StepReply)
         if not step.rows:
             return LaunchedStep(sampled=None, token_ids=None, prompt_logprobs=reply.prompt_logprobs)

@@ -51,6 +51,8 @@ class StepRequest:
     forward_batch: ForwardBatch  # on the CPU; each rank copies it to its device
     num_sampled: int  # rows of `forward_batch.logits_indices` to return logits for (0: none)
     prompt_scorings: list[PromptScoring] = field(default_factory=list)
+    # state slots handed out in this step, zeroed on every rank before the forward (PreparedStep.new_state_slots)
+    new_state_slots: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -95,7 +97,9 @@ def _tensor_from_bytes(raw: np.ndarray, dtype: torch.dtype, shape: tuple[int, ..
 class _WirePickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):  # any dtype (bf16 has no numpy twin): its bytes, rebuilt by view
-            raw = obj.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+            # (an empty tensor's flat view may have stride 0, which a byte view refuses: it has no bytes anyway)
+            flat = obj.detach().to("cpu").contiguous().reshape(-1)
+            raw = flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, dtype=np.uint8)
             return _tensor_from_bytes, (raw, obj.dtype, tuple(obj.shape))
         return NotImplemented
 
@@ -116,6 +120,8 @@ def run_step(runner: ModelRunner, request: StepRequest) -> StepReply:
     """One step on this rank's shard: the forward (from a CUDA graph where one fits), the prompt scoring and
     the sampled rows' logits, as `ModelRunner._forward_and_sample` computes them before sampling."""
     batch = forward_batch_to(request.forward_batch, runner.device)
+    if request.new_state_slots is not None:  # sequences admitted in this step start from zero states
+        runner.state_cache.reset(request.new_state_slots)
     graphs = runner.decode_graphs
     bucket = graphs.bucket(batch) if graphs is not None else None
     hidden = graphs.run(batch, bucket) if bucket is not None else runner.model(batch, runner.caches)

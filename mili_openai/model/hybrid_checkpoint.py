@@ -11,6 +11,10 @@ full-attention decoder layer per `mtp_num_hidden_layers`.
 Weights are drawn so every part of the model matters to the logits (see checkpoint.random_weights): matrices
 with std 1/sqrt(fan_in), zero-centred norm weights around 0 (applied as 1 + w), the gated norm's around 1,
 decay rates A = exp(A_log) in [0.05, 2] so a linear layer's state remembers over tens of tokens.
+
+The tokenizer files are Qwen3's (QWEN3_TOKENIZER: what most tests need, a small vocabulary suffices) or Qwen3.5's
+own (QWEN35_TOKENIZER: its 248,320-row vocabulary, chat template and XML tool calls, for the server path and the
+embedded `mili-tiny-random-qwen3.5`; model/qwen35_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -29,8 +33,16 @@ from mili_openai.model.checkpoint import (
     _draw,
     _write_generation_config_and_tokenizer,
 )
+from mili_openai.model.qwen35_tokenizer import (
+    ADDED_TOKENS,
+    ADDED_TOKENS_START,
+    ENDOFTEXT,
+    EOS_TOKEN_IDS,
+    write_qwen35_tokenizer_files,
+)
 
 HYBRID_LAYOUTS = ("qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_next")
+QWEN3_TOKENIZER, QWEN35_TOKENIZER = "qwen3", "qwen3.5"  # which tokenizer files a checkpoint carries
 DECAY_RATE_RANGE = (0.05, 2.0)  # A = exp(A_log): per-token decay exp(-A * softplus(a + dt_bias))
 DT_BIAS_STD = 0.5
 GATED_NORM = "linear_attn.norm.weight"  # the one norm that is not zero-centred
@@ -104,12 +116,15 @@ def _mtp_weights(state: dict[str, torch.Tensor], config, layers: int, generator:
 
 
 def build_random_hybrid_checkpoint(path: str | Path, layout: str, config_fields: dict[str, Any], seed: int,
-                                   dtype: torch.dtype = torch.float32) -> Path:
+                                   dtype: torch.dtype = torch.float32, tokenizer: str = QWEN3_TOKENIZER) -> Path:
     """A checkpoint dir at `path` in `layout` (HYBRID_LAYOUTS): transformers' config from `config_fields` (the
     text config's fields, plus `mtp_num_hidden_layers`), its model's weights drawn from `seed`, saved by
-    `save_pretrained`, the MTP weights added, generation config and tokenizer files beside."""
+    `save_pretrained`, the MTP weights added, generation config and `tokenizer`'s files beside (QWEN3_TOKENIZER
+    or QWEN35_TOKENIZER)."""
     if layout not in HYBRID_LAYOUTS:
         raise ValueError(f"layout must be one of {HYBRID_LAYOUTS}, got {layout!r}")
+    if tokenizer not in (QWEN3_TOKENIZER, QWEN35_TOKENIZER):
+        raise ValueError(f"tokenizer must be {QWEN3_TOKENIZER!r} or {QWEN35_TOKENIZER!r}, got {tokenizer!r}")
     fields = dict(config_fields)
     tie = bool(fields.pop("tie_word_embeddings", False))
     model = _transformers_model(layout, fields, tie).to(dtype)
@@ -128,8 +143,19 @@ def build_random_hybrid_checkpoint(path: str | Path, layout: str, config_fields:
         weights = load_file(str(weights_file))
         weights.update(_mtp_weights(model.state_dict(), model.config, mtp_layers, generator, dtype))
         save_file(weights, str(weights_file), metadata=SAFETENSORS_METADATA)
-    _write_generation_config_and_tokenizer(directory)
+    if tokenizer == QWEN35_TOKENIZER:
+        write_qwen35_generation_config_and_tokenizer(directory)
+    else:
+        _write_generation_config_and_tokenizer(directory)
     if layout == "qwen3_5_vl":
         (directory / "preprocessor_config.json").write_text(json.dumps(QWEN3_5_PREPROCESSOR_CONFIG, indent=2))
     return directory
+
+
+def write_qwen35_generation_config_and_tokenizer(directory: Path) -> None:
+    """Qwen3.5's end-of-turn ids in generation_config.json, its tokenizer files and chat template."""
+    pad = ADDED_TOKENS_START + ADDED_TOKENS.index(ENDOFTEXT)
+    generation = {"eos_token_id": list(EOS_TOKEN_IDS), "pad_token_id": pad}
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    write_qwen35_tokenizer_files(directory)
 

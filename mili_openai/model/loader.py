@@ -124,10 +124,11 @@ def load_model(
     if config.hybrid is not None:
         check_hybrid_options(config, parallel, quantization, checkpoint_quantization)
         model = build_hybrid_model(config, read_checkpoint_tensors(directory), dtype, device,
-                                   str(directory / "config.json"))
+                                   str(directory / "config.json"), parallel, checkpoint_quantization)
         if quantization is not None:
             model.quantization = quantize_model(model, quantization, group_size, lm_head_quantization or "int8")
-        _set_up_kernels(model, config, dtype, device, use_decode_kernel, attention_backend, defer_cpu_kernels)
+        rank_config = shard_config(config, parallel.size) if parallel is not None else config
+        _set_up_kernels(model, rank_config, dtype, device, use_decode_kernel, attention_backend, defer_cpu_kernels)
         return model, config
     if (quantization or checkpoint_quantization) and (parallel is not None or config.moe is not None):
         raise ValueError("quantized weights run dense models on one rank: not with --tensor-parallel-size > 1, "

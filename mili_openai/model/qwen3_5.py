@@ -10,7 +10,10 @@ DeltaNet's gated one is zero-centred (1 + w). Module names follow transformers' 
 `mlp.shared_expert.gate_up_proj`, stacked experts. A checkpoint's multi-token-prediction weights are kept in
 `mtp` (model/mtp.py), unused until speculative decoding runs them.
 
-One rank only for now, and no compiled decode stack: every layer runs module by module.
+Under tensor parallelism (`parallel` given) every module is built in this rank's shapes (model/tensor_parallel.py,
+model/hybrid_tensor_parallel.py): each mixer's and MLP's output is summed over the ranks before its residual add,
+the embedding is vocabulary-parallel and the logits are gathered. No compiled decode stack: every layer runs
+module by module.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mili_openai.distributed import TensorParallelGroup
 from mili_openai.kernels.linear_attention import LinearAttentionKernel
 from mili_openai.model.batch import ForwardBatch
 from mili_openai.model.cache_spec import LayerCacheSpec, ModelCaches, PagedKVSpec, RecurrentStateSpec
@@ -35,6 +39,7 @@ from mili_openai.model.quantization.modules import Fp8Linear, Fp8MatmulFn, Quant
 from mili_openai.model.qwen3_5_vision import Qwen3_5VisionTower
 from mili_openai.model.rope import RotaryEmbedding, RotaryTable
 from mili_openai.model.vision_batch import ImageEmbeddingCache, mrope_pair_streams, mrope_rotary
+from mili_openai.model.tensor_parallel import VocabParallelEmbedding, shard_config
 
 
 def _mlp(config: ModelConfig, index: int) -> nn.Module:
@@ -45,10 +50,16 @@ def _mlp(config: ModelConfig, index: int) -> nn.Module:
                                 moe.moe_intermediate_size, moe.norm_topk_prob, moe.shared_expert_intermediate_size)
 
 
+def _linear_spec(layer: GatedDeltaNet) -> RecurrentStateSpec:
+    return RecurrentStateSpec((layer.conv_dim, layer.conv1d.weight.shape[1] - 1),
+                              (layer.num_v_heads, layer.head_k_dim, layer.head_v_dim))
+
+
 class HybridDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, index: int) -> None:
+    def __init__(self, config: ModelConfig, index: int, parallel: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.index = index
+        self.parallel = parallel
         self.is_linear = config.hybrid.layer_type(index) == LINEAR_ATTENTION
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         if self.is_linear:
@@ -71,15 +82,21 @@ class HybridDecoderLayer(nn.Module):
         else:
             k_pool, v_pool = caches.kv.layer(self.index)
             mixed = self.self_attn(normed, cos, sin, batch, k_pool, v_pool)
-        residual, normed = self.post_attention_layernorm.add_and_norm(mixed, residual)
-        return self.mlp(normed), residual
+        residual, normed = self.post_attention_layernorm.add_and_norm(self._sum(mixed), residual)
+        return self._sum(self.mlp(normed)), residual
+
+    def _sum(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel output summed over the ranks (in place); as is without tensor parallelism."""
+        return partial if self.parallel is None else self.parallel.all_reduce(partial)
 
 
 class HybridModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(HybridDecoderLayer(config, index) for index in range(config.num_hidden_layers))
+        self.embed_tokens = (nn.Embedding(config.vocab_size, config.hidden_size) if parallel is None
+                             else VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel))
+        self.layers = nn.ModuleList(HybridDecoderLayer(config, index, parallel)
+                                    for index in range(config.num_hidden_layers))
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)  # over the rotary_dim leading dims of each head
         sections = config.hybrid.mrope_section
@@ -109,15 +126,16 @@ class HybridModel(nn.Module):
 
 
 class Qwen3_5ForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, parallel: TensorParallelGroup | None = None) -> None:
         super().__init__()
         if config.hybrid is None:
             raise ValueError(f"{config.architecture} is not a hybrid model: load it as Qwen3ForCausalLM")
-        self.config = config
-        self.parallel = None  # one rank only (the loader refuses --tensor-parallel-size > 1)
-        self.model = HybridModel(config)
+        self.config = config  # the whole model's; the modules hold this rank's shapes under `parallel`
+        self.parallel = parallel
+        local = shard_config(config, parallel.size) if parallel is not None else config
+        self.model = HybridModel(local, parallel)
         self.lm_head: nn.Module | None = (None if config.tie_word_embeddings
-                                          else Linear(config.hidden_size, config.vocab_size))
+                                          else Linear(config.hidden_size, local.vocab_size))
         self.mtp: MultiTokenPredictorWeights | None = None  # the checkpoint's MTP weights (model/mtp.py)
         self.visual: Qwen3_5VisionTower | None = None  # a vision-language checkpoint's tower (model.visual.*)
         self.image_cache = ImageEmbeddingCache()
@@ -131,12 +149,10 @@ class Qwen3_5ForCausalLM(nn.Module):
 
     def cache_specs(self) -> list[LayerCacheSpec]:
         """One spec per decoder layer (model/cache_spec.py): K/V pages for attention layers; for linear ones a
-        conv window (the last K-1 inputs of every conv channel) and an fp32 (Dk, Dv) state per value head."""
-        config, linear = self.config, self.config.hybrid.linear
-        conv_shape = (linear.conv_dim, linear.conv_kernel_dim - 1)
-        recurrent_shape = (linear.num_value_heads, linear.key_head_dim, linear.value_head_dim)
-        return [RecurrentStateSpec(conv_shape, recurrent_shape) if layer.is_linear
-                else PagedKVSpec(config.num_key_value_heads, config.head_dim) for layer in self.model.layers]
+        conv window (the last K-1 inputs of every conv channel) and an fp32 (Dk, Dv) state per value head (this
+        rank's heads under tensor parallelism)."""
+        return [_linear_spec(layer.linear_attn) if layer.is_linear
+                else PagedKVSpec(layer.self_attn.num_kv_heads, layer.self_attn.head_dim) for layer in self.model.layers]
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         """Run every token of the batch, writing K/V into `caches.kv` and each sequence's state into its slot of
@@ -166,7 +182,10 @@ class Qwen3_5ForCausalLM(nn.Module):
         if isinstance(self.lm_head, QuantizedLinear):
             return self.lm_head(hidden).float()
         weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        return self._logits_matmul(hidden, weight).float()
+        logits = self._logits_matmul(hidden, weight)  # (N, vocab slice)
+        if self.parallel is not None:  # every rank's slice, the padding past the vocabulary cut off
+            logits = self.parallel.all_gather_last(logits)[:, : self.config.vocab_size]
+        return logits.float()
 
     def expert_load(self) -> dict[int, list[int]]:
         return {index: layer.mlp.expert_load.tolist() for index, layer in enumerate(self.model.layers)

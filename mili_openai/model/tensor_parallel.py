@@ -58,6 +58,10 @@ def check_tensor_parallel(config: ModelConfig, size: int) -> None:
         problems.append(f"intermediate_size ({config.intermediate_size})")
     if config.moe is not None and config.moe.moe_intermediate_size % size:
         problems.append(f"moe_intermediate_size ({config.moe.moe_intermediate_size})")
+    if config.moe is not None and config.moe.shared_expert_intermediate_size % size:
+        problems.append(f"shared_expert_intermediate_size ({config.moe.shared_expert_intermediate_size})")
+    if config.hybrid is not None and config.hybrid.linear.num_key_heads % size:  # value heads: a multiple of them
+        problems.append(f"linear_num_key_heads ({config.hybrid.linear.num_key_heads})")
     if problems:
         raise ValueError(f"tensor_parallel_size {size} does not divide this model's {', '.join(problems)}")
 
@@ -67,9 +71,14 @@ def shard_config(config: ModelConfig, size: int) -> ModelConfig:
     if size == 1:
         return config
     check_tensor_parallel(config, size)
-    moe = config.moe
+    moe, hybrid = config.moe, config.hybrid
     if moe is not None:
-        moe = dataclasses.replace(moe, moe_intermediate_size=moe.moe_intermediate_size // size)
+        moe = dataclasses.replace(moe, moe_intermediate_size=moe.moe_intermediate_size // size,
+                                  shared_expert_intermediate_size=moe.shared_expert_intermediate_size // size)
+    if hybrid is not None:  # Gated DeltaNet's key and value heads split alike (each rank keeps its GVA groups)
+        linear = dataclasses.replace(hybrid.linear, num_key_heads=hybrid.linear.num_key_heads // size,
+                                     num_value_heads=hybrid.linear.num_value_heads // size)
+        hybrid = dataclasses.replace(hybrid, linear=linear)
     intermediate = config.intermediate_size
     return dataclasses.replace(
         config,
@@ -79,6 +88,7 @@ def shard_config(config: ModelConfig, size: int) -> ModelConfig:
         intermediate_size=intermediate // size if intermediate % size == 0 else intermediate,
         vocab_size=-(-config.vocab_size // size),
         moe=moe,
+        hybrid=hybrid,
     )
 
 

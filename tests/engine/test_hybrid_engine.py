@@ -72,7 +72,7 @@ def test_n_samples_fork_the_prompt_state(oracle):
 
 
 def test_abort_frees_the_state_slot(hybrid_checkpoint):
-    engine = AsyncEngine(EngineConfig(model=str(hybrid_checkpoint("qwen3_5_tokenizer_vocab")), dtype="float32",
+    engine = AsyncEngine(EngineConfig(model=str(hybrid_checkpoint("qwen3_5_qwen35_tokenizer")), dtype="float32",
                                       num_pages=64, page_size=8, max_num_batched_tokens=64, max_model_len=256))
     check_abort_mid_stream_frees_pages(engine, vocab=HYBRID_VOCAB)
     slots = engine.core.state_slots

@@ -15,6 +15,8 @@ import torch
 
 from mili_openai.model import ForwardBatch, KVCache
 from mili_openai.model.cache_spec import ModelCaches
+from mili_openai.model.hybrid_checkpoint import QWEN3_TOKENIZER, QWEN35_TOKENIZER
+from mili_openai.model.qwen35_tokenizer import QWEN35_VOCAB_SIZE
 from mili_openai.model.state_cache import StateCache
 
 HYBRID_VOCAB = 1024
@@ -31,16 +33,16 @@ TINY_HYBRID_MOE_CONFIG = {k: v for k, v in TINY_HYBRID_CONFIG.items() if k != "i
 TINY_NEXT_CONFIG = TINY_HYBRID_CONFIG | EXPERTS | dict(
     mlp_only_layers=[1], tie_word_embeddings=True,
     rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25))
-# the tokenizer's whole vocabulary (Qwen3's, in these checkpoints): what the server path needs, whose
-# structured-output grammar covers every token the tokenizer has
-TOKENIZER_VOCAB = 151936
-# fixture name -> (layout, config fields, seed)
+# fixture name -> (layout, config fields, seed, tokenizer files); "qwen3_5_qwen35_tokenizer" carries Qwen3.5's own
+# tokenizer and chat template over its whole vocabulary: what the server path needs (the XML tool-call parser is
+# chosen from the template; a structured-output grammar covers every token the tokenizer has)
 HYBRID_CHECKPOINTS = {
-    "qwen3_5": ("qwen3_5", TINY_HYBRID_CONFIG, 10),
-    "qwen3_5_vl": ("qwen3_5_vl", TINY_HYBRID_CONFIG, 11),
-    "qwen3_5_moe": ("qwen3_5_moe", TINY_HYBRID_MOE_CONFIG, 12),
-    "qwen3_next": ("qwen3_next", TINY_NEXT_CONFIG, 13),
-    "qwen3_5_tokenizer_vocab": ("qwen3_5", TINY_HYBRID_CONFIG | dict(vocab_size=TOKENIZER_VOCAB), 14),
+    "qwen3_5": ("qwen3_5", TINY_HYBRID_CONFIG, 10, QWEN3_TOKENIZER),
+    "qwen3_5_vl": ("qwen3_5_vl", TINY_HYBRID_CONFIG, 11, QWEN3_TOKENIZER),
+    "qwen3_5_moe": ("qwen3_5_moe", TINY_HYBRID_MOE_CONFIG, 12, QWEN3_TOKENIZER),
+    "qwen3_next": ("qwen3_next", TINY_NEXT_CONFIG, 13, QWEN3_TOKENIZER),
+    "qwen3_5_qwen35_tokenizer": ("qwen3_5", TINY_HYBRID_CONFIG | dict(vocab_size=QWEN35_VOCAB_SIZE), 14,
+                                 QWEN35_TOKENIZER),
 }
 
 

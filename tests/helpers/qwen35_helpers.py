@@ -35,16 +35,15 @@ def qwen3_checkpoint_with_qwen35_tokenizer(path: Path) -> Path:
     import torch
 
     from mili_openai.model.checkpoint import TINY_SHAPE, TOKENIZER_FILES, build_random_checkpoint
-    from mili_openai.model.qwen35_tokenizer import EOS_TOKEN_IDS, QWEN35_VOCAB_SIZE, write_qwen35_tokenizer_files
+    from mili_openai.model.hybrid_checkpoint import write_qwen35_generation_config_and_tokenizer
+    from mili_openai.model.qwen35_tokenizer import EOS_TOKEN_IDS, QWEN35_VOCAB_SIZE
 
     shape = dataclasses.replace(TINY_SHAPE, vocab_size=QWEN35_VOCAB_SIZE)
     build_random_checkpoint(path, shape, seed=0, dtype=torch.float32)
     for name in TOKENIZER_FILES:  # Qwen3's
         (path / name).unlink()
-    write_qwen35_tokenizer_files(path)
+    write_qwen35_generation_config_and_tokenizer(path)
     config = json.loads((path / "config.json").read_text())
     config.update(bos_token_id=None, eos_token_id=EOS_TOKEN_IDS[0])
     (path / "config.json").write_text(json.dumps(config, indent=2))
-    generation = {"eos_token_id": list(EOS_TOKEN_IDS), "pad_token_id": EOS_TOKEN_IDS[1]}
-    (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
     return path

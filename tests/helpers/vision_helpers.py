@@ -5,7 +5,6 @@ drawn on the fly, and prompts with placeholders laid out as the chat template an
 from __future__ import annotations
 
 import io
-import json
 from pathlib import Path
 
 import numpy as np
@@ -18,18 +17,11 @@ IMAGE_SIZES = ((64, 48), (300, 120), (90, 260))
 def build_vision_checkpoint(path: Path) -> Path:
     from hybrid_helpers import TINY_HYBRID_CONFIG
 
-    from mili_openai.model.checkpoint import TOKENIZER_FILES
-    from mili_openai.model.hybrid_checkpoint import build_random_hybrid_checkpoint
-    from mili_openai.model.qwen35_tokenizer import EOS_TOKEN_IDS, QWEN35_VOCAB_SIZE, write_qwen35_tokenizer_files
+    from mili_openai.model.hybrid_checkpoint import QWEN35_TOKENIZER, build_random_hybrid_checkpoint
+    from mili_openai.model.qwen35_tokenizer import QWEN35_VOCAB_SIZE
 
     fields = TINY_HYBRID_CONFIG | dict(vocab_size=QWEN35_VOCAB_SIZE, tie_word_embeddings=True)
-    build_random_hybrid_checkpoint(path, "qwen3_5_vl", fields, seed=VISION_SEED)
-    for name in TOKENIZER_FILES:  # Qwen3's
-        (path / name).unlink()
-    write_qwen35_tokenizer_files(path)
-    generation = {"eos_token_id": list(EOS_TOKEN_IDS), "pad_token_id": EOS_TOKEN_IDS[1]}
-    (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
-    return path
+    return build_random_hybrid_checkpoint(path, "qwen3_5_vl", fields, seed=VISION_SEED, tokenizer=QWEN35_TOKENIZER)
 
 
 def drawn_image(width: int, height: int, seed: int):

@@ -1,5 +1,6 @@
-"""A Qwen3.5 checkpoint behind the real server and the openai SDK: chat completions whole and streamed agree
-(greedy), a request with an image part is a 400 (a text-only checkpoint), and /metrics shows the state
+"""A Qwen3.5 checkpoint (Qwen3.5's own tokenizer and chat template) behind the real server and the openai SDK:
+chat completions whole and streamed agree (greedy), a request with an image part is a 400 (a text-only
+checkpoint), and /metrics shows the state
 pool beside the KV pool."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from helpers_server import served_engine
 
 @pytest.fixture(scope="module")
 def server(hybrid_checkpoint):
-    with served_engine(hybrid_checkpoint("qwen3_5_tokenizer_vocab"), num_pages=64, page_size=8,
+    with served_engine(hybrid_checkpoint("qwen3_5_qwen35_tokenizer"), num_pages=64, page_size=8,
                        max_model_len=512, max_num_batched_tokens=64) as (live, _):
         yield live
 
@@ -21,10 +22,12 @@ def server(hybrid_checkpoint):
 def test_chat_whole_and_streamed_agree(server):
     client = openai.OpenAI(base_url=server.api_base, api_key="unused")
     messages = [{"role": "user", "content": "Say something about linear attention."}]
-    whole = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=12)
+    no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}  # Qwen3.5's template thinks by default
+    whole = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=12,
+                                           extra_body=no_thinking)
     assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 12
     pieces = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=12,
-                                            stream=True)
+                                            stream=True, extra_body=no_thinking)
     streamed = "".join(chunk.choices[0].delta.content or "" for chunk in pieces if chunk.choices)
     assert streamed == whole.choices[0].message.content and streamed
 

@@ -21,6 +21,7 @@ from torch import nn
 
 from mili_openai.kernels.fp8 import Fp8Weights, dequantize_fp8, per_row_weights
 from mili_openai.model.config import ModelConfig
+from mili_openai.model.hybrid_config import LINEAR_ATTENTION
 from mili_openai.model.layers import Linear
 from mili_openai.model.qwen3 import Qwen3ForCausalLM
 from mili_openai.model.qwen3_5 import Qwen3_5ForCausalLM
@@ -44,6 +45,8 @@ from mili_openai.model.weights import FUSED_PARTS, LAYER_PREFIX, CheckpointError
 logger = logging.getLogger(__name__)
 
 LAYER_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+# a Gated DeltaNet layer's (Qwen3.5's split in_proj_qkv / _z / _b / _a fused into one), then its MLP's
+LINEAR_ATTENTION_PROJECTIONS = ("linear_attn.in_proj", "linear_attn.out_proj", "mlp.gate_up_proj", "mlp.down_proj")
 LM_HEAD = "lm_head"
 LM_HEAD_METHODS = ("int8", "int4")
 QUANTIZED_MARKERS = {"awq": "qweight", "gptq": "qweight", "fp8": "weight_scale_inv"}
@@ -89,7 +92,7 @@ def _quantized(dense: torch.Tensor, method: str, group_size: int) -> nn.Module:
     return Fp8Linear(per_row_weights(*quantize_fp8(dense)))
 
 
-def load_checkpoint_quantization(model: Qwen3ForCausalLM, tensors: dict[str, torch.Tensor],
+def load_checkpoint_quantization(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, tensors: dict[str, torch.Tensor],
                                  quant: CheckpointQuantization, dtype: torch.dtype, device: torch.device) -> str:
     """Build each quantized projection of a pre-quantized checkpoint (its tensors popped from `tensors`, fused
     projections concatenated) and put it in `model` (built on the meta device). FP8 projections that run
@@ -172,7 +175,8 @@ def _projections(config: ModelConfig) -> list[tuple[str, list[str]]]:
     out = []
     for layer in range(config.num_hidden_layers):
         prefix = f"{LAYER_PREFIX}.{layer}"
-        for projection in LAYER_PROJECTIONS:
+        linear = config.hybrid is not None and config.hybrid.layer_type(layer) == LINEAR_ATTENTION
+        for projection in LINEAR_ATTENTION_PROJECTIONS if linear else LAYER_PROJECTIONS:
             parts = FUSED_PARTS.get(projection, (projection,))
             out.append((f"{prefix}.{projection}", [f"{prefix}.{part}" for part in parts]))
     out.append((LM_HEAD, [LM_HEAD]))
