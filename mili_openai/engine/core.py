@@ -177,6 +177,8 @@ class EngineCore:
         scored = output.prompt_logprobs or {}
         for index, (seq, samples) in enumerate(zip(batch.seqs, batch.samples)):
             drafts = batch.drafts(index)
+            if output.proposed_drafts is not None:
+                seq.proposed_drafts = output.proposed_drafts[index]
             if not samples:
                 tokens = []
             else:
@@ -337,6 +339,8 @@ class EngineCore:
             spec_decode_num_drafts_total=self.spec_decode.num_drafts,
             spec_decode_num_draft_tokens_total=self.spec_decode.num_draft_tokens,
             spec_decode_num_accepted_tokens_total=self.spec_decode.num_accepted_tokens,
+            spec_decode_num_draft_tokens_per_pos=tuple(self.spec_decode.draft_tokens_per_position),
+            spec_decode_num_accepted_tokens_per_pos=tuple(self.spec_decode.accepted_tokens_per_position),
         )
 
     def check_integrity(self) -> None:

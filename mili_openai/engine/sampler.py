@@ -53,6 +53,8 @@ class SamplerOutput(NamedTuple):
     # scored prompt tokens (params.prompt_logprobs), set by the model runner: batch index of the
     # sequence -> (prompt index of the first entry, the entries)
     prompt_logprobs: dict[int, tuple[int, list[TokenLogprob]]] | None = None
+    # a model proposer's drafts for each sequence's next step, in batch order (engine/speculation.py); None: none
+    proposed_drafts: list[list[int]] | None = None
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], top_ks: Sequence[int],

@@ -39,6 +39,7 @@ def map_tensors(batch: ForwardBatch, move: TensorMap) -> ForwardBatch:
                          apply(pages.prefill_ctx_lens), pages.max_prefill_len),
         rotary=batch.rotary,
         state_slots=apply(batch.state_slots),
+        decode_groups=batch.decode_groups,
     )
 
 

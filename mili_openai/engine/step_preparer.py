@@ -21,6 +21,7 @@ from mili_openai.engine.batch_builder import (
 from mili_openai.engine.sampler import SamplerOutput, SamplingRow
 from mili_openai.engine.scheduled_batch import ScheduledBatch
 from mili_openai.engine.sequence import Sequence
+from mili_openai.engine.speculation import SpeculationPlan, plan_speculation
 from mili_openai.engine.step_inputs import stage_forward_batch
 from mili_openai.model.batch import ForwardBatch
 from mili_openai.model.rope import RotaryTable
@@ -42,6 +43,7 @@ class PreparedStep:
     pending_index: torch.Tensor | None = None
     # (N,) int64: state slots handed out in this step, zeroed before its forward (ScheduledBatch.new_state_slots)
     new_state_slots: torch.Tensor | None = None
+    speculation: SpeculationPlan | None = None  # drafts to verify or to make (engine/speculation.py)
 
     @property
     def needs_host_tokens(self) -> bool:
@@ -63,6 +65,7 @@ class LaunchedStep:
     prompt_logprobs: dict | None = None  # SamplerOutput.prompt_logprobs, scored at launch
     source: LaunchedStep | None = None  # the step whose device ids this one's pending rows read
     output: SamplerOutput | None = None  # set by a successful finish
+    proposed_drafts: list[list[int]] | None = None  # SamplerOutput.proposed_drafts, made at launch
     failed: bool = False
 
 
@@ -145,7 +148,8 @@ class StepPreparer:
                                          pin_memory=self.pin_memory)
         new_state_slots = torch.tensor(batch.new_state_slots, dtype=torch.int64) if batch.new_state_slots else None
         return PreparedStep(forward_batch, rows, pending_rows, pending_sources, pending_histories,
-                            prompt_scorings(batch, forward_batch), staged, pending_index, new_state_slots)
+                            prompt_scorings(batch, forward_batch), staged, pending_index, new_state_slots,
+                            plan_speculation(batch))
 
     def launch(self, step: PreparedStep, launch_forward: LaunchForward) -> LaunchedStep:
         """Feed `step` the tokens the step before sampled and queue its forward and sampling
@@ -184,7 +188,7 @@ class StepPreparer:
                 output = SamplerOutput(token_ids=[], logprobs=[])
             else:
                 output = finish_sample(launched.sampled)
-            output = output._replace(prompt_logprobs=launched.prompt_logprobs)
+            output = output._replace(prompt_logprobs=launched.prompt_logprobs, proposed_drafts=launched.proposed_drafts)
         except BaseException:
             launched.failed = True
             raise

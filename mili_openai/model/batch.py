@@ -54,6 +54,9 @@ class ForwardBatch:
     # (num_decode + len(prefills),) int64: the state slot (model/state_cache.py) of each decode row, then of
     # each prefill chunk, in batch order; None for a model without linear-attention layers
     state_slots: torch.Tensor | None = None
+    # rows of each decoding sequence where some verify drafts (1 + its drafts), host ints; None: one row each.
+    # A linear layer runs a sequence's rows one after another over its one state (model/gated_deltanet.py)
+    decode_groups: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -8,7 +8,7 @@ DeltaNet's gated one is zero-centred (1 + w). Module names follow transformers' 
 (`model.layers.N.linear_attn.out_proj`, `model.norm`, `lm_head`), with the fusions the loader maps
 (model/hybrid_weights.py): `linear_attn.in_proj`, `self_attn.qkv_proj`, `mlp.gate_up_proj`,
 `mlp.shared_expert.gate_up_proj`, stacked experts. A checkpoint's multi-token-prediction weights are kept in
-`mtp` (model/mtp.py), unused until speculative decoding runs them.
+`mtp` (model/mtp.py); speculative decoding builds its module from them (model/mtp_predictor.py).
 
 One rank only for now, and no compiled decode stack: every layer runs module by module.
 """
@@ -65,7 +65,7 @@ class HybridDecoderLayer(nn.Module):
             residual, normed = self.input_layernorm.add_and_norm(hidden, residual)
         if self.is_linear:
             conv_pool, state_pool = caches.state.layer(self.index)
-            mixed = self.linear_attn(normed, rows, conv_pool, state_pool)
+            mixed = self.linear_attn(normed, rows, conv_pool, state_pool, caches.state.kept(self.index))
         else:
             k_pool, v_pool = caches.kv.layer(self.index)
             mixed = self.self_attn(normed, cos, sin, batch, k_pool, v_pool)
@@ -107,6 +107,10 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.lm_head: nn.Module | None = (None if config.tie_word_embeddings
                                           else Linear(config.hidden_size, config.vocab_size))
         self.mtp: MultiTokenPredictorWeights | None = None  # the checkpoint's MTP weights (model/mtp.py)
+        # the MTP module built from them for speculative decoding (model/mtp_predictor.py), and its K/V layers,
+        # which follow the decoder's in cache_specs(); none until the engine drafts with it
+        self.mtp_predictor: nn.Module | None = None
+        self.num_mtp_cache_layers = 0
         self._logits_matmul: MatmulFn = F.linear
         self.attention_kernel: AttentionKernel | None = None
         self.quantization: str | None = None
@@ -121,8 +125,9 @@ class Qwen3_5ForCausalLM(nn.Module):
         config, linear = self.config, self.config.hybrid.linear
         conv_shape = (linear.conv_dim, linear.conv_kernel_dim - 1)
         recurrent_shape = (linear.num_value_heads, linear.key_head_dim, linear.value_head_dim)
-        return [RecurrentStateSpec(conv_shape, recurrent_shape) if layer.is_linear
-                else PagedKVSpec(config.num_key_value_heads, config.head_dim) for layer in self.model.layers]
+        attention = PagedKVSpec(config.num_key_value_heads, config.head_dim)
+        return [RecurrentStateSpec(conv_shape, recurrent_shape) if layer.is_linear else attention
+                for layer in self.model.layers] + [attention] * self.num_mtp_cache_layers
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         """Run every token of the batch, writing K/V into `caches.kv` and each sequence's state into its slot of
