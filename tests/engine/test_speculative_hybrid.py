@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid_helpers import hybrid_tokens
+from hybrid_helpers import HYBRID_VOCAB, hybrid_tokens
 
 from mili_openai import LLM, SamplingParams
 
@@ -53,11 +53,43 @@ def test_greedy_output_is_plain_decodings(plain, speculative):
     assert token_ids(llm.generate(PATTERN_PROMPTS, greedy())) == expected
     stats = llm.core.stats()
     assert stats.spec_decode_num_draft_tokens_total > 0
-    if speculative is NGRAM:  # random MTP heads rarely agree with the target: n-gram drafts cover "kept"
-        assert 0 < stats.spec_decode_num_accepted_tokens_total < stats.spec_decode_num_draft_tokens_total
     positions = stats.spec_decode_num_draft_tokens_per_pos
     assert len(positions) == speculative["num_speculative_tokens"] and sum(positions) == (
         stats.spec_decode_num_draft_tokens_total)
+    assert_all_released(llm)
+
+
+class KnowingProposer:
+    """Drafts the plain output's next tokens, some with their first or second draft wrong: so drafts are kept
+    whole, kept in part (the state rolls back to a row past the first) and rejected (random tiny models repeat
+    too little for n-gram drafts to be kept, and their MTP heads are random)."""
+
+    drafts_in_runner = False
+
+    def __init__(self, prompts: list[list[int]], outputs: list[list[int]], k: int) -> None:
+        self.outputs = {tuple(prompt): output for prompt, output in zip(prompts, outputs)}
+        self.k = k
+        self.calls: dict[str, int] = {}
+
+    def propose(self, seq, max_drafts: int) -> list[int]:
+        done = len(seq.output_token_ids)
+        drafts = list(self.outputs[tuple(seq.prompt_token_ids)][done : done + min(self.k, max_drafts)])
+        calls = self.calls[seq.sequence_id] = self.calls.get(seq.sequence_id, 0) + 1
+        wrong = {1: 0, 2: 1}.get(calls % 3)  # else every draft is right
+        if wrong is not None and wrong < len(drafts):
+            drafts[wrong] = (drafts[wrong] + 1) % HYBRID_VOCAB
+        return drafts
+
+
+def test_kept_and_rejected_drafts_roll_the_state_exactly(plain):
+    checkpoint, expected = plain
+    llm = LLM(checkpoint, speculative_config=NGRAM, **ENGINE)
+    llm.core.scheduler.proposer = KnowingProposer(PATTERN_PROMPTS, [sample[0] for sample in expected], k=3)
+    assert token_ids(llm.generate(PATTERN_PROMPTS, greedy())) == expected
+    stats = llm.core.stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens_total < stats.spec_decode_num_draft_tokens_total
+    kept, verified = stats.spec_decode_num_accepted_tokens_per_pos, stats.spec_decode_num_draft_tokens_per_pos
+    assert all(0 < kept[position] < verified[position] for position in (0, 1))
     assert_all_released(llm)
 
 
