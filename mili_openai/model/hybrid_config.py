@@ -86,7 +86,7 @@ class HybridConfig:
     layer_types: tuple[str, ...]  # LINEAR_ATTENTION or FULL_ATTENTION per decoder layer
     linear: LinearAttentionConfig
     mrope_section: tuple[int, ...] | None  # rotary pairs per position stream; None: plain RoPE (Qwen3-Next)
-    mtp_num_hidden_layers: int  # multi-token-prediction layers the checkpoint may carry (kept, unused yet)
+    mtp_num_hidden_layers: int  # multi-token-prediction layers the checkpoint may carry (the "mtp" drafter)
     vision: bool  # a vision tower beside the language model (its weights are skipped; images refused)
 
     def layer_type(self, index: int) -> str:
