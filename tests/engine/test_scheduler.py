@@ -54,6 +54,7 @@ class ModelFreeRunner:
     failure = None
     kernel_build = None
     async_launch = False
+    num_state_slots = 0  # no linear-attention layers
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
