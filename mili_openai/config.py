@@ -23,7 +23,8 @@ DEFAULT_CPU_KV_CACHE_MEMORY_GB = 2.0  # on CUDA the pool takes what gpu_memory_u
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "mtp", "draft_model")
+MTP_SPECULATIVE_METHOD = "mtp"  # the checkpoint's own multi-token-prediction module (Qwen3.5 / Qwen3-Next)
 # weights quantized as a bf16 checkpoint loads (model/quantization): int8 and int4 on CPU and CUDA, fp8 on CUDA
 QUANTIZATION_METHODS = ("int8", "int4", "fp8")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)  # int4: values along a row per scale and zero point
@@ -52,6 +53,12 @@ class SpeculativeConfig:
     its rows; in a large batch the step is bound by compute, and rows for rejected drafts slow it. So,
     as vLLM's key of that name, steps with more running sequences than `disable_by_batch_size` decode
     without drafts.
+
+    "mtp" drafts with the checkpoint's own multi-token-prediction module (Qwen3.5 / Qwen3.6 / Qwen3-Next),
+    chained for more than one token; "draft_model" (a smaller checkpoint, `model`) is refused at start
+    until it is built. A request whose drafts are mostly rejected stops drafting: once it has verified
+    `min_drafts_for_switch` drafts, it drafts only while its acceptance rate stays at least
+    `min_acceptance_rate` (0 turns the switch off).
     """
 
     num_speculative_tokens: int
@@ -59,6 +66,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     disable_by_batch_size: int | None = None  # None = draft at every batch size
+    model: str | None = None  # the draft checkpoint of method "draft_model"
+    min_acceptance_rate: float = 0.2
+    min_drafts_for_switch: int = 16
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -77,6 +87,12 @@ class SpeculativeConfig:
                              f"got {self.prompt_lookup_min!r} and {self.prompt_lookup_max!r}")
         if self.disable_by_batch_size is not None and not _is_count(self.disable_by_batch_size):
             raise ValueError(f"disable_by_batch_size must be an integer >= 1, got {self.disable_by_batch_size!r}")
+        if not 0 <= self.min_acceptance_rate <= 1:
+            raise ValueError(f"min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate!r}")
+        if not _is_count(self.min_drafts_for_switch):
+            raise ValueError(f"min_drafts_for_switch must be an integer >= 1, got {self.min_drafts_for_switch!r}")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError('speculative method "draft_model" needs "model": the draft checkpoint\'s path')
         object.__setattr__(self, "prompt_lookup_min", low)
         object.__setattr__(self, "prompt_lookup_max", high)
 
@@ -323,7 +339,8 @@ def speculative_config_from(fields: dict) -> SpeculativeConfig:
     what is wrong."""
     if not isinstance(fields, dict):
         raise ValueError("the speculative config must be a JSON object")
-    known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"}
+    known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
+             "model", "min_acceptance_rate", "min_drafts_for_switch"}
     unknown = sorted(set(fields) - known)
     if unknown:
         raise ValueError(f"unsupported speculative config keys {unknown}; this server takes {sorted(known)}")

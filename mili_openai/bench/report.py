@@ -44,6 +44,10 @@ def format_table(run: BenchRun) -> str:
                  for pct in c.metric_percentiles]
     lines = [" Serving Benchmark Result ".center(RULE_WIDTH, "=")]
     lines += [f"{label:<{LABEL_WIDTH}}{value}" for label, value in rows]
+    for row in run.acceptance or ():
+        rate = "n/a" if row["rate"] is None else f"{row['rate']:.1%}"
+        lines.append(f"{'Draft acceptance, position ' + str(row['position']):<{LABEL_WIDTH}}"
+                     f"{rate} ({row['accepted']}/{row['drafts']})")
     if run.warmup_failed:
         lines.append(f"{'Failed warmup requests':<{LABEL_WIDTH}}{run.warmup_failed}")
     if s.errors:

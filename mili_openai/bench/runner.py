@@ -27,6 +27,7 @@ from mili_openai.bench.config import BenchConfig
 from mili_openai.bench.datasets import BenchRequest, build_workload
 from mili_openai.bench.prompt_tokens import load_tokenizer
 from mili_openai.bench.sse_client import RequestResult, request_body, request_headers, stream_request
+from mili_openai.bench.spec_metrics import acceptance_by_position, scrape_per_position
 from mili_openai.bench.summary import BenchSummary, summarize
 
 MODELS_PATH = "/v1/models"
@@ -48,6 +49,8 @@ class BenchRun:
     results: list[RequestResult]
     warmup_failed: int
     profile: dict[str, Any] | None = None  # with --profile: what POST /stop_profile answered (the files' paths)
+    # speculative decoding's drafts and acceptance per draft position over the run (bench/spec_metrics.py)
+    acceptance: list[dict[str, Any]] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -56,6 +59,7 @@ class BenchRun:
             "started_at": self.started_at,
             "warmup_failed": self.warmup_failed,
             "profile": self.profile,
+            "speculative_acceptance_by_position": self.acceptance,
             "summary": self.summary.to_json(),
             "requests": [r.to_json() for r in self.results],
         }
@@ -76,14 +80,17 @@ async def run_benchmark(config: BenchConfig, tokenizer=None) -> BenchRun:
             warmup_failed = sum(not r.success for r in warmup_results)
         if config.profile:
             await post_profile(client, config, START_PROFILE_PATH)
+        counters_before = await scrape_per_position(client, config.base_url, request_headers(config))
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         started = time.perf_counter()
         results = await send_all(client, config, model, measured, "bench", rate=config.request_rate)
         duration = time.perf_counter() - started
         profile = await post_profile(client, config, STOP_PROFILE_PATH) if config.profile else None
+        counters_after = await scrape_per_position(client, config.base_url, request_headers(config))
     summary = summarize(results, duration, config.max_error_messages, config.goodput_slos, config.metric_percentiles)
     return BenchRun(config=config, model=model, started_at=started_at, summary=summary, results=results,
-                    warmup_failed=warmup_failed, profile=profile)
+                    warmup_failed=warmup_failed, profile=profile,
+                    acceptance=acceptance_by_position(counters_before, counters_after))
 
 
 async def post_profile(client: aiohttp.ClientSession, config: BenchConfig, path: str) -> dict[str, Any]:

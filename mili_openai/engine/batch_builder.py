@@ -162,10 +162,14 @@ def build_forward_batch(batch: ScheduledBatch, page_size: int, page_arrays: Page
         if batch.samples[index]:
             logits_indices.append(row - 1)
 
-    # one row per decode (hybrid models draft nothing), then one per chunk: each sequence's slot in batch order
+    # one per decode row (a decode verifying drafts repeats its slot), then one per chunk
     state_slots = None
+    decode_groups = batch.num_new_tokens[:num_decode] if num_decode_rows > num_decode else None
     if batch.seqs[0].state_slot is not None:
-        state_slots = torch.from_numpy(np.array([seq.state_slot for seq in batch.seqs], dtype=np.int64))
+        slots = np.array([seq.state_slot for seq in batch.seqs], dtype=np.int64)
+        if decode_groups is not None:
+            slots = np.concatenate((np.repeat(slots[:num_decode], decode_groups), slots[num_decode:]))
+        state_slots = torch.from_numpy(slots)
     return ForwardBatch(
         input_ids=torch.from_numpy(np.array(input_ids, dtype=np.int64)),
         positions=torch.from_numpy(np.concatenate(positions)),
@@ -176,6 +180,7 @@ def build_forward_batch(batch: ScheduledBatch, page_size: int, page_arrays: Page
         logits_indices=torch.from_numpy(np.array(logits_indices, dtype=np.int64)),
         pages=_page_tables(page_size, decode, prefills, prefill_pages),
         state_slots=state_slots,
+        decode_groups=decode_groups,
     )
 
 

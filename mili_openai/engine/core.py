@@ -197,6 +197,8 @@ class EngineCore:
         scored = output.prompt_logprobs or {}
         for index, (seq, samples) in enumerate(zip(batch.seqs, batch.samples)):
             drafts = batch.drafts(index)
+            if output.proposed_drafts is not None:
+                seq.proposed_drafts = output.proposed_drafts[index]
             if not samples:
                 tokens = []
             else:
@@ -382,6 +384,8 @@ class EngineCore:
             running_lora_adapters=adapter_names(self.scheduler.running, self.lora_ids),
             waiting_lora_adapters=adapter_names(self.scheduler.waiting, self.lora_ids),
             max_lora=self.config.lora.max_loras if self.config.lora is not None else 0,
+            spec_decode_num_draft_tokens_per_pos=tuple(self.spec_decode.draft_tokens_per_position),
+            spec_decode_num_accepted_tokens_per_pos=tuple(self.spec_decode.accepted_tokens_per_position),
         )
 
     def check_integrity(self) -> None:

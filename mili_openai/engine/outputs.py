@@ -147,6 +147,10 @@ class EngineStats:
     spec_decode_num_drafts_total: int = 0
     spec_decode_num_draft_tokens_total: int = 0
     spec_decode_num_accepted_tokens_total: int = 0
+    # per draft position (0: the first draft after the decode's token), drafts verified there and drafts kept
+    # (vLLM's spec_decode_num_accepted_tokens_per_pos): acceptance falls with the position
+    spec_decode_num_draft_tokens_per_pos: tuple[int, ...] = ()
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
     # the state pool of linear-attention layers (one slot per running sequence); 0 for attention-only models
     num_state_slots: int = 0
     num_free_state_slots: int = 0
@@ -191,11 +195,20 @@ class SpeculationCounts:
     num_drafts: int = 0  # decodes that verified at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    draft_tokens_per_position: list[int] = field(default_factory=list)
+    accepted_tokens_per_position: list[int] = field(default_factory=list)
 
     def record(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted_tokens
+        missing = num_draft_tokens - len(self.draft_tokens_per_position)
+        if missing > 0:
+            self.draft_tokens_per_position.extend([0] * missing)
+            self.accepted_tokens_per_position.extend([0] * missing)
+        for position in range(num_draft_tokens):
+            self.draft_tokens_per_position[position] += 1
+            self.accepted_tokens_per_position[position] += position < num_accepted_tokens
 
 
 @dataclass(slots=True)

@@ -29,6 +29,7 @@ from mili_openai.engine.memory_budget import (
     weight_bytes,
 )
 from mili_openai.engine.memory_profile import profile_gpu_memory
+from mili_openai.engine.mtp_drafter import prepare_model_for_speculation, runner_speculation
 from mili_openai.engine.outputs import TokenLogprob
 from mili_openai.engine.pooler import Pooler
 from mili_openai.engine.pooling_spec import PoolingSpec
@@ -134,6 +135,7 @@ class ModelRunner(StepRunner):
         self.steps = StepPreparer(self.device, self.page_size, self.model.rotary_table(),
                                   feed_on_device=self.async_launch)
         self.parallel = parallel
+        prepare_model_for_speculation(config.speculative_config, self.model)  # MTP: its K/V layers join the specs
         # what each layer keeps per sequence, in this process's shapes (a tensor-parallel rank's KV heads)
         self.cache_specs = self.model.cache_specs()
         self.num_state_slots = config.max_num_seqs if has_recurrent_layers(self.cache_specs) else 0
@@ -154,6 +156,7 @@ class ModelRunner(StepRunner):
         self.state_cache = (StateCache(self.cache_specs, self.num_state_slots, self.dtype, self.device)
                             if self.num_state_slots else None)
         self.caches = ModelCaches(self.kv_cache, self.state_cache)
+        self.speculation = runner_speculation(config.speculative_config, self.model, self.caches, self.page_size)
         log_memory(weights, self.quantization, self.dtype, kv_bytes, pool_pages, self.page_size, state_bytes,
                    self.num_state_slots)
         self.decode_graphs = None
@@ -230,6 +233,8 @@ class ModelRunner(StepRunner):
         if source is not None:  # pending input ids from the step before's sampled ids, on the device
             index = step.pending_index.to(self.device, non_blocking=True)  # (2, P): rows over sources
             batch.input_ids.index_copy_(0, index[0], source.token_ids.index_select(0, index[1]))
+        if self.speculation is not None:
+            self.speculation.before_forward(batch)
         bucket = self.decode_graphs.bucket(batch) if self.decode_graphs is not None else None
         if bucket is not None:
             hidden = self.decode_graphs.run(batch, bucket)  # (T, hidden)
@@ -244,7 +249,11 @@ class ModelRunner(StepRunner):
             return LaunchedStep(sampled=None, token_ids=None, prompt_logprobs=scored, pooled=pooled)
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S, vocab) float32
         sampled = self.sampler.launch(logits, step.rows)
-        return LaunchedStep(sampled=sampled, token_ids=sampled.token_ids, prompt_logprobs=scored, pooled=pooled)
+        drafts = None
+        if self.speculation is not None:  # rejected drafts' states rolled back, the next step's drafts made
+            drafts = self.speculation.after_sampling(step.speculation, batch, hidden, sampled.token_ids)
+        return LaunchedStep(sampled=sampled, token_ids=sampled.token_ids, prompt_logprobs=scored, pooled=pooled,
+                            proposed_drafts=drafts)
 
     def set_pooling(self, spec: PoolingSpec) -> None:
         self.pooler = Pooler.for_model(spec, self.model)

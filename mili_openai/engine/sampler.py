@@ -56,6 +56,8 @@ class SamplerOutput(NamedTuple):
     prompt_logprobs: dict[int, tuple[int, list[TokenLogprob]]] | None = None
     # pooling chunks' reductions (engine/pooler.py), set by the model runner: batch index -> float32 vector
     pooled: dict[int, np.ndarray] | None = None
+    # a model proposer's drafts for each sequence's next step, in batch order (engine/speculation.py); None: none
+    proposed_drafts: list[list[int]] | None = None
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: Sequence[int], top_ks: Sequence[int],

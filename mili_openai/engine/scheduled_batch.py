@@ -25,6 +25,8 @@ class ScheduledBatch:
     draft_tokens: list[list[int]] = field(default_factory=list)
     # state slots handed out in this step (engine/state_slots.py): the runner zeroes them before the forward
     new_state_slots: list[int] = field(default_factory=list)
+    # whether the runner drafts with a model for the sampled sequences' next steps (engine/speculation.py)
+    run_proposer: bool = False
 
     def drafts(self, index: int) -> list[int]:
         """The draft tokens seqs[index] verifies: [] for a prefill chunk or a decode without drafts."""

@@ -15,29 +15,21 @@ a decode then feeds the token its sequence has pending, which the model runner t
 before. A lookahead step never preempts (the victim may be in the running step): a sequence that finds
 no page waits for the next step instead.
 
-With speculative decoding on, a decode may also verify draft tokens (`NgramProposer`, below): it computes its
-last token and the drafts, and its pending token becomes the sampled tokens that the drafts agree with,
-plus one. The K/V of rejected drafts is rolled back in `EngineCore.postprocess`. Drafts need the last
-token's id, so a lookahead step never has them.
-
-Drafts come from prompt lookup (vLLM's "ngram" method, `NgramProposer`): text that quotes its context
-(code edits, summaries, extraction, a model repeating itself) continues an earlier stretch of the
-sequence, so the tokens that followed an earlier occurrence of the sequence's last n tokens are a cheap
-guess at its next ones, and the model checks the whole guess in one forward: on a memory-bound device
-that forward reads the weights once for all of its rows. The match is vLLM's: the longest n in
-[min_n, max_n] whose n-gram occurs earlier, at its earliest occurrence, and the (up to) k tokens after it.
+With speculative decoding on, a decode may also verify draft tokens (a `Proposer`, engine/proposers.py): it
+computes its last token and the drafts, and its pending token becomes the sampled tokens that the drafts agree
+with, plus one. The K/V of rejected drafts is rolled back in `EngineCore.postprocess` (and a linear layer's
+state by the model runner, engine/speculation.py). Drafts need the last token's id, so a lookahead step never
+has them.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence as TokenSequence
 
-import numpy as np
-
-from mili_openai.config import EngineConfig, SpeculativeConfig
+from mili_openai.config import EngineConfig
 from mili_openai.engine.kv_pages import KVPageManager
+from mili_openai.engine.proposers import DraftSwitch, make_proposer
 from mili_openai.engine.scheduled_batch import ScheduledBatch
 from mili_openai.engine.sequence import Sequence, SequenceStatus
 from mili_openai.engine.state_slots import StateSlotManager
@@ -55,43 +47,6 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
     return lo
 
 
-def propose_ngram_draft(token_ids: TokenSequence[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """Up to k tokens that followed the earliest earlier occurrence of the longest suffix n-gram
-    (min_n <= n <= max_n) of `token_ids`; [] when there is none."""
-    total = len(token_ids)
-    if k < 1 or total <= min_n:
-        return []
-    tokens = np.asarray(token_ids, dtype=np.int64)
-    for n in range(min(max_n, total - 1), min_n - 1, -1):
-        suffix = tokens[total - n :]
-        # starts whose n-gram is followed by at least one token (so not the suffix itself), narrowed one
-        # column at a time: most starts fail on the first token, so this stays ~O(total)
-        starts = np.flatnonzero(tokens[: total - n] == suffix[0])
-        for offset in range(1, n):
-            if not starts.size:
-                break
-            starts = starts[tokens[starts + offset] == suffix[offset]]
-        if starts.size:
-            begin = int(starts[0]) + n
-            return tokens[begin : begin + k].tolist()
-    return []
-
-
-class NgramProposer:
-    """The drafts a decoding sequence verifies in its next step, capped by what it may still generate."""
-
-    def __init__(self, config: SpeculativeConfig) -> None:
-        self.num_speculative_tokens = config.num_speculative_tokens
-        self.min_n = config.prompt_lookup_min
-        self.max_n = config.prompt_lookup_max
-
-    def propose(self, token_ids: TokenSequence[int], max_drafts: int) -> list[int]:
-        """max_drafts: how many the step can take (the token budget, and room under max_tokens for the
-        drafts plus the token the step samples after them)."""
-        k = min(self.num_speculative_tokens, max_drafts)
-        return propose_ngram_draft(token_ids, self.min_n, self.max_n, k) if k > 0 else []
-
-
 class Scheduler:
     def __init__(self, config: EngineConfig, pages: KVPageManager, state_slots: StateSlotManager | None = None) -> None:
         if config.max_num_batched_tokens is None or config.max_num_seqs is None:
@@ -105,8 +60,12 @@ class Scheduler:
         self.prefix_cache_queries_total = 0
         self.prefix_cache_hits_total = 0
         speculative = config.speculative_config
-        self.proposer = NgramProposer(speculative) if speculative is not None else None
+        self.proposer = make_proposer(speculative) if speculative is not None else None
+        self.draft_switch = DraftSwitch(speculative) if speculative is not None else None
         self.max_drafting_batch = speculative.disable_by_batch_size if speculative is not None else None
+        # positions a model proposer's chained drafts write past the verified ones (engine/mtp_drafter.py)
+        self.draft_lookahead = (speculative.num_speculative_tokens - 1
+                                if speculative is not None and self.proposer.drafts_in_runner else 0)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -168,6 +127,7 @@ class Scheduler:
             preempted=preempted,
             draft_tokens=draft_tokens,
             new_state_slots=new_state_slots,
+            run_proposer=drafting and self.proposer.drafts_in_runner,
         )
         for seq, num_new, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
             seq.num_computed_tokens += num_new
@@ -187,7 +147,9 @@ class Scheduler:
             return False
         if not self._drafts_at(len(self.running)):
             return True
-        return not any(self.proposer.propose(seq.token_ids, 1) for seq in running.seqs)
+        if self.proposer.drafts_in_runner:  # the running step is drafting for its sequences' next steps
+            return False
+        return not any(self.proposer.propose(seq, 1) for seq in running.seqs)
 
     def _drafts_at(self, batch_size: int) -> bool:
         """Whether a step with batch_size running sequences drafts (SpeculativeConfig.disable_by_batch_size)."""
@@ -198,14 +160,18 @@ class Scheduler:
         sequence's own tokens and the drafts before), its max_tokens (the drafts and the token sampled
         after them) and the pages it holds or finds free allow. A guess never evicts a cached prefix nor
         preempts a sequence."""
-        if seq.num_pending_tokens or seq.grammar is not None:
-            return []  # its last token is still being sampled; a format's matcher takes one token a step
+        if seq.num_pending_tokens or seq.grammar is not None or not self.draft_switch.allows(seq):
+            # its last token is still being sampled; a format's matcher takes one token a step; its drafts
+            # were mostly rejected (DraftSwitch)
+            return []
         room = seq.max_tokens - len(seq.output_token_ids) - 1
-        drafts = self.proposer.propose(seq.token_ids, min(budget, room))
-        if drafts:
-            slots = (len(seq.pages) + self.pages.pool.num_free) * self.pages.page_size
+        drafts = self.proposer.propose(seq, min(budget, room))
+        if drafts or self.draft_lookahead:
+            free = self.pages.pool.num_free
+            slots = (len(seq.pages) + free) * self.pages.page_size
             drafts = drafts[: slots - seq.num_computed_tokens - 1]
-            self.pages.allocate(seq, self.pages.pages_needed(seq, 1 + len(drafts)))  # from free pages
+            wanted = self.pages.pages_needed(seq, 1 + len(drafts) + self.draft_lookahead)
+            self.pages.allocate(seq, min(wanted, free))  # from free pages
         return drafts
 
     @staticmethod

@@ -66,6 +66,12 @@ class Sequence:
     # the state slot of a model with linear-attention layers (engine/state_slots.py); None: holds none
     state_slot: int | None = None
 
+    # speculative decoding: the drafts a model proposer (MTP) made in this sequence's last step, for its next
+    # (engine/proposers.py), and its own tally of drafts verified and accepted (the adaptive off-switch)
+    proposed_drafts: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None
@@ -117,6 +123,8 @@ class Sequence:
         the kept ones join the pending token, as tokens to append."""
         self.num_computed_tokens -= num_drafts - num_accepted
         self.num_pending_tokens += num_accepted
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
 
     def append_token(self, token_id: int) -> None:
         """A sampled token came back: it was pending since its step was scheduled."""

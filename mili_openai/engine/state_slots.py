@@ -22,12 +22,8 @@ logger = logging.getLogger(__name__)
 
 
 def config_for_state_slots(config: EngineConfig) -> EngineConfig:
-    """The engine's config for a model with linear-attention layers. No speculative decoding yet (a decode
-    runs one row per sequence: a rejected draft would leave its state advanced). No prefix reuse: cached
-    pages hold K/V alone, and a sequence resumed from them would miss its recurrent state."""
-    if config.speculative_config is not None:
-        raise ValueError("speculative decoding (--speculative-config) does not run models with linear-attention "
-                         "layers yet")
+    """The engine's config for a model with linear-attention layers. No prefix reuse: cached pages hold K/V
+    alone, and a sequence resumed from them would miss its recurrent state."""
     if not config.enable_prefix_caching:
         return config
     logger.info("prefix caching is off: this model has linear-attention layers, whose state pages cannot restore")

@@ -40,6 +40,7 @@ def map_tensors(batch: ForwardBatch, move: TensorMap) -> ForwardBatch:
         rotary=batch.rotary,
         state_slots=apply(batch.state_slots),
         vision=batch.vision,  # small host tensors: the model moves them
+        decode_groups=batch.decode_groups,
     )
 
 

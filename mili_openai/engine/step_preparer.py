@@ -26,6 +26,7 @@ from mili_openai.engine.pooling_spec import PoolingRow
 from mili_openai.engine.sampler import SamplerOutput, SamplingRow
 from mili_openai.engine.scheduled_batch import ScheduledBatch
 from mili_openai.engine.sequence import Sequence
+from mili_openai.engine.speculation import SpeculationPlan, plan_speculation
 from mili_openai.engine.step_inputs import stage_forward_batch
 from mili_openai.model.batch import ForwardBatch
 from mili_openai.model.rope import RotaryTable
@@ -50,6 +51,7 @@ class PreparedStep:
     pooling_rows: list[PoolingRow] = field(default_factory=list)  # pooling requests' chunks (engine/pooler.py)
     # (T,) each row's LoRA adapter id (0: the base model); None when every row runs on the base
     lora_ids: np.ndarray | None = None
+    speculation: SpeculationPlan | None = None  # drafts to verify or to make (engine/speculation.py)
 
     @property
     def needs_host_tokens(self) -> bool:
@@ -72,6 +74,7 @@ class LaunchedStep:
     pooled: dict | None = None  # SamplerOutput.pooled, reduced at launch
     source: LaunchedStep | None = None  # the step whose device ids this one's pending rows read
     output: SamplerOutput | None = None  # set by a successful finish
+    proposed_drafts: list[list[int]] | None = None  # SamplerOutput.proposed_drafts, made at launch
     failed: bool = False
 
 
@@ -156,7 +159,7 @@ class StepPreparer:
         new_state_slots = torch.tensor(batch.new_state_slots, dtype=torch.int64) if batch.new_state_slots else None
         return PreparedStep(forward_batch, rows, pending_rows, pending_sources, pending_histories,
                             prompt_scorings(batch, forward_batch), staged, pending_index, new_state_slots,
-                            pooling_rows(batch, forward_batch), row_lora_ids(batch))
+                            pooling_rows(batch, forward_batch), row_lora_ids(batch), plan_speculation(batch))
 
     def launch(self, step: PreparedStep, launch_forward: LaunchForward) -> LaunchedStep:
         """Feed `step` the tokens the step before sampled and queue its forward and sampling
@@ -195,7 +198,8 @@ class StepPreparer:
                 output = SamplerOutput(token_ids=[], logprobs=[])
             else:
                 output = finish_sample(launched.sampled)
-            output = output._replace(prompt_logprobs=launched.prompt_logprobs, pooled=launched.pooled)
+            output = output._replace(prompt_logprobs=launched.prompt_logprobs, pooled=launched.pooled,
+                                     proposed_drafts=launched.proposed_drafts)
         except BaseException:
             launched.failed = True
             raise

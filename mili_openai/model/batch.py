@@ -61,6 +61,9 @@ class ForwardBatch:
     # the step's images (model/vision_batch.py): mRoPE positions of every row, image rows and their embeddings;
     # None when no sequence with images runs
     vision: VisionBatch | None = None
+    # rows of each decoding sequence where some verify drafts (1 + its drafts), host ints; None: one row each.
+    # A linear layer runs a sequence's rows one after another over its one state (model/gated_deltanet.py)
+    decode_groups: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

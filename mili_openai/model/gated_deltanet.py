@@ -14,6 +14,7 @@ form, both continuing the slot's state and leaving it updated (kernels/gated_del
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,10 @@ class StateRows:
     prefill_slots: torch.Tensor  # (segments,) int64: the state slot of each prefill chunk
     cu_seqlens: torch.Tensor  # (segments + 1,) int64: chunk bounds counted from the first prefill row
     num_decode: int
+    # where decodes verify drafts (ForwardBatch.decode_groups): per depth t, (the decode rows that are the t-th of
+    # their sequence, their slots), run one depth after another so each row continues the state its row before
+    # left; None when every decode has one row
+    verify_steps: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @classmethod
     def of(cls, batch: ForwardBatch) -> StateRows:
@@ -47,10 +52,21 @@ class StateRows:
         lengths = [0] + [segment.length for segment in batch.prefills]
         if batch.state_slots.shape[0] != decode + len(batch.prefills):
             raise ValueError(f"state_slots has {batch.state_slots.shape[0]} entries for {decode} decode rows and "
-                             f"{len(batch.prefills)} prefill chunks (speculative decode rows are not supported "
-                             "with linear attention)")
-        cu_seqlens = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(batch.state_slots.device)
-        return cls(batch.state_slots[:decode], batch.state_slots[decode:], cu_seqlens, decode)
+                             f"{len(batch.prefills)} prefill chunks")
+        device = batch.state_slots.device
+        cu_seqlens = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(device)
+        decode_slots = batch.state_slots[:decode]
+        steps = None
+        if batch.decode_groups is not None:
+            starts = [0]
+            for count in batch.decode_groups[:-1]:
+                starts.append(starts[-1] + count)
+            steps = []
+            for depth in range(max(batch.decode_groups)):
+                rows = torch.tensor([start + depth for start, count in zip(starts, batch.decode_groups)
+                                     if count > depth], dtype=torch.int64).to(device)
+                steps.append((rows, decode_slots[rows]))
+        return cls(decode_slots, batch.state_slots[decode:], cu_seqlens, decode, steps)
 
 
 class ShortConv(nn.Module):
@@ -77,43 +93,69 @@ class GatedDeltaNet(nn.Module):
         # the conv and delta-rule ops (set by Qwen3_5ForCausalLM.set_linear_attention_kernel); torch's by default
         self.kernel: LinearAttentionKernel = TorchLinearAttention()
 
-    def forward(self, x: torch.Tensor, rows: StateRows, conv_pool: torch.Tensor,
-                state_pool: torch.Tensor) -> torch.Tensor:
-        """x (T, hidden); conv_pool (slots, conv_dim, K-1); state_pool (slots, Hv, Dk, Dv) fp32 -> (T, hidden)."""
+    def forward(self, x: torch.Tensor, rows: StateRows, conv_pool: torch.Tensor, state_pool: torch.Tensor,
+                kept: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """x (T, hidden); conv_pool (slots, conv_dim, K-1); state_pool (slots, Hv, Dk, Dv) fp32 -> (T, hidden).
+        kept: (conv, recurrent) buffers of one entry per decode row, where a step verifying drafts keeps the
+        state each row leaves (model/state_cache.py), for the runner to roll rejected drafts back."""
         tokens = x.shape[0]
         mixed, z, b, a = self.in_proj(x).split((self.conv_dim, self.value_dim, self.num_v_heads,
                                                 self.num_v_heads), dim=-1)
-        mixed = self._conv(mixed, rows, conv_pool)  # (T, conv_dim)
+        mixed = self._conv(mixed, rows, conv_pool, kept)  # (T, conv_dim)
         q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
         q = q.view(tokens, self.num_k_heads, self.head_k_dim)
         k = k.view(tokens, self.num_k_heads, self.head_k_dim)
         v = v.view(tokens, self.num_v_heads, self.head_v_dim)
         beta = b.sigmoid()  # (T, Hv)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # (T, Hv) float32
-        out = self._delta_rule(q, k, v, g, beta, rows, state_pool)  # (T, Hv, Dv)
+        out = self._delta_rule(q, k, v, g, beta, rows, state_pool, kept)  # (T, Hv, Dv)
         out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(out.view(tokens, self.value_dim))
 
-    def _conv(self, mixed: torch.Tensor, rows: StateRows, conv_pool: torch.Tensor) -> torch.Tensor:
+    def _conv(self, mixed: torch.Tensor, rows: StateRows, conv_pool: torch.Tensor,
+              kept: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         decode, kernel, weight = rows.num_decode, self.kernel, self.conv1d.weight
+
+        def decode_conv(index: torch.Tensor | slice, slots: torch.Tensor) -> torch.Tensor:
+            return kernel.causal_conv1d_decode(mixed[index], conv_pool, weight, None, slots)
+
+        decoded = _run_decode_rows(rows, decode_conv, conv_pool, None if kept is None else kept[0]) if decode else None
         if rows.prefill_slots.numel() == 0:
-            return kernel.causal_conv1d_decode(mixed, conv_pool, weight, None, rows.decode_slots)
+            return decoded
         prefill = kernel.causal_conv1d_prefill(mixed[decode:], rows.cu_seqlens, conv_pool, weight, None,
                                                rows.prefill_slots)
-        if not decode:
-            return prefill
-        return torch.cat((kernel.causal_conv1d_decode(mixed[:decode], conv_pool, weight, None, rows.decode_slots),
-                          prefill))
+        return prefill if decoded is None else torch.cat((decoded, prefill))
 
     def _delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    rows: StateRows, state_pool: torch.Tensor) -> torch.Tensor:
+                    rows: StateRows, state_pool: torch.Tensor,
+                    kept: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         decode, kernel = rows.num_decode, self.kernel
+
+        def decode_rule(index: torch.Tensor | slice, slots: torch.Tensor) -> torch.Tensor:
+            return kernel.gated_delta_rule_decode(q[index], k[index], v[index], g[index], beta[index], state_pool,
+                                                  slots)
+
+        decoded = (_run_decode_rows(rows, decode_rule, state_pool, None if kept is None else kept[1]) if decode
+                   else None)
         if rows.prefill_slots.numel() == 0:
-            return kernel.gated_delta_rule_decode(q, k, v, g, beta, state_pool, rows.decode_slots)
+            return decoded
         prefill = kernel.gated_delta_rule_prefill(q[decode:], k[decode:], v[decode:], g[decode:], beta[decode:],
                                                   rows.cu_seqlens, state_pool, rows.prefill_slots)
-        if not decode:
-            return prefill
-        decoded = kernel.gated_delta_rule_decode(q[:decode], k[:decode], v[:decode], g[:decode], beta[:decode],
-                                                 state_pool, rows.decode_slots)
-        return torch.cat((decoded, prefill))
+        return prefill if decoded is None else torch.cat((decoded, prefill))
+
+
+def _run_decode_rows(rows: StateRows, step: Callable[[torch.Tensor | slice, torch.Tensor], torch.Tensor],
+                     pool: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+    """`step(row index, slots)` over the decode rows: all at once, or where decodes verify drafts one depth at
+    a time (each sequence's rows in order over its one slot), copying the state each row leaves into `kept`."""
+    if rows.verify_steps is None:
+        return step(slice(0, rows.num_decode), rows.decode_slots)
+    out = None
+    for depth_rows, slots in rows.verify_steps:
+        result = step(depth_rows, slots)
+        if out is None:
+            out = result.new_empty((rows.num_decode, *result.shape[1:]))
+        out[depth_rows] = result
+        if kept is not None:
+            kept[depth_rows] = pool[slots]
+    return out

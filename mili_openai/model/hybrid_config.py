@@ -88,7 +88,7 @@ class HybridConfig:
     layer_types: tuple[str, ...]  # LINEAR_ATTENTION or FULL_ATTENTION per decoder layer
     linear: LinearAttentionConfig
     mrope_section: tuple[int, ...] | None  # rotary pairs per position stream; None: plain RoPE (Qwen3-Next)
-    mtp_num_hidden_layers: int  # multi-token-prediction layers the checkpoint may carry (kept, unused yet)
+    mtp_num_hidden_layers: int  # multi-token-prediction layers the checkpoint may carry (the "mtp" drafter)
     vision: bool  # a vision tower beside the language model
     vision_tower: VisionTowerConfig | None = None  # its shape (config.json's vision_config), where `vision`
 

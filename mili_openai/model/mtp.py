@@ -1,9 +1,10 @@
 """The multi-token-prediction (MTP) weights that Qwen3.5 / Qwen3.6 / Qwen3-Next checkpoints carry under `mtp.`.
 
-Held as loaded, under the checkpoint's own names (`mtp.fc.weight`, `mtp.layers.0.self_attn.q_proj.weight`, ...),
-for the speculative-decoding issue, whose MTP proposer will run them; no forward reads them yet. Keeping them
-costs their memory (one decoder layer and a (hidden, 2 * hidden) matrix) but a checkpoint never loses weights
-silently, and `mtp.layers.N` must match the config's `mtp_num_hidden_layers`.
+Held as loaded, under the checkpoint's own names (`mtp.fc.weight`, `mtp.layers.0.self_attn.q_proj.weight`, ...);
+with `--speculative-config '{"method": "mtp", ...}'` they become the MTP module that drafts
+(model/mtp_predictor.py). Keeping them costs their memory (one decoder layer and a (hidden, 2 * hidden) matrix)
+but a checkpoint never loses weights silently, and `mtp.layers.N` must match the config's
+`mtp_num_hidden_layers`.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ DeltaNet's gated one is zero-centred (1 + w). Module names follow transformers' 
 (`model.layers.N.linear_attn.out_proj`, `model.norm`, `lm_head`), with the fusions the loader maps
 (model/hybrid_weights.py): `linear_attn.in_proj`, `self_attn.qkv_proj`, `mlp.gate_up_proj`,
 `mlp.shared_expert.gate_up_proj`, stacked experts. A checkpoint's multi-token-prediction weights are kept in
-`mtp` (model/mtp.py), unused until speculative decoding runs them.
+`mtp` (model/mtp.py); speculative decoding builds its module from them (model/mtp_predictor.py).
 
 Under tensor parallelism (`parallel` given) every module is built in this rank's shapes (model/tensor_parallel.py,
 model/hybrid_tensor_parallel.py): each mixer's and MLP's output is summed over the ranks before its residual add,
@@ -78,7 +78,7 @@ class HybridDecoderLayer(nn.Module):
             residual, normed = self.input_layernorm.add_and_norm(hidden, residual)
         if self.is_linear:
             conv_pool, state_pool = caches.state.layer(self.index)
-            mixed = self.linear_attn(normed, rows, conv_pool, state_pool)
+            mixed = self.linear_attn(normed, rows, conv_pool, state_pool, caches.state.kept(self.index))
         else:
             k_pool, v_pool = caches.kv.layer(self.index)
             mixed = self.self_attn(normed, cos, sin, batch, k_pool, v_pool)
@@ -139,6 +139,10 @@ class Qwen3_5ForCausalLM(nn.Module):
         self.mtp: MultiTokenPredictorWeights | None = None  # the checkpoint's MTP weights (model/mtp.py)
         self.visual: Qwen3_5VisionTower | None = None  # a vision-language checkpoint's tower (model.visual.*)
         self.image_cache = ImageEmbeddingCache()
+        # the MTP module built from them for speculative decoding (model/mtp_predictor.py), and its K/V layers,
+        # which follow the decoder's in cache_specs(); none until the engine drafts with it
+        self.mtp_predictor: nn.Module | None = None
+        self.num_mtp_cache_layers = 0
         self._logits_matmul: MatmulFn = F.linear
         self.attention_kernel: AttentionKernel | None = None
         self.quantization: str | None = None
@@ -150,9 +154,11 @@ class Qwen3_5ForCausalLM(nn.Module):
     def cache_specs(self) -> list[LayerCacheSpec]:
         """One spec per decoder layer (model/cache_spec.py): K/V pages for attention layers; for linear ones a
         conv window (the last K-1 inputs of every conv channel) and an fp32 (Dk, Dv) state per value head (this
-        rank's heads under tensor parallelism)."""
-        return [_linear_spec(layer.linear_attn) if layer.is_linear
-                else PagedKVSpec(layer.self_attn.num_kv_heads, layer.self_attn.head_dim) for layer in self.model.layers]
+        rank's heads under tensor parallelism); the MTP module's K/V layers follow the decoder's."""
+        specs = [_linear_spec(layer.linear_attn) if layer.is_linear
+                 else PagedKVSpec(layer.self_attn.num_kv_heads, layer.self_attn.head_dim) for layer in self.model.layers]
+        mtp_attention = PagedKVSpec(self.config.num_key_value_heads, self.config.head_dim)
+        return specs + [mtp_attention] * self.num_mtp_cache_layers
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches) -> torch.Tensor:
         """Run every token of the batch, writing K/V into `caches.kv` and each sequence's state into its slot of

@@ -40,6 +40,9 @@ class StateCache:
         self.conv = torch.zeros((len(layers), num_slots, *spec.conv_shape), dtype=dtype, device=device)
         self.recurrent = torch.zeros((len(layers), num_slots, *spec.recurrent_shape), dtype=RECURRENT_DTYPE,
                                      device=device)
+        # the states a step verifying drafts keeps per decode row (keep_verified_states); None outside one
+        self.kept_conv: torch.Tensor | None = None
+        self.kept_recurrent: torch.Tensor | None = None
 
     @staticmethod
     def bytes_per_slot(specs: Sequence[LayerCacheSpec], dtype: torch.dtype) -> int:
@@ -64,6 +67,29 @@ class StateCache:
         src, dst = src.to(self.conv.device), dst.to(self.conv.device)
         self.conv.index_copy_(1, dst, self.conv.index_select(1, src))
         self.recurrent.index_copy_(1, dst, self.recurrent.index_select(1, src))
+
+    def keep_verified_states(self, num_rows: int | None) -> None:
+        """For a step whose decodes verify drafts: buffers where each of its `num_rows` decode rows leaves the
+        state of every linear layer (GatedDeltaNet's `kept`), until the next such step; None frees them."""
+        if num_rows is None:
+            self.kept_conv = self.kept_recurrent = None
+            return
+        self.kept_conv = self.conv.new_empty((self.conv.shape[0], num_rows, *self.conv.shape[2:]))
+        self.kept_recurrent = self.recurrent.new_empty((self.recurrent.shape[0], num_rows, *self.recurrent.shape[2:]))
+
+    def kept(self, index: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(conv, recurrent) buffers of decoder layer `index` for the step's decode rows; None outside such a step."""
+        if self.kept_conv is None:
+            return None
+        position = self._index_of_layer[index]
+        return self.kept_conv[position], self.kept_recurrent[position]
+
+    def restore_kept(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Roll slots back to the state decode row `rows` left (pairwise): a decode whose drafts were rejected
+        after that row stands where its last accepted token left it."""
+        rows, slots = rows.to(self.conv.device), slots.to(self.conv.device)
+        self.conv.index_copy_(1, slots, self.kept_conv.index_select(1, rows))
+        self.recurrent.index_copy_(1, slots, self.kept_recurrent.index_select(1, rows))
 
     @property
     def nbytes(self) -> int:

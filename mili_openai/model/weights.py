@@ -59,20 +59,32 @@ def checkpoint_to_model_state(
         tensors.pop(LM_HEAD, None)  # transformers ties it to the embedding and ignores a stored copy too
     state: dict[str, torch.Tensor] = {}
     for layer in range(config.num_hidden_layers):
-        prefix = f"{LAYER_PREFIX}.{layer}"
-        sparse = config.is_sparse_layer(layer)
-        if sparse:
-            _stack_experts(tensors, prefix, config.moe.num_experts, state, missing)
-        for fused, parts in FUSED_PARTS.items():
-            if (sparse and fused == DENSE_MLP) or f"{prefix}.{fused}.weight" not in expected:  # experts, or a
-                # quantized module that already holds it
-                continue
-            names = [f"{prefix}.{part}.weight" for part in parts]
-            absent = [name for name in names if name not in tensors]
-            if absent:
-                missing.extend(absent)
-                continue
-            state[f"{prefix}.{fused}.weight"] = torch.cat([tensors.pop(name) for name in names], dim=0)
+        fuse_layer_tensors(tensors, f"{LAYER_PREFIX}.{layer}", config, config.is_sparse_layer(layer), expected,
+                           state, missing)
+    return take_named_tensors(tensors, expected, state, missing)
+
+
+def fuse_layer_tensors(tensors: dict[str, torch.Tensor], prefix: str, config: ModelConfig, sparse: bool,
+                       expected: set[str], state: dict[str, torch.Tensor], missing: list[str]) -> None:
+    """One decoder layer's (under `prefix`) fused projections and stacked experts into `state`, their parts
+    popped from `tensors`; absent parts' names into `missing`."""
+    if sparse:
+        _stack_experts(tensors, prefix, config.moe.num_experts, state, missing)
+    for fused, parts in FUSED_PARTS.items():
+        if (sparse and fused == DENSE_MLP) or f"{prefix}.{fused}.weight" not in expected:  # experts, or a
+            # quantized module that already holds it
+            continue
+        names = [f"{prefix}.{part}.weight" for part in parts]
+        absent = [name for name in names if name not in tensors]
+        if absent:
+            missing.extend(absent)
+            continue
+        state[f"{prefix}.{fused}.weight"] = torch.cat([tensors.pop(name) for name in names], dim=0)
+
+
+def take_named_tensors(tensors: dict[str, torch.Tensor], expected: set[str], state: dict[str, torch.Tensor],
+                   missing: list[str]) -> dict[str, torch.Tensor]:
+    """The unfused tensors by name; CheckpointError naming every missing or unexpected one."""
     for name in list(tensors):
         if name in expected:
             state[name] = tensors.pop(name)

@@ -84,9 +84,11 @@ async def load_engine(server: ServerState) -> None:
     speculative = server.config.engine.speculative_config
     if speculative is not None:
         limit = speculative.disable_by_batch_size
-        logger.info("speculative decoding: %s, up to %d draft tokens from n-grams of %d-%d tokens%s",
-                    speculative.method, speculative.num_speculative_tokens, speculative.prompt_lookup_min,
-                    speculative.prompt_lookup_max, f", off above {limit} running sequences" if limit else "")
+        source = (f"n-grams of {speculative.prompt_lookup_min}-{speculative.prompt_lookup_max} tokens"
+                  if speculative.method == "ngram" else "the checkpoint's MTP module")
+        logger.info("speculative decoding: %s, up to %d draft tokens from %s%s; a request stops drafting below %.0f%% "
+                    "acceptance", speculative.method, speculative.num_speculative_tokens, source,
+                    f", off above {limit} running sequences" if limit else "", 100 * speculative.min_acceptance_rate)
 
 
 def create_app(config: ServerConfig, engine: EngineClient | None = None) -> Starlette:

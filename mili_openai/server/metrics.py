@@ -70,6 +70,21 @@ class EngineStatsCollector(Collector):
             yield info
         for name, documentation, field in ENGINE_COUNTERS:
             yield CounterMetricFamily(name, documentation, value=getattr(stats, field))
+        yield from _per_position_counters(stats)
+
+
+def _per_position_counters(stats: EngineStats) -> Iterator[Metric]:
+    """Speculative drafts verified and kept at each draft position, labelled `position` (0: the first draft)."""
+    for name, documentation, values in (
+        ("mili_spec_decode_num_draft_tokens_per_pos", "Speculative draft tokens verified, by draft position.",
+         stats.spec_decode_num_draft_tokens_per_pos),
+        ("mili_spec_decode_num_accepted_tokens_per_pos", "Speculative draft tokens accepted, by draft position.",
+         stats.spec_decode_num_accepted_tokens_per_pos),
+    ):
+        family = CounterMetricFamily(name, documentation, labels=["position"])
+        for position, value in enumerate(values):
+            family.add_metric([str(position)], value)
+        yield family
 
 
 class ServerMetrics:

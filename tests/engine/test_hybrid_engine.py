@@ -79,8 +79,6 @@ def test_abort_frees_the_state_slot(hybrid_checkpoint):
     assert slots.num_free == slots.num_slots
 
 
-def test_speculative_decoding_is_refused_and_prefix_reuse_off(hybrid_checkpoint):
+def test_prefix_reuse_is_off(hybrid_checkpoint):
     checkpoint = str(hybrid_checkpoint("qwen3_next"))
-    with pytest.raises(ValueError, match="speculative decoding"):
-        LLM(checkpoint, dtype="float32", speculative_config={"num_speculative_tokens": 2})
     assert not LLM(checkpoint, dtype="float32", num_pages=64).core.config.enable_prefix_caching

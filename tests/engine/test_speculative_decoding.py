@@ -21,7 +21,7 @@ from helpers_server import served_engine
 from mili_openai import LLM, SamplingParams
 from mili_openai.config import EngineConfig, ServerConfig, SpeculativeConfig
 from mili_openai.engine.async_engine import AsyncEngine
-from mili_openai.engine.scheduler import propose_ngram_draft
+from mili_openai.engine.proposers import propose_ngram_draft
 from mili_openai.server.app import load_engine
 from mili_openai.server.state import ServerState
 

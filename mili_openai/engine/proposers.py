@@ -1,0 +1,109 @@
+"""Speculative decoding's proposers: where a decoding sequence's draft tokens come from (one framework, the
+scheduler asks a `Proposer`, the model verifies every draft in the decode's one forward).
+
+- `NgramProposer` (vLLM's "ngram", prompt lookup): text that quotes its context (code edits, summaries,
+  extraction, a model repeating itself) continues an earlier stretch of the sequence, so the tokens that
+  followed an earlier occurrence of the sequence's last n tokens are a cheap guess at its next ones. The match
+  is vLLM's: the longest n in [min_n, max_n] whose n-gram occurs earlier, at its earliest occurrence, and the
+  (up to) k tokens after it.
+- `ModelProposer` ("mtp"): the drafts a model made at the end of the sequence's previous step (the checkpoint's
+  MTP module, engine/mtp_drafter.py, run by the model runner right after sampling), kept on the sequence.
+
+Every proposer's drafts are one token per position for sure (a greedy guess, not a sample), so verifying them
+by the target's own samples is Leviathan et al.'s rejection sampling with a point-mass draft distribution: the
+draft is kept with the target's probability of it, else the target's sample (a draw from the target without
+the draft) stands. The tokens keep plain decoding's distribution; greedy rows keep its very tokens.
+
+`DraftSwitch` is the adaptive off-switch: a sequence whose drafts are mostly rejected stops drafting, since a
+rejected draft costs a row of the forward and earns nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as TokenSequence
+from typing import Protocol
+
+import numpy as np
+
+from mili_openai.config import MTP_SPECULATIVE_METHOD, SpeculativeConfig
+from mili_openai.engine.sequence import Sequence
+
+
+def propose_ngram_draft(token_ids: TokenSequence[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """Up to k tokens that followed the earliest earlier occurrence of the longest suffix n-gram
+    (min_n <= n <= max_n) of `token_ids`; [] when there is none."""
+    total = len(token_ids)
+    if k < 1 or total <= min_n:
+        return []
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        suffix = tokens[total - n :]
+        # starts whose n-gram is followed by at least one token (so not the suffix itself), narrowed one
+        # column at a time: most starts fail on the first token, so this stays ~O(total)
+        starts = np.flatnonzero(tokens[: total - n] == suffix[0])
+        for offset in range(1, n):
+            if not starts.size:
+                break
+            starts = starts[tokens[starts + offset] == suffix[offset]]
+        if starts.size:
+            begin = int(starts[0]) + n
+            return tokens[begin : begin + k].tolist()
+    return []
+
+
+class Proposer(Protocol):
+    """Draft tokens for a decoding sequence's next step."""
+
+    # whether the drafts come from a model run in the step before (the runner then drafts for every sampled
+    # sequence, and a step cannot be planned before the one running returns them)
+    drafts_in_runner: bool
+
+    def propose(self, seq: Sequence, max_drafts: int) -> list[int]:
+        """At most max_drafts tokens (the token budget, and room under max_tokens for the drafts plus the token
+        the step samples after them); [] for none."""
+
+
+class NgramProposer:
+    drafts_in_runner = False
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+
+    def propose(self, seq: Sequence, max_drafts: int) -> list[int]:
+        k = min(self.num_speculative_tokens, max_drafts)
+        return propose_ngram_draft(seq.token_ids, self.min_n, self.max_n, k) if k > 0 else []
+
+
+class ModelProposer:
+    drafts_in_runner = True
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.num_speculative_tokens = config.num_speculative_tokens
+
+    def propose(self, seq: Sequence, max_drafts: int) -> list[int]:
+        k = min(self.num_speculative_tokens, max_drafts)
+        return seq.proposed_drafts[:k] if k > 0 else []
+
+
+class DraftSwitch:
+    """Per sequence: draft only while the acceptance rate is at least `min_rate`, once `min_drafts` drafts were
+    verified (before that, the rate says too little). A sequence switched off stays off: its drafts would
+    not be verified, so its rate could not recover, and a model's drafts for it are not run either."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_rate = config.min_acceptance_rate
+        self.min_drafts = config.min_drafts_for_switch
+
+    def allows(self, seq: Sequence) -> bool:
+        if self.min_rate <= 0 or seq.num_draft_tokens < self.min_drafts:
+            return True
+        return seq.num_accepted_tokens >= self.min_rate * seq.num_draft_tokens
+
+
+def make_proposer(config: SpeculativeConfig) -> Proposer:
+    """The proposer of `config.method` ("draft_model" is refused when the runner loads, before this)."""
+    if config.method == MTP_SPECULATIVE_METHOD:
+        return ModelProposer(config)
+    return NgramProposer(config)

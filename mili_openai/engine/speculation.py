@@ -1,0 +1,110 @@
+"""What a step verifying drafts, or drafting for the next step, asks of the model runner (the runner's side of
+speculative decoding; the scheduler's is engine/proposers.py).
+
+On the loop thread, with the step's inputs, `plan_speculation` notes each decode's drafts and, where a model
+proposes (MTP), what it reads: the token after each prefill row and each sequence's pages. On the forward
+thread, right after sampling, `StepSpeculation.after_sampling`:
+1. counts the drafts each decode's samples agree with (the rule `EngineCore.postprocess` applies too);
+2. rolls linear-attention states back: the decode's rows ran one after another over its state slot, keeping
+   the state each row left (model/gated_deltanet.py, model/state_cache.py); a decode that kept j of its k
+   drafts gets the state its row j left, which is its state after its last kept token;
+3. runs the model proposer over the step's kept rows (engine/mtp_drafter.py) for the next step's drafts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from mili_openai.engine.scheduled_batch import ScheduledBatch
+from mili_openai.model.batch import ForwardBatch
+from mili_openai.model.state_cache import StateCache
+
+NO_TOKEN = -1  # a prefill row whose next token is the one its chunk samples
+
+
+@dataclass(slots=True)
+class SpeculationPlan:
+    group_rows: list[int]  # per decode: its first row (a decode has 1 + len(drafts) rows)
+    group_drafts: list[list[int]]  # per decode: the drafts it verifies
+    group_slots: list[int] | None  # per decode: its state slot; None without linear-attention layers
+    # for a model proposer (None where none runs this step): per prefill row, the token after it (NO_TOKEN:
+    # the one its chunk samples), the batch index of each sampled sequence in logits order, each sequence's pages
+    next_ids: np.ndarray | None = None
+    sampled_seqs: list[int] | None = None
+    pages: list[np.ndarray] | None = None
+
+
+def plan_speculation(batch: ScheduledBatch) -> SpeculationPlan | None:
+    """The step's plan; None where it neither verifies drafts nor runs a model proposer."""
+    if not batch.run_proposer and not any(batch.draft_tokens):
+        return None
+    num_decode = batch.num_decode
+    starts = np.cumsum([0, *batch.num_new_tokens[:num_decode]])[:-1].tolist()
+    decodes = batch.seqs[:num_decode]
+    slots = [seq.state_slot for seq in decodes] if decodes and decodes[0].state_slot is not None else None
+    plan = SpeculationPlan(starts, [batch.drafts(index) for index in range(num_decode)], slots)
+    if batch.run_proposer:
+        next_ids = []
+        for index in range(num_decode, len(batch.seqs)):
+            seq, start, count = batch.seqs[index], batch.positions[index], batch.num_new_tokens[index]
+            following = seq.token_ids[start + 1 : start + count + 1]
+            next_ids.extend(following + [NO_TOKEN] * (count - len(following)))
+        plan.next_ids = np.asarray(next_ids, dtype=np.int64)
+        plan.sampled_seqs = [index for index, samples in enumerate(batch.samples) if samples]
+        plan.pages = [np.asarray(seq.pages, dtype=np.int64) for seq in batch.seqs]
+    return plan
+
+
+def accepted_counts(plan: SpeculationPlan, tokens: list[int]) -> list[int]:
+    """Per decode, how many leading drafts its rows' samples (`tokens`, decode rows first) agree with."""
+    counts = []
+    for first, drafts in zip(plan.group_rows, plan.group_drafts):
+        accepted = 0
+        while accepted < len(drafts) and tokens[first + accepted] == drafts[accepted]:
+            accepted += 1
+        counts.append(accepted)
+    return counts
+
+
+class Drafter(Protocol):
+    """A model proposer run by the runner after sampling (engine/mtp_drafter.py)."""
+
+    def propose(self, plan: SpeculationPlan, batch: ForwardBatch, hidden: torch.Tensor, tokens: list[int],
+                accepted: list[int]) -> list[list[int]]:
+        """The next step's drafts of every sequence of the batch (in batch order; [] for none)."""
+
+
+class StepSpeculation:
+    """The runner's part of speculative decoding, around one step's forward and sampling."""
+
+    def __init__(self, state_cache: StateCache | None, drafter: Drafter | None) -> None:
+        self.state_cache = state_cache
+        self.drafter = drafter
+
+    def before_forward(self, batch: ForwardBatch) -> None:
+        """Where decodes verify drafts over linear layers, keep the state each decode row leaves."""
+        if self.state_cache is not None:
+            self.state_cache.keep_verified_states(batch.num_decode if batch.decode_groups is not None else None)
+
+    def after_sampling(self, plan: SpeculationPlan | None, batch: ForwardBatch, hidden: torch.Tensor,
+                       token_ids: torch.Tensor) -> list[list[int]] | None:
+        """Roll rejected drafts' states back and draft for the next step -> its drafts per sequence, or None."""
+        rolls_back = self.state_cache is not None and batch.decode_groups is not None
+        if plan is None or not (rolls_back or (self.drafter is not None and plan.next_ids is not None)):
+            return None  # nothing to do here: no host sync
+        tokens = token_ids.tolist()
+        accepted = accepted_counts(plan, tokens)
+        if rolls_back:
+            rolled = [(first + kept, slot) for first, kept, drafts, slot
+                      in zip(plan.group_rows, accepted, plan.group_drafts, plan.group_slots) if kept < len(drafts)]
+            if rolled:
+                rows, slots = zip(*rolled)
+                self.state_cache.restore_kept(torch.tensor(rows), torch.tensor(slots))
+            self.state_cache.keep_verified_states(None)
+        if self.drafter is None or plan.next_ids is None:
+            return None
+        return self.drafter.propose(plan, batch, hidden, tokens, accepted)

@@ -1,0 +1,116 @@
+"""Speculative decoding on Qwen3.5 / Qwen3.5-MoE / Qwen3-Next: greedy output with n-gram and MTP drafts is
+token-identical to greedy output without drafts (fp32), with decodes verifying drafts in the same steps as
+other sequences' prefill chunks, with preemption and n > 1. Drafts must be both kept and rejected, so the
+linear layers' state rollback is exercised both ways (a kept draft leaves the slot where the verify pass
+left it, a rejected one rolls it back to the last kept row). Every page and state slot is back at the end."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybrid_helpers import HYBRID_VOCAB, hybrid_tokens
+
+from mili_openai import LLM, SamplingParams
+
+LAYOUTS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
+MAX_NEW = 24
+# prompts that repeat a pattern, so the tiny random models' continuations recur and n-gram drafts are kept
+PATTERN_PROMPTS = [hybrid_tokens(4, seed=1) * 6, hybrid_tokens(13, seed=2), hybrid_tokens(3, seed=3) * 9,
+                   hybrid_tokens(41, seed=4)]
+ENGINE = dict(dtype="float32", num_pages=256, page_size=4, max_num_batched_tokens=32)  # chunks beside decodes
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2,
+         "min_acceptance_rate": 0}
+MTP_ONE = {"method": "mtp", "num_speculative_tokens": 1, "min_acceptance_rate": 0}
+MTP_THREE = {"method": "mtp", "num_speculative_tokens": 3, "min_acceptance_rate": 0}
+
+
+def greedy(max_tokens: int = MAX_NEW, **params) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **params)
+
+
+def token_ids(outputs) -> list[list[list[int]]]:
+    return [[completion.token_ids for completion in output.outputs] for output in outputs]
+
+
+def assert_all_released(llm: LLM) -> None:
+    llm.core.check_integrity()
+    slots = llm.core.state_slots
+    assert slots.num_free == slots.num_slots
+
+
+@pytest.fixture(scope="module", params=LAYOUTS)
+def plain(request, hybrid_checkpoint):
+    """(checkpoint, greedy tokens without drafts), once per layout."""
+    checkpoint = str(hybrid_checkpoint(request.param))
+    llm = LLM(checkpoint, **ENGINE)
+    return checkpoint, token_ids(llm.generate(PATTERN_PROMPTS, greedy()))
+
+
+@pytest.mark.parametrize("speculative", [NGRAM, MTP_ONE, MTP_THREE], ids=["ngram", "mtp1", "mtp3"])
+def test_greedy_output_is_plain_decodings(plain, speculative):
+    checkpoint, expected = plain
+    llm = LLM(checkpoint, speculative_config=speculative, **ENGINE)
+    assert token_ids(llm.generate(PATTERN_PROMPTS, greedy())) == expected
+    stats = llm.core.stats()
+    assert stats.spec_decode_num_draft_tokens_total > 0
+    positions = stats.spec_decode_num_draft_tokens_per_pos
+    assert len(positions) == speculative["num_speculative_tokens"] and sum(positions) == (
+        stats.spec_decode_num_draft_tokens_total)
+    assert_all_released(llm)
+
+
+class KnowingProposer:
+    """Drafts the plain output's next tokens, some with their first or second draft wrong: so drafts are kept
+    whole, kept in part (the state rolls back to a row past the first) and rejected (random tiny models repeat
+    too little for n-gram drafts to be kept, and their MTP heads are random)."""
+
+    drafts_in_runner = False
+
+    def __init__(self, prompts: list[list[int]], outputs: list[list[int]], k: int) -> None:
+        self.outputs = {tuple(prompt): output for prompt, output in zip(prompts, outputs)}
+        self.k = k
+        self.calls: dict[str, int] = {}
+
+    def propose(self, seq, max_drafts: int) -> list[int]:
+        done = len(seq.output_token_ids)
+        drafts = list(self.outputs[tuple(seq.prompt_token_ids)][done : done + min(self.k, max_drafts)])
+        calls = self.calls[seq.sequence_id] = self.calls.get(seq.sequence_id, 0) + 1
+        wrong = {1: 0, 2: 1}.get(calls % 3)  # else every draft is right
+        if wrong is not None and wrong < len(drafts):
+            drafts[wrong] = (drafts[wrong] + 1) % HYBRID_VOCAB
+        return drafts
+
+
+def test_kept_and_rejected_drafts_roll_the_state_exactly(plain):
+    checkpoint, expected = plain
+    llm = LLM(checkpoint, speculative_config=NGRAM, **ENGINE)
+    llm.core.scheduler.proposer = KnowingProposer(PATTERN_PROMPTS, [sample[0] for sample in expected], k=3)
+    assert token_ids(llm.generate(PATTERN_PROMPTS, greedy())) == expected
+    stats = llm.core.stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens_total < stats.spec_decode_num_draft_tokens_total
+    kept, verified = stats.spec_decode_num_accepted_tokens_per_pos, stats.spec_decode_num_draft_tokens_per_pos
+    assert all(0 < kept[position] < verified[position] for position in (0, 1))
+    assert_all_released(llm)
+
+
+def test_preemption_and_samples_with_mtp(hybrid_checkpoint):
+    checkpoint = str(hybrid_checkpoint("qwen3_5"))
+    prompts = [hybrid_tokens(length, seed=length) for length in (20, 33, 41, 27)]
+    small = dict(ENGINE, num_pages=30)  # ~4 x 60 tokens need ~60 pages of 4: preemption and recomputation
+    expected = token_ids(LLM(checkpoint, **small).generate(prompts, greedy(n=2)))
+    llm = LLM(checkpoint, speculative_config=MTP_THREE, **small)
+    assert token_ids(llm.generate(prompts, greedy(n=2))) == expected
+    assert llm.core.stats().num_preemptions_total > 0
+    assert_all_released(llm)
+
+
+def test_draft_model_is_refused_by_name(hybrid_checkpoint):
+    with pytest.raises(NotImplementedError, match="draft_model"):
+        LLM(str(hybrid_checkpoint("qwen3_5")), dtype="float32", num_pages=64,
+            speculative_config={"method": "draft_model", "model": "/nowhere", "num_speculative_tokens": 2})
+
+
+def test_mtp_needs_a_model_with_an_mtp_module(tiny_checkpoint):
+    with pytest.raises(ValueError, match="MTP module"):
+        LLM(str(tiny_checkpoint), dtype="float32", num_pages=64,
+            speculative_config={"method": "mtp", "num_speculative_tokens": 1})
