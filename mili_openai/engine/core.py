@@ -55,7 +55,7 @@ class EngineCore:
         checkpoint)."""
         config = config.for_device(runner.device.type)  # the device is known only now
         if runner.num_state_slots:  # linear-attention layers: a state slot per running sequence
-            config = config_for_state_slots(config)
+            config = config_for_state_slots(config, runner.num_state_snapshots)
         self.config = config
         self.observer = observer
         self.runner = runner
@@ -70,7 +70,8 @@ class EngineCore:
         self.info = EngineInfo(tokenizer=tokenizer, model_path=model_path, max_model_len=max_model_len,
                                vocab_size=model_config.vocab_size, eos_token_ids=tuple(model_config.eos_token_ids),
                                quantization=runner.quantization, sampling_defaults=sampling_defaults or {})
-        self.pages = KVPageManager(runner.num_pages, config.page_size, config.enable_prefix_caching)
+        self.pages = KVPageManager.for_engine(config, runner.num_pages, runner.num_state_slots,
+                                              runner.num_state_snapshots if config.enable_prefix_caching else 0)
         self.state_slots = StateSlotManager(runner.num_state_slots) if runner.num_state_slots else None
         self.scheduler = Scheduler(config, self.pages, self.state_slots)
         self.sequences: dict[str, Sequence] = {}  # by sequence id: each sample of each request
@@ -329,6 +330,7 @@ class EngineCore:
             kv_cache_usage=self.pages.usage(),
             num_state_slots=self.state_slots.num_slots if self.state_slots is not None else 0,
             num_free_state_slots=self.state_slots.num_free if self.state_slots is not None else 0,
+            **self._snapshot_stats(),
             num_preemptions_total=self.scheduler.num_preemptions_total,
             prefix_cache_queries_total=self.scheduler.prefix_cache_queries_total,
             prefix_cache_hits_total=self.scheduler.prefix_cache_hits_total,
@@ -338,6 +340,16 @@ class EngineCore:
             spec_decode_num_draft_tokens_total=self.spec_decode.num_draft_tokens,
             spec_decode_num_accepted_tokens_total=self.spec_decode.num_accepted_tokens,
         )
+
+    def _snapshot_stats(self) -> dict[str, int]:
+        """EngineStats' fields of a hybrid model's prefix-cache state snapshots (none for other models)."""
+        snapshots = self.pages.snapshots
+        if snapshots is None:
+            return {}
+        store = snapshots.store
+        return dict(num_state_snapshots=store.num_snapshots, num_state_snapshots_attached=store.num_attached,
+                    state_snapshot_bytes=store.num_snapshots * self.runner.state_slot_bytes,
+                    state_snapshots_evicted_total=store.num_evicted_alone)
 
     def check_integrity(self) -> None:
         """Pages conserved: free + tree + owned == pool, nothing shared that should not be; likewise state slots."""

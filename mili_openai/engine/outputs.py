@@ -148,6 +148,12 @@ class EngineStats:
     # the state pool of linear-attention layers (one slot per running sequence); 0 for attention-only models
     num_state_slots: int = 0
     num_free_state_slots: int = 0
+    # a hybrid model's prefix cache: its state snapshots, those attached to the radix tree, their memory, and
+    # how many were evicted alone (their K/V pages stayed cached)
+    num_state_snapshots: int = 0
+    num_state_snapshots_attached: int = 0
+    state_snapshot_bytes: int = 0
+    state_snapshots_evicted_total: int = 0
 
 
 @dataclass(frozen=True, slots=True)

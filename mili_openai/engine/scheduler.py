@@ -138,7 +138,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or self._awaits_last_token(seq):
                 continue  # preempted earlier in this loop, or done once its pending token is back
             uncomputed = seq.num_uncomputed_tokens
-            num_new = min(uncomputed, budget)
+            num_new = self.pages.prefill_chunk(seq, min(uncomputed, budget))
             if not self._reserve(seq, num_new, preempted, can_preempt=not lookahead):
                 continue  # seq itself was preempted, or found no page
             budget -= num_new
@@ -171,6 +171,8 @@ class Scheduler:
         for seq, num_new, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
             seq.num_computed_tokens += num_new
             seq.num_pending_tokens += samples
+        if self.pages.snapshots is not None:  # a hybrid model's state saves and restores (state_snapshots.py)
+            self.pages.snapshots.plan(batch)
         return batch
 
     def can_plan_ahead(self, running: ScheduledBatch) -> bool:
@@ -254,7 +256,7 @@ class Scheduler:
                 self.pages.release(seq)
                 deferred.append(seq)
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = self.pages.prefill_chunk(seq, min(seq.num_uncomputed_tokens, budget))
             no_slot = self.state_slots is not None and self.state_slots.num_free == 0
             if no_slot or not self.pages.allocate(seq, self.pages.pages_needed(seq, num_new)):
                 self.pages.release(seq)
@@ -279,9 +281,9 @@ class Scheduler:
         if not self.pages.enable_prefix_caching:
             return False
         page_size = self.pages.page_size
-        for other, _ in prefills:
+        for other, num_new in prefills:
             limit = min(seq.num_tokens - 1, other.num_tokens)
-            shared = common_prefix_length(seq.token_ids[:limit], other.token_ids[:limit])
-            if shared // page_size > matched // page_size:
+            shared = common_prefix_length(seq.token_ids[:limit], other.token_ids[:limit]) // page_size * page_size
+            if shared > matched and self.pages.will_cache(other, shared, other.num_computed_tokens + num_new):
                 return True
         return False

@@ -21,16 +21,22 @@ from mili_openai.radix import PagePool
 logger = logging.getLogger(__name__)
 
 
-def config_for_state_slots(config: EngineConfig) -> EngineConfig:
+def config_for_state_slots(config: EngineConfig, num_snapshots: int) -> EngineConfig:
     """The engine's config for a model with linear-attention layers. No speculative decoding yet (a decode
-    runs one row per sequence: a rejected draft would leave its state advanced). No prefix reuse: cached
-    pages hold K/V alone, and a sequence resumed from them would miss its recurrent state."""
+    runs one row per sequence: a rejected draft would leave its state advanced). Prefix reuse only with state
+    snapshots (engine/state_snapshots.py): cached pages hold K/V alone, and a sequence resumed from them alone
+    would miss its recurrent state."""
     if config.speculative_config is not None:
         raise ValueError("speculative decoding (--speculative-config) does not run models with linear-attention "
                          "layers yet")
     if not config.enable_prefix_caching:
         return config
-    logger.info("prefix caching is off: this model has linear-attention layers, whose state pages cannot restore")
+    if num_snapshots:
+        logger.info("prefix caching: a prefix resumes from a state snapshot at its end (%d snapshots), never from "
+                    "K/V alone", num_snapshots)
+        return config
+    logger.info("prefix caching is off: this model has linear-attention layers and no room was left for state "
+                "snapshots (--hybrid-snapshot-fraction, --num-hybrid-snapshots)")
     return dataclasses.replace(config, enable_prefix_caching=False)
 
 

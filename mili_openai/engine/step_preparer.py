@@ -42,6 +42,10 @@ class PreparedStep:
     pending_index: torch.Tensor | None = None
     # (N,) int64: state slots handed out in this step, zeroed before its forward (ScheduledBatch.new_state_slots)
     new_state_slots: torch.Tensor | None = None
+    # (2, N) int64 source and destination state slots (ScheduledBatch.state_restores / state_saves): copied
+    # before the forward (after the zeroing), and after it
+    state_restores: torch.Tensor | None = None
+    state_saves: torch.Tensor | None = None
 
     @property
     def needs_host_tokens(self) -> bool:
@@ -145,7 +149,8 @@ class StepPreparer:
                                          pin_memory=self.pin_memory)
         new_state_slots = torch.tensor(batch.new_state_slots, dtype=torch.int64) if batch.new_state_slots else None
         return PreparedStep(forward_batch, rows, pending_rows, pending_sources, pending_histories,
-                            prompt_scorings(batch, forward_batch), staged, pending_index, new_state_slots)
+                            prompt_scorings(batch, forward_batch), staged, pending_index, new_state_slots,
+                            _slot_pairs(batch.state_restores), _slot_pairs(batch.state_saves))
 
     def launch(self, step: PreparedStep, launch_forward: LaunchForward) -> LaunchedStep:
         """Feed `step` the tokens the step before sampled and queue its forward and sampling
@@ -207,6 +212,11 @@ class StepPreparer:
             input_ids[row] = sampled[source]
         for history, source in step.pending_histories:
             history.append(sampled[source])
+
+
+def _slot_pairs(pairs: list[tuple[int, int]]) -> torch.Tensor | None:
+    """(2, N) int64: the sources, then the destinations; None for no pair."""
+    return torch.tensor(pairs, dtype=torch.int64).T.contiguous() if pairs else None
 
 
 class StepRunner:

@@ -32,6 +32,8 @@ ENGINE_COUNTERS = (
     ("mili_spec_decode_num_draft_tokens", "Speculative draft tokens verified.", "spec_decode_num_draft_tokens_total"),
     ("mili_spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.",
      "spec_decode_num_accepted_tokens_total"),
+    ("mili_state_snapshots_evicted", "State snapshots evicted while their K/V pages stayed cached.",
+     "state_snapshots_evicted_total"),
 )
 
 
@@ -60,6 +62,12 @@ class EngineStatsCollector(Collector):
                                 value=stats.num_state_slots)
         yield GaugeMetricFamily("mili_state_slots_used", "State slots held by running sequences.",
                                 value=stats.num_state_slots - stats.num_free_state_slots)
+        yield GaugeMetricFamily("mili_state_snapshots", "Prefix-cache state snapshots of a hybrid model (0: none).",
+                                value=stats.num_state_snapshots)
+        yield GaugeMetricFamily("mili_state_snapshots_cached", "State snapshots attached to the radix prefix cache.",
+                                value=stats.num_state_snapshots_attached)
+        yield GaugeMetricFamily("mili_state_snapshot_bytes", "Memory of the prefix cache's state snapshots.",
+                                value=stats.state_snapshot_bytes)
         for name, documentation, field in ENGINE_COUNTERS:
             yield CounterMetricFamily(name, documentation, value=getattr(stats, field))
 
