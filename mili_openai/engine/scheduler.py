@@ -250,7 +250,9 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.popleft()
             matched = self.pages.match(seq)
-            if self._shares_prefix_in_flight(seq, matched, prefills):
+            wait, freed = self._shares_prefix_in_flight(seq, matched, prefills)
+            budget += freed
+            if wait:
                 # A sequence already being prefilled is computing pages this one could reuse: wait one
                 # step for them to land in the tree rather than compute the same prefix twice.
                 self.pages.release(seq)
@@ -277,13 +279,23 @@ class Scheduler:
         self.waiting.extendleft(reversed(deferred))
         return budget
 
-    def _shares_prefix_in_flight(self, seq: Sequence, matched: int, prefills: list[tuple[Sequence, int]]) -> bool:
+    def _shares_prefix_in_flight(self, seq: Sequence, matched: int,
+                                 prefills: list[tuple[Sequence, int]]) -> tuple[bool, int]:
+        """Whether seq should wait a step for a prefix that a sequence being prefilled computes, and the budget
+        tokens given back: a hybrid model's chunk that runs past the branch point stops there, to save its
+        state where seq can resume (engine/state_snapshots.py)."""
         if not self.pages.enable_prefix_caching:
-            return False
+            return False, 0
         page_size = self.pages.page_size
-        for other, num_new in prefills:
+        for index, (other, num_new) in enumerate(prefills):
             limit = min(seq.num_tokens - 1, other.num_tokens)
             shared = common_prefix_length(seq.token_ids[:limit], other.token_ids[:limit]) // page_size * page_size
-            if shared > matched and self.pages.will_cache(other, shared, other.num_computed_tokens + num_new):
-                return True
-        return False
+            if shared <= matched:
+                continue
+            start, freed = other.num_computed_tokens, 0
+            if self.pages.snapshots is not None and start < shared < start + num_new:
+                freed = start + num_new - shared
+                prefills[index] = (other, shared - start)
+            if self.pages.will_cache(other, shared, start + num_new - freed):
+                return True, freed
+        return False, 0
