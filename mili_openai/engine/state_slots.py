@@ -5,7 +5,8 @@ linear-attention layer (model/state_cache.py). A sequence takes a slot when it i
 back when it finishes, is aborted or is preempted (it then resumes into a fresh slot from its latest state
 snapshot in the prefix cache, engine/state_snapshots.py, or from its first token). A slot handed out is
 zeroed by the runner before the step that first uses it runs (`ScheduledBatch.new_state_slots`), so a new
-sequence starts from zeros whatever the slot held before. Every slot is free or owned by exactly one sequence (`Sequence.state_slot`); `check_integrity` verifies it.
+sequence starts from zeros whatever the slot held before. Every slot is free or owned by exactly one
+sequence (`Sequence.state_slot`); `check_integrity` verifies it.
 """
 
 from __future__ import annotations
