@@ -70,8 +70,8 @@ class EngineCore:
         self.info = EngineInfo(tokenizer=tokenizer, model_path=model_path, max_model_len=max_model_len,
                                vocab_size=model_config.vocab_size, eos_token_ids=tuple(model_config.eos_token_ids),
                                quantization=runner.quantization, sampling_defaults=sampling_defaults or {})
-        self.pages = KVPageManager.for_engine(config, runner.num_pages, runner.num_state_slots,
-                                              runner.num_state_snapshots if config.enable_prefix_caching else 0)
+        snapshots = runner.num_state_snapshots if runner.num_state_slots and config.enable_prefix_caching else 0
+        self.pages = KVPageManager.for_engine(config, runner.num_pages, runner.num_state_slots, snapshots)
         self.state_slots = StateSlotManager(runner.num_state_slots) if runner.num_state_slots else None
         self.scheduler = Scheduler(config, self.pages, self.state_slots)
         self.sequences: dict[str, Sequence] = {}  # by sequence id: each sample of each request
