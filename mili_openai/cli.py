@@ -106,6 +106,15 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                           "and the KV pool, which takes the rest (unless --kv-cache-memory-gb or --num-pages)")
     eng.add_argument("--max-num-batched-tokens", type=int, default=None,
                      help="token budget of one forward (default: 512 on CPU, 8192 on CUDA)")
+    eng.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                     default=engine.enable_prefix_caching, help="reuse cached prompt prefixes (the radix cache)")
+    eng.add_argument("--hybrid-snapshot-fraction", type=float, default=engine.hybrid_snapshot_fraction,
+                     help="hybrid models (Qwen3.5, Qwen3-Next): the share of the cache budget kept for the prefix "
+                          "cache's state snapshots")
+    eng.add_argument("--num-hybrid-snapshots", type=int, default=None,
+                     help="hybrid models: this many state snapshots (overrides --hybrid-snapshot-fraction)")
+    eng.add_argument("--state-snapshot-interval", type=int, default=None,
+                     help="hybrid models: a prefill also saves its state every this many pages")
     eng.add_argument("--max-num-seqs", type=int, default=None,
                      help="cap on running sequences (default: 64 on CPU, 256 on CUDA)")
     eng.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -199,6 +208,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        enable_prefix_caching=args.enable_prefix_caching,
+        hybrid_snapshot_fraction=args.hybrid_snapshot_fraction,
+        num_hybrid_snapshots=args.num_hybrid_snapshots,
+        hybrid_snapshot_interval=args.state_snapshot_interval,
         max_model_len=args.max_model_len,
         num_threads=args.num_threads,
         default_model_cache=args.default_model_cache,

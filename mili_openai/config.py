@@ -149,6 +149,12 @@ class EngineConfig:
     max_num_seqs: int | None = None  # cap on running sequences; None = the device's default
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    # a hybrid model's prefix cache keeps state snapshots (engine/state_snapshots.py) in this share of the cache
+    # budget (the rest: KV pages and the running sequences' state slots), or exactly num_hybrid_snapshots of
+    # them; a prefill also saves its state every hybrid_snapshot_interval pages (None: only where needed)
+    hybrid_snapshot_fraction: float = 0.2
+    num_hybrid_snapshots: int | None = None
+    hybrid_snapshot_interval: int | None = None
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     seed: int = 0  # seed of the unseeded sampling stream
     default_model_cache: str | None = None  # where the embedded default model is built; None = ~/.cache/mili-openai
@@ -218,6 +224,13 @@ class EngineConfig:
             raise ValueError(f"switch_interval_s must be > 0, got {self.switch_interval_s}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if not 0 <= self.hybrid_snapshot_fraction < 1:
+            raise ValueError(f"hybrid_snapshot_fraction must be in [0, 1), got {self.hybrid_snapshot_fraction}")
+        if self.num_hybrid_snapshots is not None and self.num_hybrid_snapshots < 0:
+            raise ValueError("num_hybrid_snapshots must be >= 0")
+        if self.hybrid_snapshot_interval is not None and not _is_count(self.hybrid_snapshot_interval):
+            raise ValueError(f"hybrid_snapshot_interval must be an integer >= 1 (pages), "
+                             f"got {self.hybrid_snapshot_interval!r}")
         if self.torch_profiler_dir is not None and not self.torch_profiler_dir.strip():
             raise ValueError("torch_profiler_dir must name a directory")
         if self.runner not in RUNNERS:

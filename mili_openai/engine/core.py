@@ -6,6 +6,7 @@ caller of the offline `LLM`); `runner.execute` between them is the only heavy wo
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from pathlib import Path
@@ -61,7 +62,7 @@ class EngineCore:
         checkpoint). pooling: serve a pooling model (embeddings, rerank scores) instead of generating."""
         config = config.for_device(runner.device.type)  # the device is known only now
         if runner.num_state_slots:  # linear-attention layers: a state slot per running sequence
-            config = config_for_state_slots(config)
+            config = config_for_state_slots(config, runner.num_state_snapshots)
         self.config = config
         self.observer = observer
         self.runner = runner
@@ -81,8 +82,10 @@ class EngineCore:
         self.lora_ids = lora_ids(config.lora)  # adapter name -> the id its sequences carry
         if pooling is not None:
             runner.set_pooling(pooling)
-        prefix_caching = config.enable_prefix_caching and (pooling is None or pooling.uses_prefix_cache)
-        self.pages = KVPageManager(runner.num_pages, config.page_size, prefix_caching)
+        page_config = config if pooling is None or pooling.uses_prefix_cache else dataclasses.replace(
+            config, enable_prefix_caching=False)  # mean and CLS pooling read every position: no cache
+        snapshots = runner.num_state_snapshots if runner.num_state_slots and page_config.enable_prefix_caching else 0
+        self.pages = KVPageManager.for_engine(page_config, runner.num_pages, runner.num_state_slots, snapshots)
         self.state_slots = StateSlotManager(runner.num_state_slots) if runner.num_state_slots else None
         self.scheduler = Scheduler(config, self.pages, self.state_slots)
         self.sequences: dict[str, Sequence] = {}  # by sequence id: each sample of each request
@@ -373,6 +376,7 @@ class EngineCore:
             kv_cache_usage=self.pages.usage(),
             num_state_slots=self.state_slots.num_slots if self.state_slots is not None else 0,
             num_free_state_slots=self.state_slots.num_free if self.state_slots is not None else 0,
+            **(snapshots.stats(self.runner.state_slot_bytes) if (snapshots := self.pages.snapshots) else {}),
             num_preemptions_total=self.scheduler.num_preemptions_total,
             prefix_cache_queries_total=self.scheduler.prefix_cache_queries_total,
             prefix_cache_hits_total=self.scheduler.prefix_cache_hits_total,

@@ -1,15 +1,19 @@
 """Page bookkeeping for sequences: prefix matching, allocation, caching into the radix tree, release.
 
 Owns the page pool and the radix tree (plain Python, no torch). Every page is free, owned by exactly
-one sequence (`Sequence.owned_pages`), or held by the tree; `check_integrity` verifies it.
+one sequence (`Sequence.owned_pages`), or held by the tree; `check_integrity` verifies it. For a model with
+linear-attention layers the tree also holds state snapshots (`snapshots`, engine/state_snapshots.py), and a
+sequence matches only a prefix that ends at one: never K/V alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from mili_openai.config import EngineConfig
 from mili_openai.engine.sequence import Sequence
-from mili_openai.radix import PagePool, RadixCache
+from mili_openai.engine.state_snapshots import StateSnapshots
+from mili_openai.radix import PagePool, RadixCache, SnapshotStore
 
 
 # a LoRA sequence's prefix-cache key shifts every token id by its adapter id times this (past any vocabulary),
@@ -31,11 +35,23 @@ def cache_key(seq: Sequence, num_tokens: int) -> list[int]:
 
 
 class KVPageManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool,
+                 num_snapshots: int = 0, first_snapshot_id: int = 0, snapshot_interval: int | None = None) -> None:
+        """num_snapshots: state snapshots of a hybrid model, ids from first_snapshot_id (0: not a hybrid model);
+        snapshot_interval: a prefill also saves its state every that many pages (None: only where needed)."""
         self.page_size = page_size
         self.pool = PagePool(num_pages)
-        self.tree = RadixCache(page_size, self.pool)
+        store = SnapshotStore(num_snapshots, first_snapshot_id) if num_snapshots else None
+        self.tree = RadixCache(page_size, self.pool, store)
+        self.snapshots = StateSnapshots(store, self.tree, page_size, snapshot_interval) if store else None
         self.enable_prefix_caching = enable_prefix_caching
+
+    @classmethod
+    def for_engine(cls, config: EngineConfig, num_pages: int, num_state_slots: int,
+                   num_snapshots: int) -> KVPageManager:
+        """The engine's: snapshots (of a hybrid model) numbered after its `num_state_slots` running slots."""
+        return cls(num_pages, config.page_size, config.enable_prefix_caching, num_snapshots, num_state_slots,
+                   config.hybrid_snapshot_interval)
 
     @property
     def num_pages(self) -> int:
@@ -50,7 +66,12 @@ class KVPageManager:
             # scoring the prompt needs every prompt position's logits, cached ones included; an image's
             # placeholder tokens are the same ids whatever the image, so a match could be another image's K/V
             return 0
-        match = self.tree.match_prefix(cache_key(seq, seq.num_tokens - 1))
+        key = cache_key(seq, seq.num_tokens - 1)
+        if self.snapshots is not None:  # a hybrid model resumes only where a state snapshot was saved
+            match = self.tree.match_snapshot(key)
+            seq.restore_snapshot = match.node.snapshot
+        else:
+            match = self.tree.match_prefix(key)
         self.tree.lock(match.node)
         seq.pages = list(match.pages)
         seq.num_tree_pages = len(match.pages)
@@ -71,14 +92,33 @@ class KVPageManager:
         seq.pages.extend(self.pool.allocate(num_pages))
         return True
 
+    def prefill_chunk(self, seq: Sequence, num_new: int) -> int:
+        """How many of num_new prompt tokens seq's next prefill chunk computes: fewer where a hybrid model's
+        chunk stops at a page boundary to save its state there (engine/state_snapshots.py)."""
+        if self.snapshots is None or not self.enable_prefix_caching or num_new <= 1:
+            return num_new
+        return self.snapshots.chunk_size(seq, num_new)
+
+    def will_cache(self, seq: Sequence, num_tokens: int, chunk_end: int) -> bool:
+        """Whether seq, being prefilled up to chunk_end in this step, will leave its first num_tokens (a page
+        boundary) where another sequence can resume from them: its pages, and for a hybrid model a snapshot
+        (asked for here)."""
+        return self.snapshots is None or self.snapshots.request_stop(seq, num_tokens, chunk_end)
+
     def cache_computed_pages(self, seq: Sequence) -> None:
-        """Hand seq's full computed pages to the tree so other sequences can share them.
+        """Hand seq's full computed pages to the tree so other sequences can share them, and its saved state
+        snapshot (a hybrid model's) once its pages are there.
 
         Where the tree already held the same prefix (a sibling computed it in the same step), seq's own
         copy is freed and its page table switched to the tree's pages, which hold identical K/V.
         """
         if not self.enable_prefix_caching or seq.images is not None:
             return  # its image tokens' ids do not say which image: never share them (see `match`)
+        self._insert_computed_pages(seq)
+        if self.snapshots is not None:
+            self.snapshots.attach(seq)
+
+    def _insert_computed_pages(self, seq: Sequence) -> None:
         num_full = seq.num_known_computed_tokens // self.page_size
         if num_full <= seq.num_tree_pages:
             return
@@ -100,6 +140,8 @@ class KVPageManager:
     def release(self, seq: Sequence) -> None:
         """Return everything seq holds: full computed pages go to the tree (unlocked), the rest to the pool."""
         self.cache_computed_pages(seq)
+        if self.snapshots is not None:
+            self.snapshots.release(seq)
         if seq.tree_node is not None:
             self.tree.unlock(seq.tree_node)
         owned = seq.owned_pages
@@ -111,7 +153,9 @@ class KVPageManager:
         seq.num_computed_tokens = 0
 
     def check_integrity(self, sequences: Iterable[Sequence]) -> None:
-        self.tree.check_integrity(owned=[seq.owned_pages for seq in sequences])
+        sequences = list(sequences)
+        held = self.snapshots.held(sequences) if self.snapshots is not None else ()
+        self.tree.check_integrity(owned=[seq.owned_pages for seq in sequences], held_snapshots=held)
 
     def usage(self) -> float:
         return 1.0 - self.pool.num_free / self.pool.num_pages

@@ -3,8 +3,10 @@
 The cache budget (`--kv-cache-memory-gb`, or on CUDA what the memory profile leaves) holds one pool per kind
 of layer cache (model/cache_spec.py): the state pool of the linear-attention layers first, one slot per
 sequence the scheduler may run (`max_num_seqs`, as SGLang sizes its Mamba pool from its running requests),
-then KV pages for the attention layers in the rest. A model without linear-attention layers has no state
-pool.
+then, for a model with linear-attention layers and prefix caching on, the prefix cache's state snapshots
+(`hybrid_snapshot_fraction` of the budget, or `num_hybrid_snapshots`: extra slots of the same pool,
+engine/state_snapshots.py), then KV pages for the attention layers in the rest. A model without
+linear-attention layers has no state pool.
 
 Quantized weights leave room for a larger cache: on CUDA the pool is sized from the memory left after the
 weights (memory_profile.py); an explicit `--kv-cache-memory-gb` is checked against the memory free after
@@ -71,10 +73,20 @@ def pages_beside_states(budget: int, bytes_per_page: int, state_bytes: int, what
     return num_pages
 
 
+def snapshots_in_budget(budget: int, slot_bytes: int, fraction: float, count: int | None) -> int:
+    """State snapshots of a hybrid model's prefix cache: `count` where given, else `fraction` of `budget` bytes
+    in slots of `slot_bytes` each."""
+    return count if count is not None else int(fraction * budget) // slot_bytes
+
+
 def log_memory(weights: int, quantization: str | None, dtype: torch.dtype, kv_bytes: int, num_pages: int,
-               page_size: int, state_bytes: int = 0, num_state_slots: int = 0) -> None:
+               page_size: int, state_bytes: int = 0, num_state_slots: int = 0, num_snapshots: int = 0) -> None:
     kind = quantization or f"{str(dtype).removeprefix('torch.')}, unquantized"
     states = (f"; state pool {state_bytes / BYTES_PER_GIB:.2f} GiB: {num_state_slots} sequence slots"
               if num_state_slots else "")
+    if num_state_slots:
+        per_slot = state_bytes / (num_state_slots + num_snapshots)
+        states += (f" + {num_snapshots} prefix-cache snapshots ({num_snapshots * per_slot / BYTES_PER_GIB:.2f} GiB)"
+                   if num_snapshots else ", no prefix-cache snapshots: prefix caching off")
     logger.info("weights %.2f GiB (%s); KV cache %.2f GiB: %d pages of %d tokens%s", weights / BYTES_PER_GIB, kind,
                 kv_bytes / BYTES_PER_GIB, num_pages, page_size, states)

@@ -158,6 +158,12 @@ class EngineStats:
     running_lora_adapters: tuple[str, ...] = ()
     waiting_lora_adapters: tuple[str, ...] = ()
     max_lora: int = 0
+    # a hybrid model's prefix cache: its state snapshots, those attached to the radix tree, their memory, and
+    # how many were evicted alone (their K/V pages stayed cached)
+    num_state_snapshots: int = 0
+    num_state_snapshots_attached: int = 0
+    state_snapshot_bytes: int = 0
+    state_snapshots_evicted_total: int = 0
 
 
 @dataclass(frozen=True, slots=True)

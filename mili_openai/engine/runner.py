@@ -26,6 +26,7 @@ from mili_openai.engine.memory_budget import (
     check_kv_cache_fits,
     log_memory,
     pages_beside_states,
+    snapshots_in_budget,
     weight_bytes,
 )
 from mili_openai.engine.memory_profile import profile_gpu_memory
@@ -65,6 +66,8 @@ class Runner(Protocol):
     quantization: str | None  # None, or what the weights are (for /v1/models)
     num_pages: int  # KV pages the engine may hand out
     num_state_slots: int  # state slots of the linear-attention layers (one per running sequence); 0 without any
+    num_state_snapshots: int  # the prefix cache's state snapshots, slots numbered after those (0: none)
+    state_slot_bytes: int  # bytes of one state slot (a snapshot's size); 0 without linear-attention layers
     failure: str | None  # why the runner can run no more steps; None while it can
     kernel_build: Future[bool] | None  # CPU kernels compiling meanwhile, to switch to once done; None: none
 
@@ -139,8 +142,13 @@ class ModelRunner(StepRunner):
         # what each layer keeps per sequence, in this process's shapes (a tensor-parallel rank's KV heads)
         self.cache_specs = self.model.cache_specs()
         self.num_state_slots = config.max_num_seqs if has_recurrent_layers(self.cache_specs) else 0
-        state_bytes = self.num_state_slots * StateCache.bytes_per_slot(self.cache_specs, self.dtype)
-        self.num_pages = config.num_pages or self._pages_for_budget(config, state_bytes)
+        self.state_slot_bytes = slot_bytes = StateCache.bytes_per_slot(self.cache_specs, self.dtype)
+        # the prefix cache's state snapshots of a hybrid model: slots of the state pool past the running ones
+        budget = None if config.num_pages else self._cache_budget(config)
+        self.num_state_snapshots = (self._snapshots(config, slot_bytes, budget)
+                                    if self.num_state_slots and config.enable_prefix_caching else 0)
+        state_bytes = (self.num_state_slots + self.num_state_snapshots) * slot_bytes
+        self.num_pages = config.num_pages or self._pages_for_budget(budget, state_bytes)
         # Dynamic NTK RoPE checks each forward's positions on the host, which a graph cannot capture
         # (not for linear-attention layers yet: the graphs replay K/V writes only, not state-slot updates)
         # (nor LoRA yet: a graph replays the projections without the adapters' row groups)
@@ -153,12 +161,12 @@ class ModelRunner(StepRunner):
         kv_bytes = pool_pages * KVCache.bytes_per_page(self.cache_specs, self.page_size, self.dtype)
         check_kv_cache_fits(kv_bytes + state_bytes, weights, self.device)
         self.kv_cache = KVCache(self.cache_specs, pool_pages, self.page_size, self.dtype, self.device)
-        self.state_cache = (StateCache(self.cache_specs, self.num_state_slots, self.dtype, self.device)
-                            if self.num_state_slots else None)
+        self.state_cache = (StateCache(self.cache_specs, self.num_state_slots + self.num_state_snapshots, self.dtype,
+                                       self.device) if self.num_state_slots else None)
         self.caches = ModelCaches(self.kv_cache, self.state_cache)
         self.speculation = runner_speculation(config.speculative_config, self.model, self.caches, self.page_size)
         log_memory(weights, self.quantization, self.dtype, kv_bytes, pool_pages, self.page_size, state_bytes,
-                   self.num_state_slots)
+                   self.num_state_slots, self.num_state_snapshots)
         self.decode_graphs = None
         if use_graphs:
             self._capture_decode_graphs(config)
@@ -189,27 +197,36 @@ class ModelRunner(StepRunner):
     def _max_model_len(self, config: EngineConfig, num_pages: int) -> int:
         return min(config.max_model_len or self.model_config.max_position_embeddings, num_pages * self.page_size)
 
-    def _pages_for_budget(self, config: EngineConfig, state_bytes: int) -> int:
-        """Pages of the KV pool: what the cache budget holds beside a state pool of `state_bytes`
-        (memory_budget.py): kv_cache_memory_gb where given (always on CPU), else on CUDA what
-        gpu_memory_utilization leaves after the weights and a profiled step (memory_profile.py). Tensor-parallel
-        ranks take the fewest any of them has room for: they share one page table."""
-        num_pages = self._pages_for_this_process(config, state_bytes)
-        return num_pages if self.parallel is None else self.parallel.min_over_ranks(num_pages)
-
-    def _pages_for_this_process(self, config: EngineConfig, state_bytes: int) -> int:
-        per_page = KVCache.bytes_per_page(self.cache_specs, self.page_size, self.dtype)
+    def _cache_budget(self, config: EngineConfig) -> tuple[int, str]:
+        """(bytes for the caches, what set them): kv_cache_memory_gb where given (always on CPU), else on CUDA
+        what gpu_memory_utilization leaves after the weights and a profiled step (memory_profile.py)."""
         if config.kv_cache_memory_gb is not None:
-            return pages_beside_states(int(config.kv_cache_memory_gb * BYTES_PER_GIB), per_page, state_bytes,
-                                       f"kv_cache_memory_gb={config.kv_cache_memory_gb}")
+            return int(config.kv_cache_memory_gb * BYTES_PER_GIB), f"kv_cache_memory_gb={config.kv_cache_memory_gb}"
         start = time.perf_counter()
         profile = profile_gpu_memory(self.model, self.page_size, config.max_num_batched_tokens,
                                      config.max_num_seqs, self._max_model_len(config, 1 << 62),
                                      config.gpu_memory_utilization, self.device)
         logger.info("%s (profiled in %.1f s)", profile.describe(), time.perf_counter() - start)
-        return pages_beside_states(profile.kv_cache, per_page, state_bytes,
-                                   f"gpu_memory_utilization={config.gpu_memory_utilization} ({profile.describe()}; "
-                                   "raise it, or lower max_num_batched_tokens)")
+        return profile.kv_cache, (f"gpu_memory_utilization={config.gpu_memory_utilization} ({profile.describe()}; "
+                                  "raise it, or lower max_num_batched_tokens)")
+
+    def _snapshots(self, config: EngineConfig, slot_bytes: int, budget: tuple[int, str] | None) -> int:
+        """How many prefix-cache state snapshots: `num_hybrid_snapshots`, else `hybrid_snapshot_fraction` of the
+        cache budget (with `num_pages`: of the whole, those pages and the running slots being the rest)."""
+        fraction, count = config.hybrid_snapshot_fraction, config.num_hybrid_snapshots
+        if budget is not None:
+            return snapshots_in_budget(budget[0], slot_bytes, fraction, count)
+        beside = config.num_pages * KVCache.bytes_per_page(self.cache_specs, self.page_size, self.dtype)
+        beside += self.num_state_slots * slot_bytes
+        return snapshots_in_budget(int(beside / (1 - fraction)), slot_bytes, fraction, count)
+
+    def _pages_for_budget(self, budget: tuple[int, str], state_bytes: int) -> int:
+        """Pages of the KV pool: what the cache budget holds beside a state pool of `state_bytes`
+        (memory_budget.py). Tensor-parallel ranks take the fewest any of them has room for: they share one page
+        table."""
+        per_page = KVCache.bytes_per_page(self.cache_specs, self.page_size, self.dtype)
+        num_pages = pages_beside_states(budget[0], per_page, state_bytes, budget[1])
+        return num_pages if self.parallel is None else self.parallel.min_over_ranks(num_pages)
 
     def _capture_decode_graphs(self, config: EngineConfig) -> None:
         """Decode steps' CUDA graphs for up to max_num_seqs rows, captured before serving (cuda_graphs.py)."""
@@ -230,6 +247,8 @@ class ModelRunner(StepRunner):
         batch = forward_batch_to(step.forward_batch, self.device, step.staged)
         if step.new_state_slots is not None:  # sequences admitted in this step start from zero states
             self.state_cache.reset(step.new_state_slots)
+        if step.state_restores is not None:  # or from a prefix's state snapshot (engine/state_snapshots.py)
+            self.state_cache.copy(*step.state_restores)
         if source is not None:  # pending input ids from the step before's sampled ids, on the device
             index = step.pending_index.to(self.device, non_blocking=True)  # (2, P): rows over sources
             batch.input_ids.index_copy_(0, index[0], source.token_ids.index_select(0, index[1]))
@@ -243,6 +262,8 @@ class ModelRunner(StepRunner):
                 hidden = self.model(batch, self.caches)
         else:
             hidden = self.model(batch, self.caches)
+        if step.state_saves is not None:  # states at page boundaries into the prefix cache's snapshots
+            self.state_cache.copy(*step.state_saves)
         scored = self.score_prompts(hidden, step.prompt_scorings) if step.prompt_scorings else None
         pooled = self.pooler(hidden, step.pooling_rows) if step.pooling_rows and self.pooler is not None else None
         if not step.rows:

@@ -27,6 +27,11 @@ class ScheduledBatch:
     new_state_slots: list[int] = field(default_factory=list)
     # whether the runner drafts with a model for the sampled sequences' next steps (engine/speculation.py)
     run_proposer: bool = False
+    # state-slot copies (source, destination) of a hybrid model's prefix cache (engine/state_snapshots.py): from a
+    # snapshot into a running slot before the forward (after the zeroing), and from a running slot into a
+    # snapshot after it
+    state_restores: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
 
     def drafts(self, index: int) -> list[int]:
         """The draft tokens seqs[index] verifies: [] for a prefill chunk or a decode without drafts."""

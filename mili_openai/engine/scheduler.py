@@ -97,7 +97,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or self._awaits_last_token(seq):
                 continue  # preempted earlier in this loop, or done once its pending token is back
             uncomputed = seq.num_uncomputed_tokens
-            num_new = min(uncomputed, budget)
+            num_new = self.pages.prefill_chunk(seq, min(uncomputed, budget))
             if not self._reserve(seq, num_new, preempted, can_preempt=not lookahead):
                 continue  # seq itself was preempted, or found no page
             budget -= num_new
@@ -132,6 +132,8 @@ class Scheduler:
         for seq, num_new, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
             seq.num_computed_tokens += num_new
             seq.num_pending_tokens += samples
+        if self.pages.snapshots is not None:  # a hybrid model's state saves and restores (state_snapshots.py)
+            self.pages.snapshots.plan(batch)
         return batch
 
     def can_plan_ahead(self, running: ScheduledBatch) -> bool:
@@ -221,13 +223,15 @@ class Scheduler:
                     continue
                 adapters.add(seq.lora_id)
             matched = self.pages.match(seq)
-            if self._shares_prefix_in_flight(seq, matched, prefills):
+            wait, freed = self._shares_prefix_in_flight(seq, matched, prefills)
+            budget += freed
+            if wait:
                 # A sequence already being prefilled is computing pages this one could reuse: wait one
                 # step for them to land in the tree rather than compute the same prefix twice.
                 self.pages.release(seq)
                 deferred.append(seq)
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = self.pages.prefill_chunk(seq, min(seq.num_uncomputed_tokens, budget))
             no_slot = self.state_slots is not None and self.state_slots.num_free == 0
             if no_slot or not self.pages.allocate(seq, self.pages.pages_needed(seq, num_new)):
                 self.pages.release(seq)
@@ -255,15 +259,25 @@ class Scheduler:
             return None
         return {seq.lora_id for seq in self.running if seq.lora_id}
 
-    def _shares_prefix_in_flight(self, seq: Sequence, matched: int, prefills: list[tuple[Sequence, int]]) -> bool:
+    def _shares_prefix_in_flight(self, seq: Sequence, matched: int,
+                                 prefills: list[tuple[Sequence, int]]) -> tuple[bool, int]:
+        """Whether seq should wait a step for a prefix that a sequence being prefilled computes, and the budget
+        tokens given back: a hybrid model's chunk that runs past the branch point stops there, to save its
+        state where seq can resume (engine/state_snapshots.py)."""
         if not self.pages.enable_prefix_caching or seq.images is not None:
-            return False  # a sequence with images never reuses cached pages (engine/kv_pages.py)
+            return False, 0  # a sequence with images never reuses cached pages (engine/kv_pages.py)
         page_size = self.pages.page_size
-        for other, _ in prefills:
+        for index, (other, num_new) in enumerate(prefills):
             if other.lora_id != seq.lora_id:  # its pages hold another adapter's K/V
                 continue
             limit = min(seq.num_tokens - 1, other.num_tokens)
-            shared = common_prefix_length(seq.token_ids[:limit], other.token_ids[:limit])
-            if shared // page_size > matched // page_size:
-                return True
-        return False
+            shared = common_prefix_length(seq.token_ids[:limit], other.token_ids[:limit]) // page_size * page_size
+            if shared <= matched:
+                continue
+            start, freed = other.num_computed_tokens, 0
+            if self.pages.snapshots is not None and start < shared < start + num_new:
+                freed = start + num_new - shared
+                prefills[index] = (other, shared - start)
+            if self.pages.will_cache(other, shared, start + num_new - freed):
+                return True, freed
+        return False, 0

@@ -65,6 +65,12 @@ class Sequence:
     tree_node: RadixNode | None = None
     # the state slot of a model with linear-attention layers (engine/state_slots.py); None: holds none
     state_slot: int | None = None
+    # a hybrid model's prefix cache (engine/state_snapshots.py): the snapshot id this sequence's state was saved
+    # into and at which position, not yet attached to the tree; the snapshot its admission restores from; page
+    # boundaries other prompts asked it to save its state at (where they branch off its path)
+    snapshot: tuple[int, int] | None = None
+    restore_snapshot: int | None = None
+    snapshot_stops: list[int] = field(default_factory=list)
 
     # speculative decoding: the drafts a model proposer (MTP) made in this sequence's last step, for its next
     # (engine/proposers.py), and its own tally of drafts verified and accepted (the adaptive off-switch)

@@ -2,10 +2,11 @@
 
 Plain Python beside the page pool (engine/kv_pages.py): a slot indexes the state pool of every
 linear-attention layer (model/state_cache.py). A sequence takes a slot when it is admitted and gives it
-back when it finishes, is aborted or is preempted (it then recomputes from its first token, into a fresh
-slot). A slot handed out is zeroed by the runner before the step that first uses it runs
-(`ScheduledBatch.new_state_slots`), so a new sequence starts from zeros whatever the slot held before.
-Every slot is free or owned by exactly one sequence (`Sequence.state_slot`); `check_integrity` verifies it.
+back when it finishes, is aborted or is preempted (it then resumes into a fresh slot from its latest state
+snapshot in the prefix cache, engine/state_snapshots.py, or from its first token). A slot handed out is
+zeroed by the runner before the step that first uses it runs (`ScheduledBatch.new_state_slots`), so a new
+sequence starts from zeros whatever the slot held before. Every slot is free or owned by exactly one
+sequence (`Sequence.state_slot`); `check_integrity` verifies it.
 """
 
 from __future__ import annotations
@@ -21,12 +22,23 @@ from mili_openai.radix import PagePool
 logger = logging.getLogger(__name__)
 
 
-def config_for_state_slots(config: EngineConfig) -> EngineConfig:
-    """The engine's config for a model with linear-attention layers. No prefix reuse: cached pages hold K/V
-    alone, and a sequence resumed from them would miss its recurrent state."""
+def config_for_state_slots(config: EngineConfig, num_snapshots: int) -> EngineConfig:
+    """The engine's config for a model with linear-attention layers. Prefix reuse only with state snapshots
+    (engine/state_snapshots.py): cached pages hold K/V alone, and a sequence resumed from them alone would miss
+    its recurrent state. Not yet beside speculative decoding (a verify step can carry a sequence past a page
+    boundary, where its snapshot is due) nor over tensor-parallel ranks (the workers do not copy snapshots)."""
+    if config.enable_prefix_caching and (config.speculative_config is not None or config.tensor_parallel_size > 1):
+        logger.info("prefix caching is off: a model with linear-attention layers keeps no state snapshots yet with "
+                    "speculative decoding or tensor parallelism")
+        return dataclasses.replace(config, enable_prefix_caching=False)
     if not config.enable_prefix_caching:
         return config
-    logger.info("prefix caching is off: this model has linear-attention layers, whose state pages cannot restore")
+    if num_snapshots:
+        logger.info("prefix caching: a prefix resumes from a state snapshot at its end (%d snapshots), never from "
+                    "K/V alone", num_snapshots)
+        return config
+    logger.info("prefix caching is off: this model has linear-attention layers and no room was left for state "
+                "snapshots (--hybrid-snapshot-fraction, --num-hybrid-snapshots)")
     return dataclasses.replace(config, enable_prefix_caching=False)
 
 

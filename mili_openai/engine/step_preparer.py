@@ -52,6 +52,10 @@ class PreparedStep:
     # (T,) each row's LoRA adapter id (0: the base model); None when every row runs on the base
     lora_ids: np.ndarray | None = None
     speculation: SpeculationPlan | None = None  # drafts to verify or to make (engine/speculation.py)
+    # (2, N) int64 source and destination state slots (ScheduledBatch.state_restores / state_saves): copied
+    # before the forward (after the zeroing), and after it
+    state_restores: torch.Tensor | None = None
+    state_saves: torch.Tensor | None = None
 
     @property
     def needs_host_tokens(self) -> bool:
@@ -159,7 +163,8 @@ class StepPreparer:
         new_state_slots = torch.tensor(batch.new_state_slots, dtype=torch.int64) if batch.new_state_slots else None
         return PreparedStep(forward_batch, rows, pending_rows, pending_sources, pending_histories,
                             prompt_scorings(batch, forward_batch), staged, pending_index, new_state_slots,
-                            pooling_rows(batch, forward_batch), row_lora_ids(batch), plan_speculation(batch))
+                            pooling_rows(batch, forward_batch), row_lora_ids(batch), plan_speculation(batch),
+                            _slot_pairs(batch.state_restores), _slot_pairs(batch.state_saves))
 
     def launch(self, step: PreparedStep, launch_forward: LaunchForward) -> LaunchedStep:
         """Feed `step` the tokens the step before sampled and queue its forward and sampling
@@ -222,6 +227,11 @@ class StepPreparer:
             input_ids[row] = sampled[source]
         for history, source in step.pending_histories:
             history.append(sampled[source])
+
+
+def _slot_pairs(pairs: list[tuple[int, int]]) -> torch.Tensor | None:
+    """(2, N) int64: the sources, then the destinations; None for no pair."""
+    return torch.tensor(pairs, dtype=torch.int64).T.contiguous() if pairs else None
 
 
 class StepRunner:

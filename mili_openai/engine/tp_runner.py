@@ -216,6 +216,8 @@ class TensorParallelRunner(StepRunner):
 
     kernel_build = None  # the workers load with the CPU kernels built: nothing to switch to later
     async_launch = False  # a step's forward is a round trip to the workers: `launch` waits for their logits
+    num_state_snapshots = 0  # hybrid models run on one rank (model/hybrid_loader.py refuses more), so no snapshots
+    state_slot_bytes = 0
 
     def __init__(self, config: EngineConfig, model_path: Path) -> None:
         size = config.tensor_parallel_size

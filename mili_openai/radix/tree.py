@@ -16,6 +16,7 @@ from typing import NamedTuple, Optional
 
 from mili_openai.radix.integrity import find_integrity_problem
 from mili_openai.radix.page_pool import PagePool
+from mili_openai.radix.snapshots import SnapshotStore
 
 
 class RadixNode:
@@ -26,7 +27,7 @@ class RadixNode:
     first page of tokens (a tuple of page_size ints), so a lookup costs one dict probe per node.
     """
 
-    __slots__ = ("key", "pages", "parent", "children", "lock_ref", "last_access", "node_id")
+    __slots__ = ("key", "pages", "parent", "children", "lock_ref", "last_access", "node_id", "snapshot")
 
     def __init__(
         self,
@@ -47,6 +48,8 @@ class RadixNode:
         self.last_access = last_access
         # Creation order; a stable tie-break in the eviction heap.
         self.node_id = node_id
+        # A hybrid model's state snapshot id at the end of this node's path (radix/snapshots.py); None: none.
+        self.snapshot: Optional[int] = None
 
     @property
     def num_pages(self) -> int:
@@ -91,11 +94,13 @@ class InsertResult(NamedTuple):
 
 
 class RadixCache:
-    def __init__(self, page_size: int, pool: PagePool) -> None:
+    def __init__(self, page_size: int, pool: PagePool, snapshots: Optional[SnapshotStore] = None) -> None:
+        """snapshots: where a hybrid model's state snapshots are kept (None for a model without linear layers)."""
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
             raise ValueError(f"page_size must be a positive int, got {page_size!r}")
         self.page_size = page_size
         self.pool = pool
+        self.snapshots = snapshots
         # Logical LRU clock: every match/insert stamps its path with a fresh tick (never wall time, so
         # the order is exact and tests are deterministic).
         self._clock = 0
@@ -133,6 +138,20 @@ class RadixCache:
         aligned = len(tokens) - len(tokens) % self.page_size
         node, pages, num_tokens = self._descend(tuple(tokens[:aligned]), self._tick())
         return PrefixMatch(node, pages, num_tokens)
+
+    def match_snapshot(self, tokens: Sequence[int]) -> PrefixMatch:
+        """The longest cached page-aligned prefix of tokens that ends at a node holding a state snapshot (the
+        root, with nothing matched, when none does): what a hybrid model may resume from."""
+        node = self.match_prefix(tokens).node
+        while not node.is_root and node.snapshot is None:
+            node = node.parent
+        path = []
+        walk = node
+        while not walk.is_root:
+            path.append(walk)
+            walk = walk.parent
+        pages = [page for walk in reversed(path) for page in walk.pages]
+        return PrefixMatch(node, pages, len(pages) * self.page_size)
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> InsertResult:
         """Cache tokens (a whole number of pages) held in pages; see InsertResult for who owns what.
@@ -203,19 +222,21 @@ class RadixCache:
         if num_pages == 0 or self.evictable_pages == 0:
             return 0
         # (last_access, node_id) is unique per node, so the heap never compares nodes themselves.
+        # Leaves without a snapshot first: a hybrid model cannot resume from their pages (for other models no
+        # node holds one, and the order is plain LRU).
         heap = [
-            (node.last_access, node.node_id, node)
+            (node.snapshot is not None, node.last_access, node.node_id, node)
             for node in self._iter_nodes()
             if node.is_leaf and node.lock_ref == 0 and not node.is_root
         ]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
-            _, _, node = heapq.heappop(heap)
+            *_, node = heapq.heappop(heap)
             parent = node.parent
             freed += self._remove_leaf(node)
             if not parent.is_root and parent.is_leaf and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
+                heapq.heappush(heap, (parent.snapshot is not None, parent.last_access, parent.node_id, parent))
         return freed
 
     def ensure_free(self, num_pages: int) -> bool:
@@ -233,6 +254,8 @@ class RadixCache:
             raise ValueError(f"cannot reset the prefix cache: {self._locked_pages} pages are locked")
         nodes = [node for node in self._iter_nodes() if not node.is_root]
         for node in nodes:
+            if self.snapshots is not None:
+                self.snapshots.detach(node)
             node.parent = None  # marks it detached: lock() on a stale handle then fails loudly
             node.children = {}
         self.root.children = {}
@@ -241,10 +264,13 @@ class RadixCache:
 
     # ---- checking ----
 
-    def check_integrity(self, owned: Iterable[Sequence[int]] = ()) -> None:
+    def check_integrity(self, owned: Iterable[Sequence[int]] = (), held_snapshots: Iterable[int] = ()) -> None:
         """RuntimeError saying what is wrong unless pool, tree and the callers' owned pages account for
-        every page exactly once and the tree's structure, lock counts and counters are consistent."""
+        every page exactly once and the tree's structure, lock counts and counters are consistent; likewise
+        the snapshot ids, with those the callers hold (`held_snapshots`)."""
         problem = find_integrity_problem(self, owned)
+        if problem is None and self.snapshots is not None:
+            problem = self.snapshots.find_integrity_problem(self._iter_nodes(), held_snapshots)
         if problem is not None:
             raise RuntimeError(f"radix cache integrity: {problem}")
 
@@ -317,6 +343,8 @@ class RadixCache:
         """Detach an unlocked leaf and free its pages; returns how many."""
         del node.parent.children[node.key[: self.page_size]]
         node.parent = None
+        if self.snapshots is not None:
+            self.snapshots.detach(node)
         self.pool.free(node.pages)
         self._cached_pages -= len(node.pages)
         return len(node.pages)

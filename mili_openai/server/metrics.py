@@ -33,6 +33,8 @@ ENGINE_COUNTERS = (
     ("mili_spec_decode_num_draft_tokens", "Speculative draft tokens verified.", "spec_decode_num_draft_tokens_total"),
     ("mili_spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.",
      "spec_decode_num_accepted_tokens_total"),
+    ("mili_state_snapshots_evicted", "State snapshots evicted while their K/V pages stayed cached.",
+     "state_snapshots_evicted_total"),
 )
 
 
@@ -68,6 +70,12 @@ class EngineStatsCollector(Collector):
             info.add_metric([",".join(stats.running_lora_adapters), ",".join(stats.waiting_lora_adapters),
                              str(stats.max_lora)], time.time())
             yield info
+        yield GaugeMetricFamily("mili_state_snapshots", "Prefix-cache state snapshots of a hybrid model (0: none).",
+                                value=stats.num_state_snapshots)
+        yield GaugeMetricFamily("mili_state_snapshots_cached", "State snapshots attached to the radix prefix cache.",
+                                value=stats.num_state_snapshots_attached)
+        yield GaugeMetricFamily("mili_state_snapshot_bytes", "Memory of the prefix cache's state snapshots.",
+                                value=stats.state_snapshot_bytes)
         for name, documentation, field in ENGINE_COUNTERS:
             yield CounterMetricFamily(name, documentation, value=getattr(stats, field))
         yield from _per_position_counters(stats)

@@ -1,7 +1,8 @@
 """The engine on Qwen3.5 / Qwen3.5-MoE / Qwen3-Next checkpoints against transformers' classes (fp32, their torch
 delta rule): greedy tokens identical and log-probabilities close, through batching, chunked prefill beside
 decodes, preemption (a preempted sequence recomputes from scratch on a fresh state slot), n > 1 (each sample
-forks the prompt's state), and a prompt past 1,000 tokens. Every state slot is back in the pool at the end."""
+forks the prompt's state), and a prompt past 1,000 tokens, with the prefix cache on (state snapshots:
+test_hybrid_prefix_cache.py covers its hits). Every state slot is back in the pool at the end."""
 
 from __future__ import annotations
 
@@ -79,6 +80,11 @@ def test_abort_frees_the_state_slot(hybrid_checkpoint):
     assert slots.num_free == slots.num_slots
 
 
-def test_prefix_reuse_is_off(hybrid_checkpoint):
+def test_prefix_reuse_needs_snapshots(hybrid_checkpoint):
     checkpoint = str(hybrid_checkpoint("qwen3_next"))
-    assert not LLM(checkpoint, dtype="float32", num_pages=64).core.config.enable_prefix_caching
+    assert LLM(checkpoint, dtype="float32", num_pages=64).core.config.enable_prefix_caching
+    # never K/V alone: with no room for a state snapshot, prefix reuse is off; nor beside speculation yet
+    without_snapshots = LLM(checkpoint, dtype="float32", num_pages=64, num_hybrid_snapshots=0)
+    assert not without_snapshots.core.config.enable_prefix_caching
+    drafting = LLM(checkpoint, dtype="float32", num_pages=64, speculative_config={"num_speculative_tokens": 2})
+    assert not drafting.core.config.enable_prefix_caching

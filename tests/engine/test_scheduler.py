@@ -54,10 +54,13 @@ class ModelFreeRunner:
     failure = None
     kernel_build = None
     async_launch = False
-    num_state_slots = 0  # attention layers only: no per-sequence state pool
+    state_slot_bytes = 0
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, num_state_slots: int = 0, num_state_snapshots: int = 0) -> None:
+        """num_state_slots, num_state_snapshots: as a hybrid model's runner has them (0: an attention-only model)."""
         self.num_pages = num_pages
+        self.num_state_slots = num_state_slots
+        self.num_state_snapshots = num_state_snapshots
 
     def prepare(self, batch: ScheduledBatch, sample_index: dict[Sequence, int] | None = None) -> None:
         return None
@@ -67,11 +70,13 @@ class StepDriver:
     """An `EngineCore` on a `ModelFreeRunner`, one step at a time, checking every scheduled batch."""
 
     def __init__(self, tokenizer, num_pages: int, page_size: int, budget: int, max_seqs: int, caching: bool = True,
-                 lookahead: bool = False, speculative: int = 0) -> None:
+                 lookahead: bool = False, speculative: int = 0, snapshots: int | None = None) -> None:
+        """snapshots: run as a hybrid model (a state slot per sequence) with this many state snapshots."""
         drafting = SpeculativeConfig(speculative, prompt_lookup_min=1, prompt_lookup_max=2) if speculative else None
         config = EngineConfig(page_size=page_size, num_pages=num_pages, max_num_batched_tokens=budget,
                               max_num_seqs=max_seqs, enable_prefix_caching=caching, speculative_config=drafting)
-        self.core = EngineCore(config, ModelFreeRunner(num_pages), tokenizer)
+        hybrid = (max_seqs, snapshots) if snapshots is not None else (0, 0)
+        self.core = EngineCore(config, ModelFreeRunner(num_pages, *hybrid), tokenizer)
         self.pages = self.core.pages
         self.scheduler = self.core.scheduler
         self.lookahead = lookahead
@@ -181,6 +186,29 @@ def test_shared_prefix_arriving_together_is_computed_once(qwen_tokenizer, lookah
     assert engine.scheduler.prefix_cache_hits_total == 3 * 40
 
 
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_hybrid_prompts_resume_from_state_snapshots(qwen_tokenizer, lookahead):
+    engine = StepDriver(qwen_tokenizer, num_pages=64, page_size=4, budget=64, max_seqs=8, lookahead=lookahead,
+                        snapshots=4)
+    shared = list(range(40))
+    for i in range(4):
+        engine.add(f"r{i}", shared + [100 + i], max_tokens=3)
+    engine.run()
+    # the first saves its state at the shared prefix's end (its prompt's last page boundary); the others wait
+    # one step for it, then restore it
+    assert engine.scheduler.prefix_cache_hits_total == 3 * 40
+    snapshots = engine.pages.snapshots.store
+    assert snapshots.num_free + snapshots.num_attached == snapshots.num_snapshots
+    engine.add("branch", shared[:20] + [7] * 30, max_tokens=2)  # branches off inside a node: no snapshot there
+    first = engine.added[0]
+    engine.add("turn2", first.token_ids + [5] * 9, max_tokens=5)  # its 43 tokens fed: the snapshot at 40
+    engine.run()
+    turn2 = engine.added[-1]
+    engine.add("turn3", turn2.token_ids + [6], max_tokens=1)  # 53 prompt + 5 out - 1 = 57 fed: one at 56
+    engine.run()
+    assert [seq.num_cached_tokens for seq in engine.added[-3:]] == [0, 40, 56]
+
+
 def test_lookahead_decodes_feed_on_pending_tokens_and_stop_at_max_tokens(qwen_tokenizer):
     engine = StepDriver(qwen_tokenizer, num_pages=64, page_size=4, budget=64, max_seqs=8, lookahead=True)
     for i in range(3):
@@ -210,6 +238,7 @@ def test_preemption_under_page_pressure_finishes_everything(qwen_tokenizer, look
     caching=st.booleans(),
     lookahead=st.booleans(),
     speculative=st.sampled_from([0, 0, 1, 3]),
+    snapshots=st.sampled_from([None, 0, 1, 3]),  # a hybrid model's state snapshots (None: not hybrid)
     requests=st.lists(
         st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=14), st.integers(1, 8), st.integers(0, 6),
                   st.booleans()),
@@ -218,10 +247,11 @@ def test_preemption_under_page_pressure_finishes_everything(qwen_tokenizer, look
     ),
 )
 def test_random_workloads_conserve_pages(qwen_tokenizer, page_size, extra_pages, budget, max_seqs, caching, lookahead,
-                                        speculative, requests):
+                                        speculative, snapshots, requests):
     longest = max(len(p) + m for p, m, _, _ in requests)
     num_pages = -(-longest // page_size) + extra_pages
-    engine = StepDriver(qwen_tokenizer, num_pages, page_size, budget, max_seqs, caching, lookahead, speculative)
+    engine = StepDriver(qwen_tokenizer, num_pages, page_size, budget, max_seqs, caching, lookahead, speculative,
+                        snapshots if not speculative else None)
     pending = [(arrival, i, p, m, abort) for i, (p, m, arrival, abort) in enumerate(requests)]
     pending.sort(key=lambda item: (item[0], item[1]))
     step = 0

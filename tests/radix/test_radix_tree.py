@@ -314,5 +314,6 @@ def test_check_integrity_catches_bad_counters_and_locks() -> None:
 def test_exports() -> None:
     import mili_openai.radix as radix
 
-    assert set(radix.__all__) == {"PagePool", "OutOfPages", "RadixCache", "RadixNode", "PrefixMatch", "InsertResult"}
+    assert set(radix.__all__) == {"PagePool", "OutOfPages", "RadixCache", "RadixNode", "PrefixMatch", "InsertResult",
+                                "SnapshotStore"}
     assert isinstance(make_cache().root, RadixNode)

@@ -42,4 +42,4 @@ def test_an_image_part_is_a_400(server):
 
 def test_metrics_show_the_state_pool(server):
     body = httpx.get(f"{server.base_url}/metrics").text
-    assert "mili_state_slots" in body
+    assert "mili_state_slots" in body and "mili_state_snapshots_cached" in body

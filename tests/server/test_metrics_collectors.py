@@ -38,6 +38,15 @@ def test_engine_gauges_and_counters_come_from_stats():
     assert parse(metrics)["mili_generation_tokens_total"][0].value == 41
 
 
+def test_hybrid_state_snapshots_are_shown():
+    samples = parse(ServerMetrics(lambda: stats(num_state_snapshots=8, num_state_snapshots_attached=5,
+                                                state_snapshot_bytes=8 << 20, state_snapshots_evicted_total=3)))
+    assert samples["mili_state_snapshots"][0].value == 8
+    assert samples["mili_state_snapshots_cached"][0].value == 5
+    assert samples["mili_state_snapshot_bytes"][0].value == 8 << 20
+    assert samples["mili_state_snapshots_evicted_total"][0].value == 3
+
+
 def test_nothing_from_the_engine_while_loading():
     samples = parse(ServerMetrics(lambda: None))
     assert "mili_num_requests_running" not in samples

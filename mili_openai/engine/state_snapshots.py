@@ -1,0 +1,116 @@
+"""Prefix caching for hybrid models: where sequences save their state, and handing the saves to the radix tree.
+
+A model with linear-attention layers resumes a cached prefix only from a state snapshot at its end (the
+radix side: radix/snapshots.py; the data: slots of the state pool past the running sequences', so a save or a
+restore is one slot-to-slot copy in the step, `ScheduledBatch.state_saves` / `state_restores`). Snapshots are
+taken with no extra forward pass, in the step that computes the position:
+
+- the end of each prompt's prefill, rounded down to a page boundary: the last page boundary before the
+  prompt's last token (what a repeat of the prompt, an n > 1 sibling and the next turn of a chat match). The
+  prefill chunk that would run past it stops there, and the few tokens after it run in the next step;
+- a point where another prompt branches off this one's path (`request_stop`, asked by a prompt that waits
+  for this one's pages: a shared system prompt or few-shot block), and every `interval` pages if set;
+- while decoding, each time a sequence's computed tokens reach a page boundary its state is copied into a
+  snapshot it holds (one per sequence, overwritten at the next boundary); when the sequence ends (finished,
+  aborted or preempted) that snapshot joins the tree at its boundary: it serves the chat's next turn, and a
+  preempted sequence resumes from it.
+
+A save planned in one step is attached to its node once that step's pages are in the tree; steps run in the
+order they are scheduled, so a restore (always planned later) reads a finished save, and an id freed and
+reserved again is written only after every earlier step's restore has read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from mili_openai.engine.scheduled_batch import ScheduledBatch
+from mili_openai.engine.sequence import Sequence
+from mili_openai.radix import RadixCache, SnapshotStore
+
+
+class StateSnapshots:
+    def __init__(self, store: SnapshotStore, tree: RadixCache, page_size: int, interval_pages: int | None) -> None:
+        self.store = store
+        self.tree = tree
+        self.page_size = page_size
+        self.interval = interval_pages * page_size if interval_pages else None  # in tokens
+
+    def prompt_stop(self, seq: Sequence) -> int:
+        """The last page boundary before seq's last known token (0: the prompt fits in one page)."""
+        return (seq.num_tokens - 1) // self.page_size * self.page_size
+
+    def is_stop(self, seq: Sequence, position: int) -> bool:
+        """Whether a prefill chunk ending at `position` saves the state there."""
+        if position <= 0 or position % self.page_size:
+            return False
+        if position == self.prompt_stop(seq) or position in seq.snapshot_stops:
+            return True
+        return self.interval is not None and position % self.interval == 0
+
+    def chunk_size(self, seq: Sequence, num_new: int) -> int:
+        """num_new, or fewer so that the prefill chunk ends at the first stop inside it."""
+        start = seq.num_computed_tokens
+        stops = [self.prompt_stop(seq), *seq.snapshot_stops]
+        if self.interval is not None:
+            stops.append((start // self.interval + 1) * self.interval)
+        inside = [stop for stop in stops if start < stop < start + num_new and stop % self.page_size == 0]
+        return min(inside) - start if inside else num_new
+
+    def request_stop(self, seq: Sequence, position: int, chunk_end: int) -> bool:
+        """Ask seq (being prefilled up to `chunk_end` in this step) to save its state at `position`, a page
+        boundary where another prompt branches off; False when seq has already computed past it."""
+        if position < chunk_end or position <= 0:
+            return False
+        if position not in seq.snapshot_stops:
+            seq.snapshot_stops.append(position)
+        return True
+
+    def plan(self, batch: ScheduledBatch) -> None:
+        """After the batch is committed: its saves (running slot -> snapshot id) and the restores of the
+        sequences it admits from a snapshot (snapshot id -> running slot)."""
+        for index, seq in enumerate(batch.seqs):
+            if seq.restore_snapshot is not None:
+                batch.state_restores.append((seq.restore_snapshot, seq.state_slot))
+                seq.restore_snapshot = None
+            end = seq.num_computed_tokens
+            decode = index < batch.num_decode
+            if end % self.page_size or end == 0 or not (decode or self.is_stop(seq, end)):
+                continue
+            snapshot_id = seq.snapshot[0] if seq.snapshot is not None else self.store.reserve()
+            if snapshot_id is not None:
+                seq.snapshot = (snapshot_id, end)
+                batch.state_saves.append((seq.state_slot, snapshot_id))
+
+    def stats(self, slot_bytes: int) -> dict[str, int]:
+        """EngineStats' fields of the snapshots; `slot_bytes`: one state slot's memory."""
+        store = self.store
+        return dict(num_state_snapshots=store.num_snapshots, num_state_snapshots_attached=store.num_attached,
+                    state_snapshot_bytes=store.num_snapshots * slot_bytes,
+                    state_snapshots_evicted_total=store.num_evicted_alone)
+
+    def attach(self, seq: Sequence) -> None:
+        """Hand seq's saved snapshot to the tree, once the pages up to it are there (`Sequence.num_tree_pages`)."""
+        if seq.snapshot is None:
+            return
+        snapshot_id, position = seq.snapshot
+        if position > seq.num_tree_pages * self.page_size:
+            return  # its pages join the tree later: after its chunk, or when seq ends
+        node = self.tree.insert(seq.token_ids[:position], seq.pages[: position // self.page_size]).node
+        self.store.attach(node, snapshot_id)
+        seq.snapshot = None
+
+    def release(self, seq: Sequence) -> None:
+        """seq ends or is preempted, its pages already handed to the tree: attach its snapshot if it can be,
+        else free it; forget what it asked for."""
+        self.attach(seq)
+        if seq.snapshot is not None:
+            self.store.release(seq.snapshot[0])
+            seq.snapshot = None
+        seq.restore_snapshot = None
+        seq.snapshot_stops.clear()
+
+    @staticmethod
+    def held(sequences: Iterable[Sequence]) -> list[int]:
+        """The snapshot ids sequences hold (saved, not attached yet), for the integrity check."""
+        return [seq.snapshot[0] for seq in sequences if seq.snapshot is not None]
