@@ -117,7 +117,7 @@ def test_no_prefix_caching_allocates_no_snapshots(oracle):
 
 
 def test_abort_returns_every_snapshot(hybrid_checkpoint):
-    engine = AsyncEngine(EngineConfig(model=str(hybrid_checkpoint("qwen3_5_tokenizer_vocab")), dtype="float32",
+    engine = AsyncEngine(EngineConfig(model=str(hybrid_checkpoint("qwen3_5_qwen35_tokenizer")), dtype="float32",
                                       num_pages=64, page_size=8, max_num_batched_tokens=64, max_model_len=256))
     check_abort_mid_stream_frees_pages(engine, vocab=HYBRID_VOCAB)
     store = engine.core.pages.snapshots.store
