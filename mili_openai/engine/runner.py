@@ -35,6 +35,7 @@ from mili_openai.engine.outputs import TokenLogprob
 from mili_openai.engine.pooler import Pooler
 from mili_openai.engine.pooling_spec import PoolingSpec
 from mili_openai.engine.sampler import Sampler, SamplerOutput, token_logprobs
+from mili_openai.engine.state_slots import keeps_snapshots
 from mili_openai.engine.scheduled_batch import ScheduledBatch
 from mili_openai.engine.sequence import Sequence
 from mili_openai.engine.step_inputs import forward_batch_to
@@ -146,7 +147,7 @@ class ModelRunner(StepRunner):
         # the prefix cache's state snapshots of a hybrid model: slots of the state pool past the running ones
         budget = None if config.num_pages else self._cache_budget(config)
         self.num_state_snapshots = (self._snapshots(config, slot_bytes, budget)
-                                    if self.num_state_slots and config.enable_prefix_caching else 0)
+                                    if self.num_state_slots and keeps_snapshots(config) else 0)
         state_bytes = (self.num_state_slots + self.num_state_snapshots) * slot_bytes
         self.num_pages = config.num_pages or self._pages_for_budget(budget, state_bytes)
         # Dynamic NTK RoPE checks each forward's positions on the host, which a graph cannot capture

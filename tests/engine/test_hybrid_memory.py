@@ -70,6 +70,10 @@ def test_the_runner_sizes_both_pools_from_the_budget(hybrid_checkpoint):
     state_per_slot = 3 * ((2 * 2 * 16 + 4 * 16) * 3 * FP32 + 4 * 16 * 16 * FP32)
     kv_per_page = PAGE_SIZE * 2 * 2 * 32 * FP32
     assert runner.num_state_slots == llm.core.state_slots.num_slots == max_seqs
-    assert runner.num_pages == (int(budget_gb * GIB) - max_seqs * state_per_slot) // kv_per_page
+    # the state pool: a slot per running sequence, then the prefix cache's snapshots (a fraction of the budget)
+    num_snapshots = int(llm.core.config.hybrid_snapshot_fraction * budget_gb * GIB) // state_per_slot
+    assert runner.num_state_snapshots == num_snapshots > 0
+    slots = max_seqs + num_snapshots
+    assert runner.num_pages == (int(budget_gb * GIB) - slots * state_per_slot) // kv_per_page
     stats = llm.core.stats()
     assert (stats.num_pages, stats.num_state_slots) == (runner.num_pages, max_seqs)  # /metrics' two pools
