@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tool_parser_helpers import feed_in_pieces
 
 from mili_openai.protocol.hermes_tool_calls import HermesToolCallParser, parse_call_block
 from mili_openai.protocol.tool_calls import ParsedToolCall, merge_pieces
@@ -42,14 +43,8 @@ def stream(text: str, cuts: list[int], max_calls: int | None = None, tail: str =
     """(content, calls the pieces make up, the pieces) of `text` fed in pieces cut at `cuts`."""
     parser = HermesToolCallParser(max_calls)
     parser.prime(tail)
-    content, pieces = "", []
-    bounds = [0, *sorted(cuts), len(text)]
-    for start, end in zip(bounds, bounds[1:]):
-        delta = parser.feed(text[start:end])
-        content, pieces = content + delta.content, pieces + delta.calls
-    delta = parser.finish()
-    pieces += delta.calls
-    return content + delta.content, merge_pieces(pieces), pieces
+    content, pieces = feed_in_pieces(parser, text, cuts)
+    return content, merge_pieces(pieces), pieces
 
 
 def test_one_call_with_text_before():

@@ -9,6 +9,7 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tool_parser_helpers import feed_in_pieces
 
 from mili_openai.config import HERMES_TOOL_PARSER, XML_TOOL_PARSER, ServerConfig
 from mili_openai.protocol.chat import ChatCompletionRequest, ToolDefinition
@@ -48,13 +49,8 @@ def parse(text: str, max_calls: int | None = None, tools=TOOLS):
 def stream(text: str, cuts: list[int]):
     """(content, calls the pieces make up, the pieces, the parser) of `text` fed in pieces cut at `cuts`."""
     parser = XmlToolCallParser(TOOLS)
-    content, pieces = "", []
-    bounds = [0, *sorted(cuts), len(text)]
-    for start, end in zip(bounds, bounds[1:]):
-        delta = parser.feed(text[start:end])
-        content, pieces = content + delta.content, pieces + delta.calls
-    delta = parser.finish()
-    return content + delta.content, merge_pieces(pieces + delta.calls), pieces + delta.calls, parser
+    content, pieces = feed_in_pieces(parser, text, cuts)
+    return content, merge_pieces(pieces), pieces, parser
 
 
 def arguments(calls) -> list[tuple[str, dict]]:
