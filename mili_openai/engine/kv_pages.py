@@ -70,6 +70,10 @@ class KVPageManager:
         if self.snapshots is not None:  # a hybrid model resumes only where a state snapshot was saved
             match = self.tree.match_snapshot(key)
             seq.restore_snapshot = match.node.snapshot
+            if match.kv_tokens > match.num_tokens:
+                # seq leaves a cached path where no state was saved: save one there as it passes, so the
+                # next prompt that shares the path (a system prompt sent again later) resumes from it
+                self.snapshots.request_stop(seq, match.kv_tokens, match.num_tokens)
         else:
             match = self.tree.match_prefix(key)
         self.tree.lock(match.node)

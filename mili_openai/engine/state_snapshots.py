@@ -9,7 +9,9 @@ taken with no extra forward pass, in the step that computes the position:
   prompt's last token (what a repeat of the prompt, an n > 1 sibling and the next turn of a chat match). The
   prefill chunk that would run past it stops there, and the few tokens after it run in the next step;
 - a point where another prompt branches off this one's path (`request_stop`, asked by a prompt that waits
-  for this one's pages: a shared system prompt or few-shot block), and every `interval` pages if set;
+  for this one's pages: a shared system prompt or few-shot block), or where this prompt leaves a cached path
+  that has no snapshot (the same prompt sent again after the first has finished), and every `interval` pages
+  if set;
 - while decoding, each time a sequence's computed tokens reach a page boundary its state is copied into a
   snapshot it holds (one per sequence, overwritten at the next boundary); when the sequence ends (finished,
   aborted or preempted) that snapshot joins the tree at its boundary: it serves the chat's next turn, and a

@@ -19,7 +19,7 @@ from mili_openai.engine.async_engine import AsyncEngine
 MAX_NEW = 8
 PAGE = 4
 SHARED = hybrid_tokens(40, seed=7)  # a shared prefix of whole pages
-TAILS = [hybrid_tokens(9, seed=8), hybrid_tokens(13, seed=9)]
+TAILS = [hybrid_tokens(9, seed=8), hybrid_tokens(13, seed=9), hybrid_tokens(7, seed=10)]
 TURN_MESSAGES = [hybrid_tokens(29, seed=20), hybrid_tokens(11, seed=21), hybrid_tokens(6, seed=22)]
 
 
@@ -85,6 +85,14 @@ def test_a_chats_next_turns_resume_after_the_reply(oracle):
 def test_a_branch_point_is_snapshotted_for_the_prompt_that_waits(oracle):
     llm = make_llm(oracle[0], max_num_batched_tokens=64)
     assert run(llm, oracle, ["branch0", "branch1"]) == [0, len(SHARED)]
+    assert_snapshots_accounted(llm)
+
+
+def test_a_branch_point_is_snapshotted_by_a_later_prompt_that_leaves_the_path(oracle):
+    """branch1 comes after branch0 has finished: its K/V matches SHARED but no state was saved there, so it
+    runs cold and saves one as it passes; branch2 then resumes from it."""
+    llm = make_llm(oracle[0], max_num_batched_tokens=64)
+    assert [run(llm, oracle, [name])[0] for name in ("branch0", "branch1", "branch2")] == [0, 0, len(SHARED)]
     assert_snapshots_accounted(llm)
 
 
