@@ -24,6 +24,7 @@ has them.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 
@@ -112,6 +113,8 @@ class Scheduler:
         new_state_slots: list[int] = []
         if not preempted:
             budget = self._admit(budget, prefills, new_state_slots)
+        if prefills and self.waiting:
+            self._ask_branch_saves(prefills)
 
         scheduled = decodes + prefills
         if not scheduled:
@@ -266,18 +269,48 @@ class Scheduler:
         state where seq can resume (engine/state_snapshots.py)."""
         if not self.pages.enable_prefix_caching or seq.images is not None:
             return False, 0  # a sequence with images never reuses cached pages (engine/kv_pages.py)
-        page_size = self.pages.page_size
-        for index, (other, num_new) in enumerate(prefills):
-            if other.lora_id != seq.lora_id:  # its pages hold another adapter's K/V
-                continue
-            limit = min(seq.num_tokens - 1, other.num_tokens)
-            shared = common_prefix_length(seq.token_ids[:limit], other.token_ids[:limit]) // page_size * page_size
+        for index, (other, _) in enumerate(prefills):
+            shared = self._shared_pages(seq, other)
             if shared <= matched:
                 continue
-            start, freed = other.num_computed_tokens, 0
-            if self.pages.snapshots is not None and start < shared < start + num_new:
-                freed = start + num_new - shared
-                prefills[index] = (other, shared - start)
-            if self.pages.will_cache(other, shared, start + num_new - freed):
+            will_cache, freed = self._stop_chunk_at(prefills, index, shared)
+            if will_cache:
                 return True, freed
         return False, 0
+
+    def _ask_branch_saves(self, prefills: list[tuple[Sequence, int]]) -> None:
+        """A hybrid model's waiting prompts that admission did not reach this step (budget, sequence cap) may
+        share a prefix with a chunk running now: that chunk saves its state at the branch point as it passes,
+        or the state there is gone by the time they are admitted and they run cold."""
+        if self.pages.snapshots is None or not self.pages.enable_prefix_caching:
+            return
+        page_size = self.pages.page_size
+        for seq in itertools.islice(self.waiting, self.config.max_num_seqs):
+            if seq.images is not None:
+                continue
+            for index, (other, _) in enumerate(prefills):
+                # most unrelated prompts differ in their first page: compare that before the whole prefix
+                if seq.token_ids[:page_size] != other.token_ids[:page_size]:
+                    continue
+                shared = self._shared_pages(seq, other)
+                if shared > other.num_computed_tokens:
+                    self._stop_chunk_at(prefills, index, shared)
+
+    def _shared_pages(self, seq: Sequence, other: Sequence) -> int:
+        """The prefix of seq's prompt (whole pages, its last token excluded) that other's tokens hold, under the
+        same adapter (other's pages hold its adapter's K/V)."""
+        if other.lora_id != seq.lora_id:
+            return 0
+        page_size = self.pages.page_size
+        limit = min(seq.num_tokens - 1, other.num_tokens)
+        return common_prefix_length(seq.token_ids[:limit], other.token_ids[:limit]) // page_size * page_size
+
+    def _stop_chunk_at(self, prefills: list[tuple[Sequence, int]], index: int, position: int) -> tuple[bool, int]:
+        """Have prefills[index]'s sequence leave its first `position` tokens where another can resume from them
+        (a hybrid model's chunk is cut there, to save its state); whether it will, and the budget tokens freed."""
+        other, num_new = prefills[index]
+        start, freed = other.num_computed_tokens, 0
+        if self.pages.snapshots is not None and start < position < start + num_new:
+            freed = start + num_new - position
+            prefills[index] = (other, position - start)
+        return self.pages.will_cache(other, position, start + num_new - freed), freed

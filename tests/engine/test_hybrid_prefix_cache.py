@@ -88,6 +88,14 @@ def test_a_branch_point_is_snapshotted_for_the_prompt_that_waits(oracle):
     assert_snapshots_accounted(llm)
 
 
+def test_a_branch_point_is_snapshotted_for_a_prompt_that_admission_has_not_reached(oracle):
+    """A budget of 16 tokens admits only branch0 at first: branch1 waits in the queue while branch0 passes
+    SHARED's end, and still finds a snapshot there when it is admitted."""
+    llm = make_llm(oracle[0], max_num_batched_tokens=16)
+    assert run(llm, oracle, ["branch0", "branch1"]) == [0, len(SHARED)]
+    assert_snapshots_accounted(llm)
+
+
 def test_a_branch_point_is_snapshotted_by_a_later_prompt_that_leaves_the_path(oracle):
     """branch1 comes after branch0 has finished: its K/V matches SHARED but no state was saved there, so it
     runs cold and saves one as it passes; branch2 then resumes from it."""
