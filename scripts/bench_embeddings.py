@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import random
@@ -63,6 +64,7 @@ READMES = {RERANKER_DIR: "# Qwen3-Reranker-0.6B\n\nRandom weights in Qwen3-Reran
 GGUF_TYPES = {"bfloat16": "bf16", "float32": "f32"}
 LLAMA_SERVER = Path("build/bin/llama-server")
 LLAMA_CONVERTER, LLAMA_GGUF_PY = "convert_hf_to_gguf.py", "gguf-py"
+SENTENCEPIECE_STAND_IN = "sentencepiece-stand-in"
 LLAMA_CONTEXT_PER_SLOT = 512  # each slot's share of llama.cpp's context: a rerank prompt of a long document fits
 WARMUP_REQUESTS = 4
 WORDS = ("retrieval", "embedding", "vector", "index", "query", "document", "passage", "search", "rank", "token",
@@ -98,12 +100,28 @@ def build_checkpoints(workdir: Path, shape: ModelShape) -> dict[str, Path]:
 
 def convert_to_gguf(llama_cpp: Path, checkpoint: Path, dtype: str) -> Path:
     """llama.cpp's conversion of `checkpoint` (beside it), unless already there."""
-    out = checkpoint.with_suffix(f".{GGUF_TYPES[dtype]}.gguf")
+    out = checkpoint.parent / f"{checkpoint.name}.{GGUF_TYPES[dtype]}.gguf"
     if not out.is_file():
-        env = {**os.environ, "PYTHONPATH": str(llama_cpp / LLAMA_GGUF_PY)}
+        paths = [str(llama_cpp / LLAMA_GGUF_PY)]
+        if importlib.util.find_spec("sentencepiece") is None:
+            paths.append(str(sentencepiece_stand_in(checkpoint.parent)))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
         subprocess.run([sys.executable, str(llama_cpp / LLAMA_CONVERTER), str(checkpoint), "--outfile", str(out),
                         "--outtype", GGUF_TYPES[dtype]], check=True, env=env)
     return out
+
+
+def sentencepiece_stand_in(directory: Path) -> Path:
+    """A folder holding a `sentencepiece` module for the converter where the package is not installed: llama.cpp's
+    Qwen converter imports it before looking for a `tokenizer.model`, which Qwen3 does not ship; the file's absence
+    (FileNotFoundError) is its cue to read the BPE tokenizer instead, but a failed import stops it first."""
+    folder = directory / SENTENCEPIECE_STAND_IN
+    (folder / "sentencepiece").mkdir(parents=True, exist_ok=True)
+    (folder / "sentencepiece" / "__init__.py").write_text(
+        "class SentencePieceProcessor:  # never reached: Qwen3 has no tokenizer.model\n"
+        "    def __init__(self, *args, **kwargs):\n"
+        "        raise FileNotFoundError('sentencepiece is not installed (a stand-in, scripts/bench_embeddings.py)')\n")
+    return folder
 
 
 def make_texts(count: int, tokens: int, seed: int) -> list[str]:
