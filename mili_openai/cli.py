@@ -164,7 +164,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                            "pools where the checkpoint has a sentence-transformers Pooling module (Qwen3-Embedding)")
     pool.add_argument("--pooling-task", choices=POOLING_TASKS, default=engine.pooling_task,
                       help="a pooling model's task: embed, or rerank for a Qwen3-Reranker (P('yes') over 'no' at the "
-                           "last token of its prompt; auto = embed)")
+                           "last token of its prompt); auto = embed, or classify for a Qwen3ForSequenceClassification "
+                           "checkpoint (its score head: /classify, and with one label /score and /v1/rerank)")
     pool.add_argument("--pooling-type", choices=POOLING_TYPES, default=None,
                       help="which hidden states make an embedding (default: the checkpoint's modules.json, else last)")
     pool.add_argument("--rerank-template", default=None, metavar="FILE",

@@ -34,7 +34,7 @@ HERMES_TOOL_PARSER, XML_TOOL_PARSER = "hermes", "qwen3_coder"
 # what the engine serves (vLLM's `--runner`): auto = pooling where the checkpoint has a sentence-transformers
 # Pooling module, else generation; and a pooling model's task and pooling (engine/pooling_setup.py)
 RUNNERS = ("auto", "generate", "pooling")
-POOLING_TASKS = ("auto", "embed", "rerank")
+POOLING_TASKS = ("auto", "embed", "rerank", "classify")
 POOLING_TYPES = ("last", "mean", "cls")
 RERANK_TEMPLATE_FIELDS = ("{query}", "{document}")  # what a --rerank-template must place ({instruction}: optional)
 TOOL_CALL_PARSERS = (HERMES_TOOL_PARSER, XML_TOOL_PARSER)
@@ -193,7 +193,8 @@ class EngineConfig:
     # None = profiling off, and the profile routes answer 404 (vLLM's torch profiler directory)
     torch_profiler_dir: str | None = None
     runner: str = "auto"  # RUNNERS: generate text, or pool (embeddings, rerank scores); auto reads the checkpoint
-    pooling_task: str = "auto"  # POOLING_TASKS: auto = embed; rerank serves a Qwen3-Reranker
+    # POOLING_TASKS: auto = embed (classify for a Qwen3ForSequenceClassification); rerank serves a Qwen3-Reranker
+    pooling_task: str = "auto"
     pooling_type: str | None = None  # POOLING_TYPES; None = the checkpoint's (modules.json), else last
     lora: LoraConfig | None = None  # None = no adapters (vLLM's --enable-lora off)
 

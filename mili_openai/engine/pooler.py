@@ -3,7 +3,8 @@ into the input's vector (engine/pooling_spec.py's `accumulate_pooled`), brought 
 
 A reranker (Qwen3-Reranker) scores the last position with two rows of the LM head, "no" and "yes" (vLLM
 builds its Qwen3ForSequenceClassification the same way), never the whole vocabulary: the score is
-softmax([no, yes])[yes], the model card's P("yes").
+softmax([no, yes])[yes], the model card's P("yes"). A sequence classifier scores the last position with its own
+`score` head (model/sequence_classifier.py), its logits turned into probabilities by the checkpoint's activation.
 """
 
 from __future__ import annotations
@@ -13,23 +14,33 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from mili_openai.engine.pooling_spec import LAST, MEAN, RERANK, PoolingRow, PoolingSpec
+from mili_openai.engine.pooling_spec import CLASSIFY, EMBED, LAST, MEAN, RERANK, PoolingRow, PoolingSpec
+from mili_openai.model.classifier_config import IDENTITY, SIGMOID, SOFTMAX
+
+ACTIVATIONS = {SIGMOID: torch.sigmoid, SOFTMAX: lambda logits: torch.softmax(logits, dim=-1),
+               IDENTITY: lambda logits: logits}
 
 
 class Pooler:
     def __init__(self, spec: PoolingSpec, head_rows: torch.Tensor | None = None) -> None:
-        """head_rows: a reranker's (2, hidden) LM-head rows of ("no", "yes"), in the weights' dtype."""
-        if (spec.task == RERANK) != (head_rows is not None):
-            raise ValueError("a reranker's pooler needs its (no, yes) LM-head rows, and only a reranker's")
+        """head_rows, in the weights' dtype: a reranker's (2, hidden) LM-head rows of ("no", "yes"), or a
+        classifier's (num_labels, hidden) score head."""
+        if (spec.task != EMBED) != (head_rows is not None):
+            raise ValueError("a reranker's or classifier's pooler needs its head rows, and only theirs")
         self.spec = spec
         self.head_rows = head_rows
 
     @classmethod
     def for_model(cls, spec: PoolingSpec, model: torch.nn.Module) -> Pooler:
         """The pooler of `spec` over `model`'s weights (a reranker's rows from its LM head, or its tied
-        embedding)."""
-        if spec.task != RERANK:
+        embedding; a classifier's score head)."""
+        if spec.task == EMBED:
             return cls(spec)
+        if spec.task == CLASSIFY:
+            weight = getattr(getattr(model, "score", None), "weight", None)
+            if not isinstance(weight, torch.Tensor):
+                raise ValueError("a sequence classifier's model needs its score head")
+            return cls(spec, weight)
         head = getattr(model, "lm_head", None)
         weight = getattr(head, "weight", None) if head is not None else model.model.embed_tokens.weight
         if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
@@ -55,8 +66,11 @@ class Pooler:
             return out
         index = torch.tensor([position for _, position in picked], dtype=torch.long, device=hidden.device)
         vectors = hidden.index_select(0, index)  # (N, hidden)
-        if self.head_rows is not None:  # (N, 2) logits of (no, yes), in the weights' dtype as the LM head's
+        if self.head_rows is not None:  # (N, rows) logits, in the weights' dtype as transformers' heads
             logits = (vectors @ self.head_rows.T).float()
-            vectors = torch.softmax(logits, dim=-1)[:, 1:]  # (N, 1): P(yes)
+            if self.spec.task == RERANK:
+                vectors = torch.softmax(logits, dim=-1)[:, 1:]  # (N, 1): P(yes) of (no, yes)
+            else:
+                vectors = ACTIVATIONS[self.spec.activation](logits)  # (N, num_labels)
         vectors = vectors.float().cpu().numpy()
         return {batch_index: vectors[i] for i, (batch_index, _) in enumerate(picked)}

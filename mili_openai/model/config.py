@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mili_openai.model.classifier_config import SEQUENCE_CLASSIFICATION, ClassifierConfig, read_classifier
 from mili_openai.model.hybrid_config import (
     DEFAULT_HYBRID_HEAD_DIM,
     DEFAULT_SHARED_EXPERT_INTERMEDIATE_SIZE,
@@ -126,6 +127,7 @@ class ModelConfig:
     bos_token_id: int | None
     moe: MoeConfig | None = None  # None: every layer has the dense MLP (Qwen3ForCausalLM)
     hybrid: HybridConfig | None = None  # Qwen3.5 / Qwen3.6 / Qwen3-Next: linear-attention layers among the others
+    classifier: ClassifierConfig | None = None  # Qwen3ForSequenceClassification: a score head, no LM head
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -159,6 +161,8 @@ class ModelConfig:
     def architecture(self) -> str:
         if self.hybrid is not None:
             return HYBRID_ARCHITECTURES[self.hybrid.model_type][0]
+        if self.classifier is not None:
+            return SEQUENCE_CLASSIFICATION
         return SUPPORTED_ARCHITECTURES["qwen3_moe" if self.moe is not None else "qwen3"]
 
     @classmethod
@@ -187,6 +191,7 @@ class ModelConfig:
             eos_token_ids=_as_id_tuple(eos),
             bos_token_id=None if bos is None else int(bos),
             moe=_read_moe(config),
+            classifier=read_classifier(config),
         )
 
     @classmethod
@@ -275,9 +280,10 @@ def _check_architecture(config: dict[str, Any]) -> None:
         raise ValueError(f"model_type {model_type!r} is not supported; this server runs "
                          f"{SUPPORTED_MODEL_TYPES + tuple(HYBRID_ARCHITECTURES)}")
     architectures = config.get("architectures") or [SUPPORTED_ARCHITECTURES[model_type]]
-    if SUPPORTED_ARCHITECTURES[model_type] not in architectures:
+    served = (SUPPORTED_ARCHITECTURES[model_type], *((SEQUENCE_CLASSIFICATION,) if model_type == "qwen3" else ()))
+    if not set(served) & set(architectures):
         raise ValueError(f"architectures {architectures} are not supported for model_type {model_type!r}; "
-                         f"this server runs {SUPPORTED_ARCHITECTURES[model_type]}")
+                         f"this server runs {' or '.join(served)}")
     _check_activation(config)
     # Real Qwen3 checkpoints have neither; refusing beats silently computing a different model.
     if config.get("attention_bias"):

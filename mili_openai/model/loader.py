@@ -30,6 +30,7 @@ from mili_openai.model.quantization.spec import (
 )
 from mili_openai.model.qwen3 import Qwen3ForCausalLM
 from mili_openai.model.qwen3_5 import Qwen3_5ForCausalLM
+from mili_openai.model.sequence_classifier import Qwen3ForSequenceClassification
 from mili_openai.model.tensor_parallel import CheckpointShard, shard_config
 from mili_openai.model.weights import CheckpointError, checkpoint_to_model_state
 
@@ -133,8 +134,10 @@ def load_model(
     if (quantization or checkpoint_quantization) and (parallel is not None or config.moe is not None):
         raise ValueError("quantized weights run dense models on one rank: not with --tensor-parallel-size > 1, "
                          "nor with MoE checkpoints, yet")
+    if config.classifier is not None and (quantization or checkpoint_quantization):
+        raise ValueError("a sequence-classification checkpoint runs unquantized: not with quantized weights, yet")
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(config, parallel)
+        model = (Qwen3ForSequenceClassification if config.classifier is not None else Qwen3ForCausalLM)(config, parallel)
     rank_slices = CheckpointShard(config, parallel.rank, parallel.size) if parallel is not None else None
     tensors = read_checkpoint_tensors(directory, rank_slices)
     if checkpoint_quantization is not None:
