@@ -117,6 +117,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="hybrid models: a prefill also saves its state every this many pages")
     eng.add_argument("--max-num-seqs", type=int, default=None,
                      help="cap on running sequences (default: 64 on CPU, 256 on CUDA)")
+    eng.add_argument("--max-encoder-patches-per-step", type=int, default=engine.max_encoder_patches_per_step,
+                     help="vision models: image patches one step may encode, so images do not stall decodes "
+                          "(one image always fits)")
     eng.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     eng.add_argument("--generation-config", default=engine.generation_config,
                      help="defaults for the sampling fields a request leaves out (temperature, top_p, top_k, "
@@ -209,6 +212,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        max_encoder_patches_per_step=args.max_encoder_patches_per_step,
         enable_prefix_caching=args.enable_prefix_caching,
         hybrid_snapshot_fraction=args.hybrid_snapshot_fraction,
         num_hybrid_snapshots=args.num_hybrid_snapshots,

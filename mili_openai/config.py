@@ -15,6 +15,8 @@ DEVICES = ("auto", "cpu", "cuda")
 # CUDA, vLLM's: a GPU finishes thousands of tokens in milliseconds, and a large budget fills it.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 8192}
 DEFAULT_MAX_NUM_SEQS = {"cpu": 64, "cuda": 256}  # running sequences; on CUDA vLLM's default
+# image patches a step may encode: about five 448 x 448 images (784 patches of 16 x 16 each), or one 1024 x 1024
+DEFAULT_MAX_ENCODER_PATCHES = 4096
 DEFAULT_ENGINE_PROCESS = {"cpu": False, "cuda": True}  # the server's engine in a process of its own
 DEFAULT_ASYNC_LAUNCH = {"cpu": False, "cuda": True}  # steps launched on the engine loop (see EngineConfig)
 DEFAULT_CPU_KV_CACHE_MEMORY_GB = 2.0  # on CUDA the pool takes what gpu_memory_utilization leaves
@@ -147,6 +149,8 @@ class EngineConfig:
     # token budget of one forward (decode tokens + prefill chunks); None = the device's default
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None  # cap on running sequences; None = the device's default
+    # vision models: the image patches one step may encode (engine/encoder_budget.py); one image always fits
+    max_encoder_patches_per_step: int = DEFAULT_MAX_ENCODER_PATCHES
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     enable_prefix_caching: bool = True
     # a hybrid model's prefix cache keeps state snapshots (engine/state_snapshots.py) in this share of the cache
@@ -225,6 +229,9 @@ class EngineConfig:
             raise ValueError(f"switch_interval_s must be > 0, got {self.switch_interval_s}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if not _is_count(self.max_encoder_patches_per_step):
+            raise ValueError(f"max_encoder_patches_per_step must be an integer >= 1, "
+                             f"got {self.max_encoder_patches_per_step!r}")
         if not 0 <= self.hybrid_snapshot_fraction < 1:
             raise ValueError(f"hybrid_snapshot_fraction must be in [0, 1), got {self.hybrid_snapshot_fraction}")
         if self.num_hybrid_snapshots is not None and self.num_hybrid_snapshots < 0:

