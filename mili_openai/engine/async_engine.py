@@ -97,6 +97,7 @@ class AsyncEngine:
         self._streams: dict[str, DeltaSink] = {}  # by request id, until the delta that finishes the request
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
+        self._loop_error: str | None = None  # why the loop stopped, where a bug stopped it
         # steps handed to the worker, oldest first: the one running and at most one queued behind it
         self._launched: deque[InFlightStep] = deque()
         # `--torch-profiler-dir`: profiles of the steps, started and stopped on request (engine/step_profiler.py)
@@ -125,9 +126,9 @@ class AsyncEngine:
 
     @property
     def fatal_error(self) -> str | None:
-        """Why the engine can run no more steps (a tensor-parallel worker died), or None. The server exits
+        """Why the engine can run no more steps (a tensor-parallel worker died, or a bug stopped the loop), or None. The server exits
         non-zero when this is set (server/drain.py)."""
-        return self.core.runner.failure
+        return self.core.runner.failure or self._loop_error
 
     async def shutdown(self) -> None:
         """Stop the loop and abort every request; the model stays loaded and `start` may run again."""
@@ -236,7 +237,12 @@ class AsyncEngine:
 
     async def _run(self) -> None:
         with serial_torch_ops():  # see the module docstring: a parallel op here slows every forward after it
-            await self._loop()
+            try:
+                await self._loop()
+            except Exception as exc:  # a bug: fail the requests rather than hang them, and the server exits
+                logger.exception("the engine loop stopped")
+                self._loop_error = f"the engine loop stopped: {exc!r}"
+                self._fail_everything(self._loop_error)
 
     async def _loop(self) -> None:
         launched = self._launched
