@@ -33,7 +33,7 @@ from mili_openai.engine.process_client import EngineProcessClient
 from mili_openai.engine.process_helpers import freeze_heap
 from mili_openai.engine.runner import resolve_device
 from mili_openai.engine.sampling_defaults import describe_sampling_defaults
-from mili_openai.routes import chat, completions, embeddings, generate, profile, responses, scoring, service
+from mili_openai.routes import chat, completions, embeddings, generate, lora, profile, responses, scoring, service
 from mili_openai.server.errors import CatchAllMiddleware, install_error_handlers
 from mili_openai.server.metrics import ServerMetrics
 from mili_openai.server.middleware import REQUEST_ID_HEADER, AccessGuardMiddleware, RequestContextMiddleware
@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 def all_routes(config: ServerConfig, metrics: ServerMetrics) -> list[BaseRoute]:
     routes: list[BaseRoute] = [*service.routes(), *chat.routes(), *responses.routes(), *completions.routes(),
                                *generate.routes(), *profile.routes(), *embeddings.routes(), *scoring.routes(),
+                               *lora.routes(),
                                Route("/metrics", metrics.endpoint, methods=["GET"])]
     if config.debug_endpoints:
         routes.extend(service.debug_routes())
