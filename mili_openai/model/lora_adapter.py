@@ -45,6 +45,9 @@ _REFUSED_OPTIONS = {
     "target_parameters": None,
     "trainable_token_indices": None,
 }
+# what a refused option means, where its name does not say it
+_REFUSED_WHY = {"target_parameters": "LoRA on a MoE layer's routed experts, as PEFT writes it for gate_proj, up_proj "
+                                     "and down_proj on Qwen3-MoE and Qwen3-Next: not served"}
 
 
 class AdapterError(ValueError):
@@ -146,7 +149,8 @@ def _read_config(name: str, directory: Path) -> dict:
     for option, off in _REFUSED_OPTIONS.items():
         value = config.get(option, off)
         if value not in (off, None, False, {}, []):
-            raise AdapterError(f"LoRA adapter {name!r}: {option}={value!r} is not supported")
+            why = f" ({_REFUSED_WHY[option]})" if option in _REFUSED_WHY else ""
+            raise AdapterError(f"LoRA adapter {name!r}: {option}={value!r} is not supported{why}")
     if config.get("bias", "none") != "none":
         raise AdapterError(f"LoRA adapter {name!r}: bias={config['bias']!r} is not supported (only 'none')")
     targets = config.get("target_modules")

@@ -48,6 +48,7 @@ def test_scale_is_folded_into_b(adapter_dir, slots):
     (dict(use_qalora=True), "use_qalora"),
     (dict(bias="all"), "bias"),
     (dict(peft_type="IA3"), "IA3"),
+    (dict(target_parameters=["gate_up_proj", "down_proj"]), "target_parameters.*routed experts"),
 ])
 def test_unsupported_options_are_refused_by_name(adapter_dir, slots, tmp_path, fields, named):
     with pytest.raises(AdapterError, match=named):
