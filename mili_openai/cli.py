@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -49,6 +50,9 @@ if TYPE_CHECKING:
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # uvicorn's own last-resort deadline, after our grace period has aborted what was left
 UVICORN_SHUTDOWN_MARGIN_S = 5.0
+# vLLM's switch for /v1/load_lora_adapter and /v1/unload_lora_adapter, honoured beside --enable-runtime-lora-updating
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+ENV_TRUE = ("1", "true")  # the values vLLM reads as on
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -174,16 +178,19 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     pool.add_argument("--rerank-template", default=None, metavar="FILE",
                       help="a file holding the reranker's prompt for one pair, with {query}, {document} and optionally "
                            "{instruction} (default: Qwen3-Reranker's model card format)")
-    lora = serve.add_argument_group("LoRA adapters (vLLM's flags)")
+    lora, lora_defaults = serve.add_argument_group("LoRA adapters (vLLM's flags)"), LoraConfig()
     lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters beside the base model")
     lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                       help="PEFT adapter directories, each as name=path or a JSON object {\"name\": ..., \"path\": ...};"
                            " a request runs one by naming it as its `model`")
-    lora.add_argument("--max-loras", type=int, default=LoraConfig.max_loras, help="adapters in one step")
+    lora.add_argument("--max-loras", type=int, default=lora_defaults.max_loras, help="adapters in one step")
     lora.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept loaded in host memory "
                                                                         "(default: --max-loras)")
-    lora.add_argument("--max-lora-rank", type=int, default=LoraConfig.max_lora_rank,
+    lora.add_argument("--max-lora-rank", type=int, default=lora_defaults.max_lora_rank,
                       help="the largest adapter rank served (sizes the adapter slots)")
+    lora.add_argument("--enable-runtime-lora-updating", action="store_true",
+                      help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also on with --enable-lora "
+                           f"and {RUNTIME_LORA_ENV}=true, as vLLM)")
     eng.add_argument("--default-model-cache", default=None,
                      help="where the embedded default model is built (default: ~/.cache/mili-openai)")
     serve.set_defaults(func=run_serve, parser=serve)
@@ -259,6 +266,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                           max_image_pixels=args.max_image_pixels, fetch_timeout_s=args.media_fetch_timeout),
         rerank_template=Path(args.rerank_template).read_text() if args.rerank_template is not None else None,
         freeze_gc_after_load=True,  # this process only serves
+        runtime_lora_updating=args.enable_runtime_lora_updating or (
+            args.enable_lora and os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ENV_TRUE),
     )
 
 

@@ -333,8 +333,13 @@ class ServerConfig:
     # a reranker's prompt for one pair, with {query}, {document} and optionally {instruction}; None = the
     # Qwen3-Reranker model card's (protocol/scoring.py)
     rerank_template: str | None = None
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter change the served adapters (vLLM's runtime LoRA
+    # updating); off, both answer 404. Needs engine.lora (--enable-lora)
+    runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
+        if self.runtime_lora_updating and self.engine.lora is None:
+            raise ValueError("runtime LoRA updating needs LoRA adapters enabled (--enable-lora)")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
         if self.rerank_template is not None and not all(f in self.rerank_template for f in RERANK_TEMPLATE_FIELDS):

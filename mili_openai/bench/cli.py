@@ -45,6 +45,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     target = parser.add_argument_group("target")
     target.add_argument("--base-url", default=d.base_url, help="server root, e.g. http://127.0.0.1:8000")
     target.add_argument("--model", default=None, help="model name to send (default: first id of GET /v1/models)")
+    target.add_argument("--models", default=None, metavar="A,B,...",
+                        help="spread the requests over these model names, round robin (e.g. LoRA adapters: with "
+                             "as many names as --concurrency, each request in flight runs a different one)")
     target.add_argument("--endpoint", choices=ENDPOINTS, default=d.endpoint)
     target.add_argument("--api-key", default=None, help="sent as a Bearer token")
     target.add_argument("--timeout", type=float, default=d.timeout_s, help="per-request limit (s), whole stream")
@@ -94,6 +97,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         base_url=args.base_url, model=args.model, endpoint=args.endpoint, num_requests=args.num_requests,
+        models=tuple(args.models.split(",")) if args.models is not None else (),
         concurrency=args.concurrency, request_rate=args.request_rate, burstiness=args.burstiness,
         dataset=args.dataset, input_len=args.input_len, output_len=args.output_len,
         random_range_ratio=args.random_range_ratio, num_groups=args.num_groups,

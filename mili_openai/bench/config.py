@@ -53,6 +53,8 @@ def length_range(center: int, ratio: float) -> tuple[int, int]:
 class BenchConfig:
     base_url: str = "http://127.0.0.1:8000"
     model: str | None = None  # None = first id from GET /v1/models
+    # request i names models[i % len(models)] (e.g. LoRA adapters, one per request in flight); () = `model` for all
+    models: tuple[str, ...] = ()
     endpoint: str = "completions"
     num_requests: int = 64
     concurrency: int | None = None  # max requests in flight; None = unbounded
@@ -88,6 +90,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
+        if self.models and (self.model is not None or not all(self.models)):
+            raise ValueError("give model or models (non-empty names), not both")
         if self.endpoint not in ENDPOINTS:
             raise ValueError(f"endpoint must be one of {ENDPOINTS}, got {self.endpoint!r}")
         if self.dataset not in DATASETS:

@@ -43,7 +43,7 @@ BAR_WIDTH = 30
 @dataclass(frozen=True, slots=True)
 class BenchRun:
     config: BenchConfig
-    model: str
+    model: str  # the names requests sent, comma-separated where they were spread over several (`models`)
     started_at: str  # UTC, ISO 8601
     summary: BenchSummary
     results: list[RequestResult]
@@ -73,22 +73,22 @@ async def run_benchmark(config: BenchConfig, tokenizer=None) -> BenchRun:
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.timeout_s, sock_read=config.timeout_s)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout,
                                      read_bufsize=MAX_LINE_BYTES) as client:
-        model = config.model if config.model is not None else await first_model_id(client, config)
+        models = config.models or (config.model or await first_model_id(client, config),)
         warmup_failed = 0
         if warmup:
-            warmup_results = await send_all(client, config, model, warmup, "warmup", rate=math.inf)
+            warmup_results = await send_all(client, config, models, warmup, "warmup", rate=math.inf)
             warmup_failed = sum(not r.success for r in warmup_results)
         if config.profile:
             await post_profile(client, config, START_PROFILE_PATH)
         counters_before = await scrape_per_position(client, config.base_url, request_headers(config))
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         started = time.perf_counter()
-        results = await send_all(client, config, model, measured, "bench", rate=config.request_rate)
+        results = await send_all(client, config, models, measured, "bench", rate=config.request_rate)
         duration = time.perf_counter() - started
         profile = await post_profile(client, config, STOP_PROFILE_PATH) if config.profile else None
         counters_after = await scrape_per_position(client, config.base_url, request_headers(config))
     summary = summarize(results, duration, config.max_error_messages, config.goodput_slos, config.metric_percentiles)
-    return BenchRun(config=config, model=model, started_at=started_at, summary=summary, results=results,
+    return BenchRun(config=config, model=",".join(models), started_at=started_at, summary=summary, results=results,
                     warmup_failed=warmup_failed, profile=profile,
                     acceptance=acceptance_by_position(counters_before, counters_after))
 
@@ -114,15 +114,16 @@ async def first_model_id(client: aiohttp.ClientSession, config: BenchConfig) -> 
     return models[0]["id"]
 
 
-async def send_all(client: aiohttp.ClientSession, config: BenchConfig, model: str, requests: list[BenchRequest],
-                   label: str, rate: float) -> list[RequestResult]:
-    """Send every request on its arrival time, at most `config.concurrency` in flight; results in order."""
+async def send_all(client: aiohttp.ClientSession, config: BenchConfig, models: tuple[str, ...],
+                   requests: list[BenchRequest], label: str, rate: float) -> list[RequestResult]:
+    """Send every request on its arrival time, at most `config.concurrency` in flight, request i naming
+    models[i % len(models)]; results in order."""
     slots = asyncio.Semaphore(config.concurrency) if config.concurrency is not None else None
     progress = ProgressBar(len(requests), label, enabled=config.progress)
     headers = request_headers(config)
     origin = time.perf_counter()
 
-    async def send_one(request: BenchRequest, arrival_s: float) -> RequestResult:
+    async def send_one(request: BenchRequest, arrival_s: float, model: str) -> RequestResult:
         await asyncio.sleep(max(0.0, arrival_s - (time.perf_counter() - origin)))
         async with slots if slots is not None else contextlib.nullcontext():
             sent_s = time.perf_counter() - origin
@@ -134,7 +135,8 @@ async def send_all(client: aiohttp.ClientSession, config: BenchConfig, model: st
 
     arrivals = arrival_times(len(requests), rate, config.seed + ARRIVAL_SEED_OFFSET, config.burstiness)
     try:
-        return list(await asyncio.gather(*(send_one(r, t) for r, t in zip(requests, arrivals))))
+        return list(await asyncio.gather(*(send_one(request, arrival, models[index % len(models)])
+                                           for index, (request, arrival) in enumerate(zip(requests, arrivals)))))
     finally:
         progress.close()
 

@@ -193,6 +193,23 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.core.stats()
 
+    def lora_adapters(self) -> tuple[tuple[str, str], ...]:
+        return self.core.lora.served_adapters()
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at `path` as `name` from now (EngineClient.load_lora_adapter)."""
+        registry = self.core.lora
+        registry.begin_load(name)
+        adapter = None
+        try:  # read on the forward thread, between steps: its torch ops stay off the loop's (serial_torch_ops)
+            adapter = await asyncio.wrap_future(self._executor.submit(registry.read, name, path))
+        finally:
+            registry.finish_load(name, path, adapter)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """New requests may no longer name it; those that do already finish on it (EngineClient)."""
+        self.core.lora.unload(name, self.core.sequences.values())
+
     async def page_accounting(self) -> PageAccounting:
         """A snapshot of the page pool and an integrity check (walks the tree: for debugging, not per request)."""
         core = self.core

@@ -71,6 +71,7 @@ class Runner(Protocol):
     state_slot_bytes: int  # bytes of one state slot (a snapshot's size); 0 without linear-attention layers
     failure: str | None  # why the runner can run no more steps; None while it can
     kernel_build: Future[bool] | None  # CPU kernels compiling meanwhile, to switch to once done; None: none
+    lora: LoraManager | None  # the LoRA adapters' host copies and slots (`EngineConfig.lora`); None: LoRA off
 
     def switch_to_cpu_kernels(self) -> None:
         """Run on the kernels `kernel_build` built (on the forward thread, between steps, while no sequence runs)."""
@@ -137,7 +138,7 @@ class ModelRunner(StepRunner):
         self.page_size = config.page_size
         self.async_launch = config.async_launch  # see Runner.async_launch
         self.steps = StepPreparer(self.device, self.page_size, self.model.rotary_table(),
-                                  feed_on_device=self.async_launch)
+                                  feed_on_device=self.async_launch, serves_lora=self.lora is not None)
         self.parallel = parallel
         prepare_model_for_speculation(config.speculative_config, self.model)  # MTP: its K/V layers join the specs
         # what each layer keeps per sequence, in this process's shapes (a tensor-parallel rank's KV heads)

@@ -98,7 +98,7 @@ class StateSnapshots:
         snapshot_id, position = seq.snapshot
         if position > seq.num_tree_pages * self.page_size:
             return  # its pages join the tree later: after its chunk, or when seq ends
-        node = self.tree.insert(seq.token_ids[:position], seq.pages[: position // self.page_size]).node
+        node = self.tree.insert(seq.cache_key(position), seq.pages[: position // self.page_size]).node
         self.store.attach(node, snapshot_id)
         seq.snapshot = None
 

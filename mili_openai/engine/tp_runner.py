@@ -215,6 +215,7 @@ class TensorParallelRunner(StepRunner):
     the same `StepPreparer`."""
 
     kernel_build = None  # the workers load with the CPU kernels built: nothing to switch to later
+    lora = None  # LoRA adapters run on one rank (EngineConfig refuses them with tensor parallelism)
     async_launch = False  # a step's forward is a round trip to the workers: `launch` waits for their logits
     num_state_snapshots = 0  # hybrid models run on one rank (model/hybrid_loader.py refuses more), so no snapshots
     state_slot_bytes = 0

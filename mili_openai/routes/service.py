@@ -86,7 +86,7 @@ async def list_models(request: Request) -> Response:
     # each LoRA adapter as its own model, its parent the base (as vLLM lists them)
     adapters = [{"id": name, "object": "model", "created": model["created"], "owned_by": OWNED_BY, "root": path,
                  "parent": server.served_model_name, "max_model_len": engine.info.max_model_len}
-                for name, path in engine.info.lora_adapters]
+                for name, path in engine.lora_adapters()]
     return json_response({"object": "list", "data": [model, *adapters]})
 
 

@@ -39,6 +39,7 @@ from mili_openai.routes import (
     completions,
     embeddings,
     generate,
+    lora,
     profile,
     responses,
     scoring,
@@ -56,6 +57,7 @@ def all_routes(config: ServerConfig, metrics: ServerMetrics) -> list[BaseRoute]:
     routes: list[BaseRoute] = [*service.routes(), *chat.routes(), *responses.routes(), *completions.routes(),
                                *generate.routes(), *profile.routes(), *embeddings.routes(), *scoring.routes(),
                                *classification.routes(),
+                               *lora.routes(),
                                Route("/metrics", metrics.endpoint, methods=["GET"])]
     if config.debug_endpoints:
         routes.extend(service.debug_routes())

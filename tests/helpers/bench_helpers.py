@@ -45,13 +45,16 @@ def write_sharegpt(path) -> None:
 
 
 # ---- a fake OpenAI-compatible streaming server with known delays ----
-def fake_openai_app(fail_every: int = 0, send_usage: bool = True, first_delay_s: float = TTFT_S) -> Starlette:
+def fake_openai_app(fail_every: int = 0, send_usage: bool = True, first_delay_s: float = TTFT_S,
+                    served: tuple[str, ...] = (FAKE_MODEL,)) -> Starlette:
     """Streams `max_tokens` one-word chunks: the first after `first_delay_s`, the next ITL_S apart.
-    Every `fail_every`-th request gets a 500 (odd ones) or an in-stream error event (even ones)."""
+    Every `fail_every`-th request gets a 500 (odd ones) or an in-stream error event (even ones). `served`: the
+    model names it lists and takes; `app.state.models_asked` records each request's."""
     counter = {"n": 0}
+    models_asked: list[str] = []
 
     async def models(request: Request) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{"id": FAKE_MODEL, "object": "model"}]})
+        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model"} for name in served]})
 
     async def generate(request: Request):
         body = await request.json()
@@ -61,7 +64,8 @@ def fake_openai_app(fail_every: int = 0, send_usage: bool = True, first_delay_s:
         failing = fail_every and number % fail_every == 0
         if failing and (number // fail_every) % 2 == 1:
             return JSONResponse({"error": {"message": f"injected failure {number}"}}, status_code=500)
-        assert body["stream"] is True and body["model"] == FAKE_MODEL  # the fake's own sanity check
+        assert body["stream"] is True and body["model"] in served  # the fake's own sanity check
+        models_asked.append(body["model"])
 
         def chunk(text: str | None, usage: dict | None = None, finish: str | None = None) -> str:
             choice = ({"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish} if chat
@@ -84,8 +88,10 @@ def fake_openai_app(fail_every: int = 0, send_usage: bool = True, first_delay_s:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    return Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", generate, methods=["POST"]),
-                             Route("/v1/chat/completions", generate, methods=["POST"])])
+    app = Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", generate, methods=["POST"]),
+                            Route("/v1/chat/completions", generate, methods=["POST"])])
+    app.state.models_asked = models_asked
+    return app
 
 
 @contextlib.contextmanager
