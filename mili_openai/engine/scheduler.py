@@ -109,7 +109,8 @@ class Scheduler:
             if not self._reserve(seq, num_new, preempted, can_preempt=not lookahead):
                 continue  # seq itself was preempted, or found no page
             budget -= num_new
-            (decodes if uncomputed == 1 else prefills).append((seq, num_new))
+            # a pooling input's last token stays a prefill chunk: the runner pools prefill rows only
+            (decodes if uncomputed == 1 and not seq.pooled else prefills).append((seq, num_new))
         # drafts after every running sequence has its token and pages: a guess never takes those
         draft_tokens: list[list[int]] = []
         for seq, _ in decodes:
