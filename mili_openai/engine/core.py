@@ -250,7 +250,7 @@ class EngineCore:
         accepted = 0
         while accepted < len(drafts) and sampled[accepted][0] == drafts[accepted]:
             accepted += 1
-        seq.settle_drafts(len(drafts), accepted)
+        self.pages.settle_drafts(seq, len(drafts), accepted)
         self.spec_decode.record(len(drafts), accepted)
         return sampled[: accepted + 1]
 

@@ -127,6 +127,13 @@ class KVPageManager:
         seq.tree_node = result.node
         seq.num_tree_pages = num_full
 
+    def settle_drafts(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """seq kept `num_accepted` of the `num_drafts` drafts it verified: its counters, and the state snapshot its
+        verify step saved (a hybrid model's), kept or given back."""
+        seq.settle_drafts(num_drafts, num_accepted)
+        if self.snapshots is not None:
+            self.snapshots.settle_verified(seq, num_accepted)
+
     def release(self, seq: Sequence) -> None:
         """Return everything seq holds: full computed pages go to the tree (unlocked), the rest to the pool."""
         self.cache_computed_pages(seq)

@@ -35,7 +35,6 @@ from mili_openai.engine.outputs import TokenLogprob
 from mili_openai.engine.pooler import Pooler
 from mili_openai.engine.pooling_spec import PoolingSpec
 from mili_openai.engine.sampler import Sampler, SamplerOutput, token_logprobs
-from mili_openai.engine.state_slots import keeps_snapshots
 from mili_openai.engine.scheduled_batch import ScheduledBatch
 from mili_openai.engine.sequence import Sequence
 from mili_openai.engine.step_inputs import forward_batch_to
@@ -148,7 +147,7 @@ class ModelRunner(StepRunner):
         # the prefix cache's state snapshots of a hybrid model: slots of the state pool past the running ones
         budget = None if config.num_pages else self._cache_budget(config)
         self.num_state_snapshots = (self._snapshots(config, slot_bytes, budget)
-                                    if self.num_state_slots and keeps_snapshots(config) else 0)
+                                    if self.num_state_slots and config.enable_prefix_caching else 0)
         state_bytes = (self.num_state_slots + self.num_state_snapshots) * slot_bytes
         self.num_pages = config.num_pages or self._pages_for_budget(budget, state_bytes)
         # Dynamic NTK RoPE checks each forward's positions on the host, which a graph cannot capture
@@ -217,10 +216,13 @@ class ModelRunner(StepRunner):
         cache budget (with `num_pages`: of the whole, those pages and the running slots being the rest)."""
         fraction, count = config.hybrid_snapshot_fraction, config.num_hybrid_snapshots
         if budget is not None:
-            return snapshots_in_budget(budget[0], slot_bytes, fraction, count)
-        beside = config.num_pages * KVCache.bytes_per_page(self.cache_specs, self.page_size, self.dtype)
-        beside += self.num_state_slots * slot_bytes
-        return snapshots_in_budget(int(beside / (1 - fraction)), slot_bytes, fraction, count)
+            total = budget[0]
+        else:
+            beside = config.num_pages * KVCache.bytes_per_page(self.cache_specs, self.page_size, self.dtype)
+            total = int((beside + self.num_state_slots * slot_bytes) / (1 - fraction))
+        count = snapshots_in_budget(total, slot_bytes, fraction, count)
+        # tensor-parallel ranks number their snapshots alike: the fewest any of them has room for
+        return count if self.parallel is None else self.parallel.min_over_ranks(count)
 
     def _pages_for_budget(self, budget: tuple[int, str], state_bytes: int) -> int:
         """Pages of the KV pool: what the cache budget holds beside a state pool of `state_bytes`

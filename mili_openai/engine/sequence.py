@@ -76,6 +76,9 @@ class Sequence:
     snapshot: tuple[int, int] | None = None
     restore_snapshot: int | None = None
     snapshot_stops: list[int] = field(default_factory=list)
+    # a save planned in a step verifying drafts: (snapshot id, page boundary, the decode row that reaches it),
+    # kept only if that row's token is accepted (StateSnapshots.settle_verified)
+    verified_snapshot: tuple[int, int, int] | None = None
 
     # speculative decoding: the drafts a model proposer (MTP) made in this sequence's last step, for its next
     # (engine/proposers.py), and its own tally of drafts verified and accepted (the adaptive off-switch)

@@ -7,13 +7,15 @@ thread, right after sampling, `StepSpeculation.after_sampling`:
 1. counts the drafts each decode's samples agree with (the rule `EngineCore.postprocess` applies too);
 2. rolls linear-attention states back: the decode's rows ran one after another over its state slot, keeping
    the state each row left (model/gated_deltanet.py, model/state_cache.py); a decode that kept j of its k
-   drafts gets the state its row j left, which is its state after its last kept token;
+   drafts gets the state its row j left, which is its state after its last kept token; and where the prefix
+   cache saves a state at a page boundary its rows crossed, the row reaching it, if kept, is copied into the
+   snapshot (engine/state_snapshots.py);
 3. runs the model proposer over the step's kept rows (engine/mtp_drafter.py) for the next step's drafts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -36,6 +38,9 @@ class SpeculationPlan:
     next_ids: np.ndarray | None = None
     sampled_seqs: list[int] | None = None
     pages: list[np.ndarray] | None = None
+    # a hybrid prefix cache's saves in decodes verifying drafts (ScheduledBatch.verified_saves): (decode, its row,
+    # snapshot id), copied from that row's kept state where the row's token is accepted
+    snapshot_saves: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def plan_speculation(batch: ScheduledBatch) -> SpeculationPlan | None:
@@ -46,7 +51,8 @@ def plan_speculation(batch: ScheduledBatch) -> SpeculationPlan | None:
     starts = np.cumsum([0, *batch.num_new_tokens[:num_decode]])[:-1].tolist()
     decodes = batch.seqs[:num_decode]
     slots = [seq.state_slot for seq in decodes] if decodes and decodes[0].state_slot is not None else None
-    plan = SpeculationPlan(starts, [batch.drafts(index) for index in range(num_decode)], slots)
+    plan = SpeculationPlan(starts, [batch.drafts(index) for index in range(num_decode)], slots,
+                           snapshot_saves=list(batch.verified_saves))
     if batch.run_proposer:
         next_ids = []
         for index in range(num_decode, len(batch.seqs)):
@@ -101,6 +107,9 @@ class StepSpeculation:
         if rolls_back:
             rolled = [(first + kept, slot) for first, kept, drafts, slot
                       in zip(plan.group_rows, accepted, plan.group_drafts, plan.group_slots) if kept < len(drafts)]
+            # and the kept states of accepted rows that reach a page boundary into their snapshots
+            rolled += [(plan.group_rows[decode] + row, snapshot_id) for decode, row, snapshot_id in plan.snapshot_saves
+                       if row <= accepted[decode]]
             if rolled:
                 rows, slots = zip(*rolled)
                 self.state_cache.restore_kept(torch.tensor(rows), torch.tensor(slots))

@@ -20,6 +20,7 @@ from starlette.routing import Route
 FAKE_MODEL = "fake-model"
 TTFT_S = 0.15  # the fake server's delay before the first token
 ITL_S = 0.02  # and between tokens
+FAKE_PROMPT_TOKENS = 11  # the prompt tokens its usage counts per user message
 SERVER_START_TIMEOUT_S = 10.0
 
 
@@ -46,10 +47,11 @@ def write_sharegpt(path) -> None:
 
 # ---- a fake OpenAI-compatible streaming server with known delays ----
 def fake_openai_app(fail_every: int = 0, send_usage: bool = True, first_delay_s: float = TTFT_S,
-                    served: tuple[str, ...] = (FAKE_MODEL,)) -> Starlette:
+                    served: tuple[str, ...] = (FAKE_MODEL,), bodies: list | None = None) -> Starlette:
     """Streams `max_tokens` one-word chunks: the first after `first_delay_s`, the next ITL_S apart.
-    Every `fail_every`-th request gets a 500 (odd ones) or an in-stream error event (even ones). `served`: the
-    model names it lists and takes; `app.state.models_asked` records each request's."""
+    Every `fail_every`-th request gets a 500 (odd ones) or an in-stream error event (even ones). Its usage counts
+    FAKE_PROMPT_TOKENS per user message, all but the last's as cached. `served`: the model names it lists and
+    takes; `app.state.models_asked` records each request's. `bodies` collects the request bodies."""
     counter = {"n": 0}
     models_asked: list[str] = []
 
@@ -58,6 +60,8 @@ def fake_openai_app(fail_every: int = 0, send_usage: bool = True, first_delay_s:
 
     async def generate(request: Request):
         body = await request.json()
+        if bodies is not None:
+            bodies.append(body)
         counter["n"] += 1
         number = counter["n"]
         chat = request.url.path.endswith("/chat/completions")
@@ -82,8 +86,11 @@ def fake_openai_app(fail_every: int = 0, send_usage: bool = True, first_delay_s:
                     return
                 yield chunk(" word", finish="length" if i == body["max_tokens"] - 1 else None)
             if send_usage:
-                yield chunk(None, usage={"prompt_tokens": 11, "completion_tokens": body["max_tokens"],
-                                         "total_tokens": 11 + body["max_tokens"]})
+                users = max(1, sum(message["role"] == "user" for message in body.get("messages", ())))
+                prompt = FAKE_PROMPT_TOKENS * users
+                yield chunk(None, usage={"prompt_tokens": prompt, "completion_tokens": body["max_tokens"],
+                                         "total_tokens": prompt + body["max_tokens"],
+                                         "prompt_tokens_details": {"cached_tokens": prompt - FAKE_PROMPT_TOKENS}})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
