@@ -74,14 +74,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def prompts(checkpoint: Path, vocab_size: int, count: int, length: int, seed: int) -> list[list[int]]:
     """`count` prompts of `length` random word tokens (ids the model's vocabulary holds)."""
-    pool = [token for token in sampling_pool(load_tokenizer(checkpoint)) if token < vocab_size] or list(range(vocab_size))
+    pool = [token for token in sampling_pool(load_tokenizer(checkpoint)) if token < vocab_size]
+    pool = pool or list(range(vocab_size))
     rng = random.Random(seed)
     return [[rng.choice(pool) for _ in range(length)] for _ in range(count)]
 
 
 def greedy_outputs(llm: LLM, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    return [prompt + list(output.outputs[0].token_ids) for prompt, output in zip(prompt_ids, llm.generate(prompt_ids, params))]
+    outputs = llm.generate(prompt_ids, params)
+    return [prompt + list(output.outputs[0].token_ids) for prompt, output in zip(prompt_ids, outputs)]
 
 
 @torch.inference_mode()

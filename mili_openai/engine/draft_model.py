@@ -23,14 +23,7 @@ import torch
 from torch import nn
 
 from mili_openai.config import EngineConfig
-from mili_openai.engine.draft_batches import (
-    chain_batch,
-    has_page_at,
-    kept_decode_rows,
-    kept_rows_batch,
-    take_drafts,
-    taken_tokens,
-)
+from mili_openai.engine import draft_batches
 from mili_openai.engine.speculation import SpeculationPlan
 from mili_openai.model import KVCache, ModelConfig, load_model, resolve_model_path
 from mili_openai.model.batch import ForwardBatch
@@ -117,16 +110,16 @@ class DraftModelDrafter:
     @torch.inference_mode()
     def propose(self, plan: SpeculationPlan, batch: ForwardBatch, hidden: torch.Tensor, tokens: list[int],
                 accepted: list[int]) -> list[list[int]]:
-        decode_rows, counts = kept_decode_rows(plan, accepted)
+        decode_rows, counts = draft_batches.kept_decode_rows(plan, accepted)
         no_logits = torch.empty(0, dtype=torch.int64)
         # the draft's own RoPE; no images (a draft reads their placeholder tokens as text)
-        catch_up, _ = kept_rows_batch(batch, decode_rows, counts, None, no_logits, with_rotary=False)
+        catch_up, _ = draft_batches.kept_rows_batch(batch, decode_rows, counts, None, no_logits, with_rotary=False)
         self.model(catch_up, self.caches)
         drafts: list[list[int]] = [[] for _ in plan.pages]
         num_groups = len(plan.group_rows)
         owners = list(range(num_groups)) + plan.sampled_seqs[num_groups:]
         if owners:
-            taken = taken_tokens(plan, tokens, accepted, batch.num_decode)
+            taken = draft_batches.taken_tokens(plan, tokens, accepted, batch.num_decode)
             positions = [plan.sample_positions[owner] + (accepted[owner] if owner < num_groups else 0)
                          for owner in owners]
             self._chain(plan, owners, taken, positions, drafts, batch.input_ids.device)
@@ -138,9 +131,9 @@ class DraftModelDrafter:
         draft appended to `drafts`; a structured output masks them as its target rows."""
         token = torch.tensor([kept[-1] for kept in taken], dtype=torch.int64, device=device)
         states, saved_slots, saved = self.caches.state, None, None
-        live = list(range(len(owners)))
+        live, pages = list(range(len(owners))), plan.pages
         for _ in range(self.num_speculative_tokens):
-            live = [i for i in live if has_page_at(positions[i], plan.pages[owners[i]], self.page_size)]
+            live = [i for i in live if draft_batches.has_page_at(positions[i], pages[owners[i]], self.page_size)]
             if not live:
                 break
             slots = [plan.state_slots[owners[i]] for i in live] if states is not None else None
@@ -148,11 +141,11 @@ class DraftModelDrafter:
                 saved_slots = torch.tensor(slots, dtype=torch.int64)
                 saved = states.save(saved_slots)
             index = torch.tensor(live, dtype=torch.int64, device=device)
-            chain = chain_batch([positions[i] for i in live], [plan.pages[owners[i]] for i in live], self.page_size,
-                                device, input_ids=token[index], state_slots=slots)
+            chain = draft_batches.chain_batch([positions[i] for i in live], [pages[owners[i]] for i in live],
+                                              self.page_size, device, input_ids=token[index], state_slots=slots)
             logits = self.model.compute_logits(self.model(chain, self.caches))  # (live, vocab)
-            live = take_drafts(plan, owners, live, logits, token, taken if plan.grammars is not None else None,
-                               drafts)
+            formats = taken if plan.grammars is not None else None
+            live = draft_batches.take_drafts(plan, owners, live, logits, token, formats, drafts)
             positions = [position + 1 for position in positions]
         if saved is not None:
             states.restore(saved_slots, saved)

@@ -264,9 +264,10 @@ class GrammarCompiler:
 def mask_rows(logits: torch.Tensor, rows: list[int], outputs: list[ConstrainedOutput],
               drafts: list[Sequence[int]] | None = None) -> None:
     """Set every token the rows' formats disallow to -inf, in place. logits (B, V) float32 on any device;
-    the outputs all mask (after each row's `drafts`, where given: the drafts before a verify row). llguidance's numpy helpers, not its torch ones: those apply the mask with
-    torch.compile, which on CPU costs a C++ compile on the first constrained step (stalling every
-    stream) and a compiler wherever the server runs."""
+    the outputs all mask (after each row's `drafts`, where given: the drafts before a verify row).
+    llguidance's numpy helpers, not its torch ones: those apply the mask with torch.compile, which on CPU
+    costs a C++ compile on the first constrained step (stalling every stream) and a compiler wherever the
+    server runs."""
     import llguidance.numpy
 
     bitmask = llguidance.numpy.allocate_token_bitmask(len(rows), logits.shape[1])  # (R, ceil(V / 32)) int32
