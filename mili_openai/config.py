@@ -27,6 +27,7 @@ ATTENTION_BACKENDS = ("auto", "triton", "torch")
 
 SPECULATIVE_METHODS = ("ngram", "mtp", "draft_model")
 MTP_SPECULATIVE_METHOD = "mtp"  # the checkpoint's own multi-token-prediction module (Qwen3.5 / Qwen3-Next)
+DRAFT_MODEL_SPECULATIVE_METHOD = "draft_model"  # a smaller checkpoint sharing the target's tokenizer
 # weights quantized as a bf16 checkpoint loads (model/quantization): int8 and int4 on CPU and CUDA, fp8 on CUDA
 QUANTIZATION_METHODS = ("int8", "int4", "fp8")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)  # int4: values along a row per scale and zero point
@@ -57,14 +58,15 @@ class SpeculativeConfig:
     without drafts.
 
     "mtp" drafts with the checkpoint's own multi-token-prediction module (Qwen3.5 / Qwen3.6 / Qwen3-Next),
-    chained for more than one token; "draft_model" (a smaller checkpoint, `model`) is refused at start
-    until it is built. A request whose drafts are mostly rejected stops drafting: once it has verified
+    chained for more than one token; "draft_model" with `model`, a smaller Qwen3 / Qwen3.5 checkpoint that
+    shares the target's tokenizer, run autoregressively. As vLLM, `method` left out is "draft_model" where
+    `model` is given, else "ngram". A request whose drafts are mostly rejected stops drafting: once it has verified
     `min_drafts_for_switch` drafts, it drafts only while its acceptance rate stays at least
     `min_acceptance_rate` (0 turns the switch off).
     """
 
     num_speculative_tokens: int
-    method: str = "ngram"
+    method: str | None = None  # None: "draft_model" where `model` is given, else "ngram"
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     disable_by_batch_size: int | None = None  # None = draft at every batch size
@@ -73,6 +75,8 @@ class SpeculativeConfig:
     min_drafts_for_switch: int = 16
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            object.__setattr__(self, "method", DRAFT_MODEL_SPECULATIVE_METHOD if self.model else "ngram")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
         if not _is_count(self.num_speculative_tokens):
@@ -93,7 +97,7 @@ class SpeculativeConfig:
             raise ValueError(f"min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate!r}")
         if not _is_count(self.min_drafts_for_switch):
             raise ValueError(f"min_drafts_for_switch must be an integer >= 1, got {self.min_drafts_for_switch!r}")
-        if self.method == "draft_model" and not self.model:
+        if self.method == DRAFT_MODEL_SPECULATIVE_METHOD and not self.model:
             raise ValueError('speculative method "draft_model" needs "model": the draft checkpoint\'s path')
         object.__setattr__(self, "prompt_lookup_min", low)
         object.__setattr__(self, "prompt_lookup_max", high)
@@ -211,6 +215,9 @@ class EngineConfig:
             object.__setattr__(self, "speculative_config", speculative_config_from(self.speculative_config))
         if not isinstance(self.speculative_config, SpeculativeConfig | None):
             raise ValueError("speculative_config must be a SpeculativeConfig, a dict of its fields, or None")
+        if (self.speculative_config is not None and self.tensor_parallel_size > 1
+                and self.speculative_config.method == DRAFT_MODEL_SPECULATIVE_METHOD):
+            raise ValueError('speculative method "draft_model" does not run under tensor parallelism yet')
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES:

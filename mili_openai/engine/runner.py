@@ -30,7 +30,7 @@ from mili_openai.engine.memory_budget import (
     weight_bytes,
 )
 from mili_openai.engine.memory_profile import profile_gpu_memory
-from mili_openai.engine.mtp_drafter import prepare_model_for_speculation, runner_speculation
+from mili_openai.engine.speculation_setup import prepare_model_for_speculation, runner_speculation
 from mili_openai.engine.outputs import TokenLogprob
 from mili_openai.engine.pooler import Pooler
 from mili_openai.engine.pooling_spec import PoolingSpec
@@ -139,16 +139,19 @@ class ModelRunner(StepRunner):
         self.steps = StepPreparer(self.device, self.page_size, self.model.rotary_table(),
                                   feed_on_device=self.async_launch, serves_lora=self.lora is not None)
         self.parallel = parallel
-        prepare_model_for_speculation(config.speculative_config, self.model)  # MTP: its K/V layers join the specs
+        # MTP: its K/V layers join the specs; a draft model keeps pools of its own, sized with the target's
+        self.draft = prepare_model_for_speculation(config, self.model, model_path, self.device, compiled_later)
         # what each layer keeps per sequence, in this process's shapes (a tensor-parallel rank's KV heads)
         self.cache_specs = self.model.cache_specs()
         self.num_state_slots = config.max_num_seqs if has_recurrent_layers(self.cache_specs) else 0
         self.state_slot_bytes = slot_bytes = StateCache.bytes_per_slot(self.cache_specs, self.dtype)
+        draft_slot_bytes = self.draft.slot_bytes() if self.draft is not None else 0
         # the prefix cache's state snapshots of a hybrid model: slots of the state pool past the running ones
         budget = None if config.num_pages else self._cache_budget(config)
         self.num_state_snapshots = (self._snapshots(config, slot_bytes, budget)
                                     if self.num_state_slots and config.enable_prefix_caching else 0)
-        state_bytes = (self.num_state_slots + self.num_state_snapshots) * slot_bytes
+        state_bytes = ((self.num_state_slots + self.num_state_snapshots) * slot_bytes
+                       + self.num_state_slots * draft_slot_bytes)
         self.num_pages = config.num_pages or self._pages_for_budget(budget, state_bytes)
         # Dynamic NTK RoPE checks each forward's positions on the host, which a graph cannot capture
         # (not for linear-attention layers yet: the graphs replay K/V writes only, not state-slot updates)
@@ -159,13 +162,18 @@ class ModelRunner(StepRunner):
         # with graphs, one page more than the engine hands out: its first slot takes padded rows' K/V
         pool_pages = self.num_pages + (1 if use_graphs else 0)
         weights = weight_bytes(self.model)
-        kv_bytes = pool_pages * KVCache.bytes_per_page(self.cache_specs, self.page_size, self.dtype)
+        kv_bytes = pool_pages * self._page_bytes()
+        if self.draft is not None:
+            weights += weight_bytes(self.draft.model)
         check_kv_cache_fits(kv_bytes + state_bytes, weights, self.device)
         self.kv_cache = KVCache(self.cache_specs, pool_pages, self.page_size, self.dtype, self.device)
         self.state_cache = (StateCache(self.cache_specs, self.num_state_slots + self.num_state_snapshots, self.dtype,
                                        self.device) if self.num_state_slots else None)
         self.caches = ModelCaches(self.kv_cache, self.state_cache)
-        self.speculation = runner_speculation(config.speculative_config, self.model, self.caches, self.page_size)
+        draft_caches = (self.draft.caches(pool_pages, self.page_size, self.num_state_slots, self.device)
+                        if self.draft is not None else None)
+        self.speculation = runner_speculation(config.speculative_config, self.model, self.caches, self.page_size,
+                                              self.draft, draft_caches)
         log_memory(weights, self.quantization, self.dtype, kv_bytes, pool_pages, self.page_size, state_bytes,
                    self.num_state_slots, self.num_state_snapshots)
         self.decode_graphs = None
@@ -192,6 +200,8 @@ class ModelRunner(StepRunner):
         if kernels is None:
             return
         use_cpu_kernels(self.model, self.dtype, kernels)
+        if self.draft is not None:
+            use_cpu_kernels(self.draft.model, self.dtype, kernels)
         self.sampler.kernel = kernels
         logger.info("switched to the compiled CPU kernels")
 
@@ -218,7 +228,7 @@ class ModelRunner(StepRunner):
         if budget is not None:
             total = budget[0]
         else:
-            beside = config.num_pages * KVCache.bytes_per_page(self.cache_specs, self.page_size, self.dtype)
+            beside = config.num_pages * self._page_bytes()
             total = int((beside + self.num_state_slots * slot_bytes) / (1 - fraction))
         count = snapshots_in_budget(total, slot_bytes, fraction, count)
         # tensor-parallel ranks number their snapshots alike: the fewest any of them has room for
@@ -228,9 +238,13 @@ class ModelRunner(StepRunner):
         """Pages of the KV pool: what the cache budget holds beside a state pool of `state_bytes`
         (memory_budget.py). Tensor-parallel ranks take the fewest any of them has room for: they share one page
         table."""
-        per_page = KVCache.bytes_per_page(self.cache_specs, self.page_size, self.dtype)
-        num_pages = pages_beside_states(budget[0], per_page, state_bytes, budget[1])
+        num_pages = pages_beside_states(budget[0], self._page_bytes(), state_bytes, budget[1])
         return num_pages if self.parallel is None else self.parallel.min_over_ranks(num_pages)
+
+    def _page_bytes(self) -> int:
+        """Bytes one page takes in every pool over the pages: the target's attention layers', and a draft model's."""
+        draft = self.draft.page_bytes(self.page_size) if self.draft is not None else 0
+        return KVCache.bytes_per_page(self.cache_specs, self.page_size, self.dtype) + draft
 
     def _capture_decode_graphs(self, config: EngineConfig) -> None:
         """Decode steps' CUDA graphs for up to max_num_seqs rows, captured before serving (cuda_graphs.py)."""
@@ -257,7 +271,7 @@ class ModelRunner(StepRunner):
             index = step.pending_index.to(self.device, non_blocking=True)  # (2, P): rows over sources
             batch.input_ids.index_copy_(0, index[0], source.token_ids.index_select(0, index[1]))
         if self.speculation is not None:
-            self.speculation.before_forward(batch)
+            self.speculation.before_forward(batch, step.new_state_slots)
         bucket = self.decode_graphs.bucket(batch) if self.decode_graphs is not None else None
         if bucket is not None:
             hidden = self.decode_graphs.run(batch, bucket)  # (T, hidden)
@@ -271,6 +285,8 @@ class ModelRunner(StepRunner):
         scored = self.score_prompts(hidden, step.prompt_scorings) if step.prompt_scorings else None
         pooled = self.pooler(hidden, step.pooling_rows) if step.pooling_rows and self.pooler is not None else None
         if not step.rows:
+            if self.speculation is not None:  # a model proposer reads the chunks too
+                self.speculation.after_sampling(step.speculation, batch, hidden, None)
             return LaunchedStep(sampled=None, token_ids=None, prompt_logprobs=scored, pooled=pooled)
         logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S, vocab) float32
         sampled = self.sampler.launch(logits, step.rows)

@@ -68,9 +68,8 @@ class Scheduler:
         self.proposer = make_proposer(speculative) if speculative is not None else None
         self.draft_switch = DraftSwitch(speculative) if speculative is not None else None
         self.max_drafting_batch = speculative.disable_by_batch_size if speculative is not None else None
-        # positions a model proposer's chained drafts write past the verified ones (engine/mtp_drafter.py)
-        self.draft_lookahead = (speculative.num_speculative_tokens - 1
-                                if speculative is not None and self.proposer.drafts_in_runner else 0)
+        # positions a model proposer's chained drafts write past the verified ones (Proposer.draft_lookahead)
+        self.draft_lookahead = self.proposer.draft_lookahead if self.proposer is not None else 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -173,12 +172,13 @@ class Scheduler:
         sequence's own tokens and the drafts before), its max_tokens (the drafts and the token sampled
         after them) and the pages it holds or finds free allow. A guess never evicts a cached prefix nor
         preempts a sequence."""
-        if seq.num_pending_tokens or seq.grammar is not None or not self.draft_switch.allows(seq):
-            # its last token is still being sampled; a format's matcher takes one token a step; its drafts
-            # were mostly rejected (DraftSwitch)
+        if seq.num_pending_tokens or not self.draft_switch.allows(seq):
+            # its last token is still being sampled; its drafts were mostly rejected (DraftSwitch)
             return []
         room = seq.max_tokens - len(seq.output_token_ids) - 1
         drafts = self.proposer.propose(seq, min(budget, room))
+        if seq.grammar is not None:  # a structured output's drafts stop at the first its format disallows
+            drafts = drafts[: seq.grammar.valid_prefix(drafts)]
         if drafts or self.draft_lookahead:
             free = self.pages.pool.num_free
             slots = (len(seq.pages) + free) * self.pages.page_size

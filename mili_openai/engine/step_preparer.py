@@ -146,7 +146,8 @@ class StepPreparer:
                 # accepted, so it samples as if they were (penalties and min_tokens see them)
                 draft_history = [*history, *drafts[:count]] if seq.params.reads_output_history else history
                 rows.append(SamplingRow(params=seq.params, generator=seq.generator,
-                                        prompt_token_ids=seq.prompt_token_ids, output_token_ids=draft_history))
+                                        prompt_token_ids=seq.prompt_token_ids, output_token_ids=draft_history,
+                                        grammar=seq.grammar, grammar_drafts=drafts[:count]))
         self._own_rows = own_rows
         forward_batch = build_forward_batch(batch, self.page_size, self.page_arrays)
         forward_batch.vision = vision_batch(batch)

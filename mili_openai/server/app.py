@@ -97,8 +97,8 @@ async def load_engine(server: ServerState) -> None:
     speculative = server.config.engine.speculative_config
     if speculative is not None:
         limit = speculative.disable_by_batch_size
-        source = (f"n-grams of {speculative.prompt_lookup_min}-{speculative.prompt_lookup_max} tokens"
-                  if speculative.method == "ngram" else "the checkpoint's MTP module")
+        source = {"ngram": f"n-grams of {speculative.prompt_lookup_min}-{speculative.prompt_lookup_max} tokens",
+                  "mtp": "the checkpoint's MTP module"}.get(speculative.method, f"the draft model {speculative.model}")
         logger.info("speculative decoding: %s, up to %d draft tokens from %s%s; a request stops drafting below %.0f%% "
                     "acceptance", speculative.method, speculative.num_speculative_tokens, source,
                     f", off above {limit} running sequences" if limit else "", 100 * speculative.min_acceptance_rate)

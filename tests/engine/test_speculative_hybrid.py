@@ -101,12 +101,6 @@ def test_preemption_and_samples_with_mtp(hybrid_checkpoint):
     assert_all_released(llm)
 
 
-def test_draft_model_is_refused_by_name(hybrid_checkpoint):
-    with pytest.raises(NotImplementedError, match="draft_model"):
-        LLM(str(hybrid_checkpoint("qwen3_5")), dtype="float32", num_pages=64,
-            speculative_config={"method": "draft_model", "model": "/nowhere", "num_speculative_tokens": 2})
-
-
 def test_mtp_needs_a_model_with_an_mtp_module(tiny_checkpoint):
     with pytest.raises(ValueError, match="MTP module"):
         LLM(str(tiny_checkpoint), dtype="float32", num_pages=64,
