@@ -148,8 +148,11 @@ class ModelRunner(StepRunner):
         draft_slot_bytes = self.draft.slot_bytes() if self.draft is not None else 0
         # the prefix cache's state snapshots of a hybrid model: slots of the state pool past the running ones
         budget = None if config.num_pages else self._cache_budget(config)
+        # a draft model's own linear-layer states do not follow the target's snapshots (yet): no hybrid prefix
+        # reuse beside one, or its drafts would start from zeroed states and be rejected
+        keeps_snapshots = config.enable_prefix_caching and not draft_slot_bytes
         self.num_state_snapshots = (self._snapshots(config, slot_bytes, budget)
-                                    if self.num_state_slots and config.enable_prefix_caching else 0)
+                                    if self.num_state_slots and keeps_snapshots else 0)
         state_bytes = ((self.num_state_slots + self.num_state_snapshots) * slot_bytes
                        + self.num_state_slots * draft_slot_bytes)
         self.num_pages = config.num_pages or self._pages_for_budget(budget, state_bytes)

@@ -32,8 +32,9 @@ def config_for_state_slots(config: EngineConfig, num_snapshots: int) -> EngineCo
         logger.info("prefix caching: a prefix resumes from a state snapshot at its end (%d snapshots), never from "
                     "K/V alone", num_snapshots)
         return config
-    logger.info("prefix caching is off: this model has linear-attention layers and no room was left for state "
-                "snapshots (--hybrid-snapshot-fraction, --num-hybrid-snapshots)")
+    logger.info("prefix caching is off: this model has linear-attention layers and no state snapshots (no room "
+                "left for them: --hybrid-snapshot-fraction, --num-hybrid-snapshots; or a draft model with "
+                "linear-attention layers beside it, whose states do not follow them yet)")
     return dataclasses.replace(config, enable_prefix_caching=False)
 
 

@@ -69,7 +69,7 @@ def test_the_runner_copies_the_kept_state_of_an_accepted_row_only():
     speculation = StepSpeculation(cache, drafter=None)
     rows = 2 * (1 + len(DRAFTS))
     batch = SimpleNamespace(num_decode=rows, decode_groups=[1 + len(DRAFTS)] * 2)
-    speculation.before_forward(batch)
+    speculation.before_forward(batch, None)
     for row in range(rows):  # what the verify pass left after each row: the row's number, to tell them apart
         cache.kept_conv[:, row] = row + 1
         cache.kept_recurrent[:, row] = row + 1
