@@ -46,6 +46,14 @@ WORKLOADS = (
                         "concatenated",
              BenchConfig(dataset="multi-turn", num_conversations=16, num_turns=8, turn_len=50, output_len=64,
                          warmup=2, seed=5)),
+    # A random model's replies are arbitrary token ids, and about half come back as other ids when their text is
+    # tokenized again (measured: 11 of 20 random 64-id replies; a median of 44 ids kept), so MT-text's hits stop
+    # inside the last reply on every server. MT-ids resends the history as the ids the model saw (`return_token_ids`,
+    # vLLM's field; llama.cpp's server has no such field): what a real model's text history gives.
+    Workload("MT-ids", "multi-turn as token ids: MT-text's conversations, the history resent as the ids the model "
+                       "saw (prompts as ids, replies from return_token_ids)",
+             BenchConfig(dataset="multi-turn", num_conversations=16, num_turns=8, turn_len=50, output_len=64,
+                         warmup=2, seed=5, prompt_as_ids=True)),
 )
 DEFAULT_WORKLOADS = ("W1", "W2", "W3")  # the multi-turn ones on request: `--workloads W2 MT MT-text`
 # The random checkpoints it builds: Qwen3-0.6B's shapes, or Qwen3.5-0.8B's (hybrid: Gated DeltaNet + attention)

@@ -124,8 +124,6 @@ class BenchConfig:
             self.extra_fields()  # raises ValueError on bad JSON
         if self.prompt_as_ids and self.endpoint != "completions":
             raise ValueError("prompt_as_ids needs the completions endpoint (chat messages are text)")
-        if self.prompt_as_ids and self.dataset == MULTI_TURN:
-            raise ValueError("prompt_as_ids cannot resend a multi-turn history: the replies come back as text")
         if not self.timeout_s > 0:
             raise ValueError("timeout_s must be > 0")
         if self.warmup < 0:

@@ -183,7 +183,8 @@ async def send_conversations(client: aiohttp.ClientSession, config: BenchConfig,
             results.append(result)
             if not result.success:
                 break
-            reply_ids = tokenizer.encode(result.text, add_special_tokens=False).ids
+            # the ids the server generated where it returned them (prompt_as_ids), else the text's
+            reply_ids = result.token_ids or tokenizer.encode(result.text, add_special_tokens=False).ids
             history = (*history, (message, TokenPrompt(text=result.text, token_ids=tuple(reply_ids))))
         return results
 

@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from mili_openai.bench.config import BenchConfig
+from mili_openai.bench.config import MULTI_TURN, BenchConfig
 from mili_openai.bench.datasets import BenchRequest
 
 SSE_DATA_PREFIX = b"data:"
@@ -53,6 +53,8 @@ def request_body(config: BenchConfig, model: str, request: BenchRequest) -> dict
         body["messages"] = chat_messages(request)
     else:
         body["prompt"] = completion_prompt(config, request)
+        if config.prompt_as_ids and config.dataset == MULTI_TURN:  # vLLM's field: the replies come back as ids
+            body["return_token_ids"] = True
     # vLLM extra-body fields: sent only when asked, since strict OpenAI peers reject unknown fields.
     if config.ignore_eos:
         body["ignore_eos"] = True
@@ -64,8 +66,9 @@ def request_body(config: BenchConfig, model: str, request: BenchRequest) -> dict
 
 def completion_prompt(config: BenchConfig, request: BenchRequest) -> str | list[int]:
     prefix = request.prefix
-    if config.prompt_as_ids:  # never with a history (BenchConfig refuses prompt_as_ids for multi-turn)
-        return list(prefix.token_ids if prefix is not None else ()) + list(request.body.token_ids)
+    if config.prompt_as_ids:  # a history as the model saw it: the replies' ids as the server returned them
+        history_ids = [token for user, reply in request.history for token in (*user.token_ids, *reply.token_ids)]
+        return list(prefix.token_ids if prefix is not None else ()) + history_ids + list(request.body.token_ids)
     history = "".join(user.text + reply.text for user, reply in request.history)
     return (prefix.text if prefix is not None else "") + history + request.body.text
 
@@ -104,6 +107,8 @@ class RequestResult:
     error: str | None = None
     turn: int | None = None  # multi-turn: the request's turn in its conversation (1 = the first)
     text: str = ""  # the generated text (a multi-turn conversation resends it); not written to the JSON
+    # the generated ids, where the server returned them (`return_token_ids`); not written to the JSON either
+    token_ids: list[int] = field(default_factory=list)
 
     @property
     def tpot_s(self) -> float | None:
@@ -146,6 +151,8 @@ class _StreamState:
                 self._on_text(now)
                 if choice.get("index", 0) == 0:
                     self.texts.append(text)
+            if choice.get("index", 0) == 0:
+                self.result.token_ids.extend(choice.get("token_ids") or ())
         usage = event.get("usage")
         if usage:
             self.usage_tokens = usage.get("completion_tokens")

@@ -37,6 +37,9 @@ class CompletionRequest(SamplingFields):
     prompt_logprobs: PromptLogprobsField = None  # vLLM's: scores of the prompt tokens, on each choice
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    # vLLM's: each choice carries its prompt's token ids and the generated ids (streamed: the prompt's on the
+    # first chunk, each chunk its own), so a client can resend a history exactly as the model saw it
+    return_token_ids: bool = False
 
     @model_validator(mode="after")
     def _supported(self) -> CompletionRequest:
@@ -96,10 +99,17 @@ def completion_object(
 
 
 def choice_object(index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None,
-                  stop_reason: str | int | None = None, prompt_logprobs: list | None = None) -> dict[str, Any]:
+                  stop_reason: str | int | None = None, prompt_logprobs: list | None = None,
+                  token_ids: tuple[list[int] | None, list[int]] | None = None) -> dict[str, Any]:
+    """One choice; `token_ids`: (its prompt's ids or None, its generated ids), for `return_token_ids`."""
     # stop_reason is vLLM's extra: the stop string or token id that ended the choice
     choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
               "stop_reason": stop_reason}
     if prompt_logprobs is not None:  # vLLM's extra, only when the request asked for it
         choice["prompt_logprobs"] = prompt_logprobs
+    if token_ids is not None:  # vLLM's extras, as it names them
+        prompt_ids, generated = token_ids
+        if prompt_ids is not None:
+            choice["prompt_token_ids"] = prompt_ids
+        choice["token_ids"] = generated
     return choice

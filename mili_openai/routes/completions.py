@@ -68,6 +68,12 @@ class CompletionJob(GenerationJob[CompletionRequest]):
             return None
         return CompletionLogprobs(self.pieces, self.body.logprobs)
 
+    def token_ids(self, choice: int, generated: list[int], first: bool) -> tuple[list[int] | None, list[int]] | None:
+        """`return_token_ids`' fields of a choice: its prompt's ids (on the first chunk only) and `generated`."""
+        if not self.body.return_token_ids:
+            return None
+        return (list(self.prompt_ids[self.prompt_of(choice)]) if first else None), list(generated)
+
     def echo_prefix(self, choice: int, builder: CompletionLogprobs | None,
                     scored: list[TokenLogprob | None] | None) -> tuple[str, dict | None]:
         """The echoed prompt text of a choice, and its tokens with the engine's scores (`scored`, one entry
@@ -91,7 +97,7 @@ class CompletionJob(GenerationJob[CompletionRequest]):
         if self.body.prompt_logprobs is not None:
             prompt_logprobs = prompt_logprobs_object(self.engine.info.tokenizer, scored, self.body.prompt_logprobs)
         return choice_object(choice, text + output.text, logprobs, output.finish_reason, output.stop_reason,
-                             prompt_logprobs)
+                             prompt_logprobs, self.token_ids(choice, output.token_ids, first=True))
 
     async def collect(self) -> dict[str, Any]:
         choices = []
@@ -110,8 +116,8 @@ class CompletionJob(GenerationJob[CompletionRequest]):
             async for index, delta in deltas:
                 if echo_only:
                     delta = without_generation(delta)
-                text, logprobs = delta.text, None
-                if not started[index]:
+                text, logprobs, first = delta.text, None, not started[index]
+                if first:
                     started[index] = True
                     echo_text, logprobs = self.echo_prefix(index, builders[index], delta.prompt_logprobs)
                     text = echo_text + text
@@ -119,11 +125,12 @@ class CompletionJob(GenerationJob[CompletionRequest]):
                 if builder is not None and delta.logprobs:
                     generated = builder.generated(delta.logprobs)
                     logprobs = merge_logprobs(logprobs, generated) if logprobs is not None else generated
-                if not text and delta.finish_reason is None and logprobs is None:
+                ids = self.token_ids(index, delta.token_ids, first)
+                if not text and delta.finish_reason is None and logprobs is None and not (ids and ids[1]):
                     continue  # nothing to show yet (e.g. half a UTF-8 character held back)
                 if builder is not None and logprobs is None:
                     logprobs = builder.generated([])
-                choice = choice_object(index, text, logprobs, delta.finish_reason, delta.stop_reason)
+                choice = choice_object(index, text, logprobs, delta.finish_reason, delta.stop_reason, token_ids=ids)
                 yield completion_object(self.response_id, self.created, self.model, [choice], None,
                                         include_usage_key=include_usage)
         if include_usage:

@@ -45,6 +45,8 @@ def test_a_turn_resends_the_history_on_both_endpoints():
         ("user", " and you")]
     text = request_body(BenchConfig(dataset="multi-turn"), "m", request)["prompt"]
     assert text == " hello there hi how are you fine thanks and you"
+    as_ids = request_body(BenchConfig(dataset="multi-turn", prompt_as_ids=True), "m", request)
+    assert as_ids["prompt"] == [0, 1, 0, 0, 1, 2, 0, 1, 0, 1] and as_ids["return_token_ids"] is True
 
 
 def test_multi_turn_against_fake_server_counts_cached_share(bench_tokenizer):
@@ -81,7 +83,7 @@ def test_cli_multi_turn_table(tmp_path, capsys):
 
 @pytest.mark.parametrize("kwargs", [dict(dataset="multi-turn", num_turns=0), dict(dataset="multi-turn", turn_len=0),
                                     dict(dataset="multi-turn", num_conversations=0),
-                                    dict(dataset="multi-turn", prompt_as_ids=True)])
+                                    dict(dataset="multi-turn", endpoint="chat", prompt_as_ids=True)])
 def test_config_rejects_bad_multi_turn_values(kwargs):
     with pytest.raises(ValueError):
         BenchConfig(**kwargs)
@@ -111,3 +113,24 @@ def test_multi_turn_against_real_server_reuses_the_history(hybrid_checkpoint):
     assert 0 < run.summary.cached_prompt_share < 1
     assert run.snapshot_memory is not None and 0 < run.snapshot_memory["cached"] <= run.snapshot_memory["snapshots"]
     assert 0 < run.snapshot_memory["used_bytes"] <= run.snapshot_memory["budget_bytes"]
+
+
+def test_multi_turn_as_ids_reuses_every_earlier_turn(hybrid_checkpoint):
+    """The history resent as the ids the model saw (prompts as ids, replies from return_token_ids): from turn 2 on,
+    each turn is served from the prefix cache up to the last page boundary its previous turn computed (the
+    finished request's snapshot), whatever the replies' text would tokenize to."""
+    checkpoint = hybrid_checkpoint("qwen3_5_qwen35_tokenizer")
+    page_size, output_len = 8, 6
+    with served_engine(checkpoint, num_pages=128, page_size=page_size, max_model_len=512,
+                       max_num_batched_tokens=64) as (live, _):
+        config = BenchConfig(base_url=live.base_url, dataset="multi-turn", prompt_as_ids=True, num_conversations=2,
+                             num_turns=3, turn_len=12, output_len=output_len, ignore_eos=True, progress=False,
+                             tokenizer=str(Path(checkpoint)))
+        run = asyncio.run(run_benchmark(config))
+    assert (run.summary.completed, run.summary.failed) == (6, 0), run.summary.errors
+    for earlier, later in zip(run.results, run.results[1:]):
+        if later.turn == 1:
+            continue
+        assert len(later.token_ids) == output_len
+        computed = earlier.prompt_len + output_len - 1  # the last generated token was never fed
+        assert later.cached_tokens == computed // page_size * page_size

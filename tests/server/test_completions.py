@@ -131,6 +131,31 @@ async def test_stream_wire_format(fake_engine):
     assert [texts[0], texts[1]] == [c["text"] for c in plain["choices"]]
 
 
+async def test_return_token_ids_whole_and_streamed(fake_engine):
+    """vLLM's return_token_ids: each choice carries its prompt's ids and the generated ids; streamed, the prompt's
+    come on each choice's first chunk only and the chunks' ids join into the whole response's."""
+    body = await complete(fake_engine, prompt=[[5, 6], [1, 2, 3]], n=2, max_tokens=3, temperature=0,
+                          return_token_ids=True)
+    assert [c["prompt_token_ids"] for c in body["choices"]] == [[5, 6], [5, 6], [1, 2, 3], [1, 2, 3]]
+    assert all(len(c["token_ids"]) == 3 for c in body["choices"])
+    async with asgi_client(fake_engine) as client:
+        response = await client.post("/v1/completions", json={
+            "prompt": [[5, 6], [1, 2, 3]], "n": 2, "max_tokens": 3, "temperature": 0, "stream": True,
+            "return_token_ids": True})
+    chunks = [orjson.loads(e) for e in sse_data(response.text)[:-1]]
+    streamed: dict[int, list[int]] = {}
+    prompts: dict[int, list[list[int]]] = {}
+    for chunk in chunks:
+        [choice] = chunk["choices"]
+        streamed.setdefault(choice["index"], []).extend(choice["token_ids"])
+        if "prompt_token_ids" in choice:
+            prompts.setdefault(choice["index"], []).append(choice["prompt_token_ids"])
+    assert [streamed[i] for i in range(4)] == [c["token_ids"] for c in body["choices"]]
+    assert prompts == {0: [[5, 6]], 1: [[5, 6]], 2: [[1, 2, 3]], 3: [[1, 2, 3]]}
+    plain = await complete(fake_engine, prompt="Hi", max_tokens=2)
+    assert set(plain["choices"][0]) == CHOICE_KEYS  # only when asked
+
+
 async def test_stream_without_usage_has_no_usage_key(fake_engine):
     async with asgi_client(fake_engine) as client:
         response = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2, "stream": True})
