@@ -36,6 +36,10 @@ START_PROFILE_PATH, STOP_PROFILE_PATH = "/start_profile", "/stop_profile"  # vLL
 # Longest SSE line the client reads (aiohttp's default is 64 KiB): an event with logprobs or an echoed
 # long prompt can be larger.
 MAX_LINE_BYTES = 1 << 24
+# An idle pooled connection is dropped after this long, under the shortest server keep-alive met (llama.cpp's
+# server closes after 5 s): a multi-turn conversation's next turn, sent on a connection the server had just
+# closed, failed with "Can not write request body" (11 of llama.cpp's 94 MT-text requests)
+KEEPALIVE_S = 2.0
 # Keep the arrival schedule's RNG apart from the prompt RNG (same --seed, different stream).
 ARRIVAL_SEED_OFFSET = 7919
 BAR_WIDTH = 30
@@ -75,7 +79,8 @@ async def run_benchmark(config: BenchConfig, tokenizer=None) -> BenchRun:
     warmup, measured = build_workload(config, tokenizer)  # before the clock: tokenising is not serving
     # no cap on connections (the concurrency cap is ours); per-read timeouts, the whole stream's is ours
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.timeout_s, sock_read=config.timeout_s)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout,
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout,
                                      read_bufsize=MAX_LINE_BYTES) as client:
         models = config.models or (config.model or await first_model_id(client, config),)
         warmup_failed = 0
