@@ -8,8 +8,12 @@ bookkeeping, in plain Python: an id is free, held by a running sequence (saved, 
 passed to `check_integrity`), or attached to exactly one node. A node holds at most one snapshot.
 
 Eviction: a node evicted from the tree frees its snapshot (`RadixCache` calls `detach`), and when no id is free
-`reserve` takes the least recently used attached snapshot alone: its node keeps its K/V pages but no longer
-serves as a resume point.
+`reserve` takes one attached snapshot alone (its node keeps its K/V pages but no longer serves as a resume point):
+the least recently used of those with another snapshot deeper on their path, else the least recently used. A
+request that reaches the deeper one resumes there, so the shallower one serves only prompts that leave the path
+in between; and recency alone cannot tell them apart, since a match touches every node of its path. Under plain
+LRU, 16 multi-turn conversations with 64 snapshots lost every snapshot of the conversations waiting longest for
+their next turn (12 of 112 turns resumed from nothing; none with this order).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ class SnapshotNode(Protocol):
     snapshot: Optional[int]
     last_access: int
     node_id: int
+    parent: Optional[SnapshotNode]
 
 
 class SnapshotStore:
@@ -79,10 +84,25 @@ class SnapshotStore:
     def _evict_one(self) -> bool:
         if not self._attached:
             return False
-        victim = min(self._attached.values(), key=lambda node: (node.last_access, node.node_id))
+        shallower = self._with_a_deeper_snapshot()
+        victim = min(self._attached.values(),
+                     key=lambda node: (node.snapshot not in shallower, node.last_access, node.node_id))
         self.detach(victim)
         self.num_evicted_alone += 1
         return True
+
+    def _with_a_deeper_snapshot(self) -> set[int]:
+        """Ids of the attached snapshots that have another attached snapshot below them in the tree."""
+        found: set[int] = set()
+        for node in self._attached.values():
+            ancestor = node.parent
+            while ancestor is not None:
+                if ancestor.snapshot is not None:
+                    if ancestor.snapshot in found:
+                        break  # an earlier walk went on from here to the root
+                    found.add(ancestor.snapshot)
+                ancestor = ancestor.parent
+        return found
 
     def find_integrity_problem(self, nodes: Iterable[SnapshotNode], held: Iterable[int]) -> Optional[str]:
         """None if free ids, the nodes' snapshots and the ids running sequences hold (`held`) account for every

@@ -85,6 +85,21 @@ def test_a_full_store_evicts_the_least_recently_used_snapshot_alone() -> None:
     cache.check_integrity()
 
 
+def test_a_snapshot_with_a_deeper_one_on_its_path_is_evicted_first() -> None:
+    """A multi-turn conversation: its first turn's snapshot, now above its second's, goes before another
+    conversation's only one, even though the match that reached the second turn touched it last."""
+    cache = make_cache(num_snapshots=3)
+    other = cache_with_snapshot(cache, [7] * 4)
+    first_turn = cache_with_snapshot(cache, [1] * 4)
+    second_turn = cache_with_snapshot(cache, [1] * 4 + [2] * 4)
+    cache.match_snapshot([1] * 4 + [2] * 4 + [3])  # touches both of its path's nodes, after `other`
+    held = [cache.snapshots.reserve()]
+    assert first_turn.snapshot is None and other.snapshot is not None and second_turn.snapshot is not None
+    held.append(cache.snapshots.reserve())  # none above another now: the least recently used goes
+    assert other.snapshot is None and second_turn.snapshot is not None
+    cache.check_integrity(held_snapshots=held)
+
+
 def test_held_ids_count_and_a_second_snapshot_on_a_node_is_released() -> None:
     cache = make_cache(num_snapshots=2)
     node = cache_with_snapshot(cache, [5] * 8)
