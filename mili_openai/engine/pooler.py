@@ -14,15 +14,20 @@ import numpy as np
 import torch
 
 from mili_openai.engine.pooling_spec import LAST, MEAN, RERANK, PoolingRow, PoolingSpec
+from mili_openai.model.kernel_backend import MatmulFn
 
 
 class Pooler:
-    def __init__(self, spec: PoolingSpec, head_rows: torch.Tensor | None = None) -> None:
-        """head_rows: a reranker's (2, hidden) LM-head rows of ("no", "yes"), in the weights' dtype."""
-        if (spec.task == RERANK) != (head_rows is not None):
-            raise ValueError("a reranker's pooler needs its (no, yes) LM-head rows, and only a reranker's")
+    def __init__(self, spec: PoolingSpec, head_rows: torch.Tensor | None = None,
+                 matmul: MatmulFn | None = None) -> None:
+        """head_rows: a reranker's (2, hidden) LM-head rows of ("no", "yes"), in the weights' dtype, multiplied
+        by `matmul`, the model's backend's (as the LM head is)."""
+        if (spec.task == RERANK) != (head_rows is not None) or (head_rows is None) != (matmul is None):
+            raise ValueError("a reranker's pooler needs its (no, yes) LM-head rows and the model's matmul, and only "
+                             "a reranker's")
         self.spec = spec
         self.head_rows = head_rows
+        self.matmul = matmul
 
     @classmethod
     def for_model(cls, spec: PoolingSpec, model: torch.nn.Module) -> Pooler:
@@ -35,7 +40,7 @@ class Pooler:
         if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
             raise ValueError("a reranker needs a floating-point LM head (not a quantized one) for its yes/no rows")
         rows = torch.tensor(spec.score_token_ids, dtype=torch.long, device=weight.device)
-        return cls(spec, weight.index_select(0, rows).contiguous())
+        return cls(spec, weight.index_select(0, rows).contiguous(), model.backend.matmul)
 
     @torch.inference_mode()
     def __call__(self, hidden: torch.Tensor, rows: Sequence[PoolingRow]) -> dict[int, np.ndarray]:
@@ -56,7 +61,7 @@ class Pooler:
         index = torch.tensor([position for _, position in picked], dtype=torch.long, device=hidden.device)
         vectors = hidden.index_select(0, index)  # (N, hidden)
         if self.head_rows is not None:  # (N, 2) logits of (no, yes), in the weights' dtype as the LM head's
-            logits = (vectors @ self.head_rows.T).float()
+            logits = self.matmul(vectors, self.head_rows).float()
             vectors = torch.softmax(logits, dim=-1)[:, 1:]  # (N, 1): P(yes)
         vectors = vectors.float().cpu().numpy()
         return {batch_index: vectors[i] for i, (batch_index, _) in enumerate(picked)}

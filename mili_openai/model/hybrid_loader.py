@@ -11,6 +11,7 @@ from mili_openai.distributed import TensorParallelGroup
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.hybrid_tensor_parallel import shard_hybrid_tensors
 from mili_openai.model.hybrid_weights import VISION_PREFIXES, prepare_hybrid_tensors
+from mili_openai.model.kernel_backend import KernelBackend
 from mili_openai.model.quantization.apply import load_checkpoint_quantization
 from mili_openai.model.quantization.spec import CheckpointQuantization
 from mili_openai.model.qwen3_5 import Qwen3_5ForCausalLM
@@ -35,13 +36,14 @@ def check_hybrid_options(config: ModelConfig, parallel: TensorParallelGroup | No
 
 
 def take_vision_tower(tensors: dict[str, torch.Tensor], tower: VisionTowerConfig, dtype: torch.dtype,
-                      device: torch.device, source: str) -> Qwen3_5VisionTower:
-    """The vision tower, its weights (`model.visual.*`) taken out of `tensors`, in `dtype` on `device`."""
+                      device: torch.device, source: str, backend: KernelBackend) -> Qwen3_5VisionTower:
+    """The vision tower, its weights (`model.visual.*`) taken out of `tensors`, in `dtype` on `device`, on the
+    language model's `backend`."""
     prefix = next((p for p in VISION_PREFIXES if any(name.startswith(p) for name in tensors)), VISION_PREFIXES[0])
     state = {name.removeprefix(prefix): tensors.pop(name).to(dtype=dtype, device=device)
              for name in [n for n in tensors if n.startswith(prefix)]}
     with torch.device("meta"):
-        visual = Qwen3_5VisionTower(tower)
+        visual = Qwen3_5VisionTower(tower, backend)
     try:
         visual.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as exc:  # missing, unexpected or misshapen: the config and the weights disagree
@@ -58,9 +60,9 @@ def build_hybrid_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dt
     built as the checkpoint stores them (model/quantization/apply.py), the rest loads dense. `source` names the
     checkpoint in errors. (`--quantization` applies after, as for Qwen3: loader.py.)"""
     with torch.device("meta"):
-        model = Qwen3_5ForCausalLM(config, parallel)
+        model = Qwen3_5ForCausalLM(config, KernelBackend(), parallel)  # torch's ops until the loader fills it
     tower = config.hybrid.vision_tower  # whole on every rank: it runs before the sharded decoder
-    visual = take_vision_tower(tensors, tower, dtype, device, source) if tower is not None else None
+    visual = take_vision_tower(tensors, tower, dtype, device, source, model.backend) if tower is not None else None
     mtp, missing = prepare_hybrid_tensors(tensors, config)
     local = config
     if parallel is not None:

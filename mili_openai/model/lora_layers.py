@@ -5,7 +5,7 @@ A slot of a fused projection stacks its PEFT modules' pairs: A rows [i * R, i * 
 (R = the slot rank, r <= R its own), and B is block-diagonal (module i's output rows read only its A rows), so
 one shrink and one expand matmul serve q, k and v (or gate and up) at once. Unused rows stay zero.
 
-The projections take only `x` (as every kernel walker and the compiled paths expect), so the step's row groups
+The projections take only `x` (as every projection and the compiled paths do), so the step's row groups
 reach them through the `LoraSlots` they share, set for the length of one forward (`LoraSlots.rows`).
 """
 
@@ -17,7 +17,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from mili_openai.kernels.lora import LoraGroup, add_lora
+from mili_openai.kernels.lora import LoraGroup
+from mili_openai.model.kernel_backend import KernelBackend, require_backend
 from mili_openai.model.layers import SwiGLUMLP
 from mili_openai.model.lora_adapter import LoraAdapter, TargetShape
 from mili_openai.model.qwen3 import Qwen3ForCausalLM
@@ -30,11 +31,13 @@ FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj"
 class LoraLinear(nn.Module):
     """A projection plus the delta of whichever adapter slot each row runs with; rows with none get the base
     projection's output untouched. `base` is any projection (dense, int8/int4, fp8): the delta runs in the
-    activations' dtype."""
+    activations' dtype, through the model's backend (`lora`, the segmented matmul)."""
 
-    def __init__(self, base: nn.Module, in_features: int, slice_sizes: tuple[int, ...], slots: LoraSlots) -> None:
+    def __init__(self, base: nn.Module, in_features: int, slice_sizes: tuple[int, ...], slots: LoraSlots,
+                 backend: KernelBackend) -> None:
         super().__init__()
         self.base = base
+        self.backend = require_backend(backend)
         self.slice_sizes = slice_sizes
         self.slots = slots
         width = len(slice_sizes) * slots.max_rank
@@ -46,7 +49,7 @@ class LoraLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         groups = self.slots.groups
-        return add_lora(out, x, self.lora_a, self.lora_b, groups) if groups else out
+        return self.backend.lora(out, x, self.lora_a, self.lora_b, groups) if groups else out
 
     def load(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Write one adapter's pairs (one per stacked module; None where it leaves the module alone) into `slot`."""
@@ -85,14 +88,14 @@ class LoraSlots:
                 size = layer.mlp.intermediate_size
                 wrapped += [(layer.mlp, "gate_up_proj", hidden, (size, size)), (layer.mlp, "down_proj", size, (hidden,))]
             for parent, name, in_features, sizes in wrapped:
-                projection = LoraLinear(getattr(parent, name), in_features, sizes, self)
+                projection = LoraLinear(getattr(parent, name), in_features, sizes, self, model.backend)
                 setattr(parent, name, projection)
                 modules = FUSED_TARGETS[name]
                 self.projections.append((index, projection, modules))
                 for module, size in zip(modules, sizes):
                     self.shapes[(index, module)] = TargetShape(in_features, size)
         # the compiled decode stack holds the base projections alone: steps run layer by layer from now on
-        # (`set_decode_stack_kernel` keeps it off, as a LoraLinear is no plain projection)
+        # (`build_decode_stack` keeps it off, as a LoraLinear is no plain projection)
         model.model.decode_stack = None
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
