@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -49,6 +50,9 @@ if TYPE_CHECKING:
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 # uvicorn's own last-resort deadline, after our grace period has aborted what was left
 UVICORN_SHUTDOWN_MARGIN_S = 5.0
+# vLLM's switch for /v1/load_lora_adapter and /v1/unload_lora_adapter, honoured beside --enable-runtime-lora-updating
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+ENV_TRUE = ("1", "true")  # the values vLLM reads as on
 
 
 def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -117,6 +121,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help="hybrid models: a prefill also saves its state every this many pages")
     eng.add_argument("--max-num-seqs", type=int, default=None,
                      help="cap on running sequences (default: 64 on CPU, 256 on CUDA)")
+    eng.add_argument("--max-encoder-patches-per-step", type=int, default=engine.max_encoder_patches_per_step,
+                     help="vision models: image patches one step may encode, so images do not stall decodes "
+                          "(one image always fits)")
     eng.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     eng.add_argument("--generation-config", default=engine.generation_config,
                      help="defaults for the sampling fields a request leaves out (temperature, top_p, top_k, "
@@ -164,22 +171,26 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                            "pools where the checkpoint has a sentence-transformers Pooling module (Qwen3-Embedding)")
     pool.add_argument("--pooling-task", choices=POOLING_TASKS, default=engine.pooling_task,
                       help="a pooling model's task: embed, or rerank for a Qwen3-Reranker (P('yes') over 'no' at the "
-                           "last token of its prompt; auto = embed)")
+                           "last token of its prompt); auto = embed, or classify for a Qwen3ForSequenceClassification "
+                           "checkpoint (its score head: /classify, and with one label /score and /v1/rerank)")
     pool.add_argument("--pooling-type", choices=POOLING_TYPES, default=None,
                       help="which hidden states make an embedding (default: the checkpoint's modules.json, else last)")
     pool.add_argument("--rerank-template", default=None, metavar="FILE",
                       help="a file holding the reranker's prompt for one pair, with {query}, {document} and optionally "
                            "{instruction} (default: Qwen3-Reranker's model card format)")
-    lora = serve.add_argument_group("LoRA adapters (vLLM's flags)")
+    lora, lora_defaults = serve.add_argument_group("LoRA adapters (vLLM's flags)"), LoraConfig()
     lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters beside the base model")
     lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                       help="PEFT adapter directories, each as name=path or a JSON object {\"name\": ..., \"path\": ...};"
                            " a request runs one by naming it as its `model`")
-    lora.add_argument("--max-loras", type=int, default=LoraConfig.max_loras, help="adapters in one step")
+    lora.add_argument("--max-loras", type=int, default=lora_defaults.max_loras, help="adapters in one step")
     lora.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept loaded in host memory "
                                                                         "(default: --max-loras)")
-    lora.add_argument("--max-lora-rank", type=int, default=LoraConfig.max_lora_rank,
+    lora.add_argument("--max-lora-rank", type=int, default=lora_defaults.max_lora_rank,
                       help="the largest adapter rank served (sizes the adapter slots)")
+    lora.add_argument("--enable-runtime-lora-updating", action="store_true",
+                      help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also on with --enable-lora "
+                           f"and {RUNTIME_LORA_ENV}=true, as vLLM)")
     eng.add_argument("--default-model-cache", default=None,
                      help="where the embedded default model is built (default: ~/.cache/mili-openai)")
     serve.set_defaults(func=run_serve, parser=serve)
@@ -208,6 +219,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        max_encoder_patches_per_step=args.max_encoder_patches_per_step,
         enable_prefix_caching=args.enable_prefix_caching,
         hybrid_snapshot_fraction=args.hybrid_snapshot_fraction,
         num_hybrid_snapshots=args.num_hybrid_snapshots,
@@ -254,6 +266,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                           max_image_pixels=args.max_image_pixels, fetch_timeout_s=args.media_fetch_timeout),
         rerank_template=Path(args.rerank_template).read_text() if args.rerank_template is not None else None,
         freeze_gc_after_load=True,  # this process only serves
+        runtime_lora_updating=args.enable_runtime_lora_updating or (
+            args.enable_lora and os.environ.get(RUNTIME_LORA_ENV, "").strip().lower() in ENV_TRUE),
     )
 
 

@@ -15,6 +15,8 @@ DEVICES = ("auto", "cpu", "cuda")
 # CUDA, vLLM's: a GPU finishes thousands of tokens in milliseconds, and a large budget fills it.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 512, "cuda": 8192}
 DEFAULT_MAX_NUM_SEQS = {"cpu": 64, "cuda": 256}  # running sequences; on CUDA vLLM's default
+# image patches a step may encode: about five 448 x 448 images (784 patches of 16 x 16 each), or one 1024 x 1024
+DEFAULT_MAX_ENCODER_PATCHES = 4096
 DEFAULT_ENGINE_PROCESS = {"cpu": False, "cuda": True}  # the server's engine in a process of its own
 DEFAULT_ASYNC_LAUNCH = {"cpu": False, "cuda": True}  # steps launched on the engine loop (see EngineConfig)
 DEFAULT_CPU_KV_CACHE_MEMORY_GB = 2.0  # on CUDA the pool takes what gpu_memory_utilization leaves
@@ -25,6 +27,7 @@ ATTENTION_BACKENDS = ("auto", "triton", "torch")
 
 SPECULATIVE_METHODS = ("ngram", "mtp", "draft_model")
 MTP_SPECULATIVE_METHOD = "mtp"  # the checkpoint's own multi-token-prediction module (Qwen3.5 / Qwen3-Next)
+DRAFT_MODEL_SPECULATIVE_METHOD = "draft_model"  # a smaller checkpoint sharing the target's tokenizer
 # weights quantized as a bf16 checkpoint loads (model/quantization): int8 and int4 on CPU and CUDA, fp8 on CUDA
 QUANTIZATION_METHODS = ("int8", "int4", "fp8")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)  # int4: values along a row per scale and zero point
@@ -34,7 +37,7 @@ HERMES_TOOL_PARSER, XML_TOOL_PARSER = "hermes", "qwen3_coder"
 # what the engine serves (vLLM's `--runner`): auto = pooling where the checkpoint has a sentence-transformers
 # Pooling module, else generation; and a pooling model's task and pooling (engine/pooling_setup.py)
 RUNNERS = ("auto", "generate", "pooling")
-POOLING_TASKS = ("auto", "embed", "rerank")
+POOLING_TASKS = ("auto", "embed", "rerank", "classify")
 POOLING_TYPES = ("last", "mean", "cls")
 RERANK_TEMPLATE_FIELDS = ("{query}", "{document}")  # what a --rerank-template must place ({instruction}: optional)
 TOOL_CALL_PARSERS = (HERMES_TOOL_PARSER, XML_TOOL_PARSER)
@@ -55,14 +58,15 @@ class SpeculativeConfig:
     without drafts.
 
     "mtp" drafts with the checkpoint's own multi-token-prediction module (Qwen3.5 / Qwen3.6 / Qwen3-Next),
-    chained for more than one token; "draft_model" (a smaller checkpoint, `model`) is refused at start
-    until it is built. A request whose drafts are mostly rejected stops drafting: once it has verified
+    chained for more than one token; "draft_model" with `model`, a smaller Qwen3 / Qwen3.5 checkpoint that
+    shares the target's tokenizer, run autoregressively. As vLLM, `method` left out is "draft_model" where
+    `model` is given, else "ngram". A request whose drafts are mostly rejected stops drafting: once it has verified
     `min_drafts_for_switch` drafts, it drafts only while its acceptance rate stays at least
     `min_acceptance_rate` (0 turns the switch off).
     """
 
     num_speculative_tokens: int
-    method: str = "ngram"
+    method: str | None = None  # None: "draft_model" where `model` is given, else "ngram"
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     disable_by_batch_size: int | None = None  # None = draft at every batch size
@@ -71,6 +75,8 @@ class SpeculativeConfig:
     min_drafts_for_switch: int = 16
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            object.__setattr__(self, "method", DRAFT_MODEL_SPECULATIVE_METHOD if self.model else "ngram")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
         if not _is_count(self.num_speculative_tokens):
@@ -91,7 +97,7 @@ class SpeculativeConfig:
             raise ValueError(f"min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate!r}")
         if not _is_count(self.min_drafts_for_switch):
             raise ValueError(f"min_drafts_for_switch must be an integer >= 1, got {self.min_drafts_for_switch!r}")
-        if self.method == "draft_model" and not self.model:
+        if self.method == DRAFT_MODEL_SPECULATIVE_METHOD and not self.model:
             raise ValueError('speculative method "draft_model" needs "model": the draft checkpoint\'s path')
         object.__setattr__(self, "prompt_lookup_min", low)
         object.__setattr__(self, "prompt_lookup_max", high)
@@ -147,6 +153,8 @@ class EngineConfig:
     # token budget of one forward (decode tokens + prefill chunks); None = the device's default
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None  # cap on running sequences; None = the device's default
+    # vision models: the image patches one step may encode (engine/encoder_budget.py); one image always fits
+    max_encoder_patches_per_step: int = DEFAULT_MAX_ENCODER_PATCHES
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     enable_prefix_caching: bool = True
     # a hybrid model's prefix cache keeps state snapshots (engine/state_snapshots.py) in this share of the cache
@@ -193,7 +201,8 @@ class EngineConfig:
     # None = profiling off, and the profile routes answer 404 (vLLM's torch profiler directory)
     torch_profiler_dir: str | None = None
     runner: str = "auto"  # RUNNERS: generate text, or pool (embeddings, rerank scores); auto reads the checkpoint
-    pooling_task: str = "auto"  # POOLING_TASKS: auto = embed; rerank serves a Qwen3-Reranker
+    # POOLING_TASKS: auto = embed (classify for a Qwen3ForSequenceClassification); rerank serves a Qwen3-Reranker
+    pooling_task: str = "auto"
     pooling_type: str | None = None  # POOLING_TYPES; None = the checkpoint's (modules.json), else last
     lora: LoraConfig | None = None  # None = no adapters (vLLM's --enable-lora off)
 
@@ -206,6 +215,9 @@ class EngineConfig:
             object.__setattr__(self, "speculative_config", speculative_config_from(self.speculative_config))
         if not isinstance(self.speculative_config, SpeculativeConfig | None):
             raise ValueError("speculative_config must be a SpeculativeConfig, a dict of its fields, or None")
+        if (self.speculative_config is not None and self.tensor_parallel_size > 1
+                and self.speculative_config.method == DRAFT_MODEL_SPECULATIVE_METHOD):
+            raise ValueError('speculative method "draft_model" does not run under tensor parallelism yet')
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in DEVICES:
@@ -224,6 +236,9 @@ class EngineConfig:
             raise ValueError(f"switch_interval_s must be > 0, got {self.switch_interval_s}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
+        if not _is_count(self.max_encoder_patches_per_step):
+            raise ValueError(f"max_encoder_patches_per_step must be an integer >= 1, "
+                             f"got {self.max_encoder_patches_per_step!r}")
         if not 0 <= self.hybrid_snapshot_fraction < 1:
             raise ValueError(f"hybrid_snapshot_fraction must be in [0, 1), got {self.hybrid_snapshot_fraction}")
         if self.num_hybrid_snapshots is not None and self.num_hybrid_snapshots < 0:
@@ -325,8 +340,13 @@ class ServerConfig:
     # a reranker's prompt for one pair, with {query}, {document} and optionally {instruction}; None = the
     # Qwen3-Reranker model card's (protocol/scoring.py)
     rerank_template: str | None = None
+    # POST /v1/load_lora_adapter and /v1/unload_lora_adapter change the served adapters (vLLM's runtime LoRA
+    # updating); off, both answer 404. Needs engine.lora (--enable-lora)
+    runtime_lora_updating: bool = False
 
     def __post_init__(self) -> None:
+        if self.runtime_lora_updating and self.engine.lora is None:
+            raise ValueError("runtime LoRA updating needs LoRA adapters enabled (--enable-lora)")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {self.tool_call_parser!r}")
         if self.rerank_template is not None and not all(f in self.rerank_template for f in RERANK_TEMPLATE_FIELDS):

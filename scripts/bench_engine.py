@@ -167,9 +167,9 @@ def _timed_decode(llm: LLM, prompts: list[list[int]], params: SamplingParams) ->
 
 @torch.inference_mode()
 def bench_hf(path: Path, prompt_len: int, decode_prompt_len: int, decode_tokens: int, batches: list[int]) -> dict:
-    from transformers import Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM  # the checkpoint's own class: Qwen3, Qwen3.5, Qwen3-Next ...
 
-    model = Qwen3ForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.bfloat16).eval()
     rng = random.Random(0)
 
     def generate(ids: torch.Tensor, new_tokens: int, repeats: int = 2) -> float:

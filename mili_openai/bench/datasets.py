@@ -1,8 +1,11 @@
-"""Benchmark workloads: `random` (independent prompts), `shared-prefix` (groups sharing a long prefix) and
-`sharegpt` (real conversations from a local ShareGPT-format JSON file, as vLLM's benchmark reads them).
+"""Benchmark workloads: `random` (independent prompts), `shared-prefix` (groups sharing a long prefix),
+`sharegpt` (real conversations from a local ShareGPT-format JSON file, as vLLM's benchmark reads them) and
+`multi-turn` (chats whose every turn resends the whole history; the replies are the server's, so the turns'
+requests are built as the run goes, bench/conversations.py).
 
-A request is kept endpoint-neutral (prefix + body); `sse_client.request_body` turns it into a completions prompt
-(prefix and body concatenated) or chat messages (prefix = system message, body = user message).
+A request is kept endpoint-neutral (prefix + history + body); `sse_client.request_body` turns it into a
+completions prompt (all concatenated) or chat messages (prefix = system message, history = user and assistant
+turns, body = the new user message).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from mili_openai.bench.config import BenchConfig, length_range
+from mili_openai.bench.config import MULTI_TURN, BenchConfig, length_range
 from mili_openai.bench.prompt_tokens import PromptBuilder, TokenPrompt
 
 # Warmup prompts come from a seed stream apart from the measured ones, so warming up never pre-caches
@@ -29,11 +32,23 @@ class BenchRequest:
     output_len: int  # max_tokens
     prefix: TokenPrompt | None = None  # shared by every request of `group`
     group: int | None = None
+    # multi-turn: the earlier turns, (user message, the server's reply), and this request's turn (1 = the first)
+    history: tuple[tuple[TokenPrompt, TokenPrompt], ...] = ()
+    turn: int | None = None
 
     @property
     def prompt_len(self) -> int:
         """Prompt tokens before any chat template (the server's usage adds the template's own)."""
-        return self.body.num_tokens + (self.prefix.num_tokens if self.prefix is not None else 0)
+        history = sum(user.num_tokens + reply.num_tokens for user, reply in self.history)
+        return self.body.num_tokens + (self.prefix.num_tokens if self.prefix is not None else 0) + history
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """A multi-turn chat: its user messages in order, each turn answered in up to `output_len` tokens."""
+
+    messages: tuple[TokenPrompt, ...]
+    output_len: int
 
 
 def build_random_requests(builder: PromptBuilder, num_requests: int, input_len: int, output_len: int,
@@ -105,6 +120,13 @@ def build_sharegpt_requests(builder: PromptBuilder, num_requests: int, path: str
                      f"{num_requests} requests asked for")
 
 
+def build_conversations(builder: PromptBuilder, num_conversations: int, num_turns: int, turn_len: int,
+                        output_len: int) -> list[Conversation]:
+    """`num_conversations` chats of `num_turns` user messages of `turn_len` tokens each."""
+    return [Conversation(messages=tuple(builder.prompt(turn_len) for _ in range(num_turns)), output_len=output_len)
+            for _ in range(num_conversations)]
+
+
 def build_requests(config: BenchConfig, builder: PromptBuilder, num_requests: int) -> list[BenchRequest]:
     if config.dataset == "sharegpt":
         return build_sharegpt_requests(builder, num_requests, config.dataset_path, config.sharegpt_output_len)
@@ -116,13 +138,25 @@ def build_requests(config: BenchConfig, builder: PromptBuilder, num_requests: in
                                         as_ids=config.prompt_as_ids)
 
 
-def build_workload(config: BenchConfig, tokenizer) -> tuple[list[BenchRequest], list[BenchRequest]]:
-    """(warmup requests, measured requests) of the configured dataset."""
+def build_workload(config: BenchConfig, tokenizer
+                   ) -> tuple[list[BenchRequest], list[BenchRequest] | list[Conversation]]:
+    """(warmup requests, measured requests, or conversations for multi-turn) of the configured dataset."""
+    if config.dataset == MULTI_TURN:
+        conversations = build_conversations(PromptBuilder(tokenizer, config.seed), config.num_conversations,
+                                            config.num_turns, config.turn_len, config.output_len)
+        return build_warmup(config, tokenizer), conversations
     if config.dataset == "sharegpt":  # one draw, split: a file's conversations are finite, so no overlap
         drawn = build_requests(config, PromptBuilder(tokenizer, config.seed), config.num_requests + config.warmup)
         return drawn[config.num_requests :], drawn[: config.num_requests]
     measured = build_requests(config, PromptBuilder(tokenizer, config.seed), config.num_requests)
-    warmup = []
-    if config.warmup:
-        warmup = build_requests(config, PromptBuilder(tokenizer, config.seed + WARMUP_SEED_OFFSET), config.warmup)
-    return warmup, measured
+    return build_warmup(config, tokenizer), measured
+
+
+def build_warmup(config: BenchConfig, tokenizer) -> list[BenchRequest]:
+    """The warmup requests of a dataset drawn from a seed (multi-turn: single-turn chats of one user message)."""
+    if not config.warmup:
+        return []
+    builder = PromptBuilder(tokenizer, config.seed + WARMUP_SEED_OFFSET)
+    if config.dataset == MULTI_TURN:
+        return build_random_requests(builder, config.warmup, config.turn_len, config.output_len)
+    return build_requests(config, builder, config.warmup)

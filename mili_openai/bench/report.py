@@ -7,11 +7,13 @@ from pathlib import Path
 
 import orjson
 
+from mili_openai.bench.config import MULTI_TURN
 from mili_openai.bench.runner import BenchRun
 from mili_openai.bench.summary import LatencyStats, percentile_key
 
 LABEL_WIDTH = 40
 RULE_WIDTH = 60
+BYTES_PER_MIB = 1 << 20
 LATENCY_ROWS = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E latency"))
 
 
@@ -21,7 +23,9 @@ def format_table(run: BenchRun) -> str:
         ("Endpoint", c.url),
         ("Model", run.model),
         ("Dataset", c.dataset + (f" (lengths within ±{c.random_range_ratio:g})"
-                                 if c.dataset == "random" and c.random_range_ratio else "")),
+                                 if c.dataset == "random" and c.random_range_ratio else "")
+                    + (f" ({c.num_conversations} conversations x {c.num_turns} turns)"
+                       if c.dataset == MULTI_TURN else "")),
         ("Concurrency / request rate", f"{c.concurrency or 'unbounded'} / {c.to_json()['request_rate']} req/s"
                                        + (f", burstiness {c.burstiness:g}"
                                           if c.burstiness != 1 and not math.isinf(c.request_rate) else "")),
@@ -37,6 +41,14 @@ def format_table(run: BenchRun) -> str:
         ("Output token throughput (tok/s)", f"{s.output_throughput:.1f}"),
         ("Total token throughput (tok/s)", f"{s.total_token_throughput:.1f}"),
     ]
+    if s.cached_prompt_share is not None:
+        scope = "from turn 2 on" if c.dataset == MULTI_TURN else "all requests"
+        rows.append((f"Cached prompt tokens ({scope})", f"{s.cached_prompt_share:.1%}"))
+    if run.snapshot_memory is not None:
+        memory = run.snapshot_memory
+        used_mib, budget_mib = memory["used_bytes"] / BYTES_PER_MIB, memory["budget_bytes"] / BYTES_PER_MIB
+        rows.append(("State snapshots cached / budget",
+                     f"{memory['cached']} / {memory['snapshots']} ({used_mib:.1f} / {budget_mib:.1f} MiB)"))
     for key, name in LATENCY_ROWS:
         stats: LatencyStats = getattr(s, key)
         rows.append((f"Mean {name} (ms)", _ms(stats.mean_ms)))

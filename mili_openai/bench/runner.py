@@ -1,5 +1,5 @@
-"""Drives a run: build the workload, warm up, send the measured requests (arrivals + concurrency cap),
-collect per-request results and summarise them.
+"""Drives a run: build the workload, warm up, send the measured requests (arrivals + concurrency cap; for
+multi-turn, conversations whose turns follow one another), collect per-request results and summarise them.
 
 Arrivals follow a Poisson process at `request_rate` (exponential gaps from a seeded RNG, so a rerun sends
 the same schedule), or with `burstiness` other than 1 vLLM's gamma process at the same mean rate;
@@ -23,9 +23,10 @@ from typing import Any, TextIO
 import aiohttp
 import orjson
 
-from mili_openai.bench.config import BenchConfig
-from mili_openai.bench.datasets import BenchRequest, build_workload
-from mili_openai.bench.prompt_tokens import load_tokenizer
+from mili_openai.bench.config import MULTI_TURN, BenchConfig
+from mili_openai.bench.datasets import BenchRequest, Conversation, build_workload
+from mili_openai.bench.prompt_tokens import TokenPrompt, load_tokenizer
+from mili_openai.bench.server_metrics import scrape_snapshot_memory
 from mili_openai.bench.sse_client import RequestResult, request_body, request_headers, stream_request
 from mili_openai.bench.spec_metrics import acceptance_by_position, scrape_per_position
 from mili_openai.bench.summary import BenchSummary, summarize
@@ -43,7 +44,7 @@ BAR_WIDTH = 30
 @dataclass(frozen=True, slots=True)
 class BenchRun:
     config: BenchConfig
-    model: str
+    model: str  # the names requests sent, comma-separated where they were spread over several (`models`)
     started_at: str  # UTC, ISO 8601
     summary: BenchSummary
     results: list[RequestResult]
@@ -51,6 +52,8 @@ class BenchRun:
     profile: dict[str, Any] | None = None  # with --profile: what POST /stop_profile answered (the files' paths)
     # speculative decoding's drafts and acceptance per draft position over the run (bench/spec_metrics.py)
     acceptance: list[dict[str, Any]] | None = None
+    # a hybrid model's prefix-cache state snapshots after the run, from mili's /metrics (bench/server_metrics.py)
+    snapshot_memory: dict[str, int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -60,6 +63,7 @@ class BenchRun:
             "warmup_failed": self.warmup_failed,
             "profile": self.profile,
             "speculative_acceptance_by_position": self.acceptance,
+            "state_snapshot_memory": self.snapshot_memory,
             "summary": self.summary.to_json(),
             "requests": [r.to_json() for r in self.results],
         }
@@ -73,24 +77,28 @@ async def run_benchmark(config: BenchConfig, tokenizer=None) -> BenchRun:
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=config.timeout_s, sock_read=config.timeout_s)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout,
                                      read_bufsize=MAX_LINE_BYTES) as client:
-        model = config.model if config.model is not None else await first_model_id(client, config)
+        models = config.models or (config.model or await first_model_id(client, config),)
         warmup_failed = 0
         if warmup:
-            warmup_results = await send_all(client, config, model, warmup, "warmup", rate=math.inf)
+            warmup_results = await send_all(client, config, models, warmup, "warmup", rate=math.inf)
             warmup_failed = sum(not r.success for r in warmup_results)
         if config.profile:
             await post_profile(client, config, START_PROFILE_PATH)
         counters_before = await scrape_per_position(client, config.base_url, request_headers(config))
         started_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
         started = time.perf_counter()
-        results = await send_all(client, config, model, measured, "bench", rate=config.request_rate)
+        if config.dataset == MULTI_TURN:
+            results = await send_conversations(client, config, models, measured, tokenizer, "bench")
+        else:
+            results = await send_all(client, config, models, measured, "bench", rate=config.request_rate)
         duration = time.perf_counter() - started
         profile = await post_profile(client, config, STOP_PROFILE_PATH) if config.profile else None
         counters_after = await scrape_per_position(client, config.base_url, request_headers(config))
+        snapshots = await scrape_snapshot_memory(client, config.base_url, request_headers(config))
     summary = summarize(results, duration, config.max_error_messages, config.goodput_slos, config.metric_percentiles)
-    return BenchRun(config=config, model=model, started_at=started_at, summary=summary, results=results,
+    return BenchRun(config=config, model=",".join(models), started_at=started_at, summary=summary, results=results,
                     warmup_failed=warmup_failed, profile=profile,
-                    acceptance=acceptance_by_position(counters_before, counters_after))
+                    acceptance=acceptance_by_position(counters_before, counters_after), snapshot_memory=snapshots)
 
 
 async def post_profile(client: aiohttp.ClientSession, config: BenchConfig, path: str) -> dict[str, Any]:
@@ -114,29 +122,80 @@ async def first_model_id(client: aiohttp.ClientSession, config: BenchConfig) -> 
     return models[0]["id"]
 
 
-async def send_all(client: aiohttp.ClientSession, config: BenchConfig, model: str, requests: list[BenchRequest],
-                   label: str, rate: float) -> list[RequestResult]:
-    """Send every request on its arrival time, at most `config.concurrency` in flight; results in order."""
-    slots = asyncio.Semaphore(config.concurrency) if config.concurrency is not None else None
-    progress = ProgressBar(len(requests), label, enabled=config.progress)
-    headers = request_headers(config)
-    origin = time.perf_counter()
+class RequestSender:
+    """Sends requests under the run's concurrency cap (later ones wait for a free slot), each timed from the
+    sender's creation, its progress on the bar."""
 
-    async def send_one(request: BenchRequest, arrival_s: float) -> RequestResult:
-        await asyncio.sleep(max(0.0, arrival_s - (time.perf_counter() - origin)))
-        async with slots if slots is not None else contextlib.nullcontext():
-            sent_s = time.perf_counter() - origin
-            result = await stream_request(client, config.url, request_body(config, model, request), headers,
-                                          request.prompt_len, config.timeout_s)
-        result.start_s = sent_s
-        progress.advance(result.success)
+    def __init__(self, client: aiohttp.ClientSession, config: BenchConfig, total: int, label: str) -> None:
+        self.client, self.config = client, config
+        self.slots = asyncio.Semaphore(config.concurrency) if config.concurrency is not None else None
+        self.progress = ProgressBar(total, label, enabled=config.progress)
+        self.headers = request_headers(config)
+        self.origin = time.perf_counter()
+
+    async def wait_until(self, arrival_s: float) -> None:
+        await asyncio.sleep(max(0.0, arrival_s - (time.perf_counter() - self.origin)))
+
+    async def send(self, request: BenchRequest, model: str) -> RequestResult:
+        async with self.slots if self.slots is not None else contextlib.nullcontext():
+            sent_s = time.perf_counter() - self.origin
+            result = await stream_request(self.client, self.config.url,
+                                          request_body(self.config, model, request), self.headers,
+                                          request.prompt_len, self.config.timeout_s)
+        result.start_s, result.turn = sent_s, request.turn
+        self.progress.advance(result.success)
         return result
+
+
+async def send_all(client: aiohttp.ClientSession, config: BenchConfig, models: tuple[str, ...],
+                   requests: list[BenchRequest], label: str, rate: float) -> list[RequestResult]:
+    """Send every request on its arrival time, at most `config.concurrency` in flight, request i naming
+    models[i % len(models)]; results in order."""
+    sender = RequestSender(client, config, len(requests), label)
+
+    async def send_one(request: BenchRequest, arrival_s: float, model: str) -> RequestResult:
+        await sender.wait_until(arrival_s)
+        return await sender.send(request, model)
 
     arrivals = arrival_times(len(requests), rate, config.seed + ARRIVAL_SEED_OFFSET, config.burstiness)
     try:
-        return list(await asyncio.gather(*(send_one(r, t) for r, t in zip(requests, arrivals))))
+        return list(await asyncio.gather(*(send_one(request, arrival, models[index % len(models)])
+                                           for index, (request, arrival) in enumerate(zip(requests, arrivals)))))
     finally:
-        progress.close()
+        sender.progress.close()
+
+
+async def send_conversations(client: aiohttp.ClientSession, config: BenchConfig, models: tuple[str, ...],
+                             conversations: list[Conversation], tokenizer, label: str) -> list[RequestResult]:
+    """Run the conversations at once (each from its arrival time, under the concurrency cap), each one's turns in
+    order: a turn resends the history with the server's own replies. A failed turn ends its conversation (there
+    is no reply to resend). Conversation i names models[i % len(models)]. Results conversation by conversation,
+    turns in order."""
+    sender = RequestSender(client, config, sum(len(c.messages) for c in conversations), label)
+
+    async def converse(conversation: Conversation, arrival_s: float, model: str) -> list[RequestResult]:
+        await sender.wait_until(arrival_s)
+        results: list[RequestResult] = []
+        history: tuple[tuple[TokenPrompt, TokenPrompt], ...] = ()
+        for turn, message in enumerate(conversation.messages, start=1):
+            result = await sender.send(BenchRequest(body=message, output_len=conversation.output_len,
+                                                    history=history, turn=turn), model)
+            results.append(result)
+            if not result.success:
+                break
+            reply_ids = tokenizer.encode(result.text, add_special_tokens=False).ids
+            history = (*history, (message, TokenPrompt(text=result.text, token_ids=tuple(reply_ids))))
+        return results
+
+    arrivals = arrival_times(len(conversations), config.request_rate, config.seed + ARRIVAL_SEED_OFFSET,
+                             config.burstiness)
+    try:
+        per_conversation = await asyncio.gather(*(converse(conversation, arrival, models[index % len(models)])
+                                                  for index, (conversation, arrival)
+                                                  in enumerate(zip(conversations, arrivals))))
+    finally:
+        sender.progress.close()
+    return [result for results in per_conversation for result in results]
 
 
 def arrival_times(num_requests: int, rate: float, seed: int, burstiness: float = 1.0) -> list[float]:

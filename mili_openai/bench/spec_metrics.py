@@ -9,7 +9,8 @@ from typing import Any
 
 import aiohttp
 
-METRICS_PATH = "/metrics"
+from mili_openai.bench.server_metrics import fetch_metrics_text
+
 DRAFTS_PER_POSITION = "mili_spec_decode_num_draft_tokens_per_pos_total"
 ACCEPTED_PER_POSITION = "mili_spec_decode_num_accepted_tokens_per_pos_total"
 SAMPLE_LINE = re.compile(r'^(\w+)\{position="(\d+)"\}\s+([0-9.eE+-]+)$')
@@ -42,10 +43,5 @@ def acceptance_by_position(before: dict[str, dict[int, float]] | None,
 async def scrape_per_position(client: aiohttp.ClientSession, base_url: str,
                               headers: dict[str, str]) -> dict[str, dict[int, float]] | None:
     """The server's per-position counters now; None where it has no /metrics (or it fails)."""
-    try:
-        async with client.get(base_url.rstrip("/") + METRICS_PATH, headers=headers) as response:
-            if response.status != 200:
-                return None
-            return per_position_counts(await response.text())
-    except (aiohttp.ClientError, TimeoutError):
-        return None
+    text = await fetch_metrics_text(client, base_url, headers)
+    return per_position_counts(text) if text is not None else None

@@ -64,15 +64,18 @@ def request_body(config: BenchConfig, model: str, request: BenchRequest) -> dict
 
 def completion_prompt(config: BenchConfig, request: BenchRequest) -> str | list[int]:
     prefix = request.prefix
-    if config.prompt_as_ids:
+    if config.prompt_as_ids:  # never with a history (BenchConfig refuses prompt_as_ids for multi-turn)
         return list(prefix.token_ids if prefix is not None else ()) + list(request.body.token_ids)
-    return (prefix.text if prefix is not None else "") + request.body.text
+    history = "".join(user.text + reply.text for user, reply in request.history)
+    return (prefix.text if prefix is not None else "") + history + request.body.text
 
 
 def chat_messages(request: BenchRequest) -> list[dict[str, str]]:
     messages = []
     if request.prefix is not None:
         messages.append({"role": "system", "content": request.prefix.text})
+    for user, reply in request.history:
+        messages += [{"role": "user", "content": user.text}, {"role": "assistant", "content": reply.text}]
     messages.append({"role": "user", "content": request.body.text})
     return messages
 
@@ -88,6 +91,9 @@ def request_headers(config: BenchConfig) -> dict[str, str]:
 class RequestResult:
     success: bool = False
     prompt_len: int = 0  # usage.prompt_tokens when sent, else the dataset's count
+    # prompt tokens the server served from its prefix cache: usage.prompt_tokens_details.cached_tokens (OpenAI's,
+    # mili's), else llama.cpp's timings.cache_n; None where the server reports neither
+    cached_tokens: int | None = None
     output_tokens: int = 0
     output_tokens_source: str = SOURCE_CHUNKS
     ttft_s: float | None = None  # first chunk carrying text; None if none came
@@ -96,6 +102,8 @@ class RequestResult:
     start_s: float = 0.0  # send time relative to the start of the run
     finish_reason: str | None = None
     error: str | None = None
+    turn: int | None = None  # multi-turn: the request's turn in its conversation (1 = the first)
+    text: str = ""  # the generated text (a multi-turn conversation resends it); not written to the JSON
 
     @property
     def tpot_s(self) -> float | None:
@@ -109,7 +117,8 @@ class RequestResult:
             "success": self.success, "prompt_len": self.prompt_len, "output_tokens": self.output_tokens,
             "output_tokens_source": self.output_tokens_source, "ttft_s": self.ttft_s, "tpot_s": self.tpot_s,
             "e2e_s": self.e2e_s, "itl_s": self.itl_s, "start_s": self.start_s,
-            "finish_reason": self.finish_reason, "error": self.error,
+            "finish_reason": self.finish_reason, "error": self.error, "cached_tokens": self.cached_tokens,
+            "turn": self.turn,
         }
 
 
@@ -123,6 +132,7 @@ class _StreamState:
         self.text_chunks = 0
         self.saw_event = False
         self.usage_tokens: int | None = None
+        self.texts: list[str] = []  # the first choice's text pieces, joined at the end
 
     def on_event(self, event: dict[str, Any], now: float) -> None:
         self.saw_event = True
@@ -131,12 +141,18 @@ class _StreamState:
         for choice in event.get("choices") or ():
             if choice.get("finish_reason"):
                 self.result.finish_reason = choice["finish_reason"]
-            if _choice_text(choice):
+            text = _choice_text(choice)
+            if text:
                 self._on_text(now)
+                if choice.get("index", 0) == 0:
+                    self.texts.append(text)
         usage = event.get("usage")
         if usage:
             self.usage_tokens = usage.get("completion_tokens")
             self.result.prompt_len = usage.get("prompt_tokens", self.result.prompt_len)
+        cached = _cached_tokens(usage or {}, event.get("timings") or {})
+        if cached is not None:
+            self.result.cached_tokens = cached
 
     def _on_text(self, now: float) -> None:
         self.text_chunks += 1
@@ -149,6 +165,7 @@ class _StreamState:
     def finish(self, now: float, error: str | None) -> RequestResult:
         result = self.result
         result.e2e_s = now - self.started
+        result.text = "".join(self.texts)
         if self.usage_tokens is not None:
             result.output_tokens, result.output_tokens_source = self.usage_tokens, SOURCE_USAGE
         else:
@@ -205,6 +222,14 @@ def _choice_text(choice: dict[str, Any]) -> str:
         delta = choice["delta"] or {}
         return "".join(delta.get(name) or "" for name in CHAT_TEXT_FIELDS)
     return choice.get("text") or ""
+
+
+def _cached_tokens(usage: dict[str, Any], timings: dict[str, Any]) -> int | None:
+    """OpenAI's usage.prompt_tokens_details.cached_tokens, else llama.cpp's timings.cache_n (its own field)."""
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if cached is None:
+        cached = timings.get("cache_n")
+    return cached if isinstance(cached, int) else None
 
 
 def _error_text(error: Any) -> str:

@@ -76,6 +76,8 @@ class BenchSummary:
     e2e: LatencyStats
     errors: list[str] = field(default_factory=list)  # the first few distinct messages, with counts
     request_goodput: float | None = None  # requests/s within every goodput bound; None without bounds
+    # the share of prompt tokens the server served from its prefix cache (`cached_share`); None where it said none
+    cached_prompt_share: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -106,7 +108,19 @@ def summarize(results: list[RequestResult], duration_s: float, max_error_message
         e2e=LatencyStats.of_seconds([r.e2e_s for r in done], percentiles),
         errors=_first_errors(results, max_error_messages),
         request_goodput=sum(meets_slos(r, goodput_slos) for r in done) / duration_s if goodput_slos else None,
+        cached_prompt_share=cached_share(done),
     )
+
+
+def cached_share(done: list[RequestResult]) -> float | None:
+    """Cached prompt tokens / prompt tokens over completed requests, a conversation's first turn left out (it
+    has no history to find cached: the share then says how much of each resent history the server reused).
+    None where a counted request carries no cached count (a server that does not report it)."""
+    counted = [r for r in done if r.turn is None or r.turn > 1]
+    if not counted or any(r.cached_tokens is None for r in counted):
+        return None
+    prompt = sum(r.prompt_len for r in counted)
+    return sum(r.cached_tokens for r in counted) / prompt if prompt else None
 
 
 def meets_slos(result: RequestResult, slos: dict[str, float]) -> bool:

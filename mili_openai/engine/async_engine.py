@@ -97,6 +97,7 @@ class AsyncEngine:
         self._streams: dict[str, DeltaSink] = {}  # by request id, until the delta that finishes the request
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
+        self._loop_error: str | None = None  # why the loop stopped, where a bug stopped it
         # steps handed to the worker, oldest first: the one running and at most one queued behind it
         self._launched: deque[InFlightStep] = deque()
         # `--torch-profiler-dir`: profiles of the steps, started and stopped on request (engine/step_profiler.py)
@@ -125,9 +126,9 @@ class AsyncEngine:
 
     @property
     def fatal_error(self) -> str | None:
-        """Why the engine can run no more steps (a tensor-parallel worker died), or None. The server exits
+        """Why the engine can run no more steps (a tensor-parallel worker died, or a bug stopped the loop), or None. The server exits
         non-zero when this is set (server/drain.py)."""
-        return self.core.runner.failure
+        return self.core.runner.failure or self._loop_error
 
     async def shutdown(self) -> None:
         """Stop the loop and abort every request; the model stays loaded and `start` may run again."""
@@ -192,6 +193,23 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         return self.core.stats()
 
+    def lora_adapters(self) -> tuple[tuple[str, str], ...]:
+        return self.core.lora.served_adapters()
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve the PEFT adapter at `path` as `name` from now (EngineClient.load_lora_adapter)."""
+        registry = self.core.lora
+        registry.begin_load(name)
+        adapter = None
+        try:  # read on the forward thread, between steps: its torch ops stay off the loop's (serial_torch_ops)
+            adapter = await asyncio.wrap_future(self._executor.submit(registry.read, name, path))
+        finally:
+            registry.finish_load(name, path, adapter)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """New requests may no longer name it; those that do already finish on it (EngineClient)."""
+        self.core.lora.unload(name, self.core.sequences.values())
+
     async def page_accounting(self) -> PageAccounting:
         """A snapshot of the page pool and an integrity check (walks the tree: for debugging, not per request)."""
         core = self.core
@@ -236,7 +254,12 @@ class AsyncEngine:
 
     async def _run(self) -> None:
         with serial_torch_ops():  # see the module docstring: a parallel op here slows every forward after it
-            await self._loop()
+            try:
+                await self._loop()
+            except Exception as exc:  # a bug: fail the requests rather than hang them, and the server exits
+                logger.exception("the engine loop stopped")
+                self._loop_error = f"the engine loop stopped: {exc!r}"
+                self._fail_everything(self._loop_error)
 
     async def _loop(self) -> None:
         launched = self._launched

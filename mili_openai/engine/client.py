@@ -163,6 +163,21 @@ class EngineClient(Protocol):
 
     def stats(self) -> EngineStats: ...
 
+    def lora_adapters(self) -> tuple[tuple[str, str], ...]:
+        """The LoRA adapters a request may name as its `model` now, (name, path) in the order they were loaded."""
+        ...
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Read the PEFT adapter at `path` and serve it as `name` (vLLM's /v1/load_lora_adapter): LoraAdapterExists
+        for a name served already, AdapterError (a ValueError) for an adapter this base cannot serve, ValueError
+        with LoRA off."""
+        ...
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving `name` to new requests (UnknownLoraAdapter if it is not served); requests already on it
+        finish on it, and its weights are let go after the last one."""
+        ...
+
     async def page_accounting(self) -> PageAccounting:
         """Where every KV page is, with an integrity check (for debugging and soak tests, not per request)."""
         ...

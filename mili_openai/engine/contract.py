@@ -42,7 +42,8 @@ class EngineInfo:
     sampling_defaults: SamplingDefaults  # what a request's omitted sampling fields become
     vision: VisionSpec | None = None  # a model that takes images: its placeholder tokens and preprocessing
     pooling: PoolingSpec | None = None  # a pooling model's output (embeddings, rerank scores); None: it generates
-    # the LoRA adapters a request may name as its `model` (`--lora-modules`), in their order: (name, path)
+    # the LoRA adapters served at start (`--lora-modules`), in their order: (name, path); those served now, after
+    # loads and unloads at run time, are `EngineClient.lora_adapters()`
     lora_adapters: tuple[tuple[str, str], ...] = ()
 
 
@@ -55,7 +56,7 @@ class EngineRequest:
     max_tokens: int  # params.max_tokens resolved against the context length
     images: RequestImages | None = None  # the prompt's images and their placement (engine/image_inputs.py)
     pooled: bool = False  # a pooling request: the prompt's vector (PoolingSpec) instead of tokens
-    lora_name: str | None = None  # the LoRA adapter it runs with (one of EngineInfo.lora_adapters); None: the base
+    lora_name: str | None = None  # the LoRA adapter it runs with (one served: the engine checks); None: the base
 
 
 class RequestError(ValueError):
@@ -65,6 +66,17 @@ class RequestError(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self):  # pickled with its param, from an engine process to the server
+        return type(self), (str(self), self.param)
+
+
+class UnknownLoraAdapter(RequestError):
+    """A LoRA adapter name the engine does not serve (never loaded, or unloaded): a 404 (server/errors.py)."""
+
+
+class LoraAdapterExists(ValueError):
+    """A load under a name already served (or being loaded): a 400, as vLLM answers."""
+
 
 def check_request(prompt_token_ids: list[Any], params: SamplingParams, info: EngineInfo,
                   prompt_field: str | None = None, images: list[ImageFeatures] | None = None,
@@ -72,12 +84,11 @@ def check_request(prompt_token_ids: list[Any], params: SamplingParams, info: Eng
     """The request as the engine takes it; RequestError for one that can never run. `prompt_field`: what the
     client called its prompt ("messages" for a chat); given, the errors name the field at fault (`param`), as
     OpenAI's chat errors do. `images`: the prompt's preprocessed images; `lora_name`: the LoRA adapter to run with
-    (None: the base model)."""
+    (None: the base model), which the engine checks as it takes the request, since adapters come and go at run
+    time (`UnknownLoraAdapter`)."""
     if info.pooling is not None:
         raise RequestError(f"this server runs a pooling model ({info.pooling.task}): it does not generate text; "
                            "use /v1/embeddings, /v1/rerank or /score")
-    if lora_name is not None and lora_name not in (name for name, _ in info.lora_adapters):
-        raise RequestError(f"no LoRA adapter named {lora_name!r} is loaded", "model")
     prompt = _checked_prompt(prompt_token_ids, info, prompt_field)
     vocab_size, max_model_len = info.vocab_size, info.max_model_len
     what = prompt_field or PROMPT_FIELD

@@ -18,7 +18,8 @@ from mili_openai.config import EngineConfig
 from mili_openai.engine.contract import EngineInfo, EngineRequest
 from mili_openai.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher, TokenDecoder
 from mili_openai.engine.kv_pages import KVPageManager
-from mili_openai.engine.lora_manager import adapter_names, lora_ids
+from mili_openai.engine.lora_manager import BASE_MODEL_ID
+from mili_openai.engine.lora_registry import LoraRegistry
 from mili_openai.engine.outputs import (
     EngineObserver,
     EngineStats,
@@ -79,7 +80,8 @@ class EngineCore:
                                quantization=runner.quantization, sampling_defaults=sampling_defaults or {},
                                vision=checkpoint_vision_spec(model_config, model_path), pooling=pooling,
                                lora_adapters=config.lora.modules if config.lora is not None else ())
-        self.lora_ids = lora_ids(config.lora)  # adapter name -> the id its sequences carry
+        # the adapters requests may name, and their ids (the runner holds their weights)
+        self.lora = LoraRegistry(config.lora, runner.lora if config.lora is not None else None)
         if pooling is not None:
             runner.set_pooling(pooling)
         page_config = config if pooling is None or pooling.uses_prefix_cache else dataclasses.replace(
@@ -115,8 +117,10 @@ class EngineCore:
     # ---- requests in ----
     def add(self, request: EngineRequest, request_id: str | None = None) -> ParentRequest:
         """Queue a checked request (engine/contract.py): one sequence per sample of `params.n`, all or none (a
-        parent with children, engine/parallel_sampling.py). ValueError for a request id in use."""
+        parent with children, engine/parallel_sampling.py). ValueError for a request id in use, UnknownLoraAdapter
+        for an adapter not served (unloaded since the request was checked)."""
         request_id = request_id if request_id is not None else f"req-{next(self._request_ids)}"
+        lora_id = self.lora.id_of(request.lora_name) if request.lora_name is not None else BASE_MODEL_ID
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt, params, max_tokens = request.prompt_token_ids, request.params, request.max_tokens
@@ -126,14 +130,9 @@ class EngineCore:
         now = time.monotonic()
         children = [self._sequence(child_id, request_id, index, prompt, child_params(params, index), max_tokens, now)
                     for index, child_id in enumerate(parent.child_ids)]
-        for seq in children:
-            seq.pooled = request.pooled
-        if request.lora_name is not None:
-            for seq in children:
-                seq.lora_id = self.lora_ids[request.lora_name]
         self.requests[request_id] = parent
         for seq in children:
-            seq.images = request.images
+            seq.pooled, seq.images, seq.lora_id = request.pooled, request.images, lora_id
             self.sequences[seq.sequence_id] = seq
             self.scheduler.add(seq)
         return parent
@@ -251,7 +250,7 @@ class EngineCore:
         accepted = 0
         while accepted < len(drafts) and sampled[accepted][0] == drafts[accepted]:
             accepted += 1
-        seq.settle_drafts(len(drafts), accepted)
+        self.pages.settle_drafts(seq, len(drafts), accepted)
         self.spec_decode.record(len(drafts), accepted)
         return sampled[: accepted + 1]
 
@@ -340,6 +339,7 @@ class EngineCore:
                      pooled: list[float] | None = None) -> SequenceDelta:
         """The last delta of a finished seq; forgets seq, and its request once every sample has finished."""
         del self.sequences[seq.sequence_id]
+        self.lora.sequence_ended(seq.lora_id, self.sequences.values())  # an unloaded adapter's last one lets it go
         request_finished = self.requests[seq.parent_id].progress.finish(seq.index)
         if request_finished:
             del self.requests[seq.parent_id]
@@ -385,8 +385,8 @@ class EngineCore:
             spec_decode_num_drafts_total=self.spec_decode.num_drafts,
             spec_decode_num_draft_tokens_total=self.spec_decode.num_draft_tokens,
             spec_decode_num_accepted_tokens_total=self.spec_decode.num_accepted_tokens,
-            running_lora_adapters=adapter_names(self.scheduler.running, self.lora_ids),
-            waiting_lora_adapters=adapter_names(self.scheduler.waiting, self.lora_ids),
+            running_lora_adapters=self.lora.adapter_names(self.scheduler.running),
+            waiting_lora_adapters=self.lora.adapter_names(self.scheduler.waiting),
             max_lora=self.config.lora.max_loras if self.config.lora is not None else 0,
             spec_decode_num_draft_tokens_per_pos=tuple(self.spec_decode.draft_tokens_per_position),
             spec_decode_num_accepted_tokens_per_pos=tuple(self.spec_decode.accepted_tokens_per_position),

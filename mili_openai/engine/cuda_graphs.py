@@ -75,8 +75,9 @@ class DecodeGraphs:
     def bucket(self, batch: ForwardBatch) -> int | None:
         """The rows of the bucket whose graph runs the batch, or None where it must run eagerly: only decode
         rows (one token each, drafts included), with positions' rotary computed in the forward, within the
-        largest bucket and the graphs' page table width."""
-        if batch.prefills or batch.decode_ctx_lens is None or batch.rotary is not None:
+        largest bucket and the graphs' page table width; none of an image sequence's (their mRoPE positions are
+        not the text positions a graph reads)."""
+        if batch.prefills or batch.decode_ctx_lens is None or batch.rotary is not None or batch.vision is not None:
             return None
         rows = capture_size(batch.num_tokens)
         if rows is None or batch.pages.decode.shape[1] > self.page_table_width:

@@ -32,6 +32,9 @@ ENGINE_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [engine]: %(message)s"
 FATAL_POLL_S = 0.25  # how often an idle engine looks whether its runner failed (a tensor-parallel rank died)
 # what Ctrl-C (SIGINT, to the whole process group) or a supervisor signalling the group (SIGTERM) sends
 SERVER_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# the AsyncEngine methods (all coroutines) the server may call by name over the socket (`Call`)
+ENGINE_CALLS = frozenset({"start", "shutdown", "page_accounting", "start_profile", "stop_profile", "load_lora_adapter",
+                          "unload_lora_adapter"})
 
 
 class Outbox:
@@ -163,17 +166,9 @@ class EngineServer:
             write_frame(self.writer, Reply(call_id, value, error))
 
     async def _call(self, method: str, *args: Any) -> Any:
-        if method == "start":
-            return await self.engine.start()
-        if method == "shutdown":
-            return await self.engine.shutdown()
-        if method == "page_accounting":
-            return await self.engine.page_accounting()
-        if method == "start_profile":
-            return await self.engine.start_profile()
-        if method == "stop_profile":
-            return await self.engine.stop_profile()
-        raise ValueError(f"the engine process has no call {method!r}")
+        if method not in ENGINE_CALLS:
+            raise ValueError(f"the engine process has no call {method!r}")
+        return await getattr(self.engine, method)(*args)
 
     async def _watch_fatal(self) -> None:
         """Report a runner failure even when no step notices it (no request running)."""

@@ -16,22 +16,8 @@ from mili_openai.engine.state_snapshots import StateSnapshots
 from mili_openai.radix import PagePool, RadixCache, SnapshotStore
 
 
-# a LoRA sequence's prefix-cache key shifts every token id by its adapter id times this (past any vocabulary),
-# so prefixes computed under one adapter (or the base, id 0, unshifted) never match under another
-LORA_KEY_STRIDE = 1 << 32
-
-
 def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
-
-
-def cache_key(seq: Sequence, num_tokens: int) -> list[int]:
-    """The radix tree's key for seq's first num_tokens tokens: the K/V under them depends on its adapter too."""
-    tokens = seq.token_ids[:num_tokens]
-    if not seq.lora_id:
-        return tokens
-    offset = seq.lora_id * LORA_KEY_STRIDE
-    return [token + offset for token in tokens]
 
 
 class KVPageManager:
@@ -66,10 +52,14 @@ class KVPageManager:
             # scoring the prompt needs every prompt position's logits, cached ones included; an image's
             # placeholder tokens are the same ids whatever the image, so a match could be another image's K/V
             return 0
-        key = cache_key(seq, seq.num_tokens - 1)
+        key = seq.cache_key(seq.num_tokens - 1)
         if self.snapshots is not None:  # a hybrid model resumes only where a state snapshot was saved
             match = self.tree.match_snapshot(key)
             seq.restore_snapshot = match.node.snapshot
+            if match.kv_tokens > match.num_tokens:
+                # seq leaves a cached path where no state was saved: save one there as it passes, so the
+                # next prompt that shares the path (a system prompt sent again later) resumes from it
+                self.snapshots.request_stop(seq, match.kv_tokens, match.num_tokens)
         else:
             match = self.tree.match_prefix(key)
         self.tree.lock(match.node)
@@ -122,7 +112,7 @@ class KVPageManager:
         num_full = seq.num_known_computed_tokens // self.page_size
         if num_full <= seq.num_tree_pages:
             return
-        result = self.tree.insert(cache_key(seq, num_full * self.page_size), seq.pages[:num_full])
+        result = self.tree.insert(seq.cache_key(num_full * self.page_size), seq.pages[:num_full])
         duplicates = [
             mine
             for mine, tree_page in zip(seq.pages[seq.num_tree_pages : num_full], result.pages[seq.num_tree_pages :])
@@ -136,6 +126,13 @@ class KVPageManager:
             self.tree.unlock(seq.tree_node)
         seq.tree_node = result.node
         seq.num_tree_pages = num_full
+
+    def settle_drafts(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """seq kept `num_accepted` of the `num_drafts` drafts it verified: its counters, and the state snapshot its
+        verify step saved (a hybrid model's), kept or given back."""
+        seq.settle_drafts(num_drafts, num_accepted)
+        if self.snapshots is not None:
+            self.snapshots.settle_verified(seq, num_accepted)
 
     def release(self, seq: Sequence) -> None:
         """Return everything seq holds: full computed pages go to the tree (unlocked), the rest to the pool."""

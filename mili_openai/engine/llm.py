@@ -1,5 +1,5 @@
 """The offline batch API, shaped like vLLM's: `LLM(model=...).generate(prompts, sampling_params)`, and for a
-pooling model `LLM(model=..., runner="pooling").embed(prompts)` and `.score(text_1, text_2)`.
+pooling model `LLM(model=..., runner="pooling").embed(prompts)`, `.score(text_1, text_2)` and `.classify(prompts)`.
 
 A prompt with images is vLLM's dict: `{"prompt": text, "multi_modal_data": {"image": image or [images]}}` (or
 `"prompt_token_ids"`), its text holding one `<|image_pad|>` per image as the chat template writes it; images are
@@ -14,8 +14,21 @@ from mili_openai.engine.contract import check_pooling_request, check_request
 from mili_openai.engine.core import EngineCore
 from mili_openai.engine.image_inputs import TEXT_ONLY_MODEL, ImageFeatures
 from mili_openai.engine.image_processor import ImagePreprocessor, as_rgb_image, expand_image_placeholders
-from mili_openai.engine.outputs import EmbeddingOutput, PoolingRequestOutput, RequestOutput, ScoringOutput
-from mili_openai.engine.pooling_spec import QWEN3_RERANK_TEMPLATE, RERANK, cosine, finish_vector, render_pair
+from mili_openai.engine.outputs import (
+    ClassificationOutput,
+    EmbeddingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+)
+from mili_openai.engine.pooling_spec import (
+    CLASSIFY,
+    EMBED,
+    QWEN3_RERANK_TEMPLATE,
+    cosine,
+    finish_vector,
+    render_pair,
+)
 from mili_openai.engine.sampling_params import SamplingParams
 
 PromptInput = str | list[int] | dict
@@ -88,10 +101,9 @@ class LLM:
         """Each prompt's embedding (an embedding model: `runner="pooling"`), its first `dimensions` values if
         given, L2-normalised as the model's own pooling says unless `normalize` says otherwise."""
         spec = self.core.info.pooling
-        if spec is None or spec.task == RERANK:
+        if spec is None or spec.task != EMBED:
             raise ValueError("embed needs an embedding model (LLM(model, runner='pooling'))")
-        prompt_ids = [self.tokenizer.encode(p) if isinstance(p, str) else list(p)
-                      for p in self._normalise_prompts(prompts)]
+        prompt_ids = self._prompt_ids(prompts)
         vectors = self._pool(prompt_ids, truncate_prompt_tokens)
         normalize = spec.normalize if normalize is None else normalize
         return [PoolingRequestOutput(str(index), ids, EmbeddingOutput(finish_vector(v, dimensions, normalize).tolist()))
@@ -99,17 +111,19 @@ class LLM:
 
     def score(self, text_1: str | list[str], text_2: str | list[str],
               instruction: str | None = None) -> list[PoolingRequestOutput]:
-        """vLLM's `LLM.score`: text_1 against each text_2 (or pairwise, equal lengths). A reranker scores each
-        pair in its prompt (Qwen3-Reranker's format); an embedding model by the cosine of their embeddings."""
+        """vLLM's `LLM.score`: text_1 against each text_2 (or pairwise, equal lengths). A reranker (or a classifier
+        of one label) scores each pair in its prompt (Qwen3-Reranker's format); an embedding model by the cosine of
+        their embeddings."""
         spec = self.core.info.pooling
-        if spec is None:
-            raise ValueError("score needs a pooling model (LLM(model, runner='pooling'))")
+        if spec is None or (spec.task == CLASSIFY and not spec.scores_pairs):
+            raise ValueError("score needs a reranker, a classifier of one label or an embedding model "
+                             "(LLM(model, runner='pooling'))")
         first = [text_1] if isinstance(text_1, str) else list(text_1)
         second = [text_2] if isinstance(text_2, str) else list(text_2)
         if len(first) not in (1, len(second)):
             raise ValueError("give one text_1, or as many as text_2")
         pairs = list(zip(first * len(second), second)) if len(first) == 1 else list(zip(first, second))
-        if spec.task == RERANK:
+        if spec.scores_pairs:
             prompt_ids = [self.tokenizer.encode(render_pair(QWEN3_RERANK_TEMPLATE, query, document, instruction),
                                                 add_special_tokens=False) for query, document in pairs]
             scores = [vector[0] for vector in self._pool(prompt_ids, None)]
@@ -119,6 +133,21 @@ class LLM:
             vectors = dict(zip(texts, self._pool(prompt_ids, None)))
             scores = [cosine(vectors[a], vectors[b]) for a, b in pairs]
         return [PoolingRequestOutput(str(index), [], ScoringOutput(score)) for index, score in enumerate(scores)]
+
+    def classify(self, prompts: PromptInput | SequenceABC[PromptInput],
+                 truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's `LLM.classify`: each prompt's label probabilities (`outputs.probs`, by label id) from a
+        Qwen3ForSequenceClassification checkpoint's score head at its last token."""
+        spec = self.core.info.pooling
+        if spec is None or spec.task != CLASSIFY:
+            raise ValueError("classify needs a sequence-classification checkpoint (Qwen3ForSequenceClassification)")
+        prompt_ids = self._prompt_ids(prompts)
+        vectors = self._pool(prompt_ids, truncate_prompt_tokens)
+        return [PoolingRequestOutput(str(index), ids, ClassificationOutput(list(probs)))
+                for index, (ids, probs) in enumerate(zip(prompt_ids, vectors))]
+
+    def _prompt_ids(self, prompts: PromptInput | SequenceABC[PromptInput]) -> list[list[int]]:
+        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in self._normalise_prompts(prompts)]
 
     def _pool(self, prompt_ids: list[list[int]], truncate_to: int | None) -> list[list[float]]:
         """Every prompt's vector from the engine (engine/pooling_spec.py), in order."""

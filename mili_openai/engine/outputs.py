@@ -228,11 +228,21 @@ class ScoringOutput:
 
 
 @dataclass(slots=True)
+class ClassificationOutput:
+    probs: list[float]  # by label id
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
 class PoolingRequestOutput:
-    """One input's result from the offline `LLM.embed` / `LLM.score` (vLLM's EmbeddingRequestOutput and
-    ScoringRequestOutput: the vector or score is `outputs.embedding` / `outputs.score`)."""
+    """One input's result from the offline `LLM.embed` / `LLM.score` / `LLM.classify` (vLLM's
+    EmbeddingRequestOutput, ScoringRequestOutput and ClassificationRequestOutput: the vector, score or probabilities
+    are `outputs.embedding` / `outputs.score` / `outputs.probs`)."""
 
     request_id: str
     prompt_token_ids: list[int]
-    outputs: EmbeddingOutput | ScoringOutput
+    outputs: EmbeddingOutput | ScoringOutput | ClassificationOutput
     finished: bool = True

@@ -5,6 +5,8 @@
   and generates otherwise; `--runner pooling` pools any Qwen checkpoint.
 - `--pooling-task rerank` serves a Qwen3-Reranker: its checkpoint is a plain Qwen3ForCausalLM, so nothing in
   it says so; the score is P("yes") over ("no", "yes") at the last token of its prompt (engine/pooler.py).
+- A `Qwen3ForSequenceClassification` checkpoint (model/classifier_config.py) only pools: its score head gives
+  each input's label probabilities (task classify), and with one label, a pair's score (a converted reranker).
 - Pooling: `--pooling-type`, else the checkpoint's, else the last token (Qwen3-Embedding's; vLLM's default for
   decoder models). Vectors are L2-normalised unless the checkpoint's modules leave out Normalize.
 """
@@ -15,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from mili_openai.config import EngineConfig
-from mili_openai.engine.pooling_spec import EMBED, LAST, RERANK, PoolingSpec
+from mili_openai.engine.pooling_spec import CLASSIFY, EMBED, LAST, RERANK, PoolingSpec
 from mili_openai.model import ModelConfig
+from mili_openai.model.classifier_config import SEQUENCE_CLASSIFICATION
 from mili_openai.model.pooling_config import read_checkpoint_pooling
 
 RERANK_TOKENS = ("no", "yes")  # the answers Qwen3-Reranker's prompt asks for, in the order the score reads them
@@ -26,11 +29,24 @@ def resolve_pooling(config: EngineConfig, model_path: Path | None, model_config:
                     tokenizer: Any) -> PoolingSpec | None:
     """The pooling model to serve, or None to generate. ValueError for a combination that cannot run."""
     checkpoint = read_checkpoint_pooling(model_path) if model_path is not None else None
-    pooling = config.runner == "pooling" or (config.runner == "auto" and checkpoint is not None)
+    classifier = model_config.classifier
+    says_pooling = checkpoint is not None or classifier is not None
+    pooling = config.runner == "pooling" or (config.runner == "auto" and says_pooling)
     if not pooling:
+        if classifier is not None:
+            raise ValueError(f"a {SEQUENCE_CLASSIFICATION} checkpoint has a score head and no LM head: it does not "
+                             "generate; serve it with --runner pooling (or auto)")
         if config.pooling_task != "auto" or config.pooling_type is not None:
             raise ValueError("--pooling-task and --pooling-type apply to a pooling model (--runner pooling)")
         return None
+    if classifier is not None:
+        if config.pooling_task not in ("auto", CLASSIFY) or config.pooling_type not in (None, LAST):
+            raise ValueError(f"a {SEQUENCE_CLASSIFICATION} checkpoint classifies the last token with its own head: "
+                             f"--pooling-task must be auto or {CLASSIFY}, and --pooling-type last or unset")
+        return PoolingSpec(CLASSIFY, LAST, normalize=False, hidden_size=model_config.hidden_size,
+                           labels=classifier.labels, activation=classifier.activation)
+    if config.pooling_task == CLASSIFY:
+        raise ValueError(f"--pooling-task {CLASSIFY} needs a {SEQUENCE_CLASSIFICATION} checkpoint (a score head)")
     task = RERANK if config.pooling_task == RERANK else EMBED
     if task == RERANK:
         if config.pooling_type not in (None, LAST):

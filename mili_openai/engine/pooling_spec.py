@@ -18,8 +18,8 @@ import numpy as np
 from mili_openai.config import POOLING_TYPES
 
 LAST, MEAN, CLS = POOLING_TYPES
-EMBED, RERANK = "embed", "rerank"
-SERVED_TASKS = (EMBED, RERANK)  # what a PoolingSpec is (config.py's POOLING_TASKS adds "auto")
+EMBED, RERANK, CLASSIFY = "embed", "rerank", "classify"
+SERVED_TASKS = (EMBED, RERANK, CLASSIFY)  # what a PoolingSpec is (config.py's POOLING_TASKS adds "auto")
 NORM_FLOOR = 1e-12  # a zero vector stays zero instead of dividing by zero (torch's F.normalize eps)
 # Qwen3-Reranker's model card: the system prompt, the pair, and an empty thinking block; the model then
 # answers "yes" or "no", and the score is P("yes")
@@ -37,12 +37,16 @@ TEMPLATE_FIELDS = ("{instruction}", "{query}", "{document}")
 class PoolingSpec:
     """The served pooling model: what one input becomes."""
 
-    task: str  # EMBED: the pooled hidden state; RERANK: P("yes") at the last token (Qwen3-Reranker)
-    pooling_type: str  # LAST, MEAN or CLS: which hidden states make the vector (RERANK: always LAST)
+    # EMBED: the pooled hidden state; RERANK: P("yes") at the last token (Qwen3-Reranker); CLASSIFY: the
+    # probabilities of a Qwen3ForSequenceClassification's labels at the last token
+    task: str
+    pooling_type: str  # LAST, MEAN or CLS: which hidden states make the vector (RERANK, CLASSIFY: always LAST)
     normalize: bool  # the checkpoint's default (a sentence-transformers Normalize module): L2-normalise vectors
     hidden_size: int  # an embedding's length before any Matryoshka truncation
     # RERANK: the ("no", "yes") token ids whose LM-head rows score an input; None for EMBED
     score_token_ids: tuple[int, int] | None = None
+    labels: tuple[str, ...] = ()  # CLASSIFY: the head's labels, by label id (id2label); empty otherwise
+    activation: str | None = None  # CLASSIFY: sigmoid, softmax or identity (model/classifier_config.py)
 
     def __post_init__(self) -> None:
         if self.task not in SERVED_TASKS:
@@ -51,11 +55,23 @@ class PoolingSpec:
             raise ValueError(f"pooling type must be one of {POOLING_TYPES}, got {self.pooling_type!r}")
         if (self.task == RERANK) != (self.score_token_ids is not None):
             raise ValueError("a reranker, and only a reranker, scores with its (no, yes) token ids")
+        if (self.task == CLASSIFY) != bool(self.labels) or (self.task == CLASSIFY) != (self.activation is not None):
+            raise ValueError("a classifier, and only a classifier, has labels and an activation")
+        if self.task != EMBED and self.pooling_type != LAST:
+            raise ValueError(f"a {self.task} model reads the last token: its pooling type must be {LAST}")
 
     @property
     def output_size(self) -> int:
-        """Floats the engine returns per input: the hidden size, or one score."""
+        """Floats the engine returns per input: the hidden size, one score, or a probability per label."""
+        if self.task == CLASSIFY:
+            return len(self.labels)
         return 1 if self.task == RERANK else self.hidden_size
+
+    @property
+    def scores_pairs(self) -> bool:
+        """Whether a (query, document) pair run through the model gives its score: a reranker, or a classifier
+        of one label (a converted Qwen3-Reranker). An embedding model scores pairs by cosine instead."""
+        return self.task == RERANK or (self.task == CLASSIFY and len(self.labels) == 1)
 
     @property
     def uses_prefix_cache(self) -> bool:
@@ -66,6 +82,8 @@ class PoolingSpec:
     def describe(self) -> str:
         if self.task == RERANK:
             return f"reranker: P(yes) over (no, yes) tokens {self.score_token_ids} at the last token"
+        if self.task == CLASSIFY:
+            return f"sequence classifier: {self.activation} over {len(self.labels)} labels at the last token"
         return f"embeddings of {self.hidden_size} dimensions, {self.pooling_type}-token pooling" + (
             ", L2-normalised" if self.normalize else "")
 

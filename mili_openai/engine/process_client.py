@@ -81,6 +81,7 @@ class EngineProcessClient:
         ready: EngineReady = first
         self.pid = ready.pid
         self.info = ready.info
+        self._lora_adapters = dict(ready.info.lora_adapters)  # name -> path: the engine's, as loads and unloads left it
         self._stats: EngineStats = ready.stats
         self._observer = observer
         self._requests: dict[str, RequestStream] = {}  # by request id, until the delta that finishes it
@@ -177,6 +178,17 @@ class EngineProcessClient:
 
     async def page_accounting(self) -> PageAccounting:
         return await self._call("page_accounting")
+
+    def lora_adapters(self) -> tuple[tuple[str, str], ...]:
+        return tuple(self._lora_adapters.items())
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        await self._call("load_lora_adapter", name, path)
+        self._lora_adapters[name] = path
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self._call("unload_lora_adapter", name)
+        del self._lora_adapters[name]
 
     async def start_profile(self) -> None:
         """The engine process profiles its own steps (engine/step_profiler.py)."""

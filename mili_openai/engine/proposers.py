@@ -6,8 +6,9 @@ scheduler asks a `Proposer`, the model verifies every draft in the decode's one 
   followed an earlier occurrence of the sequence's last n tokens are a cheap guess at its next ones. The match
   is vLLM's: the longest n in [min_n, max_n] whose n-gram occurs earlier, at its earliest occurrence, and the
   (up to) k tokens after it.
-- `ModelProposer` ("mtp"): the drafts a model made at the end of the sequence's previous step (the checkpoint's
-  MTP module, engine/mtp_drafter.py, run by the model runner right after sampling), kept on the sequence.
+- `ModelProposer` ("mtp", "draft_model"): the drafts a model made at the end of the sequence's previous step (the
+  checkpoint's MTP module, engine/mtp_drafter.py, or a smaller checkpoint, engine/draft_model.py, run by the
+  model runner right after sampling), kept on the sequence.
 
 Every proposer's drafts are one token per position for sure (a greedy guess, not a sample), so verifying them
 by the target's own samples is Leviathan et al.'s rejection sampling with a point-mass draft distribution: the
@@ -25,7 +26,7 @@ from typing import Protocol
 
 import numpy as np
 
-from mili_openai.config import MTP_SPECULATIVE_METHOD, SpeculativeConfig
+from mili_openai.config import DRAFT_MODEL_SPECULATIVE_METHOD, MTP_SPECULATIVE_METHOD, SpeculativeConfig
 from mili_openai.engine.sequence import Sequence
 
 
@@ -57,6 +58,9 @@ class Proposer(Protocol):
     # whether the drafts come from a model run in the step before (the runner then drafts for every sampled
     # sequence, and a step cannot be planned before the one running returns them)
     drafts_in_runner: bool
+    # positions past a decode's verified ones whose K/V that model writes while drafting (pages the scheduler
+    # allocates ahead): its chained drafts' rows
+    draft_lookahead: int
 
     def propose(self, seq: Sequence, max_drafts: int) -> list[int]:
         """At most max_drafts tokens (the token budget, and room under max_tokens for the drafts plus the token
@@ -65,6 +69,7 @@ class Proposer(Protocol):
 
 class NgramProposer:
     drafts_in_runner = False
+    draft_lookahead = 0
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.num_speculative_tokens = config.num_speculative_tokens
@@ -81,6 +86,10 @@ class ModelProposer:
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.num_speculative_tokens = config.num_speculative_tokens
+        # the MTP module reads the token after each row, so its chain ends a row before a draft model's, which
+        # runs the sampled token and then each draft but the last (engine/mtp_drafter.py, engine/draft_model.py)
+        extra_row = config.method == DRAFT_MODEL_SPECULATIVE_METHOD
+        self.draft_lookahead = config.num_speculative_tokens - 1 + extra_row
 
     def propose(self, seq: Sequence, max_drafts: int) -> list[int]:
         k = min(self.num_speculative_tokens, max_drafts)
@@ -103,7 +112,7 @@ class DraftSwitch:
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:
-    """The proposer of `config.method` ("draft_model" is refused when the runner loads, before this)."""
-    if config.method == MTP_SPECULATIVE_METHOD:
+    """The proposer of `config.method`."""
+    if config.method in (MTP_SPECULATIVE_METHOD, DRAFT_MODEL_SPECULATIVE_METHOD):
         return ModelProposer(config)
     return NgramProposer(config)

@@ -30,12 +30,11 @@ from mili_openai.engine.memory_budget import (
     weight_bytes,
 )
 from mili_openai.engine.memory_profile import profile_gpu_memory
-from mili_openai.engine.mtp_drafter import prepare_model_for_speculation, runner_speculation
+from mili_openai.engine.speculation_setup import prepare_model_for_speculation, runner_speculation
 from mili_openai.engine.outputs import TokenLogprob
 from mili_openai.engine.pooler import Pooler
 from mili_openai.engine.pooling_spec import PoolingSpec
 from mili_openai.engine.sampler import Sampler, SamplerOutput, token_logprobs
-from mili_openai.engine.state_slots import keeps_snapshots
 from mili_openai.engine.scheduled_batch import ScheduledBatch
 from mili_openai.engine.sequence import Sequence
 from mili_openai.engine.step_inputs import forward_batch_to
@@ -80,6 +79,7 @@ class Runner(Protocol):
     state_slot_bytes: int  # bytes of one state slot (a snapshot's size); 0 without linear-attention layers
     failure: str | None  # why the runner can run no more steps; None while it can
     kernel_build: Future[bool] | None  # CPU kernels compiling meanwhile, to switch to once done; None: none
+    lora: LoraManager | None  # the LoRA adapters' host copies and slots (`EngineConfig.lora`); None: LoRA off
 
     def switch_to_cpu_kernels(self) -> None:
         """Run on the kernels `kernel_build` built (on the forward thread, between steps, while no sequence runs)."""
@@ -138,18 +138,25 @@ class ModelRunner(StepRunner):
         self.page_size = config.page_size
         self.async_launch = config.async_launch  # see Runner.async_launch
         self.steps = StepPreparer(self.device, self.page_size, self.model.rotary_table(),
-                                  feed_on_device=self.async_launch)
+                                  feed_on_device=self.async_launch, serves_lora=self.lora is not None)
         self.parallel = parallel
-        prepare_model_for_speculation(config.speculative_config, self.model)  # MTP: its K/V layers join the specs
+        # MTP: its K/V layers join the specs; a draft model keeps pools of its own, sized with the target's
+        self.draft = prepare_model_for_speculation(config, self.model, model_path, self.device,
+                                                   defer_cpu_kernels=self.model.backend.awaits_cpu_kernels)
         # what each layer keeps per sequence, in this process's shapes (a tensor-parallel rank's KV heads)
         self.cache_specs = self.model.cache_specs()
         self.num_state_slots = config.max_num_seqs if has_recurrent_layers(self.cache_specs) else 0
         self.state_slot_bytes = slot_bytes = StateCache.bytes_per_slot(self.cache_specs, self.dtype)
+        draft_slot_bytes = self.draft.slot_bytes() if self.draft is not None else 0
         # the prefix cache's state snapshots of a hybrid model: slots of the state pool past the running ones
         budget = None if config.num_pages else self._cache_budget(config)
+        # a draft model's own linear-layer states do not follow the target's snapshots (yet): no hybrid prefix
+        # reuse beside one, or its drafts would start from zeroed states and be rejected
+        keeps_snapshots = config.enable_prefix_caching and not draft_slot_bytes
         self.num_state_snapshots = (self._snapshots(config, slot_bytes, budget)
-                                    if self.num_state_slots and keeps_snapshots(config) else 0)
-        state_bytes = (self.num_state_slots + self.num_state_snapshots) * slot_bytes
+                                    if self.num_state_slots and keeps_snapshots else 0)
+        state_bytes = ((self.num_state_slots + self.num_state_snapshots) * slot_bytes
+                       + self.num_state_slots * draft_slot_bytes)
         self.num_pages = config.num_pages or self._pages_for_budget(budget, state_bytes)
         # Dynamic NTK RoPE checks each forward's positions on the host, which a graph cannot capture
         # (not for linear-attention layers yet: the graphs replay K/V writes only, not state-slot updates)
@@ -160,13 +167,18 @@ class ModelRunner(StepRunner):
         # with graphs, one page more than the engine hands out: its first slot takes padded rows' K/V
         pool_pages = self.num_pages + (1 if use_graphs else 0)
         weights = weight_bytes(self.model)
-        kv_bytes = pool_pages * KVCache.bytes_per_page(self.cache_specs, self.page_size, self.dtype)
+        kv_bytes = pool_pages * self._page_bytes()
+        if self.draft is not None:
+            weights += weight_bytes(self.draft.model)
         check_kv_cache_fits(kv_bytes + state_bytes, weights, self.device)
         self.kv_cache = KVCache(self.cache_specs, pool_pages, self.page_size, self.dtype, self.device)
         self.state_cache = (StateCache(self.cache_specs, self.num_state_slots + self.num_state_snapshots, self.dtype,
                                        self.device) if self.num_state_slots else None)
         self.caches = ModelCaches(self.kv_cache, self.state_cache)
-        self.speculation = runner_speculation(config.speculative_config, self.model, self.caches, self.page_size)
+        draft_caches = (self.draft.caches(pool_pages, self.page_size, self.num_state_slots, self.device)
+                        if self.draft is not None else None)
+        self.speculation = runner_speculation(config.speculative_config, self.model, self.caches, self.page_size,
+                                              self.draft, draft_caches)
         log_memory(weights, self.quantization, self.dtype, kv_bytes, pool_pages, self.page_size, state_bytes,
                    self.num_state_slots, self.num_state_snapshots)
         self.decode_graphs = None
@@ -191,7 +203,8 @@ class ModelRunner(StepRunner):
         (kernels/planning.py) is timed here, on the thread that runs the kernels."""
         build, self.kernel_build = self.kernel_build, None
         kernels = load_cpu_kernels() if build is not None and build.result() else None
-        use_cpu_kernels(self.model, kernels)  # None (the build failed): torch's ops stay, awaiting nothing
+        for model in (self.model, self.draft.model) if self.draft is not None else (self.model,):
+            use_cpu_kernels(model, kernels)  # None (the build failed): torch's ops stay, awaiting nothing
         if kernels is None:
             return
         self.sampler.kernel = kernels
@@ -218,18 +231,25 @@ class ModelRunner(StepRunner):
         cache budget (with `num_pages`: of the whole, those pages and the running slots being the rest)."""
         fraction, count = config.hybrid_snapshot_fraction, config.num_hybrid_snapshots
         if budget is not None:
-            return snapshots_in_budget(budget[0], slot_bytes, fraction, count)
-        beside = config.num_pages * KVCache.bytes_per_page(self.cache_specs, self.page_size, self.dtype)
-        beside += self.num_state_slots * slot_bytes
-        return snapshots_in_budget(int(beside / (1 - fraction)), slot_bytes, fraction, count)
+            total = budget[0]
+        else:
+            beside = config.num_pages * self._page_bytes()
+            total = int((beside + self.num_state_slots * slot_bytes) / (1 - fraction))
+        count = snapshots_in_budget(total, slot_bytes, fraction, count)
+        # tensor-parallel ranks number their snapshots alike: the fewest any of them has room for
+        return count if self.parallel is None else self.parallel.min_over_ranks(count)
 
     def _pages_for_budget(self, budget: tuple[int, str], state_bytes: int) -> int:
         """Pages of the KV pool: what the cache budget holds beside a state pool of `state_bytes`
         (memory_budget.py). Tensor-parallel ranks take the fewest any of them has room for: they share one page
         table."""
-        per_page = KVCache.bytes_per_page(self.cache_specs, self.page_size, self.dtype)
-        num_pages = pages_beside_states(budget[0], per_page, state_bytes, budget[1])
+        num_pages = pages_beside_states(budget[0], self._page_bytes(), state_bytes, budget[1])
         return num_pages if self.parallel is None else self.parallel.min_over_ranks(num_pages)
+
+    def _page_bytes(self) -> int:
+        """Bytes one page takes in every pool over the pages: the target's attention layers', and a draft model's."""
+        draft = self.draft.page_bytes(self.page_size) if self.draft is not None else 0
+        return KVCache.bytes_per_page(self.cache_specs, self.page_size, self.dtype) + draft
 
     def _capture_decode_graphs(self, config: EngineConfig) -> None:
         """Decode steps' CUDA graphs for up to max_num_seqs rows, captured before serving (cuda_graphs.py)."""
@@ -256,13 +276,15 @@ class ModelRunner(StepRunner):
             index = step.pending_index.to(self.device, non_blocking=True)  # (2, P): rows over sources
             batch.input_ids.index_copy_(0, index[0], source.token_ids.index_select(0, index[1]))
         if self.speculation is not None:
-            self.speculation.before_forward(batch)
+            self.speculation.before_forward(batch, step.new_state_slots)
         out = self.forward(batch, step.prompt_scorings, sample=bool(step.rows), lora_ids=step.lora_ids)
         if step.state_saves is not None:  # states at page boundaries into the prefix cache's snapshots
             self.state_cache.copy(*step.state_saves)
         pooled = (self.pooler(out.hidden, step.pooling_rows) if step.pooling_rows and self.pooler is not None
                   else None)
         if out.logits is None:
+            if self.speculation is not None:  # a model proposer reads the chunks too
+                self.speculation.after_sampling(step.speculation, batch, out.hidden, None)
             return LaunchedStep(sampled=None, token_ids=None, prompt_logprobs=out.prompt_logprobs, pooled=pooled)
         sampled = self.sampler.launch(out.logits, step.rows)
         drafts = None

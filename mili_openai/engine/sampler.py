@@ -46,6 +46,8 @@ class SamplingRow:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     grammar: Any = None  # the sequence's structured-output matcher (engine/structured_output.py), if any
+    # a row verifying drafts: the drafts before it, which its grammar mask sees consumed (a decode's rows in order)
+    grammar_drafts: Sequence[int] = ()
 
 
 class SamplerOutput(NamedTuple):
@@ -102,6 +104,7 @@ class PendingSample:
     copied: Any  # a torch.cuda.Event recorded after the copies; None on CPU, where they are the tensors
     constrained: list[int]  # rows with a structured output: their matchers take the token at finish
     grammars: list[Any]
+    grammar_drafts: list[Sequence[int]]  # per constrained row, the drafts before it (SamplingRow.grammar_drafts)
     logprob_rows: list[int]  # rows that asked for logprobs, and how many top tokens each
     logprob_top_ks: list[int]
 
@@ -153,7 +156,7 @@ class Sampler:
             raise ValueError(f"logits have {logits.shape[1]} columns, fewer than vocab_size={self.vocab_size}")
         if not rows:
             empty = torch.empty(0, dtype=torch.long, device=logits.device)
-            return PendingSample(empty, [empty.cpu(), None, None, None, None], None, [], [], [], [])
+            return PendingSample(empty, [empty.cpu(), None, None, None, None], None, [], [], [], [], [])
         self._validate_logit_bias(rows, logits.shape[1])
         raw_logits = logits
         constrained = [i for i, row in enumerate(rows) if row.grammar is not None]  # structured outputs
@@ -172,7 +175,7 @@ class Sampler:
             tensors = logprob_tensors(raw_logits[index], token_ids[index], max(top_ks))
         host, copied = self._copy_to_host([token_ids, *tensors])
         return PendingSample(token_ids, host, copied, constrained, [rows[i].grammar for i in constrained],
-                             wanted, top_ks)
+                             [rows[i].grammar_drafts for i in constrained], wanted, top_ks)
 
     @staticmethod
     def finish(pending: PendingSample) -> SamplerOutput:
@@ -181,7 +184,8 @@ class Sampler:
             pending.copied.synchronize()
         token_list, *lists = (t.tolist() if t is not None else None for t in pending.host)
         if pending.constrained:
-            structured_output.consume_tokens(pending.grammars, [token_list[i] for i in pending.constrained])
+            structured_output.consume_tokens(pending.grammars, [token_list[i] for i in pending.constrained],
+                                             pending.grammar_drafts)
         logprobs: list[TokenLogprob | None] = [None] * len(token_list)
         if pending.logprob_rows:
             entries = logprob_entries([token_list[i] for i in pending.logprob_rows], pending.logprob_top_ks, *lists)
@@ -219,7 +223,9 @@ class Sampler:
                 penalty_rows.append(index)
 
         padded = width > self.vocab_size
-        masked_formats = [index for index in constrained if rows[index].grammar.masks]  # not while thinking
+        # not while thinking (after the drafts before a verify row)
+        masked_formats = [index for index in constrained
+                          if rows[index].grammar.masks_after(rows[index].grammar_drafts)]
         if not (bias_rows or masked_rows or penalty_rows or padded or masked_formats):
             return logits
         logits = logits.clone()  # the caller's tensor stays the raw logits (logprobs read them)
@@ -232,7 +238,8 @@ class Sampler:
         if penalty_rows:
             self._apply_penalties(logits, [rows[i] for i in penalty_rows], penalty_rows)
         if masked_formats:  # last: a format's mask is absolute, whatever the biases did
-            structured_output.mask_rows(logits, masked_formats, [rows[i].grammar for i in masked_formats])
+            structured_output.mask_rows(logits, masked_formats, [rows[i].grammar for i in masked_formats],
+                                        [rows[i].grammar_drafts for i in masked_formats])
         return logits
 
     @staticmethod

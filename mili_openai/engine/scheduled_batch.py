@@ -32,6 +32,9 @@ class ScheduledBatch:
     # snapshot after it
     state_restores: list[tuple[int, int]] = field(default_factory=list)
     state_saves: list[tuple[int, int]] = field(default_factory=list)
+    # saves of decodes verifying drafts (decode index, row offset in its group, snapshot id): the state that row
+    # left (kept for the rollback) is copied after sampling, where the row's token was accepted
+    verified_saves: list[tuple[int, int, int]] = field(default_factory=list)
 
     def drafts(self, index: int) -> list[int]:
         """The draft tokens seqs[index] verifies: [] for a prefill chunk or a decode without drafts."""

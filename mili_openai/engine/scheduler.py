@@ -5,6 +5,9 @@ are part-way through their prompt, then of newly admitted ones) under a token bu
 out, the newest running sequence is preempted: its pages are released (full ones stay cached in the
 radix tree) and it goes back to the front of the queue to be recomputed.
 
+A vision model's chunks also share a cap on the image patches the step encodes (engine/encoder_budget.py): a
+chunk stops before an image the step has no encoder budget left for.
+
 A model with linear-attention layers also needs a state slot per running sequence (`state_slots`,
 engine/state_slots.py): a sequence is admitted only when both a slot and its pages are free, and gives its
 slot back when it finishes or is preempted.
@@ -24,10 +27,12 @@ has them.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 
 from mili_openai.config import EngineConfig
+from mili_openai.engine.encoder_budget import EncoderBudget
 from mili_openai.engine.kv_pages import KVPageManager
 from mili_openai.engine.proposers import DraftSwitch, make_proposer
 from mili_openai.engine.scheduled_batch import ScheduledBatch
@@ -63,9 +68,8 @@ class Scheduler:
         self.proposer = make_proposer(speculative) if speculative is not None else None
         self.draft_switch = DraftSwitch(speculative) if speculative is not None else None
         self.max_drafting_batch = speculative.disable_by_batch_size if speculative is not None else None
-        # positions a model proposer's chained drafts write past the verified ones (engine/mtp_drafter.py)
-        self.draft_lookahead = (speculative.num_speculative_tokens - 1
-                                if speculative is not None and self.proposer.drafts_in_runner else 0)
+        # positions a model proposer's chained drafts write past the verified ones (Proposer.draft_lookahead)
+        self.draft_lookahead = self.proposer.draft_lookahead if self.proposer is not None else 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -90,6 +94,7 @@ class Scheduler:
         prefills: list[tuple[Sequence, int]] = []
         preempted: list[Sequence] = []
         drafting = not lookahead and self._drafts_at(len(self.running))
+        encoder = EncoderBudget(self.config.max_encoder_patches_per_step)
 
         for seq in list(self.running):  # oldest first; preemption takes from the newest end
             if budget == 0:
@@ -97,11 +102,14 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or self._awaits_last_token(seq):
                 continue  # preempted earlier in this loop, or done once its pending token is back
             uncomputed = seq.num_uncomputed_tokens
-            num_new = self.pages.prefill_chunk(seq, min(uncomputed, budget))
+            num_new = encoder.limit(seq, self.pages.prefill_chunk(seq, min(uncomputed, budget)))
+            if num_new == 0:
+                continue  # its next image waits for a step with encoder budget
             if not self._reserve(seq, num_new, preempted, can_preempt=not lookahead):
                 continue  # seq itself was preempted, or found no page
             budget -= num_new
-            (decodes if uncomputed == 1 else prefills).append((seq, num_new))
+            # a pooling input's last token stays a prefill chunk: the runner pools prefill rows only
+            (decodes if uncomputed == 1 and not seq.pooled else prefills).append((seq, num_new))
         # drafts after every running sequence has its token and pages: a guess never takes those
         draft_tokens: list[list[int]] = []
         for seq, _ in decodes:
@@ -111,7 +119,9 @@ class Scheduler:
 
         new_state_slots: list[int] = []
         if not preempted:
-            budget = self._admit(budget, prefills, new_state_slots)
+            budget = self._admit(budget, prefills, new_state_slots, encoder)
+        if prefills and self.waiting:
+            self._ask_branch_saves(prefills)
 
         scheduled = decodes + prefills
         if not scheduled:
@@ -162,12 +172,13 @@ class Scheduler:
         sequence's own tokens and the drafts before), its max_tokens (the drafts and the token sampled
         after them) and the pages it holds or finds free allow. A guess never evicts a cached prefix nor
         preempts a sequence."""
-        if seq.num_pending_tokens or seq.grammar is not None or not self.draft_switch.allows(seq):
-            # its last token is still being sampled; a format's matcher takes one token a step; its drafts
-            # were mostly rejected (DraftSwitch)
+        if seq.num_pending_tokens or not self.draft_switch.allows(seq):
+            # its last token is still being sampled; its drafts were mostly rejected (DraftSwitch)
             return []
         room = seq.max_tokens - len(seq.output_token_ids) - 1
         drafts = self.proposer.propose(seq, min(budget, room))
+        if seq.grammar is not None:  # a structured output's drafts stop at the first its format disallows
+            drafts = drafts[: seq.grammar.valid_prefix(drafts)]
         if drafts or self.draft_lookahead:
             free = self.pages.pool.num_free
             slots = (len(seq.pages) + free) * self.pages.page_size
@@ -210,7 +221,8 @@ class Scheduler:
         self.num_preemptions_total += 1
         self.waiting.appendleft(seq)
 
-    def _admit(self, budget: int, prefills: list[tuple[Sequence, int]], new_state_slots: list[int]) -> int:
+    def _admit(self, budget: int, prefills: list[tuple[Sequence, int]], new_state_slots: list[int],
+               encoder: EncoderBudget) -> int:
         """Move waiting sequences into running while budget, sequence cap, pages and state slots allow (FIFO);
         the slots handed out go to `new_state_slots`."""
         deferred: list[Sequence] = []
@@ -231,9 +243,9 @@ class Scheduler:
                 self.pages.release(seq)
                 deferred.append(seq)
                 continue
-            num_new = self.pages.prefill_chunk(seq, min(seq.num_uncomputed_tokens, budget))
+            num_new = encoder.limit(seq, self.pages.prefill_chunk(seq, min(seq.num_uncomputed_tokens, budget)))
             no_slot = self.state_slots is not None and self.state_slots.num_free == 0
-            if no_slot or not self.pages.allocate(seq, self.pages.pages_needed(seq, num_new)):
+            if num_new == 0 or no_slot or not self.pages.allocate(seq, self.pages.pages_needed(seq, num_new)):
                 self.pages.release(seq)
                 self.waiting.appendleft(seq)
                 break
@@ -266,18 +278,48 @@ class Scheduler:
         state where seq can resume (engine/state_snapshots.py)."""
         if not self.pages.enable_prefix_caching or seq.images is not None:
             return False, 0  # a sequence with images never reuses cached pages (engine/kv_pages.py)
-        page_size = self.pages.page_size
-        for index, (other, num_new) in enumerate(prefills):
-            if other.lora_id != seq.lora_id:  # its pages hold another adapter's K/V
-                continue
-            limit = min(seq.num_tokens - 1, other.num_tokens)
-            shared = common_prefix_length(seq.token_ids[:limit], other.token_ids[:limit]) // page_size * page_size
+        for index, (other, _) in enumerate(prefills):
+            shared = self._shared_pages(seq, other)
             if shared <= matched:
                 continue
-            start, freed = other.num_computed_tokens, 0
-            if self.pages.snapshots is not None and start < shared < start + num_new:
-                freed = start + num_new - shared
-                prefills[index] = (other, shared - start)
-            if self.pages.will_cache(other, shared, start + num_new - freed):
+            will_cache, freed = self._stop_chunk_at(prefills, index, shared)
+            if will_cache:
                 return True, freed
         return False, 0
+
+    def _ask_branch_saves(self, prefills: list[tuple[Sequence, int]]) -> None:
+        """A hybrid model's waiting prompts that admission did not reach this step (budget, sequence cap) may
+        share a prefix with a chunk running now: that chunk saves its state at the branch point as it passes,
+        or the state there is gone by the time they are admitted and they run cold."""
+        if self.pages.snapshots is None or not self.pages.enable_prefix_caching:
+            return
+        page_size = self.pages.page_size
+        for seq in itertools.islice(self.waiting, self.config.max_num_seqs):
+            if seq.images is not None:
+                continue
+            for index, (other, _) in enumerate(prefills):
+                # most unrelated prompts differ in their first page: compare that before the whole prefix
+                if seq.token_ids[:page_size] != other.token_ids[:page_size]:
+                    continue
+                shared = self._shared_pages(seq, other)
+                if shared > other.num_computed_tokens:
+                    self._stop_chunk_at(prefills, index, shared)
+
+    def _shared_pages(self, seq: Sequence, other: Sequence) -> int:
+        """The prefix of seq's prompt (whole pages, its last token excluded) that other's tokens hold, under the
+        same adapter (other's pages hold its adapter's K/V)."""
+        if other.lora_id != seq.lora_id:
+            return 0
+        page_size = self.pages.page_size
+        limit = min(seq.num_tokens - 1, other.num_tokens)
+        return common_prefix_length(seq.token_ids[:limit], other.token_ids[:limit]) // page_size * page_size
+
+    def _stop_chunk_at(self, prefills: list[tuple[Sequence, int]], index: int, position: int) -> tuple[bool, int]:
+        """Have prefills[index]'s sequence leave its first `position` tokens where another can resume from them
+        (a hybrid model's chunk is cut there, to save its state); whether it will, and the budget tokens freed."""
+        other, num_new = prefills[index]
+        start, freed = other.num_computed_tokens, 0
+        if self.pages.snapshots is not None and start < position < start + num_new:
+            freed = start + num_new - position
+            prefills[index] = (other, position - start)
+        return self.pages.will_cache(other, position, start + num_new - freed), freed

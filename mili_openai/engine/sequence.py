@@ -21,6 +21,11 @@ if TYPE_CHECKING:
     from mili_openai.radix import RadixNode
 
 
+# a LoRA sequence's prefix-cache key shifts every token id by its adapter id times this (past any vocabulary),
+# so prefixes computed under one adapter (or the base, id 0, unshifted) never match under another
+LORA_KEY_STRIDE = 1 << 32
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -71,6 +76,9 @@ class Sequence:
     snapshot: tuple[int, int] | None = None
     restore_snapshot: int | None = None
     snapshot_stops: list[int] = field(default_factory=list)
+    # a save planned in a step verifying drafts: (snapshot id, page boundary, the decode row that reaches it),
+    # kept only if that row's token is accepted (StateSnapshots.settle_verified)
+    verified_snapshot: tuple[int, int, int] | None = None
 
     # speculative decoding: the drafts a model proposer (MTP) made in this sequence's last step, for its next
     # (engine/proposers.py), and its own tally of drafts verified and accepted (the adaptive off-switch)
@@ -122,6 +130,15 @@ class Sequence:
     @property
     def owned_pages(self) -> list[int]:
         return self.pages[self.num_tree_pages :]
+
+    def cache_key(self, num_tokens: int) -> list[int]:
+        """The radix tree's key for the first num_tokens tokens (K/V pages and state snapshots alike): what was
+        computed under them depends on the LoRA adapter too."""
+        tokens = self.token_ids[:num_tokens]
+        if not self.lora_id:
+            return tokens
+        offset = self.lora_id * LORA_KEY_STRIDE
+        return [token + offset for token in tokens]
 
     def settle_drafts(self, num_drafts: int, num_accepted: int) -> None:
         """A decode verified num_drafts draft tokens (counted computed when it was scheduled) and kept the

@@ -7,13 +7,15 @@ thread, right after sampling, `StepSpeculation.after_sampling`:
 1. counts the drafts each decode's samples agree with (the rule `EngineCore.postprocess` applies too);
 2. rolls linear-attention states back: the decode's rows ran one after another over its state slot, keeping
    the state each row left (model/gated_deltanet.py, model/state_cache.py); a decode that kept j of its k
-   drafts gets the state its row j left, which is its state after its last kept token;
+   drafts gets the state its row j left, which is its state after its last kept token; and where the prefix
+   cache saves a state at a page boundary its rows crossed, the row reaching it, if kept, is copied into the
+   snapshot (engine/state_snapshots.py);
 3. runs the model proposer over the step's kept rows (engine/mtp_drafter.py) for the next step's drafts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -36,6 +38,16 @@ class SpeculationPlan:
     next_ids: np.ndarray | None = None
     sampled_seqs: list[int] | None = None
     pages: list[np.ndarray] | None = None
+    # a hybrid prefix cache's saves in decodes verifying drafts (ScheduledBatch.verified_saves): (decode, its row,
+    # snapshot id), copied from that row's kept state where the row's token is accepted
+    snapshot_saves: list[tuple[int, int, int]] = field(default_factory=list)
+    # per sequence: the position of the token it samples where none of its drafts is kept, and its state slot
+    # (None without linear-attention layers)
+    sample_positions: list[int] | None = None
+    state_slots: list[int] | None = None
+    # per sequence, its structured output's matcher (None: none), which masks a model's drafts as the target's
+    # tokens; None where no sequence of the step has a format
+    grammars: list | None = None
 
 
 def plan_speculation(batch: ScheduledBatch) -> SpeculationPlan | None:
@@ -46,7 +58,8 @@ def plan_speculation(batch: ScheduledBatch) -> SpeculationPlan | None:
     starts = np.cumsum([0, *batch.num_new_tokens[:num_decode]])[:-1].tolist()
     decodes = batch.seqs[:num_decode]
     slots = [seq.state_slot for seq in decodes] if decodes and decodes[0].state_slot is not None else None
-    plan = SpeculationPlan(starts, [batch.drafts(index) for index in range(num_decode)], slots)
+    plan = SpeculationPlan(starts, [batch.drafts(index) for index in range(num_decode)], slots,
+                           snapshot_saves=list(batch.verified_saves))
     if batch.run_proposer:
         next_ids = []
         for index in range(num_decode, len(batch.seqs)):
@@ -56,6 +69,13 @@ def plan_speculation(batch: ScheduledBatch) -> SpeculationPlan | None:
         plan.next_ids = np.asarray(next_ids, dtype=np.int64)
         plan.sampled_seqs = [index for index, samples in enumerate(batch.samples) if samples]
         plan.pages = [np.asarray(seq.pages, dtype=np.int64) for seq in batch.seqs]
+        # a decode samples after its first row, a chunk after its last
+        plan.sample_positions = [start + (1 if index < num_decode else count) for index, (start, count)
+                                 in enumerate(zip(batch.positions, batch.num_new_tokens))]
+        if batch.seqs[0].state_slot is not None:
+            plan.state_slots = [seq.state_slot for seq in batch.seqs]
+        if any(seq.grammar is not None for seq in batch.seqs):
+            plan.grammars = [seq.grammar for seq in batch.seqs]
     return plan
 
 
@@ -71,11 +91,15 @@ def accepted_counts(plan: SpeculationPlan, tokens: list[int]) -> list[int]:
 
 
 class Drafter(Protocol):
-    """A model proposer run by the runner after sampling (engine/mtp_drafter.py)."""
+    """A model proposer run by the runner after sampling (engine/mtp_drafter.py, engine/draft_model.py)."""
+
+    def reset_states(self, slots: torch.Tensor) -> None:
+        """Zero the state slots handed out in this step, where the proposer keeps states of its own."""
 
     def propose(self, plan: SpeculationPlan, batch: ForwardBatch, hidden: torch.Tensor, tokens: list[int],
                 accepted: list[int]) -> list[list[int]]:
-        """The next step's drafts of every sequence of the batch (in batch order; [] for none)."""
+        """The next step's drafts of every sequence of the batch (in batch order; [] for none). `tokens`: the
+        step's samples in logits order ([] where nothing sampled: the proposer still reads the chunks)."""
 
 
 class StepSpeculation:
@@ -85,22 +109,29 @@ class StepSpeculation:
         self.state_cache = state_cache
         self.drafter = drafter
 
-    def before_forward(self, batch: ForwardBatch) -> None:
-        """Where decodes verify drafts over linear layers, keep the state each decode row leaves."""
+    def before_forward(self, batch: ForwardBatch, new_state_slots: torch.Tensor | None) -> None:
+        """Where decodes verify drafts over linear layers, keep the state each decode row leaves; the proposer's
+        states of the slots handed out in this step start from zeros, as the target's."""
+        if new_state_slots is not None and self.drafter is not None:
+            self.drafter.reset_states(new_state_slots)
         if self.state_cache is not None:
             self.state_cache.keep_verified_states(batch.num_decode if batch.decode_groups is not None else None)
 
     def after_sampling(self, plan: SpeculationPlan | None, batch: ForwardBatch, hidden: torch.Tensor,
-                       token_ids: torch.Tensor) -> list[list[int]] | None:
-        """Roll rejected drafts' states back and draft for the next step -> its drafts per sequence, or None."""
+                       token_ids: torch.Tensor | None) -> list[list[int]] | None:
+        """Roll rejected drafts' states back and draft for the next step -> its drafts per sequence, or None.
+        token_ids None: the step sampled nothing (prefill chunks only), which a model proposer reads too."""
         rolls_back = self.state_cache is not None and batch.decode_groups is not None
         if plan is None or not (rolls_back or (self.drafter is not None and plan.next_ids is not None)):
             return None  # nothing to do here: no host sync
-        tokens = token_ids.tolist()
+        tokens = token_ids.tolist() if token_ids is not None else []
         accepted = accepted_counts(plan, tokens)
         if rolls_back:
             rolled = [(first + kept, slot) for first, kept, drafts, slot
                       in zip(plan.group_rows, accepted, plan.group_drafts, plan.group_slots) if kept < len(drafts)]
+            # and the kept states of accepted rows that reach a page boundary into their snapshots
+            rolled += [(plan.group_rows[decode] + row, snapshot_id) for decode, row, snapshot_id in plan.snapshot_saves
+                       if row <= accepted[decode]]
             if rolled:
                 rows, slots = zip(*rolled)
                 self.state_cache.restore_kept(torch.tensor(rows), torch.tensor(slots))

@@ -22,29 +22,19 @@ from mili_openai.radix import PagePool
 logger = logging.getLogger(__name__)
 
 
-def keeps_snapshots(config: EngineConfig) -> bool:
-    """Whether a model with linear-attention layers keeps prefix-cache state snapshots under `config`: not yet
-    beside speculative decoding (a verify step can carry a sequence past a page boundary, where its snapshot is
-    due) nor over tensor-parallel ranks (the workers do not copy snapshots)."""
-    return config.enable_prefix_caching and config.speculative_config is None and config.tensor_parallel_size == 1
-
-
 def config_for_state_slots(config: EngineConfig, num_snapshots: int) -> EngineConfig:
     """The engine's config for a model with linear-attention layers. Prefix reuse only with state snapshots
     (engine/state_snapshots.py): cached pages hold K/V alone, and a sequence resumed from them alone would miss
-    its recurrent state; and only where it `keeps_snapshots`."""
-    if config.enable_prefix_caching and not keeps_snapshots(config):
-        logger.info("prefix caching is off: a model with linear-attention layers keeps no state snapshots yet with "
-                    "speculative decoding or tensor parallelism")
-        return dataclasses.replace(config, enable_prefix_caching=False)
+    its recurrent state."""
     if not config.enable_prefix_caching:
         return config
     if num_snapshots:
         logger.info("prefix caching: a prefix resumes from a state snapshot at its end (%d snapshots), never from "
                     "K/V alone", num_snapshots)
         return config
-    logger.info("prefix caching is off: this model has linear-attention layers and no room was left for state "
-                "snapshots (--hybrid-snapshot-fraction, --num-hybrid-snapshots)")
+    logger.info("prefix caching is off: this model has linear-attention layers and no state snapshots (no room "
+                "left for them: --hybrid-snapshot-fraction, --num-hybrid-snapshots; or a draft model with "
+                "linear-attention layers beside it, whose states do not follow them yet)")
     return dataclasses.replace(config, enable_prefix_caching=False)
 
 

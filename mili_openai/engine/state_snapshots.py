@@ -9,11 +9,17 @@ taken with no extra forward pass, in the step that computes the position:
   prompt's last token (what a repeat of the prompt, an n > 1 sibling and the next turn of a chat match). The
   prefill chunk that would run past it stops there, and the few tokens after it run in the next step;
 - a point where another prompt branches off this one's path (`request_stop`, asked by a prompt that waits
-  for this one's pages: a shared system prompt or few-shot block), and every `interval` pages if set;
+  for this one's pages: a shared system prompt or few-shot block), or where this prompt leaves a cached path
+  that has no snapshot (the same prompt sent again after the first has finished), and every `interval` pages
+  if set;
 - while decoding, each time a sequence's computed tokens reach a page boundary its state is copied into a
   snapshot it holds (one per sequence, overwritten at the next boundary); when the sequence ends (finished,
   aborted or preempted) that snapshot joins the tree at its boundary: it serves the chat's next turn, and a
-  preempted sequence resumes from it.
+  preempted sequence resumes from it;
+- a decode verifying draft tokens (speculative decoding) runs several rows, and how many it keeps is known only
+  after sampling: where its rows cross a page boundary, the state the row reaching it left (each row's is kept
+  for the rollback, engine/speculation.py) is copied into a fresh snapshot after sampling, if that row's token
+  was accepted (`plan_verified`, `settle_verified`); otherwise the snapshot goes back and the one it held stays.
 
 A save planned in one step is attached to its node once that step's pages are in the tree; steps run in the
 order they are scheduled, so a restore (always planned later) reads a finished save, and an id freed and
@@ -75,12 +81,43 @@ class StateSnapshots:
                 seq.restore_snapshot = None
             end = seq.num_computed_tokens
             decode = index < batch.num_decode
+            if batch.drafts(index):  # its slot ends past the rows it may not keep
+                self.plan_verified(batch, index)
+                continue
             if end % self.page_size or end == 0 or not (decode or self.is_stop(seq, end)):
                 continue
             snapshot_id = seq.snapshot[0] if seq.snapshot is not None else self.store.reserve()
             if snapshot_id is not None:
                 seq.snapshot = (snapshot_id, end)
                 batch.state_saves.append((seq.state_slot, snapshot_id))
+
+    def plan_verified(self, batch: ScheduledBatch, index: int) -> None:
+        """A decode verifying drafts: its rows feed positions start .. start + drafts; the first page boundary they
+        reach (the only one unless there are as many drafts as a page has tokens) is saved from the row reaching
+        it, into a fresh id (the one seq holds stays whole until the row is known kept: the step may be aborted)."""
+        seq, start = batch.seqs[index], batch.positions[index]
+        boundary = (start // self.page_size + 1) * self.page_size
+        if boundary > seq.num_computed_tokens:
+            return
+        snapshot_id = self.store.reserve()
+        if snapshot_id is not None:
+            row = boundary - start - 1  # the row whose state covers the tokens before `boundary`
+            seq.verified_snapshot = (snapshot_id, boundary, row)
+            batch.verified_saves.append((index, row, snapshot_id))
+
+    def settle_verified(self, seq: Sequence, num_accepted: int) -> None:
+        """seq's drafts were verified, `num_accepted` kept: its planned save holds its state if the row reaching the
+        boundary was kept (row 0, the decode's own token, always is), and replaces the snapshot seq held."""
+        if seq.verified_snapshot is None:
+            return
+        snapshot_id, position, row = seq.verified_snapshot
+        seq.verified_snapshot = None
+        if row > num_accepted:
+            self.store.release(snapshot_id)
+            return
+        if seq.snapshot is not None:
+            self.store.release(seq.snapshot[0])
+        seq.snapshot = (snapshot_id, position)
 
     def stats(self, slot_bytes: int) -> dict[str, int]:
         """EngineStats' fields of the snapshots; `slot_bytes`: one state slot's memory."""
@@ -96,7 +133,7 @@ class StateSnapshots:
         snapshot_id, position = seq.snapshot
         if position > seq.num_tree_pages * self.page_size:
             return  # its pages join the tree later: after its chunk, or when seq ends
-        node = self.tree.insert(seq.token_ids[:position], seq.pages[: position // self.page_size]).node
+        node = self.tree.insert(seq.cache_key(position), seq.pages[: position // self.page_size]).node
         self.store.attach(node, snapshot_id)
         seq.snapshot = None
 
@@ -107,10 +144,15 @@ class StateSnapshots:
         if seq.snapshot is not None:
             self.store.release(seq.snapshot[0])
             seq.snapshot = None
+        if seq.verified_snapshot is not None:  # aborted in a verify step: its save never settled
+            self.store.release(seq.verified_snapshot[0])
+            seq.verified_snapshot = None
         seq.restore_snapshot = None
         seq.snapshot_stops.clear()
 
     @staticmethod
     def held(sequences: Iterable[Sequence]) -> list[int]:
         """The snapshot ids sequences hold (saved, not attached yet), for the integrity check."""
-        return [seq.snapshot[0] for seq in sequences if seq.snapshot is not None]
+        sequences = list(sequences)
+        held = [seq.snapshot[0] for seq in sequences if seq.snapshot is not None]
+        return held + [seq.verified_snapshot[0] for seq in sequences if seq.verified_snapshot is not None]

@@ -92,11 +92,13 @@ class StepPreparer:
     before it sampled."""
 
     def __init__(self, device: torch.device, page_size: int, rotary_table: RotaryTable,
-                 feed_on_device: bool = False, pin_memory: bool | None = None) -> None:
+                 feed_on_device: bool = False, pin_memory: bool | None = None, serves_lora: bool = False) -> None:
         """feed_on_device: steps read their pending input ids from the step before's sampled ids on the
         device (so they may launch before it finishes), unless they need them on the host. pin_memory: stage
-        a device's inputs in pinned memory (None: on CUDA; a stand-in device without CUDA cannot pin)."""
+        a device's inputs in pinned memory (None: on CUDA; a stand-in device without CUDA cannot pin).
+        serves_lora: rows may run LoRA adapters (else no step looks for their ids)."""
         self.device = device
+        self.serves_lora = serves_lora
         self.pin_memory = device.type == "cuda" if pin_memory is None else pin_memory
         self.feed_on_device = feed_on_device
         self.page_size = page_size
@@ -144,7 +146,8 @@ class StepPreparer:
                 # accepted, so it samples as if they were (penalties and min_tokens see them)
                 draft_history = [*history, *drafts[:count]] if seq.params.reads_output_history else history
                 rows.append(SamplingRow(params=seq.params, generator=seq.generator,
-                                        prompt_token_ids=seq.prompt_token_ids, output_token_ids=draft_history))
+                                        prompt_token_ids=seq.prompt_token_ids, output_token_ids=draft_history,
+                                        grammar=seq.grammar, grammar_drafts=drafts[:count]))
         self._own_rows = own_rows
         forward_batch = build_forward_batch(batch, self.page_size, self.page_arrays)
         forward_batch.vision = vision_batch(batch)
@@ -163,7 +166,8 @@ class StepPreparer:
         new_state_slots = torch.tensor(batch.new_state_slots, dtype=torch.int64) if batch.new_state_slots else None
         return PreparedStep(forward_batch, rows, pending_rows, pending_sources, pending_histories,
                             prompt_scorings(batch, forward_batch), staged, pending_index, new_state_slots,
-                            pooling_rows(batch, forward_batch), row_lora_ids(batch), plan_speculation(batch),
+                            pooling_rows(batch, forward_batch),
+                            row_lora_ids(batch) if self.serves_lora else None, plan_speculation(batch),
                             _slot_pairs(batch.state_restores), _slot_pairs(batch.state_saves))
 
     def launch(self, step: PreparedStep, launch_forward: LaunchForward) -> LaunchedStep:

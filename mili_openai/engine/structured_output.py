@@ -6,6 +6,11 @@ allowed next tokens as a bitmask. The mask is filled when the sampler launches a
 token consumed when it finishes (`Sampler.launch`, `Sampler.finish`): a step planned ahead whose matcher
 the step before advances launches only once that step has finished (`PreparedStep.needs_host_tokens`),
 so it sees its matcher advanced.
+
+With speculative decoding (vLLM's scheme), a sequence's drafts are cut at the first one its format disallows
+(`ConstrainedOutput.valid_prefix`); the row after the c-th draft is masked as if the first c drafts were
+consumed, which are then rolled back (`ConstrainedOutput.ahead`); and the matcher takes only the tokens the step
+keeps: the accepted drafts and the token after them (`consume_tokens`).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -103,6 +110,7 @@ class ConstrainedOutput:
         modes = {"optional": self.WAITING, "open": self.THINKING}
         self.state = modes.get(reasoning, self.ACTIVE) if has_tags else self.ACTIVE
         self.consumed = 0  # tokens consumed, thinking included: the sequence's output tokens so far
+        self.matched = 0  # of those, the tokens the matcher took (not the thinking block's): what a rollback undoes
         # How many output tokens there were when the format came to take nothing but EOS (it is complete,
         # or in error); None before. A count rather than a flag: the engine loop reads it for a token
         # while the forward thread, a step ahead, may already have consumed the next one.
@@ -113,15 +121,63 @@ class ConstrainedOutput:
         """Whether the next token is masked at all (not while the model thinks)."""
         return self.state != self.THINKING
 
-    def fill_mask(self, bitmask: np.ndarray, index: int) -> None:
+    def masks_after(self, drafts: Sequence[int]) -> bool:
+        """Whether the token after `drafts` (each allowed in turn) is masked at all."""
+        with self.ahead(drafts):
+            return self.masks
+
+    def fill_mask(self, bitmask: np.ndarray, index: int, drafts: Sequence[int] = ()) -> None:
         """Row `index` of an int32 bitmask (bit j of word w: token 32 w + j): the tokens this output may
-        take next (it `masks`)."""
+        take next, after `drafts` (each allowed in turn; where it `masks_after` them)."""
         import llguidance.numpy
 
-        llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask, index)
-        if self.state == self.WAITING:  # the format's first tokens, or `<think>` to reason first
-            word, bit = divmod(self.think_start, 32)
-            bitmask.view(np.uint32)[index, word] |= np.uint32(1 << bit)
+        with self.ahead(drafts):
+            llguidance.numpy.fill_next_token_bitmask(self.matcher, bitmask, index)
+            if self.state == self.WAITING:  # the format's first tokens, or `<think>` to reason first
+                word, bit = divmod(self.think_start, 32)
+                bitmask.view(np.uint32)[index, word] |= np.uint32(1 << bit)
+
+    def valid_prefix(self, drafts: Sequence[int]) -> int:
+        """How many leading drafts the format allows, each after the ones before it (the state is unchanged)."""
+        saved = self._save()
+        count = 0
+        try:
+            while count < len(drafts) and self._allows(drafts[count]):
+                self.consume(drafts[count])
+                count += 1
+        finally:
+            self._restore(saved)
+        return count
+
+    @contextmanager
+    def ahead(self, drafts: Sequence[int]) -> Iterator[None]:
+        """Within: as if `drafts` were consumed, up to the first the format disallows (a verify row after it is
+        never reached: the target's sample there cannot be that draft); put back after."""
+        if not drafts:
+            yield
+            return
+        saved = self._save()
+        try:
+            for token_id in drafts:
+                if not self._allows(token_id):
+                    break
+                self.consume(token_id)
+            yield
+        finally:
+            self._restore(saved)
+
+    def _allows(self, token_id: int) -> bool:
+        if self.state == self.THINKING or (self.state == self.WAITING and token_id == self.think_start):
+            return True
+        return self.matcher.validate_tokens([token_id]) == 1
+
+    def _save(self) -> tuple[str, int, int | None, int]:
+        return self.state, self.consumed, self.finished_at, self.matched
+
+    def _restore(self, saved: tuple[str, int, int | None, int]) -> None:
+        if self.matched > saved[3]:
+            self.matcher.rollback(self.matched - saved[3])
+        self.state, self.consumed, self.finished_at, self.matched = saved
 
     def finished_by(self, num_output_tokens: int) -> bool:
         """Whether the format took nothing but EOS after the first `num_output_tokens` output tokens."""
@@ -139,6 +195,7 @@ class ConstrainedOutput:
                 return
             self.state = self.ACTIVE
         self.matcher.consume_token(token_id)
+        self.matched += 1
         if self.finished_at is None and self.matcher.is_stopped():
             self.finished_at = self.consumed
 
@@ -204,16 +261,18 @@ class GrammarCompiler:
             return ConstrainedOutput(compiled.deep_copy(), spec.reasoning, *self._think_tags)
 
 
-def mask_rows(logits: torch.Tensor, rows: list[int], outputs: list[ConstrainedOutput]) -> None:
+def mask_rows(logits: torch.Tensor, rows: list[int], outputs: list[ConstrainedOutput],
+              drafts: list[Sequence[int]] | None = None) -> None:
     """Set every token the rows' formats disallow to -inf, in place. logits (B, V) float32 on any device;
-    the outputs all `mask`. llguidance's numpy helpers, not its torch ones: those apply the mask with
-    torch.compile, which on CPU costs a C++ compile on the first constrained step (stalling every
-    stream) and a compiler wherever the server runs."""
+    the outputs all mask (after each row's `drafts`, where given: the drafts before a verify row).
+    llguidance's numpy helpers, not its torch ones: those apply the mask with torch.compile, which on CPU
+    costs a C++ compile on the first constrained step (stalling every stream) and a compiler wherever the
+    server runs."""
     import llguidance.numpy
 
     bitmask = llguidance.numpy.allocate_token_bitmask(len(rows), logits.shape[1])  # (R, ceil(V / 32)) int32
     for index, output in enumerate(outputs):
-        output.fill_mask(bitmask, index)
+        output.fill_mask(bitmask, index, drafts[index] if drafts is not None else ())
     # little-endian words: bit j of word w is bit j % 8 of byte 4 w + j // 8, i.e. unpacked bit 32 w + j
     allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :logits.shape[1]]
     blocked = torch.from_numpy(allowed).to(logits.device) == 0
@@ -221,9 +280,16 @@ def mask_rows(logits: torch.Tensor, rows: list[int], outputs: list[ConstrainedOu
         logits[row].masked_fill_(blocked[index], float("-inf"))
 
 
-def consume_tokens(outputs: list[ConstrainedOutput], token_ids: list[int]) -> None:
+def consume_tokens(outputs: list[ConstrainedOutput], token_ids: list[int],
+                   drafts: list[Sequence[int]] | None = None) -> None:
     """Advance each format by its row's sampled token. A token against the grammar (possible only when
     other processors left no allowed token, e.g. min_tokens blocking the EOS a finished format needs)
-    puts the matcher in error, after which it allows EOS alone: the sequence ends, other rows unharmed."""
-    for output, token_id in zip(outputs, token_ids):
-        output.consume(token_id)
+    puts the matcher in error, after which it allows EOS alone: the sequence ends, other rows unharmed.
+    drafts: per row, the drafts before it where it verifies some (a decode's rows come in order): its token
+    counts only where the row before sampled the last of them, so a matcher takes exactly the tokens kept."""
+    reached = True
+    for index, (output, token_id) in enumerate(zip(outputs, token_ids)):
+        before = drafts[index] if drafts is not None else ()
+        reached = not before or (reached and token_ids[index - 1] == before[-1])
+        if reached:
+            output.consume(token_id)

@@ -215,9 +215,8 @@ class TensorParallelRunner(StepRunner):
     the same `StepPreparer`."""
 
     kernel_build = None  # the workers load with the CPU kernels built: nothing to switch to later
+    lora = None  # LoRA adapters run on one rank (EngineConfig refuses them with tensor parallelism)
     async_launch = False  # a step's forward is a round trip to the workers: `launch` waits for their logits
-    num_state_snapshots = 0  # hybrid models run on one rank (model/hybrid_loader.py refuses more), so no snapshots
-    state_slot_bytes = 0
 
     def __init__(self, config: EngineConfig, model_path: Path) -> None:
         size = config.tensor_parallel_size
@@ -229,6 +228,10 @@ class TensorParallelRunner(StepRunner):
         check_tensor_parallel(self.model_config, size)
         if config.quantization is not None or read_checkpoint_quantization(model_path) is not None:
             raise ValueError("quantized weights run on one rank: not with tensor_parallel_size > 1 yet")
+        if self.model_config.hybrid is not None and config.speculative_config is not None:
+            raise ValueError("speculative decoding on a model with linear-attention layers runs on one rank: the "
+                             "workers do not roll states back to the last kept draft (not with "
+                             "tensor_parallel_size > 1 yet)")
         self.quantization = None  # what /v1/models reports
         dtype = resolve_dtype(config.dtype)
         cpu_kernels = load_cpu_kernels() if self.device.type == "cpu" else None
@@ -243,6 +246,9 @@ class TensorParallelRunner(StepRunner):
         ready = self.workers.ready[0]  # the ranks size the KV pool (each its own memory) and agree on it
         self.num_pages = ready.num_pages
         self.num_state_slots = ready.num_state_slots
+        # every rank snapshots its own heads' states in slots numbered alike: a snapshot's memory is all ranks'
+        self.num_state_snapshots = ready.num_state_snapshots
+        self.state_slot_bytes = sum(rank.state_slot_bytes for rank in self.workers.ready)
         self.steps = StepPreparer(self.device, config.page_size,
                                   RotaryTable(RotaryEmbedding(self.model_config), dtype))
 
@@ -269,7 +275,8 @@ class TensorParallelRunner(StepRunner):
         if source is not None:  # the workers read the input ids this process sends: they must be on the host
             raise RuntimeError("a tensor-parallel step launches only once the step before has finished")
         request = StepRequest(step.forward_batch, num_sampled=len(step.rows), prompt_scorings=step.prompt_scorings,
-                              new_state_slots=step.new_state_slots)
+                              new_state_slots=step.new_state_slots, state_restores=step.state_restores,
+                              state_saves=step.state_saves)
         reply: StepReply = self.workers.request(request, StepReply)
         if not step.rows:
             return LaunchedStep(sampled=None, token_ids=None, prompt_logprobs=reply.prompt_logprobs)

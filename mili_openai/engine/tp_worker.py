@@ -53,6 +53,10 @@ class StepRequest:
     prompt_scorings: list[PromptScoring] = field(default_factory=list)
     # state slots handed out in this step, zeroed on every rank before the forward (PreparedStep.new_state_slots)
     new_state_slots: torch.Tensor | None = None
+    # the prefix cache's state-slot copies (PreparedStep.state_restores / state_saves): each rank copies its own
+    # heads' states, restores before the forward and saves after it, as the one-rank runner does
+    state_restores: torch.Tensor | None = None
+    state_saves: torch.Tensor | None = None
 
 
 @dataclass(slots=True)
@@ -82,6 +86,8 @@ class WorkerReady:
     pid: int
     num_pages: int  # of the KV pool, the same on every rank (the fewest any rank had room for)
     num_state_slots: int  # of the linear-attention layers' state pool (Runner.num_state_slots)
+    num_state_snapshots: int  # the prefix cache's snapshots past those (the fewest any rank had room for)
+    state_slot_bytes: int  # one slot's memory on this rank (its heads' share)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,7 +128,11 @@ def run_step(runner: ModelRunner, request: StepRequest) -> StepReply:
     batch = forward_batch_to(request.forward_batch, runner.device)
     if request.new_state_slots is not None:  # sequences admitted in this step start from zero states
         runner.state_cache.reset(request.new_state_slots)
+    if request.state_restores is not None:  # or from a prefix's state snapshot (engine/state_snapshots.py)
+        runner.state_cache.copy(*request.state_restores)
     out = runner.forward(batch, request.prompt_scorings, sample=request.num_sampled > 0)
+    if request.state_saves is not None:  # states at page boundaries into the prefix cache's snapshots
+        runner.state_cache.copy(*request.state_saves)
     logits = out.logits.cpu() if out.logits is not None else None  # (S, vocab)
     return StepReply(logits=logits, prompt_logprobs=out.prompt_logprobs)
 
@@ -152,7 +162,8 @@ def worker_main(rank: int, size: int, config: EngineConfig, model_path: str, ini
     except BaseException:
         conn.send_bytes(encode(WorkerFailed(rank, traceback.format_exc())))
         return
-    conn.send_bytes(encode(WorkerReady(rank, os.getpid(), runner.num_pages, runner.num_state_slots)))
+    conn.send_bytes(encode(WorkerReady(rank, os.getpid(), runner.num_pages, runner.num_state_slots,
+                                       runner.num_state_snapshots, runner.state_slot_bytes)))
     try:
         _serve(runner, conn, rank)
     finally:

@@ -37,7 +37,8 @@ LINK_FLAGS = ["-fopenmp"]
 REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
 # fp32 values per AVX-512 register: the kernels work in whole vectors along K and along normed rows
 VECTOR_LANES = 16
-ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # the attention kernel keeps a head in registers
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128, 256)  # the attention kernels' head sizes (256: Qwen3.5's attention)
+DECODE_STACK_HEAD_DIMS = (16, 32, 64, 128)  # the fused decoder keeps a head in registers
 ATTENTION_DTYPES = (torch.bfloat16, torch.float32)
 PREFILL_ATTENTION_MAX_GROUP = 64  # query heads per KV head: a prefill task spreads them over 64 lanes
 ROTARY_HEAD_DIM_MULTIPLE, MAX_ROTARY_HEAD_DIM = 32, 256  # the kernel rotates 16-lane halves on the stack
@@ -248,7 +249,7 @@ class CpuKernels:
             all(w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous() for w in norms)
             and all(self.quantized.supports(w) and w.weight.is_contiguous() for w in (embedding, *linears))
             and all(self.supports_sparse_moe(probe, block.gate_up) for block in sparse if block is not None)
-            and head_dim in ATTENTION_HEAD_DIMS
+            and head_dim in DECODE_STACK_HEAD_DIMS
             and head_dim % ROTARY_HEAD_DIM_MULTIPLE == 0
             and hidden_size % VECTOR_LANES == 0
             and all(w.in_features % VECTOR_LANES == 0 for w in linears)

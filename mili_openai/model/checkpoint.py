@@ -13,6 +13,7 @@ import importlib.util
 import json
 import math
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,22 @@ def _draw(name: str, dims: tuple[int, ...], generator: torch.Generator) -> torch
     return torch.randn(dims, generator=generator) / math.sqrt(dims[-1])
 
 
+def draw_and_save(model, directory: Path, seed: int, draw: Callable[[str, tuple[int, ...], torch.Generator],
+                  torch.Tensor], tie: bool) -> torch.Generator:
+    """A transformers model built on the meta device: every parameter allocated once on CPU, drawn from `seed` by
+    `draw(name, shape, generator)`, the whole saved by its `save_pretrained` into `directory` -> the generator,
+    to draw more from the same stream. `tie`: the LM head shares the embedding's storage again."""
+    model.to_empty(device="cpu")
+    if tie:
+        model.tie_weights()  # to_empty gave the LM head its own storage
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            parameter.copy_(draw(name, tuple(parameter.shape), generator))
+    model.save_pretrained(directory)
+    return generator
+
+
 def _save_shards(weights: dict[str, torch.Tensor], path: Path, num_shards: int) -> None:
     if num_shards == 1:
         save_file(weights, str(path / "model.safetensors"), metadata=SAFETENSORS_METADATA)
@@ -172,13 +189,8 @@ def build_random_moe_checkpoint(path: str | Path, config_fields: dict[str, Any],
     config = Qwen3MoeConfig(bos_token_id=QWEN3_BOS_TOKEN_ID, eos_token_id=QWEN3_EOS_TOKEN_IDS[0], **config_fields)
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(config).to(dtype)
-    model.to_empty(device="cpu")  # each tensor allocated once, in `dtype`, then drawn into
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            parameter.copy_(_draw(name, tuple(parameter.shape), generator))
     directory = Path(path)
-    model.save_pretrained(directory)
+    draw_and_save(model, directory, seed, _draw, tie=False)
     _write_generation_config_and_tokenizer(directory)
     return directory
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mili_openai.model.classifier_config import SEQUENCE_CLASSIFICATION, ClassifierConfig, read_classifier
 from mili_openai.model.hybrid_config import (
     DEFAULT_HYBRID_HEAD_DIM,
     DEFAULT_SHARED_EXPERT_INTERMEDIATE_SIZE,
@@ -25,7 +26,15 @@ from mili_openai.model.hybrid_config import (
     read_hybrid,
     text_dict,
 )
-from mili_openai.model.vision_config import read_vision_tower
+from mili_openai.model.qwen3_vl_config import (
+    QWEN3_VL_ARCHITECTURE,
+    QWEN3_VL_TYPE,
+    VisionLanguageConfig,
+    is_qwen3_vl,
+    qwen3_vl_text,
+    read_vision_language,
+)
+from mili_openai.model.vision_config import VisionTowerConfig, read_vision_tower
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -126,6 +135,8 @@ class ModelConfig:
     bos_token_id: int | None
     moe: MoeConfig | None = None  # None: every layer has the dense MLP (Qwen3ForCausalLM)
     hybrid: HybridConfig | None = None  # Qwen3.5 / Qwen3.6 / Qwen3-Next: linear-attention layers among the others
+    classifier: ClassifierConfig | None = None  # Qwen3ForSequenceClassification: a score head, no LM head
+    vision: VisionLanguageConfig | None = None  # Qwen3-VL: a Qwen3 language model with mRoPE and a vision tower
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -156,15 +167,29 @@ class ModelConfig:
         return int(self.head_dim * self.rope.partial_rotary_factor)
 
     @property
+    def vision_tower(self) -> VisionTowerConfig | None:
+        """The vision tower of a vision-language checkpoint (Qwen3.5 / Qwen3.6 or Qwen3-VL); None: text only."""
+        if self.vision is not None:
+            return self.vision.tower
+        return self.hybrid.vision_tower if self.hybrid is not None else None
+
+    @property
     def architecture(self) -> str:
+        if self.vision is not None:
+            return QWEN3_VL_ARCHITECTURE
         if self.hybrid is not None:
             return HYBRID_ARCHITECTURES[self.hybrid.model_type][0]
+        if self.classifier is not None:
+            return SEQUENCE_CLASSIFICATION
         return SUPPORTED_ARCHITECTURES["qwen3_moe" if self.moe is not None else "qwen3"]
 
     @classmethod
     def from_dicts(cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
         if is_hybrid(config):
             return _hybrid_config(config, generation_config)
+        if is_qwen3_vl(config):  # a Qwen3 language model, then its vision side
+            text = cls.from_dicts(qwen3_vl_text(config), generation_config)
+            return dataclasses.replace(text, vision=read_vision_language(config, text.hidden_size, text.rotary_dim))
         _check_architecture(config)
         eos = (generation_config or {}).get("eos_token_id")
         if eos is None:
@@ -187,6 +212,7 @@ class ModelConfig:
             eos_token_ids=_as_id_tuple(eos),
             bos_token_id=None if bos is None else int(bos),
             moe=_read_moe(config),
+            classifier=read_classifier(config),
         )
 
     @classmethod
@@ -273,11 +299,12 @@ def _check_architecture(config: dict[str, Any]) -> None:
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type {model_type!r} is not supported; this server runs "
-                         f"{SUPPORTED_MODEL_TYPES + tuple(HYBRID_ARCHITECTURES)}")
+                         f"{SUPPORTED_MODEL_TYPES + tuple(HYBRID_ARCHITECTURES) + (QWEN3_VL_TYPE,)}")
     architectures = config.get("architectures") or [SUPPORTED_ARCHITECTURES[model_type]]
-    if SUPPORTED_ARCHITECTURES[model_type] not in architectures:
+    served = (SUPPORTED_ARCHITECTURES[model_type], *((SEQUENCE_CLASSIFICATION,) if model_type == "qwen3" else ()))
+    if not set(served) & set(architectures):
         raise ValueError(f"architectures {architectures} are not supported for model_type {model_type!r}; "
-                         f"this server runs {SUPPORTED_ARCHITECTURES[model_type]}")
+                         f"this server runs {' or '.join(served)}")
     _check_activation(config)
     # Real Qwen3 checkpoints have neither; refusing beats silently computing a different model.
     if config.get("attention_bias"):

@@ -32,6 +32,7 @@ from mili_openai.model.checkpoint import (
     SAFETENSORS_METADATA,
     _draw,
     _write_generation_config_and_tokenizer,
+    draw_and_save,
 )
 from mili_openai.model.qwen35_tokenizer import (
     ADDED_TOKENS,
@@ -61,16 +62,18 @@ QWEN3_5_0_8B_CONFIG: dict[str, Any] = dict(
     rope_parameters=dict(rope_type="default", rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[11, 11, 10],
                          mrope_interleaved=True),
     mtp_num_hidden_layers=1)
+# Qwen3.5-0.8B's vision tower (config.json's vision_config), for the vision benchmark
+QWEN3_5_0_8B_VISION_CONFIG: dict[str, Any] = dict(depth=12, hidden_size=768, intermediate_size=3072, num_heads=12)
 
 
-def _transformers_model(layout: str, fields: dict[str, Any], tie: bool):
+def _transformers_model(layout: str, fields: dict[str, Any], tie: bool, vision_fields: dict[str, Any]):
     """transformers' model for `layout`, built on the meta device."""
     import transformers
 
     fields = dict(fields)
     mtp_layers = fields.pop("mtp_num_hidden_layers", 0)
     if layout == "qwen3_5_vl":
-        vision = dict(TINY_VISION_CONFIG, out_hidden_size=fields["hidden_size"])
+        vision = TINY_VISION_CONFIG | vision_fields | dict(out_hidden_size=fields["hidden_size"])
         config = transformers.Qwen3_5Config(text_config=dict(fields, mtp_num_hidden_layers=mtp_layers),
                                             vision_config=vision, tie_word_embeddings=tie)
         model_class = transformers.Qwen3_5ForConditionalGeneration
@@ -116,27 +119,21 @@ def _mtp_weights(state: dict[str, torch.Tensor], config, layers: int, generator:
 
 
 def build_random_hybrid_checkpoint(path: str | Path, layout: str, config_fields: dict[str, Any], seed: int,
-                                   dtype: torch.dtype = torch.float32, tokenizer: str = QWEN3_TOKENIZER) -> Path:
+                                   dtype: torch.dtype = torch.float32, tokenizer: str = QWEN3_TOKENIZER,
+                                   vision_fields: dict[str, Any] | None = None) -> Path:
     """A checkpoint dir at `path` in `layout` (HYBRID_LAYOUTS): transformers' config from `config_fields` (the
     text config's fields, plus `mtp_num_hidden_layers`), its model's weights drawn from `seed`, saved by
     `save_pretrained`, the MTP weights added, generation config and `tokenizer`'s files beside (QWEN3_TOKENIZER
-    or QWEN35_TOKENIZER)."""
+    or QWEN35_TOKENIZER). `vision_fields`: the qwen3_5_vl layout's tower, over TINY_VISION_CONFIG."""
     if layout not in HYBRID_LAYOUTS:
         raise ValueError(f"layout must be one of {HYBRID_LAYOUTS}, got {layout!r}")
     if tokenizer not in (QWEN3_TOKENIZER, QWEN35_TOKENIZER):
         raise ValueError(f"tokenizer must be {QWEN3_TOKENIZER!r} or {QWEN35_TOKENIZER!r}, got {tokenizer!r}")
     fields = dict(config_fields)
     tie = bool(fields.pop("tie_word_embeddings", False))
-    model = _transformers_model(layout, fields, tie).to(dtype)
-    model.to_empty(device="cpu")  # each tensor allocated once, in `dtype`, then drawn into
-    if tie:
-        model.tie_weights()  # to_empty gave the LM head its own storage: share the embedding's again
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            parameter.copy_(_draw_hybrid(name, tuple(parameter.shape), generator))
+    model = _transformers_model(layout, fields, tie, vision_fields or {}).to(dtype)
     directory = Path(path)
-    model.save_pretrained(directory)
+    generator = draw_and_save(model, directory, seed, _draw_hybrid, tie)
     mtp_layers = config_fields.get("mtp_num_hidden_layers", 0)
     if mtp_layers:
         weights_file = directory / "model.safetensors"

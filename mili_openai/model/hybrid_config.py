@@ -160,7 +160,7 @@ def read_hybrid(model_type: str, text: dict[str, Any], rotary_dim: int) -> Hybri
         model_type=model_type,
         layer_types=tuple(layer_types),
         linear=linear,
-        mrope_section=_read_mrope_section(text, rotary_dim),
+        mrope_section=read_mrope_section(text, rotary_dim),
         mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers") or 0),
         vision=model_type in VISION_LANGUAGE_TYPES,
     )
@@ -180,7 +180,7 @@ def partial_rotary_factor(text: dict[str, Any]) -> float:
     return factor
 
 
-def _read_mrope_section(text: dict[str, Any], rotary_dim: int) -> tuple[int, ...] | None:
+def read_mrope_section(text: dict[str, Any], rotary_dim: int) -> tuple[int, ...] | None:
     """mRoPE's rotary pairs per position stream (temporal, height, width). For text all three streams are the
     token position, so whichever stream a pair reads, its angle is the same: mRoPE is then exactly partial RoPE.
     The sections must still cover the rotary pairs, as transformers' recomposition assumes."""

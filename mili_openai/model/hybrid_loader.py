@@ -10,14 +10,13 @@ import torch
 from mili_openai.distributed import TensorParallelGroup
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.hybrid_tensor_parallel import shard_hybrid_tensors
-from mili_openai.model.hybrid_weights import VISION_PREFIXES, prepare_hybrid_tensors
+from mili_openai.model.hybrid_weights import prepare_hybrid_tensors
 from mili_openai.model.kernel_backend import KernelBackend
 from mili_openai.model.quantization.apply import load_checkpoint_quantization
 from mili_openai.model.quantization.spec import CheckpointQuantization
 from mili_openai.model.qwen3_5 import Qwen3_5ForCausalLM
-from mili_openai.model.qwen3_5_vision import Qwen3_5VisionTower
 from mili_openai.model.tensor_parallel import shard_config
-from mili_openai.model.vision_config import VisionTowerConfig
+from mili_openai.model.vision_loader import take_vision_tower
 from mili_openai.model.weights import CheckpointError, checkpoint_to_model_state
 
 
@@ -33,23 +32,6 @@ def check_hybrid_options(config: ModelConfig, parallel: TensorParallelGroup | No
                                   "in_proj_qkvz / in_proj_ba, yet; load the bf16 checkpoint")
     if quantization is not None and config.moe is not None:
         raise NotImplementedError(f"{name}: --quantization {quantization} runs dense models only, not MoE ones, yet")
-
-
-def take_vision_tower(tensors: dict[str, torch.Tensor], tower: VisionTowerConfig, dtype: torch.dtype,
-                      device: torch.device, source: str, backend: KernelBackend) -> Qwen3_5VisionTower:
-    """The vision tower, its weights (`model.visual.*`) taken out of `tensors`, in `dtype` on `device`, on the
-    language model's `backend`."""
-    prefix = next((p for p in VISION_PREFIXES if any(name.startswith(p) for name in tensors)), VISION_PREFIXES[0])
-    state = {name.removeprefix(prefix): tensors.pop(name).to(dtype=dtype, device=device)
-             for name in [n for n in tensors if n.startswith(prefix)]}
-    with torch.device("meta"):
-        visual = Qwen3_5VisionTower(tower, backend)
-    try:
-        visual.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as exc:  # missing, unexpected or misshapen: the config and the weights disagree
-        raise CheckpointError(f"the vision tower's weights do not fit {source}: {exc}") from exc
-    visual.to(device)  # the rotary frequencies, built on CPU, follow
-    return visual.requires_grad_(False).eval()
 
 
 def build_hybrid_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,

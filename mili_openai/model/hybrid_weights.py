@@ -20,7 +20,7 @@ import logging
 import torch
 
 from mili_openai.model.config import ModelConfig
-from mili_openai.model.hybrid_config import LINEAR_ATTENTION
+from mili_openai.model.hybrid_config import LINEAR_ATTENTION, LinearAttentionConfig
 from mili_openai.model.mtp import MultiTokenPredictorWeights, take_mtp_weights
 from mili_openai.model.weights import LAYER_PREFIX
 
@@ -68,14 +68,19 @@ def _split_fused_projections(tensors: dict[str, torch.Tensor], prefix: str, conf
     absent = [f"{prefix}.{name}" for name, t in ((FUSED_QKVZ, qkvz), (FUSED_BA, ba)) if t is None]
     if absent:
         return absent
-    linear = config.hybrid.linear
+    for name, tensor in zip(SPLIT_PROJECTIONS, regroup_fused_projections(qkvz, ba, config.hybrid.linear)):
+        tensors[f"{prefix}.{name}"] = tensor
+    return []
+
+
+def regroup_fused_projections(qkvz: torch.Tensor, ba: torch.Tensor,
+                              linear: LinearAttentionConfig) -> tuple[torch.Tensor, ...]:
+    """Rows of Qwen3-Next's in_proj_qkvz (Hk * (2 Dk + 2 r Dv), C) and in_proj_ba (Hk * 2r, C), interleaved per key
+    head -> Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a rows (any C: a weight's, or LoRA's B)."""
     per_key = linear.num_value_heads // linear.num_key_heads
-    groups = qkvz.view(linear.num_key_heads, -1, qkvz.shape[-1])  # (Hk, 2 Dk + 2 r Dv, hidden)
+    groups = qkvz.view(linear.num_key_heads, -1, qkvz.shape[-1])  # (Hk, 2 Dk + 2 r Dv, C)
     q, k, v, z = groups.split((linear.key_head_dim, linear.key_head_dim, per_key * linear.value_head_dim,
                                per_key * linear.value_head_dim), dim=1)
     b, a = ba.view(linear.num_key_heads, 2 * per_key, ba.shape[-1]).split((per_key, per_key), dim=1)
     flat = [x.reshape(-1, qkvz.shape[-1]) for x in (q, k, v, z, b, a)]
-    qkv = torch.cat(flat[:3])
-    for name, tensor in zip(SPLIT_PROJECTIONS, (qkv, *flat[3:])):
-        tensors[f"{prefix}.{name}"] = tensor
-    return []
+    return (torch.cat(flat[:3]), *flat[3:])

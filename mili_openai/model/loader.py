@@ -27,7 +27,9 @@ from mili_openai.model.quantization.spec import (
 )
 from mili_openai.model.qwen3 import Qwen3ForCausalLM
 from mili_openai.model.qwen3_5 import Qwen3_5ForCausalLM
+from mili_openai.model.sequence_classifier import Qwen3ForSequenceClassification
 from mili_openai.model.tensor_parallel import CheckpointShard, shard_config
+from mili_openai.model.vision_loader import check_vision_language_options, take_qwen3_vl_tower
 from mili_openai.model.weights import CheckpointError, checkpoint_to_model_state
 
 SINGLE_FILE = "model.safetensors"
@@ -125,10 +127,19 @@ def load_model(
     if (quantization or checkpoint_quantization) and (parallel is not None or config.moe is not None):
         raise ValueError("quantized weights run dense models on one rank: not with --tensor-parallel-size > 1, "
                          "nor with MoE checkpoints, yet")
+    if config.classifier is not None and (quantization or checkpoint_quantization):
+        raise ValueError("a sequence-classification checkpoint runs unquantized: not with quantized weights, yet")
+    if config.vision is not None:
+        check_vision_language_options(config, parallel is not None, bool(quantization or checkpoint_quantization))
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(config, KernelBackend(), parallel)  # torch's ops until set_up_backend fills it
+        # torch's ops until set_up_backend fills the backend
+        model = (Qwen3ForSequenceClassification if config.classifier is not None else Qwen3ForCausalLM)(
+            config, KernelBackend(), parallel)
     rank_slices = CheckpointShard(config, parallel.rank, parallel.size) if parallel is not None else None
     tensors = read_checkpoint_tensors(directory, rank_slices)
+    visual = None  # Qwen3-VL: the tower apart, the language model's weights under Qwen3's names
+    if config.vision is not None:
+        visual = take_qwen3_vl_tower(tensors, config, dtype, device, str(directory / "config.json"), model.backend)
     if checkpoint_quantization is not None:
         model.quantization = load_checkpoint_quantization(model, tensors, checkpoint_quantization, dtype, device)
     placed = {name: t for name, t in model.state_dict().items() if not t.is_meta}  # quantized modules' own
@@ -139,6 +150,7 @@ def load_model(
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as exc:  # size mismatches: the config and the weights disagree
         raise CheckpointError(f"checkpoint weights do not fit {directory / 'config.json'}: {exc}") from exc
+    model.visual = visual
     model.to(device)  # the RoPE buffer, built on CPU, follows the weights
     model.requires_grad_(False).eval()
     del tensors, state, placed  # the parameters hold the only references: each frees as it moves below

@@ -20,16 +20,20 @@ from safetensors.torch import load_file
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-# PEFT's names of the projections LoRA may target, by the block they sit in
+# PEFT's names of the projections LoRA may target (which of them a base has: model/lora_targets.py)
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-SUPPORTED_TARGETS = ATTENTION_TARGETS + MLP_TARGETS
-_BLOCK = {**dict.fromkeys(ATTENTION_TARGETS, "self_attn"), **dict.fromkeys(MLP_TARGETS, "mlp")}
+MLP_TARGETS = ("gate_proj", "up_proj", "down_proj", "shared_expert_gate")
+# Gated DeltaNet's: Qwen3.5's four input projections, or Qwen3-Next's two fused ones
+LINEAR_ATTENTION_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba",
+                            "out_proj")
+SUPPORTED_TARGETS = ATTENTION_TARGETS + MLP_TARGETS + LINEAR_ATTENTION_TARGETS
 # PEFT's shorthand for "every linear layer but the head"
 ALL_LINEAR = "all-linear"
-# base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (an adapter name may sit before ".weight")
-_WEIGHT_NAME = re.compile(
-    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight (Qwen3.5's vision-language layout puts the decoder
+# under model.language_model; an adapter name may sit before ".weight")
+_WEIGHT_NAME = re.compile(r"^(?:base_model\.model\.)?model\.(?:language_model\.)?layers\.(\d+)\.([\w.]+?)"
+                          r"\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+ROUTED_EXPERTS = ".experts."  # in the module path of one MoE expert's projection
 # adapter_config.json options that change the math in ways the serving path does not build, each with the
 # value that means "off"
 _REFUSED_OPTIONS = {
@@ -41,6 +45,9 @@ _REFUSED_OPTIONS = {
     "target_parameters": None,
     "trainable_token_indices": None,
 }
+# what a refused option means, where its name does not say it
+_REFUSED_WHY = {"target_parameters": "LoRA on a MoE layer's routed experts, as PEFT writes it for gate_proj, up_proj "
+                                     "and down_proj on Qwen3-MoE and Qwen3-Next: not served"}
 
 
 class AdapterError(ValueError):
@@ -57,7 +64,8 @@ class TargetShape:
 
 @dataclass(frozen=True, slots=True)
 class LoraAdapter:
-    """One adapter's weights on the host, float32: {(layer, PEFT module name): (A (r, in), B (out, r) * scale)}."""
+    """One adapter's weights on the host, float32: {(layer, PEFT module path in the layer, e.g. "self_attn.q_proj"):
+    (A (r, in), B (out, r) * scale)}."""
 
     name: str
     path: Path
@@ -73,7 +81,7 @@ def lora_scale(alpha: float, rank: int, use_rslora: bool) -> float:
 def load_lora_adapter(name: str, path: str | Path, shapes: dict[tuple[int, str], TargetShape],
                       max_rank: int) -> LoraAdapter:
     """Read and check the adapter at `path`. `shapes`: every projection the base serves LoRA on, by (layer,
-    PEFT module name); an adapter weight for anything else, of another shape (another base), or of a rank over
+    PEFT module path); an adapter weight for anything else, of another shape (another base), or of a rank over
     `max_rank` is an AdapterError."""
     directory = Path(path)
     config = _read_config(name, directory)
@@ -86,10 +94,12 @@ def load_lora_adapter(name: str, path: str | Path, shapes: dict[tuple[int, str],
         if match is None:
             raise AdapterError(f"LoRA adapter {name!r}: weight {key!r} is not a LoRA pair on a decoder layer's "
                                f"projection (supported targets: {', '.join(SUPPORTED_TARGETS)})")
-        layer, block, module, which = int(match[1]), match[2], match[3], match[4]
-        if module not in (ATTENTION_TARGETS if block == "self_attn" else MLP_TARGETS) or (layer, module) not in shapes:
+        layer, module, which = int(match[1]), match[2], match[3]
+        if (layer, module) not in shapes:
+            why = ("LoRA on a MoE layer's routed experts is not served, only on its shared expert" if ROUTED_EXPERTS
+                   in f".{module}." else "no such layer or module, or one that takes no LoRA")
             raise AdapterError(f"LoRA adapter {name!r} targets {key.rsplit('.lora_', 1)[0]!r}, which this base model "
-                               "does not serve LoRA on (no such layer or module, or a MoE expert)")
+                               f"does not serve LoRA on ({why})")
         pairs.setdefault((layer, module), {})[which] = tensor.to(torch.float32)
     if not pairs:
         raise AdapterError(f"LoRA adapter {name!r}: {weights_file} holds no LoRA weights")
@@ -110,7 +120,7 @@ def load_lora_adapter(name: str, path: str | Path, shapes: dict[tuple[int, str],
                                f"base has in {shape.in_features}, out {shape.out_features})")
         if rank > max_rank:
             raise AdapterError(f"{where}: rank {rank} is over --max-lora-rank {max_rank}")
-        module_alpha = _pattern_value(alpha_pattern, f"model.layers.{layer}.{_BLOCK[module]}.{module}", alpha)
+        module_alpha = _pattern_value(alpha_pattern, f"model.layers.{layer}.{module}", alpha)
         weights[(layer, module)] = (a.contiguous(), b * lora_scale(module_alpha, rank, use_rslora))
         top_rank = max(top_rank, rank)
     return LoraAdapter(name, directory, top_rank, weights)
@@ -139,12 +149,13 @@ def _read_config(name: str, directory: Path) -> dict:
     for option, off in _REFUSED_OPTIONS.items():
         value = config.get(option, off)
         if value not in (off, None, False, {}, []):
-            raise AdapterError(f"LoRA adapter {name!r}: {option}={value!r} is not supported")
+            why = f" ({_REFUSED_WHY[option]})" if option in _REFUSED_WHY else ""
+            raise AdapterError(f"LoRA adapter {name!r}: {option}={value!r} is not supported{why}")
     if config.get("bias", "none") != "none":
         raise AdapterError(f"LoRA adapter {name!r}: bias={config['bias']!r} is not supported (only 'none')")
     targets = config.get("target_modules")
-    if isinstance(targets, list):
-        unsupported = sorted(set(targets) - set(SUPPORTED_TARGETS))
+    if isinstance(targets, list):  # module names, or paths ending in one
+        unsupported = sorted(target for target in targets if target.rsplit(".", 1)[-1] not in SUPPORTED_TARGETS)
         if unsupported:
             raise AdapterError(f"LoRA adapter {name!r}: target modules {unsupported} are not supported "
                                f"(supported: {', '.join(SUPPORTED_TARGETS)})")

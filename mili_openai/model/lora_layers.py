@@ -1,9 +1,11 @@
-"""LoRA on a loaded Qwen3: each targeted projection wrapped in a `LoraLinear` holding a fixed table of adapter
-slots, and the `LoraSlots` that load adapters into slots and tell every projection which rows run which slot.
+"""LoRA on a loaded model: each projection that takes it (model/lora_targets.py) wrapped in a `LoraLinear` holding a
+fixed table of adapter slots, and the `LoraSlots` that load adapters into slots and tell every projection which rows
+run which slot.
 
 A slot of a fused projection stacks its PEFT modules' pairs: A rows [i * R, i * R + r) are module i's
 (R = the slot rank, r <= R its own), and B is block-diagonal (module i's output rows read only its A rows), so
-one shrink and one expand matmul serve q, k and v (or gate and up) at once. Unused rows stay zero.
+one shrink and one expand matmul serve q, k and v (or gate and up, or Gated DeltaNet's four inputs) at once. Unused
+rows stay zero.
 
 The projections take only `x` (as every projection and the compiled paths do), so the step's row groups
 reach them through the `LoraSlots` they share, set for the length of one forward (`LoraSlots.rows`).
@@ -19,13 +21,8 @@ from torch import nn
 
 from mili_openai.kernels.lora import LoraGroup
 from mili_openai.model.kernel_backend import KernelBackend, require_backend
-from mili_openai.model.layers import SwiGLUMLP
 from mili_openai.model.lora_adapter import LoraAdapter, TargetShape
-from mili_openai.model.qwen3 import Qwen3ForCausalLM
-
-# each fused projection of a Qwen3 layer and the PEFT modules it stacks, in its output rows' order
-FUSED_TARGETS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
-                 "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+from mili_openai.model.lora_targets import LoraModule, LoraSite, lora_sites
 
 
 class LoraLinear(nn.Module):
@@ -33,18 +30,18 @@ class LoraLinear(nn.Module):
     projection's output untouched. `base` is any projection (dense, int8/int4, fp8): the delta runs in the
     activations' dtype, through the model's backend (`lora`, the segmented matmul)."""
 
-    def __init__(self, base: nn.Module, in_features: int, slice_sizes: tuple[int, ...], slots: LoraSlots,
-                 backend: KernelBackend) -> None:
+    def __init__(self, base: nn.Module, site: LoraSite, slots: LoraSlots, backend: KernelBackend) -> None:
         super().__init__()
         self.base = base
         self.backend = require_backend(backend)
-        self.slice_sizes = slice_sizes
+        self.targets: tuple[LoraModule, ...] = site.modules  # the PEFT modules it stacks, in its rows' order
         self.slots = slots
-        width = len(slice_sizes) * slots.max_rank
+        width = len(self.targets) * slots.max_rank
         kwargs = dict(dtype=slots.dtype, device=slots.device)
-        self.register_buffer("lora_a", torch.zeros(slots.num_slots, width, in_features, **kwargs), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(slots.num_slots, sum(slice_sizes), width, **kwargs),
+        self.register_buffer("lora_a", torch.zeros(slots.num_slots, width, site.in_features, **kwargs),
                              persistent=False)
+        self.register_buffer("lora_b", torch.zeros(slots.num_slots, sum(t.out_features for t in self.targets), width,
+                                                   **kwargs), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
@@ -57,43 +54,35 @@ class LoraLinear(nn.Module):
         self.lora_a[slot].zero_()
         self.lora_b[slot].zero_()
         out_row = 0
-        for index, (size, pair) in enumerate(zip(self.slice_sizes, pairs)):
+        for index, (target, pair) in enumerate(zip(self.targets, pairs)):
             if pair is not None:
-                a, b = pair  # (r, in), (size, r)
-                self.lora_a[slot, index * rank : index * rank + a.shape[0]].copy_(a)
-                self.lora_b[slot, out_row : out_row + size, index * rank : index * rank + a.shape[0]].copy_(b)
-            out_row += size
+                a, b = pair  # (r, in), (out, r)
+                if target.row_order is not None:  # the module's rows into the projection's order
+                    b = b[target.row_order.to(b.device)]
+                columns = slice(index * rank, index * rank + a.shape[0])
+                self.lora_a[slot, columns].copy_(a)
+                self.lora_b[slot, out_row : out_row + target.out_features, columns].copy_(b)
+            out_row += target.out_features
 
 
 class LoraSlots:
     """`num_slots` adapter slots on every LoRA projection of `model` (which it wraps at construction)."""
 
     def __init__(self, model: nn.Module, num_slots: int, max_rank: int) -> None:
-        if not isinstance(model, Qwen3ForCausalLM):
-            raise ValueError(f"LoRA adapters are served on Qwen3 and Qwen3-MoE checkpoints only, not on "
-                             f"{type(model).__name__} yet")
+        sites = lora_sites(model)  # ValueError for a model that serves none
         if model.parallel is not None:
             raise ValueError("LoRA adapters are not served under tensor parallelism yet")
         self.num_slots, self.max_rank = num_slots, max_rank
         self.dtype, self.device = model.dtype, model.model.norm.weight.device
         self.groups: list[LoraGroup] = []  # the running forward's row groups (`rows`); empty: no adapter runs
         self.shapes: dict[tuple[int, str], TargetShape] = {}  # what adapters may target (load_lora_adapter)
-        self.projections: list[tuple[int, LoraLinear, tuple[str, ...]]] = []
-        hidden = model.config.hidden_size
-        for index, layer in enumerate(model.model.layers):
-            attention = layer.self_attn
-            wrapped = [(attention, "qkv_proj", hidden, (attention.q_size, attention.kv_size, attention.kv_size)),
-                       (attention, "o_proj", attention.q_size, (hidden,))]
-            if isinstance(layer.mlp, SwiGLUMLP):  # a sparse layer's experts take no LoRA
-                size = layer.mlp.intermediate_size
-                wrapped += [(layer.mlp, "gate_up_proj", hidden, (size, size)), (layer.mlp, "down_proj", size, (hidden,))]
-            for parent, name, in_features, sizes in wrapped:
-                projection = LoraLinear(getattr(parent, name), in_features, sizes, self, model.backend)
-                setattr(parent, name, projection)
-                modules = FUSED_TARGETS[name]
-                self.projections.append((index, projection, modules))
-                for module, size in zip(modules, sizes):
-                    self.shapes[(index, module)] = TargetShape(in_features, size)
+        self.projections: list[tuple[int, LoraLinear]] = []
+        for site in sites:
+            projection = LoraLinear(getattr(site.parent, site.attribute), site, self, model.backend)
+            setattr(site.parent, site.attribute, projection)
+            self.projections.append((site.layer, projection))
+            for target in site.modules:
+                self.shapes[(site.layer, target.name)] = TargetShape(site.in_features, target.out_features)
         # the compiled decode stack holds the base projections alone: steps run layer by layer from now on
         # (`build_decode_stack` keeps it off, as a LoraLinear is no plain projection)
         model.model.decode_stack = None
@@ -101,8 +90,8 @@ class LoraSlots:
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Put `adapter` in `slot` on every projection (zeros where it targets nothing)."""
         with torch.inference_mode():
-            for index, projection, modules in self.projections:
-                projection.load(slot, [self._pair(adapter, index, module) for module in modules])
+            for index, projection in self.projections:
+                projection.load(slot, [self._pair(adapter, index, target.name) for target in projection.targets])
 
     def _pair(self, adapter: LoraAdapter, index: int, module: str) -> tuple[torch.Tensor, torch.Tensor] | None:
         pair = adapter.weights.get((index, module))

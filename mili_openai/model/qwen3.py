@@ -6,6 +6,8 @@ Module names follow transformers' (`model.embed_tokens`, `model.layers.N.self_at
 matmuls instead of five. With tied embeddings there is no `lm_head`: logits use the embedding matrix.
 
 Qwen3-MoE is the same model with `SparseMoeBlock`s in place of the MLP in the layers its config names.
+Qwen3-VL (`config.vision`) is the same language model with mRoPE positions and a vision tower (`visual`): image rows
+take the tower's embeddings, and its DeepStack features are added after the first decoder layers at those rows.
 Under tensor parallelism (`parallel` given) every module is built in this rank's shapes
 (model/tensor_parallel.py); the attention and MLP outputs are summed over the ranks before each residual
 add, the embedding is vocabulary-parallel, and the logits are gathered from every rank's vocabulary slice.
@@ -28,8 +30,11 @@ from mili_openai.model.kv_cache import KVCache
 from mili_openai.model.layers import Linear, RMSNorm, SwiGLUMLP
 from mili_openai.model.moe import SparseMoeBlock
 from mili_openai.model.quantization.modules import QuantizedEmbedding, QuantizedLinear
+from mili_openai.model.qwen3_5_vision import Qwen3_5VisionTower
 from mili_openai.model.rope import RotaryEmbedding, RotaryTable
 from mili_openai.model.tensor_parallel import VocabParallelEmbedding, shard_config
+from mili_openai.model.vision_batch import ImageEmbeddingCache, mrope_pair_streams
+from mili_openai.model.vision_step import step_image_embeddings, step_rotary
 
 
 class Qwen3DecoderLayer(nn.Module):
@@ -74,6 +79,10 @@ class Qwen3Model(nn.Module):
                                     for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
         self.rotary_emb = RotaryEmbedding(config)
+        with torch.device("cpu"):  # built on CPU even under the loader's meta device; moved where it is read
+            # Qwen3-VL: the position stream each rotary pair reads (text rows read the same position on all three)
+            self.mrope_streams = mrope_pair_streams(config.vision.mrope_section if config.vision is not None
+                                                    else (config.rotary_dim // 2, 0, 0), config.rotary_dim // 2)
         self.decode_stack: DecodeStack | None = None  # built by Qwen3ForCausalLM.build_decode_stack
 
     @property
@@ -81,13 +90,10 @@ class Qwen3Model(nn.Module):
         """The activations' dtype: the dense weights' (norms are never quantized)."""
         return self.norm.weight.dtype
 
-    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, signed_sin) of the positions, (T, 1, D) each in the weights' dtype, shared by all layers."""
-        return self.rotary_emb(positions, self.dtype)
-
-    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
-        """-> (T, hidden) after the final norm; every layer attends, so only the K/V pool is read."""
-        cos, sin = batch.rotary if batch.rotary is not None else self.rotary(batch.positions)
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache, image_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """-> (T, hidden) after the final norm; every layer attends, so only the K/V pool is read.
+        `image_embeds` (R, 1 + DeepStack layers, hidden): the step's image rows' embeddings (Qwen3-VL)."""
+        cos, sin = step_rotary(batch, self.rotary_emb, self.mrope_streams, self.dtype)
         stack = self.decode_stack
         if (stack is not None and not batch.prefills and batch.decode_ctx_lens is not None
                 and batch.num_decode <= stack.max_rows):
@@ -95,10 +101,19 @@ class Qwen3Model(nn.Module):
                                    batch.pages.decode, batch.pages.page_size, batch.decode_ctx_lens)
             return self.norm(hidden)
         hidden = self.embed_tokens(batch.input_ids)  # (T, hidden)
+        image_rows = None if image_embeds is None else batch.vision.rows.to(hidden.device)
+        if image_rows is not None:
+            image_embeds = image_embeds.to(hidden.dtype)
+            hidden[image_rows] = image_embeds[:, 0]
         residual = None
         for index, layer in enumerate(self.layers):
             k_pool, v_pool = kv_cache.layer(index)
             hidden, residual = layer(hidden, residual, cos, sin, batch, k_pool, v_pool)
+            if image_rows is not None and index + 1 < image_embeds.shape[1]:
+                # DeepStack, as transformers: the layer's output (the residual add made here), plus the features
+                hidden = hidden + residual
+                hidden[image_rows] += image_embeds[:, index + 1]
+                residual = None
         return self.norm.add_and_norm(hidden, residual)[1] if residual is not None else self.norm(hidden)
 
 
@@ -117,6 +132,8 @@ class Qwen3ForCausalLM(nn.Module):
         # scheme made one that the embedding reads its rows from (model/quantization/apply.py)
         self.lm_head: nn.Module | None = (None if config.tie_word_embeddings
                                           else Linear(config.hidden_size, local.vocab_size, self.backend))
+        self.visual: Qwen3_5VisionTower | None = None  # Qwen3-VL's tower (model.visual.*), set by the loader
+        self.image_cache = ImageEmbeddingCache()
         self.quantization: str | None = None  # the scheme's description, set by the loader
 
     @property
@@ -135,7 +152,8 @@ class Qwen3ForCausalLM(nn.Module):
             raise ValueError("Qwen3 attends in every layer: it needs a KV cache")
         if kv_cache.dtype != self.dtype:  # index_copy_ would fail deep inside the first layer otherwise
             raise ValueError(f"KV cache dtype {kv_cache.dtype} differs from the model's {self.dtype}")
-        return self.model(batch, kv_cache)
+        image_embeds = step_image_embeddings(batch, self.visual, self.image_cache, self.config.architecture)
+        return self.model(batch, kv_cache, image_embeds)
 
     def rotary_table(self) -> RotaryTable:
         """A table of (cos, signed_sin) by position, for building `ForwardBatch.rotary` ahead of a forward

@@ -36,7 +36,8 @@ from mili_openai.model.mtp import MultiTokenPredictorWeights
 from mili_openai.model.quantization.modules import QuantizedLinear
 from mili_openai.model.qwen3_5_vision import Qwen3_5VisionTower
 from mili_openai.model.rope import RotaryEmbedding, RotaryTable
-from mili_openai.model.vision_batch import ImageEmbeddingCache, mrope_pair_streams, mrope_rotary
+from mili_openai.model.vision_batch import ImageEmbeddingCache, mrope_pair_streams
+from mili_openai.model.vision_step import step_image_embeddings, step_rotary
 from mili_openai.model.tensor_parallel import VocabParallelEmbedding, shard_config
 
 
@@ -110,15 +111,12 @@ class HybridModel(nn.Module):
         return self.norm.weight.dtype
 
     def forward(self, batch: ForwardBatch, caches: ModelCaches, image_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        if batch.vision is not None:  # a sequence with images runs: every row's position in three streams
-            cos, sin = mrope_rotary(batch.vision.positions, self.rotary_emb.inv_freq, self.rotary_emb.attention_scaling,
-                                    self.mrope_streams, self.dtype)
-        else:
-            cos, sin = batch.rotary if batch.rotary is not None else self.rotary_emb(batch.positions, self.dtype)
+        """`image_embeds` (R, 1, hidden): the step's image rows' embeddings (step_image_embeddings)."""
+        cos, sin = step_rotary(batch, self.rotary_emb, self.mrope_streams, self.dtype)
         rows = StateRows.of(batch)
         hidden = self.embed_tokens(batch.input_ids)  # (T, hidden)
         if image_embeds is not None:
-            hidden[batch.vision.rows.to(hidden.device)] = image_embeds.to(hidden.dtype)
+            hidden[batch.vision.rows.to(hidden.device)] = image_embeds[:, 0].to(hidden.dtype)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos, sin, batch, rows, caches)
@@ -170,18 +168,8 @@ class Qwen3_5ForCausalLM(nn.Module):
             raise ValueError("a hybrid model needs both a KV cache (attention layers) and a state cache (linear ones)")
         if caches.kv.dtype != self.dtype:
             raise ValueError(f"KV cache dtype {caches.kv.dtype} differs from the model's {self.dtype}")
-        image_embeds = None
-        if batch.vision is not None and batch.vision.pieces:
-            if self.visual is None:
-                raise ValueError(f"{self.config.architecture} has no vision tower: it cannot take images")
-            image_embeds = self.image_cache.embeddings(batch.vision.pieces, self.encode_images)
+        image_embeds = step_image_embeddings(batch, self.visual, self.image_cache, self.config.architecture)
         return self.model(batch, caches, image_embeds)
-
-    def encode_images(self, pixel_values: list[torch.Tensor], grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
-        """Each image's merged-patch embeddings, (tokens, hidden), through the vision tower in one call."""
-        merge = self.visual.config.spatial_merge_size
-        embeddings = self.visual(torch.cat(pixel_values), grids)
-        return list(embeddings.split([t * h * w // merge ** 2 for t, h, w in grids]))
 
     def rotary_table(self) -> RotaryTable:
         return RotaryTable(self.model.rotary_emb, self.dtype)

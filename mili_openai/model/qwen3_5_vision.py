@@ -8,9 +8,12 @@ writes it (`pixel_values` rows, in 2 x 2 merge-block order). Steps, per transfor
 - a learned (side x side) position table, bilinearly resampled (align_corners) to each image's patch grid;
 - `depth` pre-norm blocks (LayerNorm, attention with a 2-D rotary of each patch's (row, column), LayerNorm, GELU
   MLP); attention runs over each image's (each frame's) own patches only, bidirectionally;
-- the merger: LayerNorm, each 2 x 2 block's four patches concatenated, a GELU MLP out to the text hidden size.
+- the merger: LayerNorm, each 2 x 2 block's four patches concatenated, a GELU MLP out to the text hidden size;
+- Qwen3-VL's DeepStack (transformers' `Qwen3VLVisionModel`): the output of each block in
+  `deepstack_visual_indexes` goes through a merger of its own, which norms after concatenating the four patches.
 Module names are the checkpoint's (`model.visual.` stripped): `patch_embed.proj`, `pos_embed`, `blocks.N.attn.qkv`,
-`blocks.N.attn.proj`, `blocks.N.mlp.linear_fc1/2`, `blocks.N.norm1/2`, `merger.norm`, `merger.linear_fc1/2`.
+`blocks.N.attn.proj`, `blocks.N.mlp.linear_fc1/2`, `blocks.N.norm1/2`, `merger.norm`, `merger.linear_fc1/2`,
+`deepstack_merger_list.N.*`.
 The projections (and the patch embedding) multiply through the language model's `KernelBackend` (`matmul`, then
 the bias); attention runs torch's SDPA over each image's own patches, which no paged kernel serves.
 """
@@ -119,16 +122,21 @@ class VisionBlock(nn.Module):
 
 
 class VisionPatchMerger(nn.Module):
-    def __init__(self, config: VisionTowerConfig, backend: KernelBackend) -> None:
+    def __init__(self, config: VisionTowerConfig, backend: KernelBackend, norm_after_merge: bool = False) -> None:
         super().__init__()
         self.merged_size = config.hidden_size * config.spatial_merge_size ** 2
-        self.norm = nn.LayerNorm(config.hidden_size, eps=LAYER_NORM_EPS)
+        self.norm_after_merge = norm_after_merge  # DeepStack's mergers norm the four patches together
+        self.norm = nn.LayerNorm(self.merged_size if norm_after_merge else config.hidden_size, eps=LAYER_NORM_EPS)
         self.linear_fc1 = BiasedLinear(self.merged_size, self.merged_size, backend)
         self.linear_fc2 = BiasedLinear(self.merged_size, config.out_hidden_size, backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(N, hidden) in merge-block order -> (N / merge^2, out_hidden)."""
-        return self.linear_fc2(F.gelu(self.linear_fc1(self.norm(x).view(-1, self.merged_size))))
+        if self.norm_after_merge:
+            merged = self.norm(x.view(-1, self.merged_size))
+        else:
+            merged = self.norm(x).view(-1, self.merged_size)
+        return self.linear_fc2(F.gelu(self.linear_fc1(merged)))
 
 
 class Qwen3_5VisionTower(nn.Module):
@@ -140,6 +148,8 @@ class Qwen3_5VisionTower(nn.Module):
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
         self.blocks = nn.ModuleList(VisionBlock(config, backend) for _ in range(config.depth))
         self.merger = VisionPatchMerger(config, backend)
+        self.deepstack_merger_list = nn.ModuleList(VisionPatchMerger(config, backend, norm_after_merge=True)
+                                                   for _ in config.deepstack_visual_indexes)
         with torch.device("cpu"):  # float32 whatever the weights' dtype, as transformers keeps it
             spatial = config.head_dim // 2
             inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float32) / spatial))
@@ -180,7 +190,8 @@ class Qwen3_5VisionTower(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, grids: list[GridTHW]) -> torch.Tensor:
         """pixel_values (sum of t*h*w, patch_dim) for `grids`' images, in order -> (sum of t*h*w / merge^2,
-        out_hidden): each image's embeddings, in order."""
+        1 + DeepStack layers, out_hidden): each image's embeddings, in order; [:, 0] the merger's (the decoder's
+        input), [:, 1 + i] the i-th DeepStack feature (added after decoder layer i)."""
         merge = self.config.spatial_merge_size
         coordinates = [merge_block_coordinates(grid, merge) for grid in grids]
         rows = torch.cat([r for r, _ in coordinates])
@@ -190,6 +201,15 @@ class Qwen3_5VisionTower(nn.Module):
                                      for (r, c), grid in zip(coordinates, grids)]).to(hidden.dtype)
         cos, sin = self._rotary(rows, cols)
         lengths = [h * w for t, h, w in grids for _ in range(t)]  # each frame attends to itself
-        for block in self.blocks:
+        deepstack = []
+        for index, block in enumerate(self.blocks):
             hidden = block(hidden, cos, sin, lengths)
-        return self.merger(hidden)
+            if index in self.config.deepstack_visual_indexes:
+                merger = self.deepstack_merger_list[self.config.deepstack_visual_indexes.index(index)]
+                deepstack.append(merger(hidden))
+        return torch.stack([self.merger(hidden), *deepstack], dim=1)
+
+    def encode(self, pixel_values: list[torch.Tensor], grids: list[GridTHW]) -> list[torch.Tensor]:
+        """Each image's (tokens, 1 + DeepStack layers, out_hidden) embeddings, through the tower in one call."""
+        merge = self.config.spatial_merge_size
+        return list(self(torch.cat(pixel_values), grids).split([t * h * w // merge ** 2 for t, h, w in grids]))

@@ -68,6 +68,17 @@ class StateCache:
         self.conv.index_copy_(1, dst, self.conv.index_select(1, src))
         self.recurrent.index_copy_(1, dst, self.recurrent.index_select(1, src))
 
+    def save(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of these slots' (conv, recurrent) states in every layer, for `restore`."""
+        slots = slots.to(self.conv.device)
+        return self.conv.index_select(1, slots), self.recurrent.index_select(1, slots)
+
+    def restore(self, slots: torch.Tensor, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Put back the states `save` copied from these slots."""
+        slots = slots.to(self.conv.device)
+        self.conv.index_copy_(1, slots, saved[0])
+        self.recurrent.index_copy_(1, slots, saved[1])
+
     def keep_verified_states(self, num_rows: int | None) -> None:
         """For a step whose decodes verify drafts: buffers where each of its `num_rows` decode rows leaves the
         state of every linear layer (GatedDeltaNet's `kept`), until the next such step; None frees them."""

@@ -51,7 +51,8 @@ class ImageEmbeddingCache:
 
     def embeddings(self, pieces: list[ImagePiece],
                    encode: Callable[[list[torch.Tensor], list[tuple[int, int, int]]], list[torch.Tensor]]) -> torch.Tensor:
-        """The pieces' embeddings, (R, hidden) in order; the images not cached are encoded in one call."""
+        """The pieces' embeddings, (R, ...) in order, as `encode` gives each image's (tokens, ...); the images not
+        cached are encoded in one call."""
         missing: dict[str, ImagePiece] = {}
         for piece in pieces:
             if piece.digest not in self._entries:

@@ -1,4 +1,4 @@
-"""What a Qwen3.5 / Qwen3.6 vision-language checkpoint says about its vision tower and its images.
+"""What a Qwen3.5 / Qwen3.6 or Qwen3-VL vision-language checkpoint says about its vision tower and its images.
 
 `VisionTowerConfig` is config.json's `vision_config` (the ViT's shape); `VisionSpec` is what the API side needs
 to turn an image into model inputs: the placeholder token ids and the checkpoint's `preprocessor_config.json`
@@ -22,10 +22,10 @@ SUPPORTED_VISION_ROPE = "axial"
 DEFAULT_VISION = dict(depth=27, hidden_size=1152, hidden_act="gelu_pytorch_tanh", intermediate_size=4304,
                       num_heads=16, in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2,
                       num_position_embeddings=2304, rope_theta=10000.0)
-# transformers' Qwen3_5Config defaults: the placeholder tokens the chat template writes
-DEFAULT_IMAGE_TOKEN_ID = 248056
-DEFAULT_VISION_START_TOKEN_ID = 248053
-DEFAULT_VISION_END_TOKEN_ID = 248054
+# transformers' Qwen3_5Config and Qwen3VLConfig defaults: the placeholder tokens the chat template writes (image,
+# vision start, vision end), by model_type
+DEFAULT_PLACEHOLDER_IDS = {"qwen3_5": (248056, 248053, 248054), "qwen3_vl": (151655, 151652, 151653)}
+DEFAULT_DEEPSTACK_INDEXES = (8, 16, 24)  # transformers' Qwen3VLVisionConfig default
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +42,8 @@ class VisionTowerConfig:
     num_position_embeddings: int
     out_hidden_size: int  # the language model's hidden size: what the merger writes
     rope_theta: float
+    # Qwen3-VL's DeepStack: the blocks whose output, through a merger each, is added after decoder layer 0, 1, ...
+    deepstack_visual_indexes: tuple[int, ...] = ()
 
     @property
     def head_dim(self) -> int:
@@ -65,9 +67,12 @@ class VisionSpec:
     preprocessor: dict[str, Any]
 
 
-def read_vision_tower(config: dict[str, Any], out_hidden_size: int) -> VisionTowerConfig:
-    """config.json's `vision_config` -> VisionTowerConfig; NotImplementedError naming an unsupported option."""
-    raw = dict(DEFAULT_VISION) | dict(config.get(VISION_CONFIG_KEY) or {})
+def read_vision_tower(config: dict[str, Any], out_hidden_size: int,
+                      allow_deepstack: bool = False) -> VisionTowerConfig:
+    """config.json's `vision_config` -> VisionTowerConfig; NotImplementedError naming an unsupported option.
+    `allow_deepstack`: a Qwen3-VL tower (DeepStack mergers, by default at transformers' blocks); else Qwen3.5's."""
+    defaults = dict(DEFAULT_VISION, deepstack_visual_indexes=DEFAULT_DEEPSTACK_INDEXES if allow_deepstack else ())
+    raw = defaults | dict(config.get(VISION_CONFIG_KEY) or {})
     rope = raw.get("rope_parameters") or {}
     if rope.get("rope_type", SUPPORTED_VISION_ROPE) != SUPPORTED_VISION_ROPE:
         raise NotImplementedError(f"vision rope type {rope.get('rope_type')!r} is not supported (only "
@@ -75,8 +80,10 @@ def read_vision_tower(config: dict[str, Any], out_hidden_size: int) -> VisionTow
     if raw["hidden_act"] not in SUPPORTED_VISION_ACTIVATIONS:
         raise NotImplementedError(f"vision hidden_act {raw['hidden_act']!r} is not supported "
                                   f"({SUPPORTED_VISION_ACTIVATIONS})")
-    if raw.get("deepstack_visual_indexes"):
-        raise NotImplementedError("DeepStack vision features (Qwen3-VL's deepstack_visual_indexes) are not supported")
+    deepstack = tuple(int(i) for i in raw.get("deepstack_visual_indexes") or ())
+    if deepstack and not allow_deepstack:
+        raise NotImplementedError("DeepStack vision features (Qwen3-VL's deepstack_visual_indexes) are not supported "
+                                  "in a Qwen3.5 / Qwen3.6 checkpoint")
     tower = VisionTowerConfig(
         depth=int(raw["depth"]), hidden_size=int(raw["hidden_size"]), hidden_act=raw["hidden_act"],
         intermediate_size=int(raw["intermediate_size"]), num_heads=int(raw["num_heads"]),
@@ -84,7 +91,10 @@ def read_vision_tower(config: dict[str, Any], out_hidden_size: int) -> VisionTow
         spatial_merge_size=int(raw["spatial_merge_size"]), temporal_patch_size=int(raw["temporal_patch_size"]),
         num_position_embeddings=int(raw["num_position_embeddings"]),
         out_hidden_size=int(raw.get("out_hidden_size") or out_hidden_size),
-        rope_theta=float(rope.get("rope_theta", raw["rope_theta"])))
+        rope_theta=float(rope.get("rope_theta", raw["rope_theta"])), deepstack_visual_indexes=deepstack)
+    if any(not 0 <= index < tower.depth for index in deepstack) or len(set(deepstack)) != len(deepstack):
+        raise ValueError(f"vision deepstack_visual_indexes {list(deepstack)} must be distinct blocks of the "
+                         f"{tower.depth}")
     side = round(tower.num_position_embeddings ** 0.5)
     if side * side != tower.num_position_embeddings:
         raise ValueError(f"vision num_position_embeddings ({tower.num_position_embeddings}) must be a square")
@@ -99,8 +109,7 @@ def read_vision_tower(config: dict[str, Any], out_hidden_size: int) -> VisionTow
 
 def checkpoint_vision_spec(model_config: Any, model_path: Path | None) -> VisionSpec | None:
     """The VisionSpec of a loaded model (a `ModelConfig`) whose vision tower runs; None for a text-only one."""
-    hybrid = getattr(model_config, "hybrid", None)
-    if hybrid is None or hybrid.vision_tower is None or model_path is None:
+    if model_config.vision_tower is None or model_path is None:
         return None
     return read_vision_spec(model_path, json.loads((Path(model_path) / CONFIG_FILE).read_text()))
 
@@ -117,8 +126,9 @@ def read_vision_spec(model_path: Path, config: dict[str, Any]) -> VisionSpec:
         if preprocessor.setdefault(key, value) != value:
             raise ValueError(f"{PREPROCESSOR_CONFIG}'s {key} ({preprocessor[key]}) differs from the vision tower's "
                              f"({value})")
+    image, start, end = DEFAULT_PLACEHOLDER_IDS.get(config.get("model_type"), DEFAULT_PLACEHOLDER_IDS["qwen3_5"])
     return VisionSpec(
-        image_token_id=int(config.get("image_token_id", DEFAULT_IMAGE_TOKEN_ID)),
-        vision_start_token_id=int(config.get("vision_start_token_id", DEFAULT_VISION_START_TOKEN_ID)),
-        vision_end_token_id=int(config.get("vision_end_token_id", DEFAULT_VISION_END_TOKEN_ID)),
+        image_token_id=int(config.get("image_token_id", image)),
+        vision_start_token_id=int(config.get("vision_start_token_id", start)),
+        vision_end_token_id=int(config.get("vision_end_token_id", end)),
         spatial_merge_size=patching["merge_size"], preprocessor=preprocessor)

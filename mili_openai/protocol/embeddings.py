@@ -52,13 +52,16 @@ class EmbeddingRequest(PoolingFields):
     add_special_tokens: bool = True  # as vLLM's: text inputs tokenised with the tokenizer's special tokens
 
     def inputs(self) -> list[str | list[int]]:
-        """Each input, as text or token ids."""
-        value = self.input
-        if isinstance(value, str):
-            return [value]
-        if value and isinstance(value[0], int):
-            return [list(value)]
-        return list(value)
+        return inputs_of(self.input)
+
+
+def inputs_of(value: str | list) -> list[str | list[int]]:
+    """Each input of an `EmbeddingInput`, as text or token ids."""
+    if isinstance(value, str):
+        return [value]
+    if value and isinstance(value[0], int):
+        return [list(value)]
+    return list(value)
 
 
 def encode_vector(vector: np.ndarray, encoding_format: str) -> list[float] | str:

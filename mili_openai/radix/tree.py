@@ -82,6 +82,8 @@ class PrefixMatch(NamedTuple):
     node: RadixNode  # deepest matched node (the root when nothing matched); lock it to keep the pages
     pages: list[int]  # page ids of the matched prefix, in order
     num_tokens: int  # == len(pages) * page_size
+    # match_snapshot's: the tokens whose K/V the tree holds, past the snapshot (== num_tokens for match_prefix)
+    kv_tokens: int = 0
 
 
 class InsertResult(NamedTuple):
@@ -137,12 +139,13 @@ class RadixCache:
         """
         aligned = len(tokens) - len(tokens) % self.page_size
         node, pages, num_tokens = self._descend(tuple(tokens[:aligned]), self._tick())
-        return PrefixMatch(node, pages, num_tokens)
+        return PrefixMatch(node, pages, num_tokens, num_tokens)
 
     def match_snapshot(self, tokens: Sequence[int]) -> PrefixMatch:
         """The longest cached page-aligned prefix of tokens that ends at a node holding a state snapshot (the
         root, with nothing matched, when none does): what a hybrid model may resume from."""
-        node = self.match_prefix(tokens).node
+        deepest = self.match_prefix(tokens)
+        node = deepest.node
         while not node.is_root and node.snapshot is None:
             node = node.parent
         path = []
@@ -151,7 +154,7 @@ class RadixCache:
             path.append(walk)
             walk = walk.parent
         pages = [page for walk in reversed(path) for page in walk.pages]
-        return PrefixMatch(node, pages, len(pages) * self.page_size)
+        return PrefixMatch(node, pages, len(pages) * self.page_size, deepest.num_tokens)
 
     def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> InsertResult:
         """Cache tokens (a whole number of pages) held in pages; see InsertResult for who owns what.

@@ -11,27 +11,23 @@ from starlette.routing import Route
 from mili_openai.engine.pooling_spec import EMBED, finish_vector
 from mili_openai.protocol.embeddings import EmbeddingRequest, embedding_response, encode_vector
 from mili_openai.protocol.errors import APIError
-from mili_openai.routes.pooling import pool_prompts, text_token_ids
-from mili_openai.server.errors import json_response, parse_body
-from mili_openai.server.state import request_id_of, server_state
+from mili_openai.routes.pooling import parse_pooling_request, pool_prompts, text_token_ids
+from mili_openai.server.errors import json_response
+from mili_openai.server.metrics import EMBEDDINGS_API
+from mili_openai.server.state import request_id_of
 
 INPUT_FIELD = "input"
 
 
 async def create_embedding(request: Request) -> Response:
-    server = server_state(request)
-    body = await parse_body(request, EmbeddingRequest)
-    server.check_model(body.model)
-    info = server.require_engine().info
-    if info.pooling is None or info.pooling.task != EMBED:
-        what = "a reranker: use /v1/rerank or /score" if info.pooling is not None else "a generative model"
-        raise APIError(400, f"this server runs {what}; embeddings need an embedding model "
-                            "(mili serve CKPT --runner pooling)", param="model")
+    server, body, info = await parse_pooling_request(
+        request, EmbeddingRequest, EMBED, "embeddings need an embedding model (mili serve CKPT --runner pooling)")
     if body.dimensions is not None and body.dimensions > info.pooling.hidden_size:
         raise APIError(400, f"dimensions must be at most {info.pooling.hidden_size}, the model's embedding size",
                        param="dimensions")
     prompts = await text_token_ids(info.tokenizer, body.inputs(), body.add_special_tokens)
-    pooled = await pool_prompts(request, server, prompts, "embd", INPUT_FIELD, body.truncation(info.max_model_len))
+    pooled = await pool_prompts(request, server, prompts, "embd", INPUT_FIELD, body.truncation(info.max_model_len),
+                                EMBEDDINGS_API)
     normalize = info.pooling.normalize if body.normalize is None else body.normalize
     vectors = [encode_vector(finish_vector(vector, body.dimensions, normalize), body.encoding_format)
                for vector in pooled.vectors]

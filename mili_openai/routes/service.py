@@ -20,6 +20,7 @@ from starlette.routing import Route
 from mili_openai import __version__
 from mili_openai.protocol.errors import APIError
 from mili_openai.protocol.prompts import check_token_ids, encode_text
+from mili_openai.routes.pooling import served_endpoints
 from mili_openai.server.errors import json_response, parse_body
 from mili_openai.server.state import DEFAULT_MODEL_TOKENIZER, server_state
 
@@ -73,16 +74,19 @@ async def list_models(request: Request) -> Response:
         "tokenizer": DEFAULT_MODEL_TOKENIZER if server.config.engine.model is None else str(engine.info.model_path),
         "max_model_len": engine.info.max_model_len,
         "quantization": engine.info.quantization,  # null, or what the weights are (int8, int4, awq, ...)
-        # what the model does: "generate", "embed" or "rerank" (a pooling model), and its vectors' size
+        # what the model does: "generate", or a pooling model's "embed", "rerank" or "classify"
         "task": engine.info.pooling.task if engine.info.pooling is not None else "generate",
     }
-    if engine.info.pooling is not None:
-        model["pooling"] = {"type": engine.info.pooling.pooling_type, "normalize": engine.info.pooling.normalize,
-                            "dimensions": engine.info.pooling.output_size}
+    pooling = engine.info.pooling
+    if pooling is not None:  # its vectors' size (a classifier's: its labels), and the endpoints it answers
+        model["pooling"] = {"type": pooling.pooling_type, "normalize": pooling.normalize,
+                            "dimensions": pooling.output_size, "endpoints": served_endpoints(pooling)}
+        if pooling.labels:
+            model["pooling"]["labels"] = list(pooling.labels)
     # each LoRA adapter as its own model, its parent the base (as vLLM lists them)
     adapters = [{"id": name, "object": "model", "created": model["created"], "owned_by": OWNED_BY, "root": path,
                  "parent": server.served_model_name, "max_model_len": engine.info.max_model_len}
-                for name, path in engine.info.lora_adapters]
+                for name, path in engine.lora_adapters()]
     return json_response({"object": "list", "data": [model, *adapters]})
 
 

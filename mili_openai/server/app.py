@@ -33,7 +33,18 @@ from mili_openai.engine.process_client import EngineProcessClient
 from mili_openai.engine.process_helpers import freeze_heap
 from mili_openai.engine.runner import resolve_device
 from mili_openai.engine.sampling_defaults import describe_sampling_defaults
-from mili_openai.routes import chat, completions, embeddings, generate, profile, responses, scoring, service
+from mili_openai.routes import (
+    chat,
+    classification,
+    completions,
+    embeddings,
+    generate,
+    lora,
+    profile,
+    responses,
+    scoring,
+    service,
+)
 from mili_openai.server.errors import CatchAllMiddleware, install_error_handlers
 from mili_openai.server.metrics import ServerMetrics
 from mili_openai.server.middleware import REQUEST_ID_HEADER, AccessGuardMiddleware, RequestContextMiddleware
@@ -45,6 +56,8 @@ logger = logging.getLogger(__name__)
 def all_routes(config: ServerConfig, metrics: ServerMetrics) -> list[BaseRoute]:
     routes: list[BaseRoute] = [*service.routes(), *chat.routes(), *responses.routes(), *completions.routes(),
                                *generate.routes(), *profile.routes(), *embeddings.routes(), *scoring.routes(),
+                               *classification.routes(),
+                               *lora.routes(),
                                Route("/metrics", metrics.endpoint, methods=["GET"])]
     if config.debug_endpoints:
         routes.extend(service.debug_routes())
@@ -84,8 +97,8 @@ async def load_engine(server: ServerState) -> None:
     speculative = server.config.engine.speculative_config
     if speculative is not None:
         limit = speculative.disable_by_batch_size
-        source = (f"n-grams of {speculative.prompt_lookup_min}-{speculative.prompt_lookup_max} tokens"
-                  if speculative.method == "ngram" else "the checkpoint's MTP module")
+        source = {"ngram": f"n-grams of {speculative.prompt_lookup_min}-{speculative.prompt_lookup_max} tokens",
+                  "mtp": "the checkpoint's MTP module"}.get(speculative.method, f"the draft model {speculative.model}")
         logger.info("speculative decoding: %s, up to %d draft tokens from %s%s; a request stops drafting below %.0f%% "
                     "acceptance", speculative.method, speculative.num_speculative_tokens, source,
                     f", off above {limit} running sequences" if limit else "", 100 * speculative.min_acceptance_rate)

@@ -25,7 +25,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from mili_openai.engine.contract import RequestError
+from mili_openai.engine.contract import RequestError, UnknownLoraAdapter
 from mili_openai.protocol.errors import INTERNAL_ERROR, INVALID_REQUEST, TYPE_BY_STATUS, APIError, validation_error
 from mili_openai.server.metrics import ServerMetrics
 from mili_openai.server.request_log import current_request
@@ -134,6 +134,11 @@ async def _request_error(request: Request, exc: Exception) -> Response:
     return error_response(APIError(400, str(exc), param=exc.param))  # type: ignore[attr-defined]
 
 
+async def _unknown_lora_adapter(request: Request, exc: Exception) -> Response:
+    # a request naming an adapter unloaded after the server checked its `model`: as an unknown model's 404
+    return error_response(APIError(404, str(exc), param=exc.param, code="model_not_found"))  # type: ignore[attr-defined]
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     status = getattr(exc, "status_code", 500)
     if status == 404:
@@ -193,4 +198,5 @@ def install_error_handlers(app: Starlette) -> None:
     app.add_exception_handler(pydantic.ValidationError, _pydantic_error)
     app.add_exception_handler(ValueError, _value_error)
     app.add_exception_handler(RequestError, _request_error)
+    app.add_exception_handler(UnknownLoraAdapter, _unknown_lora_adapter)
     app.add_exception_handler(HTTPException, _http_error)

@@ -22,6 +22,10 @@ TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 
 REQUEST_LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
+# the pooling APIs, as the pooling counters label them: /v1/embeddings, /score, /rerank (all three paths), /classify
+EMBEDDINGS_API, SCORE_API, RERANK_API, CLASSIFY_API = "embeddings", "score", "rerank", "classify"
+POOLING_APIS = (EMBEDDINGS_API, SCORE_API, RERANK_API, CLASSIFY_API)
+
 # (metric name, help, EngineStats field) of the engine-wide counters; the client adds "_total" to names
 ENGINE_COUNTERS = (
     ("mili_prompt_tokens", "Prompt tokens of finished sequences.", "prompt_tokens_total"),
@@ -131,6 +135,26 @@ class ServerMetrics:
             "mili_client_disconnects", "Clients that closed the connection before their answer was complete, by "
             "path and phase (request_body, before_response, stream).", ["path", "phase"], registry=self.registry
         )
+
+        # vLLM counts requests and prompt tokens; a pooling request holds many inputs, each an engine request
+        self.pooling_requests = Counter(
+            "mili_pooling_requests", "Pooling API requests submitted to the engine (embeddings, scores, reranking, "
+            "classification), by API.", ["api"], registry=self.registry)
+        self.pooling_inputs = Counter(
+            "mili_pooling_inputs", "Inputs of pooling API requests, each one run through the model (a text "
+            "embedded, a pair a reranker scores, a text classified), by API.", ["api"], registry=self.registry)
+        self.pooling_prompt_tokens = Counter(
+            "mili_pooling_prompt_tokens", "Prompt tokens of pooling API requests, after truncation, by API.", ["api"],
+            registry=self.registry)
+        for api in POOLING_APIS:  # each series from zero, so a rate over the first request is right
+            for counter in (self.pooling_requests, self.pooling_inputs, self.pooling_prompt_tokens):
+                counter.labels(api)
+
+    def on_pooling_request(self, api: str, num_inputs: int, num_prompt_tokens: int) -> None:
+        """A pooling request's inputs went to the engine (routes/pooling.py)."""
+        self.pooling_requests.labels(api).inc()
+        self.pooling_inputs.labels(api).inc(num_inputs)
+        self.pooling_prompt_tokens.labels(api).inc(num_prompt_tokens)
 
     def on_request_finished(self, metrics: RequestMetrics) -> None:
         self.requests_finished.labels(metrics.finish_reason).inc()

@@ -231,18 +231,13 @@ class ServerState:
 
     def check_model(self, name: str | None) -> str | None:
         """The LoRA adapter `name` picks (None: the base model, also for None, "the one served"); 404 for a
-        model this server does not serve."""
+        model this server does not serve (the engine's adapters as they are now: loaded and unloaded at run
+        time too)."""
         if name is None or name == self.served_model_name:
             return None
-        if name in self.lora_names:
+        if self.engine is not None and any(name == served for served, _ in self.engine.lora_adapters()):
             return name
         raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
-
-    @property
-    def lora_names(self) -> tuple[str, ...]:
-        """The LoRA adapters served beside the base model (`--lora-modules`)."""
-        lora = self.config.engine.lora
-        return () if lora is None else tuple(name for name, _ in lora.modules)
 
     def check_queue(self, num_sequences: int = 1) -> None:
         """429 once `max_queue` sequences wait: shed load instead of queueing forever.

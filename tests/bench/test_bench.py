@@ -51,6 +51,17 @@ def test_client_timings_against_fake_server(bench_tokenizer):
     assert starts[concurrency - 1] < first_finish <= starts[concurrency] and ideal_e2e <= first_finish
 
 
+def test_models_spread_the_requests_round_robin(bench_tokenizer):
+    names = ("a", "b", "c")
+    app = fake_openai_app(first_delay_s=0.0, served=names)
+    with serve_in_thread(app) as base_url:
+        config = BenchConfig(base_url=base_url, num_requests=6, input_len=8, output_len=2, progress=False, warmup=3,
+                             models=names)
+        run = asyncio.run(run_benchmark(config, bench_tokenizer))
+    assert run.summary.completed == 6 and run.model == "a,b,c"
+    assert sorted(app.state.models_asked) == sorted(names * 3)  # the warm-up's three, then two rounds
+
+
 def test_failures_counted_and_reported(bench_tokenizer):
     with serve_in_thread(fake_openai_app(fail_every=2)) as base_url:
         config = BenchConfig(base_url=base_url, num_requests=8, input_len=8, output_len=4, progress=False)

@@ -41,6 +41,7 @@ def test_body_options_ids_ignore_eos_extra_body(bench_tokenizer):
     dict(dataset="sharegpt", dataset_path="c.json", sharegpt_output_len=0),
     dict(burstiness=0), dict(burstiness=math.inf), dict(random_range_ratio=1.0), dict(random_range_ratio=-0.1),
     dict(min_tokens=40, output_len=64, random_range_ratio=0.5),  # a drawn max_tokens may be 32
+    dict(model="a", models=("b", "c")), dict(models=("a", "")),
 ])
 def test_config_rejects_bad_values(kwargs):
     with pytest.raises(ValueError):

@@ -75,7 +75,7 @@ def test_only_decode_batches_within_the_buckets_run_from_graphs(model_and_config
     assert graphs.bucket(mixed) is None  # a prefill chunk: eager
     prefill, _ = pages.batch(prefill=[("c", 3)])
     assert graphs.bucket(prefill) is None
-    decode.rotary = model.model.rotary(decode.positions)
+    decode.rotary = model.model.rotary_emb(decode.positions, model.model.dtype)
     assert graphs.bucket(decode) is None  # rotary built ahead (the CPU path): eager
     decode.rotary = None
     decode.pages.decode = decode.pages.decode.new_zeros(1, TABLE_WIDTH + 1)

@@ -83,8 +83,8 @@ def test_abort_frees_the_state_slot(hybrid_checkpoint):
 def test_prefix_reuse_needs_snapshots(hybrid_checkpoint):
     checkpoint = str(hybrid_checkpoint("qwen3_next"))
     assert LLM(checkpoint, dtype="float32", num_pages=64).core.config.enable_prefix_caching
-    # never K/V alone: with no room for a state snapshot, prefix reuse is off; nor beside speculation yet
+    # never K/V alone: with no room for a state snapshot, prefix reuse is off
     without_snapshots = LLM(checkpoint, dtype="float32", num_pages=64, num_hybrid_snapshots=0)
     assert not without_snapshots.core.config.enable_prefix_caching
     drafting = LLM(checkpoint, dtype="float32", num_pages=64, speculative_config={"num_speculative_tokens": 2})
-    assert not drafting.core.config.enable_prefix_caching
+    assert drafting.core.config.enable_prefix_caching and drafting.core.pages.snapshots is not None

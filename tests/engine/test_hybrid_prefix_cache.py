@@ -1,7 +1,8 @@
 """The prefix cache on hybrid models (engine/state_snapshots.py): a warm request resumes from a state snapshot
 and its K/V pages, and its greedy tokens are transformers' fp32 ones, as a cold run's are. Covers a repeated
 prompt, a branch point (two prompts sharing a prefix), a chat's next turns (the snapshot a finished request
-leaves), n > 1, preemption, a snapshot pool too small for everything, and abort. After each test the snapshot
+leaves), n > 1, preemption, a snapshot pool too small for everything, abort, and speculative decoding (n-gram and
+MTP drafts: states saved only at kept positions). After each test the snapshot
 ids are all free or attached to the tree, and all free once the tree is reset."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from engine_helpers import assert_matches, check_abort_mid_stream_frees_pages, greedy, hf_greedy
-from hybrid_helpers import HYBRID_VOCAB, hybrid_tokens, transformers_class
+from hybrid_helpers import HYBRID_VOCAB, MTP_THREE, NGRAM, hybrid_tokens, transformers_class
 
 from mili_openai import LLM
 from mili_openai.config import EngineConfig
@@ -19,8 +20,9 @@ from mili_openai.engine.async_engine import AsyncEngine
 MAX_NEW = 8
 PAGE = 4
 SHARED = hybrid_tokens(40, seed=7)  # a shared prefix of whole pages
-TAILS = [hybrid_tokens(9, seed=8), hybrid_tokens(13, seed=9)]
+TAILS = [hybrid_tokens(9, seed=8), hybrid_tokens(13, seed=9), hybrid_tokens(7, seed=10)]
 TURN_MESSAGES = [hybrid_tokens(29, seed=20), hybrid_tokens(11, seed=21), hybrid_tokens(6, seed=22)]
+PATTERN = hybrid_tokens(5, seed=6) * 5  # a prompt that repeats itself: n-gram drafts find matches in it
 
 
 @pytest.fixture(scope="module", params=["qwen3_5", "qwen3_next"])
@@ -29,7 +31,7 @@ def oracle(request, hybrid_checkpoint):
     sharing SHARED, and a chat of three turns, each resending the history with the model's reply."""
     checkpoint = hybrid_checkpoint(request.param)
     model = transformers_class(request.param).from_pretrained(str(checkpoint), dtype=torch.float32).eval()
-    cases = {f"branch{i}": SHARED + tail for i, tail in enumerate(TAILS)}
+    cases = {f"branch{i}": SHARED + tail for i, tail in enumerate(TAILS)} | {"pattern": PATTERN}
     expected = {name: (prompt, hf_greedy(model, prompt, MAX_NEW)) for name, prompt in cases.items()}
     history: list[int] = []
     for turn, message in enumerate(TURN_MESSAGES):
@@ -88,6 +90,22 @@ def test_a_branch_point_is_snapshotted_for_the_prompt_that_waits(oracle):
     assert_snapshots_accounted(llm)
 
 
+def test_a_branch_point_is_snapshotted_for_a_prompt_that_admission_has_not_reached(oracle):
+    """A budget of 16 tokens admits only branch0 at first: branch1 waits in the queue while branch0 passes
+    SHARED's end, and still finds a snapshot there when it is admitted."""
+    llm = make_llm(oracle[0], max_num_batched_tokens=16)
+    assert run(llm, oracle, ["branch0", "branch1"]) == [0, len(SHARED)]
+    assert_snapshots_accounted(llm)
+
+
+def test_a_branch_point_is_snapshotted_by_a_later_prompt_that_leaves_the_path(oracle):
+    """branch1 comes after branch0 has finished: its K/V matches SHARED but no state was saved there, so it
+    runs cold and saves one as it passes; branch2 then resumes from it."""
+    llm = make_llm(oracle[0], max_num_batched_tokens=64)
+    assert [run(llm, oracle, [name])[0] for name in ("branch0", "branch1", "branch2")] == [0, 0, len(SHARED)]
+    assert_snapshots_accounted(llm)
+
+
 def test_n_samples_resume_from_the_prompts_snapshot(oracle):
     llm = make_llm(oracle[0], max_num_batched_tokens=64)
     outputs = llm.generate([oracle[1]["turn1"][0]], greedy(MAX_NEW, n=3))
@@ -124,3 +142,21 @@ def test_abort_returns_every_snapshot(hybrid_checkpoint):
     assert store.num_free + store.num_attached == store.num_snapshots
     engine.core.pages.tree.reset()
     assert store.num_free == store.num_snapshots
+
+
+@pytest.mark.parametrize("speculative", [NGRAM, MTP_THREE], ids=["ngram", "mtp3"])
+def test_drafts_save_snapshots_only_at_kept_positions(oracle, speculative):
+    """Beside speculative decoding a verify step's rows cross page boundaries; the state is saved from the row that
+    reaches one only where its token was kept, so the next turn resumes after the reply with the very tokens."""
+    llm = make_llm(oracle[0], max_num_batched_tokens=32, speculative_config=speculative)
+    for turn in range(len(TURN_MESSAGES)):
+        cached = run(llm, oracle, [f"turn{turn}"])[0]
+        if turn:  # as without drafts: the last page boundary the previous turn's tokens reached
+            previous = len(oracle[1][f"turn{turn - 1}"][0]) + MAX_NEW - 1
+            assert cached == previous // PAGE * PAGE
+    assert run(llm, oracle, ["branch0", "branch1"]) == [0, len(SHARED)]
+    assert run(llm, oracle, ["pattern"]) == [0]
+    assert run(llm, oracle, ["pattern"]) == [(len(PATTERN) - 1) // PAGE * PAGE]
+    stats = llm.core.stats()
+    assert stats.spec_decode_num_draft_tokens_total > 0  # kept drafts at a boundary: test_verified_snapshots.py
+    assert_snapshots_accounted(llm)

@@ -1,7 +1,8 @@
 """Tensor parallelism for Qwen3.5 / Qwen3-Next: Gated DeltaNet's heads (GVA groups whole), gated attention's heads,
 the shared expert and the vocabulary split over two gloo ranks on CPU, each rank with a state pool of its own
 heads, give exactly one rank's greedy tokens (and logprobs) through chunked prefill beside decodes, preemption
-and n > 1; sizes that do not split the linear heads are refused naming them."""
+and n > 1, and with the prefix cache's state snapshots (each rank keeps its own heads'); sizes that do not split
+the linear heads are refused naming them."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from engine_helpers import random_prompts
-from hybrid_helpers import HYBRID_VOCAB
+from hybrid_helpers import HYBRID_VOCAB, NGRAM, hybrid_tokens
 
 from mili_openai import LLM, SamplingParams
 from mili_openai.model import ModelConfig
@@ -76,3 +77,40 @@ def test_two_ranks_give_one_ranks_tokens(hybrid_checkpoint, layout):
         assert llm.core.state_slots.num_free == llm.core.state_slots.num_slots
     finally:
         llm.core.runner.close()
+
+
+def cached_calls(llm: LLM) -> list[list[tuple[list[int], int]]]:
+    """Greedy tokens and cached-token counts of calls that hit the prefix cache: a prompt, the same again, two prompts
+    branching off a shared prefix together, and a chat's next turn (the first reply resent)."""
+    prompt = hybrid_tokens(33, seed=60)
+    shared = hybrid_tokens(24, seed=61)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+    calls: list[list[tuple[list[int], int]]] = []
+    for prompts in ([prompt], [prompt], [shared + hybrid_tokens(9, seed=62), shared + hybrid_tokens(6, seed=63)]):
+        calls.append([(o.outputs[0].token_ids, o.num_cached_tokens) for o in llm.generate(prompts, greedy)])
+    turn = prompt + calls[0][0][0] + hybrid_tokens(7, seed=64)
+    calls.append([(o.outputs[0].token_ids, o.num_cached_tokens) for o in llm.generate([turn], greedy)])
+    return calls
+
+
+def test_two_ranks_resume_from_their_own_snapshots(hybrid_checkpoint):
+    """Each rank snapshots its own heads' states, in slots numbered alike, and restores them as one rank does: with
+    the prefix cache on, two ranks hit where one does and give its tokens."""
+    checkpoint = str(hybrid_checkpoint("qwen3_5"))
+    engine_args = dict(ENGINE_ARGS, num_pages=64)
+    want = cached_calls(LLM(checkpoint, **engine_args))
+    assert all(call[-1][1] > 0 for call in want[1:])  # every call after the first hits
+    llm = LLM(checkpoint, tensor_parallel_size=TP_SIZE, **engine_args)
+    try:
+        assert llm.core.config.enable_prefix_caching and llm.core.runner.num_state_snapshots > 0
+        assert cached_calls(llm) == want
+        llm.core.check_integrity()
+        assert llm.core.stats().num_state_snapshots_attached > 0
+    finally:
+        llm.core.runner.close()
+
+
+def test_speculation_over_ranks_is_refused(hybrid_checkpoint):
+    """The workers do not roll linear states back to the last kept draft: refused at start, not wrong tokens."""
+    with pytest.raises(ValueError, match="linear-attention layers runs on one rank"):
+        LLM(str(hybrid_checkpoint("qwen3_5")), tensor_parallel_size=TP_SIZE, speculative_config=NGRAM, **ENGINE_ARGS)

@@ -2,7 +2,8 @@
 `Qwen3_5Model.get_rope_index` (the oracle) for prompts with several images of different grids; the rotary of three
 position streams equals transformers' `Qwen3_5TextRotaryEmbedding`, and plain RoPE where the streams agree; a
 step's image rows and embedding slices follow chunk boundaries that cut through images; a sequence with images
-never matches nor fills the prefix cache."""
+never matches nor fills the prefix cache; the scheduler spreads a request's images over steps under the encoder
+budget while another sequence decodes every step."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ import numpy as np
 import pytest
 import torch
 
+from mili_openai.config import EngineConfig
 from mili_openai.engine.image_batch import vision_batch
 from mili_openai.engine.image_inputs import ImageFeatures, place_images
 from mili_openai.engine.image_processor import expand_image_placeholders
 from mili_openai.engine.kv_pages import KVPageManager
 from mili_openai.engine.scheduled_batch import ScheduledBatch
+from mili_openai.engine.scheduler import Scheduler
 from mili_openai.engine.sequence import Sequence
 from mili_openai.model.vision_batch import mrope_pair_streams, mrope_rotary
 
@@ -130,3 +133,37 @@ def test_sequences_with_images_never_share_cached_pages():
     assert pages.tree.match_prefix(ids).num_tokens == 0  # nothing entered the tree
     text = sequence(ids)
     assert pages.match(text) == 0
+
+
+def image_starts_in(seq: Sequence, start: int, count: int) -> int:
+    return sum(start <= first < start + count for first in seq.images.starts)
+
+
+@pytest.mark.parametrize("max_patches, images_per_step", [
+    (10_000, 4),  # every image in the first step
+    (40, 2),  # two 16-patch images a step
+    (8, 1),  # below one image: still one a step
+])
+def test_encoder_budget_spreads_images_while_decodes_keep_stepping(max_patches, images_per_step):
+    images = [features((1, 4, 4), seed) for seed in range(4)]  # 16 patches, 4 tokens each
+    ids = prompt_with(images)
+    config = EngineConfig(page_size=4, num_pages=64, max_num_seqs=8, max_num_batched_tokens=512,
+                          max_encoder_patches_per_step=max_patches)
+    scheduler = Scheduler(config, KVPageManager(num_pages=64, page_size=4, enable_prefix_caching=True))
+    decoding = sequence([5, 6, 7, 8])
+    decoding.max_tokens = 100
+    scheduler.add(decoding)
+    scheduler.schedule()
+    decoding.append_token(1)
+    with_images = sequence(ids, place_images(ids, IMAGE_TOKEN, images))
+    scheduler.add(with_images)
+    encoded = []
+    while with_images.num_computed_tokens < len(ids):
+        batch = scheduler.schedule()
+        assert batch.seqs[0] is decoding and batch.num_decode == 1  # the decode runs in every step
+        decoding.append_token(1)
+        if with_images in batch.seqs:
+            index = batch.seqs.index(with_images)
+            encoded.append(image_starts_in(with_images, batch.positions[index], batch.num_new_tokens[index]))
+    assert max(encoded) == images_per_step and sum(encoded) == len(images)
+    assert len([n for n in encoded if n]) == -(-len(images) // images_per_step)

@@ -1,6 +1,6 @@
 """LoRA adapters through the engine against transformers with PEFT's merged adapter (float32, greedy): each adapter
-alone, four adapters and the base model in one step, slot and host-cache eviction, and a prefix cache that never
-serves one adapter's K/V to another."""
+alone, four adapters and the base model in one step, slot and host-cache eviction, a prefix cache that never
+serves one adapter's K/V to another, and adapters loaded and unloaded at run time."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from engine_helpers import assert_matches, greedy, random_prompts
 from lora_helpers import peft_greedy, write_peft_adapter
 from mili_openai import LLM
-from mili_openai.engine.contract import RequestError
+from mili_openai.engine.contract import LoraAdapterExists, RequestError, UnknownLoraAdapter, check_request
 from mili_openai.model.lora_adapter import ATTENTION_TARGETS, AdapterError
 
 PROMPTS = random_prompts(3, [5, 23, 40], seed=11)
@@ -112,6 +112,48 @@ def test_moe_attention_adapter_matches_peft(tiny_moe_checkpoint, tmp_path):
     assert_matches(llm.generate(PROMPTS[:2], greedy(MAX_NEW), lora_request="moe"), expected)
 
 
-def test_hybrid_model_is_refused_at_start(hybrid_checkpoint, lora_adapters):
-    with pytest.raises(ValueError, match="Qwen3 and Qwen3-MoE checkpoints only, not on Qwen3_5ForCausalLM"):
-        lora_llm(hybrid_checkpoint("qwen3_5"), {"r8": lora_adapters["r8"]})
+def run_step(core) -> list:
+    """One step of the engine core, scheduled, run and postprocessed: its deltas."""
+    batch, prepared = core.schedule()
+    return core.postprocess(batch, core.runner.execute(prepared))
+
+
+def test_an_adapter_unloaded_mid_generation_finishes_its_sequences(tiny_checkpoint, lora_adapters, oracle):
+    """As vLLM: unloading takes the name from new requests; those already on it finish on it (with the oracle's
+    tokens), and the adapter's weights go once the last of them ends."""
+    llm = lora_llm(tiny_checkpoint, {"r8": lora_adapters["r8"]}, max_loras=1)
+    core = llm.core
+    core.add(check_request(PROMPTS[1], greedy(MAX_NEW), core.info, lora_name="r8"), "on-r8")
+    deltas = run_step(core)  # the prompt's prefill: the sequence runs on r8
+    core.lora.unload("r8", core.sequences.values())
+    assert core.lora.served_adapters() == () and core.lora.adapter_names(core.scheduler.running) == ("r8",)
+    with pytest.raises(UnknownLoraAdapter, match="no LoRA adapter named 'r8'"):
+        core.add(check_request(PROMPTS[0], greedy(2), core.info, lora_name="r8"))
+    assert core.runner.lora.on_host() == (1,)
+    while core.has_work():
+        deltas += run_step(core)
+    assert [token for delta in deltas for token in delta.token_ids] == oracle["r8"][1][0]
+    assert core.runner.lora.on_host() == () and core.lora.names == {}
+    core.check_integrity()
+
+
+def test_an_adapter_loaded_at_run_time_matches_peft_under_a_fresh_id(llm, oracle, lora_adapters):
+    """Loaded while others are served, an adapter answers as PEFT's merge; unloaded and loaded again under its name,
+    it gets a new id, so K/V cached under the old one is never matched (the prefix cache starts cold)."""
+    registry = llm.core.lora
+    registry.load("late", str(lora_adapters["attn"]))
+    with pytest.raises(LoraAdapterExists):
+        registry.load("late", str(lora_adapters["r8"]))
+    prompt = PROMPTS[2]
+    first, cached = (llm.generate([prompt], greedy(MAX_NEW), lora_request="late")[0] for _ in range(2))
+    assert_matches([first, cached], [oracle["attn"][2]] * 2)
+    assert cached.num_cached_tokens >= 32
+    old_id = registry.id_of("late")
+    registry.unload("late", llm.core.sequences.values())
+    registry.load("late", str(lora_adapters["attn"]))
+    assert registry.id_of("late") > old_id
+    reloaded = llm.generate([prompt], greedy(MAX_NEW), lora_request="late")[0]
+    assert reloaded.num_cached_tokens == 0
+    assert_matches([reloaded], [oracle["attn"][2]])
+    registry.unload("late", llm.core.sequences.values())
+    llm.core.check_integrity()

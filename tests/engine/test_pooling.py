@@ -156,6 +156,20 @@ def test_embeddings_match_sentence_transformers_batched_chunked_and_one_by_one(e
     assert llm.core.scheduler.running == [] and not llm.core.scheduler.waiting  # nothing left behind
 
 
+@pytest.mark.parametrize("pooling", ["last", "mean"])
+def test_an_input_whose_last_chunk_is_one_token_is_pooled(embedding_checkpoint, pooling):
+    """A budget that leaves one token of an input for the next step: that step pools it as a prefill chunk
+    (a one-token chunk was once scheduled as a decode row, which the runner does not pool, and the engine loop
+    died on it)."""
+    checkpoint = str(embedding_checkpoint(pooling))
+    whole = LLM(checkpoint, **ENGINE_ARGS)
+    tokens = whole.core.tokenizer.encode(TEXTS[2])
+    expected = whole.embed([tokens])[0].outputs.embedding
+    chunked = LLM(checkpoint, **{**ENGINE_ARGS, "max_num_batched_tokens": len(tokens) - 1})
+    np.testing.assert_allclose(chunked.embed([tokens])[0].outputs.embedding, expected, atol=1e-5)
+    chunked.core.check_integrity()
+
+
 def test_a_cached_instruction_prefix_gives_the_same_vectors(embedding_checkpoint):
     llm = LLM(str(embedding_checkpoint("last")), **ENGINE_ARGS)
     first = [output.outputs.embedding for output in llm.embed(TEXTS[-2:])]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid_helpers import HYBRID_VOCAB, hybrid_tokens
+from hybrid_helpers import HYBRID_VOCAB, MTP_THREE, NGRAM, hybrid_tokens
 
 from mili_openai import LLM, SamplingParams
 
@@ -18,10 +18,7 @@ MAX_NEW = 24
 PATTERN_PROMPTS = [hybrid_tokens(4, seed=1) * 6, hybrid_tokens(13, seed=2), hybrid_tokens(3, seed=3) * 9,
                    hybrid_tokens(41, seed=4)]
 ENGINE = dict(dtype="float32", num_pages=256, page_size=4, max_num_batched_tokens=32)  # chunks beside decodes
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2,
-         "min_acceptance_rate": 0}
 MTP_ONE = {"method": "mtp", "num_speculative_tokens": 1, "min_acceptance_rate": 0}
-MTP_THREE = {"method": "mtp", "num_speculative_tokens": 3, "min_acceptance_rate": 0}
 
 
 def greedy(max_tokens: int = MAX_NEW, **params) -> SamplingParams:
@@ -102,12 +99,6 @@ def test_preemption_and_samples_with_mtp(hybrid_checkpoint):
     assert token_ids(llm.generate(prompts, greedy(n=2))) == expected
     assert llm.core.stats().num_preemptions_total > 0
     assert_all_released(llm)
-
-
-def test_draft_model_is_refused_by_name(hybrid_checkpoint):
-    with pytest.raises(NotImplementedError, match="draft_model"):
-        LLM(str(hybrid_checkpoint("qwen3_5")), dtype="float32", num_pages=64,
-            speculative_config={"method": "draft_model", "model": "/nowhere", "num_speculative_tokens": 2})
 
 
 def test_mtp_needs_a_model_with_an_mtp_module(tiny_checkpoint):

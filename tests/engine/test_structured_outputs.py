@@ -218,19 +218,64 @@ def test_the_server_compiles_formats_off_its_event_loop(tiny_checkpoint, monkeyp
     assert len(compiles.threads) == 2 and "uvicorn-test" not in compiles.threads  # the loop's thread
 
 
-def test_formats_do_not_draft_and_drafting_neighbours_keep_their_tokens(tiny_checkpoint, llm):
-    """With speculative decoding on, a constrained sequence decodes a token a step (its matcher takes one),
-    beside unconstrained sequences that draft and keep plain decoding's tokens."""
-    drafting = LLM(str(tiny_checkpoint), dtype="float32", num_pages=256, page_size=8,
-                   speculative_config={"num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1})
-    looping = [[1000, 2000, 3000] * 6, [4000, 5000] * 8]
+class KnownOutputProposer:
+    """Drafts each sequence's known constrained output, with its first draft wrong every third call and its second
+    wrong every third call: drafts kept whole, in part, and cut where the grammar disallows a wrong one."""
+
+    drafts_in_runner = False
+    draft_lookahead = 0
+
+    def __init__(self, outputs: dict[tuple[int, ...], list[int]], k: int) -> None:
+        self.outputs, self.k, self.calls = outputs, k, 0
+
+    def propose(self, seq, max_drafts: int) -> list[int]:
+        done = len(seq.output_token_ids)
+        drafts = list(self.outputs[tuple(seq.prompt_token_ids)][done : done + min(self.k, max_drafts)])
+        self.calls += 1
+        wrong = {1: 0, 2: 1}.get(self.calls % 3)
+        if wrong is not None and wrong < len(drafts):
+            drafts[wrong] += 1
+        return drafts
+
+
+def test_formats_draft_and_keep_plain_decodings_tokens(tiny_checkpoint, llm):
+    """With drafts, a constrained sequence's grammar masks each verify row after the drafts before it and takes
+    only the tokens kept: its output is plain decoding's, valid, beside unconstrained sequences that draft."""
+    formats = {"Pick a color.": StructuredOutputsParams(json=SCHEMA), "Code?": StructuredOutputsParams(regex=REGEX),
+               "Choose.": StructuredOutputsParams(choice=CHOICES), "Pairs.": StructuredOutputsParams(grammar=GRAMMAR)}
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=spec) for spec in formats.values()]
+    looping = [1000, 2000, 3000] * 6
     free = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    constrained = SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=SCHEMA))
-    outputs = drafting.generate([*looping, looping[0]], [free, free, constrained])
-    plain = llm.generate(looping, free)
-    assert [o.outputs[0].token_ids for o in outputs[:2]] == [o.outputs[0].token_ids for o in plain]
-    assert conforms(outputs[2].outputs[0].text)
-    assert drafting.core.stats().spec_decode_num_drafts_total > 0
+    plain = llm.generate([*formats, looping], [*params, free])
+    drafting = LLM(str(tiny_checkpoint), dtype="float32", num_pages=256, page_size=8,
+                   speculative_config={"num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1,
+                                       "min_acceptance_rate": 0})
+    known = {tuple(output.prompt_token_ids): list(output.outputs[0].token_ids) for output in plain}
+    drafting.core.scheduler.proposer = KnownOutputProposer(known, k=3)
+    outputs = drafting.generate([*formats, looping], [*params, free])
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
+    texts = [o.outputs[0].text for o in outputs]
+    assert conforms(texts[0]) and re.fullmatch(REGEX, texts[1]) and texts[2] in CHOICES
+    assert re.fullmatch(GRAMMAR_REGEX, texts[3])
+    stats = drafting.core.stats()
+    kept, verified = stats.spec_decode_num_accepted_tokens_per_pos, stats.spec_decode_num_draft_tokens_per_pos
+    assert all(0 < kept[position] < verified[position] for position in (0, 1))
+    drafting.core.check_integrity()
+
+
+def test_a_formats_matcher_looks_ahead_and_rolls_back(llm):
+    """`valid_prefix` and `ahead` leave the matcher where it was, and see what consuming the drafts would."""
+    tokenizer = llm.tokenizer
+    output = llm.core.grammars.matcher(StructuredOutputsParams(regex=REGEX))
+    good = tokenizer.encode("ab", add_special_tokens=False)
+    bad = tokenizer.encode("z", add_special_tokens=False)
+    assert output.valid_prefix(good + bad) == len(good)
+    assert output.valid_prefix(bad + good) == 0
+    with output.ahead(good):
+        assert output.consumed == len(good)
+        assert output.valid_prefix(tokenizer.encode("c-", add_special_tokens=False)) > 0
+    assert output.consumed == output.matched == 0
+    assert output.valid_prefix(good) == len(good)  # the matcher is back at the start
 
 
 def test_formats_through_a_real_server(tiny_checkpoint):

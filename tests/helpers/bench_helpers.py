@@ -20,6 +20,7 @@ from starlette.routing import Route
 FAKE_MODEL = "fake-model"
 TTFT_S = 0.15  # the fake server's delay before the first token
 ITL_S = 0.02  # and between tokens
+FAKE_PROMPT_TOKENS = 11  # the prompt tokens its usage counts per user message
 SERVER_START_TIMEOUT_S = 10.0
 
 
@@ -45,23 +46,30 @@ def write_sharegpt(path) -> None:
 
 
 # ---- a fake OpenAI-compatible streaming server with known delays ----
-def fake_openai_app(fail_every: int = 0, send_usage: bool = True, first_delay_s: float = TTFT_S) -> Starlette:
+def fake_openai_app(fail_every: int = 0, send_usage: bool = True, first_delay_s: float = TTFT_S,
+                    served: tuple[str, ...] = (FAKE_MODEL,), bodies: list | None = None) -> Starlette:
     """Streams `max_tokens` one-word chunks: the first after `first_delay_s`, the next ITL_S apart.
-    Every `fail_every`-th request gets a 500 (odd ones) or an in-stream error event (even ones)."""
+    Every `fail_every`-th request gets a 500 (odd ones) or an in-stream error event (even ones). Its usage counts
+    FAKE_PROMPT_TOKENS per user message, all but the last's as cached. `served`: the model names it lists and
+    takes; `app.state.models_asked` records each request's. `bodies` collects the request bodies."""
     counter = {"n": 0}
+    models_asked: list[str] = []
 
     async def models(request: Request) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{"id": FAKE_MODEL, "object": "model"}]})
+        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model"} for name in served]})
 
     async def generate(request: Request):
         body = await request.json()
+        if bodies is not None:
+            bodies.append(body)
         counter["n"] += 1
         number = counter["n"]
         chat = request.url.path.endswith("/chat/completions")
         failing = fail_every and number % fail_every == 0
         if failing and (number // fail_every) % 2 == 1:
             return JSONResponse({"error": {"message": f"injected failure {number}"}}, status_code=500)
-        assert body["stream"] is True and body["model"] == FAKE_MODEL  # the fake's own sanity check
+        assert body["stream"] is True and body["model"] in served  # the fake's own sanity check
+        models_asked.append(body["model"])
 
         def chunk(text: str | None, usage: dict | None = None, finish: str | None = None) -> str:
             choice = ({"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish} if chat
@@ -78,14 +86,19 @@ def fake_openai_app(fail_every: int = 0, send_usage: bool = True, first_delay_s:
                     return
                 yield chunk(" word", finish="length" if i == body["max_tokens"] - 1 else None)
             if send_usage:
-                yield chunk(None, usage={"prompt_tokens": 11, "completion_tokens": body["max_tokens"],
-                                         "total_tokens": 11 + body["max_tokens"]})
+                users = max(1, sum(message["role"] == "user" for message in body.get("messages", ())))
+                prompt = FAKE_PROMPT_TOKENS * users
+                yield chunk(None, usage={"prompt_tokens": prompt, "completion_tokens": body["max_tokens"],
+                                         "total_tokens": prompt + body["max_tokens"],
+                                         "prompt_tokens_details": {"cached_tokens": prompt - FAKE_PROMPT_TOKENS}})
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    return Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", generate, methods=["POST"]),
-                             Route("/v1/chat/completions", generate, methods=["POST"])])
+    app = Starlette(routes=[Route("/v1/models", models), Route("/v1/completions", generate, methods=["POST"]),
+                            Route("/v1/chat/completions", generate, methods=["POST"])])
+    app.state.models_asked = models_asked
+    return app
 
 
 @contextlib.contextmanager

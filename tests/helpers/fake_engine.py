@@ -90,6 +90,9 @@ class FakeEngine:
     def is_ready(self) -> bool:
         return self.started
 
+    def lora_adapters(self) -> tuple[tuple[str, str], ...]:
+        return self.info.lora_adapters  # none loaded or unloaded at run time: the routes of those need a real engine
+
     def stats(self) -> EngineStats:
         used = sum(self.owned.values())
         return EngineStats(len(self.tasks), 0, self.num_pages, self.num_pages - used, 0, used / self.num_pages,

@@ -62,3 +62,19 @@ def peft_greedy(checkpoint: Path, adapter: Path | None, prompts: list[list[int]]
             warnings.simplefilter("ignore", FutureWarning)
             model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
     return [hf_greedy(model, prompt, max_new) for prompt in prompts]
+
+
+def edited_adapter(source: Path, directory: Path, edit_weights=None, **config_fields) -> Path:
+    """A copy of the adapter at `source` in `directory`, its weights passed through `edit_weights` ({name: tensor} ->
+    {name: tensor}) and its adapter_config.json fields overwritten by `config_fields`: adapters a server must refuse."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, directory)
+    if edit_weights is not None:
+        weights_file = directory / "adapter_model.safetensors"
+        save_file(edit_weights(load_file(str(weights_file))), str(weights_file))
+    if config_fields:
+        edit_adapter_config(directory, **config_fields)
+    return directory

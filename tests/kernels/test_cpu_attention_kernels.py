@@ -50,9 +50,9 @@ def assert_matches(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) ->
 
 
 # contexts: partial pages and blocks; one long context the kernel splits into spans (merged after) beside
-# short ones; heads: Qwen3-0.6B's, MHA at head_dim 16, groups of 3
+# short ones; heads: Qwen3-0.6B's, MHA at head_dim 16, groups of 3, Qwen3.5's attention (head_dim 256)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (4, 4, 16), (6, 2, 64)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (4, 4, 16), (6, 2, 64), (8, 2, 256)])
 @pytest.mark.parametrize("lengths", [(1, 57, 120), (1000, 3, 17)])
 @pytest.mark.parametrize("page_size,index_dtype", [(16, torch.int64), (1, torch.int32), (16, torch.int32)])
 def test_decode_attention_through_page_tables(kernels, dtype, heads, kv_heads, head_dim, lengths, page_size,
@@ -140,11 +140,11 @@ def prefill_products(kernels):
 
 # one call, every chunk: a whole prompt, a chunk after a cached prefix, one token, lengths that leave partial
 # query and key blocks (and an odd last block, which bf16 pairs pad); head shapes: Qwen3-0.6B's, MHA, and
-# groups that do not divide 64
+# groups that do not divide 64, and Qwen3.5's head_dim 256
 CHUNKS = [(130, 130), (64, 1000), (1, 7), (37, 100)]  # (new tokens, context after them)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (4, 4, 16), (40, 8, 32), (8, 1, 64)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (4, 4, 16), (40, 8, 32), (8, 1, 64), (8, 2, 256)])
 @pytest.mark.parametrize("page_size,index_dtype", [(16, torch.int64), (1, torch.int32)])
 def test_prefill_attention_through_page_tables(kernels, heads, kv_heads, head_dim, page_size, index_dtype):
     lengths = [length for length, _ in CHUNKS]

@@ -54,9 +54,10 @@ def test_interleaved_rounds_see_through_a_burst():
     clock, costs = FakeClock(), {"cheap": 4.0, "dear": 6.0}
     # calls: cheap's warm-up and 3 runs are 0-3, dear's warm-up is 4, its first timed run 5
     cheap, dear = work_on_a_bursty_machine(clock, costs, burst_calls={5})
-    # FakeClock's virtual time, advanced by the work functions alone: the machine's speed plays no part
-    cheap_virtual_time = fastest_seconds(cheap, clock=clock)
-    assert fastest_seconds(dear, clock=clock) < cheap_virtual_time  # the rule the plan used before: misled
+    # FakeClock's virtual time, advanced by the work functions alone: exact costs, not the machine's speed.
+    # The fastest-of-runs rule the plan used before takes dear's burst run (a tenth of its cost) and is misled.
+    assert fastest_seconds(cheap, clock=clock) == pytest.approx(costs["cheap"])
+    assert fastest_seconds(dear, clock=clock) == pytest.approx(costs["dear"] * 0.1)
 
     # dear's timed run in the first round of each comparison (the first takes calls 0-19, 2 warm-ups + 9 x 2)
     cheap, dear = work_on_a_bursty_machine(clock, costs, burst_calls={3, 22})

@@ -1,6 +1,7 @@
 """The kernel backend (model/kernel_backend.py): every module that runs kernels requires it at construction, a
-loaded model's modules all share its one object (the MTP predictor's, the LoRA wrappers' and the vision tower's
-too), so one assignment to a field changes the op for the whole model."""
+loaded model's modules all share its one object (the MTP predictor's, the LoRA wrappers', the vision towers' with
+Qwen3-VL's DeepStack mergers, a sequence classifier's score head and its pooler too), so one assignment to a field
+changes the op for the whole model."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import pytest
 import torch
 from model_helpers import PagedSequences, counting_matmul, random_tokens
 
+from mili_openai.engine.pooler import Pooler
+from mili_openai.engine.pooling_spec import CLASSIFY, LAST, PoolingRow, PoolingSpec
 from mili_openai.kernels.fp8 import per_row_weights
 from mili_openai.kernels.lora import LoraGroup, add_lora
 from mili_openai.model import KVCache, ModelCaches, ModelConfig, load_model
@@ -101,3 +104,35 @@ def test_the_lora_wrappers_run_the_backends_lora_op(tiny_checkpoint):
     with torch.inference_mode(), slots.rows([LoraGroup(0, None)]):
         projection(torch.randn(3, projection.lora_a.shape[-1]))
     assert calls == [1]
+
+
+def test_qwen3_vl_tower_and_its_deepstack_mergers_share_the_backend(qwen3_vl_checkpoint):
+    model, config = load_model(qwen3_vl_checkpoint, torch.float32, CPU, use_decode_kernel=False)
+    assert all(m.backend is model.backend for m in _backend_holders(model))
+    mergers = _backend_holders(model.visual.deepstack_merger_list)
+    assert len(mergers) == 2 * len(config.vision_tower.deepstack_visual_indexes) > 0  # fc1 and fc2 each
+    assert all(isinstance(m, BiasedLinear) for m in mergers)
+
+
+def test_hybrid_lora_wrappers_share_the_backend(hybrid_checkpoint):
+    model, _ = load_model(hybrid_checkpoint("qwen3_5"), torch.float32, CPU, use_decode_kernel=False)
+    LoraSlots(model, num_slots=1, max_rank=4)
+    wrappers = [m for m in model.modules() if isinstance(m, LoraLinear)]
+    assert any(isinstance(m.base, Linear) and "linear_attn.in_proj_qkv" in [t.name for t in m.targets]
+               for m in wrappers)  # Gated DeltaNet's input projection is wrapped too
+    assert all(m.backend is model.backend for m in wrappers)
+
+
+def test_a_classifiers_score_head_and_pooler_run_the_backends_matmul(classifier_checkpoint):
+    """The score head is the backend's like every projection; the pooler reads the backend's matmul at each call,
+    so kernels installed after it was built (the CPU kernels compiled in the background) reach it too."""
+    model, config = load_model(classifier_checkpoint("labels"), torch.float32, CPU, use_decode_kernel=False)
+    assert model.score.backend is model.backend
+    labels = config.classifier.labels
+    spec = PoolingSpec(CLASSIFY, LAST, normalize=False, hidden_size=config.hidden_size, labels=labels,
+                       activation=config.classifier.activation)
+    pooler = Pooler.for_model(spec, model)
+    calls = []
+    model.backend.matmul = counting_matmul(calls)
+    pooled = pooler(torch.randn(3, config.hidden_size), [PoolingRow(0, 0, 3, 0, final=True)])
+    assert calls == [model.score.weight.shape] and pooled[0].shape == (len(labels),)

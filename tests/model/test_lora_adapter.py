@@ -4,12 +4,11 @@ segmented LoRA matmul against a row-by-row reference."""
 from __future__ import annotations
 
 import math
-import shutil
 
 import pytest
 import torch
 
-from lora_helpers import edit_adapter_config, write_peft_adapter
+from lora_helpers import edited_adapter, write_peft_adapter
 from mili_openai.kernels.lora import add_lora, lora_groups
 from mili_openai.model import load_model
 from mili_openai.model.lora_adapter import AdapterError, load_lora_adapter, lora_scale
@@ -30,21 +29,14 @@ def adapter_dir(tiny_checkpoint, tmp_path_factory):
                               targets=["q_proj", "v_proj", "down_proj"], alpha=4.0)
 
 
-def edited_copy(source, tmp_path, **fields):
-    copy = tmp_path / "edited"
-    shutil.copytree(source, copy)
-    edit_adapter_config(copy, **fields)
-    return copy
-
-
 def test_scale_is_folded_into_b(adapter_dir, slots):
     from safetensors.torch import load_file
 
     adapter = load_lora_adapter("a", adapter_dir, slots.shapes, RANK)
     stored = load_file(str(adapter_dir / "adapter_model.safetensors"))
     b = stored["base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"]
-    assert torch.equal(adapter.weights[(1, "v_proj")][1], b * (4.0 / RANK))
-    assert set(module for _, module in adapter.weights) == {"q_proj", "v_proj", "down_proj"}
+    assert torch.equal(adapter.weights[(1, "self_attn.v_proj")][1], b * (4.0 / RANK))
+    assert set(module for _, module in adapter.weights) == {"self_attn.q_proj", "self_attn.v_proj", "mlp.down_proj"}
     assert adapter.rank == RANK
     assert lora_scale(16.0, 64, use_rslora=True) == pytest.approx(16.0 / math.sqrt(64))
 
@@ -56,18 +48,21 @@ def test_scale_is_folded_into_b(adapter_dir, slots):
     (dict(use_qalora=True), "use_qalora"),
     (dict(bias="all"), "bias"),
     (dict(peft_type="IA3"), "IA3"),
+    (dict(target_parameters=["gate_up_proj", "down_proj"]), "target_parameters.*routed experts"),
 ])
 def test_unsupported_options_are_refused_by_name(adapter_dir, slots, tmp_path, fields, named):
     with pytest.raises(AdapterError, match=named):
-        load_lora_adapter("bad", edited_copy(adapter_dir, tmp_path, **fields), slots.shapes, RANK)
+        load_lora_adapter("bad", edited_adapter(adapter_dir, tmp_path / "edited", **fields), slots.shapes, RANK)
 
 
 def test_alpha_pattern_overrides_a_modules_alpha(adapter_dir, slots, tmp_path):
-    edited = edited_copy(adapter_dir, tmp_path, alpha_pattern={"v_proj": 8.0}, rank_pattern={"v_proj": RANK})
+    edited = edited_adapter(adapter_dir, tmp_path / "edited", alpha_pattern={"v_proj": 8.0},
+                            rank_pattern={"v_proj": RANK})
     plain = load_lora_adapter("a", adapter_dir, slots.shapes, RANK)
     patterned = load_lora_adapter("a", edited, slots.shapes, RANK)
-    torch.testing.assert_close(patterned.weights[(0, "v_proj")][1], plain.weights[(0, "v_proj")][1] * 2)
-    assert torch.equal(patterned.weights[(0, "q_proj")][1], plain.weights[(0, "q_proj")][1])
+    v_proj, q_proj = (0, "self_attn.v_proj"), (0, "self_attn.q_proj")
+    torch.testing.assert_close(patterned.weights[v_proj][1], plain.weights[v_proj][1] * 2)
+    assert torch.equal(patterned.weights[q_proj][1], plain.weights[q_proj][1])
 
 
 def test_rank_over_the_maximum_is_refused(adapter_dir, slots):
@@ -79,6 +74,26 @@ def test_adapter_of_another_base_is_refused(tiny_checkpoint_mha_untied, tmp_path
     other = write_peft_adapter(tiny_checkpoint_mha_untied, tmp_path / "other", 4, seed=5, targets=["q_proj"])
     with pytest.raises(AdapterError, match="another base model|does not serve LoRA on"):
         load_lora_adapter("other", other, slots.shapes, RANK)
+
+
+def _renamed(old: str, new: str):
+    return lambda weights: {name.replace(old, new): tensor for name, tensor in weights.items()}
+
+
+def test_lora_on_routed_experts_is_refused_by_name(adapter_dir, slots, tmp_path):
+    on_an_expert = edited_adapter(adapter_dir, tmp_path / "expert",
+                                  edit_weights=_renamed("layers.0.mlp.down_proj", "layers.0.mlp.experts.3.down_proj"))
+    with pytest.raises(AdapterError, match="layers.0.mlp.experts.3.down_proj.*routed experts is not served"):
+        load_lora_adapter("moe", on_an_expert, slots.shapes, RANK)
+
+
+def test_the_vision_language_layout_reads_as_the_text_one(adapter_dir, slots, tmp_path):
+    """PEFT on Qwen3.5's vision-language class names the decoder model.language_model.layers."""
+    nested = edited_adapter(adapter_dir, tmp_path / "vl", edit_weights=_renamed("model.layers.",
+                                                                                "model.language_model.layers."))
+    plain, read = (load_lora_adapter("a", path, slots.shapes, RANK) for path in (adapter_dir, nested))
+    assert plain.weights.keys() == read.weights.keys()
+    assert all(torch.equal(plain.weights[key][1], read.weights[key][1]) for key in plain.weights)
 
 
 def test_missing_files_are_refused(tmp_path, slots):

@@ -1,8 +1,9 @@
-"""Qwen3.5's vision side against transformers on a random vision-language checkpoint written by transformers itself:
-the image preprocessing gives exactly the pixel values and grids of the checkpoint's own image processor
-(`AutoImageProcessor`), and mili's vision tower (model/qwen3_5_vision.py, loaded from `model.visual.*`) gives
-transformers' `Qwen3_5VisionModel` merged embeddings in fp32, for images of several sizes and aspect ratios encoded
-together (each attending to its own patches only). Unsupported vision options are refused at load, by name."""
+"""The vision side of Qwen3.5 and Qwen3-VL against transformers on random vision-language checkpoints written by
+transformers itself: the image preprocessing gives exactly the pixel values and grids of the checkpoint's own image
+processor (`AutoImageProcessor`), and mili's vision tower (model/qwen3_5_vision.py, loaded from `model.visual.*`)
+gives transformers' `Qwen3_5VisionModel` merged embeddings (and `Qwen3VLVisionModel`'s DeepStack features too) in
+fp32, for images of several sizes and aspect ratios encoded together (each attending to its own patches only).
+Unsupported vision options are refused at load, by name."""
 
 from __future__ import annotations
 
@@ -21,9 +22,15 @@ from mili_openai.model.vision_config import read_vision_spec, read_vision_tower
 EMBEDDING_ATOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def checkpoint(hybrid_checkpoint):
-    return hybrid_checkpoint("qwen3_5_vl")
+# model line -> transformers' class
+REFERENCE_CLASSES = {"qwen3_5_vl": "Qwen3_5ForConditionalGeneration", "qwen3_vl": "Qwen3VLForConditionalGeneration"}
+
+
+@pytest.fixture(scope="module", params=list(REFERENCE_CLASSES))
+def checkpoint(request, hybrid_checkpoint):
+    if request.param == "qwen3_vl":
+        return request.getfixturevalue("qwen3_vl_checkpoint")
+    return hybrid_checkpoint(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -48,18 +55,22 @@ def test_preprocessing_equals_the_checkpoint_image_processor(checkpoint, feature
 def test_vision_tower_matches_transformers(checkpoint, features):
     import transformers
 
-    model, _ = load_model(checkpoint, torch.float32, torch.device("cpu"), use_decode_kernel=False)
-    reference = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(str(checkpoint), dtype=torch.float32)
+    model, config = load_model(checkpoint, torch.float32, torch.device("cpu"), use_decode_kernel=False)
+    reference_class = getattr(transformers, REFERENCE_CLASSES["qwen3_vl" if config.vision else "qwen3_5_vl"])
+    reference = reference_class.from_pretrained(str(checkpoint), dtype=torch.float32)
     pixel_values = torch.cat([torch.from_numpy(f.pixel_values) for f in features])
     grids = [f.grid_thw for f in features]
     with torch.no_grad():
-        expected = reference.model.visual(pixel_values, grid_thw=torch.tensor(grids)).pooler_output
-        got = model.encode_images([torch.from_numpy(f.pixel_values) for f in features], grids)
+        out = reference.model.visual(pixel_values, grid_thw=torch.tensor(grids))
+        deepstack = getattr(out, "deepstack_features", None) or []
+        expected = torch.stack([out.pooler_output, *deepstack], dim=1)  # (tokens, 1 + DeepStack layers, hidden)
+        got = model.visual.encode([torch.from_numpy(f.pixel_values) for f in features], grids)
+    assert len(deepstack) == len(config.vision_tower.deepstack_visual_indexes)
     assert [g.shape[0] for g in got] == [f.num_tokens for f in features]
     torch.testing.assert_close(torch.cat(got), expected, atol=EMBEDDING_ATOL, rtol=0)
     # one image alone gives its rows of the batch: attention stays within each image
     with torch.no_grad():
-        alone = model.encode_images([torch.from_numpy(features[1].pixel_values)], [features[1].grid_thw])[0]
+        alone = model.visual.encode([torch.from_numpy(features[1].pixel_values)], [features[1].grid_thw])[0]
     torch.testing.assert_close(alone, got[1], atol=EMBEDDING_ATOL, rtol=0)
 
 

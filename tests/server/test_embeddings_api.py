@@ -108,8 +108,10 @@ def test_models_say_what_the_model_does(embed_server, rerank_server):
     live, _ = embed_server
     model = httpx.get(live.base_url + "/v1/models").json()["data"][0]
     assert model["task"] == "embed"
-    assert model["pooling"] == {"type": "last", "normalize": True, "dimensions": 64}
-    assert httpx.get(rerank_server.base_url + "/v1/models").json()["data"][0]["task"] == "rerank"
+    assert model["pooling"] == {"type": "last", "normalize": True, "dimensions": 64,
+                                "endpoints": ["/v1/embeddings", "/score", "/v1/rerank"]}
+    reranker = httpx.get(rerank_server.base_url + "/v1/models").json()["data"][0]
+    assert reranker["task"] == "rerank" and reranker["pooling"]["endpoints"] == ["/score", "/v1/rerank"]
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -151,8 +153,10 @@ async def test_pooling_endpoints_on_a_generative_server_are_a_400(fake_engine):
     async with asgi_client(fake_engine) as client:
         embedding = await client.post("/v1/embeddings", json={"input": "x"})
         rerank = await client.post("/v1/rerank", json={"query": "q", "documents": ["d"]})
+        classify = await client.post("/classify", json={"input": "x"})
     assert embedding.status_code == 400 and "generative model" in embedding.json()["error"]["message"]
     assert rerank.status_code == 400
+    assert classify.status_code == 400 and "generative model" in classify.json()["error"]["message"]
 
 
 def test_rerank_is_sorted_cut_to_top_n_and_matches_score(rerank_server):
@@ -178,3 +182,9 @@ def test_rerank_errors(rerank_server):
     assert mismatched.status_code == 400 and mismatched.json()["error"]["param"] == "text_2"
     embedding = post(rerank_server, "/v1/embeddings", {"input": "x"})
     assert embedding.status_code == 400 and "reranker" in embedding.json()["error"]["message"]
+
+
+def test_classify_needs_a_sequence_classifier(embed_server, rerank_server):
+    for live in (embed_server[0], rerank_server):
+        refused = post(live, "/classify", {"input": "x"})
+        assert refused.status_code == 400 and "sequence-classification" in refused.json()["error"]["message"]

@@ -258,7 +258,10 @@ void run(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tenso
     case 2: run_head_dim<T, 2>(qp, kp, vp, sp, lp, batch, width, s, f, pairs, amx, op); break;
     case 4: run_head_dim<T, 4>(qp, kp, vp, sp, lp, batch, width, s, f, pairs, amx, op); break;
     case 8: run_head_dim<T, 8>(qp, kp, vp, sp, lp, batch, width, s, f, pairs, amx, op); break;
-    default: TORCH_CHECK(false, "paged_decode_attention: head_dim must be 16, 32, 64 or 128");
+    // Qwen3.5 / Qwen3-Next attention: two heads' accumulators no longer fit the registers and spill to L1,
+    // still far faster than gathering the context for SDPA
+    case 16: run_head_dim<T, 16>(qp, kp, vp, sp, lp, batch, width, s, f, pairs, amx, op); break;
+    default: TORCH_CHECK(false, "paged_decode_attention: head_dim must be 16, 32, 64, 128 or 256");
   }
 }
 

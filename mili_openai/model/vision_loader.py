@@ -1,0 +1,50 @@
+"""The vision side of a vision-language checkpoint at load: the tower built from its `model.visual.*` weights
+(Qwen3.5 / Qwen3.6 through model/hybrid_loader.py, Qwen3-VL through model/loader.py), and Qwen3-VL's language model
+weights renamed into Qwen3's layout (`model.language_model.` -> `model.`) for the shared name map."""
+
+from __future__ import annotations
+
+import torch
+
+from mili_openai.model.config import ModelConfig
+from mili_openai.model.hybrid_weights import LANGUAGE_MODEL_PREFIX, TEXT_MODEL_PREFIX, VISION_PREFIXES
+from mili_openai.model.kernel_backend import KernelBackend
+from mili_openai.model.qwen3_5_vision import Qwen3_5VisionTower
+from mili_openai.model.vision_config import VisionTowerConfig
+from mili_openai.model.weights import CheckpointError
+
+
+def take_vision_tower(tensors: dict[str, torch.Tensor], tower: VisionTowerConfig, dtype: torch.dtype,
+                      device: torch.device, source: str, backend: KernelBackend) -> Qwen3_5VisionTower:
+    """The vision tower, its weights (`model.visual.*`) taken out of `tensors`, in `dtype` on `device`, on the
+    language model's `backend`."""
+    prefix = next((p for p in VISION_PREFIXES if any(name.startswith(p) for name in tensors)), VISION_PREFIXES[0])
+    state = {name.removeprefix(prefix): tensors.pop(name).to(dtype=dtype, device=device)
+             for name in [n for n in tensors if n.startswith(prefix)]}
+    with torch.device("meta"):
+        visual = Qwen3_5VisionTower(tower, backend)
+    try:
+        visual.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:  # missing, unexpected or misshapen: the config and the weights disagree
+        raise CheckpointError(f"the vision tower's weights do not fit {source}: {exc}") from exc
+    visual.to(device)  # the rotary frequencies, built on CPU, follow
+    return visual.requires_grad_(False).eval()
+
+
+def check_vision_language_options(config: ModelConfig, tensor_parallel: bool, quantized: bool) -> None:
+    """Refuse, naming it, what Qwen3-VL does not run yet."""
+    if tensor_parallel:
+        raise NotImplementedError(f"{config.architecture} runs on one rank, not with --tensor-parallel-size > 1, yet")
+    if quantized:
+        raise NotImplementedError(f"{config.architecture} runs bf16/fp32 weights: quantization (--quantization or a "
+                                  "quantized checkpoint) is not supported for it yet")
+
+
+def take_qwen3_vl_tower(tensors: dict[str, torch.Tensor], config: ModelConfig, dtype: torch.dtype,
+                        device: torch.device, source: str, backend: KernelBackend) -> Qwen3_5VisionTower:
+    """Qwen3-VL's tower out of `tensors` on the language model's `backend`, and the language model's weights renamed
+    to Qwen3's (in place)."""
+    visual = take_vision_tower(tensors, config.vision.tower, dtype, device, source, backend)
+    for name in [n for n in tensors if n.startswith(LANGUAGE_MODEL_PREFIX)]:
+        tensors[TEXT_MODEL_PREFIX + name.removeprefix(LANGUAGE_MODEL_PREFIX)] = tensors.pop(name)
+    return visual

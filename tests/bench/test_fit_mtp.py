@@ -1,0 +1,55 @@
+"""scripts/fit_mtp.py at a tiny size: it fits a random Qwen3.5 checkpoint's MTP module (or a tiny draft model) to
+the target's greedy outputs, writes the fitted weights into a copy of the checkpoint (the rest untouched), and
+prints the acceptance measured through the engine."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+FIT_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "fit_mtp.py"
+TINY_RUN = ["--num-prompts", "4", "--prompt-len", "12", "--output-len", "12", "--epochs", "3", "--eval-prompts", "2",
+            "--eval-output-len", "8", "--num-speculative-tokens", "2"]
+
+
+def run_script(argv: list[str], capsys) -> tuple[dict, list[float]]:
+    """(the acceptance it printed, the mean training loss of each epoch)."""
+    spec = importlib.util.spec_from_file_location("fit_mtp", FIT_SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.main(argv)
+    printed = capsys.readouterr().out
+    result = json.loads([line for line in printed.splitlines() if line.startswith("{")][-1])
+    return result, [float(loss) for loss in re.findall(r"mean loss ([0-9.]+)", printed)]
+
+
+def test_the_mtp_module_is_fitted_into_a_copy(hybrid_checkpoint, tmp_path, capsys):
+    source = hybrid_checkpoint("qwen3_5")
+    output = tmp_path / "fitted"
+    result, losses = run_script([str(source), str(output), *TINY_RUN], capsys)
+    assert result["speculative_config"]["method"] == "mtp" and result["draft_tokens"] > 0
+    assert len(result["acceptance_per_position"]) == 2
+    assert losses[-1] < losses[0]
+    before, after = load_file(str(source / "model.safetensors")), load_file(str(output / "model.safetensors"))
+    assert before.keys() == after.keys()
+    changed = {name for name in before if not torch.equal(before[name], after[name])}
+    assert changed and all(name.startswith("mtp.") for name in changed)
+    assert "mtp.fc.weight" in changed
+
+
+def test_a_tiny_draft_is_fitted_beside_the_target(hybrid_checkpoint, tmp_path, capsys):
+    source = hybrid_checkpoint("qwen3_5")
+    output = tmp_path / "draft"
+    result, losses = run_script([str(source), str(output), *TINY_RUN, "--draft", "--draft-hidden-size", "32",
+                                 "--lr", "1e-2"], capsys)
+    assert result["speculative_config"] == {"method": "draft_model", "model": str(output),
+                                            "num_speculative_tokens": 2}
+    assert result["draft_tokens"] > 0 and losses[-1] < losses[0]
+    config = json.loads((output / "config.json").read_text())
+    assert config["hidden_size"] == 32 and config["layer_types"] == ["linear_attention", "full_attention"]
+    assert (output / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
