@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from mili_openai.model import ModelConfig
+from mili_openai.model.kernel_backend import KernelBackend
 from mili_openai.model.lora_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, SUPPORTED_TARGETS
 from mili_openai.model.lora_targets import lora_sites
 from mili_openai.model.qwen3 import Qwen3ForCausalLM
@@ -38,7 +39,7 @@ def module_shapes(checkpoint: Path) -> list[tuple[int, str, int, int]]:
     read from its config.json alone (the model is built on the meta device)."""
     config = ModelConfig.from_pretrained(checkpoint)
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(config) if config.hybrid is None else Qwen3_5ForCausalLM(config)
+        model = (Qwen3ForCausalLM if config.hybrid is None else Qwen3_5ForCausalLM)(config, KernelBackend())
     return [(site.layer, module.name, site.in_features, module.out_features)
             for site in lora_sites(model) for module in site.modules]
 

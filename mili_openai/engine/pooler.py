@@ -16,19 +16,24 @@ import torch
 
 from mili_openai.engine.pooling_spec import CLASSIFY, EMBED, LAST, MEAN, RERANK, PoolingRow, PoolingSpec
 from mili_openai.model.classifier_config import IDENTITY, SIGMOID, SOFTMAX
+from mili_openai.model.kernel_backend import KernelBackend
 
 ACTIVATIONS = {SIGMOID: torch.sigmoid, SOFTMAX: lambda logits: torch.softmax(logits, dim=-1),
                IDENTITY: lambda logits: logits}
 
 
 class Pooler:
-    def __init__(self, spec: PoolingSpec, head_rows: torch.Tensor | None = None) -> None:
+    def __init__(self, spec: PoolingSpec, head_rows: torch.Tensor | None = None,
+                 backend: KernelBackend | None = None) -> None:
         """head_rows, in the weights' dtype: a reranker's (2, hidden) LM-head rows of ("no", "yes"), or a
-        classifier's (num_labels, hidden) score head."""
-        if (spec.task != EMBED) != (head_rows is not None):
-            raise ValueError("a reranker's or classifier's pooler needs its head rows, and only theirs")
+        classifier's (num_labels, hidden) score head, multiplied by the model's `backend`'s matmul (as the LM head
+        is; read at each call, so CPU kernels that come in later reach the head too)."""
+        if (spec.task != EMBED) != (head_rows is not None) or (head_rows is None) != (backend is None):
+            raise ValueError("a reranker's or classifier's pooler needs its head rows and the model's backend, and "
+                             "only theirs")
         self.spec = spec
         self.head_rows = head_rows
+        self.backend = backend
 
     @classmethod
     def for_model(cls, spec: PoolingSpec, model: torch.nn.Module) -> Pooler:
@@ -40,13 +45,13 @@ class Pooler:
             weight = getattr(getattr(model, "score", None), "weight", None)
             if not isinstance(weight, torch.Tensor):
                 raise ValueError("a sequence classifier's model needs its score head")
-            return cls(spec, weight)
+            return cls(spec, weight, model.backend)
         head = getattr(model, "lm_head", None)
         weight = getattr(head, "weight", None) if head is not None else model.model.embed_tokens.weight
         if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
             raise ValueError("a reranker needs a floating-point LM head (not a quantized one) for its yes/no rows")
         rows = torch.tensor(spec.score_token_ids, dtype=torch.long, device=weight.device)
-        return cls(spec, weight.index_select(0, rows).contiguous())
+        return cls(spec, weight.index_select(0, rows).contiguous(), model.backend)
 
     @torch.inference_mode()
     def __call__(self, hidden: torch.Tensor, rows: Sequence[PoolingRow]) -> dict[int, np.ndarray]:
@@ -67,7 +72,7 @@ class Pooler:
         index = torch.tensor([position for _, position in picked], dtype=torch.long, device=hidden.device)
         vectors = hidden.index_select(0, index)  # (N, hidden)
         if self.head_rows is not None:  # (N, rows) logits, in the weights' dtype as transformers' heads
-            logits = (vectors @ self.head_rows.T).float()
+            logits = self.backend.matmul(vectors, self.head_rows).float()
             if self.spec.task == RERANK:
                 vectors = torch.softmax(logits, dim=-1)[:, 1:]  # (N, 1): P(yes) of (no, yes)
             else:

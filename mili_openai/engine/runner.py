@@ -12,7 +12,7 @@ import logging
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -39,15 +39,24 @@ from mili_openai.engine.scheduled_batch import ScheduledBatch
 from mili_openai.engine.sequence import Sequence
 from mili_openai.engine.step_inputs import forward_batch_to
 from mili_openai.engine.step_preparer import LaunchedStep, PreparedStep, StepPreparer, StepRunner
-from mili_openai.kernels import build_cpu_kernels_in_background, cpu_kernels_built, load_cpu_kernels
+from mili_openai.kernels import build_cpu_kernels_in_background, load_cpu_kernels
 from mili_openai.model import KVCache, ModelConfig, load_model, resolve_dtype
+from mili_openai.model.backend_setup import use_cpu_kernels
+from mili_openai.model.batch import ForwardBatch
 from mili_openai.model.cache_spec import ModelCaches, has_recurrent_layers
-from mili_openai.model.loader import use_cpu_kernels
 from mili_openai.model.state_cache import StateCache
 
 logger = logging.getLogger(__name__)
 
 PROMPT_SCORING_ROWS = 64  # prompt rows whose logits exist at once (64 x Qwen3's vocabulary: 39 MB)
+
+
+class ForwardOutput(NamedTuple):
+    """What `ModelRunner.forward` gives a step."""
+
+    hidden: torch.Tensor  # (T, hidden) after the final norm: pooling and the MTP drafter read it
+    logits: torch.Tensor | None  # (S, vocab) float32 of the rows to sample (`logits_indices`); None: none sampled
+    prompt_logprobs: dict[int, tuple[int, list[TokenLogprob]]] | None  # the scored prompt tokens', where any
 
 
 def resolve_device(name: str) -> torch.device:
@@ -116,20 +125,12 @@ class ModelRunner(StepRunner):
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         config = config.for_device(self.device.type)
-        compiled_later = (config.cpu_kernels_in_background and self.device.type == "cpu" and parallel is None
-                          and config.attention_backend != "triton" and not cpu_kernels_built())
         self.model, self.model_config = load_model(model_path, resolve_dtype(config.dtype), self.device,
                                                    attention_backend=config.attention_backend, parallel=parallel,
                                                    quantization=config.quantization,
                                                    group_size=config.quantization_group_size,
                                                    lm_head_quantization=config.quantize_lm_head,
-                                                   defer_cpu_kernels=compiled_later)
-        if compiled_later and self.model.holds_packed_weights:
-            # int8/int4 weights on torch's ops dequantize every weight in float32 at each call, many times
-            # slower than the bf16 fallback, and a loaded server may never be idle to switch: build first
-            logger.info("quantized weights: compiling the CPU kernels before serving")
-            use_cpu_kernels(self.model, self.model.dtype, load_cpu_kernels())
-            compiled_later = False
+                                                   defer_cpu_kernels=config.cpu_kernels_in_background)
         # LoRA slots wrap the projections before the memory is sized, so the KV budget counts them
         self.lora = LoraManager(config.lora, self.model) if config.lora is not None else None
         self.dtype = self.model.dtype
@@ -140,7 +141,8 @@ class ModelRunner(StepRunner):
                                   feed_on_device=self.async_launch, serves_lora=self.lora is not None)
         self.parallel = parallel
         # MTP: its K/V layers join the specs; a draft model keeps pools of its own, sized with the target's
-        self.draft = prepare_model_for_speculation(config, self.model, model_path, self.device, compiled_later)
+        self.draft = prepare_model_for_speculation(config, self.model, model_path, self.device,
+                                                   defer_cpu_kernels=self.model.backend.awaits_cpu_kernels)
         # what each layer keeps per sequence, in this process's shapes (a tensor-parallel rank's KV heads)
         self.cache_specs = self.model.cache_specs()
         self.num_state_slots = config.max_num_seqs if has_recurrent_layers(self.cache_specs) else 0
@@ -161,7 +163,7 @@ class ModelRunner(StepRunner):
         # (nor LoRA yet: a graph replays the projections without the adapters' row groups)
         use_graphs = (self.device.type == "cuda" and not config.enforce_eager and not self.num_state_slots
                       and self.lora is None
-                      and self.model.model.rotary_emb.dynamic_limit is None and self.model.attention_kernel is not None)
+                      and self.model.model.rotary_emb.dynamic_limit is None and self.model.backend.attention is not None)
         # with graphs, one page more than the engine hands out: its first slot takes padded rows' K/V
         pool_pages = self.num_pages + (1 if use_graphs else 0)
         weights = weight_bytes(self.model)
@@ -188,9 +190,10 @@ class ModelRunner(StepRunner):
             device=self.device,
             seed=config.seed,
             # None where the CPU cannot run the kernels, or until they are built
-            kernel=load_cpu_kernels() if self.device.type == "cpu" and not compiled_later else None,
+            kernel=load_cpu_kernels() if self.device.type == "cpu" and not self.model.backend.awaits_cpu_kernels
+            else None,
         )
-        if compiled_later:
+        if self.model.backend.awaits_cpu_kernels:  # torch's ops serve while the kernels build
             logger.info("serving on torch's ops until the CPU kernels are compiled")
             self.kernel_build = build_cpu_kernels_in_background()
 
@@ -200,11 +203,10 @@ class ModelRunner(StepRunner):
         (kernels/planning.py) is timed here, on the thread that runs the kernels."""
         build, self.kernel_build = self.kernel_build, None
         kernels = load_cpu_kernels() if build is not None and build.result() else None
+        for model in (self.model, self.draft.model) if self.draft is not None else (self.model,):
+            use_cpu_kernels(model, kernels)  # None (the build failed): torch's ops stay, awaiting nothing
         if kernels is None:
             return
-        use_cpu_kernels(self.model, self.dtype, kernels)
-        if self.draft is not None:
-            use_cpu_kernels(self.draft.model, self.dtype, kernels)
         self.sampler.kernel = kernels
         logger.info("switched to the compiled CPU kernels")
 
@@ -275,29 +277,40 @@ class ModelRunner(StepRunner):
             batch.input_ids.index_copy_(0, index[0], source.token_ids.index_select(0, index[1]))
         if self.speculation is not None:
             self.speculation.before_forward(batch, step.new_state_slots)
+        out = self.forward(batch, step.prompt_scorings, sample=bool(step.rows), lora_ids=step.lora_ids)
+        if step.state_saves is not None:  # states at page boundaries into the prefix cache's snapshots
+            self.state_cache.copy(*step.state_saves)
+        pooled = (self.pooler(out.hidden, step.pooling_rows) if step.pooling_rows and self.pooler is not None
+                  else None)
+        if out.logits is None:
+            if self.speculation is not None:  # a model proposer reads the chunks too
+                self.speculation.after_sampling(step.speculation, batch, out.hidden, None)
+            return LaunchedStep(sampled=None, token_ids=None, prompt_logprobs=out.prompt_logprobs, pooled=pooled)
+        sampled = self.sampler.launch(out.logits, step.rows)
+        drafts = None
+        if self.speculation is not None:  # rejected drafts' states rolled back, the next step's drafts made
+            drafts = self.speculation.after_sampling(step.speculation, batch, out.hidden, sampled.token_ids)
+        return LaunchedStep(sampled=sampled, token_ids=sampled.token_ids, prompt_logprobs=out.prompt_logprobs,
+                            pooled=pooled, proposed_drafts=drafts)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, prompt_scorings: list[PromptScoring], sample: bool,
+                lora_ids: list[int] | None = None) -> ForwardOutput:
+        """The model on a step's inputs, already on the device: from a CUDA graph where one fits, else eagerly
+        (with each row's LoRA adapter, `lora_ids`, where any). The one forward of this process's model:
+        `_launch_forward` samples from its logits, and a tensor-parallel rank (engine/tp_worker.py) returns
+        them to the engine."""
         bucket = self.decode_graphs.bucket(batch) if self.decode_graphs is not None else None
         if bucket is not None:
             hidden = self.decode_graphs.run(batch, bucket)  # (T, hidden)
-        elif step.lora_ids is not None:  # rows on adapters: each LoRA projection adds its rows' deltas
-            with self.lora.slots.rows(self.lora.groups(step.lora_ids, self.device)):
+        elif lora_ids is not None:  # rows on adapters: each LoRA projection adds its rows' deltas
+            with self.lora.slots.rows(self.lora.groups(lora_ids, self.device)):
                 hidden = self.model(batch, self.caches)
         else:
             hidden = self.model(batch, self.caches)
-        if step.state_saves is not None:  # states at page boundaries into the prefix cache's snapshots
-            self.state_cache.copy(*step.state_saves)
-        scored = self.score_prompts(hidden, step.prompt_scorings) if step.prompt_scorings else None
-        pooled = self.pooler(hidden, step.pooling_rows) if step.pooling_rows and self.pooler is not None else None
-        if not step.rows:
-            if self.speculation is not None:  # a model proposer reads the chunks too
-                self.speculation.after_sampling(step.speculation, batch, hidden, None)
-            return LaunchedStep(sampled=None, token_ids=None, prompt_logprobs=scored, pooled=pooled)
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S, vocab) float32
-        sampled = self.sampler.launch(logits, step.rows)
-        drafts = None
-        if self.speculation is not None:  # rejected drafts' states rolled back, the next step's drafts made
-            drafts = self.speculation.after_sampling(step.speculation, batch, hidden, sampled.token_ids)
-        return LaunchedStep(sampled=sampled, token_ids=sampled.token_ids, prompt_logprobs=scored, pooled=pooled,
-                            proposed_drafts=drafts)
+        scored = self.score_prompts(hidden, prompt_scorings) if prompt_scorings else None
+        logits = self.model.compute_logits(hidden[batch.logits_indices]) if sample else None  # (S, vocab) float32
+        return ForwardOutput(hidden, logits, scored)
 
     def set_pooling(self, spec: PoolingSpec) -> None:
         self.pooler = Pooler.for_model(spec, self.model)

@@ -123,23 +123,18 @@ def decode(data: bytes) -> Any:
 # ---- the worker ----
 @torch.inference_mode()
 def run_step(runner: ModelRunner, request: StepRequest) -> StepReply:
-    """One step on this rank's shard: the forward (from a CUDA graph where one fits), the prompt scoring and
-    the sampled rows' logits, as `ModelRunner._forward_and_sample` computes them before sampling."""
+    """One step on this rank's shard: `ModelRunner.forward`, the one-process runner's own, its logits brought
+    to the host for the engine to sample from."""
     batch = forward_batch_to(request.forward_batch, runner.device)
     if request.new_state_slots is not None:  # sequences admitted in this step start from zero states
         runner.state_cache.reset(request.new_state_slots)
     if request.state_restores is not None:  # or from a prefix's state snapshot (engine/state_snapshots.py)
         runner.state_cache.copy(*request.state_restores)
-    graphs = runner.decode_graphs
-    bucket = graphs.bucket(batch) if graphs is not None else None
-    hidden = graphs.run(batch, bucket) if bucket is not None else runner.model(batch, runner.caches)
+    out = runner.forward(batch, request.prompt_scorings, sample=request.num_sampled > 0)
     if request.state_saves is not None:  # states at page boundaries into the prefix cache's snapshots
         runner.state_cache.copy(*request.state_saves)
-    scored = runner.score_prompts(hidden, request.prompt_scorings) if request.prompt_scorings else None
-    logits = None
-    if request.num_sampled:
-        logits = runner.model.compute_logits(hidden[batch.logits_indices]).cpu()  # (S, vocab)
-    return StepReply(logits=logits, prompt_logprobs=scored)
+    logits = out.logits.cpu() if out.logits is not None else None  # (S, vocab)
+    return StepReply(logits=logits, prompt_logprobs=out.prompt_logprobs)
 
 
 def _handle(runner: ModelRunner, message: Any) -> Any:

@@ -8,14 +8,16 @@ from torch import nn
 
 from mili_openai.model.batch import ForwardBatch
 from mili_openai.model.config import ModelConfig
-from mili_openai.model.layers import FusedOpKernel, Linear, RMSNorm, rms_normalize
-from mili_openai.model.paged_attention import AttentionKernel, paged_attention
+from mili_openai.model.kernel_backend import KernelBackend, require_backend
+from mili_openai.model.layers import Linear, RMSNorm, rms_normalize
+from mili_openai.model.paged_attention import paged_attention
 from mili_openai.model.rope import apply_rotary
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, backend: KernelBackend) -> None:
         super().__init__()
+        self.backend = require_backend(backend)  # attention, fused_ops, matmul
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -23,12 +25,10 @@ class Qwen3Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         # rows: q_proj's, then k_proj's, then v_proj's (the loader concatenates them in this order)
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size)
-        self.o_proj = Linear(self.q_size, config.hidden_size)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.attention_kernel: AttentionKernel | None = None  # set by Qwen3ForCausalLM.set_attention_kernel
-        self.norm_kernel: FusedOpKernel | None = None  # set by Qwen3ForCausalLM.set_fused_op_kernel
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, self.backend)
+        self.o_proj = Linear(self.q_size, config.hidden_size, self.backend)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, self.backend)
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, self.backend)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
@@ -40,12 +40,13 @@ class Qwen3Attention(nn.Module):
         qk = self._norm_and_rotate(qk.view(tokens, heads + kv_heads, self.head_dim), cos, sin)  # (T, H + KV, D)
         q, k = qk.split((heads, kv_heads), dim=1)  # (T, H, D), (T, KV, D)
         v = v.view(tokens, kv_heads, self.head_dim)  # (T, KV, D)
-        out = paged_attention(q, k, v, k_pool, v_pool, batch, self.scale, self.attention_kernel)  # (T, H, D)
+        out = paged_attention(q, k, v, k_pool, v_pool, batch, self.scale, self.backend.attention)  # (T, H, D)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
     def _norm_and_rotate(self, qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.norm_kernel is not None and self.norm_kernel.supports_qk_norm_rope(qk):
-            return self.norm_kernel.qk_norm_rope(qk, self.q_norm.weight, self.k_norm.weight, self.num_heads,
+        kernel = self.backend.fused_ops
+        if kernel is not None and kernel.supports_qk_norm_rope(qk):
+            return kernel.qk_norm_rope(qk, self.q_norm.weight, self.k_norm.weight, self.num_heads,
                                                  self.q_norm.eps, cos, sin)
         norm_weight = torch.cat((self.q_norm.weight.expand(self.num_heads, -1),
                                  self.k_norm.weight.expand(self.num_kv_heads, -1)))

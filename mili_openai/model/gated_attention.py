@@ -15,16 +15,18 @@ from torch import nn
 from mili_openai.model.batch import ForwardBatch
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.hybrid_norms import ZeroCenteredRMSNorm
+from mili_openai.model.kernel_backend import KernelBackend, require_backend
 from mili_openai.model.layers import Linear
-from mili_openai.model.paged_attention import AttentionKernel, paged_attention
+from mili_openai.model.paged_attention import paged_attention
 from mili_openai.model.rope import apply_partial_rotary
 
 QUERY_AND_GATE = 2  # q_proj's rows per head: the query's, then the gate's
 
 
 class GatedAttention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, backend: KernelBackend) -> None:
         super().__init__()
+        self.backend = require_backend(backend)  # attention, matmul
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -32,11 +34,10 @@ class GatedAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         # rows: q_proj's (query and gate interleaved per head), then k_proj's, then v_proj's (the loader's order)
-        self.qkv_proj = Linear(config.hidden_size, QUERY_AND_GATE * self.q_size + 2 * self.kv_size)
-        self.o_proj = Linear(self.q_size, config.hidden_size)
+        self.qkv_proj = Linear(config.hidden_size, QUERY_AND_GATE * self.q_size + 2 * self.kv_size, self.backend)
+        self.o_proj = Linear(self.q_size, config.hidden_size, self.backend)
         self.q_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.attention_kernel: AttentionKernel | None = None  # set by Qwen3_5ForCausalLM.set_attention_kernel
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
@@ -47,6 +48,6 @@ class GatedAttention(nn.Module):
         q = apply_partial_rotary(self.q_norm(q), cos, sin)  # (T, H, D)
         k = apply_partial_rotary(self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim)), cos, sin)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)  # (T, KV, D)
-        out = paged_attention(q, k, v, k_pool, v_pool, batch, self.scale, self.attention_kernel)  # (T, H, D)
+        out = paged_attention(q, k, v, k_pool, v_pool, batch, self.scale, self.backend.attention)  # (T, H, D)
         gated = out.reshape(tokens, self.q_size) * torch.sigmoid(gate.reshape(tokens, self.q_size))
         return self.o_proj(gated)

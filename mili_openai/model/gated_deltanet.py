@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mili_openai.kernels.linear_attention import LinearAttentionKernel, TorchLinearAttention
 from mili_openai.model.batch import ForwardBatch
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.hybrid_norms import GatedRMSNorm
+from mili_openai.model.kernel_backend import KernelBackend, require_backend
 from mili_openai.model.layers import Linear
 
 BETA_AND_DECAY = 2  # in_proj's b and a rows: one of each per value head
@@ -78,20 +78,20 @@ class ShortConv(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, backend: KernelBackend) -> None:
         super().__init__()
+        self.backend = require_backend(backend)  # linear_attention, matmul
         linear = config.hybrid.linear
         self.num_k_heads, self.num_v_heads = linear.num_key_heads, linear.num_value_heads
         self.head_k_dim, self.head_v_dim = linear.key_head_dim, linear.value_head_dim
         self.key_dim, self.value_dim, self.conv_dim = linear.key_dim, linear.value_dim, linear.conv_dim
-        self.in_proj = Linear(config.hidden_size, self.conv_dim + self.value_dim + BETA_AND_DECAY * self.num_v_heads)
+        self.in_proj = Linear(config.hidden_size, self.conv_dim + self.value_dim + BETA_AND_DECAY * self.num_v_heads,
+                              self.backend)
         self.conv1d = ShortConv(self.conv_dim, linear.conv_kernel_dim)
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
-        self.out_proj = Linear(self.value_dim, config.hidden_size)
-        # the conv and delta-rule ops (set by Qwen3_5ForCausalLM.set_linear_attention_kernel); torch's by default
-        self.kernel: LinearAttentionKernel = TorchLinearAttention()
+        self.out_proj = Linear(self.value_dim, config.hidden_size, self.backend)
 
     def forward(self, x: torch.Tensor, rows: StateRows, conv_pool: torch.Tensor, state_pool: torch.Tensor,
                 kept: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -114,7 +114,7 @@ class GatedDeltaNet(nn.Module):
 
     def _conv(self, mixed: torch.Tensor, rows: StateRows, conv_pool: torch.Tensor,
               kept: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        decode, kernel, weight = rows.num_decode, self.kernel, self.conv1d.weight
+        decode, kernel, weight = rows.num_decode, self.backend.linear_attention, self.conv1d.weight
 
         def decode_conv(index: torch.Tensor | slice, slots: torch.Tensor) -> torch.Tensor:
             return kernel.causal_conv1d_decode(mixed[index], conv_pool, weight, None, slots)
@@ -129,7 +129,7 @@ class GatedDeltaNet(nn.Module):
     def _delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     rows: StateRows, state_pool: torch.Tensor,
                     kept: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        decode, kernel = rows.num_decode, self.kernel
+        decode, kernel = rows.num_decode, self.backend.linear_attention
 
         def decode_rule(index: torch.Tensor | slice, slots: torch.Tensor) -> torch.Tensor:
             return kernel.gated_delta_rule_decode(q[index], k[index], v[index], g[index], beta[index], state_pool,

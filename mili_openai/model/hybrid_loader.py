@@ -11,6 +11,7 @@ from mili_openai.distributed import TensorParallelGroup
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.hybrid_tensor_parallel import shard_hybrid_tensors
 from mili_openai.model.hybrid_weights import prepare_hybrid_tensors
+from mili_openai.model.kernel_backend import KernelBackend
 from mili_openai.model.quantization.apply import load_checkpoint_quantization
 from mili_openai.model.quantization.spec import CheckpointQuantization
 from mili_openai.model.qwen3_5 import Qwen3_5ForCausalLM
@@ -41,9 +42,9 @@ def build_hybrid_model(config: ModelConfig, tensors: dict[str, torch.Tensor], dt
     built as the checkpoint stores them (model/quantization/apply.py), the rest loads dense. `source` names the
     checkpoint in errors. (`--quantization` applies after, as for Qwen3: loader.py.)"""
     with torch.device("meta"):
-        model = Qwen3_5ForCausalLM(config, parallel)
+        model = Qwen3_5ForCausalLM(config, KernelBackend(), parallel)  # torch's ops until the loader fills it
     tower = config.hybrid.vision_tower  # whole on every rank: it runs before the sharded decoder
-    visual = take_vision_tower(tensors, tower, dtype, device, source) if tower is not None else None
+    visual = take_vision_tower(tensors, tower, dtype, device, source, model.backend) if tower is not None else None
     mtp, missing = prepare_hybrid_tensors(tensors, config)
     local = config
     if parallel is not None:

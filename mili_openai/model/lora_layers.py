@@ -7,7 +7,7 @@ A slot of a fused projection stacks its PEFT modules' pairs: A rows [i * R, i * 
 one shrink and one expand matmul serve q, k and v (or gate and up, or Gated DeltaNet's four inputs) at once. Unused
 rows stay zero.
 
-The projections take only `x` (as every kernel walker and the compiled paths expect), so the step's row groups
+The projections take only `x` (as every projection and the compiled paths do), so the step's row groups
 reach them through the `LoraSlots` they share, set for the length of one forward (`LoraSlots.rows`).
 """
 
@@ -19,7 +19,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from mili_openai.kernels.lora import LoraGroup, add_lora
+from mili_openai.kernels.lora import LoraGroup
+from mili_openai.model.kernel_backend import KernelBackend, require_backend
 from mili_openai.model.lora_adapter import LoraAdapter, TargetShape
 from mili_openai.model.lora_targets import LoraModule, LoraSite, lora_sites
 
@@ -27,11 +28,12 @@ from mili_openai.model.lora_targets import LoraModule, LoraSite, lora_sites
 class LoraLinear(nn.Module):
     """A projection plus the delta of whichever adapter slot each row runs with; rows with none get the base
     projection's output untouched. `base` is any projection (dense, int8/int4, fp8): the delta runs in the
-    activations' dtype."""
+    activations' dtype, through the model's backend (`lora`, the segmented matmul)."""
 
-    def __init__(self, base: nn.Module, site: LoraSite, slots: LoraSlots) -> None:
+    def __init__(self, base: nn.Module, site: LoraSite, slots: LoraSlots, backend: KernelBackend) -> None:
         super().__init__()
         self.base = base
+        self.backend = require_backend(backend)
         self.targets: tuple[LoraModule, ...] = site.modules  # the PEFT modules it stacks, in its rows' order
         self.slots = slots
         width = len(self.targets) * slots.max_rank
@@ -44,7 +46,7 @@ class LoraLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         groups = self.slots.groups
-        return add_lora(out, x, self.lora_a, self.lora_b, groups) if groups else out
+        return self.backend.lora(out, x, self.lora_a, self.lora_b, groups) if groups else out
 
     def load(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
         """Write one adapter's pairs (one per stacked module; None where it leaves the module alone) into `slot`."""
@@ -76,13 +78,13 @@ class LoraSlots:
         self.shapes: dict[tuple[int, str], TargetShape] = {}  # what adapters may target (load_lora_adapter)
         self.projections: list[tuple[int, LoraLinear]] = []
         for site in sites:
-            projection = LoraLinear(getattr(site.parent, site.attribute), site, self)
+            projection = LoraLinear(getattr(site.parent, site.attribute), site, self, model.backend)
             setattr(site.parent, site.attribute, projection)
             self.projections.append((site.layer, projection))
             for target in site.modules:
                 self.shapes[(site.layer, target.name)] = TargetShape(site.in_features, target.out_features)
         # the compiled decode stack holds the base projections alone: steps run layer by layer from now on
-        # (`set_decode_stack_kernel` keeps it off, as a LoraLinear is no plain projection)
+        # (`build_decode_stack` keeps it off, as a LoraLinear is no plain projection)
         model.model.decode_stack = None
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:

@@ -13,29 +13,12 @@ router and the experts in one call (kernels/csrc/moe_block.cpp), reading each ro
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mili_openai.model.layers import FusedOpKernel, Linear, MatmulFn, SwiGLUMLP
-
-
-class ExpertsKernel(Protocol):
-    """Every routed (token, expert) pair's SwiGLU in grouped launches (see mili_openai.kernels.triton_moe)."""
-
-    def fused_experts(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_ids: torch.Tensor,
-                      topk_weights: torch.Tensor) -> torch.Tensor: ...
-
-
-class SparseMoeKernel(Protocol):
-    """The router and the experts of a sparse block in one compiled call (see mili_openai.kernels.CpuKernels)."""
-
-    def supports_sparse_moe(self, x: torch.Tensor, gate_up: torch.Tensor) -> bool: ...
-
-    def sparse_moe(self, x: torch.Tensor, router: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                   top_k: int, normalize: bool, expert_load: torch.Tensor) -> torch.Tensor: ...
+from mili_openai.model.kernel_backend import KernelBackend, MatmulFn, require_backend
+from mili_openai.model.layers import Linear, SwiGLUMLP
 
 
 class Router(nn.Module):
@@ -88,28 +71,29 @@ def grouped_swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, t
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts in two stacked weights; `matmul`, `kernel` and `experts_kernel` are swappable like
-    `Linear.matmul` (see Qwen3ForCausalLM.set_matmul / set_fused_op_kernel / set_experts_kernel)."""
+    """E SwiGLU experts in two stacked weights, run through the backend's `experts` kernel where it has one
+    (CUDA), else by `grouped_swiglu` with its `matmul` and `fused_ops` (SwiGLU's activation)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 backend: KernelBackend) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        self.matmul: MatmulFn = F.linear
-        self.kernel: FusedOpKernel | None = None  # SwiGLU's activation
-        self.experts_kernel: ExpertsKernel | None = None  # all experts at once (CUDA)
+        self.backend = require_backend(backend)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        if self.experts_kernel is not None:
-            return self.experts_kernel.fused_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
-        return grouped_swiglu(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, self.matmul,
+        experts = self.backend.experts
+        if experts is not None:
+            return experts.fused_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights)
+        return grouped_swiglu(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, self.backend.matmul,
                               self._activation)
 
     def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         """(n, 2I) gate first -> silu(gate) * up, (n, I)."""
-        if self.kernel is not None and self.kernel.supports_silu_mul(gate_up):
-            return self.kernel.silu_mul(gate_up)
+        kernel = self.backend.fused_ops
+        if kernel is not None and kernel.supports_silu_mul(gate_up):
+            return kernel.silu_mul(gate_up)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return F.silu(gate).mul_(up)
 
@@ -120,24 +104,24 @@ class GroupedExperts(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """Router + experts, with a running count of the (token, expert) pairs each expert received (the layer's
-    expert load, for debugging through `LLM.expert_load()`). `kernel` (Qwen3ForCausalLM.set_sparse_moe_kernel)
-    runs the whole block in one call where it takes the shapes."""
+    expert load, for debugging through `LLM.expert_load()`). The backend's `sparse_moe` kernel (CPU, bf16) runs
+    the whole block in one call where it takes the shapes."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
-                 normalize: bool) -> None:
+                 normalize: bool, backend: KernelBackend) -> None:
         super().__init__()
+        self.backend = require_backend(backend)
         self.gate = Router(hidden_size, num_experts, top_k, normalize)
-        self.experts = GroupedExperts(num_experts, hidden_size, intermediate_size)
+        self.experts = GroupedExperts(num_experts, hidden_size, intermediate_size, self.backend)
         # on CPU even when the model is built on the meta device; not in checkpoints; moves with .to()
         with torch.device("cpu"):
             self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
-        self.kernel: SparseMoeKernel | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, H) -> (T, H)."""
-        experts = self.experts
-        if self.kernel is not None and self.kernel.supports_sparse_moe(x, experts.gate_up_proj):
-            return self.kernel.sparse_moe(x, self.gate.weight, experts.gate_up_proj, experts.down_proj,
+        experts, kernel = self.experts, self.backend.sparse_moe
+        if kernel is not None and kernel.supports_sparse_moe(x, experts.gate_up_proj):
+            return kernel.sparse_moe(x, self.gate.weight, experts.gate_up_proj, experts.down_proj,
                                           self.gate.top_k, self.gate.normalize, self.expert_load)
         weights, ids = self.gate(x)
         flat = ids.reshape(-1)
@@ -150,10 +134,10 @@ class SharedExpertMoeBlock(SparseMoeBlock):
     through, scaled by sigmoid(shared_expert_gate(x)) (transformers' Qwen3NextSparseMoeBlock)."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int, normalize: bool,
-                 shared_intermediate_size: int) -> None:
-        super().__init__(hidden_size, num_experts, top_k, intermediate_size, normalize)
-        self.shared_expert = SwiGLUMLP(hidden_size, shared_intermediate_size)
-        self.shared_expert_gate = Linear(hidden_size, 1)
+                 shared_intermediate_size: int, backend: KernelBackend) -> None:
+        super().__init__(hidden_size, num_experts, top_k, intermediate_size, normalize, backend)
+        self.shared_expert = SwiGLUMLP(hidden_size, shared_intermediate_size, self.backend)
+        self.shared_expert_gate = Linear(hidden_size, 1, self.backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, H) -> (T, H)."""

@@ -24,23 +24,21 @@ from mili_openai.model.layers import Linear
 from mili_openai.model.qwen3_5 import HybridDecoderLayer, Qwen3_5ForCausalLM
 from mili_openai.model.weights import CheckpointError, fuse_layer_tensors, take_named_tensors
 
-# module attributes that hold a kernel or matmul the loader set on the target's modules, copied onto the MTP
-# module's twins (same class) so that it runs on the same kernels
-KERNEL_ATTRIBUTES = ("kernel", "attention_kernel", "matmul", "experts_kernel")
-
 
 class MultiTokenPredictor(nn.Module):
     def __init__(self, model: Qwen3_5ForCausalLM, num_layers: int) -> None:
         super().__init__()
         config = model.config
         hidden = config.hidden_size
-        self.fc = Linear(2 * hidden, hidden)
+        backend = model.backend  # the target's: the MTP module runs on the same kernels
+        self.fc = Linear(2 * hidden, hidden, backend)
         self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(hidden, config.rms_norm_eps)
         self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(hidden, config.rms_norm_eps)
         self.norm = ZeroCenteredRMSNorm(hidden, config.rms_norm_eps)
         # built as the target's first attention layer (its kind of MLP too), then renumbered to its own cache layer
         self.source_layer = config.hybrid.layer_types.index(FULL_ATTENTION)
-        self.layers = nn.ModuleList(HybridDecoderLayer(config, self.source_layer) for _ in range(num_layers))
+        self.layers = nn.ModuleList(HybridDecoderLayer(config, self.source_layer, backend)
+                                    for _ in range(num_layers))
         for offset, layer in enumerate(self.layers):
             layer.index = config.num_hidden_layers + offset
         self.sparse = config.is_sparse_layer(self.source_layer)
@@ -56,7 +54,7 @@ class MultiTokenPredictor(nn.Module):
 
 
 def attach_mtp_predictor(model: Qwen3_5ForCausalLM) -> MultiTokenPredictor:
-    """Build the MTP module from the checkpoint's kept `mtp.*` weights (model.mtp), on the target's kernels, and
+    """Build the MTP module from the checkpoint's kept `mtp.*` weights (model.mtp), on the target's backend, and
     give the model its cache layers; ValueError where the checkpoint has none."""
     weights = model.mtp
     if weights is None or weights.num_layers == 0:
@@ -78,19 +76,8 @@ def attach_mtp_predictor(model: Qwen3_5ForCausalLM) -> MultiTokenPredictor:
         raise CheckpointError(f"the checkpoint's MTP weights do not fit its config: {exc}") from exc
     predictor.to(device=reference.device)
     predictor.requires_grad_(False).eval()
-    _share_kernels(model, predictor)
     model.mtp = None  # its tensors now live in the predictor
     model.mtp_predictor = predictor
     model.num_mtp_cache_layers = weights.num_layers
     return predictor
 
-
-def _share_kernels(model: nn.Module, predictor: nn.Module) -> None:
-    twins: dict[type, nn.Module] = {}
-    for module in model.modules():
-        twins.setdefault(type(module), module)
-    for module in predictor.modules():
-        twin = twins.get(type(module))
-        for name in KERNEL_ATTRIBUTES:
-            if twin is not None and twin is not module and hasattr(twin, name):
-                setattr(module, name, getattr(twin, name))

@@ -15,10 +15,7 @@ add, the embedding is vocabulary-parallel, and the logits are gathered from ever
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mili_openai.distributed import TensorParallelGroup
@@ -28,17 +25,11 @@ from mili_openai.model.attention import Qwen3Attention
 from mili_openai.model.batch import ForwardBatch
 from mili_openai.model.cache_spec import LayerCacheSpec, ModelCaches, PagedKVSpec
 from mili_openai.model.config import ModelConfig
+from mili_openai.model.kernel_backend import DecodeStack, KernelBackend, require_backend
 from mili_openai.model.kv_cache import KVCache
-from mili_openai.model.layers import FusedOpKernel, Linear, MatmulFn, ResidualNormKernel, RMSNorm, SwiGLUMLP
-from mili_openai.model.moe import ExpertsKernel, GroupedExperts, SparseMoeBlock, SparseMoeKernel
-from mili_openai.model.paged_attention import AttentionKernel
-from mili_openai.model.quantization.modules import (
-    Fp8Linear,
-    Fp8MatmulFn,
-    QuantizedEmbedding,
-    QuantizedLinear,
-    QuantizedMatmulFn,
-)
+from mili_openai.model.layers import Linear, RMSNorm, SwiGLUMLP
+from mili_openai.model.moe import SparseMoeBlock
+from mili_openai.model.quantization.modules import QuantizedEmbedding, QuantizedLinear
 from mili_openai.model.qwen3_5_vision import Qwen3_5VisionTower
 from mili_openai.model.rope import RotaryEmbedding, RotaryTable
 from mili_openai.model.tensor_parallel import VocabParallelEmbedding, shard_config
@@ -46,33 +37,18 @@ from mili_openai.model.vision_batch import ImageEmbeddingCache, mrope_pair_strea
 from mili_openai.model.vision_step import step_image_embeddings, step_rotary
 
 
-class DecodeStack(Protocol):
-    """The embedding and every decoder layer of a decode-only step in one compiled call (see
-    mili_openai.kernels.CpuDecodeStack)."""
-
-    max_rows: int  # decode batches up to this size; larger ones run layer by layer
-
-    def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, pools: torch.Tensor,
-                slot_mapping: torch.Tensor, page_table: torch.Tensor, page_size: int,
-                ctx_lens: torch.Tensor) -> torch.Tensor: ...
-
-
-class DecodeStackKernel(Protocol):
-    def decode_stack(self, embedding: PackedWeights, norms: list[torch.Tensor], linears: list[PackedWeights],
-                     sparse: list[SparseMoeWeights | None], num_q_heads: int, num_kv_heads: int, head_dim: int,
-                     eps: float, scale: float) -> DecodeStack | None: ...
-
-
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, index: int, parallel: TensorParallelGroup | None = None) -> None:
+    def __init__(self, config: ModelConfig, index: int, backend: KernelBackend,
+                 parallel: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Qwen3Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
+        self.self_attn = Qwen3Attention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
         moe = config.moe
         self.mlp = (SparseMoeBlock(config.hidden_size, moe.num_experts, moe.num_experts_per_tok,
-                                   moe.moe_intermediate_size, moe.norm_topk_prob)
-                    if config.is_sparse_layer(index) else SwiGLUMLP(config.hidden_size, config.intermediate_size))
+                                   moe.moe_intermediate_size, moe.norm_topk_prob, backend)
+                    if config.is_sparse_layer(index)
+                    else SwiGLUMLP(config.hidden_size, config.intermediate_size, backend))
         self.parallel = parallel
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
@@ -95,19 +71,19 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: TensorParallelGroup | None = None) -> None:
+    def __init__(self, config: ModelConfig, backend: KernelBackend, parallel: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.embed_tokens = (nn.Embedding(config.vocab_size, config.hidden_size) if parallel is None
                              else VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel))
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, index, parallel)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, index, backend, parallel)
                                     for index in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, backend)
         self.rotary_emb = RotaryEmbedding(config)
         with torch.device("cpu"):  # built on CPU even under the loader's meta device; moved where it is read
             # Qwen3-VL: the position stream each rotary pair reads (text rows read the same position on all three)
             self.mrope_streams = mrope_pair_streams(config.vision.mrope_section if config.vision is not None
                                                     else (config.rotary_dim // 2, 0, 0), config.rotary_dim // 2)
-        self.decode_stack: DecodeStack | None = None  # set by Qwen3ForCausalLM.set_decode_stack_kernel
+        self.decode_stack: DecodeStack | None = None  # built by Qwen3ForCausalLM.build_decode_stack
 
     @property
     def dtype(self) -> torch.dtype:
@@ -142,20 +118,22 @@ class Qwen3Model(nn.Module):
 
 
 class Qwen3ForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: TensorParallelGroup | None = None) -> None:
+    def __init__(self, config: ModelConfig, backend: KernelBackend,
+                 parallel: TensorParallelGroup | None = None) -> None:
+        """`backend`: the kernels every module calls (model/kernel_backend.py), shared by all of them; the loader
+        fills it for the device once the weights are in (a fresh `KernelBackend()` runs torch's ops)."""
         super().__init__()
         self.config = config  # the whole model's; the modules hold this rank's shapes under `parallel`
         self.parallel = parallel
+        self.backend = require_backend(backend)
         local = shard_config(config, parallel.size) if parallel is not None else config
-        self.model = Qwen3Model(local, parallel)
+        self.model = Qwen3Model(local, self.backend, parallel)
         # with tied embeddings there is no head (logits use the embedding matrix), unless a quantization
         # scheme made one that the embedding reads its rows from (model/quantization/apply.py)
         self.lm_head: nn.Module | None = (None if config.tie_word_embeddings
-                                          else Linear(config.hidden_size, local.vocab_size))
+                                          else Linear(config.hidden_size, local.vocab_size, self.backend))
         self.visual: Qwen3_5VisionTower | None = None  # Qwen3-VL's tower (model.visual.*), set by the loader
         self.image_cache = ImageEmbeddingCache()
-        self._logits_matmul: MatmulFn = F.linear
-        self.attention_kernel: AttentionKernel | None = None  # the layers' (set_attention_kernel); None: torch's SDPA
         self.quantization: str | None = None  # the scheme's description, set by the loader
 
     @property
@@ -187,7 +165,7 @@ class Qwen3ForCausalLM(nn.Module):
         if isinstance(self.lm_head, QuantizedLinear):  # quantized models run on one rank
             return self.lm_head(hidden).float()
         weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        logits = self._logits_matmul(hidden, weight)  # (N, vocab slice)
+        logits = self.backend.matmul(hidden, weight)  # (N, vocab slice)
         if self.parallel is not None:  # every rank's slice, the padding past the vocabulary cut off
             logits = self.parallel.all_gather_last(logits)[:, : self.config.vocab_size]
         return logits.float()
@@ -197,44 +175,14 @@ class Qwen3ForCausalLM(nn.Module):
         return {index: layer.mlp.expert_load.tolist() for index, layer in enumerate(self.model.layers)
                 if isinstance(layer.mlp, SparseMoeBlock)}
 
-    def set_experts_kernel(self, kernel: ExpertsKernel | None) -> None:
-        """Run every sparse layer's experts through a grouped kernel (the Triton fused-MoE on CUDA)."""
-        for module in self.modules():
-            if isinstance(module, GroupedExperts):
-                module.experts_kernel = kernel
-
-    def set_sparse_moe_kernel(self, kernel: SparseMoeKernel | None) -> None:
-        """Run every sparse layer's router and experts in one compiled call (the CPU kernels, bf16)."""
-        for module in self.modules():
-            if isinstance(module, SparseMoeBlock):
-                module.kernel = kernel
-
-    def set_attention_kernel(self, kernel: AttentionKernel | None) -> None:
-        """Let decode rows and prefill chunks attend straight from the paged pool through a compiled kernel."""
-        for layer in self.model.layers:
-            layer.self_attn.attention_kernel = kernel
-        self.attention_kernel = kernel
-
-    def set_fused_op_kernel(self, kernel: FusedOpKernel | None) -> None:
-        """Run every RMSNorm, each layer's q/k norm + RoPE and SwiGLU activation through a compiled kernel."""
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, SwiGLUMLP, GroupedExperts)):
-                module.kernel = kernel
-        for layer in self.model.layers:
-            layer.self_attn.norm_kernel = kernel
-
-    def set_residual_norm_kernel(self, kernel: ResidualNormKernel | None) -> None:
-        """Run every residual add and the RMSNorm after it as one kernel (Triton on CUDA)."""
-        for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.residual_kernel = kernel
-
-    def set_decode_stack_kernel(self, kernel: DecodeStackKernel | None) -> None:
-        """Run decode-only steps through every layer in one compiled call, with the same kernels and rounding
-        as the modules (set the matmul, fused-op and sparse-MoE kernels too, or the two paths round
-        differently). Single-rank models only: the compiled stack has no collectives."""
+    def build_decode_stack(self) -> None:
+        """Run decode-only steps through every layer in one compiled call, built by the backend's `decode_stack`
+        from the weights (None: every step runs module by module). The stack rounds as the modules do only when
+        they run the backend's sparse-MoE kernel too. Single-rank models only: the compiled stack has no
+        collectives. Called once the backend is filled (model/backend_setup.py)."""
+        self.model.decode_stack = None
+        kernel = self.backend.decode_stack
         if kernel is None or self.parallel is not None:
-            self.model.decode_stack = None
             return
         norms: list[torch.Tensor] = []
         linears: list[PackedWeights] = []
@@ -245,8 +193,7 @@ class Qwen3ForCausalLM(nn.Module):
                       layer.post_attention_layernorm.weight]
             modules = [attention.qkv_proj, attention.o_proj]
             if isinstance(mlp, SparseMoeBlock):
-                if mlp.kernel is None:  # the layer-by-layer path would run the torch experts: round alike
-                    self.model.decode_stack = None
+                if self.backend.sparse_moe is None:  # the layer-by-layer path runs the torch experts: round alike
                     return
                 sparse.append(SparseMoeWeights(mlp.gate.weight, mlp.experts.gate_up_proj, mlp.experts.down_proj,
                                                mlp.expert_load, mlp.gate.top_k, mlp.gate.normalize))
@@ -255,7 +202,6 @@ class Qwen3ForCausalLM(nn.Module):
                 sparse.append(None)
             # fp8 projections (CUDA only) run module by module
             if not all(isinstance(module, (Linear, QuantizedLinear)) for module in modules):
-                self.model.decode_stack = None
                 return
             linears += [module.packed for module in modules]
         embed = self.model.embed_tokens
@@ -265,27 +211,8 @@ class Qwen3ForCausalLM(nn.Module):
                                                       attention.num_kv_heads, attention.head_dim,
                                                       self.config.rms_norm_eps, attention.scale)
 
-    def set_matmul(self, matmul: MatmulFn) -> None:
-        """Route every dense projection and the LM head through `matmul` (e.g. the bf16 decode kernel)."""
-        for module in self.modules():
-            if isinstance(module, (Linear, GroupedExperts)):
-                module.matmul = matmul
-        self._logits_matmul = matmul
-
     @property
     def holds_packed_weights(self) -> bool:
         """Whether any projection holds int8/int4 weights (`QuantizedLinear`), which torch's ops multiply only
         after dequantizing the whole weight in float32 at every call (`reference_linear`)."""
         return any(isinstance(module, QuantizedLinear) for module in self.modules())
-
-    def set_quantized_matmul(self, matmul: QuantizedMatmulFn) -> None:
-        """Route every quantized projection (int8, int4) through `matmul` (e.g. the CPU kernels)."""
-        for module in self.modules():
-            if isinstance(module, QuantizedLinear):
-                module.matmul = matmul
-
-    def set_fp8_matmul(self, matmul: Fp8MatmulFn) -> None:
-        """Route every fp8 projection through `matmul` (e.g. the Triton kernels)."""
-        for module in self.modules():
-            if isinstance(module, Fp8Linear):
-                module.matmul = matmul

@@ -19,11 +19,9 @@ module by module.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mili_openai.distributed import TensorParallelGroup
-from mili_openai.kernels.linear_attention import LinearAttentionKernel
 from mili_openai.model.batch import ForwardBatch
 from mili_openai.model.cache_spec import LayerCacheSpec, ModelCaches, PagedKVSpec, RecurrentStateSpec
 from mili_openai.model.config import ModelConfig
@@ -31,11 +29,11 @@ from mili_openai.model.gated_attention import GatedAttention
 from mili_openai.model.gated_deltanet import GatedDeltaNet, StateRows
 from mili_openai.model.hybrid_config import LINEAR_ATTENTION
 from mili_openai.model.hybrid_norms import ZeroCenteredRMSNorm
-from mili_openai.model.layers import FusedOpKernel, Linear, MatmulFn, SwiGLUMLP
-from mili_openai.model.moe import ExpertsKernel, GroupedExperts, SharedExpertMoeBlock, SparseMoeBlock, SparseMoeKernel
+from mili_openai.model.kernel_backend import KernelBackend, require_backend
+from mili_openai.model.layers import Linear, SwiGLUMLP
+from mili_openai.model.moe import SharedExpertMoeBlock, SparseMoeBlock
 from mili_openai.model.mtp import MultiTokenPredictorWeights
-from mili_openai.model.paged_attention import AttentionKernel
-from mili_openai.model.quantization.modules import Fp8Linear, Fp8MatmulFn, QuantizedLinear, QuantizedMatmulFn
+from mili_openai.model.quantization.modules import QuantizedLinear
 from mili_openai.model.qwen3_5_vision import Qwen3_5VisionTower
 from mili_openai.model.rope import RotaryEmbedding, RotaryTable
 from mili_openai.model.vision_batch import ImageEmbeddingCache, mrope_pair_streams
@@ -43,12 +41,13 @@ from mili_openai.model.vision_step import step_image_embeddings, step_rotary
 from mili_openai.model.tensor_parallel import VocabParallelEmbedding, shard_config
 
 
-def _mlp(config: ModelConfig, index: int) -> nn.Module:
+def _mlp(config: ModelConfig, index: int, backend: KernelBackend) -> nn.Module:
     moe = config.moe
     if not config.is_sparse_layer(index):
-        return SwiGLUMLP(config.hidden_size, config.intermediate_size)
+        return SwiGLUMLP(config.hidden_size, config.intermediate_size, backend)
     return SharedExpertMoeBlock(config.hidden_size, moe.num_experts, moe.num_experts_per_tok,
-                                moe.moe_intermediate_size, moe.norm_topk_prob, moe.shared_expert_intermediate_size)
+                                moe.moe_intermediate_size, moe.norm_topk_prob, moe.shared_expert_intermediate_size,
+                                backend)
 
 
 def _linear_spec(layer: GatedDeltaNet) -> RecurrentStateSpec:
@@ -57,18 +56,19 @@ def _linear_spec(layer: GatedDeltaNet) -> RecurrentStateSpec:
 
 
 class HybridDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, index: int, parallel: TensorParallelGroup | None = None) -> None:
+    def __init__(self, config: ModelConfig, index: int, backend: KernelBackend,
+                 parallel: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.index = index
         self.parallel = parallel
         self.is_linear = config.hybrid.layer_type(index) == LINEAR_ATTENTION
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(config)
+            self.linear_attn = GatedDeltaNet(config, backend)
         else:
-            self.self_attn = GatedAttention(config)
+            self.self_attn = GatedAttention(config, backend)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = _mlp(config, index)
+        self.mlp = _mlp(config, index, backend)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 batch: ForwardBatch, rows: StateRows | None, caches: ModelCaches) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,11 +92,11 @@ class HybridDecoderLayer(nn.Module):
 
 
 class HybridModel(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: TensorParallelGroup | None = None) -> None:
+    def __init__(self, config: ModelConfig, backend: KernelBackend, parallel: TensorParallelGroup | None = None) -> None:
         super().__init__()
         self.embed_tokens = (nn.Embedding(config.vocab_size, config.hidden_size) if parallel is None
                              else VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel))
-        self.layers = nn.ModuleList(HybridDecoderLayer(config, index, parallel)
+        self.layers = nn.ModuleList(HybridDecoderLayer(config, index, backend, parallel)
                                     for index in range(config.num_hidden_layers))
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)  # over the rotary_dim leading dims of each head
@@ -124,16 +124,21 @@ class HybridModel(nn.Module):
 
 
 class Qwen3_5ForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, parallel: TensorParallelGroup | None = None) -> None:
+    def __init__(self, config: ModelConfig, backend: KernelBackend,
+                 parallel: TensorParallelGroup | None = None) -> None:
+        """`backend`: the kernels every module calls, as for Qwen3ForCausalLM. Its norms are zero-centred, which
+        the fused norm kernels are not, so only its SwiGLU activations take `fused_ops`, and no residual add +
+        norm kernel runs."""
         super().__init__()
         if config.hybrid is None:
             raise ValueError(f"{config.architecture} is not a hybrid model: load it as Qwen3ForCausalLM")
         self.config = config  # the whole model's; the modules hold this rank's shapes under `parallel`
         self.parallel = parallel
         local = shard_config(config, parallel.size) if parallel is not None else config
-        self.model = HybridModel(local, parallel)
+        self.backend = require_backend(backend)
+        self.model = HybridModel(local, backend, parallel)
         self.lm_head: nn.Module | None = (None if config.tie_word_embeddings
-                                          else Linear(config.hidden_size, local.vocab_size))
+                                          else Linear(config.hidden_size, local.vocab_size, backend))
         self.mtp: MultiTokenPredictorWeights | None = None  # the checkpoint's MTP weights (model/mtp.py)
         self.visual: Qwen3_5VisionTower | None = None  # a vision-language checkpoint's tower (model.visual.*)
         self.image_cache = ImageEmbeddingCache()
@@ -141,8 +146,6 @@ class Qwen3_5ForCausalLM(nn.Module):
         # which follow the decoder's in cache_specs(); none until the engine drafts with it
         self.mtp_predictor: nn.Module | None = None
         self.num_mtp_cache_layers = 0
-        self._logits_matmul: MatmulFn = F.linear
-        self.attention_kernel: AttentionKernel | None = None
         self.quantization: str | None = None
 
     @property
@@ -176,7 +179,7 @@ class Qwen3_5ForCausalLM(nn.Module):
         if isinstance(self.lm_head, QuantizedLinear):
             return self.lm_head(hidden).float()
         weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        logits = self._logits_matmul(hidden, weight)  # (N, vocab slice)
+        logits = self.backend.matmul(hidden, weight)  # (N, vocab slice)
         if self.parallel is not None:  # every rank's slice, the padding past the vocabulary cut off
             logits = self.parallel.all_gather_last(logits)[:, : self.config.vocab_size]
         return logits.float()
@@ -189,42 +192,6 @@ class Qwen3_5ForCausalLM(nn.Module):
     def holds_packed_weights(self) -> bool:
         return any(isinstance(module, QuantizedLinear) for module in self.modules())
 
-    def _set_all(self, kinds: type | tuple[type, ...], attribute: str, value) -> None:
-        for module in self.modules():
-            if isinstance(module, kinds):
-                setattr(module, attribute, value)
-
-    def set_linear_attention_kernel(self, kernel: LinearAttentionKernel) -> None:
-        """Run every Gated DeltaNet's conv and delta rule through `kernel` (kernels/linear_attention.py)."""
-        self._set_all(GatedDeltaNet, "kernel", kernel)
-
-    def set_attention_kernel(self, kernel: AttentionKernel | None) -> None:
-        self._set_all(GatedAttention, "attention_kernel", kernel)
-        self.attention_kernel = kernel
-
-    def set_matmul(self, matmul: MatmulFn) -> None:
-        self._set_all((Linear, GroupedExperts), "matmul", matmul)
-        self._logits_matmul = matmul
-
-    def set_quantized_matmul(self, matmul: QuantizedMatmulFn) -> None:
-        self._set_all(QuantizedLinear, "matmul", matmul)
-
-    def set_fused_op_kernel(self, kernel: FusedOpKernel | None) -> None:
-        """SwiGLU's activation only: the hybrids' norms are zero-centred, which the fused norm kernels are not."""
-        self._set_all((SwiGLUMLP, GroupedExperts), "kernel", kernel)
-
-    def set_sparse_moe_kernel(self, kernel: SparseMoeKernel | None) -> None:
-        self._set_all(SparseMoeBlock, "kernel", kernel)
-
-    def set_experts_kernel(self, kernel: ExpertsKernel | None) -> None:
-        self._set_all(GroupedExperts, "experts_kernel", kernel)
-
-    def set_fp8_matmul(self, matmul: Fp8MatmulFn) -> None:
-        self._set_all(Fp8Linear, "matmul", matmul)
-
-    def set_residual_norm_kernel(self, kernel) -> None:
-        """Nothing to set: the fused add + RMSNorm kernels round as Qwen3's norm, not as the zero-centred one."""
-
-    def set_decode_stack_kernel(self, kernel) -> None:
+    def build_decode_stack(self) -> None:
         """No compiled decode stack runs linear attention yet: every step runs layer by layer."""
         self.model.decode_stack = None

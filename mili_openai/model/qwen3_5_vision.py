@@ -3,7 +3,7 @@
 
 A patch is temporal_patch_size x patch_size x patch_size pixels of each channel, flattened as the image processor
 writes it (`pixel_values` rows, in 2 x 2 merge-block order). Steps, per transformers:
-- patch embedding: a Conv3d whose stride is its kernel, i.e. one matmul per patch (run as F.linear on the
+- patch embedding: a Conv3d whose stride is its kernel, i.e. one matmul per patch (the backend's, on the
   flattened kernel);
 - a learned (side x side) position table, bilinearly resampled (align_corners) to each image's patch grid;
 - `depth` pre-norm blocks (LayerNorm, attention with a 2-D rotary of each patch's (row, column), LayerNorm, GELU
@@ -14,6 +14,8 @@ writes it (`pixel_values` rows, in 2 x 2 merge-block order). Steps, per transfor
 Module names are the checkpoint's (`model.visual.` stripped): `patch_embed.proj`, `pos_embed`, `blocks.N.attn.qkv`,
 `blocks.N.attn.proj`, `blocks.N.mlp.linear_fc1/2`, `blocks.N.norm1/2`, `merger.norm`, `merger.linear_fc1/2`,
 `deepstack_merger_list.N.*`.
+The projections (and the patch embedding) multiply through the language model's `KernelBackend` (`matmul`, then
+the bias); attention runs torch's SDPA over each image's own patches, which no paged kernel serves.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mili_openai.model.kernel_backend import KernelBackend, require_backend
 from mili_openai.model.vision_config import VisionTowerConfig
 
 LAYER_NORM_EPS = 1e-6
@@ -47,24 +50,39 @@ def merge_block_coordinates(grid: GridTHW, merge: int) -> tuple[torch.Tensor, to
     return rows.repeat(frames), cols.repeat(frames)
 
 
+class BiasedLinear(nn.Module):
+    """y = x @ weight.T + bias through the backend's matmul (the tower's projections all have a bias)."""
+
+    def __init__(self, in_features: int, out_features: int, backend: KernelBackend) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features))
+        self.backend = require_backend(backend)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.backend.matmul(x, self.weight).add_(self.bias)  # in place on the matmul's fresh output
+
+
 class VisionPatchEmbed(nn.Module):
-    def __init__(self, config: VisionTowerConfig) -> None:
+    def __init__(self, config: VisionTowerConfig, backend: KernelBackend) -> None:
         super().__init__()
         kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
         self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel_size=kernel, stride=kernel, bias=True)
+        self.backend = require_backend(backend)
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         """patches (N, patch_dim) -> (N, hidden): the conv over one kernel-sized patch is a dot product."""
         weight = self.proj.weight
-        return F.linear(patches.to(weight.dtype), weight.reshape(weight.shape[0], -1), self.proj.bias)
+        flat = weight.reshape(weight.shape[0], -1)  # (hidden, patch_dim), a view of the contiguous conv weight
+        return self.backend.matmul(patches.to(weight.dtype), flat).add_(self.proj.bias)
 
 
 class VisionAttention(nn.Module):
-    def __init__(self, config: VisionTowerConfig) -> None:
+    def __init__(self, config: VisionTowerConfig, backend: KernelBackend) -> None:
         super().__init__()
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
-        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=True)
-        self.proj = nn.Linear(config.hidden_size, config.hidden_size, bias=True)
+        self.qkv = BiasedLinear(config.hidden_size, 3 * config.hidden_size, backend)
+        self.proj = BiasedLinear(config.hidden_size, config.hidden_size, backend)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """x (N, hidden), cos/sin (N, head_dim) float32, lengths: patches per image frame (sum N)."""
@@ -80,10 +98,10 @@ class VisionAttention(nn.Module):
 
 
 class VisionMLP(nn.Module):
-    def __init__(self, config: VisionTowerConfig) -> None:
+    def __init__(self, config: VisionTowerConfig, backend: KernelBackend) -> None:
         super().__init__()
-        self.linear_fc1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=True)
-        self.linear_fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=True)
+        self.linear_fc1 = BiasedLinear(config.hidden_size, config.intermediate_size, backend)
+        self.linear_fc2 = BiasedLinear(config.intermediate_size, config.hidden_size, backend)
         self.act = _gelu(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,12 +109,12 @@ class VisionMLP(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    def __init__(self, config: VisionTowerConfig) -> None:
+    def __init__(self, config: VisionTowerConfig, backend: KernelBackend) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(config.hidden_size, eps=LAYER_NORM_EPS)
         self.norm2 = nn.LayerNorm(config.hidden_size, eps=LAYER_NORM_EPS)
-        self.attn = VisionAttention(config)
-        self.mlp = VisionMLP(config)
+        self.attn = VisionAttention(config, backend)
+        self.mlp = VisionMLP(config, backend)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, lengths)
@@ -104,13 +122,13 @@ class VisionBlock(nn.Module):
 
 
 class VisionPatchMerger(nn.Module):
-    def __init__(self, config: VisionTowerConfig, norm_after_merge: bool = False) -> None:
+    def __init__(self, config: VisionTowerConfig, backend: KernelBackend, norm_after_merge: bool = False) -> None:
         super().__init__()
         self.merged_size = config.hidden_size * config.spatial_merge_size ** 2
         self.norm_after_merge = norm_after_merge  # DeepStack's mergers norm the four patches together
         self.norm = nn.LayerNorm(self.merged_size if norm_after_merge else config.hidden_size, eps=LAYER_NORM_EPS)
-        self.linear_fc1 = nn.Linear(self.merged_size, self.merged_size, bias=True)
-        self.linear_fc2 = nn.Linear(self.merged_size, config.out_hidden_size, bias=True)
+        self.linear_fc1 = BiasedLinear(self.merged_size, self.merged_size, backend)
+        self.linear_fc2 = BiasedLinear(self.merged_size, config.out_hidden_size, backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(N, hidden) in merge-block order -> (N / merge^2, out_hidden)."""
@@ -122,15 +140,15 @@ class VisionPatchMerger(nn.Module):
 
 
 class Qwen3_5VisionTower(nn.Module):
-    def __init__(self, config: VisionTowerConfig) -> None:
+    def __init__(self, config: VisionTowerConfig, backend: KernelBackend) -> None:
         super().__init__()
         self.config = config
         self.side = round(config.num_position_embeddings ** 0.5)
-        self.patch_embed = VisionPatchEmbed(config)
+        self.patch_embed = VisionPatchEmbed(config, backend)
         self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
-        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
-        self.merger = VisionPatchMerger(config)
-        self.deepstack_merger_list = nn.ModuleList(VisionPatchMerger(config, norm_after_merge=True)
+        self.blocks = nn.ModuleList(VisionBlock(config, backend) for _ in range(config.depth))
+        self.merger = VisionPatchMerger(config, backend)
+        self.deepstack_merger_list = nn.ModuleList(VisionPatchMerger(config, backend, norm_after_merge=True)
                                                    for _ in config.deepstack_visual_indexes)
         with torch.device("cpu"):  # float32 whatever the weights' dtype, as transformers keeps it
             spatial = config.head_dim // 2

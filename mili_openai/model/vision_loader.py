@@ -8,19 +8,21 @@ import torch
 
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.hybrid_weights import LANGUAGE_MODEL_PREFIX, TEXT_MODEL_PREFIX, VISION_PREFIXES
+from mili_openai.model.kernel_backend import KernelBackend
 from mili_openai.model.qwen3_5_vision import Qwen3_5VisionTower
 from mili_openai.model.vision_config import VisionTowerConfig
 from mili_openai.model.weights import CheckpointError
 
 
 def take_vision_tower(tensors: dict[str, torch.Tensor], tower: VisionTowerConfig, dtype: torch.dtype,
-                      device: torch.device, source: str) -> Qwen3_5VisionTower:
-    """The vision tower, its weights (`model.visual.*`) taken out of `tensors`, in `dtype` on `device`."""
+                      device: torch.device, source: str, backend: KernelBackend) -> Qwen3_5VisionTower:
+    """The vision tower, its weights (`model.visual.*`) taken out of `tensors`, in `dtype` on `device`, on the
+    language model's `backend`."""
     prefix = next((p for p in VISION_PREFIXES if any(name.startswith(p) for name in tensors)), VISION_PREFIXES[0])
     state = {name.removeprefix(prefix): tensors.pop(name).to(dtype=dtype, device=device)
              for name in [n for n in tensors if n.startswith(prefix)]}
     with torch.device("meta"):
-        visual = Qwen3_5VisionTower(tower)
+        visual = Qwen3_5VisionTower(tower, backend)
     try:
         visual.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as exc:  # missing, unexpected or misshapen: the config and the weights disagree
@@ -39,9 +41,10 @@ def check_vision_language_options(config: ModelConfig, tensor_parallel: bool, qu
 
 
 def take_qwen3_vl_tower(tensors: dict[str, torch.Tensor], config: ModelConfig, dtype: torch.dtype,
-                        device: torch.device, source: str) -> Qwen3_5VisionTower:
-    """Qwen3-VL's tower out of `tensors`, and the language model's weights renamed to Qwen3's (in place)."""
-    visual = take_vision_tower(tensors, config.vision.tower, dtype, device, source)
+                        device: torch.device, source: str, backend: KernelBackend) -> Qwen3_5VisionTower:
+    """Qwen3-VL's tower out of `tensors` on the language model's `backend`, and the language model's weights renamed
+    to Qwen3's (in place)."""
+    visual = take_vision_tower(tensors, config.vision.tower, dtype, device, source, backend)
     for name in [n for n in tensors if n.startswith(LANGUAGE_MODEL_PREFIX)]:
         tensors[TEXT_MODEL_PREFIX + name.removeprefix(LANGUAGE_MODEL_PREFIX)] = tensors.pop(name)
     return visual

@@ -52,7 +52,7 @@ def test_greedy_on_cuda_matches_transformers(tiny_checkpoint, oracle, engine_arg
     assert_matches(first, expected)
     graphs = llm.core.runner.decode_graphs
     torch_attention = engine_args.get("attention_backend") == "torch"
-    assert (llm.core.runner.model.attention_kernel is None) == torch_attention
+    assert (llm.core.runner.model.backend.attention is None) == torch_attention
     # graphs need an attention kernel (torch's SDPA would gather every row's whole page table)
     assert (graphs is None) == (engine_args.get("enforce_eager", False) or torch_attention)
     assert graphs is None or graphs.steps_run > 0  # decode steps ran from captured graphs

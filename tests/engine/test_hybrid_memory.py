@@ -13,6 +13,7 @@ from mili_openai import LLM
 from mili_openai.engine.memory_budget import pages_beside_states
 from mili_openai.model import KVCache, ModelConfig
 from mili_openai.model.hybrid_checkpoint import QWEN3_5_0_8B_CONFIG
+from mili_openai.model.kernel_backend import KernelBackend
 from mili_openai.model.qwen3_5 import Qwen3_5ForCausalLM
 from mili_openai.model.state_cache import StateCache
 
@@ -25,7 +26,7 @@ PAGE_SIZE = 16
 def specs_of(fields: dict, parallel=None) -> list:
     config = ModelConfig.from_dicts({"model_type": "qwen3_5_text", **fields})
     with torch.device("meta"):
-        return Qwen3_5ForCausalLM(config, parallel).cache_specs()
+        return Qwen3_5ForCausalLM(config, KernelBackend(), parallel).cache_specs()
 
 
 def test_qwen35_0_8b_state_and_kv_are_the_shapes_arithmetic():

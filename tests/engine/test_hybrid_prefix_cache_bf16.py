@@ -16,6 +16,7 @@ import pytest
 from hybrid_helpers import hybrid_tokens
 
 from mili_openai import LLM, SamplingParams
+from mili_openai import kernels as kernels_module
 from mili_openai.engine import runner as runner_module
 from mili_openai.kernels import cpu_supports_kernels
 
@@ -36,7 +37,7 @@ def make_llm(request, monkeypatch, hybrid_checkpoint):
     if not torch_ops and not cpu_supports_kernels():
         pytest.skip("the CPU kernels need AVX512")
     if torch_ops:
-        monkeypatch.setattr(runner_module, "cpu_kernels_built", lambda: False)
+        monkeypatch.setattr(kernels_module, "cpu_kernels_built", lambda: False)
         monkeypatch.setattr(runner_module, "build_cpu_kernels_in_background", Future)
     checkpoint = str(hybrid_checkpoint("qwen3_5"))
 

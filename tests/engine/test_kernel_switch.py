@@ -14,6 +14,7 @@ from engine_helpers import submit_checked
 from quant_helpers import QUANT_SHAPE
 
 from mili_openai.config import EngineConfig
+from mili_openai import kernels as kernels_module
 from mili_openai.engine import runner as runner_module
 from mili_openai.engine.async_engine import AsyncEngine
 from mili_openai.engine.sampling_params import SamplingParams
@@ -32,7 +33,7 @@ def pending_build(monkeypatch):
     """Kernels that look unbuilt to the runner, and a build the test finishes by hand."""
     load_cpu_kernels()  # compiled (if need be) before the engine: the test then controls when they "finish"
     build: Future[bool] = Future()
-    monkeypatch.setattr(runner_module, "cpu_kernels_built", lambda: False)
+    monkeypatch.setattr(kernels_module, "cpu_kernels_built", lambda: False)
     monkeypatch.setattr(runner_module, "build_cpu_kernels_in_background", lambda: build)
     return build
 
@@ -122,6 +123,22 @@ def test_quantized_weights_wait_for_the_kernels(tmp_path, pending_build, quantiz
     assert runner.kernel_build is None and runner.sampler.kernel is kernels
     projections = [m for m in runner.model.modules() if isinstance(m, QuantizedLinear)]
     assert runner.model.lm_head in projections
-    assert all(m.matmul == kernels.quantized.linear for m in projections)
+    assert all(m.backend is runner.model.backend for m in projections)
+    assert runner.model.backend.quantized_matmul == kernels.quantized.linear
     if kernels.bf16_dot_products:  # the int8/int4 kernels need AVX512-BF16 (elsewhere the reference runs)
         assert runner.model.model.decode_stack is not None
+
+
+def test_a_draft_model_awaits_the_kernels_and_switches_with_the_target(tiny_checkpoint, pending_build):
+    """The draft model (speculative decoding) has a backend of its own: it serves on torch's ops beside the
+    target's until the build ends, then both take the compiled kernels in the one switch."""
+    draft = {"model": str(tiny_checkpoint), "num_speculative_tokens": 2}
+    engine = AsyncEngine(EngineConfig(model=str(tiny_checkpoint), dtype="float32", num_pages=32,
+                                      cpu_kernels_in_background=True, speculative_config=draft))
+    runner = engine.core.runner
+    backends = (runner.model.backend, runner.draft.model.backend)
+    assert backends[0] is not backends[1]
+    assert all(backend.awaits_cpu_kernels and backend.attention is None for backend in backends)
+    pending_build.set_result(True)
+    runner.switch_to_cpu_kernels()
+    assert all(not backend.awaits_cpu_kernels and backend.attention is load_cpu_kernels() for backend in backends)

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from mili_openai.model import ForwardBatch, PrefillSegment
@@ -83,6 +84,17 @@ class PagedSequences:
             decode_ctx_lens=decode_ctx_lens, pages=pages,
         )
         return batch, rows
+
+
+def counting_matmul(calls: list[torch.Size]):
+    """A stand-in for the backend's `matmul`: F.linear, recording each weight's shape in `calls` (which matmuls a
+    forward routes through the backend)."""
+
+    def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        calls.append(weight.shape)
+        return F.linear(x, weight)
+
+    return matmul
 
 
 def random_tokens(length: int, seed: int) -> list[int]:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from mili_openai.kernels import cpu_supports_kernels
+from mili_openai.model.kernel_backend import KernelBackend
 from mili_openai.model.moe import Router, SparseMoeBlock, grouped_swiglu
 
 pytestmark = pytest.mark.skipif(not cpu_supports_kernels(), reason="this CPU has no AVX512")
@@ -117,11 +118,12 @@ def test_sparse_moe_routes_and_runs_the_experts(kernels, normalize, tokens, num_
 def test_sparse_block_takes_the_kernel_where_it_fits(kernels):
     """A bf16 block with whole-vector widths runs the kernel and counts its load there; an intermediate size
     that is not (a tensor-parallel slice of a small model) and fp32 keep the torch path."""
-    block = SparseMoeBlock(hidden_size=64, num_experts=8, top_k=2, intermediate_size=32, normalize=True)
+    block = SparseMoeBlock(hidden_size=64, num_experts=8, top_k=2, intermediate_size=32, normalize=True,
+                           backend=KernelBackend())
     x, gate_up, down, _, _ = routed(5, 8, 2, 64, 32, seed=3)
     block.gate.weight.data = torch.randn(8, 64, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
     block.experts.gate_up_proj.data, block.experts.down_proj.data = gate_up, down
-    block.kernel = kernels
+    block.backend.sparse_moe = kernels
     assert kernels.supports_sparse_moe(x, gate_up)
     weights, ids = rounded_routing(x, block.gate.weight, 2, True)
     with torch.inference_mode():

@@ -102,7 +102,7 @@ def _model_hidden(checkpoint, residual_kernel: bool) -> tuple[torch.Tensor, int]
 
     model, config = load_model(checkpoint, torch.float32, torch.device("cpu"), use_decode_kernel=False)
     if residual_kernel:
-        model.set_residual_norm_kernel(Counting())
+        model.backend.residual_norm = Counting()
     pages = PagedSequences(num_pages=16, page_size=4)
     pages.add("a", random_tokens(9, seed=1))
     pages.add("b", random_tokens(5, seed=2))
@@ -208,7 +208,8 @@ class _Unbuildable(_TorchForms):
 
 
 def test_the_fused_ops_are_kept_only_where_they_build(tiny_checkpoint, caplog):
-    from mili_openai.model.loader import _fused_ops_compile, _residual_norm_compiles, load_model
+    from mili_openai.model.backend_setup import _fused_ops_compile, _residual_norm_compiles
+    from mili_openai.model.loader import load_model
 
     model, _ = load_model(tiny_checkpoint, torch.float32, torch.device("cpu"), use_decode_kernel=False)
     assert _fused_ops_compile(_TorchForms(), model)

@@ -201,7 +201,7 @@ def test_engine_on_triton_matches_transformers(tiny_checkpoint, oracle, engine_a
     prompts, expected = oracle
     llm = LLM(str(tiny_checkpoint), dtype="float32", device=DEVICE.type, attention_backend="triton", num_pages=96,
               **engine_args)
-    assert isinstance(llm.core.runner.model.attention_kernel, TritonAttention)
+    assert isinstance(llm.core.runner.model.backend.attention, TritonAttention)
     assert_matches(llm.generate(prompts, greedy(MAX_NEW)), expected)
     second = llm.generate(prompts, greedy(MAX_NEW))  # the prompts' pages are cached now: prefix hits
     assert_matches(second, expected)
@@ -215,7 +215,7 @@ def models(tiny_checkpoint):
     triton_model, config = load_model(tiny_checkpoint, torch.float32, DEVICE, attention_backend="triton")
     torch_model, _ = load_model(tiny_checkpoint, torch.float32, DEVICE, use_decode_kernel=False,
                                 attention_backend="torch")
-    assert isinstance(triton_model.attention_kernel, TritonAttention) and torch_model.attention_kernel is None
+    assert isinstance(triton_model.backend.attention, TritonAttention) and torch_model.backend.attention is None
     return triton_model, torch_model, config
 
 

@@ -90,10 +90,9 @@ def test_serving_steps_launch_only_the_variants_the_warm_up_compiled(tiny_checkp
 
     model, config = load_model(tiny_checkpoint, torch.float32, DEVICE, attention_backend="triton")
     attention = TritonAttention(multiprocessors=2)  # few decode rows reach every split count
-    model.set_attention_kernel(attention)
+    model.backend.attention = attention
     fused = triton_fused_ops.TritonFusedOps()
-    model.set_fused_op_kernel(fused)
-    model.set_residual_norm_kernel(fused)
+    model.backend.fused_ops = model.backend.residual_norm = fused
     kernels = [triton_attention_kernels.decode_partial_kernel, triton_attention_kernels.decode_reduce_kernel,
                triton_attention_kernels.extend_kernel, triton_fused_ops._rms_norm_kernel,
                triton_fused_ops._add_rms_norm_kernel, triton_fused_ops._qk_norm_rope_kernel,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mili_openai.model.kernel_backend import KernelBackend
 from mili_openai.model.layers import RMSNorm
 from mili_openai.model.rope import apply_rotary
 
@@ -19,7 +20,7 @@ def test_rms_norm_is_transformers_exactly_and_leaves_its_input(dtype, shape):
     generator = torch.Generator().manual_seed(0)
     x = (3 * torch.randn(shape, generator=generator)).to(dtype)
     weight = (1 + 0.2 * torch.randn(shape[-1], generator=generator)).to(dtype)
-    ours, theirs = RMSNorm(shape[-1], EPS).to(dtype), Qwen3RMSNorm(shape[-1], EPS).to(dtype)
+    ours, theirs = RMSNorm(shape[-1], EPS, KernelBackend()).to(dtype), Qwen3RMSNorm(shape[-1], EPS).to(dtype)
     with torch.no_grad():
         ours.weight.copy_(weight)
         theirs.weight.copy_(weight)

@@ -111,7 +111,7 @@ def test_prefill_chunks_attend_through_the_compiled_kernel(models):
     """Whole prompts, first chunks and chunks after a cached prefix all attend from the pool in place,
     and stay as close to transformers as the torch path."""
     model, config, hf = models
-    kernel = model.model.layers[0].self_attn.attention_kernel
+    kernel = model.backend.attention
     assert kernel is not None
     chunk_lengths = []
 
@@ -124,7 +124,7 @@ def test_prefill_chunks_attend_through_the_compiled_kernel(models):
             chunk_lengths.extend(cu_seqlens.diff().tolist())  # every chunk of the step in one call
             return kernel.paged_prefill_attention(q, k_pool, v_pool, page_table, page_size, cu_seqlens, *args, **kwargs)
 
-    model.set_attention_kernel(CountingKernel())
+    model.backend.attention = CountingKernel()
     try:
         tokens, steps = mixed_schedule()
         pages = PagedSequences(num_pages=64, page_size=4, seed=7)
@@ -132,7 +132,7 @@ def test_prefill_chunks_attend_through_the_compiled_kernel(models):
             pages.add(key, seq)
         results = run_steps(model, config, pages, steps)
     finally:
-        model.set_attention_kernel(kernel)
+        model.backend.attention = kernel
     expected = [length for _, prefill in steps for _ in range(config.num_hidden_layers) for _, length in prefill]
     assert chunk_lengths == expected  # each layer of each step, its chunks in batch order
     assert_close_to_hf(results, {key: hf_logits(hf, seq) for key, seq in tokens.items()}, FP32_ATOL)
@@ -141,7 +141,8 @@ def test_prefill_chunks_attend_through_the_compiled_kernel(models):
 def test_decode_rows_through_torch_ops_without_compiled_kernels(checkpoint, models):
     """The portable path (GPUs, CPUs without AVX512-BF16): context gathered through the page tables, masked SDPA."""
     model, config = load_model(checkpoint, torch.float32, torch.device("cpu"), use_decode_kernel=False)
-    assert all(layer.self_attn.attention_kernel is None for layer in model.model.layers)
+    assert model.backend.attention is None
+    assert all(layer.self_attn.backend is model.backend for layer in model.model.layers)
     hf = models[2]
     tokens, steps = mixed_schedule()
     pages = PagedSequences(num_pages=64, page_size=4, seed=5)

@@ -9,13 +9,13 @@ import shutil
 
 import pytest
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from engine_helpers import assert_matches, greedy, hf_greedy, random_prompts
-from model_helpers import copy_without_weight
+from model_helpers import copy_without_weight, counting_matmul
 from mili_openai import LLM
 from mili_openai.model import ModelConfig, load_model
+from mili_openai.model.kernel_backend import KernelBackend
 from mili_openai.model.loader import SINGLE_FILE
 from mili_openai.model.moe import SparseMoeBlock
 
@@ -86,7 +86,7 @@ def test_sparse_block_matches_transformers(normalize):
     hf = Qwen3MoeSparseMoeBlock(config)
     for parameter in hf.parameters():
         parameter.data = torch.randn(parameter.shape, generator=generator) / parameter.shape[-1] ** 0.5
-    ours = SparseMoeBlock(32, 6, 3, 16, normalize)
+    ours = SparseMoeBlock(32, 6, 3, 16, normalize, KernelBackend())
     ours.load_state_dict(hf.state_dict(), strict=True)
     x = torch.randn(1, 11, 32, generator=generator)
     with torch.inference_mode():
@@ -184,15 +184,10 @@ def test_bf16_through_the_cpu_kernels_stays_close(tiny_moe_checkpoint):
 
 
 def test_grouped_experts_use_the_model_matmul(tiny_moe_checkpoint):
-    """set_matmul reaches the experts (the CPU kernels' `linear` on bf16): every expert matmul goes through it."""
+    """The backend's matmul reaches the experts (the CPU kernels' `linear` on bf16): every expert matmul goes through it."""
     model, _ = load_model(tiny_moe_checkpoint, torch.float32, CPU, use_decode_kernel=False)
     calls = []
-
-    def counting(x, weight):
-        calls.append(weight.shape)
-        return F.linear(x, weight)
-
-    model.set_matmul(counting)
+    model.backend.matmul = counting_matmul(calls)
     block = model.get_submodule("model.layers.0.mlp")
     with torch.inference_mode():
         block(torch.randn(5, 64))

@@ -42,6 +42,7 @@ from mili_openai import LLM
 from mili_openai.kernels import cpu_supports_kernels, load_cpu_kernels
 from mili_openai.kernels.quantized import PackedWeights, quantize_int8_rows, reference_linear
 from mili_openai.model import CheckpointError, build_random_checkpoint, load_model
+from mili_openai.model.kernel_backend import KernelBackend
 from mili_openai.model.quantization.activations import Int8Activations
 from mili_openai.model.quantization.modules import QuantizedLinear
 from mili_openai.model.quantization.spec import parse_quantization_config
@@ -231,7 +232,7 @@ def test_a_w8a8_module_scales_the_int8_matmuls_rows():
     torch.manual_seed(0)
     weights = torch.randint(-127, 128, (8, 64), dtype=torch.int8)
     packed_scales = torch.rand(8, 1) / 100
-    module = QuantizedLinear(PackedWeights(8, weights, packed_scales), Int8Activations())
+    module = QuantizedLinear(PackedWeights(8, weights, packed_scales), KernelBackend(), Int8Activations())
     x = torch.randn(3, 64)
     levels, scale = quantize_int8_rows(x)
     want = scale * (levels.double() @ (weights.double() * packed_scales.double()).t())
@@ -347,7 +348,8 @@ def test_bf16_kernels_as_close_to_the_hooked_oracle_as_transformers_bf16(activat
     quantized, reference, scales = write_w8a8(dense, tmp_path, CHANNEL, activations)
     model, config = load_model(quantized, torch.bfloat16, CPU)
     modules = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    assert all(m.matmul is not reference_linear and m.packed.int8_inputs is not None for m in modules)
+    assert model.backend.quantized_matmul is not reference_linear
+    assert all(m.backend is model.backend and m.packed.int8_inputs is not None for m in modules)
     int8_products = load_cpu_kernels()._module.cpu_has_int8_dot_products()
     assert all(load_cpu_kernels().quantized.supports(m.packed) == int8_products for m in modules)
     assert (model.model.decode_stack is not None) == int8_products  # the stack quantizes x in the kernel

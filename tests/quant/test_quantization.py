@@ -17,6 +17,7 @@ from mili_openai.kernels.fp8 import (
     uses_weight_only,
 )
 from mili_openai.kernels.quantized import PackedWeights, dequantize, pack_int4, reference_linear, unpack_int4
+from mili_openai.model.kernel_backend import KernelBackend
 from mili_openai.model.quantization.dynamic import FP8_MAX, quantize_fp8, quantize_int4, quantize_int8
 from mili_openai.model.quantization.modules import Fp8Linear, QuantizedLinear
 from mili_openai.model.quantization.spec import (
@@ -84,7 +85,7 @@ def test_fp8_linear_takes_the_weight_only_path_for_decode_batches():
     """Up to WEIGHT_ONLY_MAX_ROWS rows (and for float32 x, or block scales, at any size): the matmul on the
     dequantized weights, x unquantized; the reference the Triton weight-only kernel is held to."""
     w = weights()
-    layer = Fp8Linear(per_row_weights(*quantize_fp8(w)))
+    layer = Fp8Linear(per_row_weights(*quantize_fp8(w)), KernelBackend())
     dequantized = dequantize_fp8(layer.fp8)
     for x in (torch.randn(5, 256), torch.randn(WEIGHT_ONLY_MAX_ROWS + 3, 256)):  # float32: always weight-only
         torch.testing.assert_close(layer(x), x @ dequantized.T)
@@ -96,7 +97,7 @@ def test_fp8_linear_quantizes_activations_per_token_for_prefill_chunks():
     """Past WEIGHT_ONLY_MAX_ROWS rows of bf16 x with row scales: x quantized per row to e4m3, times the e4m3
     weights, both scales in float32 (the emulation of torch._scaled_mm, which the CUDA test holds it to)."""
     w, x = weights(), torch.randn(WEIGHT_ONLY_MAX_ROWS + 1, 256).bfloat16()
-    layer = Fp8Linear(per_row_weights(*quantize_fp8(w)))
+    layer = Fp8Linear(per_row_weights(*quantize_fp8(w)), KernelBackend())
     q, x_scale = quantize_rows_fp8(x)
     assert float((q.float() * x_scale).abs().max()) <= float(x.float().abs().max()) * (1 + FP8_RELATIVE_STEP)
     want = ((q.float() * x_scale) @ dequantize_fp8(layer.fp8).T).bfloat16()
@@ -126,12 +127,12 @@ def test_fp8_block_scales_dequantize_per_block():
 def test_quantized_linear_reference_is_the_dequantized_matmul():
     w, x = weights(), torch.randn(2, 3, 256)
     for packed in (quantize_int8(w), quantize_int4(w, 128)):
-        layer = QuantizedLinear(packed)
+        layer = QuantizedLinear(packed, KernelBackend())
         assert layer(x).shape == (2, 3, 48)
         torch.testing.assert_close(layer(x), x @ dequantize(packed, torch.float32).T)
         assert torch.equal(layer(x.bfloat16()), reference_linear(x.bfloat16(), packed))
     with pytest.raises(ValueError, match="8- or 4-bit"):
-        QuantizedLinear(PackedWeights(16, w))
+        QuantizedLinear(PackedWeights(16, w), KernelBackend())
 
 
 @pytest.mark.parametrize("raw,want", [

@@ -112,7 +112,7 @@ def test_fp8_engine_in_float32_matches_transformers_on_the_dequantized_weights(t
     model, _ = load_model(dense, torch.float32, CUDA, quantization="fp8")
     layers = [module for module in model.modules() if isinstance(module, Fp8Linear)]
     assert len(layers) == 4 * model.config.num_hidden_layers
-    assert all(layer.matmul is triton_fp8_linear for layer in layers)
+    assert all(layer.backend is model.backend for layer in layers) and model.backend.fp8_matmul is triton_fp8_linear
     hf = load_hf(write_dequantized(model, dense, tmp_path / "dequantized"))
     prompts = random_prompts(3, [5, 40, 200], seed=14)
     expected = [hf_greedy(hf, prompt, 8) for prompt in prompts]

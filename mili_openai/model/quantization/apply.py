@@ -22,6 +22,7 @@ from torch import nn
 from mili_openai.kernels.fp8 import Fp8Weights, dequantize_fp8, per_row_weights
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.hybrid_config import LINEAR_ATTENTION
+from mili_openai.model.kernel_backend import KernelBackend
 from mili_openai.model.layers import Linear
 from mili_openai.model.qwen3 import Qwen3ForCausalLM
 from mili_openai.model.qwen3_5 import Qwen3_5ForCausalLM
@@ -69,13 +70,13 @@ def quantize_model(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, method: str, gr
     for name in projections:
         parent, attribute = _parent(model, f"{LAYER_PREFIX}.{name}")
         dense = getattr(parent, attribute).weight.detach()
-        setattr(parent, attribute, _quantized(dense, method, group_size))
+        setattr(parent, attribute, _quantized(dense, method, group_size, model.backend))
     if method == "fp8":
         return ("fp8 (e4m3 weights with a scale per row: weight-only for decode batches, activations per token for "
                 "prefill; LM head unquantized)")
     tied = model.lm_head is None
     head = model.model.embed_tokens.weight if tied else model.lm_head.weight
-    model.lm_head = _quantized(head.detach(), lm_head, group_size)
+    model.lm_head = _quantized(head.detach(), lm_head, group_size, model.backend)
     if tied:
         model.model.embed_tokens = QuantizedEmbedding(model.lm_head, model.dtype)
     int4 = f"int4 (groups of {group_size}, zero points)"
@@ -84,12 +85,12 @@ def quantize_model(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, method: str, gr
         " (the embedding reads its rows)" if tied else "")
 
 
-def _quantized(dense: torch.Tensor, method: str, group_size: int) -> nn.Module:
+def _quantized(dense: torch.Tensor, method: str, group_size: int, backend: KernelBackend) -> nn.Module:
     if method == "int8":
-        return QuantizedLinear(quantize_int8(dense))
+        return QuantizedLinear(quantize_int8(dense), backend)
     if method == "int4":
-        return QuantizedLinear(quantize_int4(dense, group_size))
-    return Fp8Linear(per_row_weights(*quantize_fp8(dense)))
+        return QuantizedLinear(quantize_int4(dense, group_size), backend)
+    return Fp8Linear(per_row_weights(*quantize_fp8(dense)), backend)
 
 
 def load_checkpoint_quantization(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, tensors: dict[str, torch.Tensor],
@@ -115,7 +116,7 @@ def load_checkpoint_quantization(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, t
         if fp8:
             read_float = read_fp8 if scheme is None else read_compressed_fp8
             parts = [read_float(tensors, p, quant) for p in prefixes]
-            module = _fp8_module(parts, device)
+            module = _fp8_module(parts, device, model.backend)
             if module is None:  # dense: dequantized here, fused by the dense load
                 for prefix, part in zip(prefixes, parts):
                     tensors[f"{prefix}.weight"] = dequantize_fp8(part).to(dtype)
@@ -126,7 +127,7 @@ def load_checkpoint_quantization(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, t
             rows = [read_int(tensors, p, quant) for p in prefixes]
             rounded += float16_rounded(rows) if quant.bits == 4 else 0
             activations = _input_activations(scheme, tensors, prefixes)
-            module = QuantizedLinear(pack_rows(rows, quant.bits, name), activations)
+            module = QuantizedLinear(pack_rows(rows, quant.bits, name), model.backend, activations)
         parent, attribute = _parent(model, name)
         setattr(parent, attribute, module.to(device))
     description = quant.describe()
@@ -162,12 +163,12 @@ def _input_activations(scheme: CompressedTensorsScheme | None, tensors: dict[str
     return Int8Activations(torch.stack([read_input_scale(tensors, prefix) for prefix in prefixes]).amax())
 
 
-def _fp8_module(parts: list[Fp8Weights], device: torch.device) -> nn.Module | None:
+def _fp8_module(parts: list[Fp8Weights], device: torch.device, backend: KernelBackend) -> nn.Module | None:
     """The fused fp8 projection on CUDA, or None (dense) on CPU or where a part's rows end inside a block."""
     if device.type != "cuda" or any(part.weight.shape[0] % part.block[0] for part in parts[:-1]):
         return None
     return Fp8Linear(Fp8Weights(torch.cat([p.weight for p in parts]), torch.cat([p.scales for p in parts]),
-                                parts[0].block))
+                                parts[0].block), backend)
 
 
 def _projections(config: ModelConfig) -> list[tuple[str, list[str]]]:

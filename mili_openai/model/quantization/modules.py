@@ -4,18 +4,13 @@ model's)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
-from mili_openai.kernels.fp8 import Fp8Weights, torch_fp8_linear
-from mili_openai.kernels.quantized import PackedWeights, dequantize, reference_linear
+from mili_openai.kernels.fp8 import Fp8Weights
+from mili_openai.kernels.quantized import PackedWeights, dequantize
+from mili_openai.model.kernel_backend import KernelBackend, require_backend
 from mili_openai.model.quantization.activations import Int8Activations
-
-# (x (..., K), packed weight) -> (..., N): the CPU kernels, Triton on CUDA, or the torch reference
-QuantizedMatmulFn = Callable[[torch.Tensor, PackedWeights], torch.Tensor]
-Fp8MatmulFn = Callable[[torch.Tensor, Fp8Weights], torch.Tensor]  # the same, for fp8 weights
 
 
 def frozen(tensor: torch.Tensor) -> nn.Parameter:
@@ -24,10 +19,11 @@ def frozen(tensor: torch.Tensor) -> nn.Parameter:
 
 class QuantizedLinear(nn.Module):
     """y = x @ W.T with W int8 or int4 (the layouts of mili_openai.kernels.quantized), dequantized by `matmul`
-    on the fly; `Qwen3ForCausalLM.set_quantized_matmul` routes every one through a kernel. With `activations`
+    on the fly by the backend's `quantized_matmul` (a kernel, or the torch reference). With `activations`
     (W8A8) the packed weights say so (`int8_inputs`) and the matmul quantizes x to int8 first."""
 
-    def __init__(self, packed: PackedWeights, activations: Int8Activations | None = None) -> None:
+    def __init__(self, packed: PackedWeights, backend: KernelBackend,
+                 activations: Int8Activations | None = None) -> None:
         super().__init__()
         if packed.bits not in (8, 4):
             raise ValueError(f"a quantized linear holds 8- or 4-bit weights, got {packed.bits}")
@@ -38,7 +34,7 @@ class QuantizedLinear(nn.Module):
         if activations is not None and packed.bits != 8:
             raise ValueError(f"int8 activations multiply 8-bit weights, got {packed.bits}-bit")
         self.activations = activations
-        self.matmul: QuantizedMatmulFn = reference_linear
+        self.backend = require_backend(backend)
 
     @property
     def packed(self) -> PackedWeights:
@@ -46,7 +42,7 @@ class QuantizedLinear(nn.Module):
         return PackedWeights(self.bits, self.qweight, self.scales, self.zeros, inputs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.packed)
+        return self.backend.quantized_matmul(x, self.packed)
 
     def extra_repr(self) -> str:
         packed = self.packed
@@ -84,22 +80,22 @@ class Fp8Linear(nn.Module):
     """fp8 e4m3 weights (the layout of mili_openai.kernels.fp8): `--quantization fp8` (a scale per output row)
     or a fine-grained FP8 checkpoint's projection on CUDA (128x128 blocks), kept in fp8, half the bytes of bf16.
     `matmul` runs them: weight-only for decode batches, W8A8 through torch._scaled_mm for prefill chunks
-    (`uses_weight_only`); `Qwen3ForCausalLM.set_fp8_matmul` routes every one through the Triton kernels. The
-    default is the torch form of each path (the whole weight dequantized for the weight-only one)."""
+    (`uses_weight_only`): the backend's `fp8_matmul`, the Triton kernels on CUDA where they build, else the
+    torch form of each path (the whole weight dequantized for the weight-only one)."""
 
-    def __init__(self, weights: Fp8Weights) -> None:
+    def __init__(self, weights: Fp8Weights, backend: KernelBackend) -> None:
         super().__init__()
         self.weight = frozen(weights.weight)  # (N, K) float8_e4m3fn
         self.weight_scales = frozen(weights.scales)  # (ceil(N / rows), ceil(K / columns)) float32
         self.block = weights.block
-        self.matmul: Fp8MatmulFn = torch_fp8_linear
+        self.backend = require_backend(backend)
 
     @property
     def fp8(self) -> Fp8Weights:
         return Fp8Weights(self.weight, self.weight_scales, self.block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.fp8)
+        return self.backend.fp8_matmul(x, self.fp8)
 
     def extra_repr(self) -> str:
         scales = "a scale per row" if self.fp8.per_row else f"{self.block[0]}x{self.block[1]} blocks"
