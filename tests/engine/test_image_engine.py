@@ -1,6 +1,7 @@
 """Images through the engine (`LLM.generate` with vLLM's `multi_modal_data`) on random vision-language checkpoints of
-both lines, Qwen3.5 (hybrid decoder) and Qwen3-VL (Qwen3 decoder with DeepStack), against transformers'
-`Qwen3_5ForConditionalGeneration` / `Qwen3VLForConditionalGeneration.generate` in fp32 on the same pixel values:
+both lines, Qwen3.5 (hybrid decoder) and Qwen3-VL (Qwen3 decoder with DeepStack; and Qwen3-VL-MoE), against
+transformers' `Qwen3_5ForConditionalGeneration` / `Qwen3VLForConditionalGeneration` /
+`Qwen3VLMoeForConditionalGeneration.generate` in fp32 on the same pixel values:
 greedy tokens identical with images of several sizes and aspect ratios, two images in one message, an image in a
 later turn, through whole and odd-sized chunked prefills (a chunk may start or end inside an image, so DeepStack's
 features are added across a chunk boundary), beside a
@@ -22,27 +23,39 @@ OTHER_QUESTIONS = ("Describe it.", "Any colours?")  # asked of PROMPTS[0]'s imag
 MODEL_LINES = {
     "qwen3_5": ("vision_checkpoint", "qwen35_tokenizer", "Qwen3_5ForConditionalGeneration"),
     "qwen3_vl": ("qwen3_vl_checkpoint", "qwen_tokenizer", "Qwen3VLForConditionalGeneration"),
+    "qwen3_vl_moe": ("qwen3_vl_moe_checkpoint", "qwen_tokenizer", "Qwen3VLMoeForConditionalGeneration"),
 }
+# the prefix-cache cases run on a hybrid decoder (state snapshots) and a dense one with DeepStack; the MoE line
+# differs from Qwen3-VL only in its MLPs
+PREFIX_LINES = ("qwen3_5", "qwen3_vl")
 
 
-@pytest.fixture(scope="module", params=list(MODEL_LINES))
+@pytest.fixture(scope="module")
 def vision_model(request):
-    """(checkpoint, (images, each prompt's expanded ids and transformers' greedy tokens, the text-only prompt's)),
-    the oracle computed once per model line."""
+    """A model line -> (checkpoint, (images, each prompt's expanded ids and transformers' greedy tokens, the
+    text-only prompt's)), each line's oracle computed once, when first asked for."""
     import transformers
 
-    checkpoint_name, tokenizer_name, class_name = MODEL_LINES[request.param]
-    checkpoint = request.getfixturevalue(checkpoint_name)
-    oracle = transformers_greedy(getattr(transformers, class_name), checkpoint, request.getfixturevalue(tokenizer_name))
-    return checkpoint, oracle
+    computed = {}
+
+    def oracle(line: str):
+        if line not in computed:
+            checkpoint_name, tokenizer_name, class_name = MODEL_LINES[line]
+            checkpoint = request.getfixturevalue(checkpoint_name)
+            computed[line] = checkpoint, transformers_greedy(getattr(transformers, class_name), checkpoint,
+                                                             request.getfixturevalue(tokenizer_name))
+        return computed[line]
+
+    return oracle
 
 
 @pytest.mark.parametrize("engine_args", [
     dict(page_size=16, max_num_batched_tokens=2048),  # every prompt whole, in one batch
     dict(page_size=4, max_num_batched_tokens=37),  # odd chunks: images split across steps, beside decodes
 ], ids=["whole", "chunked"])
-def test_greedy_matches_transformers(vision_model, engine_args):
-    checkpoint, (images, expected, (text_ids, text_tokens)) = vision_model
+@pytest.mark.parametrize("line", list(MODEL_LINES))
+def test_greedy_matches_transformers(vision_model, line, engine_args):
+    checkpoint, (images, expected, (text_ids, text_tokens)) = vision_model(line)
     llm = LLM(str(checkpoint), dtype="float32", num_pages=256, **engine_args)
     outputs = llm.generate([*image_requests(images), TEXT_ONLY], greedy())
     for output, (ids, tokens) in zip(outputs, expected):
@@ -52,11 +65,12 @@ def test_greedy_matches_transformers(vision_model, engine_args):
     llm.core.check_integrity()
 
 
-def test_repeated_image_is_encoded_once_and_a_prefix_hit(vision_model):
+@pytest.mark.parametrize("line", PREFIX_LINES)
+def test_repeated_image_is_encoded_once_and_a_prefix_hit(vision_model, line):
     """The same image and text again: its K/V pages (and on the hybrid Qwen3.5 its state snapshot) are reused past
     the image, and the tokens are the cold run's; the same text with another image reuses nothing past the image's
     first placeholder (the ids are the same, the image's key is not)."""
-    checkpoint, (images, expected, _) = vision_model
+    checkpoint, (images, expected, _) = vision_model(line)
     llm = LLM(str(checkpoint), dtype="float32", num_pages=256, page_size=4)
     cache = llm.core.runner.model.image_cache
     ids, tokens = expected[0]
@@ -76,12 +90,13 @@ def test_repeated_image_is_encoded_once_and_a_prefix_hit(vision_model):
     llm.core.check_integrity()
 
 
-def test_prefix_hit_ending_inside_an_image(vision_model):
+@pytest.mark.parametrize("line", PREFIX_LINES)
+def test_prefix_hit_ending_inside_an_image(vision_model, line):
     """Prompts that share PROMPTS[0]'s image and part ways right after it: the page boundary they share falls
     inside the image, so the last one resumes there (from K/V pages on Qwen3-VL, where DeepStack's additions then
     start mid-image; from the state snapshot the second one saved at the branch on the hybrid Qwen3.5), encodes
     the image again (its embeddings dropped from the encoder cache), and gives the cold run's tokens."""
-    checkpoint, (images, expected, _) = vision_model
+    checkpoint, (images, expected, _) = vision_model(line)
     llm = LLM(str(checkpoint), dtype="float32", num_pages=256, page_size=4, max_num_seqs=1)
     ids, tokens = expected[0]
     image_start = ids.index(llm.core.info.vision.image_token_id)
@@ -99,8 +114,9 @@ def test_prefix_hit_ending_inside_an_image(vision_model):
     llm.core.check_integrity()
 
 
-def test_image_count_mismatch_is_refused(vision_model):
-    checkpoint, (images, _, _) = vision_model
+@pytest.mark.parametrize("line", PREFIX_LINES)
+def test_image_count_mismatch_is_refused(vision_model, line):
+    checkpoint, (images, _, _) = vision_model(line)
     llm = LLM(str(checkpoint), dtype="float32", num_pages=64)
     with pytest.raises(ValueError, match="image placeholders"):
         llm.generate([{"prompt": PROMPTS[0][0], "multi_modal_data": {"image": images[:2]}}], greedy())
