@@ -2,7 +2,7 @@
 `Qwen3VLMoeForConditionalGeneration`), written by transformers' own class (`save_pretrained`), so they carry exactly
 the config keys and weight names real ones do: the Qwen3 (Qwen3-MoE) language model under `model.language_model.`,
 the vision tower with its DeepStack mergers under `model.visual.`, the real Qwen3 tokenizer files (their vocabulary
-holds Qwen3-VL's placeholder tokens) and a preprocessor_config.json. A MoE checkpoint's stacked experts are then
+holds Qwen3-VL's placeholder tokens) with a chat template of Qwen3-VL's shape, and a preprocessor_config.json. A MoE checkpoint's stacked experts are then
 stored as published checkpoints store them, transposed from transformers' modules: gate_up (E, H, 2I), down (E, I, H).
 
 Weights are drawn as model/checkpoint.py draws Qwen3's: norm weights around 1, matrices with std 1/sqrt(fan_in).
@@ -11,6 +11,7 @@ Weights are drawn as model/checkpoint.py draws Qwen3's: norm weights around 1, m
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,10 @@ from mili_openai.model.checkpoint import (
 from mili_openai.model.hybrid_checkpoint import QWEN3_5_PREPROCESSOR_CONFIG, TINY_VISION_CONFIG
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
+# Qwen3-VL-Instruct's template shape (Qwen3's text one cannot place images): transformers' tokenizer reads
+# chat_template.jinja over tokenizer_config.json's template
+CHAT_TEMPLATE_SOURCE = Path(__file__).with_name("qwen3_vl_chat_template.jinja")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 WEIGHTS_FILE = "model.safetensors"  # a tiny checkpoint fits one shard
 STACKED_EXPERT_SUFFIXES = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 
@@ -50,6 +55,7 @@ def build_random_qwen3_vl_checkpoint(path: str | Path, text_fields: dict[str, An
     if moe:
         _store_experts_published(directory / WEIGHTS_FILE)
     _write_generation_config_and_tokenizer(directory)
+    shutil.copyfile(CHAT_TEMPLATE_SOURCE, directory / CHAT_TEMPLATE_FILE)
     (directory / PREPROCESSOR_FILE).write_text(json.dumps(QWEN3_5_PREPROCESSOR_CONFIG, indent=2))
     return directory
 
