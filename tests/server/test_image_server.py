@@ -177,3 +177,22 @@ async def test_qwen3_vl_chat_route_matches_transformers(qwen3_vl_checkpoint, qwe
     body = response.json()
     assert body["usage"]["prompt_tokens"] == len(ids)
     assert body["choices"][0]["message"]["content"] == qwen_tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+@pytest.mark.anyio
+async def test_low_detail_images_are_resized_within_a_smaller_budget(vision_checkpoint):
+    """`detail: "low"` resizes an image past LOW_DETAIL_PIXELS down to it (fewer tokens); a smaller image is
+    unchanged (the same embeddings, so the same digest); "high" keeps the checkpoint's bounds."""
+    from mili_openai.engine.image_processor import LOW_DETAIL_PIXELS
+    from mili_openai.protocol.chat import ImageURL
+    from mili_openai.protocol.image_loading import load_images
+
+    preprocess = ImagePreprocessor(read_vision_spec(vision_checkpoint,
+                                                    json.loads((vision_checkpoint / "config.json").read_text())))
+    big, small = data_url(drawn_image(1200, 900, 5)), data_url(drawn_image(300, 120, 1))
+    refs = [(ImageURL(url=url, detail=detail), "messages[0].content") for url in (big, small) for detail in ("high", "low")]
+    high_big, low_big, high_small, low_small = await load_images(refs, MediaConfig(), preprocess)
+    _, rows, columns = low_big.grid_thw
+    assert rows * columns * preprocess.spec.preprocessor["patch_size"] ** 2 <= LOW_DETAIL_PIXELS
+    assert low_big.num_tokens < high_big.num_tokens
+    assert low_small.digest == high_small.digest and low_big.digest != high_big.digest
