@@ -120,3 +120,24 @@ def test_image_count_mismatch_is_refused(vision_model, line):
     llm = LLM(str(checkpoint), dtype="float32", num_pages=64)
     with pytest.raises(ValueError, match="image placeholders"):
         llm.generate([{"prompt": PROMPTS[0][0], "multi_modal_data": {"image": images[:2]}}], greedy())
+
+
+def test_llm_chat_places_images_where_their_parts_sit(vision_model):
+    """`LLM.chat` (vLLM's offline chat) on Qwen3-VL: an image given as a PIL image (`image_pil`) or a data URL
+    (`image_url`) renders through the checkpoint's template to PROMPTS[0] and gives transformers' greedy tokens."""
+    import base64
+
+    from vision_helpers import image_bytes
+
+    checkpoint, (images, expected, _) = vision_model("qwen3_vl")
+    ids, tokens = expected[0]
+    url = "data:image/png;base64," + base64.b64encode(image_bytes(images[0])).decode()
+    conversations = [[{"role": "user", "content": [part, {"type": "text", "text": "What is this?"}]}]
+                     for part in ({"type": "image_pil", "image_pil": images[0]},
+                                  {"type": "image_url", "image_url": {"url": url}})]
+    llm = LLM(str(checkpoint), dtype="float32", num_pages=64)
+    outputs = llm.chat(conversations, greedy())
+    assert [output.prompt_token_ids for output in outputs] == [ids, ids]
+    assert [output.outputs[0].token_ids for output in outputs] == [tokens, tokens]
+    with pytest.raises(ValueError, match="data URLs"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x.test/a.png"}}]}])
