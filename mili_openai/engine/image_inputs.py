@@ -8,6 +8,11 @@ three streams (temporal, height, width), computed as transformers' `Qwen3_5Model
 tokens count up on all three streams; an image's tokens take (start + frame, start + row, start + column) over
 its merged grid; the text after it continues from start + max(rows, columns). Tokens after the prompt (the
 output) sit at their index plus `delta`, the same on every stream.
+
+The prefix cache keys a prompt by its token ids, and an image's placeholder ids are the same whatever the image:
+`RequestImages.key` writes over each image's placeholders one negative id derived from the image's digest (and the
+LoRA adapter), so prompts with the same image share pages and state snapshots, and prompts with different images
+part where the first image differs (SGLang pads its radix keys the same way; vLLM puts the hash in its block hash).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import numpy as np
 
 MROPE_STREAMS = 3  # temporal, height, width
 TEXT_ONLY_MODEL = "images are not supported by this model: it takes text only (it has no vision tower)"
+# an image's key id packs its digest above the adapter id (below 2**32, as LORA_KEY_STRIDE assumes of token ids)
+IMAGE_KEY_ADAPTER_BITS = 32
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -52,6 +59,19 @@ class RequestImages:
         inside = self.positions[:, start : min(start + count, prompt_len)]
         after = np.arange(max(start, prompt_len), start + count, dtype=np.int64) + self.delta
         return np.concatenate((inside, np.broadcast_to(after, (MROPE_STREAMS, after.shape[0]))), axis=1)
+
+    def key(self, key: list[int], lora_id: int) -> list[int]:
+        """`key` (the cache key of the prompt's first len(key) tokens) with each image's placeholders replaced, in
+        place, by the image's key id: negative, so never a text token's (even shifted by an adapter), and one per
+        (digest, adapter) pair. Equal digests mean equal embeddings and positions, so equal K/V after them."""
+        for image, first in zip(self.images, self.starts):
+            end = min(first + image.num_tokens, len(key))
+            if first >= end:
+                break
+            digest = int.from_bytes(image.digest.encode(), "big")
+            image_id = -1 - ((digest << IMAGE_KEY_ADAPTER_BITS) | lora_id)
+            key[first:end] = [image_id] * (end - first)
+        return key
 
     def pieces_in(self, start: int, end: int) -> list[tuple[int, ImageFeatures, int, int]]:
         """The image tokens among prompt tokens [start, end): (first prompt index, image, first image token,

@@ -1,8 +1,8 @@
 """Images -> model inputs, as the checkpoint's processor makes them: transformers' own Qwen2-VL image processor (its
 Pillow backend) configured from the checkpoint's preprocessor_config.json (smart resize between the min and max
-pixel counts to a multiple of patch_size x merge_size, rescale, normalise, patches in merge-block order), and
-the prompt's placeholders expanded as transformers' Qwen3-VL processor expands them: each `<|image_pad|>` the
-chat template writes becomes as many as the image has merged patches."""
+pixel counts to a multiple of patch_size x merge_size, rescale, normalise, patches in merge-block order; a smaller
+budget for OpenAI's `detail: "low"`), and the prompt's placeholders expanded as transformers' Qwen3-VL processor
+expands them: each `<|image_pad|>` the chat template writes becomes as many as the image has merged patches."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ if TYPE_CHECKING:
 PROCESSOR_KEYS = ("size", "min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size",
                   "image_mean", "image_std", "do_resize", "do_rescale", "rescale_factor", "do_normalize",
                   "do_convert_rgb", "resample")
+LOW_DETAIL = "low"
+# a `detail: "low"` image's pixel budget: OpenAI's low-detail image is 512 x 512
+LOW_DETAIL_PIXELS = 512 * 512
 
 
 class ImagePreprocessor:
@@ -34,10 +37,15 @@ class ImagePreprocessor:
         settings = {key: value for key, value in spec.preprocessor.items() if key in PROCESSOR_KEYS}
         self.processor = Qwen2VLImageProcessorPil(**settings)
         self._settings_digest = repr(sorted(settings.items())).encode()
+        bounds = self.processor.size  # the pixel count bounds smart resize keeps an image within
+        self.low_detail_size = {"shortest_edge": min(bounds["shortest_edge"], LOW_DETAIL_PIXELS),
+                                "longest_edge": min(bounds["longest_edge"], LOW_DETAIL_PIXELS)}
 
-    def __call__(self, image: Image) -> ImageFeatures:
-        """ValueError for an image the processor refuses (e.g. an aspect ratio past 200:1)."""
-        out = self.processor(images=[image], return_tensors="np")
+    def __call__(self, image: Image, detail: str | None = None) -> ImageFeatures:
+        """ValueError for an image the processor refuses (e.g. an aspect ratio past 200:1). `detail` "low" (OpenAI's
+        image parts): resized to at most LOW_DETAIL_PIXELS; else within the checkpoint's bounds."""
+        low = detail == LOW_DETAIL
+        out = self.processor(images=[image], return_tensors="np", **({"size": self.low_detail_size} if low else {}))
         pixel_values = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
         grid = tuple(int(x) for x in out["image_grid_thw"][0])
         digest = hashlib.sha256(self._settings_digest)

@@ -1,7 +1,8 @@
 """Page bookkeeping for sequences: prefix matching, allocation, caching into the radix tree, release.
 
 Owns the page pool and the radix tree (plain Python, no torch). Every page is free, owned by exactly
-one sequence (`Sequence.owned_pages`), or held by the tree; `check_integrity` verifies it. For a model with
+one sequence (`Sequence.owned_pages`), or held by the tree; `check_integrity` verifies it. The tree's keys are
+`Sequence.cache_key`s: token ids, shifted per LoRA adapter, an image's placeholders replaced by its digest. For a model with
 linear-attention layers the tree also holds state snapshots (`snapshots`, engine/state_snapshots.py), and a
 sequence matches only a prefix that ends at one: never K/V alone.
 """
@@ -48,10 +49,8 @@ class KVPageManager:
 
         At least one token is left uncached, since the last one must run through the model for logits.
         """
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None or seq.images is not None:
-            # scoring the prompt needs every prompt position's logits, cached ones included; an image's
-            # placeholder tokens are the same ids whatever the image, so a match could be another image's K/V
-            return 0
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return 0  # scoring the prompt needs every prompt position's logits, cached ones included
         key = seq.cache_key(seq.num_tokens - 1)
         if self.snapshots is not None:  # a hybrid model resumes only where a state snapshot was saved
             match = self.tree.match_snapshot(key)
@@ -102,8 +101,8 @@ class KVPageManager:
         Where the tree already held the same prefix (a sibling computed it in the same step), seq's own
         copy is freed and its page table switched to the tree's pages, which hold identical K/V.
         """
-        if not self.enable_prefix_caching or seq.images is not None:
-            return  # its image tokens' ids do not say which image: never share them (see `match`)
+        if not self.enable_prefix_caching:
+            return
         self._insert_computed_pages(seq)
         if self.snapshots is not None:
             self.snapshots.attach(seq)

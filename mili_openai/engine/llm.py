@@ -1,4 +1,5 @@
-"""The offline batch API, shaped like vLLM's: `LLM(model=...).generate(prompts, sampling_params)`, and for a
+"""The offline batch API, shaped like vLLM's: `LLM(model=...).generate(prompts, sampling_params)`,
+`.chat(messages, sampling_params)` (images as image parts: engine/offline_chat.py), and for a
 pooling model `LLM(model=..., runner="pooling").embed(prompts)`, `.score(text_1, text_2)` and `.classify(prompts)`.
 
 A prompt with images is vLLM's dict: `{"prompt": text, "multi_modal_data": {"image": image or [images]}}` (or
@@ -14,6 +15,7 @@ from mili_openai.engine.contract import check_pooling_request, check_request
 from mili_openai.engine.core import EngineCore
 from mili_openai.engine.image_inputs import TEXT_ONLY_MODEL, ImageFeatures
 from mili_openai.engine.image_processor import ImagePreprocessor, as_rgb_image, expand_image_placeholders
+from mili_openai.engine.offline_chat import chat_prompt
 from mili_openai.engine.outputs import (
     ClassificationOutput,
     EmbeddingOutput,
@@ -95,6 +97,22 @@ class LLM:
             for request_id in results:
                 self.core.abort(request_id)  # a no-op for finished requests; frees the rest after an error
         return list(results.values())
+
+    def chat(
+        self,
+        messages: list[dict] | SequenceABC[list[dict]],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        lora_request: str | SequenceABC[str | None] | None = None,
+        chat_template_kwargs: dict | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """vLLM's: one conversation (OpenAI-format message dicts) or a list of them, each rendered with the model's
+        chat template, its image parts placed where they sit (engine/offline_chat.py), then generated as `generate`
+        does. One RequestOutput per conversation."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [chat_prompt(self.tokenizer, conversation, chat_template_kwargs or {}, add_generation_prompt)
+                   for conversation in conversations]
+        return self.generate(prompts, sampling_params, lora_request)
 
     def embed(self, prompts: PromptInput | SequenceABC[PromptInput], truncate_prompt_tokens: int | None = None,
               dimensions: int | None = None, normalize: bool | None = None) -> list[PoolingRequestOutput]:

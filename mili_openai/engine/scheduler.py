@@ -243,7 +243,8 @@ class Scheduler:
                 self.pages.release(seq)
                 deferred.append(seq)
                 continue
-            num_new = encoder.limit(seq, self.pages.prefill_chunk(seq, min(seq.num_uncomputed_tokens, budget)))
+            num_new = encoder.limit(seq, self.pages.prefill_chunk(seq, min(seq.num_uncomputed_tokens, budget)),
+                                    admitted=True)
             no_slot = self.state_slots is not None and self.state_slots.num_free == 0
             if num_new == 0 or no_slot or not self.pages.allocate(seq, self.pages.pages_needed(seq, num_new)):
                 self.pages.release(seq)
@@ -276,8 +277,8 @@ class Scheduler:
         """Whether seq should wait a step for a prefix that a sequence being prefilled computes, and the budget
         tokens given back: a hybrid model's chunk that runs past the branch point stops there, to save its
         state where seq can resume (engine/state_snapshots.py)."""
-        if not self.pages.enable_prefix_caching or seq.images is not None:
-            return False, 0  # a sequence with images never reuses cached pages (engine/kv_pages.py)
+        if not self.pages.enable_prefix_caching:
+            return False, 0
         for index, (other, _) in enumerate(prefills):
             shared = self._shared_pages(seq, other)
             if shared <= matched:
@@ -295,8 +296,6 @@ class Scheduler:
             return
         page_size = self.pages.page_size
         for seq in itertools.islice(self.waiting, self.config.max_num_seqs):
-            if seq.images is not None:
-                continue
             for index, (other, _) in enumerate(prefills):
                 # most unrelated prompts differ in their first page: compare that before the whole prefix
                 if seq.token_ids[:page_size] != other.token_ids[:page_size]:
@@ -307,12 +306,16 @@ class Scheduler:
 
     def _shared_pages(self, seq: Sequence, other: Sequence) -> int:
         """The prefix of seq's prompt (whole pages, its last token excluded) that other's tokens hold, under the
-        same adapter (other's pages hold its adapter's K/V)."""
+        same adapter (other's pages hold its adapter's K/V) and with the same images (compared by their keys)."""
         if other.lora_id != seq.lora_id:
             return 0
         page_size = self.pages.page_size
         limit = min(seq.num_tokens - 1, other.num_tokens)
-        return common_prefix_length(seq.token_ids[:limit], other.token_ids[:limit]) // page_size * page_size
+        if seq.images is None and other.images is None:
+            mine, theirs = seq.token_ids[:limit], other.token_ids[:limit]
+        else:
+            mine, theirs = seq.cache_key(limit), other.cache_key(limit)
+        return common_prefix_length(mine, theirs) // page_size * page_size
 
     def _stop_chunk_at(self, prefills: list[tuple[Sequence, int]], index: int, position: int) -> tuple[bool, int]:
         """Have prefills[index]'s sequence leave its first `position` tokens where another can resume from them

@@ -133,12 +133,12 @@ class Sequence:
 
     def cache_key(self, num_tokens: int) -> list[int]:
         """The radix tree's key for the first num_tokens tokens (K/V pages and state snapshots alike): what was
-        computed under them depends on the LoRA adapter too."""
+        computed under them depends on the LoRA adapter and on the prompt's images too (RequestImages.key)."""
         tokens = self.token_ids[:num_tokens]
-        if not self.lora_id:
-            return tokens
-        offset = self.lora_id * LORA_KEY_STRIDE
-        return [token + offset for token in tokens]
+        if self.lora_id:
+            offset = self.lora_id * LORA_KEY_STRIDE
+            tokens = [token + offset for token in tokens]
+        return tokens if self.images is None else self.images.key(tokens, self.lora_id)
 
     def settle_drafts(self, num_drafts: int, num_accepted: int) -> None:
         """A decode verified num_drafts draft tokens (counted computed when it was scheduled) and kept the

@@ -27,8 +27,7 @@ from mili_openai.model.hybrid_config import (
     text_dict,
 )
 from mili_openai.model.qwen3_vl_config import (
-    QWEN3_VL_ARCHITECTURE,
-    QWEN3_VL_TYPE,
+    QWEN3_VL_LINES,
     VisionLanguageConfig,
     is_qwen3_vl,
     qwen3_vl_text,
@@ -176,7 +175,7 @@ class ModelConfig:
     @property
     def architecture(self) -> str:
         if self.vision is not None:
-            return QWEN3_VL_ARCHITECTURE
+            return self.vision.architecture
         if self.hybrid is not None:
             return HYBRID_ARCHITECTURES[self.hybrid.model_type][0]
         if self.classifier is not None:
@@ -299,7 +298,7 @@ def _check_architecture(config: dict[str, Any]) -> None:
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"model_type {model_type!r} is not supported; this server runs "
-                         f"{SUPPORTED_MODEL_TYPES + tuple(HYBRID_ARCHITECTURES) + (QWEN3_VL_TYPE,)}")
+                         f"{SUPPORTED_MODEL_TYPES + tuple(HYBRID_ARCHITECTURES) + tuple(QWEN3_VL_LINES)}")
     architectures = config.get("architectures") or [SUPPORTED_ARCHITECTURES[model_type]]
     served = (SUPPORTED_ARCHITECTURES[model_type], *((SEQUENCE_CLASSIFICATION,) if model_type == "qwen3" else ()))
     if not set(served) & set(architectures):

@@ -1,6 +1,7 @@
 """The vision side of a vision-language checkpoint at load: the tower built from its `model.visual.*` weights
 (Qwen3.5 / Qwen3.6 through model/hybrid_loader.py, Qwen3-VL through model/loader.py), and Qwen3-VL's language model
-weights renamed into Qwen3's layout (`model.language_model.` -> `model.`) for the shared name map."""
+weights renamed into Qwen3's layout (`model.language_model.` -> `model.`) for the shared name map, Qwen3-VL-MoE's
+stacked experts in Qwen3-MoE's."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from mili_openai.model.hybrid_weights import LANGUAGE_MODEL_PREFIX, TEXT_MODEL_P
 from mili_openai.model.kernel_backend import KernelBackend
 from mili_openai.model.qwen3_5_vision import Qwen3_5VisionTower
 from mili_openai.model.vision_config import VisionTowerConfig
-from mili_openai.model.weights import CheckpointError
+from mili_openai.model.weights import EXPERT_PREFIX, LAYER_PREFIX, CheckpointError
 
 
 def take_vision_tower(tensors: dict[str, torch.Tensor], tower: VisionTowerConfig, dtype: torch.dtype,
@@ -47,4 +48,20 @@ def take_qwen3_vl_tower(tensors: dict[str, torch.Tensor], config: ModelConfig, d
     visual = take_vision_tower(tensors, config.vision.tower, dtype, device, source, backend)
     for name in [n for n in tensors if n.startswith(LANGUAGE_MODEL_PREFIX)]:
         tensors[TEXT_MODEL_PREFIX + name.removeprefix(LANGUAGE_MODEL_PREFIX)] = tensors.pop(name)
+    if config.moe is not None:
+        _experts_to_model_layout(tensors, config)
     return visual
+
+
+def _experts_to_model_layout(tensors: dict[str, torch.Tensor], config: ModelConfig) -> None:
+    """Qwen3-VL-MoE's stacked experts as Qwen3-MoE's modules hold them, gate_up (E, 2I, H) and down (E, H, I), in
+    place. Published checkpoints store each transposed, (E, H, 2I) and (E, I, H); transformers' save_pretrained
+    writes its own layout: like transformers' loader, a tensor is transposed only when its shape is not the
+    module's already."""
+    hidden, inner = config.hidden_size, config.moe.moe_intermediate_size
+    for layer in range(config.num_hidden_layers):
+        for part, rows, columns in (("gate_up_proj", 2 * inner, hidden), ("down_proj", hidden, inner)):
+            name = f"{LAYER_PREFIX}.{layer}.{EXPERT_PREFIX}.{part}"
+            stacked = tensors.get(name)
+            if stacked is not None and rows != columns and tuple(stacked.shape[1:]) == (columns, rows):
+                tensors[name] = stacked.transpose(1, 2).contiguous()

@@ -41,7 +41,8 @@ class ToolCall(_Lenient):
 
 class ImageURL(_Lenient):
     url: str = Field(min_length=1)
-    detail: Literal["auto", "low", "high"] | None = None  # accepted; the image processor's bounds decide the size
+    # "low": at most LOW_DETAIL_PIXELS (engine/image_processor.py), fewer tokens; else the checkpoint's bounds
+    detail: Literal["auto", "low", "high"] | None = None
 
 
 class ImagePart(_Lenient):
@@ -94,8 +95,8 @@ class ChatMessage(_Lenient):
             return self.content
         return "".join(part.text for part in self.content if isinstance(part, TextPart))
 
-    def image_urls(self) -> list[str]:
-        return [part.image_url.url for part in self.content or () if isinstance(part, ImagePart)]
+    def image_urls(self) -> list[ImageURL]:
+        return [part.image_url for part in self.content or () if isinstance(part, ImagePart)]
 
 
 class FunctionDefinition(_Lenient):

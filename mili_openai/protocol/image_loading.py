@@ -5,7 +5,8 @@
   under a byte limit and a time limit, without following redirects (a redirect could leave the allow-list).
 - The bytes are read with Pillow: PNG, JPEG, WebP, or GIF (its first frame), converted to RGB. The pixel count
   is checked from the header before any pixel is decoded, so a small file claiming a giant image costs nothing.
-- The checkpoint's image processor (engine/image_processor.py) then resizes, normalises and patches it.
+- The checkpoint's image processor (engine/image_processor.py) then resizes (within a smaller pixel budget for
+  `detail: "low"`), normalises and patches it.
 Decoding and preprocessing run on a worker thread: the event loop keeps streaming meanwhile.
 """
 
@@ -21,7 +22,7 @@ from urllib.parse import urlsplit
 from mili_openai.config import MediaConfig
 from mili_openai.engine.image_inputs import TEXT_ONLY_MODEL, ImageFeatures
 from mili_openai.engine.image_processor import ImagePreprocessor
-from mili_openai.protocol.chat import ChatCompletionRequest
+from mili_openai.protocol.chat import ChatCompletionRequest, ImageURL
 from mili_openai.protocol.errors import APIError
 
 if TYPE_CHECKING:
@@ -99,17 +100,18 @@ def decode_image(data: bytes, limits: MediaConfig, param: str) -> Image:
         raise _bad_image(f"the image could not be decoded: {exc}", param) from None
 
 
-def _preprocessed(data: bytes, limits: MediaConfig, preprocess: ImagePreprocessor, param: str) -> ImageFeatures:
+def _preprocessed(data: bytes, limits: MediaConfig, preprocess: ImagePreprocessor, param: str,
+                  detail: str | None) -> ImageFeatures:
     image = decode_image(data, limits, param)
     try:
-        return preprocess(image)
+        return preprocess(image, detail)
     except ValueError as exc:  # e.g. an aspect ratio the processor refuses
         raise _bad_image(f"the image cannot be used: {exc}", param) from None
 
 
-async def load_images(urls: list[tuple[str, str]], limits: MediaConfig,
+async def load_images(urls: list[tuple[ImageURL, str]], limits: MediaConfig,
                       preprocess: ImagePreprocessor | None) -> list[ImageFeatures]:
-    """`urls`: (url, the request field it came from) in prompt order -> each image's features."""
+    """`urls`: (image URL and detail, the request field it came from) in prompt order -> each image's features."""
     if not urls:
         return []
     if preprocess is None:
@@ -118,18 +120,19 @@ async def load_images(urls: list[tuple[str, str]], limits: MediaConfig,
         raise APIError(400, f"the request has {len(urls)} images; at most {limits.max_images_per_request} are "
                             "allowed", param=urls[0][1], code="too_many_images")
     images = []
-    for url, param in urls:
+    for image_url, param in urls:
+        url = image_url.url
         if url.startswith(DATA_URL_PREFIX):
             data = _data_url_bytes(url, limits, param)
         elif url.startswith(("http://", "https://")):
             data = await _fetched_bytes(url, limits, param)
         else:
             raise _bad_image("an image URL must be a data URL or an http(s) URL", param)
-        images.append(await asyncio.to_thread(_preprocessed, data, limits, preprocess, param))
+        images.append(await asyncio.to_thread(_preprocessed, data, limits, preprocess, param, image_url.detail))
     return images
 
 
-def request_image_urls(request: ChatCompletionRequest) -> list[tuple[str, str]]:
-    """Every image part's URL, with the field it sits in, in the order the prompt places them."""
+def request_image_urls(request: ChatCompletionRequest) -> list[tuple[ImageURL, str]]:
+    """Every image part's URL and detail, with the field it sits in, in the order the prompt places them."""
     return [(url, f"messages[{index}].content") for index, message in enumerate(request.messages)
             for url in message.image_urls()]

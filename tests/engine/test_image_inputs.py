@@ -1,8 +1,8 @@
 """Where a request's images sit and how their tokens are positioned: mRoPE positions equal transformers'
 `Qwen3_5Model.get_rope_index` (the oracle) for prompts with several images of different grids; the rotary of three
 position streams equals transformers' `Qwen3_5TextRotaryEmbedding`, and plain RoPE where the streams agree; a
-step's image rows and embedding slices follow chunk boundaries that cut through images; a sequence with images
-never matches nor fills the prefix cache; the scheduler spreads a request's images over steps under the encoder
+step's image rows and embedding slices follow chunk boundaries that cut through images; prefix-cache keys hold each
+image's digest (the same image shares pages, another parts at its first placeholder); the scheduler spreads a request's images over steps under the encoder
 budget while another sequence decodes every step."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from mili_openai.config import EngineConfig
+from mili_openai.engine.encoder_budget import EncoderBudget
 from mili_openai.engine.image_batch import vision_batch
 from mili_openai.engine.image_inputs import ImageFeatures, place_images
 from mili_openai.engine.image_processor import expand_image_placeholders
@@ -122,17 +123,44 @@ def test_step_rows_follow_chunks_through_images():
     assert vision_batch(ScheduledBatch([text], [1], [3], num_decode=1, samples=[True])) is None
 
 
-def test_sequences_with_images_never_share_cached_pages():
-    pages = KVPageManager(num_pages=16, page_size=2, enable_prefix_caching=True)
-    images = [features(GRIDS[2], 0)]
+def placed(ids: list[int], images, lora_id: int = 0) -> Sequence:
+    seq = sequence(ids, None if images is None else place_images(ids, IMAGE_TOKEN, images))
+    seq.lora_id = lora_id
+    return seq
+
+
+def run_and_cache(pages: KVPageManager, seq: Sequence) -> None:
+    """seq runs its whole prompt, hands its full pages to the tree and finishes."""
+    pages.match(seq)
+    assert pages.allocate(seq, pages.pages_needed(seq, seq.num_tokens - seq.num_computed_tokens))
+    seq.num_computed_tokens = seq.num_tokens
+    pages.release(seq)
+
+
+def matched(pages: KVPageManager, seq: Sequence) -> int:
+    """The prompt tokens seq finds cached (then it lets them go)."""
+    found = pages.match(seq)
+    pages.release(seq)
+    return found
+
+
+def test_prefix_cache_keys_hold_the_images():
+    """The same image shares pages past it; another image, the same ids without images, or another adapter part
+    at the image's first placeholder (whole pages before it are still shared)."""
+    pages = KVPageManager(num_pages=64, page_size=2, enable_prefix_caching=True)
+    images = [features(GRIDS[2], 0), features(GRIDS[0], 1)]
     ids = prompt_with(images)
-    first = sequence(ids, place_images(ids, IMAGE_TOKEN, images))
-    assert pages.match(first) == 0 and pages.allocate(first, pages.pages_needed(first, len(ids)))
-    first.num_computed_tokens = len(ids)
-    pages.cache_computed_pages(first)
-    assert pages.tree.match_prefix(ids).num_tokens == 0  # nothing entered the tree
-    text = sequence(ids)
-    assert pages.match(text) == 0
+    first_image, second_image = (i for i, token in enumerate(ids) if token == IMAGE_TOKEN and ids[i - 1] == START)
+    run_and_cache(pages, placed(ids, images))
+    assert matched(pages, placed(ids, images)) == (len(ids) - 1) // 2 * 2  # the last page before the last token
+    other_pixels = features(GRIDS[2], 2)  # the same grid (so the same ids), other pixels
+    assert matched(pages, placed(ids, [other_pixels, images[1]])) == first_image // 2 * 2
+    assert matched(pages, placed(ids, None)) == first_image // 2 * 2  # the placeholder ids alone match no image
+    assert matched(pages, placed(ids, [images[0], features(GRIDS[0], 3)])) == second_image // 2 * 2
+    assert matched(pages, placed(ids, images, lora_id=1)) == 0  # an adapter shifts the text too
+    run_and_cache(pages, placed(ids, images, lora_id=1))
+    assert matched(pages, placed(ids, images, lora_id=1)) == (len(ids) - 1) // 2 * 2
+    pages.check_integrity([])
 
 
 def image_starts_in(seq: Sequence, start: int, count: int) -> int:
@@ -167,3 +195,17 @@ def test_encoder_budget_spreads_images_while_decodes_keep_stepping(max_patches, 
             encoded.append(image_starts_in(with_images, batch.positions[index], batch.num_new_tokens[index]))
     assert max(encoded) == images_per_step and sum(encoded) == len(images)
     assert len([n for n in encoded if n]) == -(-len(images) // images_per_step)
+
+
+def test_a_chunk_resuming_inside_an_image_is_charged_for_it():
+    """A prefix hit may end inside an image: the first chunk after admission encodes that image, so it takes
+    encoder budget; a later chunk of a running sequence inside the same image does not (its first chunk did)."""
+    images = [features((1, 4, 4), seed) for seed in range(2)]  # 16 patches, 4 tokens each
+    ids = prompt_with(images)
+    first, resumed = (sequence(ids, place_images(ids, IMAGE_TOKEN, images)) for _ in range(2))
+    budget = EncoderBudget(max_patches=16)
+    assert budget.limit(first, len(ids)) == first.images.starts[1]  # the second image waits for the next step
+    resumed.num_computed_tokens = resumed.images.starts[0] + 2
+    assert budget.limit(resumed, 1, admitted=True) == 0
+    assert budget.limit(resumed, 1) == 1
+    assert EncoderBudget(max_patches=16).limit(resumed, 1, admitted=True) == 1  # a step's first image is taken

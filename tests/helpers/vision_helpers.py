@@ -1,6 +1,7 @@
 """Shared by the image tests: a tiny random Qwen3.5 vision-language checkpoint that speaks Qwen3.5's format (its
 248,320-row vocabulary, so the placeholder ids exist; tokenizer, chat template, end-of-turn ids), a tiny random
-Qwen3-VL one (Qwen3's vocabulary and tokenizer, which hold its placeholder ids; two DeepStack layers), test images
+Qwen3-VL one (Qwen3's vocabulary and tokenizer, which hold its placeholder ids; two DeepStack layers) and its MoE
+twin, test images
 drawn on the fly, and prompts with placeholders laid out as the chat template and processor lay them."""
 
 from __future__ import annotations
@@ -21,6 +22,11 @@ TINY_QWEN3_VL_TEXT = dict(
     num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, tie_word_embeddings=True,
     rope_parameters=dict(rope_type="default", rope_theta=5e6, mrope_section=[6, 5, 5], mrope_interleaved=True))
 TINY_QWEN3_VL_VISION = dict(depth=3, deepstack_visual_indexes=[0, 2])
+QWEN3_VL_MOE_SEED = 17
+# Qwen3-VL-MoE: the same with 4 experts of 48 (so no stacked expert is square: its stored layout shows), top 2,
+# and layer 1 dense (mlp_only_layers)
+TINY_QWEN3_VL_MOE_TEXT = TINY_QWEN3_VL_TEXT | dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                                   mlp_only_layers=[1])
 
 
 def build_vision_checkpoint(path: Path) -> Path:
@@ -37,6 +43,12 @@ def build_qwen3_vl_checkpoint(path: Path) -> Path:
     from mili_openai.model.qwen3_vl_checkpoint import build_random_qwen3_vl_checkpoint
 
     return build_random_qwen3_vl_checkpoint(path, TINY_QWEN3_VL_TEXT, TINY_QWEN3_VL_VISION, seed=QWEN3_VL_SEED)
+
+
+def build_qwen3_vl_moe_checkpoint(path: Path) -> Path:
+    from mili_openai.model.qwen3_vl_checkpoint import build_random_qwen3_vl_checkpoint
+
+    return build_random_qwen3_vl_checkpoint(path, TINY_QWEN3_VL_MOE_TEXT, TINY_QWEN3_VL_VISION, seed=QWEN3_VL_MOE_SEED)
 
 
 def drawn_image(width: int, height: int, seed: int):

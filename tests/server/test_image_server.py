@@ -152,3 +152,47 @@ async def test_an_image_to_a_text_only_model_is_a_400(fake_engine):
             "model": "test-model", "messages": image_message(data_url(drawn_image(64, 48, 0)))})
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "images_not_supported"
+
+
+@pytest.mark.anyio
+async def test_qwen3_vl_chat_route_matches_transformers(qwen3_vl_checkpoint, qwen_tokenizer):
+    """Qwen3-VL through /v1/chat/completions: its checkpoint's template (Qwen3-VL's shape) places the image where its
+    part sits, and the greedy answer is transformers' `Qwen3VLForConditionalGeneration` fp32 one for that prompt."""
+    import transformers
+    from vision_helpers import MAX_NEW, PROMPTS, transformers_greedy
+
+    from mili_openai.engine.async_engine import AsyncEngine
+
+    images, expected, _ = transformers_greedy(transformers.Qwen3VLForConditionalGeneration, qwen3_vl_checkpoint,
+                                              qwen_tokenizer)
+    (ids, tokens), (_, which) = expected[0], PROMPTS[0]
+    engine = AsyncEngine(EngineConfig(model=str(qwen3_vl_checkpoint), dtype="float32", num_pages=64, page_size=16,
+                                      max_num_seqs=4, max_model_len=512))
+    message = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(images[which[0]])}},
+                                            {"type": "text", "text": "What is this?"}]}]
+    async with asgi_client(engine) as client:
+        response = await client.post("/v1/chat/completions", timeout=120, json={
+            "model": "test-model", "messages": message, "max_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    assert body["choices"][0]["message"]["content"] == qwen_tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+@pytest.mark.anyio
+async def test_low_detail_images_are_resized_within_a_smaller_budget(vision_checkpoint):
+    """`detail: "low"` resizes an image past LOW_DETAIL_PIXELS down to it (fewer tokens); a smaller image is
+    unchanged (the same embeddings, so the same digest); "high" keeps the checkpoint's bounds."""
+    from mili_openai.engine.image_processor import LOW_DETAIL_PIXELS
+    from mili_openai.protocol.chat import ImageURL
+    from mili_openai.protocol.image_loading import load_images
+
+    preprocess = ImagePreprocessor(read_vision_spec(vision_checkpoint,
+                                                    json.loads((vision_checkpoint / "config.json").read_text())))
+    big, small = data_url(drawn_image(1200, 900, 5)), data_url(drawn_image(300, 120, 1))
+    refs = [(ImageURL(url=url, detail=detail), "messages[0].content") for url in (big, small) for detail in ("high", "low")]
+    high_big, low_big, high_small, low_small = await load_images(refs, MediaConfig(), preprocess)
+    _, rows, columns = low_big.grid_thw
+    assert rows * columns * preprocess.spec.preprocessor["patch_size"] ** 2 <= LOW_DETAIL_PIXELS
+    assert low_big.num_tokens < high_big.num_tokens
+    assert low_small.digest == high_small.digest and low_big.digest != high_big.digest
