@@ -36,11 +36,19 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fit_mtp_data import EVAL_SEED_OFFSET, LOGIT_ROWS, Sequences, load_or_build, prompts  # noqa: E402 (sibling)
+from fit_mtp_data import (  # noqa: E402 (sibling)
+    EVAL_SEED_OFFSET,
+    LOGIT_ROWS,
+    Sequences,
+    build_and_save,
+    load_cached,
+    prompts,
+)
 
 from mili_openai import LLM, SamplingParams  # noqa: E402
 from mili_openai.model.loader import checkpoint_files  # noqa: E402
@@ -83,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                               "token map, and measure with it (0: none)")
     measuring = parser.add_argument_group("measuring")
     measuring.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts per step when measuring")
-    measuring.add_argument("--eval-prompts", type=int, default=4)
+    measuring.add_argument("--eval-prompts", type=int, default=4, help="0: no measuring")
     measuring.add_argument("--eval-output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-threads", type=int, default=None)
@@ -334,6 +342,20 @@ def measure(args, target: Path, speculative: dict, eval_prompts: list[list[int]]
                       if stats.spec_decode_num_drafts_total else None}), flush=True)
 
 
+def target_head(checkpoint: Path) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+    """(the target's input embedding, its LM head (the embedding where tied), both float32, its dtype), read from
+    its files alone."""
+    found: dict[str, torch.Tensor] = {}
+    for file in checkpoint_files(checkpoint):
+        with safe_open(str(file), framework="pt") as tensors:
+            for name in tensors.keys():
+                if not name.startswith(MTP_PREFIX) and name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                    found[name.rsplit(".", 2)[-2]] = tensors.get_tensor(name)
+    embedding = found["embed_tokens"].float()
+    head = found["lm_head"].float() if "lm_head" in found else embedding
+    return embedding, head, found["embed_tokens"].dtype
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.num_threads is not None:
@@ -343,14 +365,14 @@ def main(argv: list[str] | None = None) -> None:
     config = AutoConfig.from_pretrained(args.checkpoint)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     started = time.perf_counter()
-    llm = LLM(str(args.checkpoint), num_threads=args.num_threads)
-    vocab = llm.core.info.vocab_size
-    train, validation = load_or_build(args, llm, vocab)
-    model = llm.core.runner.model
-    embedding = model.model.embed_tokens.weight.detach().float()
-    head = model.lm_head.weight.detach().float() if model.lm_head is not None else embedding  # tied: the same
-    dtype = model.dtype
-    del llm, model
+    data = load_cached(args)
+    if data is None:
+        llm = LLM(str(args.checkpoint), num_threads=args.num_threads)
+        data = build_and_save(args, llm, llm.core.info.vocab_size)
+        del llm
+    train, validation = data
+    embedding, head, dtype = target_head(args.checkpoint)
+    vocab = len(embedding)
     eval_prompts = prompts(args.checkpoint, vocab, args.eval_prompts, args.prompt_len, args.seed + EVAL_SEED_OFFSET)
     if args.draft:
         fit_draft(args, config, train, validation, embedding, dtype)
@@ -362,7 +384,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.token_map_size > 0:
         speculative["token_map"] = str(write_token_map(train, validation, args.output, args.token_map_size))
     del train, validation, embedding, head
-    print(f"fitted in {time.perf_counter() - started:.0f} s so far; measuring acceptance", flush=True)
+    print(f"fitted in {time.perf_counter() - started:.0f} s", flush=True)
+    if not eval_prompts:
+        return
     measure(args, target, speculative | {"num_speculative_tokens": args.num_speculative_tokens}, eval_prompts)
     print(f"done in {time.perf_counter() - started:.0f} s", flush=True)
 

@@ -118,19 +118,30 @@ def build_data(args, llm: LLM, vocab: int) -> tuple[Sequences, Sequences]:
     return train, validation
 
 
-def load_or_build(args, llm: LLM, vocab: int) -> tuple[Sequences, Sequences]:
-    """The data from `args.data_cache` where it was saved by a run with the same data flags, else built (and saved
-    there where given): the MTP fit and the draft fit of one target share it."""
+def data_key(args) -> dict:
+    """The flags the data depends on: a cache saved under other ones is not reused."""
     key = {name: getattr(args, name) for name in ("checkpoint", "num_prompts", "num_random", "validation_prompts",
                                                   "prompt_len", "output_len", "other_weight", "seed")}
-    key["checkpoint"] = str(key["checkpoint"])
+    return key | {"checkpoint": str(key["checkpoint"])}
+
+
+def load_cached(args) -> tuple[Sequences, Sequences] | None:
+    """The data `args.data_cache` holds where a run with the same data flags saved it (the MTP fit and the draft
+    fit of one target share it), else None."""
     cache = args.data_cache
-    if cache is not None and cache.exists():
-        saved = torch.load(cache, weights_only=False)
-        if saved["key"] == key:
-            print(f"data from {cache}", flush=True)
-            return Sequences(**saved["train"]), Sequences(**saved["validation"])
+    if cache is None or not cache.exists():
+        return None
+    saved = torch.load(cache, weights_only=False)
+    if saved["key"] != data_key(args):
+        return None
+    print(f"data from {cache}", flush=True)
+    return Sequences(**saved["train"]), Sequences(**saved["validation"])
+
+
+def build_and_save(args, llm: LLM, vocab: int) -> tuple[Sequences, Sequences]:
     train, validation = build_data(args, llm, vocab)
-    if cache is not None:
-        torch.save({"key": key, "train": vars(train), "validation": vars(validation)}, cache)
+    if args.data_cache is not None:  # written whole, then renamed: a run stopped midway leaves no half file
+        partial = args.data_cache.with_name(args.data_cache.name + ".partial")
+        torch.save({"key": data_key(args), "train": vars(train), "validation": vars(validation)}, partial)
+        partial.replace(args.data_cache)
     return train, validation
