@@ -54,7 +54,8 @@ for entry in "${SERVERS[@]}"; do
   echo "== $name: ${args[*]}"
   $PY -m mili_openai "${args[@]}" > "$OUT/$name.log" 2>&1 &
   server=$!
-  for _ in $(seq 600); do curl -sf localhost:$PORT/health > /dev/null && break; sleep 1; done
+  for _ in $(seq 600); do curl -sf localhost:$PORT/health > /dev/null && break; kill -0 $server 2> /dev/null || break; sleep 1; done
+  kill -0 $server 2> /dev/null || { echo "$name: the server did not start (see $OUT/$name.log)"; continue; }
   for workload in W3 W1; do
     $PY -m mili_openai bench serve --base-url http://127.0.0.1:$PORT --dataset random --ignore-eos --no-progress \
       ${!workload} --json "$OUT/$name-$workload.json" > "$OUT/$name-$workload.txt" 2>&1

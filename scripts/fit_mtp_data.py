@@ -12,6 +12,7 @@ The label at a position is defined for any token sequence, so the sequences mix 
 from __future__ import annotations
 
 import math
+import pickle
 import random
 import time
 from dataclasses import dataclass
@@ -131,8 +132,12 @@ def load_cached(args) -> tuple[Sequences, Sequences] | None:
     cache = args.data_cache
     if cache is None or not cache.exists():
         return None
-    saved = torch.load(cache, weights_only=False)
-    if saved["key"] != data_key(args):
+    try:
+        saved = torch.load(cache, weights_only=False)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:  # a file cut short: build anew
+        print(f"{cache} is unreadable ({exc}): the data is built anew", flush=True)
+        return None
+    if not isinstance(saved, dict) or saved.get("key") != data_key(args):
         return None
     print(f"data from {cache}", flush=True)
     return Sequences(**saved["train"]), Sequences(**saved["validation"])
