@@ -2,8 +2,9 @@
 # Issue 47's speed table: speculative decoding against none, on a Qwen3.5-0.8B-shaped random checkpoint (BASE)
 # whose MTP module and a tiny draft are fitted by scripts/fit_mtp.py. Needs the machine quiet.
 # Results: $OUT/<server>-<W3|W1>.{json,txt}, <server>.log, summary.txt (docs/speculative.md).
-# 1. Where the fitted checkpoints are missing, fits them first (scripts/fit_mtp.py: the MTP module, then a tiny
-#    draft on the same data; ~4 min of data, then at most 5 + 3 min of fitting; logs fit_mtp.log, fit_draft.log).
+# 1. Where the fitted checkpoints are missing, fits them (scripts/fit_mtp.py): the MTP module first (~4 min of
+#    data, at most 5 of fitting), the tiny draft on the same data just before the first draft server (at most 3).
+#    Logs: fit_mtp.log, fit_draft.log.
 # 2. One mili server at a time, in this order (most wanted first); no new server once BUDGET_S (default 1080 s)
 #    has passed since the start: W3 (one stream, 512 in / 256 out, 2 requests after 1 warm-up) and W1
 #    (16 requests at concurrency 8, 256 in / 64 out): no speculation; the fitted MTP module drafting 2 over its
@@ -25,11 +26,14 @@ mkdir -p "$OUT"
 # run from $OUT, not the worktree: bench_window.sh pauses every process whose cwd is under /work/wt or /tmp
 cd "$OUT" || exit 1
 export PYTHONPATH=$WT
-DATA="--num-prompts 60 --num-random 8 --validation-prompts 4 --data-cache $OUT/fit-data.pt --eval-prompts 0"
+DATA="--num-prompts 60 --num-random 8 --validation-prompts 4 --data-cache $OUT/fit-data.pt --eval-prompts 0 --batch-size 2"
 [ -f "$FIT/draft_token_map.json" ] || $PY $WT/scripts/fit_mtp.py $BASE $FIT $DATA --max-minutes 5 > "$OUT/fit_mtp.log" 2>&1
-[ -f "$DRAFT/draft_token_map.json" ] || $PY $WT/scripts/fit_mtp.py $BASE $DRAFT --draft $DATA --max-minutes 3 \
-  > "$OUT/fit_draft.log" 2>&1
-grep -h "held-out top-1\|token map" "$OUT"/fit_*.log | tail -4
+grep -h "held-out top-1 agreement\|token map" "$OUT/fit_mtp.log" | tail -2
+fit_draft() {  # just before the first draft server: the MTP's figures come first
+  [ -f "$DRAFT/draft_token_map.json" ] || $PY $WT/scripts/fit_mtp.py $BASE $DRAFT --draft $DATA --max-minutes 3 \
+    > "$OUT/fit_draft.log" 2>&1
+  grep -h "held-out top-1 agreement\|token map" "$OUT/fit_draft.log" | tail -2
+}
 mtp() { echo "{\"method\": \"mtp\", \"num_speculative_tokens\": $1$2}"; }
 MAP_FIT=", \"token_map\": \"$FIT/draft_token_map.json\""
 MAP_DRAFT=", \"token_map\": \"$DRAFT/draft_token_map.json\""
@@ -49,6 +53,7 @@ W1="--num-requests 16 --concurrency 8 --input-len 256 --output-len 64 --warmup 2
 for entry in "${SERVERS[@]}"; do
   [ $(( $(date +%s) - START )) -gt "$BUDGET_S" ] && { echo "budget spent: no more servers"; break; }
   IFS='|' read -r name model spec <<< "$entry"
+  case "$name" in draft*) fit_draft;; esac
   args=(serve "$model" --host 127.0.0.1 --port $PORT --dtype bfloat16 --log-level warning)
   [ -n "$spec" ] && args+=(--speculative-config "$spec")
   echo "== $name: ${args[*]}"
