@@ -2,10 +2,11 @@
 # Issue 47's speed table: speculative decoding against none, on a Qwen3.5-0.8B-shaped random checkpoint (BASE)
 # whose MTP module and a tiny draft are fitted by scripts/fit_mtp.py. Needs the machine quiet.
 # Results: $OUT/<server>-<W3|W1>.{json,txt}, <server>.log, summary.txt (docs/speculative.md).
-# 1. Where the fitted checkpoints are missing, fits them (scripts/fit_mtp.py): the MTP module first (~4 min of
-#    data, at most 5 of fitting), the tiny draft on the same data just before the first draft server (at most 3).
+# 1. Where the fitted checkpoints are missing, fits them (scripts/fit_mtp.py): the MTP module first (~2 min of
+#    data: FIT_PROMPTS greedy-continued prompts, default 28; at most FIT_MINUTES of fitting, default 3), the tiny
+#    draft on the same data just before the first draft server.
 #    Logs: fit_mtp.log, fit_draft.log.
-# 2. One mili server at a time, in this order (most wanted first); no new server once BUDGET_S (default 1080 s)
+# 2. One mili server at a time, in this order (most wanted first); no new server once BUDGET_S (default 1080 s, the fits included)
 #    has passed since the start: W3 (one stream, 512 in / 256 out, 2 requests after 1 warm-up) and W1
 #    (16 requests at concurrency 8, 256 in / 64 out): no speculation; the fitted MTP module drafting 2 over its
 #    token map; the random MTP head drafting 3 (the adaptive off-switch); the fitted draft drafting 3 over its
@@ -26,11 +27,13 @@ mkdir -p "$OUT"
 # run from $OUT, not the worktree: bench_window.sh pauses every process whose cwd is under /work/wt or /tmp
 cd "$OUT" || exit 1
 export PYTHONPATH=$WT
-DATA="--num-prompts 60 --num-random 8 --validation-prompts 4 --data-cache $OUT/fit-data.pt --eval-prompts 0 --batch-size 2"
-[ -f "$FIT/draft_token_map.json" ] || $PY $WT/scripts/fit_mtp.py $BASE $FIT $DATA --max-minutes 5 > "$OUT/fit_mtp.log" 2>&1
+DATA="--num-prompts ${FIT_PROMPTS:-28} --num-random 4 --validation-prompts 4 --output-len 128 --batch-size 2 \
+  --data-cache $OUT/fit-data.pt --eval-prompts 0"
+[ -f "$FIT/draft_token_map.json" ] || $PY $WT/scripts/fit_mtp.py $BASE $FIT $DATA --max-minutes ${FIT_MINUTES:-3} \
+  > "$OUT/fit_mtp.log" 2>&1
 grep -h "held-out top-1 agreement\|token map" "$OUT/fit_mtp.log" | tail -2
 fit_draft() {  # just before the first draft server: the MTP's figures come first
-  [ -f "$DRAFT/draft_token_map.json" ] || $PY $WT/scripts/fit_mtp.py $BASE $DRAFT --draft $DATA --max-minutes 3 \
+  [ -f "$DRAFT/draft_token_map.json" ] || $PY $WT/scripts/fit_mtp.py $BASE $DRAFT --draft $DATA --max-minutes ${FIT_MINUTES:-3} \
     > "$OUT/fit_draft.log" 2>&1
   grep -h "held-out top-1 agreement\|token map" "$OUT/fit_draft.log" | tail -2
 }
