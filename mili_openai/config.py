@@ -62,7 +62,8 @@ class SpeculativeConfig:
     shares the target's tokenizer, run autoregressively. As vLLM, `method` left out is "draft_model" where
     `model` is given, else "ngram". A request whose drafts are mostly rejected stops drafting: once it has verified
     `min_drafts_for_switch` drafts, it drafts only while its acceptance rate stays at least
-    `min_acceptance_rate` (0 turns the switch off).
+    `min_acceptance_rate` (0 turns the switch off). `token_map` (SGLang's `--speculative-token-map`) restricts
+    a model's drafts to a file's token ids, so each draft reads only their rows of the LM head.
     """
 
     num_speculative_tokens: int
@@ -73,6 +74,7 @@ class SpeculativeConfig:
     model: str | None = None  # the draft checkpoint of method "draft_model"
     min_acceptance_rate: float = 0.2
     min_drafts_for_switch: int = 16
+    token_map: str | None = None  # "mtp" / "draft_model": a JSON list of the token ids drafts are drawn from
 
     def __post_init__(self) -> None:
         if self.method is None:
@@ -97,6 +99,9 @@ class SpeculativeConfig:
             raise ValueError(f"min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate!r}")
         if not _is_count(self.min_drafts_for_switch):
             raise ValueError(f"min_drafts_for_switch must be an integer >= 1, got {self.min_drafts_for_switch!r}")
+        if self.token_map is not None and self.method not in (MTP_SPECULATIVE_METHOD, DRAFT_MODEL_SPECULATIVE_METHOD):
+            raise ValueError(f'speculative token_map is for a model\'s drafts ("mtp", "draft_model"), not '
+                             f'"{self.method}"')
         if self.method == DRAFT_MODEL_SPECULATIVE_METHOD and not self.model:
             raise ValueError('speculative method "draft_model" needs "model": the draft checkpoint\'s path')
         object.__setattr__(self, "prompt_lookup_min", low)
@@ -373,7 +378,7 @@ def speculative_config_from(fields: dict) -> SpeculativeConfig:
     if not isinstance(fields, dict):
         raise ValueError("the speculative config must be a JSON object")
     known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
-             "model", "min_acceptance_rate", "min_drafts_for_switch"}
+             "model", "min_acceptance_rate", "min_drafts_for_switch", "token_map"}
     unknown = sorted(set(fields) - known)
     if unknown:
         raise ValueError(f"unsupported speculative config keys {unknown}; this server takes {sorted(known)}")

@@ -2,18 +2,21 @@
 so that speculative decoding's acceptance, and the speed-up it buys, can be measured without trained weights
 (issue 47). A random MTP head accepts almost nothing; fitted, it accepts what this script measures and prints.
 
-1. Prompts: random word tokens of the checkpoint's tokenizer, as `mili bench` draws them, from a fixed seed.
-2. The target's greedy continuations, through mili's engine; then one forward of mili's model over each whole
-   sequence for its final hidden states and its greedy next token at every position.
-3. Fitting (float32, Adam), the target frozen:
+1. Data (scripts/fit_mtp_data.py): random word-token prompts (as `mili bench` draws them) continued by the
+   target's greedy output through mili's engine, and random-token sequences; one prefill of each gives the
+   target's normed hidden state and greedy next token at every position (teacher forcing: the label is defined
+   for any sequence). Positions inside the greedy continuations, what decoding drafts for, weigh most.
+2. Fitting (float32, Adam), the target frozen, scored on held-out validation prompts (the top-1 agreement with the
+   target over the whole vocabulary on their continuations) and stopped where that stops rising:
    - MTP: at position p the module reads h_p and the embedding of token p + 1 and must give the target's greedy
      token after p + 1 (the token its head drafts). Its decoder layer is transformers' own class (the numerical
      reference mili's MTP layer is tested against), with the checkpoint's `mtp.*` tensors as the start.
-   - --draft: a tiny model of the target's family (transformers' class, embeddings started from a random
-     projection of the target's) learns the target's greedy next token at every position.
-4. Output: a copy of the checkpoint with the fitted `mtp.*` tensors (or, with --draft, the draft's own
-   checkpoint with the target's tokenizer files), then the acceptance measured through mili's engine on held-out
-   prompts with `--speculative-config` ("mtp", or "draft_model" against the target).
+   - --draft: a tiny model of the target's family (transformers' class, embeddings and head started from a
+     random projection of the target's) learns the target's greedy next token at every position.
+   The loss is over the labels' tokens and random others, never the whole 248K vocabulary at once.
+3. Output: a copy of the checkpoint with the fitted `mtp.*` tensors (or, with --draft, the draft's own
+   checkpoint with the target's tokenizer files), then the acceptance measured through mili's engine on other
+   held-out prompts with `--speculative-config` ("mtp", or "draft_model" against the target), per position.
 
     python scripts/fit_mtp.py /work/bench/qwen35-0.8b-random /tmp/qwen35-0.8b-mtp-fitted
     python scripts/fit_mtp.py /work/bench/qwen35-0.8b-random /tmp/qwen35-draft --draft
@@ -22,32 +25,38 @@ so that speculative decoding's acceptance, and the speed-up it buys, can be meas
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib
 import json
-import math
 import random
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from mili_openai import LLM, SamplingParams
-from mili_openai.bench.prompt_tokens import load_tokenizer, sampling_pool
-from mili_openai.model import KVCache, ModelCaches, PrefillSegment, StateCache
-from mili_openai.model.batch import ForwardBatch, PageTables
-from mili_openai.model.cache_spec import has_recurrent_layers
-from mili_openai.model.loader import checkpoint_files
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fit_mtp_data import (  # noqa: E402 (sibling)
+    EVAL_SEED_OFFSET,
+    LOGIT_ROWS,
+    Sequences,
+    build_and_save,
+    load_cached,
+    prompts,
+)
+
+from mili_openai import LLM, SamplingParams  # noqa: E402
+from mili_openai.model.loader import checkpoint_files  # noqa: E402
 
 MTP_PREFIX = "mtp."
-EVAL_SEED_OFFSET = 1_000_003  # held-out prompts: another seed stream than the fitted ones
-LOGIT_ROWS = 64  # rows whose logits over the whole vocabulary exist at once
-PAGE_SIZE = 16
+TOKEN_MAP_FILE = "draft_token_map.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "chat_template.jinja",
                    "generation_config.json")
-LOSS_REPORTS_PER_EPOCH = 4
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,53 +67,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--draft-hidden-size", type=int, default=256)
     parser.add_argument("--draft-layers", type=int, default=2, help="for a Qwen3.5 target: linear layers, then "
                                                                     "one full-attention layer last")
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=2, help="sequences per optimizer step")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts per step when measuring")
-    parser.add_argument("--eval-prompts", type=int, default=4)
-    parser.add_argument("--eval-output-len", type=int, default=128)
+    data = parser.add_argument_group("data")
+    data.add_argument("--num-prompts", type=int, default=96, help="prompts continued by the target's greedy output")
+    data.add_argument("--num-random", type=int, default=16, help="sequences of random tokens only")
+    data.add_argument("--validation-prompts", type=int, default=6, help="held out: the fit stops on them")
+    data.add_argument("--prompt-len", type=int, default=96)
+    data.add_argument("--output-len", type=int, default=160)
+    data.add_argument("--other-weight", type=float, default=0.2,
+                      help="the weight of positions outside a greedy continuation (those inside weigh 1)")
+    data.add_argument("--data-cache", type=Path, default=None,
+                      help="save the labelled data here, or load it where a run with the same data flags did")
+    fitting = parser.add_argument_group("fitting")
+    fitting.add_argument("--max-epochs", type=int, default=30)
+    fitting.add_argument("--max-minutes", type=float, default=15.0, help="the fit's own time limit")
+    fitting.add_argument("--batch-size", type=int, default=4, help="sequences per optimizer step")
+    fitting.add_argument("--lr", type=float, default=1e-3)
+    fitting.add_argument("--negatives", type=int, default=4096,
+                         help="random tokens beside the labels' in each step's loss")
+    fitting.add_argument("--evals-per-epoch", type=int, default=2)
+    fitting.add_argument("--patience", type=int, default=4, help="evaluations without a better validation score")
+    fitting.add_argument("--token-map-size", type=int, default=32768,
+                         help="write the fitted labels' most frequent tokens (at most this many) as the drafts' "
+                              "token map, and measure with it (0: none)")
+    measuring = parser.add_argument_group("measuring")
+    measuring.add_argument("--num-speculative-tokens", type=int, default=3, help="drafts per step when measuring")
+    measuring.add_argument("--eval-prompts", type=int, default=4, help="0: no measuring")
+    measuring.add_argument("--eval-output-len", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-threads", type=int, default=None)
     return parser.parse_args(argv)
-
-
-def prompts(checkpoint: Path, vocab_size: int, count: int, length: int, seed: int) -> list[list[int]]:
-    """`count` prompts of `length` random word tokens (ids the model's vocabulary holds)."""
-    pool = [token for token in sampling_pool(load_tokenizer(checkpoint)) if token < vocab_size]
-    pool = pool or list(range(vocab_size))
-    rng = random.Random(seed)
-    return [[rng.choice(pool) for _ in range(length)] for _ in range(count)]
-
-
-def greedy_outputs(llm: LLM, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outputs = llm.generate(prompt_ids, params)
-    return [prompt + list(output.outputs[0].token_ids) for prompt, output in zip(prompt_ids, outputs)]
-
-
-@torch.inference_mode()
-def final_states(model, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the target's final normed hidden state at each position (T, hidden) float32, its greedy next token at each
-    position (T,)): one prefill of the whole sequence on fresh caches (pages in order, state slot 0)."""
-    length, specs, dtype, device = len(tokens), model.cache_specs(), model.dtype, torch.device("cpu")
-    num_pages = math.ceil(length / PAGE_SIZE)
-    states = StateCache(specs, 1, dtype, device) if has_recurrent_layers(specs) else None
-    caches = ModelCaches(KVCache(specs, num_pages, PAGE_SIZE, dtype, device), states)
-    positions = torch.arange(length)
-    batch = ForwardBatch(
-        input_ids=torch.tensor(tokens), positions=positions, slot_mapping=positions, num_decode=0,
-        decode_ctx_lens=None, prefills=[PrefillSegment(0, length, length)], logits_indices=positions,
-        pages=PageTables(PAGE_SIZE, None, torch.arange(num_pages).unsqueeze(0), torch.tensor([0, length]),
-                         torch.tensor([length]), length),
-        state_slots=torch.zeros(1, dtype=torch.int64) if states is not None else None)
-    hidden = model(batch, caches)
-    greedy = torch.cat([model.compute_logits(hidden[start : start + LOGIT_ROWS]).argmax(dim=-1)
-                        for start in range(0, length, LOGIT_ROWS)])
-    return hidden.float(), greedy
 
 
 def transformers_classes(config) -> tuple[type, type, type]:
@@ -140,33 +131,97 @@ class TrainableMtp(torch.nn.Module):
         return self.norm(self.layers[0](x, position_embeddings=rotary, attention_mask=None))
 
 
-def fit(module: torch.nn.Module, batches, loss_of, epochs: int, lr: float) -> None:
-    """Adam over `batches` (a list), `epochs` times; prints the loss and the top-1 agreement as it goes."""
-    optimizer = torch.optim.Adam([p for p in module.parameters() if p.requires_grad], lr=lr)
-    every = max(1, len(batches) // LOSS_REPORTS_PER_EPOCH)
-    for epoch in range(epochs):
-        random.Random(epoch).shuffle(batches)
-        losses, agreements = [], []
-        for step, batch in enumerate(batches):
-            loss, agreement = loss_of(batch)
+class CandidateLoss:
+    """Cross-entropy over the tokens any fitted label holds plus `negatives` random others, drawn afresh each step:
+    the whole vocabulary's logits for every row would cost more than the module fitted."""
+
+    def __init__(self, train: Sequences, vocab: int, negatives: int, seed: int) -> None:
+        self.labels = torch.unique(torch.cat(train.greedy))
+        self.index = torch.full((vocab,), -1, dtype=torch.int64)
+        self.index[self.labels] = torch.arange(len(self.labels))
+        self.vocab, self.negatives = vocab, negatives
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, normed: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
+                 ) -> torch.Tensor:
+        """normed (N, H), head (vocab, H), labels (N,), weights (N,) -> the weighted mean loss."""
+        others = torch.randint(self.vocab, (self.negatives,), generator=self.generator)
+        others = others[self.index[others] < 0]
+        candidates = torch.cat((self.labels, others))
+        logits = normed @ head[candidates].T
+        losses = F.cross_entropy(logits, self.index[labels], reduction="none")
+        return (losses * weights).sum() / weights.sum()
+
+
+@torch.no_grad()
+def top1(normed: torch.Tensor, head: torch.Tensor, labels: torch.Tensor) -> int:
+    """How many rows' argmax over the whole vocabulary is their label."""
+    return sum(int(((normed[start : start + LOGIT_ROWS] @ head.T).argmax(dim=-1)
+                    == labels[start : start + LOGIT_ROWS]).sum())
+               for start in range(0, len(labels), LOGIT_ROWS))
+
+
+def fit(args, module: torch.nn.Module, train_batches: list, validation_batches: list, step_loss, score
+        ) -> dict[str, torch.Tensor]:
+    """Adam over `train_batches` until the held-out score (`score(batch)` -> (right, counted)) stops rising, the
+    epochs or the minutes run out; -> the state of the best score."""
+    started = time.perf_counter()
+    optimizer = torch.optim.Adam([p for p in module.parameters() if p.requires_grad], lr=args.lr)
+    every = max(1, len(train_batches) // args.evals_per_epoch)
+    best, best_state, since_best, losses = -1.0, copy.deepcopy(module.state_dict()), 0, []
+    for epoch in range(args.max_epochs):
+        random.Random(epoch).shuffle(train_batches)
+        for step, batch in enumerate(train_batches, 1):
+            module.train()
+            loss = step_loss(batch)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
-            agreements.append(agreement)
-            if step % every == 0:
-                print(f"  epoch {epoch + 1} step {step + 1}/{len(batches)}: loss {losses[-1]:.3f}", flush=True)
-        print(f"epoch {epoch + 1}/{epochs}: mean loss {sum(losses) / len(losses):.3f}, top-1 agreement "
-              f"{sum(agreements) / len(agreements):.1%}", flush=True)
+            if step % every and step != len(train_batches):
+                continue
+            module.eval()
+            right, counted = map(sum, zip(*(score(batch) for batch in validation_batches)))
+            agreement = right / counted
+            minutes = (time.perf_counter() - started) / 60
+            print(f"epoch {epoch + 1} step {step}/{len(train_batches)}: mean loss {sum(losses) / len(losses):.3f}, "
+                  f"held-out top-1 agreement {agreement:.1%} ({minutes:.1f} min)", flush=True)
+            losses = []
+            if agreement > best:
+                best, best_state, since_best = agreement, copy.deepcopy(module.state_dict()), 0
+            else:
+                since_best += 1
+            if since_best >= args.patience or minutes >= args.max_minutes:
+                print(f"stopped: best held-out top-1 agreement {best:.1%}", flush=True)
+                return best_state
+    print(f"all epochs run: best held-out top-1 agreement {best:.1%}", flush=True)
+    return best_state
 
 
-def head_loss(normed: torch.Tensor, head: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, float]:
-    logits = normed.reshape(-1, normed.shape[-1]) @ head.T  # (B T, vocab)
-    labels = labels.reshape(-1)
-    return F.cross_entropy(logits, labels), (logits.argmax(dim=-1) == labels).float().mean().item()
+def batches(data: Sequences, size: int) -> list[tuple[torch.Tensor, ...]]:
+    """(tokens (B, T), hidden (B, T, H) float32, greedy (B, T), weights (B, T)) of `size` sequences at a time,
+    each batch of one length (the data has one length per kind of sequence)."""
+    by_length: dict[int, list[int]] = {}
+    for index, tokens in enumerate(data.tokens):
+        by_length.setdefault(len(tokens), []).append(index)
+    out = []
+    for indices in by_length.values():
+        for start in range(0, len(indices), size):
+            chosen = indices[start : start + size]
+            out.append((torch.stack([data.tokens[i] for i in chosen]),
+                        torch.stack([data.hidden[i] for i in chosen]).float(),
+                        torch.stack([data.greedy[i] for i in chosen]), torch.stack([data.weights[i] for i in chosen])))
+    return out
 
 
-def fit_mtp(args, config, sequences, hidden, greedy, embedding: torch.Tensor, head: torch.Tensor
+def held_out_rows(normed: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, head: torch.Tensor
+                  ) -> tuple[int, int]:
+    """(right, counted) over the rows inside greedy continuations (weight 1), what decoding drafts for."""
+    rows = weights.reshape(-1) == 1.0
+    return top1(normed.reshape(-1, normed.shape[-1])[rows], head, labels.reshape(-1)[rows]), int(rows.sum())
+
+
+def fit_mtp(args, config, train: Sequences, validation: Sequences, embedding: torch.Tensor, head: torch.Tensor
             ) -> dict[str, torch.Tensor]:
     """The fitted `mtp.*` tensors (float32, by checkpoint name); `embedding` and `head` the target's, frozen."""
     source = {}
@@ -177,17 +232,25 @@ def fit_mtp(args, config, sequences, hidden, greedy, embedding: torch.Tensor, he
         raise SystemExit(f"{args.checkpoint} carries no MTP weights (mtp.*): fit a draft model with --draft")
     config._attn_implementation = "sdpa"
     module = TrainableMtp(config, source)
-    tokens = torch.tensor(sequences)  # (N, T)
-    # position p reads h_p and token p + 1, and must give the target's greedy token after p + 1
-    examples = [(tokens[i : i + args.batch_size, 1:], hidden[i : i + args.batch_size, :-1],
-                 greedy[i : i + args.batch_size, 1:]) for i in range(0, len(sequences), args.batch_size)]
+    candidate_loss = CandidateLoss(train, len(embedding), args.negatives, args.seed)
 
-    def loss_of(batch):
-        next_tokens, states, labels = batch
-        return head_loss(module(F.embedding(next_tokens, embedding), states), head, labels)
+    def normed_and_labels(batch):
+        # position p reads h_p and token p + 1, and must give the target's greedy token after p + 1
+        tokens, hidden, greedy, weights = batch
+        normed = module(F.embedding(tokens[:, 1:], embedding), hidden[:, :-1])
+        return normed, greedy[:, 1:], weights[:, 1:]
 
-    fit(module, examples, loss_of, args.epochs, args.lr)
-    return {MTP_PREFIX + name: tensor.detach() for name, tensor in module.state_dict().items()}
+    def step_loss(batch):
+        normed, labels, weights = normed_and_labels(batch)
+        return candidate_loss(normed.reshape(-1, normed.shape[-1]), head, labels.reshape(-1), weights.reshape(-1))
+
+    def score(batch):
+        with torch.no_grad():
+            return held_out_rows(*normed_and_labels(batch), head)
+
+    state = fit(args, module, batches(train, args.batch_size), batches(validation, args.batch_size), step_loss,
+                score)
+    return {MTP_PREFIX + name: tensor.detach() for name, tensor in state.items()}
 
 
 def write_fitted_copy(checkpoint: Path, output: Path, fitted: dict[str, torch.Tensor]) -> None:
@@ -202,11 +265,11 @@ def write_fitted_copy(checkpoint: Path, output: Path, fitted: dict[str, torch.Te
 
 
 def draft_config(target_config, args):
-    """A tiny model of the target's family, its vocabulary and RoPE."""
+    """A tiny model of the target's family, its vocabulary and RoPE, its own LM head."""
     config = target_config.__class__.from_dict(target_config.to_dict())
     hidden, head_dim = args.draft_hidden_size, target_config.head_dim  # the head dims the RoPE sections fit
     config.update(dict(hidden_size=hidden, intermediate_size=3 * hidden, num_attention_heads=max(1, hidden // head_dim),
-                       num_key_value_heads=1, num_hidden_layers=args.draft_layers, tie_word_embeddings=True))
+                       num_key_value_heads=1, num_hidden_layers=args.draft_layers, tie_word_embeddings=False))
     if hasattr(config, "layer_types"):  # Qwen3.5: linear layers, the last one attends
         config.layer_types = ["linear_attention"] * (args.draft_layers - 1) + ["full_attention"]
         config.update(dict(linear_num_key_heads=max(1, hidden // config.linear_key_head_dim),
@@ -215,7 +278,8 @@ def draft_config(target_config, args):
     return config
 
 
-def fit_draft(args, target_config, sequences, greedy, embedding: torch.Tensor, dtype: torch.dtype) -> None:
+def fit_draft(args, target_config, train: Sequences, validation: Sequences, embedding: torch.Tensor,
+              dtype: torch.dtype) -> None:
     """Train the tiny draft and save it at args.output, in `dtype`, with the target's tokenizer files."""
     from transformers import AutoModelForCausalLM
 
@@ -225,22 +289,41 @@ def fit_draft(args, target_config, sequences, greedy, embedding: torch.Tensor, d
     projection, _ = torch.linalg.qr(torch.randn(embedding.shape[1], config.hidden_size))  # orthonormal columns
     with torch.no_grad():
         draft.get_input_embeddings().weight.copy_(embedding @ projection)
-    tokens, labels = torch.tensor(sequences), greedy
-    examples = [(tokens[i : i + args.batch_size], labels[i : i + args.batch_size])
-                for i in range(0, len(sequences), args.batch_size)]
+        draft.lm_head.weight.copy_(embedding @ projection)  # the target's head is its embedding (tied)
+    candidate_loss = CandidateLoss(train, len(embedding), args.negatives, args.seed)
 
-    def loss_of(batch):
-        ids, targets = batch
-        logits = draft(input_ids=ids).logits  # (B, T, vocab)
-        flat, expected = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
-        return F.cross_entropy(flat, expected), (flat.argmax(dim=-1) == expected).float().mean().item()
+    def normed_and_labels(batch):
+        tokens, _, greedy, weights = batch
+        return draft.model(input_ids=tokens).last_hidden_state, greedy, weights
 
-    draft.train()
-    fit(draft, examples, loss_of, args.epochs, args.lr)
+    def step_loss(batch):
+        normed, labels, weights = normed_and_labels(batch)
+        return candidate_loss(normed.reshape(-1, normed.shape[-1]), draft.lm_head.weight, labels.reshape(-1),
+                              weights.reshape(-1))
+
+    def score(batch):
+        with torch.no_grad():
+            return held_out_rows(*normed_and_labels(batch), draft.lm_head.weight)
+
+    state = fit(args, draft, batches(train, args.batch_size), batches(validation, args.batch_size), step_loss, score)
+    draft.load_state_dict(state)
     draft.to(dtype).save_pretrained(args.output)
     for name in TOKENIZER_FILES:
         if (args.checkpoint / name).exists():
             shutil.copy(args.checkpoint / name, args.output / name)
+
+
+def write_token_map(train: Sequences, validation: Sequences, output: Path, size: int) -> Path:
+    """The `size` tokens the fitted labels hold most often, as a token map (engine/draft_head.py) in `output`."""
+    counts = torch.bincount(torch.cat(train.greedy))
+    ids = counts.argsort(descending=True)[: min(size, int((counts > 0).sum()))]
+    held_out = torch.cat([greedy[weights == 1.0] for greedy, weights in zip(validation.greedy, validation.weights)])
+    covered = torch.isin(held_out, ids).float().mean().item()
+    path = output / TOKEN_MAP_FILE
+    path.write_text(json.dumps(sorted(ids.tolist())))
+    print(f"token map: {len(ids)} tokens ({path}); they hold {covered:.1%} of the held-out continuations' labels",
+          flush=True)
+    return path
 
 
 def measure(args, target: Path, speculative: dict, eval_prompts: list[list[int]]) -> None:
@@ -259,6 +342,20 @@ def measure(args, target: Path, speculative: dict, eval_prompts: list[list[int]]
                       if stats.spec_decode_num_drafts_total else None}), flush=True)
 
 
+def target_head(checkpoint: Path) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
+    """(the target's input embedding, its LM head (the embedding where tied), both float32, its dtype), read from
+    its files alone."""
+    found: dict[str, torch.Tensor] = {}
+    for file in checkpoint_files(checkpoint):
+        with safe_open(str(file), framework="pt") as tensors:
+            for name in tensors.keys():
+                if not name.startswith(MTP_PREFIX) and name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                    found[name.rsplit(".", 2)[-2]] = tensors.get_tensor(name)
+    embedding = found["embed_tokens"].float()
+    head = found["lm_head"].float() if "lm_head" in found else embedding
+    return embedding, head, found["embed_tokens"].dtype
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.num_threads is not None:
@@ -268,27 +365,28 @@ def main(argv: list[str] | None = None) -> None:
     config = AutoConfig.from_pretrained(args.checkpoint)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     started = time.perf_counter()
-    llm = LLM(str(args.checkpoint), num_threads=args.num_threads)
-    vocab = llm.core.info.vocab_size
-    train_prompts = prompts(args.checkpoint, vocab, args.num_prompts, args.prompt_len, args.seed)
-    sequences = greedy_outputs(llm, train_prompts, args.output_len)
-    model = llm.core.runner.model
-    hidden, greedy = zip(*(final_states(model, sequence) for sequence in sequences))
-    embedding = model.model.embed_tokens.weight.detach().float()
-    head = model.lm_head.weight.detach().float() if model.lm_head is not None else embedding  # tied: the same
-    dtype = model.dtype
-    del llm, model
-    print(f"{len(sequences)} sequences of {len(sequences[0])} tokens: the target's greedy outputs and states in "
-          f"{time.perf_counter() - started:.0f} s", flush=True)
+    data = load_cached(args)
+    if data is None:
+        llm = LLM(str(args.checkpoint), num_threads=args.num_threads)
+        data = build_and_save(args, llm, llm.core.info.vocab_size)
+        del llm
+    train, validation = data
+    embedding, head, dtype = target_head(args.checkpoint)
+    vocab = len(embedding)
     eval_prompts = prompts(args.checkpoint, vocab, args.eval_prompts, args.prompt_len, args.seed + EVAL_SEED_OFFSET)
     if args.draft:
-        fit_draft(args, config, sequences, torch.stack(greedy), embedding, dtype)
+        fit_draft(args, config, train, validation, embedding, dtype)
         target, speculative = args.checkpoint, {"method": "draft_model", "model": str(args.output)}
     else:
-        fitted = fit_mtp(args, config, sequences, torch.stack(hidden), torch.stack(greedy), embedding, head)
+        fitted = fit_mtp(args, config, train, validation, embedding, head)
         write_fitted_copy(args.checkpoint, args.output, fitted)
         target, speculative = args.output, {"method": "mtp"}
-    print(f"fitted in {time.perf_counter() - started:.0f} s so far; measuring acceptance", flush=True)
+    if args.token_map_size > 0:
+        speculative["token_map"] = str(write_token_map(train, validation, args.output, args.token_map_size))
+    del train, validation, embedding, head
+    print(f"fitted in {time.perf_counter() - started:.0f} s", flush=True)
+    if not eval_prompts:
+        return
     measure(args, target, speculative | {"num_speculative_tokens": args.num_speculative_tokens}, eval_prompts)
     print(f"done in {time.perf_counter() - started:.0f} s", flush=True)
 

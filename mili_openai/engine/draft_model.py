@@ -24,6 +24,7 @@ from torch import nn
 
 from mili_openai.config import EngineConfig
 from mili_openai.engine import draft_batches
+from mili_openai.engine.draft_head import DraftHead
 from mili_openai.engine.speculation import SpeculationPlan
 from mili_openai.model import KVCache, ModelConfig, load_model, resolve_model_path
 from mili_openai.model.batch import ForwardBatch
@@ -97,8 +98,11 @@ def check_same_tokenizer(target_path: Path, draft_path: Path) -> None:
 
 
 class DraftModelDrafter:
-    def __init__(self, draft: DraftModel, caches: ModelCaches, num_speculative_tokens: int, page_size: int) -> None:
+    def __init__(self, draft: DraftModel, caches: ModelCaches, num_speculative_tokens: int, page_size: int,
+                 head: DraftHead | None = None) -> None:
+        """head: the drafts' logits (default: the draft's whole LM head)."""
         self.model = draft.model
+        self.head = head if head is not None else DraftHead(draft.model)
         self.caches = caches
         self.num_speculative_tokens = num_speculative_tokens
         self.page_size = page_size
@@ -143,7 +147,7 @@ class DraftModelDrafter:
             index = torch.tensor(live, dtype=torch.int64, device=device)
             chain = draft_batches.chain_batch([positions[i] for i in live], [pages[owners[i]] for i in live],
                                               self.page_size, device, input_ids=token[index], state_slots=slots)
-            logits = self.model.compute_logits(self.model(chain, self.caches))  # (live, vocab)
+            logits = self.head(self.model(chain, self.caches))  # (live, vocab)
             formats = taken if plan.grammars is not None else None
             live = draft_batches.take_drafts(plan, owners, live, logits, token, formats, drafts)
             positions = [position + 1 for position in positions]

@@ -24,15 +24,19 @@ from mili_openai.engine.draft_batches import (
     take_drafts,
     taken_tokens,
 )
+from mili_openai.engine.draft_head import DraftHead
 from mili_openai.engine.speculation import NO_TOKEN, SpeculationPlan
 from mili_openai.model.batch import ForwardBatch
 from mili_openai.model.cache_spec import ModelCaches
 
 
 class MtpDrafter:
-    def __init__(self, model, caches: ModelCaches, num_speculative_tokens: int, page_size: int) -> None:
-        """model: a Qwen3_5ForCausalLM whose `mtp_predictor` is attached (model/mtp_predictor.py)."""
+    def __init__(self, model, caches: ModelCaches, num_speculative_tokens: int, page_size: int,
+                 head: DraftHead | None = None) -> None:
+        """model: a Qwen3_5ForCausalLM whose `mtp_predictor` is attached (model/mtp_predictor.py); head: the
+        drafts' logits (default: the model's whole LM head)."""
         self.model = model
+        self.head = head if head is not None else DraftHead(model)
         self.predictor = model.mtp_predictor
         self.caches = caches
         self.num_speculative_tokens = num_speculative_tokens
@@ -55,7 +59,7 @@ class MtpDrafter:
         taken = taken_tokens(plan, tokens, accepted, batch.num_decode) if plan.grammars is not None else None
         token = torch.empty(len(owners), dtype=torch.int64, device=device)
         positions = catch_up.positions[last.to(catch_up.positions.device)].tolist()
-        live = take_drafts(plan, owners, list(range(len(owners))), self.model.compute_logits(state), token, taken,
+        live = take_drafts(plan, owners, list(range(len(owners))), self.head(state), token, taken,
                            drafts)
         for step in range(1, self.num_speculative_tokens):
             positions = [position + 1 for position in positions]
@@ -67,7 +71,7 @@ class MtpDrafter:
             index = torch.tensor(live, dtype=torch.int64, device=device)
             out = self._run(token[index], state[index], chain, step)
             state[index] = out
-            live = take_drafts(plan, owners, live, self.model.compute_logits(out), token, taken, drafts)
+            live = take_drafts(plan, owners, live, self.head(out), token, taken, drafts)
         return drafts
 
     def _run(self, ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, step: int) -> torch.Tensor:

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from mili_openai.config import DRAFT_MODEL_SPECULATIVE_METHOD, MTP_SPECULATIVE_METHOD, EngineConfig, SpeculativeConfig
+from mili_openai.engine.draft_head import DraftHead, load_token_map
 from mili_openai.engine.draft_model import DraftModel, DraftModelDrafter, load_draft_model
 from mili_openai.engine.mtp_drafter import MtpDrafter
 from mili_openai.engine.speculation import StepSpeculation
@@ -40,11 +41,19 @@ def runner_speculation(config: SpeculativeConfig | None, model, caches: ModelCac
     if config is None:
         return None
     if draft is not None:
-        drafter = DraftModelDrafter(draft, draft_caches, config.num_speculative_tokens, page_size)
+        drafter = DraftModelDrafter(draft, draft_caches, config.num_speculative_tokens, page_size,
+                                    draft_head(config, draft.model))
     elif config.method == MTP_SPECULATIVE_METHOD:
-        drafter = MtpDrafter(model, caches, config.num_speculative_tokens, page_size)
+        drafter = MtpDrafter(model, caches, config.num_speculative_tokens, page_size, draft_head(config, model))
     elif caches.state is None:
         return None
     else:
         drafter = None
     return StepSpeculation(caches.state, drafter)
+
+
+def draft_head(config: SpeculativeConfig, model) -> DraftHead:
+    """The drafts' logits of `model`: over its whole vocabulary, or over the token map's ids where one is given."""
+    if config.token_map is None:
+        return DraftHead(model)
+    return DraftHead(model, load_token_map(config.token_map, model.config.vocab_size))

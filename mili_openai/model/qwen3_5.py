@@ -174,8 +174,11 @@ class Qwen3_5ForCausalLM(nn.Module):
     def rotary_table(self) -> RotaryTable:
         return RotaryTable(self.model.rotary_emb, self.dtype)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden (N, hidden) -> logits (N, vocab) float32; computed in the weights' dtype like transformers."""
+    def compute_logits(self, hidden: torch.Tensor, head_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden (N, hidden) -> logits (N, vocab) float32; computed in the weights' dtype like transformers.
+        head_rows: rows of the LM head to use instead of it all (a draft's token map) -> (N, len(head_rows))."""
+        if head_rows is not None:
+            return self.backend.matmul(hidden, head_rows).float()
         if isinstance(self.lm_head, QuantizedLinear):
             return self.lm_head(hidden).float()
         weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight

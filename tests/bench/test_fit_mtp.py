@@ -13,18 +13,25 @@ import torch
 from safetensors.torch import load_file
 
 FIT_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "fit_mtp.py"
-TINY_RUN = ["--num-prompts", "4", "--prompt-len", "12", "--output-len", "12", "--epochs", "3", "--eval-prompts", "2",
+TINY_RUN = ["--num-prompts", "4", "--num-random", "2", "--validation-prompts", "2", "--prompt-len", "12",
+            "--output-len", "12", "--max-epochs", "3", "--patience", "100", "--negatives", "64", "--eval-prompts", "2",
             "--eval-output-len", "8", "--num-speculative-tokens", "2"]
 
 
-def run_script(argv: list[str], capsys) -> tuple[dict, list[float]]:
-    """(the acceptance it printed, the mean training loss of each epoch)."""
+def load_script():
     spec = importlib.util.spec_from_file_location("fit_mtp", FIT_SCRIPT)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    script.main(argv)
+    return script
+
+
+def run_script(argv: list[str], capsys) -> tuple[dict, list[float]]:
+    """(the acceptance it printed, the mean training loss between held-out evaluations)."""
+    load_script().main(argv)
     printed = capsys.readouterr().out
     result = json.loads([line for line in printed.splitlines() if line.startswith("{")][-1])
+    agreements = re.findall(r"held-out top-1 agreement ([0-9.]+)%", printed)
+    assert len(agreements) == 3 * 2 + 1  # each of 3 epochs evaluated twice, then the best
     return result, [float(loss) for loss in re.findall(r"mean loss ([0-9.]+)", printed)]
 
 
@@ -45,11 +52,20 @@ def test_the_mtp_module_is_fitted_into_a_copy(hybrid_checkpoint, tmp_path, capsy
 def test_a_tiny_draft_is_fitted_beside_the_target(hybrid_checkpoint, tmp_path, capsys):
     source = hybrid_checkpoint("qwen3_5")
     output = tmp_path / "draft"
-    result, losses = run_script([str(source), str(output), *TINY_RUN, "--draft", "--draft-hidden-size", "32",
-                                 "--lr", "1e-2"], capsys)
+    argv = [str(source), str(output), *TINY_RUN, "--draft", "--draft-hidden-size", "32", "--lr", "1e-2",
+            "--data-cache", str(tmp_path / "data.pt")]
+    result, losses = run_script(argv, capsys)
+    token_map = output / "draft_token_map.json"
     assert result["speculative_config"] == {"method": "draft_model", "model": str(output),
-                                            "num_speculative_tokens": 2}
+                                            "num_speculative_tokens": 2, "token_map": str(token_map)}
+    assert json.loads(token_map.read_text())  # the labels' tokens, measured with
     assert result["draft_tokens"] > 0 and losses[-1] < losses[0]
     config = json.loads((output / "config.json").read_text())
     assert config["hidden_size"] == 32 and config["layer_types"] == ["linear_attention", "full_attention"]
     assert (output / "tokenizer.json").read_bytes() == (source / "tokenizer.json").read_bytes()
+    # the labelled data was saved for the next fit of the same target, and is read back as it was built
+    script = load_script()
+    train, validation = script.load_cached(script.parse_args(argv))
+    assert (len(train), len(validation)) == (4 + 2, 2)
+    assert train.hidden[0].shape == (24, json.loads((source / "config.json").read_text())["hidden_size"])
+    assert script.load_cached(script.parse_args([*argv, "--seed", "1"])) is None  # other data flags: built anew

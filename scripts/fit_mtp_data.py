@@ -1,0 +1,152 @@
+"""The training data of scripts/fit_mtp.py: token sequences, and at every position the target's final (normed)
+hidden state and its greedy next token, from one prefill of each sequence (teacher forcing).
+
+The label at a position is defined for any token sequence, so the sequences mix what serving sees with variety:
+- random word-token prompts continued by the target's own greedy output (the continuation is what decode
+  drafts for: its positions carry weight 1, the prompt's `--other-weight`);
+- sequences of random word tokens only (weight `--other-weight` everywhere);
+- validation prompts, continued the same way, held out of the fit: the top-1 agreement on their continuations
+  is what the fit reports and stops on.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mili_openai import LLM, SamplingParams
+from mili_openai.bench.prompt_tokens import load_tokenizer, sampling_pool
+from mili_openai.model import KVCache, ModelCaches, PrefillSegment, StateCache
+from mili_openai.model.batch import ForwardBatch, PageTables
+from mili_openai.model.cache_spec import has_recurrent_layers
+
+LOGIT_ROWS = 64  # rows whose logits over the whole vocabulary exist at once
+PAGE_SIZE = 16
+RANDOM_SEED_OFFSET = 500_009  # the random-token sequences: another seed stream than the prompts
+VALIDATION_SEED_OFFSET = 700_001  # validation prompts: held out of the fit
+EVAL_SEED_OFFSET = 1_000_003  # the prompts acceptance is measured on through the engine: held out of both
+
+
+@dataclass
+class Sequences:
+    """Token sequences with, at every position, the target's normed hidden state, its greedy next token and the
+    weight of that position in the fit (1 inside a greedy continuation)."""
+
+    tokens: list[torch.Tensor]  # (T,) int64 each
+    hidden: list[torch.Tensor]  # (T, hidden) bfloat16 each
+    greedy: list[torch.Tensor]  # (T,) int64 each
+    weights: list[torch.Tensor]  # (T,) float32 each
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def positions(self) -> int:
+        return sum(len(tokens) for tokens in self.tokens)
+
+
+def prompts(checkpoint: Path, vocab_size: int, count: int, length: int, seed: int) -> list[list[int]]:
+    """`count` prompts of `length` random word tokens (ids the model's vocabulary holds)."""
+    pool = [token for token in sampling_pool(load_tokenizer(checkpoint)) if token < vocab_size]
+    pool = pool or list(range(vocab_size))
+    rng = random.Random(seed)
+    return [[rng.choice(pool) for _ in range(length)] for _ in range(count)]
+
+
+def greedy_outputs(llm: LLM, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs = llm.generate(prompt_ids, params)
+    return [prompt + list(output.outputs[0].token_ids) for prompt, output in zip(prompt_ids, outputs)]
+
+
+@torch.inference_mode()
+def final_states(model, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the target's final normed hidden state at each position (T, hidden), its greedy next token at each
+    position (T,)): one prefill of the whole sequence on fresh caches (pages in order, state slot 0)."""
+    length, specs, dtype, device = len(tokens), model.cache_specs(), model.dtype, torch.device("cpu")
+    num_pages = math.ceil(length / PAGE_SIZE)
+    states = StateCache(specs, 1, dtype, device) if has_recurrent_layers(specs) else None
+    caches = ModelCaches(KVCache(specs, num_pages, PAGE_SIZE, dtype, device), states)
+    positions = torch.arange(length)
+    batch = ForwardBatch(
+        input_ids=torch.tensor(tokens), positions=positions, slot_mapping=positions, num_decode=0,
+        decode_ctx_lens=None, prefills=[PrefillSegment(0, length, length)], logits_indices=positions,
+        pages=PageTables(PAGE_SIZE, None, torch.arange(num_pages).unsqueeze(0), torch.tensor([0, length]),
+                         torch.tensor([length]), length),
+        state_slots=torch.zeros(1, dtype=torch.int64) if states is not None else None)
+    hidden = model(batch, caches)
+    greedy = torch.cat([model.compute_logits(hidden[start : start + LOGIT_ROWS]).argmax(dim=-1)
+                        for start in range(0, length, LOGIT_ROWS)])
+    return hidden.to(torch.bfloat16), greedy
+
+
+def labelled(model, sequences: list[list[int]], weights: list[torch.Tensor]) -> Sequences:
+    hidden, greedy = zip(*(final_states(model, sequence) for sequence in sequences)) if sequences else ((), ())
+    return Sequences([torch.tensor(s) for s in sequences], list(hidden), list(greedy), weights)
+
+
+def tail_weights(prompt_len: int, total: int, other_weight: float) -> torch.Tensor:
+    """Weight 1 at the positions whose token the target generated, `other_weight` before."""
+    weights = torch.full((total,), other_weight)
+    weights[prompt_len:] = 1.0
+    return weights
+
+
+def build_data(args, llm: LLM, vocab: int) -> tuple[Sequences, Sequences]:
+    """(the fitted sequences, the validation ones), labelled by the target behind `llm`."""
+    started = time.perf_counter()
+    total = args.prompt_len + args.output_len
+    train_prompts = prompts(args.checkpoint, vocab, args.num_prompts, args.prompt_len, args.seed)
+    validation_prompts = prompts(args.checkpoint, vocab, args.validation_prompts, args.prompt_len,
+                                 args.seed + VALIDATION_SEED_OFFSET)
+    continued = greedy_outputs(llm, train_prompts + validation_prompts, args.output_len)
+    print(f"{len(continued)} greedy continuations of {args.output_len} tokens in "
+          f"{time.perf_counter() - started:.0f} s", flush=True)
+    random_only = prompts(args.checkpoint, vocab, args.num_random, total, args.seed + RANDOM_SEED_OFFSET)
+    tail = tail_weights(args.prompt_len, total, args.other_weight)
+    model = llm.core.runner.model
+    train = labelled(model, continued[: args.num_prompts] + random_only,
+                     [tail] * args.num_prompts + [torch.full((total,), args.other_weight)] * len(random_only))
+    validation = labelled(model, continued[args.num_prompts :], [tail] * len(validation_prompts))
+    print(f"{train.positions()} fitted positions ({len(train)} sequences: {args.num_prompts} greedy-continued, "
+          f"{len(random_only)} random), {validation.positions()} validation ones; labelled in "
+          f"{time.perf_counter() - started:.0f} s", flush=True)
+    return train, validation
+
+
+def data_key(args) -> dict:
+    """The flags the data depends on: a cache saved under other ones is not reused."""
+    key = {name: getattr(args, name) for name in ("checkpoint", "num_prompts", "num_random", "validation_prompts",
+                                                  "prompt_len", "output_len", "other_weight", "seed")}
+    return key | {"checkpoint": str(key["checkpoint"])}
+
+
+def load_cached(args) -> tuple[Sequences, Sequences] | None:
+    """The data `args.data_cache` holds where a run with the same data flags saved it (the MTP fit and the draft
+    fit of one target share it), else None."""
+    cache = args.data_cache
+    if cache is None or not cache.exists():
+        return None
+    try:
+        saved = torch.load(cache, weights_only=False)
+    except (OSError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:  # a file cut short: build anew
+        print(f"{cache} is unreadable ({exc}): the data is built anew", flush=True)
+        return None
+    if not isinstance(saved, dict) or saved.get("key") != data_key(args):
+        return None
+    print(f"data from {cache}", flush=True)
+    return Sequences(**saved["train"]), Sequences(**saved["validation"])
+
+
+def build_and_save(args, llm: LLM, vocab: int) -> tuple[Sequences, Sequences]:
+    train, validation = build_data(args, llm, vocab)
+    if args.data_cache is not None:  # written whole, then renamed: a run stopped midway leaves no half file
+        partial = args.data_cache.with_name(args.data_cache.name + ".partial")
+        torch.save({"key": data_key(args), "train": vars(train), "validation": vars(validation)}, partial)
+        partial.replace(args.data_cache)
+    return train, validation
