@@ -35,14 +35,17 @@ class FakeClock:
         return run
 
 
-def work_on_a_bursty_machine(clock: FakeClock, costs: dict[str, float], burst_calls: set[int]):
-    """Stand-ins costing their `costs`, a tenth of it on the calls numbered in `burst_calls` (a VM whose
-    memory briefly runs fast), counting calls across all of them."""
+BURST_SPEEDUP = 10  # a burst call costs a tenth of its stand-in's ticks
+
+
+def work_on_a_bursty_machine(clock: FakeClock, costs: dict[str, int], burst_calls: set[int]):
+    """Stand-ins advancing the fake clock by their `costs` in whole ticks, a tenth of it on the calls numbered
+    in `burst_calls` (a VM whose memory briefly runs fast), counting calls across all of them."""
     calls = itertools.count()
 
     def make(name: str):
         def run() -> None:
-            clock.now += costs[name] * (0.1 if next(calls) in burst_calls else 1.0)
+            clock.now += costs[name] // BURST_SPEEDUP if next(calls) in burst_calls else costs[name]
         return run
 
     return make("cheap"), make("dear")
@@ -51,18 +54,18 @@ def work_on_a_bursty_machine(clock: FakeClock, costs: dict[str, float], burst_ca
 def test_interleaved_rounds_see_through_a_burst():
     """The dear candidate (1.5x the cheap one's time) meets a fast burst in one of its runs: the fastest of
     a few runs of each then picks it, the median of interleaved rounds still sees its real cost."""
-    clock, costs = FakeClock(), {"cheap": 4.0, "dear": 6.0}
+    clock, costs = FakeClock(), {"cheap": 40, "dear": 60}  # whole ticks of the fake clock
     # calls: cheap's warm-up and 3 runs are 0-3, dear's warm-up is 4, its first timed run 5
     cheap, dear = work_on_a_bursty_machine(clock, costs, burst_calls={5})
-    # FakeClock's virtual time, advanced by the work functions alone: exact costs, not the machine's speed.
-    # The fastest-of-runs rule the plan used before takes dear's burst run (a tenth of its cost) and is misled.
-    assert fastest_seconds(cheap, clock=clock) == pytest.approx(costs["cheap"])
-    assert fastest_seconds(dear, clock=clock) == pytest.approx(costs["dear"] * 0.1)
+    # The fastest-of-runs rule the plan used before reports exactly the ticks of the call it kept: cheap's own,
+    # and dear's burst call (6 ticks), so it is misled.
+    assert fastest_seconds(cheap, clock=clock) == 40
+    assert fastest_seconds(dear, clock=clock) == 60 // BURST_SPEEDUP
 
     # dear's timed run in the first round of each comparison (the first takes calls 0-19, 2 warm-ups + 9 x 2)
     cheap, dear = work_on_a_bursty_machine(clock, costs, burst_calls={3, 22})
-    assert median_time_ratio(cheap, dear, clock=clock) == pytest.approx(4.0 / 6.0)
-    assert median_time_ratio(dear, cheap, clock=clock) == pytest.approx(6.0 / 4.0)  # the burst's round: 0.15
+    assert median_time_ratio(cheap, dear, clock=clock) == pytest.approx(40 / 60)
+    assert median_time_ratio(dear, cheap, clock=clock) == pytest.approx(60 / 40)  # the burst's round: 6 / 40
 
 
 def test_the_untimed_step_runs_before_each_run():
