@@ -7,9 +7,14 @@ that loads Qwen3-style would scale by w (about 0) instead of 1 + w.
 
 `GatedRMSNorm` (the Gated DeltaNet output, per value head): a plain weight (not zero-centred), then a SiLU
 gate from the layer's z projection.
+
+A `ZeroCenteredNormKernel` (the compiled CPU kernels) runs the zero-centred norm, and the residual add before
+it, as one op with the same rounding; at decode the ten torch ops of each cost more in dispatch than in work.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +27,14 @@ def _normalized_float(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
 
 
+class ZeroCenteredNormKernel(Protocol):
+    def zero_centered_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                               residual: torch.Tensor | None) -> torch.Tensor | None:
+        """`ZeroCenteredRMSNorm` of x (after x += residual where given), rounded as it rounds; None where the
+        kernel does not take these inputs (x left untouched)."""
+        ...
+
+
 class ZeroCenteredRMSNorm(nn.Module):
     """x / rms(x) * (1 + weight), in float32, rounded once to x's dtype."""
 
@@ -29,12 +42,19 @@ class ZeroCenteredRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
+        self.kernel: ZeroCenteredNormKernel | None = None  # set by Qwen3_5ForCausalLM.set_zero_centered_norm_kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = None if self.kernel is None else self.kernel.zero_centered_rms_norm(x, self.weight, self.eps, None)
+        if fused is not None:
+            return fused
         return (_normalized_float(x, self.eps) * (1.0 + self.weight.float())).to(x.dtype)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, norm(h)) for h = x + residual, added into x (a layer's fresh output: no new buffer)."""
+        fused = None if self.kernel is None else self.kernel.zero_centered_rms_norm(x, self.weight, self.eps, residual)
+        if fused is not None:
+            return x, fused
         hidden = x.add_(residual)
         return hidden, self(hidden)
 

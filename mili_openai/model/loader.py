@@ -250,6 +250,7 @@ def use_cpu_kernels(model: Qwen3ForCausalLM, dtype: torch.dtype, kernels: CpuKer
     model.set_attention_kernel(kernels)
     if isinstance(model, Qwen3_5ForCausalLM):
         model.set_linear_attention_kernel(kernels.linear_attention)
+        model.set_zero_centered_norm_kernel(kernels)
     if dtype == torch.bfloat16:
         model.set_matmul(kernels.linear)
         model.set_quantized_matmul(kernels.quantized.linear)

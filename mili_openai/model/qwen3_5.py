@@ -30,7 +30,7 @@ from mili_openai.model.config import ModelConfig
 from mili_openai.model.gated_attention import GatedAttention
 from mili_openai.model.gated_deltanet import GatedDeltaNet, StateRows
 from mili_openai.model.hybrid_config import LINEAR_ATTENTION
-from mili_openai.model.hybrid_norms import ZeroCenteredRMSNorm
+from mili_openai.model.hybrid_norms import ZeroCenteredNormKernel, ZeroCenteredRMSNorm
 from mili_openai.model.layers import FusedOpKernel, Linear, MatmulFn, SwiGLUMLP
 from mili_openai.model.moe import ExpertsKernel, GroupedExperts, SharedExpertMoeBlock, SparseMoeBlock, SparseMoeKernel
 from mili_openai.model.mtp import MultiTokenPredictorWeights
@@ -197,6 +197,10 @@ class Qwen3_5ForCausalLM(nn.Module):
     def set_linear_attention_kernel(self, kernel: LinearAttentionKernel) -> None:
         """Run every Gated DeltaNet's conv and delta rule through `kernel` (kernels/linear_attention.py)."""
         self._set_all(GatedDeltaNet, "kernel", kernel)
+
+    def set_zero_centered_norm_kernel(self, kernel: ZeroCenteredNormKernel | None) -> None:
+        """Every zero-centred RMSNorm (decoder, final, attention's q/k norms) through `kernel` (None: torch's ops)."""
+        self._set_all(ZeroCenteredRMSNorm, "kernel", kernel)
 
     def set_attention_kernel(self, kernel: AttentionKernel | None) -> None:
         self._set_all(GatedAttention, "attention_kernel", kernel)
