@@ -24,12 +24,12 @@ SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("bindings.cpp", "linear_bf16.cpp", "linear_amx.cpp", "paged_decode_attention.cpp",
            "decode_shared_amx.cpp", "paged_prefill_attention.cpp", "prefill_amx.cpp", "rms_norm_bf16.cpp",
            "activation_bf16.cpp", "moe_experts.cpp", "moe_block.cpp", "decode_stack.cpp", "sample_rows.cpp",
-           "gated_delta_rule.cpp")
+           "gated_delta_rule.cpp", "gated_deltanet_decode.cpp", "zero_centered_norm.cpp")
 QUANTIZED_SOURCES = ("linear_quantized.cpp", "linear_int8.cpp", "linear_int4.cpp", "linear_w8a8.cpp")
 # not compiled on their own (torch's JIT hashes only the sources); the build's name hashes every file in csrc
 HEADERS = ("attention_pages.h", "simd_bf16.h", "kernels.h", "prefill_products.h", "decode_blocks.h", "row_ranges.h",
            "amx_tiles.h", "decode_shared_amx.h", "decode_partials.h", "prefill_amx.h", "quantized_linear.h", "quantized_tiles.h",
-           "moe.h", "expert_tiles.h")
+           "moe.h", "expert_tiles.h", "delta_rule_step.h")
 EXTENSION_PREFIX = "mili_cpu_kernels"
 # -fopenmp: without it ATen's parallel_for compiles to a serial loop inside the extension
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"]
@@ -40,6 +40,7 @@ VECTOR_LANES = 16
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128, 256)  # the attention kernels' head sizes (256: Qwen3.5's attention)
 DECODE_STACK_HEAD_DIMS = (16, 32, 64, 128)  # the fused decoder keeps a head in registers
 ATTENTION_DTYPES = (torch.bfloat16, torch.float32)
+ZERO_CENTERED_NORM_DTYPES = (torch.bfloat16, torch.float32)
 PREFILL_ATTENTION_MAX_GROUP = 64  # query heads per KV head: a prefill task spreads them over 64 lanes
 ROTARY_HEAD_DIM_MULTIPLE, MAX_ROTARY_HEAD_DIM = 32, 256  # the kernel rotates 16-lane halves on the stack
 
@@ -130,6 +131,17 @@ class CpuKernels:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """bf16(weight * bf16(x / rms(x))) over the last dim, one pass per row."""
         return self._module.rms_norm_bf16(x.contiguous(), weight.to(x.dtype).contiguous(), eps)
+
+    def zero_centered_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                               residual: torch.Tensor | None) -> torch.Tensor | None:
+        """Qwen3.5's zero-centred RMSNorm (model/hybrid_norms.py), after x += residual where given; None outside
+        the kernel's domain (x untouched)."""
+        if not (x.device.type == "cpu" and x.dtype in ZERO_CENTERED_NORM_DTYPES and x.dim() in (2, 3)
+                and x.stride(-1) == 1 and x.shape[-1] % VECTOR_LANES == 0
+                and (residual is None or (x.is_contiguous() and residual.is_contiguous()
+                                          and residual.dtype == x.dtype and residual.shape == x.shape))):
+            return None
+        return self._module.zero_centered_rms_norm(x, weight, eps, residual)
 
     @staticmethod
     def supports_silu_mul(gate_up: torch.Tensor) -> bool:

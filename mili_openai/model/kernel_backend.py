@@ -88,6 +88,16 @@ class SparseMoeKernel(Protocol):
                    top_k: int, normalize: bool, expert_load: torch.Tensor) -> torch.Tensor: ...
 
 
+class ZeroCenteredNormKernel(Protocol):
+    """Qwen3.5's zero-centred RMSNorm with the residual add before it (see mili_openai.kernels.CpuKernels)."""
+
+    def zero_centered_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                               residual: torch.Tensor | None) -> torch.Tensor | None:
+        """`ZeroCenteredRMSNorm` of x (after x += residual where given), rounded as it rounds; None where the
+        kernel does not take these inputs (x left untouched)."""
+        ...
+
+
 class DecodeStack(Protocol):
     """The embedding and every decoder layer of a decode-only step in one compiled call (see
     mili_openai.kernels.CpuDecodeStack)."""
@@ -119,6 +129,7 @@ class KernelBackend:
     experts: ExpertsKernel | None = None  # every routed expert in grouped launches (CUDA)
     sparse_moe: SparseMoeKernel | None = None  # router + experts in one call (CPU, bf16)
     decode_stack: DecodeStackKernel | None = None  # builds the one-call decode step (CPU, bf16, one rank)
+    zero_centered_norm: ZeroCenteredNormKernel | None = None  # the hybrids' norms (+ residual add), CPU
     linear_attention: LinearAttentionKernel = field(default_factory=TorchLinearAttention)  # Gated DeltaNet's ops
     lora: LoraFn = add_lora  # the adapters' deltas over a mixed batch (torch's segmented matmul on every device)
     # the compiled CPU kernels are building on a thread: torch's ops serve until they come in (backend_setup.py)
@@ -130,6 +141,7 @@ class KernelBackend:
         its weights, follows with `build_decode_stack` (model/backend_setup.py's `use_cpu_kernels`)."""
         self.attention = kernels
         self.linear_attention = kernels.linear_attention
+        self.zero_centered_norm = kernels
         if dtype != torch.bfloat16:
             return
         self.matmul = kernels.linear

@@ -32,6 +32,9 @@ void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_pool
                              torch::Tensor out);
 bool cpu_has_bf16_dot_products();
 torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+// Qwen3.5's zero-centred RMSNorm (1 + w), after the residual add into x where `residual` is given
+torch::Tensor zero_centered_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                                     const c10::optional<torch::Tensor>& residual);
 torch::Tensor qk_norm_rope_bf16(const torch::Tensor& qk, const torch::Tensor& q_weight, const torch::Tensor& k_weight,
                                 int64_t num_q_heads, double eps, const torch::Tensor& cos,
                                 const torch::Tensor& signed_sin);
@@ -78,3 +81,10 @@ torch::Tensor causal_conv1d_decode(const torch::Tensor& x, const torch::Tensor& 
 torch::Tensor causal_conv1d_prefill(const torch::Tensor& x, const torch::Tensor& cu_seqlens,
                                     const torch::Tensor& conv_pool, const torch::Tensor& weight,
                                     const c10::optional<torch::Tensor>& bias, const torch::Tensor& slots);
+// the fused decode step of a whole layer between its projections (gated_deltanet_decode.cpp): in_proj's output
+// (B, conv_dim + value_dim + 2 Hv) -> out_proj's input (B, value_dim), both pools updated in place at slots
+torch::Tensor gated_deltanet_decode(const torch::Tensor& projected, const torch::Tensor& conv_pool,
+                                    const torch::Tensor& conv_weight, const torch::Tensor& a_log,
+                                    const torch::Tensor& dt_bias, const torch::Tensor& norm_weight, double eps,
+                                    int64_t num_k_heads, int64_t head_k_dim, const torch::Tensor& state_pool,
+                                    const torch::Tensor& slots);
