@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from mili_openai.kernels.build_lock import build_directory, exclusive_build, extension_name
 from mili_openai.kernels.cpu_linear_attention import CpuLinearAttention
+from mili_openai.kernels.lora import LoraSlotTable
 from mili_openai.kernels.planning import KernelPlan, plan_decode_prefetch, plan_matmuls, plan_prefill_attention
 from mili_openai.kernels.quantized import CpuQuantizedLinear, PackedWeights
 
@@ -24,7 +25,7 @@ SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("bindings.cpp", "linear_bf16.cpp", "linear_amx.cpp", "paged_decode_attention.cpp",
            "decode_shared_amx.cpp", "paged_prefill_attention.cpp", "prefill_amx.cpp", "rms_norm_bf16.cpp",
            "activation_bf16.cpp", "moe_experts.cpp", "moe_block.cpp", "decode_stack.cpp", "sample_rows.cpp",
-           "gated_delta_rule.cpp")
+           "gated_delta_rule.cpp", "lora_bf16.cpp")
 QUANTIZED_SOURCES = ("linear_quantized.cpp", "linear_int8.cpp", "linear_int4.cpp", "linear_w8a8.cpp")
 # not compiled on their own (torch's JIT hashes only the sources); the build's name hashes every file in csrc
 HEADERS = ("attention_pages.h", "simd_bf16.h", "kernels.h", "prefill_products.h", "decode_blocks.h", "row_ranges.h",
@@ -265,6 +266,22 @@ class CpuKernels:
                                          self._amx_tiles, self.plan.decode_prefetch_blocks)
         return CpuDecodeStack(stack, self)
 
+    def lora_projection(self, table: LoraSlotTable | None):
+        """The compiled record of one projection's LoRA slots (an empty one for None)."""
+        if table is None:
+            return self._module.LoraProjection()
+        return self._module.LoraProjection(table.lora_a, table.lora_b, list(table.offsets))
+
+    def add_lora(self, out: torch.Tensor, x: torch.Tensor, table: LoraSlotTable, row_slots: torch.Tensor) -> None:
+        """out (T, O) += each row's slot's delta (row_slots (T,) int64, -1: none), in place: bf16, rounded as
+        kernels/lora.py's torch ops; `supports_lora` says where it runs."""
+        self._module.add_lora_bf16(out, x, table.lora_a, table.lora_b, row_slots, list(table.offsets))
+
+    @staticmethod
+    def supports_lora(x: torch.Tensor, table: LoraSlotTable) -> bool:
+        return (x.dtype == table.lora_a.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2
+                and x.stride(1) == 1 and x.shape[1] % VECTOR_LANES == 0)
+
     def _packed_linear(self, packed: PackedWeights):
         empty = torch.empty(0)
         if packed.bits == 16:
@@ -281,19 +298,27 @@ class CpuDecodeStack:
 
     def __init__(self, stack, kernels: CpuKernels) -> None:
         self._stack = stack
-        self._kernels = kernels
+        self.kernels = kernels  # the kernels it calls, which LoRA projections call too (model/lora_layers.py)
+        self._no_lora_slots = torch.empty(0, dtype=torch.int64)
 
     @property
     def max_rows(self) -> int:
-        return self._kernels.max_kernel_rows
+        return self.kernels.max_kernel_rows
 
     def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, pools: torch.Tensor,
                 slot_mapping: torch.Tensor, page_table: torch.Tensor, page_size: int,
-                ctx_lens: torch.Tensor) -> torch.Tensor:
+                ctx_lens: torch.Tensor, lora_slots: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids (B,) -> (B, hidden) after the last layer, K/V written to `pools`, each row attending to
-        positions [0, ctx_lens[b]) of its page table row. One call that runs no torch op from Python: the GIL
-        is held until it is released for the whole stack."""
-        return self._stack.forward(input_ids, cos, signed_sin, pools, slot_mapping, page_table, page_size, ctx_lens)
+        positions [0, ctx_lens[b]) of its page table row, and adding the delta of LoRA slot lora_slots[b] (-1: none)
+        where `set_lora` gave slots. One call that runs no torch op from Python: the GIL is held until it is
+        released for the whole stack."""
+        return self._stack.forward(input_ids, cos, signed_sin, pools, slot_mapping, page_table, page_size, ctx_lens,
+                                   self._no_lora_slots if lora_slots is None else lora_slots)
+
+    def set_lora(self, projections: list[LoraSlotTable | None]) -> None:
+        """LoRA adapter slots on the stack's linears, one entry per linear in the order `decode_stack` took them
+        (None: that linear takes none). Held, not copied: adapters loaded into the slots later are read as they are."""
+        self._stack.set_lora([self.kernels.lora_projection(table) for table in projections])
 
 
 @functools.lru_cache(maxsize=1)
