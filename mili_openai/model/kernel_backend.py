@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from mili_openai.kernels.cpu import CpuKernels, SparseMoeWeights
 from mili_openai.kernels.fp8 import Fp8Weights, torch_fp8_linear
 from mili_openai.kernels.linear_attention import LinearAttentionKernel, TorchLinearAttention
-from mili_openai.kernels.lora import LoraGroup, add_lora
+from mili_openai.kernels.lora import LoraRows, LoraSlotTable, add_lora
 from mili_openai.kernels.quantized import PackedWeights, reference_linear
 from mili_openai.model.paged_attention import AttentionKernel
 
@@ -38,9 +38,9 @@ MatmulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # (x (..., K), packed weight) -> (..., N): the CPU kernels, Triton on CUDA, or the torch reference
 QuantizedMatmulFn = Callable[[torch.Tensor, PackedWeights], torch.Tensor]
 Fp8MatmulFn = Callable[[torch.Tensor, Fp8Weights], torch.Tensor]  # the same, for fp8 weights
-# (out (T, O), x (T, I), lora_a (slots, R, I), lora_b (slots, O, R), row groups) -> out with each group's
-# adapter delta added in place: the segmented LoRA matmul (kernels/lora.py)
-LoraFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[LoraGroup]], torch.Tensor]
+# (out (T, O), x (T, I), one projection's adapter slots, the step's rows by slot) -> out with each row's adapter
+# delta added in place: the segmented LoRA matmul (kernels/lora.py) or the CPU kernel
+LoraFn = Callable[[torch.Tensor, torch.Tensor, LoraSlotTable, LoraRows], torch.Tensor]
 
 
 class FusedOpKernel(Protocol):
@@ -100,7 +100,7 @@ class ZeroCenteredNormKernel(Protocol):
 
 class DecodeStack(Protocol):
     """The embedding and every decoder layer of a decode-only step in one compiled call (see
-    mili_openai.kernels.CpuDecodeStack)."""
+    mili_openai.kernels.cpu_decode_stack.CpuDecodeStack)."""
 
     max_rows: int  # decode batches up to this size; larger ones run layer by layer
 
@@ -131,7 +131,7 @@ class KernelBackend:
     decode_stack: DecodeStackKernel | None = None  # builds the one-call decode step (CPU, bf16, one rank)
     zero_centered_norm: ZeroCenteredNormKernel | None = None  # the hybrids' norms (+ residual add), CPU
     linear_attention: LinearAttentionKernel = field(default_factory=TorchLinearAttention)  # Gated DeltaNet's ops
-    lora: LoraFn = add_lora  # the adapters' deltas over a mixed batch (torch's segmented matmul on every device)
+    lora: LoraFn = add_lora  # the adapters' deltas over a mixed batch (torch's segmented matmul; CPU bf16: a kernel)
     # the compiled CPU kernels are building on a thread: torch's ops serve until they come in (backend_setup.py)
     awaits_cpu_kernels: bool = False
 
@@ -149,6 +149,7 @@ class KernelBackend:
         self.fused_ops = kernels
         self.sparse_moe = kernels
         self.decode_stack = kernels
+        self.lora = kernels.add_lora
 
 
 def require_backend(backend: KernelBackend) -> KernelBackend:

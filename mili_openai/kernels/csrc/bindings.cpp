@@ -60,6 +60,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "page tables into out; amx_tiles: bf16 on AMX tiles", release_gil());
   m.def("cpu_has_bf16_dot_products", &cpu_has_bf16_dot_products, "whether the CPU has AVX512-BF16");
   m.def("cpu_has_amx_tiles", &cpu_has_amx_tiles, "whether the CPU has AMX-BF16 tiles that Linux lets us use");
+  m.def("add_lora_bf16", [](torch::Tensor out, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b_t,
+                            const torch::Tensor& row_slots, const std::vector<int64_t>& offsets) {
+    add_lora_bf16(out, x, LoraProjection{a, b_t, offsets}, row_slots);
+  }, "out (T, O) += x A[s]^T B^T[s] for each row's slot s (-1: none), in place, bf16 (lora_bf16.cpp)", release_gil());
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm with transformers' bf16 rounding", release_gil());
   m.def("zero_centered_rms_norm", &zero_centered_rms_norm, "RMSNorm with the weight applied as 1 + w (Qwen3.5), "
         "after adding residual into x where given", release_gil());
