@@ -34,13 +34,14 @@ class KnownOutputProposer:
 
     drafts_in_runner = False
 
-    def __init__(self, outputs: dict[tuple[int, ...], list[int]]) -> None:
+    def __init__(self, outputs: dict[tuple[int, ...], list[int]], k: int) -> None:
         self.outputs = outputs  # by prompt
+        self.k = k
 
     def propose(self, seq, max_drafts: int) -> list[int]:
         done = len(seq.output_token_ids)
         output = self.outputs.get(tuple(seq.prompt_token_ids), [])
-        return list(output[done : done + max_drafts])
+        return list(output[done : done + min(self.k, max_drafts)])
 
 
 def decode_ms_per_step(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float, float]:
@@ -106,7 +107,7 @@ def main() -> None:
         for kind, speculative in kinds:  # one engine at a time: each holds the model
             llm = LLM(args.checkpoint, num_threads=args.num_threads, speculative_config=speculative)
             if kind == "verify":
-                llm.core.scheduler.proposer = KnownOutputProposer(known)
+                llm.core.scheduler.proposer = KnownOutputProposer(known, k)
             ms, per_step = decode_ms_per_step(llm, prompts, args.tokens)
             del llm
             cost = ms / plain
