@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from engine_helpers import hf_greedy
+from mili_openai.kernels.lora import LoraSlotTable
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # LoRA's A and B both drawn at random (PEFT's init_lora_weights=False), then scaled down so that the delta moves
@@ -78,3 +79,17 @@ def edited_adapter(source: Path, directory: Path, edit_weights=None, **config_fi
     if config_fields:
         edit_adapter_config(directory, **config_fields)
     return directory
+
+
+def slot_table(num_slots: int, in_features: int, module_outs: list[int], rank: int, seed: int,
+               dtype: torch.dtype = torch.bfloat16) -> LoraSlotTable:
+    """Random slots (in `dtype`) of a projection stacking `module_outs` modules: B^T block-diagonal, as LoraLinear holds it."""
+    generator = torch.Generator().manual_seed(seed)
+    width, offsets = len(module_outs) * rank, [0]
+    lora_a = torch.randn(num_slots, width, in_features, generator=generator) / in_features ** 0.5
+    lora_b = torch.zeros(num_slots, width, sum(module_outs))
+    for index, out in enumerate(module_outs):
+        lora_b[:, index * rank:(index + 1) * rank, offsets[-1]:offsets[-1] + out] = torch.randn(
+            num_slots, rank, out, generator=generator)
+        offsets.append(offsets[-1] + out)
+    return LoraSlotTable(lora_a.to(dtype), lora_b.to(dtype), tuple(offsets))
