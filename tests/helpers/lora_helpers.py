@@ -11,8 +11,20 @@ import torch
 
 from engine_helpers import hf_greedy
 from mili_openai.kernels.lora import LoraSlotTable
+from mili_openai.model.lora_adapter import ATTENTION_TARGETS
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+DELTANET = {"qwen3_5": ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"],
+            "qwen3_next": ["in_proj_qkvz", "in_proj_ba", "out_proj"]}
+MLP = ["gate_proj", "up_proj", "down_proj"]
+# layout -> (every module an adapter may target on it, the Gated DeltaNet's alone)
+HYBRID_TARGETS = {
+    "qwen3_5": (list(ATTENTION_TARGETS) + DELTANET["qwen3_5"] + MLP, DELTANET["qwen3_5"]),
+    "qwen3_5_moe": (list(ATTENTION_TARGETS) + DELTANET["qwen3_5"] + MLP + ["shared_expert_gate"], DELTANET["qwen3_5"]),
+    # PEFT 0.21 turns gate/up/down_proj on a Qwen3-Next into its routed experts' parameters (target_parameters,
+    # which mili refuses) and drops the shared expert's: Qwen3.5-MoE covers the shared expert's MLP
+    "qwen3_next": (list(ATTENTION_TARGETS) + DELTANET["qwen3_next"] + ["shared_expert_gate"], DELTANET["qwen3_next"]),
+}
 # LoRA's A and B both drawn at random (PEFT's init_lora_weights=False), then scaled down so that the delta moves
 # the tiny model's tokens without swamping them
 WEIGHT_SCALE = 0.5
