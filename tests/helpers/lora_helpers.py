@@ -1,5 +1,6 @@
 """PEFT LoRA adapters written by PEFT itself on a tiny checkpoint, and the oracle that serves them: transformers'
-Qwen3 with the adapter merged by PEFT's `merge_and_unload()`."""
+Qwen3 with the adapter merged by PEFT's `merge_and_unload()`; the targets each hybrid layout takes; random slot tables
+for the kernels' tests."""
 
 from __future__ import annotations
 
@@ -95,7 +96,8 @@ def edited_adapter(source: Path, directory: Path, edit_weights=None, **config_fi
 
 def slot_table(num_slots: int, in_features: int, module_outs: list[int], rank: int, seed: int,
                dtype: torch.dtype = torch.bfloat16) -> LoraSlotTable:
-    """Random slots (in `dtype`) of a projection stacking `module_outs` modules: B^T block-diagonal, as LoraLinear holds it."""
+    """Random slots (in `dtype`) of a projection stacking `module_outs` modules: B^T block-diagonal, as LoraLinear
+    holds it."""
     generator = torch.Generator().manual_seed(seed)
     width, offsets = len(module_outs) * rank, [0]
     lora_a = torch.randn(num_slots, width, in_features, generator=generator) / in_features ** 0.5
