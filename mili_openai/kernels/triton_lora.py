@@ -5,8 +5,9 @@ per projection, over the step's rows cut into blocks of one slot each (`LoraRows
   `x @ A[slot].T` over the input features, tl.dot in float32, rounded to x's dtype as torch's first matmul is.
 - `_lora_expand`: a program per (block, tile of output columns) takes that (rows, W) product times its slot's
   B^T (held transposed, (W, out): kernels/lora.py's `LoraSlotTable`) and adds the delta, rounded to the output's
-  dtype, into its rows of `out` (torch's `out += delta` rounding). Blocks hold distinct rows: no two programs
-  write one element.
+  dtype, into its rows of `out` (torch's `out += delta` rounding). It reads only the rank rows of the modules its
+  columns belong to (B^T is block-diagonal over a fused projection's modules). Blocks hold distinct rows: no two
+  programs write one element.
 Rows on the base alone are in no block and are not touched. The work is the two small matmuls per row that run an
 adapter, whichever adapters the step mixes; blocks of `BLOCK_ROWS` rows keep tl.dot's tiles full for prefill
 chunks, and decode rows of one adapter share a block.
@@ -32,12 +33,14 @@ BLOCK_ROWS = 16  # rows of one slot a program takes (tl.dot's smallest tile side
 BLOCK_RANK = 16  # rank columns per tile (W = modules x max rank: 8..192)
 BLOCK_FEATURES = 64  # input features per reduction step of the shrink
 BLOCK_OUT = 64  # output columns a program of the expand writes
+MAX_MODULES = 4  # stacked modules the expand tells apart (Gated DeltaNet's in_proj: q/k/v, z, b, a)
 
 
 if triton is not None:
 
-    # the block count and row count vary from step to step: one compiled variant for every value
-    @triton.jit(do_not_specialize=["blocks"])
+    # the block count varies from step to step, the slot width from projection to projection (modules x max rank,
+    # 8 or 24 as well as 16): one compiled variant for every value, the one the load-time probe builds
+    @triton.jit(do_not_specialize=["blocks", "rank"])
     def _lora_shrink(x_ptr, a_ptr, v_ptr, order_ptr, first_ptr, count_ptr, slot_ptr, blocks, in_features, rank,
                      x_stride, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
                      DOT_FP32: tl.constexpr):
@@ -64,10 +67,10 @@ if triton is not None:
         tl.store(v_ptr + positions[:, None] * rank + ws[None, :], acc.to(v_ptr.dtype.element_ty),
                  mask=m_ok[:, None] & w_ok[None, :])
 
-    @triton.jit(do_not_specialize=["blocks"])
+    @triton.jit(do_not_specialize=["blocks", "rank", "module_rank", "bound1", "bound2", "bound3"])
     def _lora_expand(v_ptr, b_ptr, out_ptr, order_ptr, first_ptr, count_ptr, slot_ptr, blocks, rank, out_features,
-                     out_stride, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr,
-                     DOT_FP32: tl.constexpr):
+                     out_stride, module_rank, bound1, bound2, bound3, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
+                     BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
         block = tl.program_id(0)
         first, count = tl.load(first_ptr + block), tl.load(count_ptr + block)
         slot = tl.load(slot_ptr + block).to(tl.int64)
@@ -77,10 +80,18 @@ if triton is not None:
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
         col_ok = cols < out_features
         b_slot = b_ptr + slot * rank * out_features
+        # B^T is block-diagonal: the tile's columns read only the rank rows of the modules they belong to
+        first_col = tl.program_id(1) * BLOCK_N
+        last_col = tl.minimum(first_col + BLOCK_N, out_features) - 1
+        w_start = module_rank * ((first_col >= bound1).to(tl.int32) + (first_col >= bound2).to(tl.int32)
+                                 + (first_col >= bound3).to(tl.int32))
+        last_module = (last_col >= bound1).to(tl.int32) + (last_col >= bound2).to(tl.int32) + (
+            last_col >= bound3).to(tl.int32)
+        w_end = tl.minimum(rank, module_rank * (last_module + 1))
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for w0 in range(0, rank, BLOCK_W):
+        for w0 in range(w_start, w_end, BLOCK_W):
             ws = w0 + tl.arange(0, BLOCK_W)
-            w_ok = ws < rank
+            w_ok = ws < w_end
             v = tl.load(v_ptr + (first + m)[:, None] * rank + ws[None, :], mask=m_ok[:, None] & w_ok[None, :],
                         other=0.0)
             b = tl.load(b_slot + ws[:, None] * out_features + cols[None, :], mask=w_ok[:, None] & col_ok[None, :],
@@ -94,6 +105,16 @@ if triton is not None:
         delta = acc.to(out_ptr.dtype.element_ty).to(tl.float32)  # rounded as torch's second matmul rounds
         out = tl.load(targets, mask=mask, other=0.0).to(tl.float32)
         tl.store(targets, (out + delta).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _module_bounds(table: LoraSlotTable, rank: int, out_features: int) -> tuple[int, int, int, int]:
+    """(each module's rank rows, the first output column of modules 1, 2 and 3; out_features past the last): the
+    expand's block-diagonal bounds. More modules than that: one module of every rank row (all of B^T read)."""
+    modules = len(table.offsets) - 1
+    if modules > MAX_MODULES:
+        return rank, out_features, out_features, out_features
+    bounds = (*table.offsets[1:-1], *[out_features] * (MAX_MODULES - modules))
+    return rank // modules, *bounds
 
 
 def _triton_add_lora(out: torch.Tensor, x: torch.Tensor, table: LoraSlotTable, step_rows: LoraRows) -> torch.Tensor:
@@ -116,7 +137,8 @@ def _triton_add_lora(out: torch.Tensor, x: torch.Tensor, table: LoraSlotTable, s
         x.stride(0), BLOCK_M=BLOCK_ROWS, BLOCK_W=BLOCK_RANK, BLOCK_K=BLOCK_FEATURES, DOT_FP32=dot_fp32)
     _lora_expand[(num_blocks, triton.cdiv(out_features, BLOCK_OUT))](
         v, lora_b, target, blocks.order, blocks.first, blocks.count, blocks.slot, num_blocks, rank, out_features,
-        target.stride(0), BLOCK_M=BLOCK_ROWS, BLOCK_W=BLOCK_RANK, BLOCK_N=BLOCK_OUT, DOT_FP32=dot_fp32)
+        target.stride(0), *_module_bounds(table, rank, out_features), BLOCK_M=BLOCK_ROWS, BLOCK_W=BLOCK_RANK,
+        BLOCK_N=BLOCK_OUT, DOT_FP32=dot_fp32)
     if target is not out:
         out.copy_(target)
     return out

@@ -1,6 +1,7 @@
 """The Triton LoRA kernels (kernels/triton_lora.py) run by Triton's interpreter on CPU tensors, against torch's
 segmented gather-matmul they replace on CUDA (kernels/lora.py's `add_lora`): mixed batches of several adapters and
-base rows, fused projections' stacked slots, groups longer than one block of rows, widths that end mid-tile.
+base rows, fused projections' stacked slots (the expand reads only each module's rank rows of the block-diagonal
+B^T), groups longer than one block of rows, widths that end mid-tile.
 Small shapes: the interpreter runs each program in numpy. Triton decides between compiling and interpreting when it
 is imported, so the kernel runs in a process started with TRITON_INTERPRET=1 (the `interpreter` fixture)."""
 
@@ -30,6 +31,7 @@ CASES = [
     (32, [7, 9], 4, [1, 1, 1]),  # module widths that end mid-tile; one adapter on every row
     (96, [40], 16, [-1, 0]),
     (80, [72], 8, [0] * 20 + [-1] * 3 + [1] * 17),  # groups over one block of rows; 80 features: a partial K tile
+    (32, [70, 30, 8, 8], 4, [1, 0, -1, 1]),  # Gated DeltaNet's four inputs: a column tile of one module, one of four
 ]
 
 
