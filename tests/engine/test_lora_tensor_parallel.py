@@ -1,9 +1,9 @@
 """LoRA adapters under tensor parallelism (two gloo ranks on CPU, float32): each rank holds its share of every
 adapter, cut as its base projection is (model/lora_tensor_parallel.py), and the greedy tokens (and logprobs) of a
 mixed batch (several adapters and the base in the same steps) equal one rank's; on Qwen3 with every projection
-targeted, on Qwen3.5 and Qwen3-Next (Gated DeltaNet's projections, Qwen3-Next's fused and regrouped ones); an adapter
-loaded at run time reaches every rank before the step that runs it; a bad adapter is refused before any rank
-starts; and each rank's slices reassemble the whole adapter."""
+targeted, and on Qwen3-Next (gated attention, Gated DeltaNet's fused and regrouped inputs, the shared expert's
+gate); an adapter loaded at run time reaches every rank before the step that runs it; a bad adapter is refused
+before any rank starts; and on every layout the ranks' shares cover each module's rows or input features."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def test_mixed_adapters_on_two_ranks_match_one_rank(tiny_checkpoint, lora_adapte
     assert len({tuple(tokens) for tokens, _ in want[2::3][:4]}) == 4  # each adapter moves the 40-token prompt's tokens
 
 
-@pytest.mark.parametrize("layout", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("layout", ["qwen3_next"])  # its fused inputs regrouped, then split (the rest: shares below)
 def test_hybrid_adapters_on_two_ranks_match_one_rank(hybrid_checkpoint, tmp_path, layout):
     checkpoint = hybrid_checkpoint(layout)
     every, deltanet = HYBRID_TARGETS[layout]
@@ -112,11 +112,12 @@ def rank_sites(config: ModelConfig, rank: int) -> list:
     return lora_sites(model)
 
 
-@pytest.mark.parametrize("layout", ["qwen3", "qwen3_5", "qwen3_next"])
-def test_rank_shares_cover_every_module(tiny_checkpoint, hybrid_checkpoint, layout):
+@pytest.mark.parametrize("layout", ["tiny_checkpoint", "tiny_moe_checkpoint", "qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_rank_shares_cover_every_module(request, hybrid_checkpoint, layout):
     """Each module's output rows (column-parallel) or input features (row-parallel) over the ranks: every one held
     by some rank (exactly one, but for KV heads replicated over ranks), as many on a rank as its projection holds."""
-    config = ModelConfig.from_pretrained(tiny_checkpoint if layout == "qwen3" else hybrid_checkpoint(layout))
+    checkpoint = request.getfixturevalue(layout) if layout.startswith("tiny") else hybrid_checkpoint(layout)
+    config = ModelConfig.from_pretrained(checkpoint)
     whole = whole_model_sites(config)
     shares = [shard_lora_sites(rank_sites(config, rank), whole, config, _Rank(rank)) for rank in range(TP_SIZE)]
     split = {"rows": 0, "columns": 0}
