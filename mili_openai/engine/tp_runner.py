@@ -37,8 +37,8 @@ from mili_openai.config import EngineConfig
 from mili_openai.engine.process_helpers import describe_exit
 from mili_openai.engine.runner import resolve_device
 from mili_openai.engine.step_preparer import LaunchedStep, PreparedStep, StepPreparer, StepRunner
-from mili_openai.engine.tp_lora import TensorParallelLora
 from mili_openai.engine.sampler import Sampler
+from mili_openai.engine.tp_lora import TensorParallelLora
 from mili_openai.engine.tp_worker import (
     REPLYING_RANK,
     ExpertLoadReply,
