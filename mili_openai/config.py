@@ -214,8 +214,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):  # as the offline LLM(lora={...}) takes it
             object.__setattr__(self, "lora", LoraConfig(**self.lora))
-        if self.lora is not None and self.tensor_parallel_size > 1:
-            raise ValueError("LoRA adapters are not served under tensor parallelism yet")
         if isinstance(self.speculative_config, dict):  # as the offline LLM(speculative_config={...}) takes it
             object.__setattr__(self, "speculative_config", speculative_config_from(self.speculative_config))
         if not isinstance(self.speculative_config, SpeculativeConfig | None):

@@ -38,6 +38,7 @@ from mili_openai.engine.process_helpers import describe_exit
 from mili_openai.engine.runner import resolve_device
 from mili_openai.engine.step_preparer import LaunchedStep, PreparedStep, StepPreparer, StepRunner
 from mili_openai.engine.sampler import Sampler
+from mili_openai.engine.tp_lora import TensorParallelLora
 from mili_openai.engine.tp_worker import (
     REPLYING_RANK,
     ExpertLoadReply,
@@ -215,7 +216,6 @@ class TensorParallelRunner(StepRunner):
     the same `StepPreparer`."""
 
     kernel_build = None  # the workers load with the CPU kernels built: nothing to switch to later
-    lora = None  # LoRA adapters run on one rank (EngineConfig refuses them with tensor parallelism)
     async_launch = False  # a step's forward is a round trip to the workers: `launch` waits for their logits
 
     def __init__(self, config: EngineConfig, model_path: Path) -> None:
@@ -233,6 +233,8 @@ class TensorParallelRunner(StepRunner):
                              "workers do not roll states back to the last kept draft (not with "
                              "tensor_parallel_size > 1 yet)")
         self.quantization = None  # what /v1/models reports
+        # LoRA: every rank serves its share of each adapter; this process checks them and sends the changes
+        self.lora = TensorParallelLora(config.lora, self.model_config) if config.lora is not None else None
         dtype = resolve_dtype(config.dtype)
         cpu_kernels = load_cpu_kernels() if self.device.type == "cpu" else None
         self.sampler = Sampler(vocab_size=self.model_config.vocab_size, eos_token_ids=self.model_config.eos_token_ids,
@@ -250,7 +252,8 @@ class TensorParallelRunner(StepRunner):
         self.num_state_snapshots = ready.num_state_snapshots
         self.state_slot_bytes = sum(rank.state_slot_bytes for rank in self.workers.ready)
         self.steps = StepPreparer(self.device, config.page_size,
-                                  RotaryTable(RotaryEmbedding(self.model_config), dtype))
+                                  RotaryTable(RotaryEmbedding(self.model_config), dtype),
+                                  serves_lora=self.lora is not None)
 
     @property
     def failure(self) -> str | None:
@@ -276,7 +279,8 @@ class TensorParallelRunner(StepRunner):
             raise RuntimeError("a tensor-parallel step launches only once the step before has finished")
         request = StepRequest(step.forward_batch, num_sampled=len(step.rows), prompt_scorings=step.prompt_scorings,
                               new_state_slots=step.new_state_slots, state_restores=step.state_restores,
-                              state_saves=step.state_saves)
+                              state_saves=step.state_saves, lora_ids=step.lora_ids,
+                              lora_updates=self.lora.take_updates() if self.lora is not None else [])
         reply: StepReply = self.workers.request(request, StepReply)
         if not step.rows:
             return LaunchedStep(sampled=None, token_ids=None, prompt_logprobs=reply.prompt_logprobs)

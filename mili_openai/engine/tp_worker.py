@@ -35,6 +35,7 @@ from mili_openai.engine.outputs import TokenLogprob
 from mili_openai.engine.process_helpers import exit_with_parent
 from mili_openai.engine.runner import ModelRunner, resolve_device
 from mili_openai.engine.step_inputs import forward_batch_to
+from mili_openai.engine.tp_lora import LoraUpdate
 from mili_openai.kernels.cpu import adopt_cpu_kernel_plan
 from mili_openai.kernels.planning import KernelPlan
 from mili_openai.model.batch import ForwardBatch
@@ -57,6 +58,9 @@ class StepRequest:
     # heads' states, restores before the forward and saves after it, as the one-rank runner does
     state_restores: torch.Tensor | None = None
     state_saves: torch.Tensor | None = None
+    lora_ids: np.ndarray | None = None  # each row's LoRA adapter id (PreparedStep.lora_ids); None: all on the base
+    # adapters loaded and unloaded since the step before (engine/tp_lora.py), applied before the forward
+    lora_updates: list[LoraUpdate] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -126,11 +130,16 @@ def run_step(runner: ModelRunner, request: StepRequest) -> StepReply:
     """One step on this rank's shard: `ModelRunner.forward`, the one-process runner's own, its logits brought
     to the host for the engine to sample from."""
     batch = forward_batch_to(request.forward_batch, runner.device)
+    for update in request.lora_updates:  # each rank reads a loaded adapter's share itself
+        if update.path is None:
+            runner.lora.remove(update.adapter_id)
+        else:
+            runner.lora.add(update.adapter_id, update.name, update.path, runner.lora.read(update.name, update.path))
     if request.new_state_slots is not None:  # sequences admitted in this step start from zero states
         runner.state_cache.reset(request.new_state_slots)
     if request.state_restores is not None:  # or from a prefix's state snapshot (engine/state_snapshots.py)
         runner.state_cache.copy(*request.state_restores)
-    out = runner.forward(batch, request.prompt_scorings, sample=request.num_sampled > 0)
+    out = runner.forward(batch, request.prompt_scorings, sample=request.num_sampled > 0, lora_ids=request.lora_ids)
     if request.state_saves is not None:  # states at page boundaries into the prefix cache's snapshots
         runner.state_cache.copy(*request.state_saves)
     logits = out.logits.cpu() if out.logits is not None else None  # (S, vocab)

@@ -51,18 +51,50 @@ def slot_per_row(groups: list[LoraGroup], num_rows: int, device: torch.device) -
     return slots
 
 
+class LoraBlocks(NamedTuple):
+    """The rows that run an adapter, in blocks of up to `block_rows` rows of one slot each (the Triton kernels'
+    form of the groups, kernels/triton_lora.py): block i covers `order[first[i] : first[i] + count[i]]`."""
+
+    order: torch.Tensor  # (N,) int64: the rows of every group, group after group
+    first: torch.Tensor  # (blocks,) int32: each block's first position in `order`
+    count: torch.Tensor  # (blocks,) int32: its rows, 1..block_rows
+    slot: torch.Tensor  # (blocks,) int32: the slot every row of it runs
+
+
+def lora_blocks(groups: list[LoraGroup], num_rows: int, block_rows: int, device: torch.device) -> LoraBlocks:
+    """`groups` over a batch of `num_rows` rows cut into blocks of at most `block_rows` rows (sizes are read from
+    the row tensors' shapes: no device sync)."""
+    parts, table, position = [], [], 0
+    for slot, rows in groups:
+        rows = torch.arange(num_rows, device=device) if rows is None else rows
+        parts.append(rows)
+        size = rows.shape[0]
+        table += [(position + start, min(block_rows, size - start), slot) for start in range(0, size, block_rows)]
+        position += size
+    columns = torch.tensor(table, dtype=torch.int32).reshape(-1, 3).T.contiguous().to(device, non_blocking=True)
+    order = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=device)
+    return LoraBlocks(order, columns[0], columns[1], columns[2])
+
+
 class LoraRows:
-    """One forward's rows by adapter slot, in both forms the LoRA ops take: `groups` (torch's segmented matmul) and
-    `per_row` (each row's slot, the CPU kernel's), the latter made once, on first use, for every projection."""
+    """One forward's rows by adapter slot, in the forms the LoRA ops take: `groups` (torch's segmented matmul),
+    `per_row` (each row's slot, the CPU kernel's) and `blocks` (the Triton kernels'), the latter two made once,
+    on first use, for every projection."""
 
     def __init__(self, groups: list[LoraGroup]) -> None:
         self.groups = groups
         self._per_row: torch.Tensor | None = None
+        self._blocks: tuple[int, int, LoraBlocks] | None = None  # (num_rows, block_rows, blocks)
 
     def per_row(self, num_rows: int, device: torch.device) -> torch.Tensor:
         if self._per_row is None or self._per_row.shape[0] != num_rows:
             self._per_row = slot_per_row(self.groups, num_rows, device)
         return self._per_row
+
+    def blocks(self, num_rows: int, block_rows: int, device: torch.device) -> LoraBlocks:
+        if self._blocks is None or self._blocks[:2] != (num_rows, block_rows):
+            self._blocks = (num_rows, block_rows, lora_blocks(self.groups, num_rows, block_rows, device))
+        return self._blocks[2]
 
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, table: LoraSlotTable, step_rows: LoraRows) -> torch.Tensor:

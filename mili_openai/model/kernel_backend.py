@@ -11,7 +11,7 @@ backend once for the device (model/backend_setup.py):
 - **CPU**: the compiled extension (`install_cpu_kernels`): attention and linear attention from the pools;
   with bf16 weights also the matmuls, norms, RoPE, SwiGLU, sparse MoE blocks and the one-call decode stack.
 - **CUDA**: the Triton kernels: attention, fused norms / RoPE / SwiGLU, the residual add + norm, fused MoE,
-  int8/int4 and fp8 matmuls, linear attention.
+  int8/int4 and fp8 matmuls, linear attention, the LoRA adapters' segmented matmul.
 Every module of a model shares the one object, so a change of kernels is one assignment here, not a walk over
 the modules: the CPU kernels compiled while the server answers on torch's ops swap in through
 `install_cpu_kernels` (engine/runner.py calls it between steps). The fields are plain slots, read once per
@@ -39,7 +39,7 @@ MatmulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 QuantizedMatmulFn = Callable[[torch.Tensor, PackedWeights], torch.Tensor]
 Fp8MatmulFn = Callable[[torch.Tensor, Fp8Weights], torch.Tensor]  # the same, for fp8 weights
 # (out (T, O), x (T, I), one projection's adapter slots, the step's rows by slot) -> out with each row's adapter
-# delta added in place: the segmented LoRA matmul (kernels/lora.py) or the CPU kernel
+# delta added in place: the segmented LoRA matmul (kernels/lora.py), the CPU kernel or Triton's (kernels/triton_lora.py)
 LoraFn = Callable[[torch.Tensor, torch.Tensor, LoraSlotTable, LoraRows], torch.Tensor]
 
 
@@ -131,7 +131,7 @@ class KernelBackend:
     decode_stack: DecodeStackKernel | None = None  # builds the one-call decode step (CPU, bf16, one rank)
     zero_centered_norm: ZeroCenteredNormKernel | None = None  # the hybrids' norms (+ residual add), CPU
     linear_attention: LinearAttentionKernel = field(default_factory=TorchLinearAttention)  # Gated DeltaNet's ops
-    lora: LoraFn = add_lora  # the adapters' deltas over a mixed batch (torch's segmented matmul; CPU bf16: a kernel)
+    lora: LoraFn = add_lora  # adapters' deltas over a mixed batch (torch's segmented matmul; CPU bf16, CUDA: kernels)
     # the compiled CPU kernels are building on a thread: torch's ops serve until they come in (backend_setup.py)
     awaits_cpu_kernels: bool = False
 

@@ -9,7 +9,8 @@ rows stay zero. B is held transposed (W, out): a module's rows of it are its col
 kernel reads alone (kernels/lora.py).
 
 The projections take only `x` (as every projection and the compiled paths do), so the step's row groups
-reach them through the `LoraSlots` they share, set for the length of one forward (`LoraSlots.rows`). A model's
+reach them through the `LoraSlots` they share, set for the length of one forward (`LoraSlots.rows`). Under tensor
+parallelism each rank's slots hold its share of every adapter (model/lora_tensor_parallel.py). A model's
 compiled CPU decode stack (model/qwen3.py) keeps running decode steps: it is handed every projection's slots and
 adds each row's delta inside (`LoraDecodeStack`).
 """
@@ -27,7 +28,8 @@ from mili_openai.kernels.cpu_decode_stack import CpuDecodeStack
 from mili_openai.kernels.lora import LoraGroup, LoraRows, LoraSlotTable
 from mili_openai.model.kernel_backend import KernelBackend, require_backend
 from mili_openai.model.lora_adapter import LoraAdapter, TargetShape
-from mili_openai.model.lora_targets import LoraModule, LoraSite, lora_sites
+from mili_openai.model.lora_targets import LoraModule, LoraSite, lora_sites, target_shapes
+from mili_openai.model.lora_tensor_parallel import shard_lora_sites, whole_model_sites
 
 
 class LoraLinear(nn.Module):
@@ -68,8 +70,10 @@ class LoraLinear(nn.Module):
         for index, (target, pair) in enumerate(zip(self.targets, pairs)):
             if pair is not None:
                 a, b = pair  # (r, in), (out, r)
-                if target.row_order is not None:  # the module's rows into the projection's order
+                if target.row_order is not None:  # the module's rows into the projection's order (or a rank's)
                     b = b[target.row_order.to(b.device)]
+                if target.columns is not None:  # a row-parallel rank's input features
+                    a = a[:, target.columns.to(a.device)]
                 columns = slice(index * rank, index * rank + a.shape[0])
                 self.lora_a[slot, columns].copy_(a)
                 self.lora_b[slot, columns, out_row : out_row + target.out_features].copy_(b.T)
@@ -80,20 +84,20 @@ class LoraSlots:
     """`num_slots` adapter slots on every LoRA projection of `model` (which it wraps at construction)."""
 
     def __init__(self, model: nn.Module, num_slots: int, max_rank: int) -> None:
-        sites = lora_sites(model)  # ValueError for a model that serves none
-        if model.parallel is not None:
-            raise ValueError("LoRA adapters are not served under tensor parallelism yet")
+        sites = whole = lora_sites(model)  # ValueError for a model that serves none
+        if model.parallel is not None:  # this rank's share of each adapter (model/lora_tensor_parallel.py)
+            whole = whole_model_sites(model.config, type(model))
+            sites = shard_lora_sites(sites, whole, model.config, model.parallel)
         self.num_slots, self.max_rank = num_slots, max_rank
         self.dtype, self.device = model.dtype, model.model.norm.weight.device
         self.active: LoraRows | None = None  # the running forward's rows by slot (`rows`); None: no adapter runs
-        self.shapes: dict[tuple[int, str], TargetShape] = {}  # what adapters may target (load_lora_adapter)
+        # what adapters may target (load_lora_adapter): the whole model's shapes
+        self.shapes: dict[tuple[int, str], TargetShape] = target_shapes(whole)
         self.projections: list[tuple[int, LoraLinear]] = []
         for site in sites:
             projection = LoraLinear(getattr(site.parent, site.attribute), site, self, model.backend)
             setattr(site.parent, site.attribute, projection)
             self.projections.append((site.layer, projection))
-            for target in site.modules:
-                self.shapes[(site.layer, target.name)] = TargetShape(site.in_features, target.out_features)
         # the compiled CPU decode stack holds the same base projections, in the sites' order: it takes the slots
         # too; any other runs steps layer by layer from now on (`build_decode_stack` keeps a stack off later, as
         # a LoraLinear is no plain projection: CPU kernels that come in after this leave decode layer by layer)

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from lora_helpers import slot_table
 from model_helpers import PagedSequences, random_tokens
 
 from mili_openai.kernels import cpu_supports_kernels
-from mili_openai.kernels.lora import LoraGroup, LoraRows, LoraSlotTable, add_lora, lora_groups
+from mili_openai.kernels.lora import LoraGroup, LoraRows, add_lora, lora_groups
 from mili_openai.model import KVCache, ModelCaches, load_model
 from mili_openai.model.lora_adapter import LoraAdapter
 from mili_openai.model.lora_layers import LoraDecodeStack, LoraSlots
@@ -20,19 +21,6 @@ from mili_openai.model.lora_layers import LoraDecodeStack, LoraSlots
 pytestmark = pytest.mark.skipif(not cpu_supports_kernels(), reason="this CPU has no AVX512")
 
 RANK = 8
-
-
-def slot_table(num_slots: int, in_features: int, module_outs: list[int], rank: int, seed: int) -> LoraSlotTable:
-    """Random bf16 slots of a projection stacking `module_outs` modules: B^T block-diagonal, as LoraLinear holds it."""
-    generator = torch.Generator().manual_seed(seed)
-    width, offsets = len(module_outs) * rank, [0]
-    lora_a = torch.randn(num_slots, width, in_features, generator=generator) / in_features ** 0.5
-    lora_b = torch.zeros(num_slots, width, sum(module_outs))
-    for index, out in enumerate(module_outs):
-        lora_b[:, index * rank:(index + 1) * rank, offsets[-1]:offsets[-1] + out] = torch.randn(
-            num_slots, rank, out, generator=generator)
-        offsets.append(offsets[-1] + out)
-    return LoraSlotTable(lora_a.bfloat16(), lora_b.bfloat16(), tuple(offsets))
 
 
 def assert_matches_reference(got: torch.Tensor, want: torch.Tensor) -> None:
