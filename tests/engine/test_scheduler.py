@@ -211,7 +211,8 @@ def test_hybrid_prompts_resume_from_state_snapshots(qwen_tokenizer, lookahead):
 
 def test_a_hybrid_prompt_saves_its_end_only_where_that_spares_a_quarter_step(qwen_tokenizer):
     """A budget of 64 tokens: a prompt's end is saved (its chunk stopped at its last page boundary, its first token
-    a step later) only 16 tokens or more past the prefix it found cached. A cold 41-token prompt stops at 40;
+    a step later) when it is cold, or 16 tokens or more past the prefix it found cached. A cold 41-token prompt
+    stops at 40;
     the next turn, resuming from the reply's snapshot with 11 tokens to compute, samples in its first step (before,
     it stopped at 52 for a save sparing a repeat 8 tokens)."""
     engine = StepDriver(qwen_tokenizer, num_pages=64, page_size=4, budget=64, max_seqs=8, snapshots=4)
