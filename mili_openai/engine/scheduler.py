@@ -246,6 +246,8 @@ class Scheduler:
                     continue
                 adapters.add(seq.lora_id)
             matched = self.pages.match(seq)
+            if seq.first_scheduled_time is None:  # before its chunk is cut (StateSnapshots.prompt_stop reads it)
+                seq.num_cached_tokens = matched
             wait, freed = self._shares_prefix_in_flight(seq, matched, prefills)
             budget += freed
             if wait:
@@ -266,7 +268,6 @@ class Scheduler:
                 new_state_slots.append(seq.state_slot)
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
-                seq.num_cached_tokens = matched
                 self.prefix_cache_queries_total += seq.num_prompt_tokens
                 self.prefix_cache_hits_total += matched
             seq.status = SequenceStatus.RUNNING

@@ -209,6 +209,23 @@ def test_hybrid_prompts_resume_from_state_snapshots(qwen_tokenizer, lookahead):
     assert [seq.num_cached_tokens for seq in engine.added[-3:]] == [0, 40, 56]
 
 
+def test_a_hybrid_prompt_saves_its_end_only_where_that_spares_a_quarter_step(qwen_tokenizer):
+    """A budget of 64 tokens: a prompt's end is saved (its chunk stopped at its last page boundary, its first token
+    a step later) when it is cold, or 16 tokens or more past the prefix it found cached. A cold 41-token prompt
+    stops at 40;
+    the next turn, resuming from the reply's snapshot with 11 tokens to compute, samples in its first step (before,
+    it stopped at 52 for a save sparing a repeat 8 tokens)."""
+    engine = StepDriver(qwen_tokenizer, num_pages=64, page_size=4, budget=64, max_seqs=8, snapshots=4)
+    first = engine.add("turn1", list(range(41)), max_tokens=6)
+    engine.step()
+    assert first.num_computed_tokens == 40 and not first.output_token_ids  # saved at 40, its last token next
+    engine.run()
+    second = engine.add("turn2", first.token_ids + [5] * 8, max_tokens=1)  # 41 + 6 - 1 = 46 fed: resumes at 44
+    engine.step()
+    assert second.num_cached_tokens == 44 and second.is_finished  # 11 tokens computed and its token sampled at once
+    engine.run()
+
+
 def test_lookahead_decodes_feed_on_pending_tokens_and_stop_at_max_tokens(qwen_tokenizer):
     engine = StepDriver(qwen_tokenizer, num_pages=64, page_size=4, budget=64, max_seqs=8, lookahead=True)
     for i in range(3):
