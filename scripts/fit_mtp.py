@@ -346,8 +346,8 @@ def write_token_map(args, train: Sequences, validation: Sequences, output: Path,
     covered = torch.isin(held_out, ids).float().mean().item()
     path = output / TOKEN_MAP_FILE
     path.write_text(json.dumps(sorted(ids.tolist())))
-    print(f"token map: {len(ids)} tokens ({path}); they hold {covered:.1%} of the {scored_on(args)} continuations' "
-          "labels",
+    scored = "fitted prompt set's" if args.bench_workload else "held-out"
+    print(f"token map: {len(ids)} tokens ({path}); they hold {covered:.1%} of the {scored} continuations' labels",
           flush=True)
     return path
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 
 import pytest
 
@@ -17,6 +18,7 @@ from hybrid_helpers import hybrid_tokens
 from mili_openai import LLM, SamplingParams
 from mili_openai.config import EngineConfig
 from mili_openai.engine.async_engine import AsyncEngine
+from mili_openai.engine.sampling_params import StructuredOutputsParams
 
 ENGINE = dict(dtype="float32", num_pages=256, page_size=4, max_num_batched_tokens=32)  # chunks beside decodes
 PROMPTS = [hybrid_tokens(length, seed=length) for length in (23, 31, 9, 37)]
@@ -160,3 +162,20 @@ def test_the_server_loop_plans_ahead_once_nothing_drafts(hybrid_checkpoint):
     assert outputs == [expected[0], expected[2], expected[1], expected[3]]
     assert planned and core.stats().spec_decode_num_drafts_total > 0
     core.check_integrity()
+
+
+def test_a_format_masks_the_drafts_of_the_requests_left_drafting(hybrid_checkpoint):
+    """A structured output's matcher masks a model's drafts after the tokens its sequence kept in the step: with a
+    request before it switched off, the step's kept tokens are still its own. Its output is plain decoding's, and
+    valid."""
+    checkpoint = str(hybrid_checkpoint("qwen3_5_qwen35_tokenizer"))  # a grammar covers a whole tokenizer's vocabulary
+    regex = r"[ab]{3,20}"
+    params = [greedy(), SamplingParams(temperature=0.0, max_tokens=MAX_NEW,
+                                       structured_outputs=StructuredOutputsParams(regex=regex))]
+    prompts = PROMPTS[:2]
+    expected = token_ids(LLM(checkpoint, **ENGINE).generate(prompts, params))
+    llm, drafter = recording_llm(checkpoint, ALWAYS_MTP)
+    llm.core.scheduler.draft_switch = SwitchedOffFor(prompts[:1])
+    outputs = llm.generate(prompts, params)
+    assert token_ids(outputs) == expected and re.fullmatch(regex, outputs[1].outputs[0].text)
+    assert any(proposes_for == [False, True] and drafts[1] for proposes_for, drafts in drafter.calls)
