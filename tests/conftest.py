@@ -46,6 +46,7 @@ The helper modules the folders share are in tests/helpers, on pytest's pythonpat
 from __future__ import annotations
 
 import multiprocessing
+import os
 from concurrent.futures import ProcessPoolExecutor
 
 import pytest
@@ -74,6 +75,14 @@ TINY_MOE_CONFIG = dict(vocab_size=151936, hidden_size=64, intermediate_size=128,
                        tie_word_embeddings=False, max_position_embeddings=4096, rope_theta=1e6)
 MHA_UNTIED_SHAPE = ModelShape(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                               num_key_value_heads=4, head_dim=16, tie_word_embeddings=False, rope_theta=10000.0)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (the README's command runs a worker per core): one torch thread per worker, or the
+    workers' OpenMP teams oversubscribe the cores and spin at each other's barriers. Threads the tests start
+    take the count on their first torch op."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
