@@ -109,7 +109,7 @@ def build_data(args, llm: LLM, vocab: int) -> tuple[Sequences, Sequences]:
           f"{time.perf_counter() - started:.0f} s", flush=True)
     random_only = prompts(args.checkpoint, vocab, args.num_random, total, args.seed + RANDOM_SEED_OFFSET)
     tail = tail_weights(args.prompt_len, total, args.other_weight)
-    model = llm.core.runner.model
+    model = llm.core.runner.forward.model
     train = labelled(model, continued[: args.num_prompts] + random_only,
                      [tail] * args.num_prompts + [torch.full((total,), args.other_weight)] * len(random_only))
     validation = labelled(model, continued[args.num_prompts :], [tail] * len(validation_prompts))
