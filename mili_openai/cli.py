@@ -114,7 +114,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                      default=engine.enable_prefix_caching, help="reuse cached prompt prefixes (the radix cache)")
     eng.add_argument("--hybrid-snapshot-fraction", type=float, default=engine.hybrid_snapshot_fraction,
                      help="hybrid models (Qwen3.5, Qwen3-Next): the share of the cache budget kept for the prefix "
-                          "cache's state snapshots")
+                          "cache's state snapshots (default: two per --max-num-seqs, at least 0.2 of the budget "
+                          "and at most half of what the running sequences' states leave)")
     eng.add_argument("--num-hybrid-snapshots", type=int, default=None,
                      help="hybrid models: this many state snapshots (overrides --hybrid-snapshot-fraction)")
     eng.add_argument("--state-snapshot-interval", type=int, default=None,

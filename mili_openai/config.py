@@ -163,9 +163,10 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     enable_prefix_caching: bool = True
     # a hybrid model's prefix cache keeps state snapshots (engine/state_snapshots.py) in this share of the cache
-    # budget (the rest: KV pages and the running sequences' state slots), or exactly num_hybrid_snapshots of
-    # them; a prefill also saves its state every hybrid_snapshot_interval pages (None: only where needed)
-    hybrid_snapshot_fraction: float = 0.2
+    # budget (the rest: KV pages and the running sequences' state slots; None: two per running sequence, from 0.2
+    # up to half of what their slots leave, engine/memory_budget.py), or exactly num_hybrid_snapshots of them; a
+    # prefill also saves its state every hybrid_snapshot_interval pages (None: only where needed)
+    hybrid_snapshot_fraction: float | None = None
     num_hybrid_snapshots: int | None = None
     hybrid_snapshot_interval: int | None = None
     num_threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
@@ -214,8 +215,6 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):  # as the offline LLM(lora={...}) takes it
             object.__setattr__(self, "lora", LoraConfig(**self.lora))
-        if self.lora is not None and self.tensor_parallel_size > 1:
-            raise ValueError("LoRA adapters are not served under tensor parallelism yet")
         if isinstance(self.speculative_config, dict):  # as the offline LLM(speculative_config={...}) takes it
             object.__setattr__(self, "speculative_config", speculative_config_from(self.speculative_config))
         if not isinstance(self.speculative_config, SpeculativeConfig | None):
@@ -244,7 +243,7 @@ class EngineConfig:
         if not _is_count(self.max_encoder_patches_per_step):
             raise ValueError(f"max_encoder_patches_per_step must be an integer >= 1, "
                              f"got {self.max_encoder_patches_per_step!r}")
-        if not 0 <= self.hybrid_snapshot_fraction < 1:
+        if self.hybrid_snapshot_fraction is not None and not 0 <= self.hybrid_snapshot_fraction < 1:
             raise ValueError(f"hybrid_snapshot_fraction must be in [0, 1), got {self.hybrid_snapshot_fraction}")
         if self.num_hybrid_snapshots is not None and self.num_hybrid_snapshots < 0:
             raise ValueError("num_hybrid_snapshots must be >= 0")

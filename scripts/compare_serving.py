@@ -21,7 +21,7 @@ and per-token rates always come from each server's own usage counts (shown in th
     # the prefix cache's workloads on a random Qwen3.5-0.8B-shaped checkpoint: mili, mili without its prefix
     # cache, and llama.cpp's server on the checkpoint's GGUF conversion (bf16)
     .venv/bin/python scripts/compare_serving.py --model-shape qwen3.5-0.8b --servers mili mili-no-prefix-cache \
-        --workloads W2 MT MT-text --no-limits --llama-server /path/to/llama-server \
+        --workloads W2 MT MT-text MT-ids --no-limits --llama-server /path/to/llama-server \
         --llama-gguf bf16=/path/qwen3.5-0.8b-bf16.gguf --section prefix_cache
 
 On CUDA the limits are the GPU's (its read bandwidth, its bf16 GEMM peak) and the tables go to a section

@@ -18,8 +18,15 @@ so that speculative decoding's acceptance, and the speed-up it buys, can be meas
    checkpoint with the target's tokenizer files), then the acceptance measured through mili's engine on other
    held-out prompts with `--speculative-config` ("mtp", or "draft_model" against the target), per position.
 
+A random target's greedy token is not predictable on prompts the fit did not see, so held-out acceptance stays
+near zero. With `--bench-workload ARGS` (repeatable) the data is instead the prompts `mili bench serve ARGS`
+sends, continued by the target as served (scripts/fit_mtp_data.py): the fit memorises the benchmark's own greedy
+outputs, and is scored and measured on them; the acceptance is then real, but "on the fitted prompt set".
+
     python scripts/fit_mtp.py /work/bench/qwen35-0.8b-random /tmp/qwen35-0.8b-mtp-fitted
     python scripts/fit_mtp.py /work/bench/qwen35-0.8b-random /tmp/qwen35-draft --draft
+    python scripts/fit_mtp.py /work/bench/qwen35-0.8b-random /tmp/fitted --bench-workload "--num-requests 2 \
+        --concurrency 1 --input-len 512 --output-len 256 --warmup 1 --seed 3 --ignore-eos"
 """
 
 from __future__ import annotations
@@ -45,7 +52,9 @@ from fit_mtp_data import (  # noqa: E402 (sibling)
     EVAL_SEED_OFFSET,
     LOGIT_ROWS,
     Sequences,
+    bench_workload,
     build_and_save,
+    generate_as_served,
     load_cached,
     prompts,
 )
@@ -75,6 +84,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     data.add_argument("--output-len", type=int, default=160)
     data.add_argument("--other-weight", type=float, default=0.2,
                       help="the weight of positions outside a greedy continuation (those inside weigh 1)")
+    data.add_argument("--bench-workload", action="append", default=[], metavar="ARGS",
+                      help="fit on the prompts `mili bench serve ARGS` sends (its warm-up ones included; e.g. \"--num-requests "
+                           "2 --concurrency 1 --input-len 512 --output-len 256 --warmup 1 --seed 3 --ignore-eos\"), "
+                           "continued by the target's greedy output as served, instead of drawn prompts; repeatable. "
+                           "The fit is scored, and acceptance measured, on those very prompts (the fitted prompt set)")
     data.add_argument("--data-cache", type=Path, default=None,
                       help="save the labelled data here, or load it where a run with the same data flags did")
     fitting = parser.add_argument_group("fitting")
@@ -161,10 +175,15 @@ def top1(normed: torch.Tensor, head: torch.Tensor, labels: torch.Tensor) -> int:
                for start in range(0, len(labels), LOGIT_ROWS))
 
 
+def scored_on(args) -> str:
+    """What the fit's top-1 agreement is measured on."""
+    return "on the fitted prompt set" if args.bench_workload else "held-out"
+
+
 def fit(args, module: torch.nn.Module, train_batches: list, validation_batches: list, step_loss, score
         ) -> dict[str, torch.Tensor]:
-    """Adam over `train_batches` until the held-out score (`score(batch)` -> (right, counted)) stops rising, the
-    epochs or the minutes run out; -> the state of the best score."""
+    """Adam over `train_batches` until the validation score (`score(batch)` -> (right, counted)) stops rising or
+    is whole, the epochs or the minutes run out; -> the state of the best score."""
     started = time.perf_counter()
     optimizer = torch.optim.Adam([p for p in module.parameters() if p.requires_grad], lr=args.lr)
     every = max(1, len(train_batches) // args.evals_per_epoch)
@@ -185,32 +204,38 @@ def fit(args, module: torch.nn.Module, train_batches: list, validation_batches: 
             agreement = right / counted
             minutes = (time.perf_counter() - started) / 60
             print(f"epoch {epoch + 1} step {step}/{len(train_batches)}: mean loss {sum(losses) / len(losses):.3f}, "
-                  f"held-out top-1 agreement {agreement:.1%} ({minutes:.1f} min)", flush=True)
+                  f"{scored_on(args)} top-1 agreement {agreement:.1%} ({minutes:.1f} min)", flush=True)
             losses = []
             if agreement > best:
                 best, best_state, since_best = agreement, copy.deepcopy(module.state_dict()), 0
             else:
                 since_best += 1
-            if since_best >= args.patience or minutes >= args.max_minutes:
-                print(f"stopped: best held-out top-1 agreement {best:.1%}", flush=True)
+            if since_best >= args.patience or minutes >= args.max_minutes or best == 1.0:
+                print(f"stopped: best {scored_on(args)} top-1 agreement {best:.1%}", flush=True)
                 return best_state
-    print(f"all epochs run: best held-out top-1 agreement {best:.1%}", flush=True)
+    print(f"all epochs run: best {scored_on(args)} top-1 agreement {best:.1%}", flush=True)
     return best_state
 
 
 def batches(data: Sequences, size: int) -> list[tuple[torch.Tensor, ...]]:
-    """(tokens (B, T), hidden (B, T, H) float32, greedy (B, T), weights (B, T)) of `size` sequences at a time,
-    each batch of one length (the data has one length per kind of sequence)."""
-    by_length: dict[int, list[int]] = {}
-    for index, tokens in enumerate(data.tokens):
-        by_length.setdefault(len(tokens), []).append(index)
+    """(tokens (B, T), hidden (B, T, H) float32, greedy (B, T), weights (B, T)) of `size` sequences at a time, of
+    like lengths: the shorter ones padded at their end with weight 0 (the fitted modules are causal, so padding
+    changes no earlier position; its label is a real one, which the loss's candidates hold)."""
+    order = sorted(range(len(data)), key=lambda index: len(data.tokens[index]))
+    pad_label = int(data.greedy[0][0])
+
+    def padded(tensor: torch.Tensor, length: int, value: float) -> torch.Tensor:
+        extra = length - len(tensor)
+        return torch.cat((tensor, tensor.new_full((extra, *tensor.shape[1:]), value))) if extra else tensor
+
     out = []
-    for indices in by_length.values():
-        for start in range(0, len(indices), size):
-            chosen = indices[start : start + size]
-            out.append((torch.stack([data.tokens[i] for i in chosen]),
-                        torch.stack([data.hidden[i] for i in chosen]).float(),
-                        torch.stack([data.greedy[i] for i in chosen]), torch.stack([data.weights[i] for i in chosen])))
+    for start in range(0, len(order), size):
+        chosen = order[start : start + size]
+        length = max(len(data.tokens[index]) for index in chosen)
+        out.append((torch.stack([padded(data.tokens[i], length, 0) for i in chosen]),
+                    torch.stack([padded(data.hidden[i], length, 0.0) for i in chosen]).float(),
+                    torch.stack([padded(data.greedy[i], length, pad_label) for i in chosen]),
+                    torch.stack([padded(data.weights[i], length, 0.0) for i in chosen])))
     return out
 
 
@@ -313,7 +338,7 @@ def fit_draft(args, target_config, train: Sequences, validation: Sequences, embe
             shutil.copy(args.checkpoint / name, args.output / name)
 
 
-def write_token_map(train: Sequences, validation: Sequences, output: Path, size: int) -> Path:
+def write_token_map(args, train: Sequences, validation: Sequences, output: Path, size: int) -> Path:
     """The `size` tokens the fitted labels hold most often, as a token map (engine/draft_head.py) in `output`."""
     counts = torch.bincount(torch.cat(train.greedy))
     ids = counts.argsort(descending=True)[: min(size, int((counts > 0).sum()))]
@@ -321,21 +346,27 @@ def write_token_map(train: Sequences, validation: Sequences, output: Path, size:
     covered = torch.isin(held_out, ids).float().mean().item()
     path = output / TOKEN_MAP_FILE
     path.write_text(json.dumps(sorted(ids.tolist())))
-    print(f"token map: {len(ids)} tokens ({path}); they hold {covered:.1%} of the held-out continuations' labels",
+    scored = "fitted prompt set's" if args.bench_workload else "held-out"
+    print(f"token map: {len(ids)} tokens ({path}); they hold {covered:.1%} of the {scored} continuations' labels",
           flush=True)
     return path
 
 
 def measure(args, target: Path, speculative: dict, eval_prompts: list[list[int]]) -> None:
-    """Acceptance of the fitted proposer through mili's engine, greedy, on the held-out prompts."""
+    """Acceptance of the fitted proposer through mili's engine, greedy: on the held-out prompts, or with
+    --bench-workload on the benchmark's own requests (the fitted prompt set)."""
     llm = LLM(str(target), speculative_config=speculative | {"min_acceptance_rate": 0}, num_threads=args.num_threads)
-    params = SamplingParams(temperature=0.0, max_tokens=args.eval_output_len, ignore_eos=True)
-    llm.generate(eval_prompts, params)
+    if args.bench_workload:
+        for arguments in args.bench_workload:
+            generate_as_served(llm, bench_workload(arguments))
+    else:
+        llm.generate(eval_prompts, SamplingParams(temperature=0.0, max_tokens=args.eval_output_len, ignore_eos=True))
     stats = llm.core.stats()
     drafted, kept = stats.spec_decode_num_draft_tokens_total, stats.spec_decode_num_accepted_tokens_total
     per_position = [f"{k / d:.1%}" if d else "-" for k, d in zip(stats.spec_decode_num_accepted_tokens_per_pos,
                                                                  stats.spec_decode_num_draft_tokens_per_pos)]
-    print(json.dumps({"speculative_config": speculative, "draft_tokens": drafted, "accepted_tokens": kept,
+    print(json.dumps({"speculative_config": speculative, "measured_on": "the fitted prompt set" if args.bench_workload
+                      else "held-out prompts", "draft_tokens": drafted, "accepted_tokens": kept,
                       "acceptance_rate": round(kept / drafted, 4) if drafted else None,
                       "acceptance_per_position": per_position,
                       "mean_tokens_per_verify_step": round(1 + kept / stats.spec_decode_num_drafts_total, 3)
@@ -373,7 +404,8 @@ def main(argv: list[str] | None = None) -> None:
     train, validation = data
     embedding, head, dtype = target_head(args.checkpoint)
     vocab = len(embedding)
-    eval_prompts = prompts(args.checkpoint, vocab, args.eval_prompts, args.prompt_len, args.seed + EVAL_SEED_OFFSET)
+    eval_prompts = [] if args.bench_workload else prompts(args.checkpoint, vocab, args.eval_prompts, args.prompt_len,
+                                                          args.seed + EVAL_SEED_OFFSET)
     if args.draft:
         fit_draft(args, config, train, validation, embedding, dtype)
         target, speculative = args.checkpoint, {"method": "draft_model", "model": str(args.output)}
@@ -382,10 +414,10 @@ def main(argv: list[str] | None = None) -> None:
         write_fitted_copy(args.checkpoint, args.output, fitted)
         target, speculative = args.output, {"method": "mtp"}
     if args.token_map_size > 0:
-        speculative["token_map"] = str(write_token_map(train, validation, args.output, args.token_map_size))
+        speculative["token_map"] = str(write_token_map(args, train, validation, args.output, args.token_map_size))
     del train, validation, embedding, head
     print(f"fitted in {time.perf_counter() - started:.0f} s", flush=True)
-    if not eval_prompts:
+    if args.eval_prompts == 0:
         return
     measure(args, target, speculative | {"num_speculative_tokens": args.num_speculative_tokens}, eval_prompts)
     print(f"done in {time.perf_counter() - started:.0f} s", flush=True)

@@ -7,13 +7,21 @@ The label at a position is defined for any token sequence, so the sequences mix 
 - sequences of random word tokens only (weight `--other-weight` everywhere);
 - validation prompts, continued the same way, held out of the fit: the top-1 agreement on their continuations
   is what the fit reports and stops on.
+
+With `--bench-workload` the sequences are instead the very prompts `mili bench serve` sends with those arguments
+(its warm-up requests too), each continued by the target's greedy output as a server decodes it: text prompts
+tokenized as the server tokenizes them, the serving dtype, a workload's requests run `--concurrency` at a time. A
+random target's greedy token is not predictable on prompts it was not fitted on, so this fit memorises the
+benchmark's outputs; it is scored on them, and the acceptance measured on them is "on the fitted prompt set".
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import pickle
 import random
+import shlex
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +29,10 @@ from pathlib import Path
 import torch
 
 from mili_openai import LLM, SamplingParams
+from mili_openai.bench.cli import add_serve_arguments, config_from_args
+from mili_openai.bench.datasets import build_workload
 from mili_openai.bench.prompt_tokens import load_tokenizer, sampling_pool
+from mili_openai.bench.sse_client import BENCH_TEMPERATURE, completion_prompt
 from mili_openai.model import KVCache, ModelCaches, PrefillSegment, StateCache
 from mili_openai.model.batch import ForwardBatch, PageTables
 from mili_openai.model.cache_spec import has_recurrent_layers
@@ -119,10 +130,62 @@ def build_data(args, llm: LLM, vocab: int) -> tuple[Sequences, Sequences]:
     return train, validation
 
 
+@dataclass
+class BenchWorkload:
+    """The requests one `mili bench serve` run sends (warm-up first), as its server receives them."""
+
+    prompts: list[str | list[int]]  # the completions prompt of each
+    params: list[SamplingParams]
+    concurrency: int  # requests in flight at once
+
+
+def bench_workload(arguments: str) -> BenchWorkload:
+    """The requests of `mili bench serve ARGUMENTS` (e.g. "--num-requests 2 --input-len 512 --output-len 256
+    --seed 3 --ignore-eos"): the same seed, lengths and tokenizer draw the same prompts."""
+    parser = argparse.ArgumentParser(prog="mili bench serve", add_help=False)
+    add_serve_arguments(parser)
+    config = config_from_args(parser.parse_args(shlex.split(arguments)))
+    if config.endpoint != "completions" or config.dataset not in ("random", "shared-prefix"):
+        raise SystemExit(f"--bench-workload {arguments!r}: only the completions endpoint's random or shared-prefix "
+                         "prompts are drawn here")
+    warmup, measured = build_workload(config, load_tokenizer(config.tokenizer))
+    requests = list(warmup) + list(measured)
+    params = [SamplingParams(temperature=BENCH_TEMPERATURE, max_tokens=request.output_len,
+                             ignore_eos=config.ignore_eos) for request in requests]
+    return BenchWorkload([completion_prompt(config, request) for request in requests], params,
+                         config.concurrency or len(requests))
+
+
+def generate_as_served(llm: LLM, workload: BenchWorkload) -> list:
+    """The workload's requests through `llm`, `concurrency` at a time (a batch's rows are computed together, which
+    in bfloat16 may tip a near tie) -> their RequestOutputs."""
+    step = workload.concurrency
+    return [output for start in range(0, len(workload.prompts), step)
+            for output in llm.generate(workload.prompts[start : start + step], workload.params[start : start + step])]
+
+
+def build_bench_data(args, llm: LLM) -> tuple[Sequences, Sequences]:
+    """The benchmark's own prompts continued by the target (`--bench-workload`), labelled; the fit is scored on
+    the same sequences (there is nothing to hold out: they are what the benchmark decodes)."""
+    started = time.perf_counter()
+    sequences, weights = [], []
+    for arguments in args.bench_workload:
+        for output in generate_as_served(llm, bench_workload(arguments)):
+            prompt = list(output.prompt_token_ids)
+            sequences.append(prompt + list(output.outputs[0].token_ids))
+            weights.append(tail_weights(len(prompt), len(sequences[-1]), args.other_weight))
+    print(f"{len(sequences)} benchmark prompts continued in {time.perf_counter() - started:.0f} s", flush=True)
+    data = labelled(llm.core.runner.forward.model, sequences, weights)
+    print(f"{data.positions()} fitted positions, {sum(int((w == 1.0).sum()) for w in weights)} of them in greedy "
+          f"continuations; labelled in {time.perf_counter() - started:.0f} s", flush=True)
+    return data, data
+
+
 def data_key(args) -> dict:
     """The flags the data depends on: a cache saved under other ones is not reused."""
     key = {name: getattr(args, name) for name in ("checkpoint", "num_prompts", "num_random", "validation_prompts",
-                                                  "prompt_len", "output_len", "other_weight", "seed")}
+                                                  "prompt_len", "output_len", "other_weight", "seed",
+                                                  "bench_workload")}
     return key | {"checkpoint": str(key["checkpoint"])}
 
 
@@ -144,7 +207,7 @@ def load_cached(args) -> tuple[Sequences, Sequences] | None:
 
 
 def build_and_save(args, llm: LLM, vocab: int) -> tuple[Sequences, Sequences]:
-    train, validation = build_data(args, llm, vocab)
+    train, validation = build_bench_data(args, llm) if args.bench_workload else build_data(args, llm, vocab)
     if args.data_cache is not None:  # written whole, then renamed: a run stopped midway leaves no half file
         partial = args.data_cache.with_name(args.data_cache.name + ".partial")
         torch.save({"key": data_key(args), "train": vars(train), "validation": vars(validation)}, partial)

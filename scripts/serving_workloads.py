@@ -48,10 +48,11 @@ WORKLOADS = (
                          warmup=2, seed=5)),
     # A random model's replies are arbitrary token ids, and about half come back as other ids when their text is
     # tokenized again (measured: 11 of 20 random 64-id replies; a median of 44 ids kept), so MT-text's hits stop
-    # inside the last reply on every server. MT-ids resends the history as the ids the model saw (`return_token_ids`,
-    # vLLM's field; llama.cpp's server has no such field): what a real model's text history gives.
+    # inside the last reply on every server. MT-ids resends the history as the ids the model saw: what a real model's
+    # text history gives, the same ids to every server (mili and vLLM return them under `return_token_ids`,
+    # llama.cpp's server under `__verbose.tokens` when asked with `verbose`; both fields are sent).
     Workload("MT-ids", "multi-turn as token ids: MT-text's conversations, the history resent as the ids the model "
-                       "saw (prompts as ids, replies from return_token_ids)",
+                       "saw (prompts as ids, replies as the ids the server returned)",
              BenchConfig(dataset="multi-turn", num_conversations=16, num_turns=8, turn_len=50, output_len=64,
                          warmup=2, seed=5, prompt_as_ids=True)),
 )

@@ -45,8 +45,7 @@ The helper modules the folders share are in tests/helpers, on pytest's pythonpat
 
 from __future__ import annotations
 
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
+import os
 
 import pytest
 import torch
@@ -54,6 +53,7 @@ import torch
 from fake_engine import FakeEngine
 from helpers_server import REAL_ENGINE_CONFIG, live_server, load_qwen_tokenizer
 from pooling_helpers import build_embedding_checkpoint, build_sequence_classifier, yes_minus_no_row
+from triton_interpreter import interpreter_pool
 
 from mili_openai.bench.prompt_tokens import load_tokenizer
 from mili_openai.config import EngineConfig, ServerConfig
@@ -74,6 +74,14 @@ TINY_MOE_CONFIG = dict(vocab_size=151936, hidden_size=64, intermediate_size=128,
                        tie_word_embeddings=False, max_position_embeddings=4096, rope_theta=1e6)
 MHA_UNTIED_SHAPE = ModelShape(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
                               num_key_value_heads=4, head_dim=16, tie_word_embeddings=False, rope_theta=10000.0)
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (the README's command runs a worker per core): one torch thread per worker, or the
+    workers' OpenMP teams oversubscribe the cores and spin at each other's barriers. Threads the tests start
+    take the count on their first torch op."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -185,14 +193,12 @@ def bench_tokenizer():
     return load_tokenizer()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def interpreter():
-    """For the Triton kernel tests: one process, spawned with TRITON_INTERPRET=1, that runs the kernel calls
-    submitted to it (Triton picks compiling or interpreting when it is imported, for the whole process)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRITON_INTERPRET", "1")
-        with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            yield pool
+    """For the Triton kernel tests: one process running Triton's interpreter that runs the kernel calls submitted
+    to it (helpers/triton_interpreter.py), spawned once per session: each spawn imports torch and Triton anew."""
+    with interpreter_pool() as pool:
+        yield pool
 
 
 @pytest.fixture(scope="session")

@@ -53,8 +53,9 @@ def request_body(config: BenchConfig, model: str, request: BenchRequest) -> dict
         body["messages"] = chat_messages(request)
     else:
         body["prompt"] = completion_prompt(config, request)
-        if config.prompt_as_ids and config.dataset == MULTI_TURN:  # vLLM's field: the replies come back as ids
+        if config.prompt_as_ids and config.dataset == MULTI_TURN:  # the replies come back as ids: vLLM's field,
             body["return_token_ids"] = True
+            body["verbose"] = True  # and llama.cpp's server's (each chunk's `__verbose.tokens`); others ignore it
     # vLLM extra-body fields: sent only when asked, since strict OpenAI peers reject unknown fields.
     if config.ignore_eos:
         body["ignore_eos"] = True
@@ -152,7 +153,7 @@ class _StreamState:
                 if choice.get("index", 0) == 0:
                     self.texts.append(text)
             if choice.get("index", 0) == 0:
-                self.result.token_ids.extend(choice.get("token_ids") or ())
+                self.result.token_ids.extend(choice.get("token_ids") or _llama_token_ids(event))
         usage = event.get("usage")
         if usage:
             self.usage_tokens = usage.get("completion_tokens")
@@ -229,6 +230,11 @@ def _choice_text(choice: dict[str, Any]) -> str:
         delta = choice["delta"] or {}
         return "".join(delta.get(name) or "" for name in CHAT_TEXT_FIELDS)
     return choice.get("text") or ""
+
+
+def _llama_token_ids(event: dict[str, Any]) -> list[int]:
+    """The ids llama.cpp's server generated for a chunk (its `__verbose` debug field, asked for with `verbose`)."""
+    return (event.get("__verbose") or {}).get("tokens") or []
 
 
 def _cached_tokens(usage: dict[str, Any], timings: dict[str, Any]) -> int | None:

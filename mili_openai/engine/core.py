@@ -190,8 +190,8 @@ class EngineCore:
         scored = output.prompt_logprobs or {}
         for index, (seq, samples) in enumerate(zip(batch.seqs, batch.samples)):
             drafts = batch.drafts(index)
-            if output.proposed_drafts is not None:
-                seq.proposed_drafts = output.proposed_drafts[index]
+            # a step that ran no model proposer leaves none: older drafts are for positions behind
+            seq.proposed_drafts = output.proposed_drafts[index] if output.proposed_drafts is not None else []
             if not samples:
                 tokens = []
             else:

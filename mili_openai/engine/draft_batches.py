@@ -13,22 +13,38 @@ from mili_openai.engine.structured_output import mask_rows
 from mili_openai.model.batch import ForwardBatch, PageTables, PrefillSegment
 
 
+def proposes_for(plan: SpeculationPlan, index: int) -> bool:
+    """Whether the proposer drafts for the batch's sequence `index` (SpeculationPlan.proposes_for)."""
+    return plan.proposes_for is None or plan.proposes_for[index]
+
+
 def kept_decode_rows(plan: SpeculationPlan, accepted: list[int]) -> tuple[list[int], list[int]]:
-    """(each decode's rows up to its last accepted draft, in row order; how many rows each decode keeps)."""
+    """(the rows of each decode the proposer drafts for, up to its last accepted draft, in row order; how many
+    rows each such decode keeps)."""
     rows: list[int] = []
     counts: list[int] = []
-    for first, kept in zip(plan.group_rows, accepted):
-        rows.extend(range(first, first + kept + 1))
-        counts.append(kept + 1)
+    for decode, (first, kept) in enumerate(zip(plan.group_rows, accepted)):
+        if proposes_for(plan, decode):
+            rows.extend(range(first, first + kept + 1))
+            counts.append(kept + 1)
     return rows, counts
 
 
-def taken_tokens(plan: SpeculationPlan, tokens: list[int], accepted: list[int], num_decode_rows: int
-                 ) -> list[list[int]]:
-    """Per sampled sequence (decodes, then sampled chunks), the tokens the step keeps: a decode's accepted drafts
-    and its sample, a chunk's sample. `tokens`: the step's samples in logits order."""
+def drafted_sequences(plan: SpeculationPlan) -> tuple[list[int], list[int]]:
+    """(the batch index of each sampled sequence the proposer drafts for, its index among the step's sampled
+    sequences), decodes first, in logits order."""
+    chosen = [(seq, order) for order, seq in enumerate(plan.sampled_seqs) if proposes_for(plan, seq)]
+    return [seq for seq, _ in chosen], [order for _, order in chosen]
+
+
+def taken_tokens(plan: SpeculationPlan, tokens: list[int], accepted: list[int], num_decode_rows: int,
+                 sampled: list[int]) -> list[list[int]]:
+    """Per sampled sequence of `sampled` (indices among the step's sampled sequences: decodes, then sampled
+    chunks), the tokens the step keeps: a decode's accepted drafts and its sample, a chunk's sample. `tokens`:
+    the step's samples in logits order."""
     taken = [tokens[first : first + kept + 1] for first, kept in zip(plan.group_rows, accepted)]
-    return taken + [[sample] for sample in tokens[num_decode_rows:]]
+    taken += [[sample] for sample in tokens[num_decode_rows:]]
+    return [taken[order] for order in sampled]
 
 
 def kept_rows_batch(batch: ForwardBatch, decode_rows: list[int], decode_counts: list[int],

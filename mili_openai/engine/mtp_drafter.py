@@ -19,8 +19,10 @@ import torch
 from mili_openai.engine.draft_batches import (
     chain_batch,
     has_page_at,
+    drafted_sequences,
     kept_decode_rows,
     kept_rows_batch,
+    proposes_for,
     take_drafts,
     taken_tokens,
 )
@@ -48,7 +50,7 @@ class MtpDrafter:
     @torch.inference_mode()
     def propose(self, plan: SpeculationPlan, batch: ForwardBatch, hidden: torch.Tensor, tokens: list[int],
                 accepted: list[int]) -> list[list[int]]:
-        catch_up, rows, owners = self._catch_up_batch(plan, batch, tokens, accepted)
+        catch_up, rows, owners, sampled = self._catch_up_batch(plan, batch, tokens, accepted)
         drafts: list[list[int]] = [[] for _ in plan.pages]
         device = hidden.device
         last = catch_up.logits_indices.to(device)
@@ -56,7 +58,7 @@ class MtpDrafter:
         state = self._run(catch_up.input_ids, hidden[rows.to(device)], catch_up, 0)[last]  # (S, hidden)
         if not owners:
             return drafts
-        taken = taken_tokens(plan, tokens, accepted, batch.num_decode) if plan.grammars is not None else None
+        taken = taken_tokens(plan, tokens, accepted, batch.num_decode, sampled) if plan.grammars is not None else None
         token = torch.empty(len(owners), dtype=torch.int64, device=device)
         positions = catch_up.positions[last.to(catch_up.positions.device)].tolist()
         live = take_drafts(plan, owners, list(range(len(owners))), self.head(state), token, taken,
@@ -83,9 +85,12 @@ class MtpDrafter:
 
     @staticmethod
     def _catch_up_batch(plan: SpeculationPlan, batch: ForwardBatch, tokens: list[int], accepted: list[int]
-                        ) -> tuple[ForwardBatch, torch.Tensor, list[int]]:
-        """(the catch-up pass's batch, the target rows it reads, the batch index of each of its sampled rows).
-        `tokens`: the step's samples in logits order (every decode row, then each sampled chunk's last row)."""
+                        ) -> tuple[ForwardBatch, torch.Tensor, list[int], list[int]]:
+        """(the catch-up pass's batch, the target rows it reads, the batch index of the sequence of each of its
+        logits rows and that sequence's index among the step's sampled ones: `drafted_sequences`). `tokens`: the
+        step's samples in logits order (every decode row, then each sampled chunk's last row). Decodes the
+        proposer no longer drafts for are left out; every prefill row is in."""
+        owners, sampled = drafted_sequences(plan)
         decode_rows, counts = kept_decode_rows(plan, accepted)
         # the token after each decode row: its kept drafts, then its sample
         decode_ids = [tokens[row] for row in decode_rows]
@@ -93,14 +98,15 @@ class MtpDrafter:
         num_decode = len(decode_rows)
         prefill_ids = plan.next_ids.copy()
         chunk_rows, sampled_chunks = [], 0
+        chunk_seqs = iter(plan.sampled_seqs[len(plan.group_rows):])
         for segment in batch.prefills:
             end = segment.start - batch.num_decode + segment.length  # past the chunk's last prefill row
             if prefill_ids[end - 1] == NO_TOKEN:  # the chunk sampled: its last row pairs with that token
                 prefill_ids[end - 1] = tokens[batch.num_decode + sampled_chunks]
-                chunk_rows.append(num_decode + end - 1)
                 sampled_chunks += 1
+                if proposes_for(plan, next(chunk_seqs)):
+                    chunk_rows.append(num_decode + end - 1)
         input_ids = torch.from_numpy(np.concatenate((np.asarray(decode_ids, dtype=np.int64), prefill_ids)))
         logits_indices = torch.from_numpy(np.concatenate((last_rows, np.asarray(chunk_rows, dtype=np.int64))))
         catch_up, rows = kept_rows_batch(batch, decode_rows, counts, input_ids, logits_indices)
-        owners = list(range(len(plan.group_rows))) + plan.sampled_seqs[len(plan.group_rows):]
-        return catch_up, rows, owners
+        return catch_up, rows, owners, sampled

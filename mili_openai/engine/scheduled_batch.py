@@ -25,8 +25,8 @@ class ScheduledBatch:
     draft_tokens: list[list[int]] = field(default_factory=list)
     # state slots handed out in this step (engine/state_slots.py): the runner zeroes them before the forward
     new_state_slots: list[int] = field(default_factory=list)
-    # whether the runner drafts with a model for the sampled sequences' next steps (engine/speculation.py)
-    run_proposer: bool = False
+    # per sequence, whether the runner drafts with a model for its next step (engine/speculation.py); [] for none
+    proposes_for: list[bool] = field(default_factory=list)
     # state-slot copies (source, destination) of a hybrid model's prefix cache (engine/state_snapshots.py): from a
     # snapshot into a running slot before the forward (after the zeroing), and from a running slot into a
     # snapshot after it
@@ -35,6 +35,11 @@ class ScheduledBatch:
     # saves of decodes verifying drafts (decode index, row offset in its group, snapshot id): the state that row
     # left (kept for the rollback) is copied after sampling, where the row's token was accepted
     verified_saves: list[tuple[int, int, int]] = field(default_factory=list)
+
+    @property
+    def run_proposer(self) -> bool:
+        """Whether the runner runs a model proposer after this step's sampling."""
+        return any(self.proposes_for)
 
     def drafts(self, index: int) -> list[int]:
         """The draft tokens seqs[index] verifies: [] for a prefill chunk or a decode without drafts."""

@@ -93,7 +93,8 @@ class Scheduler:
         decodes: list[tuple[Sequence, int]] = []
         prefills: list[tuple[Sequence, int]] = []
         preempted: list[Sequence] = []
-        drafting = not lookahead and self._drafts_at(len(self.running))
+        speculates = self._drafts_at(len(self.running))
+        drafting = not lookahead and speculates
         encoder = EncoderBudget(self.config.max_encoder_patches_per_step)
 
         for seq in list(self.running):  # oldest first; preemption takes from the newest end
@@ -137,7 +138,7 @@ class Scheduler:
             preempted=preempted,
             draft_tokens=draft_tokens,
             new_state_slots=new_state_slots,
-            run_proposer=drafting and self.proposer.drafts_in_runner,
+            proposes_for=self._proposes_for(scheduled, speculates),
         )
         for seq, num_new, samples in zip(batch.seqs, batch.num_new_tokens, batch.samples):
             seq.num_computed_tokens += num_new
@@ -151,7 +152,8 @@ class Scheduler:
 
         Not after prefill chunks (sequences admitted meanwhile could not see the prefix pages the chunks
         are computing, and would compute them again). With speculative decoding, not after a step with
-        drafts (how many tokens it keeps is unknown until verified), nor where a sequence's known tokens
+        drafts (how many tokens it keeps is unknown until verified), nor after a step whose model proposer
+        drafts for the next (MTP, a draft model), nor where a sequence still drafting has known tokens that
         end in an n-gram seen before: its text repeats itself, so its next step would likely draft, and a
         step planned ahead cannot (it does not know its last token). Elsewhere the overlap is worth more.
         """
@@ -159,9 +161,18 @@ class Scheduler:
             return False
         if not self._drafts_at(len(self.running)):
             return True
-        if self.proposer.drafts_in_runner:  # the running step is drafting for its sequences' next steps
-            return False
-        return not any(self.proposer.propose(seq, 1) for seq in running.seqs)
+        if self.proposer.drafts_in_runner:  # the running step may be drafting for its sequences' next steps
+            return not running.run_proposer
+        return not any(self.draft_switch.allows(seq) and self.proposer.propose(seq, 1) for seq in running.seqs)
+
+    def _proposes_for(self, scheduled: list[tuple[Sequence, int]], speculates: bool) -> list[bool]:
+        """Per scheduled sequence, whether the runner's model proposer drafts its next step: not for one the
+        DraftSwitch turned off, so that a request whose drafts are mostly rejected costs a plain step (no
+        catch-up, no chained drafts, and the step after may be planned ahead). Also in a step planned ahead,
+        where new prompts' chunks may run: a proposer's caches must cover every token of a sequence it drafts for."""
+        if not speculates or not self.proposer.drafts_in_runner:
+            return [False] * len(scheduled)
+        return [self.draft_switch.allows(seq) for seq, _ in scheduled]
 
     def _drafts_at(self, batch_size: int) -> bool:
         """Whether a step with batch_size running sequences drafts (SpeculativeConfig.disable_by_batch_size)."""
@@ -235,6 +246,8 @@ class Scheduler:
                     continue
                 adapters.add(seq.lora_id)
             matched = self.pages.match(seq)
+            if seq.first_scheduled_time is None:  # before its chunk is cut (StateSnapshots.prompt_stop reads it)
+                seq.num_cached_tokens = matched
             wait, freed = self._shares_prefix_in_flight(seq, matched, prefills)
             budget += freed
             if wait:
@@ -255,7 +268,6 @@ class Scheduler:
                 new_state_slots.append(seq.state_slot)
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
-                seq.num_cached_tokens = matched
                 self.prefix_cache_queries_total += seq.num_prompt_tokens
                 self.prefix_cache_hits_total += matched
             seq.status = SequenceStatus.RUNNING

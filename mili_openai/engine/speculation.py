@@ -37,6 +37,9 @@ class SpeculationPlan:
     # the one its chunk samples), the batch index of each sampled sequence in logits order, each sequence's pages
     next_ids: np.ndarray | None = None
     sampled_seqs: list[int] | None = None
+    # per sequence, whether the proposer drafts for it (ScheduledBatch.proposes_for: not once the DraftSwitch
+    # turned it off); its catch-up rows and chained drafts are left out where not
+    proposes_for: list[bool] | None = None
     pages: list[np.ndarray] | None = None
     # a hybrid prefix cache's saves in decodes verifying drafts (ScheduledBatch.verified_saves): (decode, its row,
     # snapshot id), copied from that row's kept state where the row's token is accepted
@@ -68,6 +71,7 @@ def plan_speculation(batch: ScheduledBatch) -> SpeculationPlan | None:
             next_ids.extend(following + [NO_TOKEN] * (count - len(following)))
         plan.next_ids = np.asarray(next_ids, dtype=np.int64)
         plan.sampled_seqs = [index for index, samples in enumerate(batch.samples) if samples]
+        plan.proposes_for = batch.proposes_for
         plan.pages = [np.asarray(seq.pages, dtype=np.int64) for seq in batch.seqs]
         # a decode samples after its first row, a chunk after its last
         plan.sample_positions = [start + (1 if index < num_decode else count) for index, (start, count)

@@ -6,8 +6,12 @@ restore is one slot-to-slot copy in the step, `ScheduledBatch.state_saves` / `st
 taken with no extra forward pass, in the step that computes the position:
 
 - the end of each prompt's prefill, rounded down to a page boundary: the last page boundary before the
-  prompt's last token (what a repeat of the prompt, an n > 1 sibling and the next turn of a chat match). The
-  prefill chunk that would run past it stops there, and the few tokens after it run in the next step;
+  prompt's last token (what a repeat of the prompt and the next turn of a chat match). The prefill chunk that
+  would run past it stops there, and the few tokens after it run in the next step: the prompt's first token
+  comes a step later. So a prompt that resumed from a cached prefix saves there only when that spares a later
+  prompt at least `min_prompt_save` tokens (the engine's: a quarter of a step's token budget) past it: a chat
+  turn's new message is cheaper to compute again than to wait a step for (its reply's snapshot serves the next
+  turn). A cold prompt always saves (a repeat of it would have nowhere else to resume);
 - a point where another prompt branches off this one's path (`request_stop`, asked by a prompt that waits
   for this one's pages: a shared system prompt or few-shot block), or where this prompt leaves a cached path
   that has no snapshot (the same prompt sent again after the first has finished), and every `interval` pages
@@ -36,15 +40,22 @@ from mili_openai.radix import RadixCache, SnapshotStore
 
 
 class StateSnapshots:
-    def __init__(self, store: SnapshotStore, tree: RadixCache, page_size: int, interval_pages: int | None) -> None:
+    def __init__(self, store: SnapshotStore, tree: RadixCache, page_size: int, interval_pages: int | None,
+                 min_prompt_save: int = 0) -> None:
+        """min_prompt_save: the fewest tokens past a prompt's resume point that its end's save must spare."""
         self.store = store
         self.tree = tree
         self.page_size = page_size
         self.interval = interval_pages * page_size if interval_pages else None  # in tokens
+        self.min_prompt_save = min_prompt_save
 
     def prompt_stop(self, seq: Sequence) -> int:
-        """The last page boundary before seq's last known token (0: the prompt fits in one page)."""
-        return (seq.num_tokens - 1) // self.page_size * self.page_size
+        """The last page boundary before seq's last known token, where its prefill saves its state; 0 (no save)
+        when the prompt fits in one page, or when it lies fewer than `min_prompt_save` tokens past the cached prefix
+        seq resumed from (`Sequence.num_cached_tokens`; a cold prompt always saves)."""
+        stop = (seq.num_tokens - 1) // self.page_size * self.page_size
+        near = seq.num_cached_tokens and stop - seq.num_cached_tokens < self.min_prompt_save
+        return 0 if near else stop
 
     def is_stop(self, seq: Sequence, position: int) -> bool:
         """Whether a prefill chunk ending at `position` saves the state there."""

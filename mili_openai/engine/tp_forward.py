@@ -38,12 +38,14 @@ from mili_openai.config import EngineConfig
 from mili_openai.engine.process_helpers import describe_exit
 from mili_openai.engine.step_forward import ForwardOutput, resolve_device
 from mili_openai.engine.step_preparer import ForwardStep
+from mili_openai.engine.tp_lora import TensorParallelLora
 from mili_openai.engine.tp_worker import (
     REPLYING_RANK,
     ExpertLoadReply,
     ExpertLoadRequest,
     Shutdown,
     StepReply,
+    TensorParallelStep,
     WorkerFailed,
     WorkerReady,
     decode,
@@ -214,7 +216,6 @@ class TensorParallelForward:
     the module doc): this process loads no weights and holds no KV cache."""
 
     kernel_build = None  # the workers load with the CPU kernels built: nothing to switch to later
-    lora = None  # LoRA adapters run on one rank (EngineConfig refuses them with tensor parallelism)
     speculation = None  # verifying drafts needs no runner's part here: no linear-attention state to roll back
     async_launch = False  # a step's forward is a round trip to the workers: `run` waits for their logits
 
@@ -233,6 +234,8 @@ class TensorParallelForward:
                              "workers do not roll states back to the last kept draft (not with "
                              "tensor_parallel_size > 1 yet)")
         self.quantization = None  # what /v1/models reports
+        # LoRA: every rank serves its share of each adapter; this process checks them and sends the changes
+        self.lora = TensorParallelLora(config.lora, self.model_config) if config.lora is not None else None
         dtype = resolve_dtype(config.dtype)
         self.cpu_kernels = cpu_kernels = load_cpu_kernels() if self.device.type == "cpu" else None
         threads = config.num_threads
@@ -272,6 +275,8 @@ class TensorParallelForward:
     def run(self, work: ForwardStep, batch: ForwardBatch) -> ForwardOutput:
         """Send the step to every worker; -> rank 0's logits on this process's device, for its sampler."""
         # the pinned staging buffer stays here: each rank copies the batch's own tensors
-        reply: StepReply = self.workers.request(dataclasses.replace(work, batch=batch, staged=None), StepReply)
+        step = TensorParallelStep(dataclasses.replace(work, batch=batch, staged=None),
+                                  self.lora.take_updates() if self.lora is not None else [])
+        reply: StepReply = self.workers.request(step, StepReply)
         logits = reply.logits.to(self.device) if reply.logits is not None else None
         return ForwardOutput(hidden=None, logits=logits, prompt_logprobs=reply.prompt_logprobs)

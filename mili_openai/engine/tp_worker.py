@@ -1,8 +1,8 @@
 """A tensor-parallel worker process: one rank's shard of the model and of the KV cache, running the steps the
 engine process sends it.
 
-The engine writes each step's inputs (the `ForwardStep` it built, with every rank's page table the same)
-once, as one encoded message, to every worker's pipe. All ranks run the forward, the same code as with one process
+The engine writes each step (the `ForwardStep` it built, with every rank's page table the same, and any LoRA
+adapter changes) once, as one encoded message, to every worker's pipe. All ranks run the forward, the same code as with one process
 (`LocalForward.run`), whose collectives (model/qwen3.py) meet over torch.distributed, and the logits of the
 sampled rows, gathered from the vocabulary shards; rank 0 alone replies, with those logits and any prompt
 log-probabilities, and the engine samples. A rank that fails replies with its traceback and exits; the engine
@@ -20,7 +20,7 @@ import logging
 import os
 import pickle
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -36,6 +36,7 @@ from mili_openai.engine.outputs import TokenLogprob
 from mili_openai.engine.process_helpers import exit_with_parent
 from mili_openai.engine.step_forward import resolve_device
 from mili_openai.engine.step_preparer import ForwardStep
+from mili_openai.engine.tp_lora import LoraUpdate
 from mili_openai.kernels.cpu import adopt_cpu_kernel_plan
 from mili_openai.kernels.planning import KernelPlan
 
@@ -45,7 +46,16 @@ REPLYING_RANK = 0
 WORKER_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [tp rank {rank}]: %(message)s"
 
 
-# ---- messages (engine -> workers: ForwardStep, ExpertLoadRequest, Shutdown; workers -> engine: the rest) ----
+# ---- messages (engine -> workers: TensorParallelStep, ExpertLoadRequest, Shutdown; workers -> engine: the rest) ----
+@dataclass(slots=True)
+class TensorParallelStep:
+    """A step for every rank: the forward's inputs, and the LoRA adapters loaded or unloaded since the step before
+    (engine/tp_lora.py), applied before the forward."""
+
+    work: ForwardStep
+    lora_updates: list[LoraUpdate] = field(default_factory=list)
+
+
 @dataclass(slots=True)
 class StepReply:
     logits: torch.Tensor | None  # (num_sampled, vocab) float32 on the CPU
@@ -109,15 +119,20 @@ def decode(data: bytes) -> Any:
 
 # ---- the worker ----
 @torch.inference_mode()
-def run_step(forward: LocalForward, work: ForwardStep) -> StepReply:
+def run_step(forward: LocalForward, step: TensorParallelStep) -> StepReply:
     """One step on this rank's shard, its logits brought to the host for the engine to sample from."""
-    out = forward.run(work, forward.inputs(work))
+    for update in step.lora_updates:  # each rank reads a loaded adapter's share itself
+        if update.path is None:
+            forward.lora.remove(update.adapter_id)
+        else:
+            forward.lora.add(update.adapter_id, update.name, update.path, forward.lora.read(update.name, update.path))
+    out = forward.run(step.work, forward.inputs(step.work))
     logits = out.logits.cpu() if out.logits is not None else None  # (S, vocab)
     return StepReply(logits=logits, prompt_logprobs=out.prompt_logprobs)
 
 
 def _handle(forward: LocalForward, message: Any) -> Any:
-    if isinstance(message, ForwardStep):
+    if isinstance(message, TensorParallelStep):
         return run_step(forward, message)
     if isinstance(message, ExpertLoadRequest):  # every rank routes alike: rank 0's counts are the model's
         return ExpertLoadReply(forward.expert_load())

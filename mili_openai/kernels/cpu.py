@@ -14,7 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from mili_openai.kernels.build_lock import build_directory, exclusive_build, extension_name
+from mili_openai.kernels.cpu_decode_stack import CpuDecodeStack
 from mili_openai.kernels.cpu_linear_attention import CpuLinearAttention
+from mili_openai.kernels.lora import LoraRows, LoraSlotTable, add_lora
 from mili_openai.kernels.planning import KernelPlan, plan_decode_prefetch, plan_matmuls, plan_prefill_attention
 from mili_openai.kernels.quantized import CpuQuantizedLinear, PackedWeights
 
@@ -24,12 +26,12 @@ SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("bindings.cpp", "linear_bf16.cpp", "linear_amx.cpp", "paged_decode_attention.cpp",
            "decode_shared_amx.cpp", "paged_prefill_attention.cpp", "prefill_amx.cpp", "rms_norm_bf16.cpp",
            "activation_bf16.cpp", "moe_experts.cpp", "moe_block.cpp", "decode_stack.cpp", "sample_rows.cpp",
-           "gated_delta_rule.cpp")
+           "gated_delta_rule.cpp", "gated_deltanet_decode.cpp", "zero_centered_norm.cpp", "lora_bf16.cpp")
 QUANTIZED_SOURCES = ("linear_quantized.cpp", "linear_int8.cpp", "linear_int4.cpp", "linear_w8a8.cpp")
 # not compiled on their own (torch's JIT hashes only the sources); the build's name hashes every file in csrc
 HEADERS = ("attention_pages.h", "simd_bf16.h", "kernels.h", "prefill_products.h", "decode_blocks.h", "row_ranges.h",
            "amx_tiles.h", "decode_shared_amx.h", "decode_partials.h", "prefill_amx.h", "quantized_linear.h", "quantized_tiles.h",
-           "moe.h", "expert_tiles.h")
+           "moe.h", "expert_tiles.h", "delta_rule_step.h")
 EXTENSION_PREFIX = "mili_cpu_kernels"
 # -fopenmp: without it ATen's parallel_for compiles to a serial loop inside the extension
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"]
@@ -40,6 +42,7 @@ VECTOR_LANES = 16
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128, 256)  # the attention kernels' head sizes (256: Qwen3.5's attention)
 DECODE_STACK_HEAD_DIMS = (16, 32, 64, 128)  # the fused decoder keeps a head in registers
 ATTENTION_DTYPES = (torch.bfloat16, torch.float32)
+ZERO_CENTERED_NORM_DTYPES = (torch.bfloat16, torch.float32)
 PREFILL_ATTENTION_MAX_GROUP = 64  # query heads per KV head: a prefill task spreads them over 64 lanes
 ROTARY_HEAD_DIM_MULTIPLE, MAX_ROTARY_HEAD_DIM = 32, 256  # the kernel rotates 16-lane halves on the stack
 
@@ -130,6 +133,17 @@ class CpuKernels:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """bf16(weight * bf16(x / rms(x))) over the last dim, one pass per row."""
         return self._module.rms_norm_bf16(x.contiguous(), weight.to(x.dtype).contiguous(), eps)
+
+    def zero_centered_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                               residual: torch.Tensor | None) -> torch.Tensor | None:
+        """Qwen3.5's zero-centred RMSNorm (model/hybrid_norms.py), after x += residual where given; None outside
+        the kernel's domain (x untouched)."""
+        if not (x.device.type == "cpu" and x.dtype in ZERO_CENTERED_NORM_DTYPES and x.dim() in (2, 3)
+                and x.stride(-1) == 1 and x.shape[-1] % VECTOR_LANES == 0
+                and (residual is None or (x.is_contiguous() and residual.is_contiguous()
+                                          and residual.dtype == x.dtype and residual.shape == x.shape))):
+            return None
+        return self._module.zero_centered_rms_norm(x, weight, eps, residual)
 
     @staticmethod
     def supports_silu_mul(gate_up: torch.Tensor) -> bool:
@@ -265,6 +279,26 @@ class CpuKernels:
                                          self._amx_tiles, self.plan.decode_prefetch_blocks)
         return CpuDecodeStack(stack, self)
 
+    def lora_projection(self, table: LoraSlotTable | None):
+        """The compiled record of one projection's LoRA slots (an empty one for None)."""
+        if table is None:
+            return self._module.LoraProjection()
+        return self._module.LoraProjection(table.lora_a, table.lora_b, list(table.offsets))
+
+    def add_lora(self, out: torch.Tensor, x: torch.Tensor, table: LoraSlotTable, rows: LoraRows) -> torch.Tensor:
+        """out (T, O) += each row's slot's delta, in place: bf16 rows in one call, rounded as kernels/lora.py's
+        torch ops, which run what `supports_lora` declines."""
+        if not self.supports_lora(x, table):
+            return add_lora(out, x, table, rows)
+        self._module.add_lora_bf16(out, x, table.lora_a, table.lora_b, rows.per_row(x.shape[0], x.device),
+                                   list(table.offsets))
+        return out
+
+    @staticmethod
+    def supports_lora(x: torch.Tensor, table: LoraSlotTable) -> bool:
+        return (x.dtype == table.lora_a.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2
+                and x.stride(1) == 1 and x.shape[1] % VECTOR_LANES == 0)
+
     def _packed_linear(self, packed: PackedWeights):
         empty = torch.empty(0)
         if packed.bits == 16:
@@ -273,27 +307,6 @@ class CpuKernels:
         if packed.int8_inputs is not None:
             return self._module.PackedLinear(8, weight, scales, empty, True, last[0])
         return self._module.PackedLinear(packed.bits, weight, scales, last[0] if last else empty, False, empty)
-
-
-class CpuDecodeStack:
-    """The compiled decoder layers for decode steps of up to `max_rows` sequences (the rows the matmul
-    kernel takes; a larger batch goes layer by layer, where its matmuls are GEMMs)."""
-
-    def __init__(self, stack, kernels: CpuKernels) -> None:
-        self._stack = stack
-        self._kernels = kernels
-
-    @property
-    def max_rows(self) -> int:
-        return self._kernels.max_kernel_rows
-
-    def forward(self, input_ids: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, pools: torch.Tensor,
-                slot_mapping: torch.Tensor, page_table: torch.Tensor, page_size: int,
-                ctx_lens: torch.Tensor) -> torch.Tensor:
-        """input_ids (B,) -> (B, hidden) after the last layer, K/V written to `pools`, each row attending to
-        positions [0, ctx_lens[b]) of its page table row. One call that runs no torch op from Python: the GIL
-        is held until it is released for the whole stack."""
-        return self._stack.forward(input_ids, cos, signed_sin, pools, slot_mapping, page_table, page_size, ctx_lens)
 
 
 @functools.lru_cache(maxsize=1)

@@ -3,7 +3,8 @@
 Decode runs the fused delta-rule step (the fp32 state read and written once per token); prefill runs the same
 step token by token per (segment, value head), the state staying in cache: on CPU that beats the chunked WY
 form in torch several times over (scripts/bench_gated_delta_rule.py). Shapes outside the kernels' domain go to
-the torch reference (kernels/gated_delta_rule.py).
+the torch reference (kernels/gated_delta_rule.py). A layer's whole decode step, conv to gated norm, is one call
+(csrc/gated_deltanet_decode.cpp): op by op it is some thirty small torch ops a layer.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from mili_openai.kernels import gated_delta_rule as reference
+from mili_openai.kernels.linear_attention import DeltaNetDecodeWeights
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256  # the kernel stages a head's q, k, v rows on the stack
@@ -31,6 +33,17 @@ def _fits_conv(x: torch.Tensor, conv_pool: torch.Tensor, weight: torch.Tensor) -
     return (x.device.type == "cpu" and x.dtype in KERNEL_DTYPES and x.stride(-1) == 1
             and x.shape[-1] % VECTOR_LANES == 0 and conv_pool.dtype == x.dtype
             and conv_pool.is_contiguous() and weight.shape[-1] <= MAX_CONV_WIDTH)
+
+
+def _fits_decode_layer(projected: torch.Tensor, weights: DeltaNetDecodeWeights, conv_pool: torch.Tensor,
+                       state_pool: torch.Tensor) -> bool:
+    dtype, head_v_dim, conv_dim = projected.dtype, weights.norm_weight.shape[-1], weights.conv_weight.shape[0]
+    return (projected.device.type == "cpu" and dtype in KERNEL_DTYPES and projected.stride(-1) == 1
+            and weights.norm_weight.dtype == dtype and weights.conv_weight.dtype in (dtype, torch.float32)
+            and weights.conv_weight.is_contiguous() and weights.conv_weight.shape[-1] <= MAX_CONV_WIDTH
+            and conv_pool.dtype == dtype and conv_pool.is_contiguous() and state_pool.is_contiguous()
+            and weights.head_k_dim <= MAX_HEAD_DIM and head_v_dim <= MAX_HEAD_DIM
+            and head_v_dim % VECTOR_LANES == 0 and conv_dim % VECTOR_LANES == 0)
 
 
 def _float(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -73,3 +86,12 @@ class CpuLinearAttention:
             return reference.causal_conv1d_prefill(x, cu_seqlens, conv_pool, weight, bias, slots)
         return self._module.causal_conv1d_prefill(x, cu_seqlens.long().contiguous(), conv_pool, _float(weight),
                                                   _float(bias), slots.long().contiguous())
+
+    def deltanet_decode(self, projected: torch.Tensor, weights: DeltaNetDecodeWeights, conv_pool: torch.Tensor,
+                        state_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
+        if not _fits_decode_layer(projected, weights, conv_pool, state_pool):
+            return None
+        return self._module.gated_deltanet_decode(projected, conv_pool, weights.conv_weight, weights.A_log,
+                                                  weights.dt_bias, weights.norm_weight, weights.norm_eps,
+                                                  weights.num_k_heads, weights.head_k_dim, state_pool,
+                                                  slots.long().contiguous())

@@ -2,15 +2,29 @@
 
 Three implementations satisfy it: `TorchLinearAttention` (kernels/gated_delta_rule.py, any device, the
 reference), the compiled CPU kernels and the Triton kernels. Shapes and semantics: kernels/gated_delta_rule.py.
+A set may also fuse a layer's whole decode step (`deltanet_decode`); one that does not returns None there, and
+the layer runs the ops one by one (model/gated_deltanet.py: the fused op's reference).
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
 from mili_openai.kernels import gated_delta_rule as reference
+
+
+class DeltaNetDecodeWeights(NamedTuple):
+    """A Gated DeltaNet layer's weights between its two projections, as the fused decode step takes them."""
+
+    conv_weight: torch.Tensor  # (conv_dim, K)
+    A_log: torch.Tensor  # (Hv,)
+    dt_bias: torch.Tensor  # (Hv,)
+    norm_weight: torch.Tensor  # (Dv,): the gated RMSNorm's
+    norm_eps: float
+    num_k_heads: int
+    head_k_dim: int
 
 
 @runtime_checkable
@@ -39,6 +53,19 @@ class LinearAttentionKernel(Protocol):
         """x (T, C) in segments; each continues and leaves its window in conv_pool -> silu(conv) (T, C)."""
         ...
 
+    def deltanet_decode(self, projected: torch.Tensor, weights: DeltaNetDecodeWeights, conv_pool: torch.Tensor,
+                        state_pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
+        """A layer's decode rows from in_proj's output (B, conv_dim + value_dim + 2 Hv) to out_proj's input
+        (B, value_dim) in one op, both pools updated in place at `slots` (B,); None where this set has no fused
+        form for these inputs."""
+        ...
+
+
+def no_fused_decode(projected: torch.Tensor, weights: DeltaNetDecodeWeights, conv_pool: torch.Tensor,
+                    state_pool: torch.Tensor, slots: torch.Tensor) -> None:
+    """`deltanet_decode` of a kernel set without the fused form: the layer runs its ops one by one."""
+    return None
+
 
 class TorchLinearAttention:
     """The torch reference on any device: always correct, the fallback where no faster kernel applies."""
@@ -47,3 +74,4 @@ class TorchLinearAttention:
     gated_delta_rule_prefill = staticmethod(reference.gated_delta_rule_prefill)
     causal_conv1d_decode = staticmethod(reference.causal_conv1d_decode)
     causal_conv1d_prefill = staticmethod(reference.causal_conv1d_prefill)
+    deltanet_decode = staticmethod(no_fused_decode)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from mili_openai.kernels import gated_delta_rule as reference
+from mili_openai.kernels.linear_attention import no_fused_decode
 
 try:
     import triton
@@ -192,6 +193,8 @@ def _ready(*tensors: torch.Tensor) -> bool:
 
 class _TritonLinearAttention:
     """The four linear-attention ops as Triton launches (CUDA tensors, or CPU ones under the interpreter)."""
+
+    deltanet_decode = staticmethod(no_fused_decode)  # no fused layer step: the layer launches the four
 
     @staticmethod
     def _delta_rule_launch(q, k, v, g, beta, state_pool):

@@ -5,8 +5,9 @@
   in through `use_cpu_kernels` between steps). int8/int4 weights never wait so: on torch's ops they would be
   dequantized in float32 at every call, many times slower than the bf16 fallback, and a loaded server may never
   be idle to switch.
-- CUDA: the Triton kernels, each where it builds for the model's shapes (a Triton too old for one leaves that
-  op on torch with a warning), then every kernel variant compiled by warm-up forwards.
+- CUDA: the Triton kernels (LoRA's segmented matmul among them), each where it builds for the model's shapes (a
+  Triton too old for one leaves that op on torch with a warning), then every kernel variant compiled by warm-up
+  forwards.
 - `attention_backend` "torch": torch's SDPA for attention on CUDA; "triton": Triton attention or an error
   (and the CPU under Triton's interpreter).
 """
@@ -19,8 +20,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from mili_openai.kernels.lora import LoraGroup, LoraRows, LoraSlotTable
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.huge_pages import move_parameters_to_huge_pages
+from mili_openai.model.kernel_backend import LoraFn
 from mili_openai.model.kernel_warmup import warm_up_kernels
 from mili_openai.model.quantization.modules import Fp8Linear
 from mili_openai.model.qwen3 import Qwen3ForCausalLM
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PROBE_EPS = 1e-6  # the norms' epsilon in the one-row compile probes (any value compiles the same kernel)
+PROBE_LORA_RANK = 16  # the LoRA probe's slot width and output columns (any compile the same kernels)
 
 
 def set_up_backend(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, rank_config: ModelConfig, dtype: torch.dtype,
@@ -109,10 +113,11 @@ def _triton_attention(config: ModelConfig, dtype: torch.dtype, device: torch.dev
 
 def _use_cuda_kernels(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, config: ModelConfig) -> None:
     """RMSNorm (with the residual add before it), q/k norm + RoPE, SwiGLU's activation, the experts, int8/int4
-    and fp8 projections and linear attention through the Triton kernels, where Triton is there (else the torch
-    forms)."""
+    and fp8 projections, linear attention and the LoRA adapters' deltas through the Triton kernels, where Triton
+    is there (else the torch forms)."""
     from mili_openai.kernels.triton_fp8 import triton_fp8_linear
     from mili_openai.kernels.triton_fused_ops import TritonFusedOps
+    from mili_openai.kernels.triton_lora import triton_add_lora
     from mili_openai.kernels.triton_quantized import triton_quantized_linear
 
     backend = model.backend
@@ -129,6 +134,8 @@ def _use_cuda_kernels(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, config: Mode
         backend.fp8_matmul = triton_fp8_linear
     if config.hybrid is not None:
         _use_triton_linear_attention(model)
+    if triton_add_lora is not None and _lora_kernel_compiles(triton_add_lora, model):
+        backend.lora = triton_add_lora
 
 
 def _use_triton_linear_attention(model: Qwen3_5ForCausalLM) -> None:
@@ -193,5 +200,21 @@ def _fp8_kernels_compile(layer: Fp8Linear, dtype: torch.dtype) -> bool:
         quantize_rows(row)
     except Exception as exc:  # noqa: BLE001 -- as in _fused_ops_compile
         logger.warning("the Triton fp8 kernels do not build here (%s): fp8 projections run through torch", exc)
+        return False
+    return True
+
+
+def _lora_kernel_compiles(kernel: LoraFn, model: Qwen3ForCausalLM | Qwen3_5ForCausalLM) -> bool:
+    """As `_fused_ops_compile`, for the LoRA kernels (one row, one slot of the model's width): a Triton that cannot
+    build them leaves torch's segmented matmul for the adapters."""
+    weight = model.model.norm.weight
+    zeros = dict(dtype=weight.dtype, device=weight.device)
+    table = LoraSlotTable(torch.zeros(1, PROBE_LORA_RANK, weight.shape[0], **zeros),
+                          torch.zeros(1, PROBE_LORA_RANK, PROBE_LORA_RANK, **zeros), (0, PROBE_LORA_RANK))
+    try:
+        kernel(torch.zeros(1, PROBE_LORA_RANK, **zeros), torch.zeros(1, weight.shape[0], **zeros), table,
+               LoraRows([LoraGroup(0, None)]))
+    except Exception as exc:  # noqa: BLE001 -- as in _fused_ops_compile
+        logger.warning("the Triton LoRA kernels do not build here (%s): adapters run as torch matmuls", exc)
         return False
     return True

@@ -36,8 +36,8 @@ class GatedAttention(nn.Module):
         # rows: q_proj's (query and gate interleaved per head), then k_proj's, then v_proj's (the loader's order)
         self.qkv_proj = Linear(config.hidden_size, QUERY_AND_GATE * self.q_size + 2 * self.kv_size, self.backend)
         self.o_proj = Linear(self.q_size, config.hidden_size, self.backend)
-        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps, self.backend)
+        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps, self.backend)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch,
                 k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,9 @@ an fp32 (Dk, Dv) state with decay g = -exp(A_log) * softplus(a + dt_bias) and wr
 token reads one matrix; the loader builds the same rows from Qwen3-Next's interleaved in_proj_qkvz / in_proj_ba
 (model/hybrid_weights.py). A sequence's conv window and recurrent state live in slot `ForwardBatch.state_slots`
 of the layer's pools (model/state_cache.py): decode rows take the recurrent step, prefill chunks the chunked
-form, both continuing the slot's state and leaving it updated (kernels/gated_delta_rule.py).
+form, both continuing the slot's state and leaving it updated (kernels/gated_delta_rule.py). A kernel set with a
+fused decode step (`LinearAttentionKernel.deltanet_decode`) runs a decode row's whole layer between the two
+projections in one call; `_mix` is that step op by op, and its reference.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mili_openai.kernels.linear_attention import DeltaNetDecodeWeights
 from mili_openai.model.batch import ForwardBatch
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.hybrid_norms import GatedRMSNorm
@@ -98,56 +101,64 @@ class GatedDeltaNet(nn.Module):
         """x (T, hidden); conv_pool (slots, conv_dim, K-1); state_pool (slots, Hv, Dk, Dv) fp32 -> (T, hidden).
         kept: (conv, recurrent) buffers of one entry per decode row, where a step verifying drafts keeps the
         state each row leaves (model/state_cache.py), for the runner to roll rejected drafts back."""
-        tokens = x.shape[0]
-        mixed, z, b, a = self.in_proj(x).split((self.conv_dim, self.value_dim, self.num_v_heads,
-                                                self.num_v_heads), dim=-1)
-        mixed = self._conv(mixed, rows, conv_pool, kept)  # (T, conv_dim)
-        q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
+        projected = self.in_proj(x)
+        decode, parts = rows.num_decode, []
+        if decode:
+            step = self._decode_step(projected, conv_pool, state_pool)
+            parts.append(_run_decode_rows(rows, step, (conv_pool, state_pool), kept))
+        if rows.prefill_slots.numel():
+            kernel, weight = self.backend.linear_attention, self.conv1d.weight
+            cu_seqlens, slots = rows.cu_seqlens, rows.prefill_slots
+            parts.append(self._mix(
+                projected[decode:],
+                lambda mixed: kernel.causal_conv1d_prefill(mixed, cu_seqlens, conv_pool, weight, None, slots),
+                lambda q, k, v, g, beta: kernel.gated_delta_rule_prefill(q, k, v, g, beta, cu_seqlens, state_pool,
+                                                                         slots)))
+        return self.out_proj(parts[0] if len(parts) == 1 else torch.cat(parts))
+
+    def decode_weights(self) -> DeltaNetDecodeWeights:
+        """The weights the kernels' fused decode step takes (read at each step: the loader may replace them)."""
+        return DeltaNetDecodeWeights(self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps,
+                                     self.num_k_heads, self.head_k_dim)
+
+    def _decode_step(self, projected: torch.Tensor, conv_pool: torch.Tensor,
+                     state_pool: torch.Tensor) -> Callable[[torch.Tensor | slice, torch.Tensor], torch.Tensor]:
+        """`step(row index, slots)` over decode rows: the kernel's fused layer step where it has one, else the ops."""
+        kernel, weight, weights = self.backend.linear_attention, self.conv1d.weight, self.decode_weights()
+
+        def step(index: torch.Tensor | slice, slots: torch.Tensor) -> torch.Tensor:
+            fused = kernel.deltanet_decode(projected[index], weights, conv_pool, state_pool, slots)
+            if fused is not None:
+                return fused
+            return self._mix(projected[index],
+                             lambda mixed: kernel.causal_conv1d_decode(mixed, conv_pool, weight, None, slots),
+                             lambda q, k, v, g, beta: kernel.gated_delta_rule_decode(q, k, v, g, beta, state_pool,
+                                                                                     slots))
+        return step
+
+    def _mix(self, projected: torch.Tensor, conv: Callable[[torch.Tensor], torch.Tensor],
+             delta_rule: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """in_proj's output (T, ...) -> out_proj's input (T, value_dim) op by op, `conv` and `delta_rule` running
+        over the rows' state slots: the reference of the kernels' fused decode step (deltanet_decode)."""
+        tokens = projected.shape[0]
+        mixed, z, b, a = projected.split((self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads), dim=-1)
+        q, k, v = conv(mixed).split((self.key_dim, self.key_dim, self.value_dim), dim=-1)  # (T, conv_dim) split
         q = q.view(tokens, self.num_k_heads, self.head_k_dim)
         k = k.view(tokens, self.num_k_heads, self.head_k_dim)
         v = v.view(tokens, self.num_v_heads, self.head_v_dim)
         beta = b.sigmoid()  # (T, Hv)
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # (T, Hv) float32
-        out = self._delta_rule(q, k, v, g, beta, rows, state_pool, kept)  # (T, Hv, Dv)
+        out = delta_rule(q, k, v, g, beta)  # (T, Hv, Dv)
         out = self.norm(out.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-        return self.out_proj(out.view(tokens, self.value_dim))
-
-    def _conv(self, mixed: torch.Tensor, rows: StateRows, conv_pool: torch.Tensor,
-              kept: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        decode, kernel, weight = rows.num_decode, self.backend.linear_attention, self.conv1d.weight
-
-        def decode_conv(index: torch.Tensor | slice, slots: torch.Tensor) -> torch.Tensor:
-            return kernel.causal_conv1d_decode(mixed[index], conv_pool, weight, None, slots)
-
-        decoded = _run_decode_rows(rows, decode_conv, conv_pool, None if kept is None else kept[0]) if decode else None
-        if rows.prefill_slots.numel() == 0:
-            return decoded
-        prefill = kernel.causal_conv1d_prefill(mixed[decode:], rows.cu_seqlens, conv_pool, weight, None,
-                                               rows.prefill_slots)
-        return prefill if decoded is None else torch.cat((decoded, prefill))
-
-    def _delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    rows: StateRows, state_pool: torch.Tensor,
-                    kept: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        decode, kernel = rows.num_decode, self.backend.linear_attention
-
-        def decode_rule(index: torch.Tensor | slice, slots: torch.Tensor) -> torch.Tensor:
-            return kernel.gated_delta_rule_decode(q[index], k[index], v[index], g[index], beta[index], state_pool,
-                                                  slots)
-
-        decoded = (_run_decode_rows(rows, decode_rule, state_pool, None if kept is None else kept[1]) if decode
-                   else None)
-        if rows.prefill_slots.numel() == 0:
-            return decoded
-        prefill = kernel.gated_delta_rule_prefill(q[decode:], k[decode:], v[decode:], g[decode:], beta[decode:],
-                                                  rows.cu_seqlens, state_pool, rows.prefill_slots)
-        return prefill if decoded is None else torch.cat((decoded, prefill))
+        return out.view(tokens, self.value_dim)
 
 
 def _run_decode_rows(rows: StateRows, step: Callable[[torch.Tensor | slice, torch.Tensor], torch.Tensor],
-                     pool: torch.Tensor, kept: torch.Tensor | None) -> torch.Tensor:
+                     pools: tuple[torch.Tensor, torch.Tensor],
+                     kept: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """`step(row index, slots)` over the decode rows: all at once, or where decodes verify drafts one depth at
-    a time (each sequence's rows in order over its one slot), copying the state each row leaves into `kept`."""
+    a time (each sequence's rows in order over its one slot), copying the (conv, recurrent) state each row leaves
+    into `kept`."""
     if rows.verify_steps is None:
         return step(slice(0, rows.num_decode), rows.decode_slots)
     out = None
@@ -157,5 +168,6 @@ def _run_decode_rows(rows: StateRows, step: Callable[[torch.Tensor | slice, torc
             out = result.new_empty((rows.num_decode, *result.shape[1:]))
         out[depth_rows] = result
         if kept is not None:
-            kept[depth_rows] = pool[slots]
+            for pool, buffer in zip(pools, kept):
+                buffer[depth_rows] = pool[slots]
     return out

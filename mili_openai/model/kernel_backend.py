@@ -11,7 +11,7 @@ backend once for the device (model/backend_setup.py):
 - **CPU**: the compiled extension (`install_cpu_kernels`): attention and linear attention from the pools;
   with bf16 weights also the matmuls, norms, RoPE, SwiGLU, sparse MoE blocks and the one-call decode stack.
 - **CUDA**: the Triton kernels: attention, fused norms / RoPE / SwiGLU, the residual add + norm, fused MoE,
-  int8/int4 and fp8 matmuls, linear attention.
+  int8/int4 and fp8 matmuls, linear attention, the LoRA adapters' segmented matmul.
 Every module of a model shares the one object, so a change of kernels is one assignment here, not a walk over
 the modules: the CPU kernels compiled while the server answers on torch's ops swap in through
 `install_cpu_kernels` (engine/runner.py calls it between steps). The fields are plain slots, read once per
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from mili_openai.kernels.cpu import CpuKernels, SparseMoeWeights
 from mili_openai.kernels.fp8 import Fp8Weights, torch_fp8_linear
 from mili_openai.kernels.linear_attention import LinearAttentionKernel, TorchLinearAttention
-from mili_openai.kernels.lora import LoraGroup, add_lora
+from mili_openai.kernels.lora import LoraRows, LoraSlotTable, add_lora
 from mili_openai.kernels.quantized import PackedWeights, reference_linear
 from mili_openai.model.paged_attention import AttentionKernel
 
@@ -38,9 +38,9 @@ MatmulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # (x (..., K), packed weight) -> (..., N): the CPU kernels, Triton on CUDA, or the torch reference
 QuantizedMatmulFn = Callable[[torch.Tensor, PackedWeights], torch.Tensor]
 Fp8MatmulFn = Callable[[torch.Tensor, Fp8Weights], torch.Tensor]  # the same, for fp8 weights
-# (out (T, O), x (T, I), lora_a (slots, R, I), lora_b (slots, O, R), row groups) -> out with each group's
-# adapter delta added in place: the segmented LoRA matmul (kernels/lora.py)
-LoraFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[LoraGroup]], torch.Tensor]
+# (out (T, O), x (T, I), one projection's adapter slots, the step's rows by slot) -> out with each row's adapter
+# delta added in place: the segmented LoRA matmul (kernels/lora.py), the CPU kernel or Triton's (kernels/triton_lora.py)
+LoraFn = Callable[[torch.Tensor, torch.Tensor, LoraSlotTable, LoraRows], torch.Tensor]
 
 
 class FusedOpKernel(Protocol):
@@ -88,9 +88,19 @@ class SparseMoeKernel(Protocol):
                    top_k: int, normalize: bool, expert_load: torch.Tensor) -> torch.Tensor: ...
 
 
+class ZeroCenteredNormKernel(Protocol):
+    """Qwen3.5's zero-centred RMSNorm with the residual add before it (see mili_openai.kernels.CpuKernels)."""
+
+    def zero_centered_rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                               residual: torch.Tensor | None) -> torch.Tensor | None:
+        """`ZeroCenteredRMSNorm` of x (after x += residual where given), rounded as it rounds; None where the
+        kernel does not take these inputs (x left untouched)."""
+        ...
+
+
 class DecodeStack(Protocol):
     """The embedding and every decoder layer of a decode-only step in one compiled call (see
-    mili_openai.kernels.CpuDecodeStack)."""
+    mili_openai.kernels.cpu_decode_stack.CpuDecodeStack)."""
 
     max_rows: int  # decode batches up to this size; larger ones run layer by layer
 
@@ -119,8 +129,9 @@ class KernelBackend:
     experts: ExpertsKernel | None = None  # every routed expert in grouped launches (CUDA)
     sparse_moe: SparseMoeKernel | None = None  # router + experts in one call (CPU, bf16)
     decode_stack: DecodeStackKernel | None = None  # builds the one-call decode step (CPU, bf16, one rank)
+    zero_centered_norm: ZeroCenteredNormKernel | None = None  # the hybrids' norms (+ residual add), CPU
     linear_attention: LinearAttentionKernel = field(default_factory=TorchLinearAttention)  # Gated DeltaNet's ops
-    lora: LoraFn = add_lora  # the adapters' deltas over a mixed batch (torch's segmented matmul on every device)
+    lora: LoraFn = add_lora  # adapters' deltas over a mixed batch (torch's segmented matmul; CPU bf16, CUDA: kernels)
     # the compiled CPU kernels are building on a thread: torch's ops serve until they come in (backend_setup.py)
     awaits_cpu_kernels: bool = False
 
@@ -130,6 +141,7 @@ class KernelBackend:
         its weights, follows with `build_decode_stack` (model/backend_setup.py's `use_cpu_kernels`)."""
         self.attention = kernels
         self.linear_attention = kernels.linear_attention
+        self.zero_centered_norm = kernels
         if dtype != torch.bfloat16:
             return
         self.matmul = kernels.linear
@@ -137,6 +149,7 @@ class KernelBackend:
         self.fused_ops = kernels
         self.sparse_moe = kernels
         self.decode_stack = kernels
+        self.lora = kernels.add_lora
 
 
 def require_backend(backend: KernelBackend) -> KernelBackend:

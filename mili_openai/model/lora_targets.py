@@ -24,9 +24,11 @@ from mili_openai.model.gated_deltanet import GatedDeltaNet
 from mili_openai.model.hybrid_config import LinearAttentionConfig
 from mili_openai.model.hybrid_weights import regroup_fused_projections
 from mili_openai.model.layers import SwiGLUMLP
+from mili_openai.model.lora_adapter import TargetShape
 from mili_openai.model.moe import SharedExpertMoeBlock
 from mili_openai.model.qwen3 import Qwen3ForCausalLM
 from mili_openai.model.qwen3_5 import Qwen3_5ForCausalLM
+from mili_openai.model.tensor_parallel import shard_config
 
 SHARED_EXPERT = "mlp.shared_expert"
 SHARED_EXPERT_GATE = "mlp.shared_expert_gate"
@@ -38,8 +40,15 @@ class LoraModule:
 
     name: str
     out_features: int
-    # the projection's rows as indices into the module's own (Qwen3-Next's fused inputs); None: the same order
+    # the projection's rows as indices into the module's own (Qwen3-Next's fused inputs, a tensor-parallel rank's
+    # share); None: all of them, in the same order
     row_order: torch.Tensor | None = None
+    # the checkpoint weights (after the hybrid renames) whose rows the projection holds for it, (name, rows) in
+    # order, where they are not the module's own (Qwen3-Next's in_proj_qkvz: in_proj_qkv's rows, then in_proj_z's):
+    # how a tensor-parallel rank's share of it is found (model/lora_tensor_parallel.py)
+    parts: tuple[tuple[str, int], ...] | None = None
+    # the input features the projection reads, as indices into the module's (a row-parallel rank's); None: all
+    columns: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,11 +71,18 @@ def lora_sites(model: nn.Module) -> list[LoraSite]:
             sites += _attention_sites(index, attention, attention.q_size, attention.kv_size, model.config.hidden_size)
             sites += _mlp_sites(index, layer.mlp, model.config.hidden_size)
         return sites
-    if isinstance(model, Qwen3_5ForCausalLM):
+    if isinstance(model, Qwen3_5ForCausalLM):  # Gated DeltaNet in this rank's heads
+        linear = shard_config(model.config, model.parallel.size if model.parallel is not None else 1).hybrid.linear
         return [site for index, layer in enumerate(model.model.layers) for site in _hybrid_layer_sites(
-            index, layer, model.config.hidden_size, model.config.hybrid.linear)]
+            index, layer, model.config.hidden_size, linear)]
     raise ValueError(f"LoRA adapters are served on Qwen3, Qwen3-MoE, Qwen3.5 and Qwen3-Next checkpoints only, not on "
                      f"{type(model).__name__}")
+
+
+def target_shapes(sites: list[LoraSite]) -> dict[tuple[int, str], TargetShape]:
+    """What adapters may target on the model of `sites`, by (layer, PEFT module path): each module's (in, out)."""
+    return {(site.layer, module.name): TargetShape(site.in_features, module.out_features)
+            for site in sites for module in site.modules}
 
 
 def _hybrid_layer_sites(index: int, layer: nn.Module, hidden: int, linear: LinearAttentionConfig) -> list[LoraSite]:
@@ -94,8 +110,10 @@ def _linear_attention_sites(index: int, deltanet: GatedDeltaNet, hidden: int,
         qkvz_rows, ba_rows = deltanet.conv_dim + deltanet.value_dim, 2 * heads
         qkv, z, b, a = regroup_fused_projections(torch.arange(qkvz_rows).unsqueeze(1),
                                                  torch.arange(ba_rows).unsqueeze(1), linear)
-        inputs = (LoraModule("linear_attn.in_proj_qkvz", qkvz_rows, torch.cat((qkv, z)).squeeze(1)),
-                  LoraModule("linear_attn.in_proj_ba", ba_rows, torch.cat((b, a)).squeeze(1)))
+        qkvz_parts = (("linear_attn.in_proj_qkv", deltanet.conv_dim), ("linear_attn.in_proj_z", deltanet.value_dim))
+        inputs = (LoraModule("linear_attn.in_proj_qkvz", qkvz_rows, torch.cat((qkv, z)).squeeze(1), qkvz_parts),
+                  LoraModule("linear_attn.in_proj_ba", ba_rows, torch.cat((b, a)).squeeze(1),
+                             (("linear_attn.in_proj_b", heads), ("linear_attn.in_proj_a", heads))))
     else:
         inputs = (LoraModule("linear_attn.in_proj_qkv", deltanet.conv_dim),
                   LoraModule("linear_attn.in_proj_z", deltanet.value_dim),

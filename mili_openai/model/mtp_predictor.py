@@ -32,9 +32,9 @@ class MultiTokenPredictor(nn.Module):
         hidden = config.hidden_size
         backend = model.backend  # the target's: the MTP module runs on the same kernels
         self.fc = Linear(2 * hidden, hidden, backend)
-        self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(hidden, config.rms_norm_eps)
-        self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(hidden, config.rms_norm_eps)
-        self.norm = ZeroCenteredRMSNorm(hidden, config.rms_norm_eps)
+        self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(hidden, config.rms_norm_eps, backend)
+        self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(hidden, config.rms_norm_eps, backend)
+        self.norm = ZeroCenteredRMSNorm(hidden, config.rms_norm_eps, backend)
         # built as the target's first attention layer (its kind of MLP too), then renumbered to its own cache layer
         self.source_layer = config.hybrid.layer_types.index(FULL_ATTENTION)
         self.layers = nn.ModuleList(HybridDecoderLayer(config, self.source_layer, backend)

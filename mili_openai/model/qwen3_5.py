@@ -62,12 +62,12 @@ class HybridDecoderLayer(nn.Module):
         self.index = index
         self.parallel = parallel
         self.is_linear = config.hybrid.layer_type(index) == LINEAR_ATTENTION
-        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps, backend)
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(config, backend)
         else:
             self.self_attn = GatedAttention(config, backend)
-        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps, backend)
         self.mlp = _mlp(config, index, backend)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
@@ -98,7 +98,7 @@ class HybridModel(nn.Module):
                              else VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel))
         self.layers = nn.ModuleList(HybridDecoderLayer(config, index, backend, parallel)
                                     for index in range(config.num_hidden_layers))
-        self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps, backend)
         self.rotary_emb = RotaryEmbedding(config)  # over the rotary_dim leading dims of each head
         sections = config.hybrid.mrope_section
         with torch.device("cpu"):  # built on CPU even under the loader's meta device; moved where it is read

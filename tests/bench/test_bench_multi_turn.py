@@ -17,7 +17,7 @@ from mili_openai.bench.datasets import BenchRequest, build_workload
 from mili_openai.bench.prompt_tokens import TokenPrompt
 from mili_openai.bench.runner import run_benchmark
 from mili_openai.bench.server_metrics import snapshot_memory
-from mili_openai.bench.sse_client import request_body
+from mili_openai.bench.sse_client import _StreamState, request_body
 
 FAKE_REPLY_WORD = " word"  # the fake server's every chunk
 
@@ -47,6 +47,22 @@ def test_a_turn_resends_the_history_on_both_endpoints():
     assert text == " hello there hi how are you fine thanks and you"
     as_ids = request_body(BenchConfig(dataset="multi-turn", prompt_as_ids=True), "m", request)
     assert as_ids["prompt"] == [0, 1, 0, 0, 1, 2, 0, 1, 0, 1] and as_ids["return_token_ids"] is True
+    assert as_ids["verbose"] is True  # llama.cpp's server returns the ids under it
+
+
+def test_reply_ids_from_vllms_field_and_from_llama_cpps_verbose_field():
+    """vLLM and mili stream `choices[0].token_ids`; llama.cpp's server `__verbose.tokens` (as its b1-0c1e570
+    answered a `verbose` completion with a prompt of ids), and its last chunk an empty list and the usage."""
+    vllm, llama = _StreamState(prompt_len=7, started=0.0), _StreamState(prompt_len=7, started=0.0)
+    for step, token in enumerate([68892, 145610]):
+        vllm.on_event({"choices": [{"text": "a", "index": 0, "token_ids": [token]}]}, now=step)
+        llama.on_event({"choices": [{"text": "a", "index": 0, "logprobs": None, "finish_reason": None}],
+                        "__verbose": {"index": 0, "content": "a", "tokens": [token], "stop": False}}, now=step)
+    llama.on_event({"choices": [{"text": "", "index": 0, "finish_reason": "length"}],
+                    "usage": {"completion_tokens": 2, "prompt_tokens": 7, "prompt_tokens_details": {"cached_tokens": 4}},
+                    "__verbose": {"index": 0, "content": "", "tokens": [], "stop": True}}, now=2)
+    assert vllm.finish(3, None).token_ids == llama.result.token_ids == [68892, 145610]
+    assert llama.finish(3, None).cached_tokens == 4
 
 
 def test_multi_turn_against_fake_server_counts_cached_share(bench_tokenizer):

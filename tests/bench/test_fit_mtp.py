@@ -69,3 +69,30 @@ def test_a_tiny_draft_is_fitted_beside_the_target(hybrid_checkpoint, tmp_path, c
     assert (len(train), len(validation)) == (4 + 2, 2)
     assert train.hidden[0].shape == (24, json.loads((source / "config.json").read_text())["hidden_size"])
     assert script.load_cached(script.parse_args([*argv, "--seed", "1"])) is None  # other data flags: built anew
+
+
+def test_bench_workloads_are_fitted_and_their_acceptance_measured(hybrid_checkpoint, tmp_path, capsys):
+    """--bench-workload: the data is the prompts `mili bench serve` draws with those arguments (warm-up ones too),
+    continued as served; the fit memorises them, so the engine accepts drafts on that fitted prompt set, where a
+    random head accepts next to none."""
+    source = hybrid_checkpoint("qwen3_5_qwen35_tokenizer")  # the bench's text prompts need the whole vocabulary
+    workloads = [f"--num-requests 2 --concurrency 1 --input-len 12 --output-len 16 --warmup 1 --seed 3 --ignore-eos "
+                 f"--tokenizer {source}",
+                 f"--num-requests 4 --concurrency 2 --input-len 8 --output-len 8 --warmup 0 --seed 1 --ignore-eos "
+                 f"--tokenizer {source}"]
+    argv = [str(source), str(tmp_path / "fitted"), "--max-epochs", "40", "--patience", "100", "--negatives", "64",
+            "--lr", "1e-2", "--num-speculative-tokens", "2", "--data-cache", str(tmp_path / "data.pt")]
+    for workload in workloads:
+        argv += ["--bench-workload", workload]
+    load_script().main(argv)
+    printed = capsys.readouterr().out
+    assert "held-out" not in printed
+    best = float(re.findall(r"best on the fitted prompt set top-1 agreement ([0-9.]+)%", printed)[-1])
+    result = json.loads([line for line in printed.splitlines() if line.startswith("{")][-1])
+    assert result["measured_on"] == "the fitted prompt set"
+    assert best >= 80 and result["acceptance_rate"] >= 0.5, (best, result)
+    # the data: each request of both workloads, its prompt as the server tokenizes the bench's text, then its output
+    script = load_script()
+    train, validation = script.load_cached(script.parse_args(argv))
+    assert len(train) == len(validation) == 3 + 4
+    assert sorted(int((weights == 1.0).sum()) for weights in train.weights) == [8] * 4 + [16] * 3

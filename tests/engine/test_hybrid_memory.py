@@ -1,7 +1,7 @@
 """Memory of the hybrid models, against the shapes' arithmetic (docs/models.md's table): Qwen3.5-0.8B's state per
 sequence and K/V per token as its cache specs declare them, how many 32K-token sequences a budget holds once the
-state pool is set aside, the same split per tensor-parallel rank, and a runner sizing its two pools from a budget
-as the arithmetic says."""
+state pool is set aside, the default number of prefix-cache snapshots, the same split per tensor-parallel rank, and
+a runner sizing its two pools from a budget as the arithmetic says."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import torch
 
 from mili_openai import LLM
-from mili_openai.engine.memory_budget import pages_beside_states
+from mili_openai.engine.memory_budget import DEFAULT_SNAPSHOT_FRACTION, pages_beside_states, snapshots_in_budget
 from mili_openai.model import KVCache, ModelConfig
 from mili_openai.model.hybrid_checkpoint import QWEN3_5_0_8B_CONFIG
 from mili_openai.model.kernel_backend import KernelBackend
@@ -54,6 +54,19 @@ def test_32k_sequences_in_a_budget():
     assert pages * PAGE_SIZE // LONG_CONTEXT == (4 * GIB - state_bytes) // (384 * MIB) == 7
 
 
+def test_the_default_snapshots_scale_with_the_running_sequences():
+    """Qwen3.5-0.8B's 18 MiB + 648 KiB snapshots: 16 sequences get two each where a 4 GiB budget's default share
+    (0.2) holds 43; 64 sequences want 128, and get half of what their own 64 slots leave: 77 on 4 GiB, 22 on 2 GiB
+    (the 0.2 share: 21); an explicit share or count is taken as given."""
+    slot = 18 * MIB + 18 * 36 * KIB
+    assert snapshots_in_budget(4 * GIB, slot, None, None, num_running_slots=16) == 43
+    assert snapshots_in_budget(4 * GIB, slot, None, None, num_running_slots=32) == 64
+    assert snapshots_in_budget(4 * GIB, slot, None, None, num_running_slots=64) == (4 * GIB - 64 * slot) // 2 // slot == 77
+    assert snapshots_in_budget(2 * GIB, slot, None, None, num_running_slots=64) == 22
+    assert snapshots_in_budget(4 * GIB, slot, 0.1, None, num_running_slots=64) == 21
+    assert snapshots_in_budget(4 * GIB, slot, None, 5, num_running_slots=64) == 5
+
+
 def test_each_tensor_parallel_rank_keeps_half_the_state_and_kv():
     whole, rank = specs_of(QWEN3_5_0_8B_CONFIG), specs_of(QWEN3_5_0_8B_CONFIG, SimpleNamespace(rank=1, size=2))
     assert 2 * StateCache.bytes_per_slot(rank, torch.bfloat16) == StateCache.bytes_per_slot(whole, torch.bfloat16)
@@ -72,7 +85,7 @@ def test_the_runner_sizes_both_pools_from_the_budget(hybrid_checkpoint):
     kv_per_page = PAGE_SIZE * 2 * 2 * 32 * FP32
     assert runner.num_state_slots == llm.core.state_slots.num_slots == max_seqs
     # the state pool: a slot per running sequence, then the prefix cache's snapshots (a fraction of the budget)
-    num_snapshots = int(llm.core.config.hybrid_snapshot_fraction * budget_gb * GIB) // state_per_slot
+    num_snapshots = int(DEFAULT_SNAPSHOT_FRACTION * budget_gb * GIB) // state_per_slot  # more than 2 per sequence
     assert runner.num_state_snapshots == num_snapshots > 0
     slots = max_seqs + num_snapshots
     assert runner.num_pages == (int(budget_gb * GIB) - slots * state_per_slot) // kv_per_page

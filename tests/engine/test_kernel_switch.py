@@ -11,7 +11,7 @@ from concurrent.futures import Future
 import pytest
 import torch
 from engine_helpers import submit_checked
-from quant_helpers import QUANT_SHAPE
+from quant_helpers import SERVED_SHAPE
 
 from mili_openai.config import EngineConfig
 from mili_openai import kernels as kernels_module
@@ -116,7 +116,7 @@ def test_quantized_weights_wait_for_the_kernels(tmp_path, pending_build, quantiz
     """On torch's ops int8/int4 weights are dequantized in float32 at every call (`reference_linear`): a
     quantized server builds the kernels before it serves, and every projection, the LM head and the decode
     stack run compiled from the first step (prefill chunks, mixed steps and decode alike)."""
-    checkpoint = build_random_checkpoint(tmp_path / "dense", QUANT_SHAPE, seed=5, dtype=torch.bfloat16)
+    checkpoint = build_random_checkpoint(tmp_path / "dense", SERVED_SHAPE, seed=5, dtype=torch.bfloat16)
     engine = AsyncEngine(EngineConfig(model=str(checkpoint), dtype="bfloat16", num_pages=32,
                                       quantization=quantization, cpu_kernels_in_background=True))
     runner, kernels = engine.core.runner, load_cpu_kernels()

@@ -9,21 +9,9 @@ import pytest
 
 from engine_helpers import assert_matches, greedy
 from hybrid_helpers import hybrid_tokens
-from lora_helpers import peft_greedy, write_peft_adapter
+from lora_helpers import HYBRID_TARGETS, peft_greedy, write_peft_adapter
 from mili_openai import LLM
-from mili_openai.model.lora_adapter import ATTENTION_TARGETS
 
-DELTANET = {"qwen3_5": ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"],
-            "qwen3_next": ["in_proj_qkvz", "in_proj_ba", "out_proj"]}
-MLP = ["gate_proj", "up_proj", "down_proj"]
-# layout -> (every module an adapter may target on it, the Gated DeltaNet's alone)
-TARGETS = {
-    "qwen3_5": (list(ATTENTION_TARGETS) + DELTANET["qwen3_5"] + MLP, DELTANET["qwen3_5"]),
-    "qwen3_5_moe": (list(ATTENTION_TARGETS) + DELTANET["qwen3_5"] + MLP + ["shared_expert_gate"], DELTANET["qwen3_5"]),
-    # PEFT 0.21 turns gate/up/down_proj on a Qwen3-Next into its routed experts' parameters (target_parameters,
-    # which mili refuses) and drops the shared expert's: Qwen3.5-MoE covers the shared expert's MLP
-    "qwen3_next": (list(ATTENTION_TARGETS) + DELTANET["qwen3_next"] + ["shared_expert_gate"], DELTANET["qwen3_next"]),
-}
 PROMPTS = [hybrid_tokens(length, seed=60 + length) for length in (5, 19, 40)]
 SNAPSHOT_PROMPT = hybrid_tokens(40, seed=99)  # run by the snapshot test alone: 40 tokens, a snapshot at 32
 MAX_NEW = 6
@@ -31,11 +19,11 @@ PAGE_SIZE = 8
 ADAPTERS = ("every", "deltanet")
 
 
-@pytest.fixture(scope="module", params=sorted(TARGETS))
+@pytest.fixture(scope="module", params=sorted(HYBRID_TARGETS))
 def served(request, hybrid_checkpoint, tmp_path_factory):
     """(an LLM serving two adapters on the layout's checkpoint, {adapter name or None: the oracle per prompt})."""
     checkpoint = hybrid_checkpoint(request.param)
-    every, deltanet = TARGETS[request.param]
+    every, deltanet = HYBRID_TARGETS[request.param]
     root = tmp_path_factory.mktemp(f"lora-{request.param}")
     adapters = {"every": write_peft_adapter(checkpoint, root / "every", 8, seed=41, targets=every),
                 "deltanet": write_peft_adapter(checkpoint, root / "deltanet", 4, seed=42, targets=deltanet)}

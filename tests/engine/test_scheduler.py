@@ -209,6 +209,23 @@ def test_hybrid_prompts_resume_from_state_snapshots(qwen_tokenizer, lookahead):
     assert [seq.num_cached_tokens for seq in engine.added[-3:]] == [0, 40, 56]
 
 
+def test_a_hybrid_prompt_saves_its_end_only_where_that_spares_a_quarter_step(qwen_tokenizer):
+    """A budget of 64 tokens: a prompt's end is saved (its chunk stopped at its last page boundary, its first token
+    a step later) when it is cold, or 16 tokens or more past the prefix it found cached. A cold 41-token prompt
+    stops at 40;
+    the next turn, resuming from the reply's snapshot with 11 tokens to compute, samples in its first step (before,
+    it stopped at 52 for a save sparing a repeat 8 tokens)."""
+    engine = StepDriver(qwen_tokenizer, num_pages=64, page_size=4, budget=64, max_seqs=8, snapshots=4)
+    first = engine.add("turn1", list(range(41)), max_tokens=6)
+    engine.step()
+    assert first.num_computed_tokens == 40 and not first.output_token_ids  # saved at 40, its last token next
+    engine.run()
+    second = engine.add("turn2", first.token_ids + [5] * 8, max_tokens=1)  # 41 + 6 - 1 = 46 fed: resumes at 44
+    engine.step()
+    assert second.num_cached_tokens == 44 and second.is_finished  # 11 tokens computed and its token sampled at once
+    engine.run()
+
+
 def test_lookahead_decodes_feed_on_pending_tokens_and_stop_at_max_tokens(qwen_tokenizer):
     engine = StepDriver(qwen_tokenizer, num_pages=64, page_size=4, budget=64, max_seqs=8, lookahead=True)
     for i in range(3):
@@ -352,3 +369,32 @@ def test_drafts_leave_every_running_sequence_its_token():
     batch = scheduler.schedule()  # newer's token needs the free page; older's drafts fit its own page
     assert not batch.preempted and batch.seqs == [older, newer]
     assert batch.draft_tokens == [[], []]
+
+
+def test_a_request_switched_off_runs_no_model_proposer_and_its_steps_are_planned_ahead():
+    """A model proposer (MTP) drafts in the runner for the step's sequences that the DraftSwitch still allows:
+    once a request's drafts are mostly rejected, its steps run no proposer, and with none drafting the next
+    step is planned ahead as without speculation. A new prompt beside it is drafted for, in a step planned
+    ahead too, so that the proposer's caches cover its every token."""
+    speculative = SpeculativeConfig(3, method="mtp", min_acceptance_rate=0.5, min_drafts_for_switch=3)
+    config = EngineConfig(page_size=4, num_pages=32, max_num_seqs=8, max_num_batched_tokens=64,
+                          speculative_config=speculative)
+    scheduler = Scheduler(config, KVPageManager(num_pages=32, page_size=4, enable_prefix_caching=False))
+    first = make_seq("a", [5, 6, 5], max_tokens=20)
+    scheduler.add(first)
+    prompt = scheduler.schedule()
+    assert prompt.proposes_for == [True] and prompt.run_proposer and not scheduler.can_plan_ahead(prompt)
+    first.append_token(6)
+    first.proposed_drafts = [1, 2, 3]
+    verify = scheduler.schedule()
+    assert verify.draft_tokens == [[1, 2, 3]] and verify.proposes_for == [True]
+    first.settle_drafts(3, 0)  # none kept: 0 of 3 is below the switch's 50%
+    first.append_token(7)
+    plain = scheduler.schedule()
+    assert plain.draft_tokens == [[]] and plain.proposes_for == [False] and not plain.run_proposer
+    assert scheduler.can_plan_ahead(plain)
+    second = make_seq("b", [7, 8, 7], max_tokens=20)
+    scheduler.add(second)
+    ahead = scheduler.schedule(lookahead=True)
+    assert ahead.seqs == [first, second] and ahead.proposes_for == [False, True]
+    assert not scheduler.can_plan_ahead(ahead)

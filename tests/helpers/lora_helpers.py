@@ -1,5 +1,6 @@
 """PEFT LoRA adapters written by PEFT itself on a tiny checkpoint, and the oracle that serves them: transformers'
-Qwen3 with the adapter merged by PEFT's `merge_and_unload()`."""
+Qwen3 with the adapter merged by PEFT's `merge_and_unload()`; the targets each hybrid layout takes; random slot tables
+for the kernels' tests."""
 
 from __future__ import annotations
 
@@ -10,8 +11,21 @@ from pathlib import Path
 import torch
 
 from engine_helpers import hf_greedy
+from mili_openai.kernels.lora import LoraSlotTable
+from mili_openai.model.lora_adapter import ATTENTION_TARGETS
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+DELTANET = {"qwen3_5": ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"],
+            "qwen3_next": ["in_proj_qkvz", "in_proj_ba", "out_proj"]}
+MLP = ["gate_proj", "up_proj", "down_proj"]
+# layout -> (every module an adapter may target on it, the Gated DeltaNet's alone)
+HYBRID_TARGETS = {
+    "qwen3_5": (list(ATTENTION_TARGETS) + DELTANET["qwen3_5"] + MLP, DELTANET["qwen3_5"]),
+    "qwen3_5_moe": (list(ATTENTION_TARGETS) + DELTANET["qwen3_5"] + MLP + ["shared_expert_gate"], DELTANET["qwen3_5"]),
+    # PEFT 0.21 turns gate/up/down_proj on a Qwen3-Next into its routed experts' parameters (target_parameters,
+    # which mili refuses) and drops the shared expert's: Qwen3.5-MoE covers the shared expert's MLP
+    "qwen3_next": (list(ATTENTION_TARGETS) + DELTANET["qwen3_next"] + ["shared_expert_gate"], DELTANET["qwen3_next"]),
+}
 # LoRA's A and B both drawn at random (PEFT's init_lora_weights=False), then scaled down so that the delta moves
 # the tiny model's tokens without swamping them
 WEIGHT_SCALE = 0.5
@@ -78,3 +92,18 @@ def edited_adapter(source: Path, directory: Path, edit_weights=None, **config_fi
     if config_fields:
         edit_adapter_config(directory, **config_fields)
     return directory
+
+
+def slot_table(num_slots: int, in_features: int, module_outs: list[int], rank: int, seed: int,
+               dtype: torch.dtype = torch.bfloat16) -> LoraSlotTable:
+    """Random slots (in `dtype`) of a projection stacking `module_outs` modules: B^T block-diagonal, as LoraLinear
+    holds it."""
+    generator = torch.Generator().manual_seed(seed)
+    width, offsets = len(module_outs) * rank, [0]
+    lora_a = torch.randn(num_slots, width, in_features, generator=generator) / in_features ** 0.5
+    lora_b = torch.zeros(num_slots, width, sum(module_outs))
+    for index, out in enumerate(module_outs):
+        lora_b[:, index * rank:(index + 1) * rank, offsets[-1]:offsets[-1] + out] = torch.randn(
+            num_slots, rank, out, generator=generator)
+        offsets.append(offsets[-1] + out)
+    return LoraSlotTable(lora_a.to(dtype), lora_b.to(dtype), tuple(offsets))

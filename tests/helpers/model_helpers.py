@@ -97,9 +97,9 @@ def counting_matmul(calls: list[torch.Size]):
     return matmul
 
 
-def random_tokens(length: int, seed: int) -> list[int]:
+def random_tokens(length: int, seed: int, vocab: int = VOCAB_SAMPLE) -> list[int]:
     rng = random.Random(seed)
-    return [rng.randrange(VOCAB_SAMPLE) for _ in range(length)]
+    return [rng.randrange(vocab) for _ in range(length)]
 
 
 def copy_without_weight(source: Path, target: Path, name: str) -> Path:

@@ -9,6 +9,7 @@ loader's unpacking, so a loader that reads the layouts wrongly fails the tests.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -25,10 +26,18 @@ from mili_openai.model import KVCache, ModelCaches
 from mili_openai.model.checkpoint import ModelShape
 from mili_openai.model.quantization.modules import Fp8Linear, QuantizedLinear
 
-QUANT_SHAPE = ModelShape(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=32)
+# A 5,120-token vocabulary under Qwen3's tokenizer for the offline engine (`LLM`): Qwen3's 151,936 rows made the
+# quantized embedding and LM head, their dequantized copies and the oracle most of these tests' time. The LM head
+# still spans two whole GEMM slices and a part one (kernels/quantized.py: GEMM_SLICE_BYTES / (128 * 2 bytes) =
+# 2,048 rows), and is whole FP8 blocks and AWQ packs. SERVED_SHAPE keeps Qwen3's vocabulary, for the tests that
+# start an `AsyncEngine`: its structured-output grammar (llguidance) refuses a vocabulary below the tokenizer's.
+QUANT_VOCAB = 5120
+SERVED_SHAPE = ModelShape(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=32)
+QUANT_SHAPE = dataclasses.replace(SERVED_SHAPE, vocab_size=QUANT_VOCAB)
 UNTIED_SHAPE = ModelShape(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=4, head_dim=32, tie_word_embeddings=False, rope_theta=10000.0)
+                          num_key_value_heads=4, head_dim=32, tie_word_embeddings=False, rope_theta=10000.0,
+                          vocab_size=QUANT_VOCAB)
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                "mlp.up_proj", "mlp.down_proj")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ puts column AWQ_ORDER[i] of each eight in nibble i
@@ -41,14 +50,15 @@ CPU = torch.device("cpu")
 
 def oracle_tokens(reference) -> tuple[list[list[int]], list]:
     """Prompts and transformers' greedy continuations of them on the checkpoint at `reference`."""
-    prompts = random_prompts(len(PROMPT_LENGTHS), PROMPT_LENGTHS, seed=11)
+    prompts = random_prompts(len(PROMPT_LENGTHS), PROMPT_LENGTHS, seed=11, vocab=QUANT_VOCAB)
     hf = load_hf(reference)
     return prompts, [hf_greedy(hf, prompt, MAX_NEW) for prompt in prompts]
 
 
 def decode_schedule() -> tuple[dict[str, list[int]], list]:
     """Three sequences' tokens and the steps that run them: prefill chunks beside decode rows, then decodes."""
-    tokens = {key: random_tokens(n, seed=20 + i) for i, (key, n) in enumerate({"a": 14, "b": 30, "c": 12}.items())}
+    lengths = {"a": 14, "b": 30, "c": 12}
+    tokens = {key: random_tokens(n, seed=20 + i, vocab=QUANT_VOCAB) for i, (key, n) in enumerate(lengths.items())}
     steps = [([], [("a", 6), ("b", 20)]), (["a", "b"], [("c", 5)]), (["a", "b", "c"], []), (["c", "a", "b"], []),
              (["a", "b"], [("c", 2)]), (["a", "b", "c"], []), (["b"], [])]
     return tokens, steps

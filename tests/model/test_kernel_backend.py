@@ -95,9 +95,9 @@ def test_the_lora_wrappers_run_the_backends_lora_op(tiny_checkpoint):
     assert wrappers and all(m.backend is model.backend for m in wrappers)
     calls = []
 
-    def counting(out, x, lora_a, lora_b, groups):
-        calls.append(len(groups))
-        return add_lora(out, x, lora_a, lora_b, groups)
+    def counting(out, x, table, rows):
+        calls.append(len(rows.groups))
+        return add_lora(out, x, table, rows)
 
     model.backend.lora = counting
     projection = wrappers[0]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lora_helpers import edited_adapter, write_peft_adapter
-from mili_openai.kernels.lora import add_lora, lora_groups
+from mili_openai.kernels.lora import LoraRows, LoraSlotTable, add_lora, lora_groups
 from mili_openai.model import load_model
 from mili_openai.model.lora_adapter import AdapterError, load_lora_adapter, lora_scale
 from mili_openai.model.lora_layers import LoraSlots
@@ -107,12 +107,16 @@ def test_segmented_matmul_matches_row_by_row():
     x = torch.randn(rows, in_features)
     lora_a = torch.randn(slots_count, width, in_features)
     lora_b = torch.randn(slots_count, out_features, width)
+    table = LoraSlotTable(lora_a, lora_b.transpose(1, 2).contiguous(), (0, out_features))
     row_slots = [2, -1, 0, 2, 2, -1, 1, 0, 2]
     base = torch.randn(rows, out_features)
-    got = add_lora(base.clone(), x, lora_a, lora_b, lora_groups(row_slots, x.device))
+    groups = lora_groups(row_slots, x.device)
+    got = add_lora(base.clone(), x, table, LoraRows(groups))
     want = torch.stack([base[r] + (x[r] @ lora_a[s].T @ lora_b[s].T if s >= 0 else 0) for r, s in enumerate(row_slots)])
     torch.testing.assert_close(got, want)
+    assert LoraRows(groups).per_row(rows, x.device).tolist() == row_slots  # the kernels' form of the groups
     # one adapter on every row: no gather
     assert lora_groups([1, 1, 1], x.device) == [(1, None)]
-    whole = add_lora(base[:3].clone(), x[:3], lora_a, lora_b, lora_groups([1, 1, 1], x.device))
+    whole = add_lora(base[:3].clone(), x[:3], table, LoraRows(lora_groups([1, 1, 1], x.device)))
     torch.testing.assert_close(whole, base[:3] + x[:3] @ lora_a[1].T @ lora_b[1].T)
+    assert LoraRows(lora_groups([1, 1, 1], x.device)).per_row(3, x.device).tolist() == [1, 1, 1]

@@ -16,6 +16,7 @@ from quant_helpers import (
     CPU,
     MAX_NEW,
     QUANT_SHAPE,
+    SERVED_SHAPE,
     UNTIED_SHAPE,
     compressed_config,
     dequantized_weight,
@@ -195,7 +196,7 @@ def test_refused_at_start_and_stored_modules_must_agree_with_the_config(tmp_path
 
 
 def test_models_endpoint_states_the_scheme(tmp_path):
-    dense = build_random_checkpoint(tmp_path / "dense", QUANT_SHAPE, seed=15)
+    dense = build_random_checkpoint(tmp_path / "dense", SERVED_SHAPE, seed=15)
     write_quantized(dense, tmp_path / "w4a16", tmp_path / "ref", "compressed-tensors",
                     **int_layout("pack-quantized", 4, 64, symmetric=False))
     want = "compressed-tensors (4-bit, groups of 64, zero points; pack-quantized)"

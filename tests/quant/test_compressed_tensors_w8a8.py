@@ -25,6 +25,7 @@ from quant_helpers import (
     CPU,
     MAX_NEW,
     QUANT_SHAPE,
+    QUANT_VOCAB,
     UNTIED_SHAPE,
     assert_as_close_as_transformers_bf16,
     compressed_config,
@@ -123,7 +124,7 @@ def write_w8a8(dense, tmp_path, weights: dict, activations: dict) -> tuple:
                     symmetric=True, config=compressed_config("int-quantized", weights, activations))
     scales = None
     if not activations["dynamic"]:
-        scales = calibrated_scales(reference, random_prompts(3, [20, 70], seed=5))
+        scales = calibrated_scales(reference, random_prompts(3, [20, 70], seed=5, vocab=QUANT_VOCAB))
         add_input_scales(quantized, scales)
     return quantized, reference, scales
 
@@ -160,7 +161,7 @@ SCHEMES = {"dynamic": (CHANNEL, DYNAMIC), "static": (CHANNEL, STATIC), "dynamic-
 def test_w8a8_gives_the_hooked_oracles_greedy_tokens(dense, name, tmp_path):
     weights, activations = SCHEMES[name]
     quantized, reference, scales = write_w8a8(dense, tmp_path, weights, activations)
-    prompts = random_prompts(len(PROMPT_LENGTHS), PROMPT_LENGTHS, seed=11)
+    prompts = random_prompts(len(PROMPT_LENGTHS), PROMPT_LENGTHS, seed=11, vocab=QUANT_VOCAB)
     hf = hooked_hf(reference, scales)
     expected = [hf_greedy(hf, prompt, MAX_NEW) for prompt in prompts]
     llm = LLM(str(quantized), dtype="float32", num_pages=128)
@@ -312,7 +313,7 @@ def test_library_compressed_w8a8_checkpoint(activations, tmp_path):
     if not activations["dynamic"]:
         plain = {name: tensor.float() for name, tensor in read_weights(dense).items()}
         scales = calibrated_scales(write_checkpoint(dense, tmp_path / "plain", plain, None),
-                                   random_prompts(3, [20, 70], seed=5))
+                                   random_prompts(3, [20, 70], seed=5, vocab=QUANT_VOCAB))
 
     def extra(prefix: str) -> dict[str, torch.Tensor] | None:
         if scales is None:
@@ -331,7 +332,7 @@ def test_library_compressed_w8a8_checkpoint(activations, tmp_path):
         for module_name, want in library_fused(library, layer).items():
             assert torch.equal(dequantized_weight(block.get_submodule(module_name)), want)
     reference = write_checkpoint(dense, tmp_path / "reference", plain, None)
-    prompts = random_prompts(len(PROMPT_LENGTHS), PROMPT_LENGTHS, seed=11)
+    prompts = random_prompts(len(PROMPT_LENGTHS), PROMPT_LENGTHS, seed=11, vocab=QUANT_VOCAB)
     hf = hooked_hf(reference, scales)
     expected = [hf_greedy(hf, prompt, MAX_NEW) for prompt in prompts]
     llm = LLM(str(quantized), dtype="float32", num_pages=128)

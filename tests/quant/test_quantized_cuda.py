@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine_helpers import assert_matches, hf_greedy, load_hf, random_prompts
-from quant_helpers import QUANT_SHAPE, write_dequantized
+from quant_helpers import QUANT_SHAPE, QUANT_VOCAB, write_dequantized
 
 from mili_openai import LLM, SamplingParams
 from mili_openai.kernels.fp8 import (
@@ -95,7 +95,7 @@ def test_quantized_engine_on_the_gpu_matches_transformers(method, tmp_path):
     dense = build_random_checkpoint(tmp_path / "dense", QUANT_SHAPE, seed=9)
     model, _ = load_model(dense, torch.float32, torch.device("cpu"), quantization=method)
     hf = load_hf(write_dequantized(model, dense, tmp_path / "dequantized"))
-    prompts = random_prompts(3, [5, 40, 130], seed=12)
+    prompts = random_prompts(3, [5, 40, 130], seed=12, vocab=QUANT_VOCAB)
     expected = [hf_greedy(hf, prompt, 8) for prompt in prompts]
     llm = LLM(str(dense), dtype="float32", device="cuda", num_pages=64, quantization=method)
     assert_matches(llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)),
@@ -114,7 +114,7 @@ def test_fp8_engine_in_float32_matches_transformers_on_the_dequantized_weights(t
     assert len(layers) == 4 * model.config.num_hidden_layers
     assert all(layer.backend is model.backend for layer in layers) and model.backend.fp8_matmul is triton_fp8_linear
     hf = load_hf(write_dequantized(model, dense, tmp_path / "dequantized"))
-    prompts = random_prompts(3, [5, 40, 200], seed=14)
+    prompts = random_prompts(3, [5, 40, 200], seed=14, vocab=QUANT_VOCAB)
     expected = [hf_greedy(hf, prompt, 8) for prompt in prompts]
     llm = LLM(str(dense), dtype="float32", device="cuda", num_pages=64, quantization="fp8")
     assert llm.core.runner.forward.decode_graphs is not None
@@ -125,7 +125,7 @@ def test_fp8_engine_in_float32_matches_transformers_on_the_dequantized_weights(t
 @pytest.mark.skipif(not fp8_capable(), reason="fp8 matmuls need compute capability 9.0 or later")
 def test_fp8_decode_steps_replay_from_cuda_graphs(tmp_path):
     dense = build_random_checkpoint(tmp_path / "dense", QUANT_SHAPE, seed=10, dtype=torch.bfloat16)
-    prompts = random_prompts(3, [5, 40, 130], seed=13)
+    prompts = random_prompts(3, [5, 40, 130], seed=13, vocab=QUANT_VOCAB)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     runs = {}
     for eager in (True, False):

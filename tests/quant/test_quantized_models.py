@@ -15,6 +15,8 @@ from quant_helpers import (
     CPU,
     MAX_NEW,
     QUANT_SHAPE,
+    QUANT_VOCAB,
+    SERVED_SHAPE,
     UNTIED_SHAPE,
     assert_as_close_as_transformers_bf16,
     compressed_config,
@@ -163,7 +165,7 @@ def test_bf16_kernels_as_close_to_the_oracle_as_transformers_bf16(method, tmp_pa
 
 
 def test_models_endpoint_states_the_quantization(tmp_path):
-    dense = build_random_checkpoint(tmp_path / "dense", QUANT_SHAPE, seed=8)
+    dense = build_random_checkpoint(tmp_path / "dense", SERVED_SHAPE, seed=8)
     with served_engine(dense, num_pages=32, quantization="int4") as (live, _):
         models = openai.OpenAI(base_url=live.api_base, api_key="x").models.list()
         assert models.data[0].model_extra["quantization"].startswith("int4 (groups of 128")
@@ -172,9 +174,9 @@ def test_models_endpoint_states_the_quantization(tmp_path):
 def test_int4_lm_head_served_as_offline(tmp_path):
     """`--quantize-lm-head int4` through the server: /v1/models says so, and greedy completions are the offline
     engine's (whose tokens the test above holds to transformers on the dequantized weights)."""
-    dense = build_random_checkpoint(tmp_path / "dense", QUANT_SHAPE, seed=9)
+    dense = build_random_checkpoint(tmp_path / "dense", SERVED_SHAPE, seed=9)
     options = dict(num_pages=64, quantization="int4", quantization_group_size=64, quantize_lm_head="int4")
-    prompts = random_prompts(2, [5, 33], seed=12)
+    prompts = random_prompts(2, [5, 33], seed=12, vocab=QUANT_VOCAB)
     llm = LLM(str(dense), dtype="float32", **options)
     offline = [output.outputs[0].text for output in llm.generate(prompts, greedy(MAX_NEW))]
     del llm

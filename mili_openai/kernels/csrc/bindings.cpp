@@ -18,6 +18,9 @@ void bind_linear_attention(pybind11::module& m) {
         "window shifted in place", release_gil());
   m.def("causal_conv1d_prefill", &causal_conv1d_prefill, "silu(depthwise causal conv) over segments, each "
         "continuing its conv window and leaving its last K-1 inputs there", release_gil());
+  m.def("gated_deltanet_decode", &gated_deltanet_decode, "a Gated DeltaNet layer's decode rows from in_proj's "
+        "output to out_proj's input (conv, gates, q/k L2 norms, delta rule, gated RMSNorm), both pools updated in "
+        "place", release_gil());
 }
 
 // The quantized matmuls and the weight record the decode stack takes.
@@ -57,7 +60,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "page tables into out; amx_tiles: bf16 on AMX tiles", release_gil());
   m.def("cpu_has_bf16_dot_products", &cpu_has_bf16_dot_products, "whether the CPU has AVX512-BF16");
   m.def("cpu_has_amx_tiles", &cpu_has_amx_tiles, "whether the CPU has AMX-BF16 tiles that Linux lets us use");
+  m.def("add_lora_bf16", [](torch::Tensor out, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& b_t,
+                            const torch::Tensor& row_slots, const std::vector<int64_t>& offsets) {
+    add_lora_bf16(out, x, LoraProjection{a, b_t, offsets}, row_slots);
+  }, "out (T, O) += x A[s]^T B^T[s] for each row's slot s (-1: none), in place, bf16 (lora_bf16.cpp)", release_gil());
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm with transformers' bf16 rounding", release_gil());
+  m.def("zero_centered_rms_norm", &zero_centered_rms_norm, "RMSNorm with the weight applied as 1 + w (Qwen3.5), "
+        "after adding residual into x where given", release_gil());
   m.def("qk_norm_rope_bf16", &qk_norm_rope_bf16, "per-head RMSNorm of q and k, then RoPE", release_gil());
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up over a fused gate/up projection's output", release_gil());
   m.def("moe_experts_bf16", &moe_experts_bf16, "Qwen3-MoE's routed SwiGLU experts, weighted and summed per token, "

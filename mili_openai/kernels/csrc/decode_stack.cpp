@@ -28,7 +28,15 @@ struct LayerWeights {
   torch::Tensor input_norm, q_norm, k_norm, post_norm;
   PackedLinear qkv, o, gate_up, down;  // a sparse layer's gate_up and down are empty
   mili::SparseMoeLayer sparse;         // a Qwen3-MoE layer's router and experts (top_k 0: dense)
+  LoraProjection lora_qkv, lora_o, lora_gate_up, lora_down;  // adapter slots (set_lora); empty A: none
 };
+
+// y = a linear's output for x: each row's adapter delta added in place (lora_slots (B,), or empty for no LoRA)
+torch::Tensor with_lora(torch::Tensor y, const torch::Tensor& x, const LoraProjection& lora,
+                        const torch::Tensor& lora_slots) {
+  if (lora.a.defined() && lora_slots.numel() > 0) add_lora_bf16(y, x, lora, lora_slots);
+  return y;
+}
 
 // Copy each token's K (from the rotated heads) and V (from the projection) into its pool slot.
 void write_kv(const at::BFloat16* k, int64_t k_stride, const at::BFloat16* v, int64_t v_stride,
@@ -76,14 +84,29 @@ class DecodeStack {
       next += count;
     }
     TORCH_CHECK(next == linears.size(), "decode_stack: more linears than the layers take");
+    linear_count_ = next;
+  }
+
+  // LoRA adapter slots on the linears, in the constructor's order of `linears` (held, not copied: loading an
+  // adapter into a slot writes the same tensors); an empty A leaves its linear without.
+  void set_lora(const std::vector<LoraProjection>& lora) {
+    TORCH_CHECK(lora.size() == linear_count_, "decode_stack: one LoRA projection (or an empty one) per linear");
+    size_t next = 0;
+    for (LayerWeights& w : layers_) {
+      for (LoraProjection* slot : {&w.lora_qkv, &w.lora_o, &w.lora_gate_up, &w.lora_down}) {
+        if (slot == &w.lora_gate_up && w.sparse.top_k > 0) break;  // a sparse layer has two linears
+        *slot = lora[next++];
+      }
+    }
   }
 
   // input_ids (B,) int64; cos, signed_sin (B, 1, D); pools (layers, 2, slots, KV, D); slot_mapping (B,) int64;
-  // page_table (B, W) int64 or int32 of page_size slots a page, ctx_lens (B,) int64 -> hidden after the last
-  // layer, before the final norm. The contexts' slots are listed once, for every layer.
+  // page_table (B, W) int64 or int32 of page_size slots a page, ctx_lens (B,) int64; lora_slots (B,) int64 each
+  // row's adapter slot (-1: none), or empty -> hidden after the last layer, before the final norm. The contexts'
+  // slots are listed once, for every layer.
   torch::Tensor forward(const torch::Tensor& input_ids, const torch::Tensor& cos, const torch::Tensor& signed_sin,
                         const torch::Tensor& pools, const torch::Tensor& slot_mapping, const torch::Tensor& page_table,
-                        int64_t page_size, const torch::Tensor& ctx_lens) const {
+                        int64_t page_size, const torch::Tensor& ctx_lens, const torch::Tensor& lora_slots) const {
     torch::Tensor hidden = embed(input_ids);
     const int64_t tokens = hidden.size(0), heads = num_q_heads_ + num_kv_heads_, row = num_kv_heads_ * head_dim_;
     TORCH_CHECK(pools.scalar_type() == at::kBFloat16 && pools.is_contiguous() && pools.dim() == 5 &&
@@ -96,15 +119,16 @@ class DecodeStack {
     TORCH_CHECK(ctx_lens.scalar_type() == at::kLong && ctx_lens.is_contiguous() && ctx_lens.numel() == tokens,
                 "decode_stack: one int64 context length per token");
     const int64_t* lengths = ctx_lens.data_ptr<int64_t>();
+    TORCH_CHECK(lora_slots.numel() == 0 || lora_slots.numel() == tokens, "decode_stack: one LoRA slot per token");
     mili::check_page_table(page_table, page_size, lengths, tokens, num_slots, "decode_stack");
     const torch::Tensor slots = mili::context_slot_rows(page_table, page_size, lengths, tokens);
     for (size_t index = 0; index < layers_.size(); ++index) {
       const LayerWeights& w = layers_[index];
       const torch::Tensor k_pool = pools.select(0, index).select(0, 0);
       const torch::Tensor v_pool = pools.select(0, index).select(0, 1);
-      const torch::Tensor qkv =
-          linear_packed(rms_norm_bf16(hidden, w.input_norm, eps_), w.qkv, bf16_dot_products_,
-                        amx_tiles_);  // (B, (H+2KV)D)
+      const torch::Tensor normed_input = rms_norm_bf16(hidden, w.input_norm, eps_);
+      const torch::Tensor qkv = with_lora(linear_packed(normed_input, w.qkv, bf16_dot_products_, amx_tiles_),
+                                          normed_input, w.lora_qkv, lora_slots);  // (B, (H+2KV)D)
       const torch::Tensor qk = qk_norm_rope_bf16(qkv.narrow(1, 0, heads * head_dim_).view({tokens, heads, head_dim_}),
                                                  w.q_norm, w.k_norm, num_q_heads_, eps_, cos,
                                                  signed_sin);  // (B, H + KV, D), read from qkv in place
@@ -115,7 +139,8 @@ class DecodeStack {
       torch::Tensor attended = torch::empty_like(q);  // (B, H, D)
       decode_attention_over_slots(q, k_pool, v_pool, slots, ctx_lens, scale_, bf16_dot_products_, amx_tiles_,
                                   prefetch_blocks_, attended);
-      hidden = linear_packed(attended.view({tokens, num_q_heads_ * head_dim_}), w.o, bf16_dot_products_, amx_tiles_)
+      const torch::Tensor heads_out = attended.view({tokens, num_q_heads_ * head_dim_});
+      hidden = with_lora(linear_packed(heads_out, w.o, bf16_dot_products_, amx_tiles_), heads_out, w.lora_o, lora_slots)
                    .add_(hidden);
       const torch::Tensor normed = rms_norm_bf16(hidden, w.post_norm, eps_);
       if (w.sparse.top_k > 0) {
@@ -124,8 +149,11 @@ class DecodeStack {
                                         moe.expert_load, bf16_dot_products_).add_(hidden);
         continue;
       }
-      const torch::Tensor gate_up = linear_packed(normed, w.gate_up, bf16_dot_products_, amx_tiles_);
-      hidden = linear_packed(silu_mul_bf16(gate_up), w.down, bf16_dot_products_, amx_tiles_).add_(hidden);
+      const torch::Tensor gate_up =
+          with_lora(linear_packed(normed, w.gate_up, bf16_dot_products_, amx_tiles_), normed, w.lora_gate_up, lora_slots);
+      const torch::Tensor activated = silu_mul_bf16(gate_up);
+      hidden = with_lora(linear_packed(activated, w.down, bf16_dot_products_, amx_tiles_), activated, w.lora_down,
+                         lora_slots).add_(hidden);
     }
     return hidden;
   }
@@ -166,6 +194,7 @@ class DecodeStack {
   PackedLinear embedding_;
   std::unique_ptr<QuantizedRows> embedding_rows_;  // quantized embeddings only
   std::vector<LayerWeights> layers_;
+  size_t linear_count_ = 0;
   int64_t num_q_heads_, num_kv_heads_, head_dim_;
   double eps_, scale_;
   bool bf16_dot_products_;  // the matmuls' and attention's choice, as CpuKernels makes it
@@ -181,9 +210,17 @@ void bind_decode_stack(pybind11::module& m) {
         TORCH_CHECK(top_k >= 1, "SparseMoeLayer: top_k must be at least 1");
         return mili::SparseMoeLayer{router, gate_up, down, load, top_k, normalize};
       }));
+  pybind11::class_<LoraProjection>(m, "LoraProjection")
+      .def(pybind11::init<>())  // a linear without adapters
+      .def(pybind11::init([](torch::Tensor a, torch::Tensor b_t, std::vector<int64_t> offsets) {
+        TORCH_CHECK(a.scalar_type() == at::kBFloat16 && b_t.scalar_type() == at::kBFloat16 && a.is_contiguous() &&
+                    b_t.is_contiguous() && a.dim() == 3 && b_t.dim() == 3, "LoraProjection: contiguous bf16 A, B^T");
+        return LoraProjection{a, b_t, offsets};
+      }));
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<const PackedLinear&, const std::vector<torch::Tensor>&, const std::vector<PackedLinear>&,
                           const std::vector<mili::SparseMoeLayer>&, int64_t, int64_t, int64_t, double, double, bool,
                           bool, int64_t>())
+      .def("set_lora", &DecodeStack::set_lora)
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -3,6 +3,8 @@
 
 #include <torch/extension.h>
 
+#include <vector>
+
 torch::Tensor linear_bf16(const torch::Tensor& x, const torch::Tensor& w, bool bf16_dot_products, bool amx_tiles);
 // y[m, n] = x[m] . w[n] for x rows [0, M) (K apart) and weight rows [n_begin, n_end) (w rows K apart), y rows
 // ldy apart, on the calling thread; xb: bf16 x for pair products (AVX512-BF16), else xf: x widened to fp32.
@@ -32,10 +34,21 @@ void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_pool
                              torch::Tensor out);
 bool cpu_has_bf16_dot_products();
 torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight, double eps);
+// Qwen3.5's zero-centred RMSNorm (1 + w), after the residual add into x where `residual` is given
+torch::Tensor zero_centered_rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                                     const c10::optional<torch::Tensor>& residual);
 torch::Tensor qk_norm_rope_bf16(const torch::Tensor& qk, const torch::Tensor& q_weight, const torch::Tensor& k_weight,
                                 int64_t num_q_heads, double eps, const torch::Tensor& cos,
                                 const torch::Tensor& signed_sin);
 torch::Tensor silu_mul_bf16(const torch::Tensor& gate_up);
+// One projection's LoRA slots (lora_bf16.cpp): A (S, W, I) and B^T (S, W, O) bf16, n modules stacked, module i's
+// output columns [offsets[i], offsets[i + 1]) reading A rows [i W / n, (i + 1) W / n) alone (model/lora_layers.py)
+struct LoraProjection {
+  torch::Tensor a, b_t;
+  std::vector<int64_t> offsets;
+};
+// out (T, O) += each row's slot's delta (row_slots (T,) int64, -1: none), in place, with torch's bf16 rounding
+void add_lora_bf16(torch::Tensor& out, const torch::Tensor& x, const LoraProjection& lora, const torch::Tensor& row_slots);
 torch::Tensor moe_experts_bf16(const torch::Tensor& x, const torch::Tensor& gate_up, const torch::Tensor& down,
                                const torch::Tensor& topk_ids, const torch::Tensor& topk_weights,
                                bool bf16_dot_products);
@@ -78,3 +91,10 @@ torch::Tensor causal_conv1d_decode(const torch::Tensor& x, const torch::Tensor& 
 torch::Tensor causal_conv1d_prefill(const torch::Tensor& x, const torch::Tensor& cu_seqlens,
                                     const torch::Tensor& conv_pool, const torch::Tensor& weight,
                                     const c10::optional<torch::Tensor>& bias, const torch::Tensor& slots);
+// the fused decode step of a whole layer between its projections (gated_deltanet_decode.cpp): in_proj's output
+// (B, conv_dim + value_dim + 2 Hv) -> out_proj's input (B, value_dim), both pools updated in place at slots
+torch::Tensor gated_deltanet_decode(const torch::Tensor& projected, const torch::Tensor& conv_pool,
+                                    const torch::Tensor& conv_weight, const torch::Tensor& a_log,
+                                    const torch::Tensor& dt_bias, const torch::Tensor& norm_weight, double eps,
+                                    int64_t num_k_heads, int64_t head_k_dim, const torch::Tensor& state_pool,
+                                    const torch::Tensor& slots);

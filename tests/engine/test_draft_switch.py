@@ -1,0 +1,181 @@
+"""The adaptive off-switch (`DraftSwitch`) with a model proposer (MTP, a draft model): once a request's drafts are
+mostly rejected it stops drafting, and its steps then cost what plain decoding's cost: the runner's proposer
+drafts for none of it (no catch-up rows, no chained drafts), and a step where nothing drafts runs no proposer at
+all. Greedy output stays plain decoding's (fp32), and in a batch where some requests still draft, theirs are the
+drafts they would get with every request drafting: leaving the others out shifts no row."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import re
+
+import pytest
+
+from engine_helpers import run_engine, submit_checked
+from hybrid_helpers import hybrid_tokens
+
+from mili_openai import LLM, SamplingParams
+from mili_openai.config import EngineConfig
+from mili_openai.engine.async_engine import AsyncEngine
+from mili_openai.engine.sampling_params import StructuredOutputsParams
+
+ENGINE = dict(dtype="float32", num_pages=256, page_size=4, max_num_batched_tokens=32)  # chunks beside decodes
+PROMPTS = [hybrid_tokens(length, seed=length) for length in (23, 31, 9, 37)]
+MAX_NEW = 20
+NUM_DRAFTS = 3
+# a random MTP head keeps almost no draft: switched off after its first verify step (0 or 1 of 3 kept)
+SWITCHING_MTP = {"method": "mtp", "num_speculative_tokens": NUM_DRAFTS, "min_acceptance_rate": 0.5,
+                 "min_drafts_for_switch": NUM_DRAFTS}
+ALWAYS_MTP = SWITCHING_MTP | {"min_acceptance_rate": 0}
+POLL_S = 0.001  # the test's wait for the engine loop: a poll, whose length changes no result
+
+
+def greedy() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [output.outputs[0].token_ids for output in outputs]
+
+
+class RecordingDrafter:
+    """Wraps the runner's drafter: records each call's `proposes_for` and drafts. Where `compare` is set and a
+    call drafts for two sequences or more, it first drafts with the first of them left out, and records both."""
+
+    def __init__(self, inner, compare: bool = False) -> None:
+        self.inner = inner
+        self.compare = compare
+        self.calls: list[tuple[list[bool], list[list[int]]]] = []
+        self.compared: list[tuple[list[bool], list[list[int]], list[list[int]]]] = []
+
+    def reset_states(self, slots) -> None:
+        self.inner.reset_states(slots)
+
+    def propose(self, plan, *args) -> list[list[int]]:
+        drafting = [index for index, on in enumerate(plan.proposes_for) if on]
+        if self.compare and len(drafting) >= 2:
+            fewer = list(plan.proposes_for)
+            fewer[drafting[0]] = False
+            # the MTP module keeps only K/V in each sequence's own pages: the full call below rewrites them alike
+            partial = self.inner.propose(dataclasses.replace(plan, proposes_for=fewer), *args)
+            full = self.inner.propose(plan, *args)
+            self.compared.append((fewer, partial, full))
+        else:
+            full = self.inner.propose(plan, *args)
+        self.calls.append((list(plan.proposes_for), full))
+        return full
+
+
+class SwitchedOffFor:
+    """A DraftSwitch that turns the requests of some prompts off from their start."""
+
+    def __init__(self, prompts: list[list[int]]) -> None:
+        self.off = {tuple(prompt) for prompt in prompts}
+
+    def allows(self, seq) -> bool:
+        return tuple(seq.prompt_token_ids) not in self.off
+
+
+@pytest.fixture(scope="module")
+def plain(hybrid_checkpoint):
+    """(the tiny Qwen3.5 checkpoint, its greedy tokens without drafts)."""
+    checkpoint = str(hybrid_checkpoint("qwen3_5"))
+    return checkpoint, token_ids(LLM(checkpoint, **ENGINE).generate(PROMPTS, greedy()))
+
+
+def recording_llm(checkpoint: str, speculative: dict, compare: bool = False) -> tuple[LLM, RecordingDrafter]:
+    llm = LLM(checkpoint, speculative_config=speculative, **ENGINE)
+    speculation = llm.core.runner.forward.speculation
+    speculation.drafter = RecordingDrafter(speculation.drafter, compare)
+    return llm, speculation.drafter
+
+
+def test_a_switched_off_request_runs_no_proposer(plain):
+    checkpoint, expected = plain
+    llm, drafter = recording_llm(checkpoint, SWITCHING_MTP)
+    assert token_ids(llm.generate(PROMPTS, greedy())) == expected
+    # every request verified a step of drafts (two, where it kept some), and then none
+    assert 0 < llm.core.stats().spec_decode_num_drafts_total <= 2 * len(PROMPTS)
+    for proposes_for, drafts in drafter.calls:
+        assert all(on or not made for on, made in zip(proposes_for, drafts))
+    # once every request is off, no step runs the proposer: its calls stop long before the output ends
+    assert len(drafter.calls) < MAX_NEW // 2
+
+
+def test_requests_still_drafting_get_the_same_drafts_beside_switched_off_ones(plain):
+    checkpoint, expected = plain
+    llm, drafter = recording_llm(checkpoint, ALWAYS_MTP, compare=True)
+    llm.core.scheduler.draft_switch = SwitchedOffFor(PROMPTS[1::2])
+    assert token_ids(llm.generate(PROMPTS, greedy())) == expected
+    assert any(not all(on) and any(on) for on, _ in drafter.calls)  # mixed batches were drafted for
+    for proposes_for, drafts in drafter.calls:
+        assert all(on or not made for on, made in zip(proposes_for, drafts))
+    assert drafter.compared
+    for fewer, partial, full in drafter.compared:
+        assert [made if on else [] for on, made in zip(fewer, full)] == partial
+
+
+def test_a_draft_model_follows_the_requests_left_drafting(plain):
+    """The target as its own draft: its drafts are kept where its caches follow the accepted tokens exactly, so
+    leaving the switched-off requests out of its catch-up must leave the others' drafts nearly all kept."""
+    checkpoint, expected = plain
+    llm, drafter = recording_llm(checkpoint, {"method": "draft_model", "model": checkpoint,
+                                              "num_speculative_tokens": NUM_DRAFTS, "min_acceptance_rate": 0})
+    llm.core.scheduler.draft_switch = SwitchedOffFor(PROMPTS[1::2])
+    assert token_ids(llm.generate(PROMPTS, greedy())) == expected
+    assert any(not all(on) and any(on) for on, _ in drafter.calls)
+    stats = llm.core.stats()
+    assert stats.spec_decode_num_accepted_tokens_total >= 0.9 * stats.spec_decode_num_draft_tokens_total > 0
+
+
+def test_the_server_loop_plans_ahead_once_nothing_drafts(hybrid_checkpoint):
+    """The async engine's loop: once every running request is switched off, steps are planned while the one before
+    runs, as without speculation; requests arriving meanwhile are drafted for from their prompt on, in such steps
+    too. Every output is plain decoding's."""
+    checkpoint = str(hybrid_checkpoint("qwen3_5_qwen35_tokenizer"))  # the loop loads a whole tokenizer's vocabulary
+    expected = token_ids(LLM(checkpoint, **ENGINE).generate(PROMPTS, greedy()))
+    engine = AsyncEngine(EngineConfig(model=checkpoint, speculative_config=SWITCHING_MTP, **ENGINE))
+    core, planned = engine.core, []
+    schedule_ahead = core.schedule_ahead
+
+    def recorded(running):
+        ahead = schedule_ahead(running)
+        if ahead is not None:
+            planned.append(ahead[0].run_proposer)
+        return ahead
+
+    core.schedule_ahead = recorded
+
+    async def tokens(stream) -> list[int]:
+        return [token for delta in [delta async for delta in stream] for token in delta.token_ids]
+
+    async def work() -> list[list[int]]:
+        early = [await submit_checked(engine, PROMPTS[index], greedy()) for index in (0, 2)]
+        first = asyncio.ensure_future(tokens(early[0]))
+        while not planned and not first.done():  # until the early requests are off and a step is planned ahead
+            await asyncio.sleep(POLL_S)
+        late = [await submit_checked(engine, PROMPTS[index], greedy()) for index in (1, 3)]
+        return await asyncio.gather(first, *(tokens(stream) for stream in (early[1], *late)))
+
+    outputs = run_engine(engine, work)
+    assert outputs == [expected[0], expected[2], expected[1], expected[3]]
+    assert planned and core.stats().spec_decode_num_drafts_total > 0
+    core.check_integrity()
+
+
+def test_a_format_masks_the_drafts_of_the_requests_left_drafting(hybrid_checkpoint):
+    """A structured output's matcher masks a model's drafts after the tokens its sequence kept in the step: with a
+    request before it switched off, the step's kept tokens are still its own. Its output is plain decoding's, and
+    valid."""
+    checkpoint = str(hybrid_checkpoint("qwen3_5_qwen35_tokenizer"))  # a grammar covers a whole tokenizer's vocabulary
+    regex = r"[ab]{3,20}"
+    params = [greedy(), SamplingParams(temperature=0.0, max_tokens=MAX_NEW,
+                                       structured_outputs=StructuredOutputsParams(regex=regex))]
+    prompts = PROMPTS[:2]
+    expected = token_ids(LLM(checkpoint, **ENGINE).generate(prompts, params))
+    llm, drafter = recording_llm(checkpoint, ALWAYS_MTP)
+    llm.core.scheduler.draft_switch = SwitchedOffFor(prompts[:1])
+    outputs = llm.generate(prompts, params)
+    assert token_ids(outputs) == expected and re.fullmatch(regex, outputs[1].outputs[0].text)
+    assert any(proposes_for == [False, True] and drafts[1] for proposes_for, drafts in drafter.calls)
