@@ -179,7 +179,7 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: run decode steps op by op instead of from CUDA graphs (vLLM's flag)
     attention_backend: str = "auto"  # which attention kernels run (ATTENTION_BACKENDS)
     # worker processes that each hold a shard of the model (one GPU each on CUDA); 1 = the model runs in the
-    # engine process itself (engine/tp_runner.py)
+    # engine process itself (engine/tp_forward.py)
     tensor_parallel_size: int = 1
     # None = the checkpoint's own weights (quantized ones as config.json's quantization_config declares)
     quantization: str | None = None

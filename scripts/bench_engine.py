@@ -143,8 +143,8 @@ def bench_mili(path: Path, prompt_len: int, decode_prompt_len: int, decode_token
         prompts = [random_prompt(decode_prompt_len, rng) for _ in range(batch)]
         params = SamplingParams(temperature=0, max_tokens=decode_tokens, ignore_eos=True)
         result["decode_tokens_per_s"][batch] = _timed_decode(llm, prompts, params)
-    result["weight_bytes"] = weight_bytes_per_step(llm.core.runner.model)
-    result["flops_per_token"] = prefill_flops_per_token(llm.core.runner.model, prompt_len)
+    result["weight_bytes"] = weight_bytes_per_step(llm.core.runner.forward.model)
+    result["flops_per_token"] = prefill_flops_per_token(llm.core.runner.forward.model, prompt_len)
     return result
 
 

@@ -46,7 +46,8 @@ from mili_openai.engine.contract import check_request  # noqa: E402
 from mili_openai.engine.core import EngineCore  # noqa: E402
 from mili_openai.engine.sampler import SamplerOutput  # noqa: E402
 from mili_openai.engine.sampling_params import SamplingParams  # noqa: E402
-from mili_openai.engine.step_preparer import LaunchedStep, StepPreparer  # noqa: E402
+from mili_openai.engine.pending_tokens import LaunchedStep  # noqa: E402
+from mili_openai.engine.step_preparer import StepPreparer  # noqa: E402
 from mili_openai.model import ModelConfig  # noqa: E402
 from mili_openai.model.default_model import default_model_path  # noqa: E402
 from mili_openai.model.rope import RotaryEmbedding, RotaryTable  # noqa: E402
@@ -91,6 +92,8 @@ class SimulatedRunner:
     quantization = None
     failure = None
     kernel_build = None
+    lora = None
+    num_state_slots = num_state_snapshots = state_slot_bytes = 0  # an attention-only model
 
     def __init__(self, config: EngineConfig, model_path: Path, stream: SimulatedStream, gpu_s: float,
                  launch_ops: int, graph_launch_s: float) -> None:
@@ -99,9 +102,9 @@ class SimulatedRunner:
         self.num_pages = config.num_pages
         self.async_launch = bool(config.async_launch)
         # prepared as for CUDA (inputs staged in one buffer, no rotary on the host); unpinned: no CUDA here
-        self.steps = StepPreparer(torch.device("cuda"), config.page_size,
-                                  RotaryTable(RotaryEmbedding(self.model_config), torch.float32),
-                                  feed_on_device=self.async_launch, pin_memory=False)
+        self.preparer = StepPreparer(torch.device("cuda"), config.page_size,
+                                     RotaryTable(RotaryEmbedding(self.model_config), torch.float32), pin_memory=False)
+        self._previous = LaunchedStep.nothing_sampled()  # the step launched last, whose ids the next one reads
         self.stream, self.gpu_s, self.launch_ops, self.graph_launch_s = stream, gpu_s, launch_ops, graph_launch_s
         self._scratch = torch.zeros(64)
 
@@ -112,23 +115,19 @@ class SimulatedRunner:
         return {}
 
     def prepare(self, batch, sample_index=None):
-        return self.steps.prepare(batch, sample_index)
-
-    def launch(self, step) -> LaunchedStep:
-        return self.steps.launch(step, self._launch_forward)
-
-    def finish(self, launched: LaunchedStep) -> SamplerOutput:
-        return self.steps.finish(launched, self._finish_sample)
+        return self.preparer.prepare(batch, sample_index)
 
     def execute(self, step) -> SamplerOutput:
         return self.finish(self.launch(step))
 
-    def _launch_forward(self, step, source: LaunchedStep | None) -> LaunchedStep:
-        input_ids = step.forward_batch.input_ids.numpy().copy()  # the input copy, as queued now
-        logits_rows = step.forward_batch.logits_indices.numpy().copy()
-        pending = None
-        if source is not None:  # rows, sources, and the step before's ids "on the device"
-            pending = (np.array(step.pending_rows), np.array(step.pending_sources), source.token_ids.numpy())
+    def launch(self, step) -> LaunchedStep:
+        """As `ModelRunner.launch`, with the pending ids gathered on the stream (`PendingTokens.feed`'s device
+        path), behind the step before's kernels."""
+        input_ids = step.forward.batch.input_ids.numpy().copy()  # the input copy, as queued now
+        logits_rows = step.forward.batch.logits_indices.numpy().copy()
+        pending, previous = step.pending, self._previous
+        if pending is not None and step.needs_host_tokens and previous.output is None:
+            raise RuntimeError("this step needs the tokens of the step before on the host: finish that one first")
         for _ in range(self.launch_ops):  # each releases and retakes the GIL, as a CUDA op's launch does
             self._scratch.add_(1)
         time.sleep(self.graph_launch_s)  # the graph launch: host time with the GIL released
@@ -137,19 +136,22 @@ class SimulatedRunner:
 
         def kernels() -> None:
             if pending is not None:  # the pending input ids, from the step before's sampled ids "on the device"
-                input_ids[pending[0]] = pending[2][pending[1]]
+                input_ids[pending.rows] = previous.token_ids.numpy()[pending.sources]
             time.sleep(gpu_s)
             sample.token_ids[:] = (input_ids[logits_rows] * 7919 + 13) % TOKEN_RANGE + TOKEN_BASE
             stream.step_ends.append((time.perf_counter(), len(logits_rows)))
             sample.done.set()
 
         self.stream.enqueue(kernels)
-        return LaunchedStep(sampled=sample, token_ids=torch.from_numpy(sample.token_ids))
+        self._previous = LaunchedStep(sampled=sample, token_ids=torch.from_numpy(sample.token_ids))
+        return self._previous
 
     @staticmethod
-    def _finish_sample(sample: SimulatedSample) -> SamplerOutput:
-        sample.done.wait()  # the event's wait, the GIL released
-        return SamplerOutput(token_ids=sample.token_ids.tolist(), logprobs=[None] * len(sample.token_ids))
+    def finish(launched: LaunchedStep) -> SamplerOutput:
+        launched.sampled.done.wait()  # the event's wait, the GIL released
+        token_ids = launched.sampled.token_ids.tolist()
+        launched.output = SamplerOutput(token_ids=token_ids, logprobs=[None] * len(token_ids))
+        return launched.output
 
 
 def run_case(model_path: Path, tokenizer, batch: int, gpu_s: float, steps: int, async_launch: bool,

@@ -120,7 +120,7 @@ def build_data(args, llm: LLM, vocab: int) -> tuple[Sequences, Sequences]:
           f"{time.perf_counter() - started:.0f} s", flush=True)
     random_only = prompts(args.checkpoint, vocab, args.num_random, total, args.seed + RANDOM_SEED_OFFSET)
     tail = tail_weights(args.prompt_len, total, args.other_weight)
-    model = llm.core.runner.model
+    model = llm.core.runner.forward.model
     train = labelled(model, continued[: args.num_prompts] + random_only,
                      [tail] * args.num_prompts + [torch.full((total,), args.other_weight)] * len(random_only))
     validation = labelled(model, continued[args.num_prompts :], [tail] * len(validation_prompts))
@@ -175,7 +175,7 @@ def build_bench_data(args, llm: LLM) -> tuple[Sequences, Sequences]:
             sequences.append(prompt + list(output.outputs[0].token_ids))
             weights.append(tail_weights(len(prompt), len(sequences[-1]), args.other_weight))
     print(f"{len(sequences)} benchmark prompts continued in {time.perf_counter() - started:.0f} s", flush=True)
-    data = labelled(llm.core.runner.model, sequences, weights)
+    data = labelled(llm.core.runner.forward.model, sequences, weights)
     print(f"{data.positions()} fitted positions, {sum(int((w == 1.0).sum()) for w in weights)} of them in greedy "
           f"continuations; labelled in {time.perf_counter() - started:.0f} s", flush=True)
     return data, data

@@ -84,7 +84,7 @@ def main() -> int:
     trace_dir = Path(args.trace) if args.trace else None
     print(f"{torch.cuda.get_device_name()}: {args.prompts} prompts of {args.prompt_len} tokens, budget "
           f"{core.config.max_num_batched_tokens} tokens a step, attention kernel "
-          f"{type(core.runner.model.backend.attention).__name__}")
+          f"{type(core.runner.forward.model.backend.attention).__name__}")
     profiled(core, 1, "prefill step", trace_dir)
     while core.scheduler.waiting or any(seq.num_computed_tokens < seq.num_prompt_tokens
                                         for seq in core.scheduler.running):

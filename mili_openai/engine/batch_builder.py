@@ -20,19 +20,6 @@ from mili_openai.engine.sequence import Sequence
 from mili_openai.model.batch import ForwardBatch, PageTables, PrefillSegment
 
 
-def pending_inputs(batch: ScheduledBatch, sample_index: dict[Sequence, int]) -> tuple[list[int], list[int]]:
-    """(rows, sources): the decode rows whose input token is still pending, and for each the index of
-    its sequence among the sampled rows of the step before (`sample_index`), which is sampling it."""
-    rows, sources = [], []
-    row = 0
-    for seq, position, num_new in zip(batch.seqs[: batch.num_decode], batch.positions, batch.num_new_tokens):
-        if position == len(seq.token_ids):
-            rows.append(row)
-            sources.append(sample_index[seq])
-        row += num_new  # a decode with drafts has one row for each
-    return rows, sources
-
-
 @dataclass(frozen=True, slots=True)
 class PromptScoring:
     """Prompt tokens a prefill chunk scores (params.prompt_logprobs): the hidden rows [row, row +
@@ -124,7 +111,7 @@ class _DecodeRows:
         self.table = table  # (rows, width)
         self.slot_mapping = (table[np.arange(num_rows), self.positions // page_size] * page_size
                              + self.positions % page_size)
-        # a token still being sampled by the step before gets 0 here (see `pending_inputs`)
+        # a token still being sampled by the step before gets 0 here (engine/pending_tokens.py)
         self.input_ids = [seq.token_ids[p] if p < len(seq.token_ids) else 0 for seq, p in zip(seqs, starts)]
         if seq_of_row is not None:
             self.input_ids = [token for first, drafts in zip(self.input_ids, batch.draft_tokens)
@@ -132,7 +119,7 @@ class _DecodeRows:
 
 
 def build_forward_batch(batch: ScheduledBatch, page_size: int, page_arrays: PageArrays | None = None) -> ForwardBatch:
-    """The step's inputs; a decode whose token is pending gets 0 as its id (see `pending_inputs`).
+    """The step's inputs; a decode whose token is pending gets 0 as its id (engine/pending_tokens.py).
     page_arrays: the decodes' page arrays kept from the step before (built afresh without it)."""
     num_decode = batch.num_decode
     decode = _DecodeRows(batch, page_size, page_arrays or PageArrays()) if num_decode else None

@@ -44,15 +44,6 @@ from mili_openai.model import resolve_model_path
 from mili_openai.model.vision_config import checkpoint_vision_spec
 
 
-def make_runner(config: EngineConfig, model_path: Path) -> Runner:
-    """The model in this process, or sharded over `tensor_parallel_size` worker processes."""
-    if config.tensor_parallel_size > 1:
-        from mili_openai.engine.tp_runner import TensorParallelRunner  # spawns processes: only when asked
-
-        return TensorParallelRunner(config, model_path)
-    return ModelRunner(config, model_path)
-
-
 class EngineCore:
     def __init__(
         self, config: EngineConfig, runner: Runner, tokenizer, observer: EngineObserver | None = None,
@@ -106,7 +97,7 @@ class EngineCore:
         model_path = resolve_model_path(config.model, config.default_model_cache)
         sampling_defaults = read_sampling_defaults(config.generation_config, model_path)  # before the slow load
         tokenizer = load_tokenizer(model_path)
-        runner = make_runner(config, model_path)
+        runner = ModelRunner.load(config, model_path)
         pooling = resolve_pooling(config, model_path, runner.model_config, tokenizer)
         return cls(config, runner, tokenizer, observer, model_path, sampling_defaults, pooling)
 

@@ -1,338 +1,159 @@
-"""The model runner: loads the checkpoint, owns the KV cache, runs one forward + sampling per step.
+"""The model runner: one step pipeline, prepare -> launch -> finish, over a `StepForward` (engine/step_forward.py):
+the model in this process (`LocalForward`) or sharded over tensor-parallel workers (`TensorParallelForward`).
 
-A step is `launch` then `finish` (`execute` runs both). On CPU launching computes the step, so both run
-on the engine's worker thread while the event loop keeps streaming; on CUDA (`async_launch`) launching
-only queues work on the GPU and runs on the loop thread, and the worker waits in `finish`. Everything a
-step reads was built on the loop thread beforehand.
+    loop thread                          (CPU: the worker thread)                  worker thread
+    prepare(batch) ─► PreparedStep ─► launch(step) ───────────────────────────► finish(launched)
+      step_preparer.py: ForwardBatch,    forward.inputs: to the device            sampler.finish: wait for the
+      sampling rows, pending tokens      pending.feed: the step before's ids      copies, read the ids and
+      (pending_tokens.py)                forward.run: states, model, logits       logprobs ─► SamplerOutput
+                                         sampler.launch, speculation
+                                         ─► LaunchedStep (ids on the device)
+
+Everything a step reads is built on the loop thread beforehand (`prepare`). On CPU launching computes the step, so
+`execute` (launch then finish) runs on the engine's worker thread while the loop streams; on CUDA
+(`async_launch`) launching only queues work on the GPU, so the loop launches each step itself, a step ahead of the
+one finishing, and the worker waits for each in `finish`. Steps launch in the order they were scheduled, and
+finish in the order they launched; a step planned while the one before runs reads that one's sampled ids
+(`PendingTokens`), so a step whose source failed fails too.
 """
 
 from __future__ import annotations
 
-import logging
-import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import torch
 
 from mili_openai.config import EngineConfig
-from mili_openai.distributed import TensorParallelGroup
-from mili_openai.engine.batch_builder import PromptScoring
-from mili_openai.engine.cuda_graphs import DecodeGraphs
-from mili_openai.engine.lora_manager import LoraManager
-from mili_openai.engine.memory_budget import (
-    BYTES_PER_GIB,
-    DEFAULT_SNAPSHOT_FRACTION,
-    check_kv_cache_fits,
-    log_memory,
-    pages_beside_states,
-    snapshots_in_budget,
-    weight_bytes,
-)
-from mili_openai.engine.memory_profile import profile_gpu_memory
-from mili_openai.engine.speculation_setup import prepare_model_for_speculation, runner_speculation
-from mili_openai.engine.outputs import TokenLogprob
-from mili_openai.engine.pooler import Pooler
+from mili_openai.engine.local_forward import LocalForward
+from mili_openai.engine.pending_tokens import LaunchedStep
 from mili_openai.engine.pooling_spec import PoolingSpec
-from mili_openai.engine.sampler import Sampler, SamplerOutput, token_logprobs
+from mili_openai.engine.sampler import Sampler, SamplerOutput
 from mili_openai.engine.scheduled_batch import ScheduledBatch
 from mili_openai.engine.sequence import Sequence
-from mili_openai.engine.step_inputs import forward_batch_to
-from mili_openai.engine.step_preparer import LaunchedStep, PreparedStep, StepPreparer, StepRunner
-from mili_openai.kernels import build_cpu_kernels_in_background, load_cpu_kernels
-from mili_openai.model import KVCache, ModelConfig, load_model, resolve_dtype
-from mili_openai.model.backend_setup import use_cpu_kernels
+from mili_openai.engine.step_forward import ForwardOutput, LoadedModel, StepForward
+from mili_openai.engine.step_preparer import PreparedStep, StepPreparer
 from mili_openai.model.batch import ForwardBatch
-from mili_openai.model.cache_spec import ModelCaches, has_recurrent_layers
-from mili_openai.model.state_cache import StateCache
-
-logger = logging.getLogger(__name__)
-
-PROMPT_SCORING_ROWS = 64  # prompt rows whose logits exist at once (64 x Qwen3's vocabulary: 39 MB)
 
 
-class ForwardOutput(NamedTuple):
-    """What `ModelRunner.forward` gives a step."""
-
-    hidden: torch.Tensor  # (T, hidden) after the final norm: pooling and the MTP drafter read it
-    logits: torch.Tensor | None  # (S, vocab) float32 of the rows to sample (`logits_indices`); None: none sampled
-    prompt_logprobs: dict[int, tuple[int, list[TokenLogprob]]] | None  # the scored prompt tokens', where any
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was asked for, but torch sees no CUDA device")
-    return torch.device(name)
-
-
-class Runner(Protocol):
-    """What the engine needs of a model runner: `ModelRunner` (one process) or `TensorParallelRunner`."""
-
-    device: torch.device
-    model_config: ModelConfig
-    quantization: str | None  # None, or what the weights are (for /v1/models)
-    num_pages: int  # KV pages the engine may hand out
-    num_state_slots: int  # state slots of the linear-attention layers (one per running sequence); 0 without any
-    num_state_snapshots: int  # the prefix cache's state snapshots, slots numbered after those (0: none)
-    state_slot_bytes: int  # bytes of one state slot (a snapshot's size); 0 without linear-attention layers
-    failure: str | None  # why the runner can run no more steps; None while it can
-    kernel_build: Future[bool] | None  # CPU kernels compiling meanwhile, to switch to once done; None: none
-    lora: LoraManager | None  # the LoRA adapters' host copies and slots (`EngineConfig.lora`); None: LoRA off
-
-    def switch_to_cpu_kernels(self) -> None:
-        """Run on the kernels `kernel_build` built (on the forward thread, between steps, while no sequence runs)."""
-
-    # whether `launch` only queues work on the device (CUDA): the engine then launches on its loop thread, a
-    # step ahead of the one finishing, and waits for each in `finish` on its worker thread; else `execute`
-    # runs there (the forward computes where it is launched)
-    async_launch: bool
+class Runner(LoadedModel, Protocol):
+    """What the engine needs of a model runner: `ModelRunner` (or a stand-in, scripts/engine_overlap.py)."""
 
     def prepare(self, batch: ScheduledBatch, sample_index: dict[Sequence, int] | None = None) -> PreparedStep:
         """Build the step's inputs on the loop thread (StepPreparer.prepare)."""
 
     def launch(self, step: PreparedStep) -> LaunchedStep:
-        """Queue one step's forward and sampling (StepPreparer.launch)."""
+        """Queue one step's forward and sampling."""
 
     def finish(self, launched: LaunchedStep) -> SamplerOutput:
-        """Wait for a launched step and read its output on the host (StepPreparer.finish)."""
+        """Wait for a launched step and read its output on the host."""
 
     def execute(self, step: PreparedStep) -> SamplerOutput:
         """Run one step's forward and sampling: `finish(launch(step))`."""
 
-    def expert_load(self) -> dict[int, list[int]]:
-        """{sparse layer: (token, expert) pairs each expert received since load}; empty for a dense model."""
 
-    def set_pooling(self, spec: PoolingSpec) -> None:
-        """Serve a pooling model: pooling requests' chunks reduce to `spec`'s vectors (engine/pooler.py)."""
+class ModelRunner:
+    """The step pipeline (a `Runner`; see the module docstring) over `forward`."""
 
+    def __init__(self, config: EngineConfig, forward: StepForward) -> None:
+        self.forward = forward
+        # what the engine sizes itself by, as the forward found it at load
+        self.device, self.model_config, self.quantization = forward.device, forward.model_config, forward.quantization
+        self.num_pages, self.num_state_slots = forward.num_pages, forward.num_state_slots
+        self.num_state_snapshots, self.state_slot_bytes = forward.num_state_snapshots, forward.state_slot_bytes
+        self.lora, self.async_launch = forward.lora, forward.async_launch
+        self.preparer = StepPreparer(self.device, config.page_size, forward.rotary_table,
+                                     serves_lora=self.lora is not None)
+        self.sampler = Sampler(vocab_size=self.model_config.vocab_size, eos_token_ids=self.model_config.eos_token_ids,
+                               device=self.device, seed=config.seed, kernel=forward.cpu_kernels)
+        # the last step launched (at first, a finished one that sampled nothing); None after a failed launch
+        # (the one after it, which may feed on its tokens, fails too)
+        self._previous: LaunchedStep | None = LaunchedStep.nothing_sampled()
 
-class ModelRunner(StepRunner):
-    """The model and its KV cache in this process (a `Runner`)."""
+    @classmethod
+    def load(cls, config: EngineConfig, model_path: Path) -> ModelRunner:
+        """The model in this process, or sharded over `tensor_parallel_size` worker processes."""
+        if config.tensor_parallel_size > 1:
+            from mili_openai.engine.tp_forward import TensorParallelForward  # spawns processes: only when asked
 
-    # why this runner can run no more steps (None while it can): set by a tensor-parallel runner whose worker died
-    failure: str | None = None
-    # the CPU kernels compiling while the model runs on torch's ops (EngineConfig.cpu_kernels_in_background);
-    # None when there is nothing to switch to
-    kernel_build: Future[bool] | None = None
-    pooler: Pooler | None = None  # a pooling model's (set_pooling); None: the model generates
+            return cls(config, TensorParallelForward(config, model_path))
+        return cls(config, LocalForward(config, model_path))
 
-    def __init__(self, config: EngineConfig, model_path: Path, parallel: TensorParallelGroup | None = None) -> None:
-        """`parallel`: this process is one rank of a tensor-parallel group (engine/tp_worker.py) and holds its
-        shard of the model and of the KV cache (its KV heads)."""
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        self.device = resolve_device(config.device)
-        config = config.for_device(self.device.type)
-        self.model, self.model_config = load_model(model_path, resolve_dtype(config.dtype), self.device,
-                                                   attention_backend=config.attention_backend, parallel=parallel,
-                                                   quantization=config.quantization,
-                                                   group_size=config.quantization_group_size,
-                                                   lm_head_quantization=config.quantize_lm_head,
-                                                   defer_cpu_kernels=config.cpu_kernels_in_background)
-        # LoRA slots wrap the projections before the memory is sized, so the KV budget counts them
-        self.lora = LoraManager(config.lora, self.model) if config.lora is not None else None
-        self.dtype = self.model.dtype
-        self.quantization = self.model.quantization  # None, or what the weights are
-        self.page_size = config.page_size
-        self.async_launch = config.async_launch  # see Runner.async_launch
-        self.steps = StepPreparer(self.device, self.page_size, self.model.rotary_table(),
-                                  feed_on_device=self.async_launch, serves_lora=self.lora is not None)
-        self.parallel = parallel
-        # MTP: its K/V layers join the specs; a draft model keeps pools of its own, sized with the target's
-        self.draft = prepare_model_for_speculation(config, self.model, model_path, self.device,
-                                                   defer_cpu_kernels=self.model.backend.awaits_cpu_kernels)
-        # what each layer keeps per sequence, in this process's shapes (a tensor-parallel rank's KV heads)
-        self.cache_specs = self.model.cache_specs()
-        self.num_state_slots = config.max_num_seqs if has_recurrent_layers(self.cache_specs) else 0
-        self.state_slot_bytes = slot_bytes = StateCache.bytes_per_slot(self.cache_specs, self.dtype)
-        draft_slot_bytes = self.draft.slot_bytes() if self.draft is not None else 0
-        # the prefix cache's state snapshots of a hybrid model: slots of the state pool past the running ones
-        budget = None if config.num_pages else self._cache_budget(config)
-        # a draft model's own linear-layer states do not follow the target's snapshots (yet): no hybrid prefix
-        # reuse beside one, or its drafts would start from zeroed states and be rejected
-        keeps_snapshots = config.enable_prefix_caching and not draft_slot_bytes
-        self.num_state_snapshots = (self._snapshots(config, slot_bytes, budget)
-                                    if self.num_state_slots and keeps_snapshots else 0)
-        state_bytes = ((self.num_state_slots + self.num_state_snapshots) * slot_bytes
-                       + self.num_state_slots * draft_slot_bytes)
-        self.num_pages = config.num_pages or self._pages_for_budget(budget, state_bytes)
-        # Dynamic NTK RoPE checks each forward's positions on the host, which a graph cannot capture
-        # (not for linear-attention layers yet: the graphs replay K/V writes only, not state-slot updates)
-        # (nor LoRA yet: a graph replays the projections without the adapters' row groups)
-        use_graphs = (self.device.type == "cuda" and not config.enforce_eager and not self.num_state_slots
-                      and self.lora is None
-                      and self.model.model.rotary_emb.dynamic_limit is None and self.model.backend.attention is not None)
-        # with graphs, one page more than the engine hands out: its first slot takes padded rows' K/V
-        pool_pages = self.num_pages + (1 if use_graphs else 0)
-        weights = weight_bytes(self.model)
-        kv_bytes = pool_pages * self._page_bytes()
-        if self.draft is not None:
-            weights += weight_bytes(self.draft.model)
-        check_kv_cache_fits(kv_bytes + state_bytes, weights, self.device)
-        self.kv_cache = KVCache(self.cache_specs, pool_pages, self.page_size, self.dtype, self.device)
-        self.state_cache = (StateCache(self.cache_specs, self.num_state_slots + self.num_state_snapshots, self.dtype,
-                                       self.device) if self.num_state_slots else None)
-        self.caches = ModelCaches(self.kv_cache, self.state_cache)
-        draft_caches = (self.draft.caches(pool_pages, self.page_size, self.num_state_slots, self.device)
-                        if self.draft is not None else None)
-        self.speculation = runner_speculation(config.speculative_config, self.model, self.caches, self.page_size,
-                                              self.draft, draft_caches)
-        log_memory(weights, self.quantization, self.dtype, kv_bytes, pool_pages, self.page_size, state_bytes,
-                   self.num_state_slots, self.num_state_snapshots)
-        self.decode_graphs = None
-        if use_graphs:
-            self._capture_decode_graphs(config)
-        self.sampler = Sampler(
-            vocab_size=self.model_config.vocab_size,
-            eos_token_ids=self.model_config.eos_token_ids,
-            device=self.device,
-            seed=config.seed,
-            # None where the CPU cannot run the kernels, or until they are built
-            kernel=load_cpu_kernels() if self.device.type == "cpu" and not self.model.backend.awaits_cpu_kernels
-            else None,
-        )
-        if self.model.backend.awaits_cpu_kernels:  # torch's ops serve while the kernels build
-            logger.info("serving on torch's ops until the CPU kernels are compiled")
-            self.kernel_build = build_cpu_kernels_in_background()
+    @property
+    def failure(self) -> str | None:
+        return self.forward.failure
 
-    def switch_to_cpu_kernels(self) -> None:
-        """Run on the compiled CPU kernels built in the background (`kernel_build` done): call on the forward
-        thread, between steps, while no sequence runs, so that no request sees both paths' rounding. The plan
-        (kernels/planning.py) is timed here, on the thread that runs the kernels."""
-        build, self.kernel_build = self.kernel_build, None
-        kernels = load_cpu_kernels() if build is not None and build.result() else None
-        for model in (self.model, self.draft.model) if self.draft is not None else (self.model,):
-            use_cpu_kernels(model, kernels)  # None (the build failed): torch's ops stay, awaiting nothing
-        if kernels is None:
-            return
-        self.sampler.kernel = kernels
-        logger.info("switched to the compiled CPU kernels")
+    @property
+    def kernel_build(self) -> Future[bool] | None:
+        return self.forward.kernel_build
 
-    def _max_model_len(self, config: EngineConfig, num_pages: int) -> int:
-        return min(config.max_model_len or self.model_config.max_position_embeddings, num_pages * self.page_size)
-
-    def _cache_budget(self, config: EngineConfig) -> tuple[int, str]:
-        """(bytes for the caches, what set them): kv_cache_memory_gb where given (always on CPU), else on CUDA
-        what gpu_memory_utilization leaves after the weights and a profiled step (memory_profile.py)."""
-        if config.kv_cache_memory_gb is not None:
-            return int(config.kv_cache_memory_gb * BYTES_PER_GIB), f"kv_cache_memory_gb={config.kv_cache_memory_gb}"
-        start = time.perf_counter()
-        profile = profile_gpu_memory(self.model, self.page_size, config.max_num_batched_tokens,
-                                     config.max_num_seqs, self._max_model_len(config, 1 << 62),
-                                     config.gpu_memory_utilization, self.device)
-        logger.info("%s (profiled in %.1f s)", profile.describe(), time.perf_counter() - start)
-        return profile.kv_cache, (f"gpu_memory_utilization={config.gpu_memory_utilization} ({profile.describe()}; "
-                                  "raise it, or lower max_num_batched_tokens)")
-
-    def _snapshots(self, config: EngineConfig, slot_bytes: int, budget: tuple[int, str] | None) -> int:
-        """How many prefix-cache state snapshots: `num_hybrid_snapshots`, else what `snapshots_in_budget` gives of
-        the cache budget (with `num_pages`: of a whole whose default share they would be, those pages and the
-        running slots being the rest)."""
-        fraction, count = config.hybrid_snapshot_fraction, config.num_hybrid_snapshots
-        if budget is not None:
-            total = budget[0]
-        else:
-            beside = config.num_pages * self._page_bytes()
-            share = fraction if fraction is not None else DEFAULT_SNAPSHOT_FRACTION
-            total = int((beside + self.num_state_slots * slot_bytes) / (1 - share))
-        count = snapshots_in_budget(total, slot_bytes, fraction, count, self.num_state_slots)
-        # tensor-parallel ranks number their snapshots alike: the fewest any of them has room for
-        return count if self.parallel is None else self.parallel.min_over_ranks(count)
-
-    def _pages_for_budget(self, budget: tuple[int, str], state_bytes: int) -> int:
-        """Pages of the KV pool: what the cache budget holds beside a state pool of `state_bytes`
-        (memory_budget.py). Tensor-parallel ranks take the fewest any of them has room for: they share one page
-        table."""
-        num_pages = pages_beside_states(budget[0], self._page_bytes(), state_bytes, budget[1])
-        return num_pages if self.parallel is None else self.parallel.min_over_ranks(num_pages)
-
-    def _page_bytes(self) -> int:
-        """Bytes one page takes in every pool over the pages: the target's attention layers', and a draft model's."""
-        draft = self.draft.page_bytes(self.page_size) if self.draft is not None else 0
-        return KVCache.bytes_per_page(self.cache_specs, self.page_size, self.dtype) + draft
-
-    def _capture_decode_graphs(self, config: EngineConfig) -> None:
-        """Decode steps' CUDA graphs for up to max_num_seqs rows, captured before serving (cuda_graphs.py)."""
-        scratch_slot = self.num_pages * self.page_size  # the first slot of the page past those handed out
-        # every context the engine admits fits the graphs' page tables
-        width = -(-self._max_model_len(config, self.num_pages) // self.page_size)
-        self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, scratch_slot, width)
-        start = time.perf_counter()
-        with torch.inference_mode():
-            count = self.decode_graphs.capture_ahead(config.max_num_seqs)
-        logger.info("captured %d CUDA graphs of decode steps (up to %d rows) in %.1f s", count, config.max_num_seqs,
-                    time.perf_counter() - start)
+    def prepare(self, batch: ScheduledBatch, sample_index: dict[Sequence, int] | None = None) -> PreparedStep:
+        return self.preparer.prepare(batch, sample_index)
 
     @torch.inference_mode()
-    def _launch_forward(self, step: PreparedStep, source: LaunchedStep | None) -> LaunchedStep:
-        """Queue the forward and sampling (on CPU: run them). Every op is asynchronous on CUDA but prompt
-        scoring's, which reads its logprobs at once (a prefill chunk's, rare)."""
-        batch = forward_batch_to(step.forward_batch, self.device, step.staged)
-        if step.new_state_slots is not None:  # sequences admitted in this step start from zero states
-            self.state_cache.reset(step.new_state_slots)
-        if step.state_restores is not None:  # or from a prefix's state snapshot (engine/state_snapshots.py)
-            self.state_cache.copy(*step.state_restores)
-        if source is not None:  # pending input ids from the step before's sampled ids, on the device
-            index = step.pending_index.to(self.device, non_blocking=True)  # (2, P): rows over sources
-            batch.input_ids.index_copy_(0, index[0], source.token_ids.index_select(0, index[1]))
-        if self.speculation is not None:
-            self.speculation.before_forward(batch, step.new_state_slots)
-        out = self.forward(batch, step.prompt_scorings, sample=bool(step.rows), lora_ids=step.lora_ids)
-        if step.state_saves is not None:  # states at page boundaries into the prefix cache's snapshots
-            self.state_cache.copy(*step.state_saves)
-        pooled = (self.pooler(out.hidden, step.pooling_rows) if step.pooling_rows and self.pooler is not None
-                  else None)
+    def launch(self, step: PreparedStep) -> LaunchedStep:
+        """Feed `step` the tokens the step before sampled and queue its forward and sampling (on CPU: run them).
+        Unless `step.needs_host_tokens`, a step may launch before the one before it finishes."""
+        previous = self._previous
+        try:
+            batch = self.forward.inputs(step.forward)
+            if step.pending is not None:
+                step.pending.feed(batch.input_ids, previous)
+            launched = self._sample(step, batch, self.forward.run(step.forward, batch))
+        except BaseException:
+            self._previous = None
+            raise
+        launched.source = previous if step.pending is not None else None
+        self._previous = launched
+        return launched
+
+    def finish(self, launched: LaunchedStep) -> SamplerOutput:
+        """Wait for a launched step and bring its output to the host."""
+        try:
+            if launched.source is not None and launched.source.failed:
+                raise RuntimeError("the step before failed, so the tokens this step fed on do not exist")
+            output = (self.sampler.finish(launched.sampled) if launched.sampled is not None
+                      else SamplerOutput(token_ids=[], logprobs=[]))
+            output = output._replace(prompt_logprobs=launched.prompt_logprobs, pooled=launched.pooled,
+                                     proposed_drafts=launched.proposed_drafts)
+        except BaseException:
+            launched.failed = True
+            raise
+        finally:
+            launched.source = None  # read: let the step before go (each would hold the one before it)
+        launched.output = output
+        return output
+
+    def execute(self, step: PreparedStep) -> SamplerOutput:
+        return self.finish(self.launch(step))
+
+    def _sample(self, step: PreparedStep, batch: ForwardBatch, out: ForwardOutput) -> LaunchedStep:
+        """Queue the step's sampling, then its speculation's part (rejected drafts' states rolled back, the next
+        step's drafts made)."""
+        speculation = self.forward.speculation
         if out.logits is None:
-            if self.speculation is not None:  # a model proposer reads the chunks too
-                self.speculation.after_sampling(step.speculation, batch, out.hidden, None)
-            return LaunchedStep(sampled=None, token_ids=None, prompt_logprobs=out.prompt_logprobs, pooled=pooled)
+            if speculation is not None:  # a model proposer reads the chunks too
+                speculation.after_sampling(step.speculation, batch, out.hidden, None)
+            return LaunchedStep(None, None, prompt_logprobs=out.prompt_logprobs, pooled=out.pooled)
         sampled = self.sampler.launch(out.logits, step.rows)
         drafts = None
-        if self.speculation is not None:  # rejected drafts' states rolled back, the next step's drafts made
-            drafts = self.speculation.after_sampling(step.speculation, batch, out.hidden, sampled.token_ids)
-        return LaunchedStep(sampled=sampled, token_ids=sampled.token_ids, prompt_logprobs=out.prompt_logprobs,
-                            pooled=pooled, proposed_drafts=drafts)
+        if speculation is not None:
+            drafts = speculation.after_sampling(step.speculation, batch, out.hidden, sampled.token_ids)
+        return LaunchedStep(sampled, sampled.token_ids, prompt_logprobs=out.prompt_logprobs, pooled=out.pooled,
+                            proposed_drafts=drafts)
 
-    @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, prompt_scorings: list[PromptScoring], sample: bool,
-                lora_ids: list[int] | None = None) -> ForwardOutput:
-        """The model on a step's inputs, already on the device: from a CUDA graph where one fits, else eagerly
-        (with each row's LoRA adapter, `lora_ids`, where any). The one forward of this process's model:
-        `_launch_forward` samples from its logits, and a tensor-parallel rank (engine/tp_worker.py) returns
-        them to the engine."""
-        bucket = self.decode_graphs.bucket(batch) if self.decode_graphs is not None else None
-        if bucket is not None:
-            hidden = self.decode_graphs.run(batch, bucket)  # (T, hidden)
-        elif lora_ids is not None:  # rows on adapters: each LoRA projection adds its rows' deltas
-            with self.lora.slots.rows(self.lora.groups(lora_ids, self.device)):
-                hidden = self.model(batch, self.caches)
-        else:
-            hidden = self.model(batch, self.caches)
-        scored = self.score_prompts(hidden, prompt_scorings) if prompt_scorings else None
-        logits = self.model.compute_logits(hidden[batch.logits_indices]) if sample else None  # (S, vocab) float32
-        return ForwardOutput(hidden, logits, scored)
-
-    def set_pooling(self, spec: PoolingSpec) -> None:
-        self.pooler = Pooler.for_model(spec, self.model)
+    def switch_to_cpu_kernels(self) -> None:
+        """See `Runner.switch_to_cpu_kernels`: the forward's modules and the sampler switch together."""
+        self.forward.switch_to_cpu_kernels()
+        if self.forward.cpu_kernels is not None:
+            self.sampler.kernel = self.forward.cpu_kernels
 
     def expert_load(self) -> dict[int, list[int]]:
-        """{sparse layer: (token, expert) pairs each expert received since load}; empty for a dense model."""
-        return self.model.expert_load()
+        return self.forward.expert_load()
 
-    def score_prompts(self, hidden: torch.Tensor, scorings: list[PromptScoring]
-                      ) -> dict[int, tuple[int, list[TokenLogprob]]]:
-        """Each scored prompt token's logprob from its row's logits, a block of rows at a time: a whole
-        chunk's logits at once would be chunk x vocabulary floats (300 MB for 512 Qwen3 tokens)."""
-        scored = {}
-        for scoring in scorings:
-            entries: list[TokenLogprob] = []
-            for offset in range(0, len(scoring.targets), PROMPT_SCORING_ROWS):
-                targets = scoring.targets[offset : offset + PROMPT_SCORING_ROWS]
-                start = scoring.row + offset
-                logits = self.model.compute_logits(hidden[start : start + len(targets)])  # (R, vocab) float32
-                entries.extend(token_logprobs(logits, targets, [scoring.top_k] * len(targets), with_ranks=True))
-            scored[scoring.batch_index] = (scoring.first, entries)
-        return scored
+    def set_pooling(self, spec: PoolingSpec) -> None:
+        self.forward.set_pooling(spec)
+
+    def close(self) -> None:
+        self.forward.close()

@@ -1,4 +1,4 @@
-"""LoRA adapters under tensor parallelism, from the engine process's side (engine/tp_runner.py).
+"""LoRA adapters under tensor parallelism, from the engine process's side (engine/tp_forward.py).
 
 Every rank runs a `LoraManager` of its own (engine/lora_manager.py) over its model's slots, which hold its share of
 each adapter (model/lora_tensor_parallel.py): the `--lora-modules` are read by each rank at start, and each rank

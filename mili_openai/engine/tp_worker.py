@@ -1,11 +1,12 @@
 """A tensor-parallel worker process: one rank's shard of the model and of the KV cache, running the steps the
 engine process sends it.
 
-The engine writes each step's inputs (the `ForwardBatch` it built, with every rank's page table the same)
-once, as one encoded message, to every worker's pipe. All ranks run the forward, whose collectives
-(model/qwen3.py) meet over torch.distributed, and the logits of the sampled rows, gathered from the
-vocabulary shards; rank 0 alone replies, with those logits and any prompt log-probabilities, and the
-engine samples. A rank that fails replies with its traceback and exits; the engine stops them all.
+The engine writes each step (the `ForwardStep` it built, with every rank's page table the same, and any LoRA
+adapter changes) once, as one encoded message, to every worker's pipe. All ranks run the forward, the same code as with one process
+(`LocalForward.run`), whose collectives (model/qwen3.py) meet over torch.distributed, and the logits of the
+sampled rows, gathered from the vocabulary shards; rank 0 alone replies, with those logits and any prompt
+log-probabilities, and the engine samples. A rank that fails replies with its traceback and exits; the engine
+stops them all.
 
 Messages are pickled with tensors as raw bytes (`encode`), not through torch.multiprocessing's shared
 memory reductions: a step's inputs are kilobytes, and a shared-memory segment per tensor per step would
@@ -30,15 +31,14 @@ import torch.distributed as dist
 
 from mili_openai.config import EngineConfig
 from mili_openai.distributed import init_tensor_parallel
-from mili_openai.engine.batch_builder import PromptScoring
+from mili_openai.engine.local_forward import LocalForward
 from mili_openai.engine.outputs import TokenLogprob
 from mili_openai.engine.process_helpers import exit_with_parent
-from mili_openai.engine.runner import ModelRunner, resolve_device
-from mili_openai.engine.step_inputs import forward_batch_to
+from mili_openai.engine.step_forward import resolve_device
+from mili_openai.engine.step_preparer import ForwardStep
 from mili_openai.engine.tp_lora import LoraUpdate
 from mili_openai.kernels.cpu import adopt_cpu_kernel_plan
 from mili_openai.kernels.planning import KernelPlan
-from mili_openai.model.batch import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
@@ -46,20 +46,13 @@ REPLYING_RANK = 0
 WORKER_LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [tp rank {rank}]: %(message)s"
 
 
-# ---- messages (engine -> workers: StepRequest, ExpertLoadRequest, Shutdown; workers -> engine: the rest) ----
+# ---- messages (engine -> workers: TensorParallelStep, ExpertLoadRequest, Shutdown; workers -> engine: the rest) ----
 @dataclass(slots=True)
-class StepRequest:
-    forward_batch: ForwardBatch  # on the CPU; each rank copies it to its device
-    num_sampled: int  # rows of `forward_batch.logits_indices` to return logits for (0: none)
-    prompt_scorings: list[PromptScoring] = field(default_factory=list)
-    # state slots handed out in this step, zeroed on every rank before the forward (PreparedStep.new_state_slots)
-    new_state_slots: torch.Tensor | None = None
-    # the prefix cache's state-slot copies (PreparedStep.state_restores / state_saves): each rank copies its own
-    # heads' states, restores before the forward and saves after it, as the one-rank runner does
-    state_restores: torch.Tensor | None = None
-    state_saves: torch.Tensor | None = None
-    lora_ids: np.ndarray | None = None  # each row's LoRA adapter id (PreparedStep.lora_ids); None: all on the base
-    # adapters loaded and unloaded since the step before (engine/tp_lora.py), applied before the forward
+class TensorParallelStep:
+    """A step for every rank: the forward's inputs, and the LoRA adapters loaded or unloaded since the step before
+    (engine/tp_lora.py), applied before the forward."""
+
+    work: ForwardStep
     lora_updates: list[LoraUpdate] = field(default_factory=list)
 
 
@@ -126,31 +119,23 @@ def decode(data: bytes) -> Any:
 
 # ---- the worker ----
 @torch.inference_mode()
-def run_step(runner: ModelRunner, request: StepRequest) -> StepReply:
-    """One step on this rank's shard: `ModelRunner.forward`, the one-process runner's own, its logits brought
-    to the host for the engine to sample from."""
-    batch = forward_batch_to(request.forward_batch, runner.device)
-    for update in request.lora_updates:  # each rank reads a loaded adapter's share itself
+def run_step(forward: LocalForward, step: TensorParallelStep) -> StepReply:
+    """One step on this rank's shard, its logits brought to the host for the engine to sample from."""
+    for update in step.lora_updates:  # each rank reads a loaded adapter's share itself
         if update.path is None:
-            runner.lora.remove(update.adapter_id)
+            forward.lora.remove(update.adapter_id)
         else:
-            runner.lora.add(update.adapter_id, update.name, update.path, runner.lora.read(update.name, update.path))
-    if request.new_state_slots is not None:  # sequences admitted in this step start from zero states
-        runner.state_cache.reset(request.new_state_slots)
-    if request.state_restores is not None:  # or from a prefix's state snapshot (engine/state_snapshots.py)
-        runner.state_cache.copy(*request.state_restores)
-    out = runner.forward(batch, request.prompt_scorings, sample=request.num_sampled > 0, lora_ids=request.lora_ids)
-    if request.state_saves is not None:  # states at page boundaries into the prefix cache's snapshots
-        runner.state_cache.copy(*request.state_saves)
+            forward.lora.add(update.adapter_id, update.name, update.path, forward.lora.read(update.name, update.path))
+    out = forward.run(step.work, forward.inputs(step.work))
     logits = out.logits.cpu() if out.logits is not None else None  # (S, vocab)
     return StepReply(logits=logits, prompt_logprobs=out.prompt_logprobs)
 
 
-def _handle(runner: ModelRunner, message: Any) -> Any:
-    if isinstance(message, StepRequest):
-        return run_step(runner, message)
+def _handle(forward: LocalForward, message: Any) -> Any:
+    if isinstance(message, TensorParallelStep):
+        return run_step(forward, message)
     if isinstance(message, ExpertLoadRequest):  # every rank routes alike: rank 0's counts are the model's
-        return ExpertLoadReply(runner.expert_load())
+        return ExpertLoadReply(forward.expert_load())
     raise TypeError(f"a tensor-parallel worker got an unknown message {type(message).__name__}")
 
 
@@ -167,20 +152,20 @@ def worker_main(rank: int, size: int, config: EngineConfig, model_path: str, ini
         if device.type == "cuda":
             torch.cuda.set_device(rank)
         group = init_tensor_parallel(rank, size, device, init_method)
-        runner = ModelRunner(config, Path(model_path), parallel=group)
+        forward = LocalForward(config, Path(model_path), parallel=group)
     except BaseException:
         conn.send_bytes(encode(WorkerFailed(rank, traceback.format_exc())))
         return
-    conn.send_bytes(encode(WorkerReady(rank, os.getpid(), runner.num_pages, runner.num_state_slots,
-                                       runner.num_state_snapshots, runner.state_slot_bytes)))
+    conn.send_bytes(encode(WorkerReady(rank, os.getpid(), forward.num_pages, forward.num_state_slots,
+                                       forward.num_state_snapshots, forward.state_slot_bytes)))
     try:
-        _serve(runner, conn, rank)
+        _serve(forward, conn, rank)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _serve(runner: ModelRunner, conn: Connection, rank: int) -> None:
+def _serve(forward: LocalForward, conn: Connection, rank: int) -> None:
     while True:
         try:
             message = decode(conn.recv_bytes())
@@ -189,7 +174,7 @@ def _serve(runner: ModelRunner, conn: Connection, rank: int) -> None:
         if isinstance(message, Shutdown):
             return
         try:
-            reply = _handle(runner, message)
+            reply = _handle(forward, message)
         except Exception:
             logger.exception("tensor-parallel rank %d failed", rank)
             conn.send_bytes(encode(WorkerFailed(rank, traceback.format_exc())))

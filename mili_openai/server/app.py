@@ -31,7 +31,7 @@ from mili_openai.engine.async_engine import AsyncEngine
 from mili_openai.engine.client import EngineClient
 from mili_openai.engine.process_client import EngineProcessClient
 from mili_openai.engine.process_helpers import freeze_heap
-from mili_openai.engine.runner import resolve_device
+from mili_openai.engine.step_forward import resolve_device
 from mili_openai.engine.sampling_defaults import describe_sampling_defaults
 from mili_openai.routes import (
     chat,

@@ -139,7 +139,7 @@ def test_steps_planned_ahead_give_the_offline_engines_tokens(engine, tiny_checkp
 
     def recording_prepare(batch, sample_index=None):
         step = prepare(batch, sample_index)
-        fed.append(len(step.pending_rows))
+        fed.append(len(step.pending.rows) if step.pending is not None else 0)
         return step
 
     def generate(indices):

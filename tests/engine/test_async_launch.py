@@ -1,6 +1,6 @@
 """Steps launched on the engine loop and finished on the worker (`EngineConfig.async_launch`, CUDA's default),
 run here on CPU: the step planned ahead reads its pending input ids from the running step's sampled ids on
-the device (`StepPreparer.launch`), and its outputs match the offline engine's and transformers'."""
+the device (`PendingTokens.feed`), and its outputs match the offline engine's and transformers'."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def engine(tiny_checkpoint):
 
 @pytest.fixture
 def launches(engine):
-    """Per step launched: (launched on the loop thread, read its pending ids on the device)."""
+    """Per step launched: (launched on the loop thread, fed on the ids of the step before)."""
     runner = engine.core.runner
     launch, recorded = runner.launch, []
     loop_thread = threading.current_thread()  # run_engine runs the loop on the test's thread

@@ -47,12 +47,12 @@ def oracle(tiny_checkpoint):
 def test_greedy_on_cuda_matches_transformers(tiny_checkpoint, oracle, engine_args):
     prompts, expected = oracle
     llm = LLM(str(tiny_checkpoint), dtype="float32", device="cuda", **{"num_pages": 512, **engine_args})
-    assert llm.core.runner.device.type == "cuda" and llm.core.runner.kv_cache.device.type == "cuda"
+    assert llm.core.runner.device.type == "cuda" and llm.core.runner.forward.kv_cache.device.type == "cuda"
     first = llm.generate(prompts, greedy(MAX_NEW))
     assert_matches(first, expected)
-    graphs = llm.core.runner.decode_graphs
+    graphs = llm.core.runner.forward.decode_graphs
     torch_attention = engine_args.get("attention_backend") == "torch"
-    assert (llm.core.runner.model.backend.attention is None) == torch_attention
+    assert (llm.core.runner.forward.model.backend.attention is None) == torch_attention
     # graphs need an attention kernel (torch's SDPA would gather every row's whole page table)
     assert (graphs is None) == (engine_args.get("enforce_eager", False) or torch_attention)
     assert graphs is None or graphs.steps_run > 0  # decode steps ran from captured graphs
@@ -115,8 +115,8 @@ def test_cuda_defaults_size_the_pool_from_gpu_memory_and_graph_every_batch_size(
     runner, config = llm.core.runner, llm.core.config
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (256, 8192)
     total = torch.cuda.get_device_properties(0).total_memory
-    assert runner.num_pages > 0 and runner.kv_cache.nbytes <= 0.5 * total
-    graphs = runner.decode_graphs
+    assert runner.num_pages > 0 and runner.forward.kv_cache.nbytes <= 0.5 * total
+    graphs = runner.forward.decode_graphs
     assert set(graphs.graphs) == {(size, 0) for size in CAPTURE_SIZES}
     prompt = random_prompts(1, [2100], seed=35)[0]
     expected = hf_greedy(load_hf(tiny_checkpoint), prompt, MAX_NEW)

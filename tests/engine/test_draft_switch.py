@@ -86,7 +86,7 @@ def plain(hybrid_checkpoint):
 
 def recording_llm(checkpoint: str, speculative: dict, compare: bool = False) -> tuple[LLM, RecordingDrafter]:
     llm = LLM(checkpoint, speculative_config=speculative, **ENGINE)
-    speculation = llm.core.runner.speculation
+    speculation = llm.core.runner.forward.speculation
     speculation.drafter = RecordingDrafter(speculation.drafter, compare)
     return llm, speculation.drafter
 

@@ -17,7 +17,7 @@ from hybrid_helpers import hybrid_tokens
 
 from mili_openai import LLM, SamplingParams
 from mili_openai import kernels as kernels_module
-from mili_openai.engine import runner as runner_module
+from mili_openai.engine import local_forward as local_forward_module
 from mili_openai.kernels import cpu_supports_kernels
 
 PAGE = 16  # the CPU's default page size
@@ -38,7 +38,7 @@ def make_llm(request, monkeypatch, hybrid_checkpoint):
         pytest.skip("the CPU kernels need AVX512")
     if torch_ops:
         monkeypatch.setattr(kernels_module, "cpu_kernels_built", lambda: False)
-        monkeypatch.setattr(runner_module, "build_cpu_kernels_in_background", Future)
+        monkeypatch.setattr(local_forward_module, "build_cpu_kernels_in_background", Future)
     checkpoint = str(hybrid_checkpoint("qwen3_5"))
 
     def make() -> LLM:

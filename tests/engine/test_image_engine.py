@@ -72,7 +72,7 @@ def test_repeated_image_is_encoded_once_and_a_prefix_hit(vision_model, line):
     first placeholder (the ids are the same, the image's key is not)."""
     checkpoint, (images, expected, _) = vision_model(line)
     llm = LLM(str(checkpoint), dtype="float32", num_pages=256, page_size=4)
-    cache = llm.core.runner.model.image_cache
+    cache = llm.core.runner.forward.model.image_cache
     ids, tokens = expected[0]
     image_start = ids.index(llm.core.info.vision.image_token_id)
     first = llm.generate(image_requests(images)[:1], greedy())
@@ -105,7 +105,7 @@ def test_prefix_hit_ending_inside_an_image(vision_model, line):
     branches = [{"prompt": text.replace("What is this?", question), "multi_modal_data": {"image": [images[0]]}}
                 for question in OTHER_QUESTIONS]
     llm.generate(branches, greedy())
-    model = llm.core.runner.model
+    model = llm.core.runner.forward.model
     model.image_cache = ImageEmbeddingCache()  # the image's embeddings gone: the chunk inside it encodes it again
     out = llm.generate(image_requests(images)[:1], greedy())
     assert image_start < out[0].num_cached_tokens < image_end

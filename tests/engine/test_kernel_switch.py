@@ -15,7 +15,7 @@ from quant_helpers import SERVED_SHAPE
 
 from mili_openai.config import EngineConfig
 from mili_openai import kernels as kernels_module
-from mili_openai.engine import runner as runner_module
+from mili_openai.engine import local_forward as local_forward_module
 from mili_openai.engine.async_engine import AsyncEngine
 from mili_openai.engine.sampling_params import SamplingParams
 from mili_openai.kernels import cpu_supports_kernels, load_cpu_kernels
@@ -34,7 +34,7 @@ def pending_build(monkeypatch):
     load_cpu_kernels()  # compiled (if need be) before the engine: the test then controls when they "finish"
     build: Future[bool] = Future()
     monkeypatch.setattr(kernels_module, "cpu_kernels_built", lambda: False)
-    monkeypatch.setattr(runner_module, "build_cpu_kernels_in_background", lambda: build)
+    monkeypatch.setattr(local_forward_module, "build_cpu_kernels_in_background", lambda: build)
     return build
 
 
@@ -121,12 +121,12 @@ def test_quantized_weights_wait_for_the_kernels(tmp_path, pending_build, quantiz
                                       quantization=quantization, cpu_kernels_in_background=True))
     runner, kernels = engine.core.runner, load_cpu_kernels()
     assert runner.kernel_build is None and runner.sampler.kernel is kernels
-    projections = [m for m in runner.model.modules() if isinstance(m, QuantizedLinear)]
-    assert runner.model.lm_head in projections
-    assert all(m.backend is runner.model.backend for m in projections)
-    assert runner.model.backend.quantized_matmul == kernels.quantized.linear
+    projections = [m for m in runner.forward.model.modules() if isinstance(m, QuantizedLinear)]
+    assert runner.forward.model.lm_head in projections
+    assert all(m.backend is runner.forward.model.backend for m in projections)
+    assert runner.forward.model.backend.quantized_matmul == kernels.quantized.linear
     if kernels.bf16_dot_products:  # the int8/int4 kernels need AVX512-BF16 (elsewhere the reference runs)
-        assert runner.model.model.decode_stack is not None
+        assert runner.forward.model.model.decode_stack is not None
 
 
 def test_a_draft_model_awaits_the_kernels_and_switches_with_the_target(tiny_checkpoint, pending_build):
@@ -136,7 +136,7 @@ def test_a_draft_model_awaits_the_kernels_and_switches_with_the_target(tiny_chec
     engine = AsyncEngine(EngineConfig(model=str(tiny_checkpoint), dtype="float32", num_pages=32,
                                       cpu_kernels_in_background=True, speculative_config=draft))
     runner = engine.core.runner
-    backends = (runner.model.backend, runner.draft.model.backend)
+    backends = (runner.forward.model.backend, runner.forward.draft.model.backend)
     assert backends[0] is not backends[1]
     assert all(backend.awaits_cpu_kernels and backend.attention is None for backend in backends)
     pending_build.set_result(True)

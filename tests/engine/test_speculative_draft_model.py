@@ -137,7 +137,7 @@ def test_target_as_its_own_draft_is_accepted(target):
 def test_rejected_drafts_leave_the_draft_after_the_accepted_tokens(target):
     _, checkpoint, _, prompts, vocab, expected = target
     llm = LLM(checkpoint, speculative_config=draft_config(checkpoint), **ENGINE)
-    speculation = llm.core.runner.speculation
+    speculation = llm.core.runner.forward.speculation
     speculation.drafter = SpoilingDrafter(speculation.drafter, vocab)
     assert token_ids(llm.generate(prompts, greedy(n=2))) == expected
     stats = llm.core.stats()
@@ -192,11 +192,11 @@ def test_the_drafts_pools_come_out_of_the_one_budget(target):
     budget_gb = 0.02
     runner = LLM(checkpoint, speculative_config=draft_config(draft), **BUDGET_ENGINE,
                  kv_cache_memory_gb=budget_gb).core.runner
-    target_page = KVCache.bytes_per_page(runner.cache_specs, runner.page_size, runner.dtype)
-    draft_page = runner.draft.page_bytes(runner.page_size)
-    states = runner.num_state_slots * (runner.state_slot_bytes + runner.draft.slot_bytes())
-    assert draft_page > 0 and (runner.num_state_slots == 0 or runner.draft.slot_bytes() > 0)
+    target_page = KVCache.bytes_per_page(runner.forward.cache_specs, runner.forward.page_size, runner.forward.dtype)
+    draft_page = runner.forward.draft.page_bytes(runner.forward.page_size)
+    states = runner.num_state_slots * (runner.state_slot_bytes + runner.forward.draft.slot_bytes())
+    assert draft_page > 0 and (runner.num_state_slots == 0 or runner.forward.draft.slot_bytes() > 0)
     assert runner.num_pages == (int(budget_gb * BYTES_PER_GIB) - states) // (target_page + draft_page)
-    draft_caches = runner.speculation.drafter.caches
-    assert draft_caches.kv.num_pages == runner.kv_cache.num_pages
+    draft_caches = runner.forward.speculation.drafter.caches
+    assert draft_caches.kv.num_pages == runner.forward.kv_cache.num_pages
     assert draft_caches.state is None or draft_caches.state.num_slots == runner.num_state_slots

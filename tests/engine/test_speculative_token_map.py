@@ -57,7 +57,7 @@ def write_map(path, ids) -> str:
 
 def run(checkpoint: str, prompts, speculative: dict) -> tuple[LLM, RecordingDrafter, list[list[int]]]:
     llm = LLM(checkpoint, speculative_config=speculative, **ENGINE)
-    speculation = llm.core.runner.speculation
+    speculation = llm.core.runner.forward.speculation
     recorder = speculation.drafter = RecordingDrafter(speculation.drafter)
     outputs = llm.generate(prompts, greedy())
     return llm, recorder, [output.outputs[0].token_ids for output in outputs]
@@ -101,7 +101,7 @@ def test_mtp_drafts_come_from_the_map(plain, tmp_path):
 
 
 def test_the_mapped_logits_are_the_heads_rows(plain):
-    model = LLM(plain[0], **ENGINE).core.runner.model
+    model = LLM(plain[0], **ENGINE).core.runner.forward.model
     ids = torch.tensor([3, 17, 500, HYBRID_VOCAB - 1])
     hidden = torch.randn(2, model.config.hidden_size)
     logits = DraftHead(model, ids)(hidden)

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from engine_helpers import random_prompts
 from model_helpers import copy_without_weight
 from mili_openai import LLM, SamplingParams
-from mili_openai.engine.tp_runner import RunnerFailed
+from mili_openai.engine.tp_forward import RunnerFailed
 from mili_openai.kernels import cpu_supports_kernels
 from mili_openai.kernels.cpu import CpuKernels
 from mili_openai.model import KVCache, ModelConfig
@@ -181,7 +181,7 @@ def test_dead_worker_is_a_clear_error_not_a_hang(tiny_checkpoint):
     specs = [PagedKVSpec(rank_config.num_key_value_heads, rank_config.head_dim)] * rank_config.num_hidden_layers
     per_page = KVCache.bytes_per_page(specs, ENGINE_ARGS["page_size"], torch.float32)
     assert llm.core.runner.num_pages == int(budget_gb * (1 << 30)) // per_page
-    workers = llm.core.runner.workers
+    workers = llm.core.runner.forward.workers
     prompt = random_prompts(1, [20], seed=3)[0]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     assert len(llm.generate([prompt], params)[0].outputs[0].token_ids) == 4

@@ -201,7 +201,7 @@ def test_engine_on_triton_matches_transformers(tiny_checkpoint, oracle, engine_a
     prompts, expected = oracle
     llm = LLM(str(tiny_checkpoint), dtype="float32", device=DEVICE.type, attention_backend="triton", num_pages=96,
               **engine_args)
-    assert isinstance(llm.core.runner.model.backend.attention, TritonAttention)
+    assert isinstance(llm.core.runner.forward.model.backend.attention, TritonAttention)
     assert_matches(llm.generate(prompts, greedy(MAX_NEW)), expected)
     second = llm.generate(prompts, greedy(MAX_NEW))  # the prompts' pages are cached now: prefix hits
     assert_matches(second, expected)

@@ -201,6 +201,6 @@ def test_cuda_experts_through_triton_and_graphs_match_transformers(tiny_moe_chec
     prompts = random_prompts(4, [7, 40, 100, 150], seed=11)
     expected = [hf_greedy(hf_moe, p, MAX_NEW) for p in prompts]
     llm = LLM(str(tiny_moe_checkpoint), dtype="float32", num_pages=256, device="cuda")
-    assert llm.core.runner.decode_graphs is not None
+    assert llm.core.runner.forward.decode_graphs is not None
     assert_matches(llm.generate(prompts, greedy(MAX_NEW)), expected)
-    assert llm.core.runner.decode_graphs.steps_run > 0
+    assert llm.core.runner.forward.decode_graphs.steps_run > 0

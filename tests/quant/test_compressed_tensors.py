@@ -81,7 +81,7 @@ def test_checkpoints_give_transformers_greedy_tokens_on_the_dequantized_weights(
     if name.startswith("fp8"):  # on CPU, as fine-grained FP8 checkpoints: dequantized at load
         assert llm.core.info.quantization.endswith("dequantized to float32 at load")
     else:
-        quantized_modules = [m for m in llm.core.runner.model.modules() if isinstance(m, QuantizedLinear)]
+        quantized_modules = [m for m in llm.core.runner.forward.model.modules() if isinstance(m, QuantizedLinear)]
         dense_down = "dense" in LAYOUTS[name]
         assert len(quantized_modules) == (3 if dense_down else 4) * QUANT_SHAPE.num_hidden_layers
         assert {m.bits for m in quantized_modules} == {LAYOUTS[name]["bits"]}

@@ -167,7 +167,7 @@ def test_w8a8_gives_the_hooked_oracles_greedy_tokens(dense, name, tmp_path):
     llm = LLM(str(quantized), dtype="float32", num_pages=128)
     per = "per token, dynamic" if activations["dynamic"] else "per tensor, static"
     assert llm.core.info.quantization.endswith(f"; int-quantized; int8 activations {per})")
-    modules = [m for m in llm.core.runner.model.modules() if isinstance(m, QuantizedLinear)]
+    modules = [m for m in llm.core.runner.forward.model.modules() if isinstance(m, QuantizedLinear)]
     assert len(modules) == 4 * QUANT_SHAPE.num_hidden_layers and all(m.activations is not None for m in modules)
     assert_greedy_up_to_near_ties(llm.generate(prompts, greedy(MAX_NEW)), expected)
     llm.core.check_integrity()

@@ -117,7 +117,7 @@ def test_fp8_engine_in_float32_matches_transformers_on_the_dequantized_weights(t
     prompts = random_prompts(3, [5, 40, 200], seed=14, vocab=QUANT_VOCAB)
     expected = [hf_greedy(hf, prompt, 8) for prompt in prompts]
     llm = LLM(str(dense), dtype="float32", device="cuda", num_pages=64, quantization="fp8")
-    assert llm.core.runner.decode_graphs is not None
+    assert llm.core.runner.forward.decode_graphs is not None
     assert_matches(llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)),
                    expected)
 
@@ -130,6 +130,6 @@ def test_fp8_decode_steps_replay_from_cuda_graphs(tmp_path):
     runs = {}
     for eager in (True, False):
         llm = LLM(str(dense), device="cuda", num_pages=64, quantization="fp8", enforce_eager=eager)
-        assert (llm.core.runner.decode_graphs is None) == eager
+        assert (llm.core.runner.forward.decode_graphs is None) == eager
         runs[eager] = [out.outputs[0].token_ids for out in llm.generate(prompts, params)]
     assert runs[True] == runs[False]

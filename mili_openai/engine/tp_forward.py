@@ -1,19 +1,20 @@
-"""Tensor parallelism from the engine's side: `TensorParallelRunner` is the engine's `Runner` when
-`tensor_parallel_size` > 1, with the forward moved to N worker processes (engine/tp_worker.py).
+"""Tensor parallelism from the engine's side: `TensorParallelForward` is the runner's `StepForward` when
+`tensor_parallel_size` > 1, with the forward moved to N worker processes (engine/tp_worker.py), each running a
+`LocalForward` on its shard.
 
 The engine process keeps everything else as with one device: the scheduler, the radix tree and the page
-table (which every rank shares, as the slots in each step's inputs), building each step's inputs
-(`StepPreparer`, as `ModelRunner` does), feeding the tokens the step before sampled, and the sampler with each
+table (which every rank shares, as the slots in each step's inputs), the model runner's pipeline (building each
+step's inputs, feeding the tokens the step before sampled, on the host here), and the sampler with each
 request's generator and grammar state. Only the forward and the logits run in the workers.
 
-Each step's inputs are encoded once and written to every worker's pipe, rather than broadcast by a
-collective from a rank living in the engine: an idle worker then blocks in a pipe read (not in a
+Each step's inputs (its `ForwardStep`) are encoded once and written to every worker's pipe, rather than broadcast
+by a collective from a rank living in the engine: an idle worker then blocks in a pipe read (not in a
 collective, which times out under gloo and spins under NCCL), the engine process is never inside a
 collective itself, so a dead worker cannot hang it, and the payload is kilobytes.
 
 A dead rank: the engine waits for rank 0's reply together with every worker's pipe and process sentinel,
 and a watcher thread waits on the sentinels between steps. A worker that dies or reports an error stops
-them all, one log line names the rank, its pid and how it ended, `failure` is set and `execute` raises
+them all, one log line names the rank, its pid and how it ended, `failure` is set and the step raises
 `RunnerFailed`; the server then exits non-zero (engine/async_engine.py, server/drain.py).
 """
 
@@ -35,9 +36,8 @@ import torch.multiprocessing
 
 from mili_openai.config import EngineConfig
 from mili_openai.engine.process_helpers import describe_exit
-from mili_openai.engine.runner import resolve_device
-from mili_openai.engine.step_preparer import LaunchedStep, PreparedStep, StepPreparer, StepRunner
-from mili_openai.engine.sampler import Sampler
+from mili_openai.engine.step_forward import ForwardOutput, resolve_device
+from mili_openai.engine.step_preparer import ForwardStep
 from mili_openai.engine.tp_lora import TensorParallelLora
 from mili_openai.engine.tp_worker import (
     REPLYING_RANK,
@@ -45,7 +45,7 @@ from mili_openai.engine.tp_worker import (
     ExpertLoadRequest,
     Shutdown,
     StepReply,
-    StepRequest,
+    TensorParallelStep,
     WorkerFailed,
     WorkerReady,
     decode,
@@ -55,6 +55,7 @@ from mili_openai.engine.tp_worker import (
 from mili_openai.kernels import load_cpu_kernels
 from mili_openai.kernels.planning import KernelPlan
 from mili_openai.model import ModelConfig, resolve_dtype
+from mili_openai.model.batch import ForwardBatch
 from mili_openai.model.quantization.spec import read_checkpoint_quantization
 from mili_openai.model.rope import RotaryEmbedding, RotaryTable
 from mili_openai.model.tensor_parallel import check_tensor_parallel
@@ -210,13 +211,13 @@ class WorkerGroup:
             self._mark_failed(self._death(sentinels[ready[0]]))
 
 
-class TensorParallelRunner(StepRunner):
-    """A `Runner` (engine/runner.py) whose model lives in `tensor_parallel_size` worker processes (see the module
-    doc): this process loads no weights and holds no KV cache. Steps are prepared as `ModelRunner`'s are, by
-    the same `StepPreparer`."""
+class TensorParallelForward:
+    """A `StepForward` (engine/step_forward.py) whose model lives in `tensor_parallel_size` worker processes (see
+    the module doc): this process loads no weights and holds no KV cache."""
 
     kernel_build = None  # the workers load with the CPU kernels built: nothing to switch to later
-    async_launch = False  # a step's forward is a round trip to the workers: `launch` waits for their logits
+    speculation = None  # verifying drafts needs no runner's part here: no linear-attention state to roll back
+    async_launch = False  # a step's forward is a round trip to the workers: `run` waits for their logits
 
     def __init__(self, config: EngineConfig, model_path: Path) -> None:
         size = config.tensor_parallel_size
@@ -236,9 +237,7 @@ class TensorParallelRunner(StepRunner):
         # LoRA: every rank serves its share of each adapter; this process checks them and sends the changes
         self.lora = TensorParallelLora(config.lora, self.model_config) if config.lora is not None else None
         dtype = resolve_dtype(config.dtype)
-        cpu_kernels = load_cpu_kernels() if self.device.type == "cpu" else None
-        self.sampler = Sampler(vocab_size=self.model_config.vocab_size, eos_token_ids=self.model_config.eos_token_ids,
-                               device=self.device, seed=config.seed, kernel=cpu_kernels)
+        self.cpu_kernels = cpu_kernels = load_cpu_kernels() if self.device.type == "cpu" else None
         threads = config.num_threads
         if threads is None and self.device.type == "cpu":  # the cores shared out between the workers
             threads = max(1, torch.get_num_threads() // size)
@@ -251,9 +250,7 @@ class TensorParallelRunner(StepRunner):
         # every rank snapshots its own heads' states in slots numbered alike: a snapshot's memory is all ranks'
         self.num_state_snapshots = ready.num_state_snapshots
         self.state_slot_bytes = sum(rank.state_slot_bytes for rank in self.workers.ready)
-        self.steps = StepPreparer(self.device, config.page_size,
-                                  RotaryTable(RotaryEmbedding(self.model_config), dtype),
-                                  serves_lora=self.lora is not None)
+        self.rotary_table = RotaryTable(RotaryEmbedding(self.model_config), dtype)
 
     @property
     def failure(self) -> str | None:
@@ -272,17 +269,14 @@ class TensorParallelRunner(StepRunner):
     def switch_to_cpu_kernels(self) -> None:
         """Nothing to switch: see `kernel_build`."""
 
-    @torch.inference_mode()
-    def _launch_forward(self, step: PreparedStep, source: LaunchedStep | None) -> LaunchedStep:
-        """Send the step to every worker, and sample from rank 0's logits here."""
-        if source is not None:  # the workers read the input ids this process sends: they must be on the host
-            raise RuntimeError("a tensor-parallel step launches only once the step before has finished")
-        request = StepRequest(step.forward_batch, num_sampled=len(step.rows), prompt_scorings=step.prompt_scorings,
-                              new_state_slots=step.new_state_slots, state_restores=step.state_restores,
-                              state_saves=step.state_saves, lora_ids=step.lora_ids,
-                              lora_updates=self.lora.take_updates() if self.lora is not None else [])
-        reply: StepReply = self.workers.request(request, StepReply)
-        if not step.rows:
-            return LaunchedStep(sampled=None, token_ids=None, prompt_logprobs=reply.prompt_logprobs)
-        sampled = self.sampler.launch(reply.logits.to(self.device), step.rows)
-        return LaunchedStep(sampled=sampled, token_ids=sampled.token_ids, prompt_logprobs=reply.prompt_logprobs)
+    def inputs(self, work: ForwardStep) -> ForwardBatch:
+        return work.batch  # the workers read the input ids this process sends: they stay on the host
+
+    def run(self, work: ForwardStep, batch: ForwardBatch) -> ForwardOutput:
+        """Send the step to every worker; -> rank 0's logits on this process's device, for its sampler."""
+        # the pinned staging buffer stays here: each rank copies the batch's own tensors
+        step = TensorParallelStep(dataclasses.replace(work, batch=batch, staged=None),
+                                  self.lora.take_updates() if self.lora is not None else [])
+        reply: StepReply = self.workers.request(step, StepReply)
+        logits = reply.logits.to(self.device) if reply.logits is not None else None
+        return ForwardOutput(hidden=None, logits=logits, prompt_logprobs=reply.prompt_logprobs)
