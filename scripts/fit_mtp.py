@@ -32,10 +32,8 @@ outputs, and is scored and measured on them; the acceptance is then real, but "o
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib
 import json
-import random
 import shutil
 import sys
 import time
@@ -50,7 +48,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from fit_mtp_data import (  # noqa: E402 (sibling)
     EVAL_SEED_OFFSET,
-    LOGIT_ROWS,
     Sequences,
     bench_workload,
     build_and_save,
@@ -58,6 +55,7 @@ from fit_mtp_data import (  # noqa: E402 (sibling)
     load_cached,
     prompts,
 )
+from fit_training import CandidateLoss, batches, fit, held_out_rows  # noqa: E402 (sibling)
 
 from mili_openai import LLM, SamplingParams  # noqa: E402
 from mili_openai.model.loader import checkpoint_files  # noqa: E402
@@ -143,107 +141,6 @@ class TrainableMtp(torch.nn.Module):
         position_ids = torch.arange(x.shape[1]).unsqueeze(0).expand(x.shape[0], -1)
         rotary = self.rotary(x, position_ids)
         return self.norm(self.layers[0](x, position_embeddings=rotary, attention_mask=None))
-
-
-class CandidateLoss:
-    """Cross-entropy over the tokens any fitted label holds plus `negatives` random others, drawn afresh each step:
-    the whole vocabulary's logits for every row would cost more than the module fitted."""
-
-    def __init__(self, train: Sequences, vocab: int, negatives: int, seed: int) -> None:
-        self.labels = torch.unique(torch.cat(train.greedy))
-        self.index = torch.full((vocab,), -1, dtype=torch.int64)
-        self.index[self.labels] = torch.arange(len(self.labels))
-        self.vocab, self.negatives = vocab, negatives
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def __call__(self, normed: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
-                 ) -> torch.Tensor:
-        """normed (N, H), head (vocab, H), labels (N,), weights (N,) -> the weighted mean loss."""
-        others = torch.randint(self.vocab, (self.negatives,), generator=self.generator)
-        others = others[self.index[others] < 0]
-        candidates = torch.cat((self.labels, others))
-        logits = normed @ head[candidates].T
-        losses = F.cross_entropy(logits, self.index[labels], reduction="none")
-        return (losses * weights).sum() / weights.sum()
-
-
-@torch.no_grad()
-def top1(normed: torch.Tensor, head: torch.Tensor, labels: torch.Tensor) -> int:
-    """How many rows' argmax over the whole vocabulary is their label."""
-    return sum(int(((normed[start : start + LOGIT_ROWS] @ head.T).argmax(dim=-1)
-                    == labels[start : start + LOGIT_ROWS]).sum())
-               for start in range(0, len(labels), LOGIT_ROWS))
-
-
-def scored_on(args) -> str:
-    """What the fit's top-1 agreement is measured on."""
-    return "on the fitted prompt set" if args.bench_workload else "held-out"
-
-
-def fit(args, module: torch.nn.Module, train_batches: list, validation_batches: list, step_loss, score
-        ) -> dict[str, torch.Tensor]:
-    """Adam over `train_batches` until the validation score (`score(batch)` -> (right, counted)) stops rising or
-    is whole, the epochs or the minutes run out; -> the state of the best score."""
-    started = time.perf_counter()
-    optimizer = torch.optim.Adam([p for p in module.parameters() if p.requires_grad], lr=args.lr)
-    every = max(1, len(train_batches) // args.evals_per_epoch)
-    best, best_state, since_best, losses = -1.0, copy.deepcopy(module.state_dict()), 0, []
-    for epoch in range(args.max_epochs):
-        random.Random(epoch).shuffle(train_batches)
-        for step, batch in enumerate(train_batches, 1):
-            module.train()
-            loss = step_loss(batch)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-            if step % every and step != len(train_batches):
-                continue
-            module.eval()
-            right, counted = map(sum, zip(*(score(batch) for batch in validation_batches)))
-            agreement = right / counted
-            minutes = (time.perf_counter() - started) / 60
-            print(f"epoch {epoch + 1} step {step}/{len(train_batches)}: mean loss {sum(losses) / len(losses):.3f}, "
-                  f"{scored_on(args)} top-1 agreement {agreement:.1%} ({minutes:.1f} min)", flush=True)
-            losses = []
-            if agreement > best:
-                best, best_state, since_best = agreement, copy.deepcopy(module.state_dict()), 0
-            else:
-                since_best += 1
-            if since_best >= args.patience or minutes >= args.max_minutes or best == 1.0:
-                print(f"stopped: best {scored_on(args)} top-1 agreement {best:.1%}", flush=True)
-                return best_state
-    print(f"all epochs run: best {scored_on(args)} top-1 agreement {best:.1%}", flush=True)
-    return best_state
-
-
-def batches(data: Sequences, size: int) -> list[tuple[torch.Tensor, ...]]:
-    """(tokens (B, T), hidden (B, T, H) float32, greedy (B, T), weights (B, T)) of `size` sequences at a time, of
-    like lengths: the shorter ones padded at their end with weight 0 (the fitted modules are causal, so padding
-    changes no earlier position; its label is a real one, which the loss's candidates hold)."""
-    order = sorted(range(len(data)), key=lambda index: len(data.tokens[index]))
-    pad_label = int(data.greedy[0][0])
-
-    def padded(tensor: torch.Tensor, length: int, value: float) -> torch.Tensor:
-        extra = length - len(tensor)
-        return torch.cat((tensor, tensor.new_full((extra, *tensor.shape[1:]), value))) if extra else tensor
-
-    out = []
-    for start in range(0, len(order), size):
-        chosen = order[start : start + size]
-        length = max(len(data.tokens[index]) for index in chosen)
-        out.append((torch.stack([padded(data.tokens[i], length, 0) for i in chosen]),
-                    torch.stack([padded(data.hidden[i], length, 0.0) for i in chosen]).float(),
-                    torch.stack([padded(data.greedy[i], length, pad_label) for i in chosen]),
-                    torch.stack([padded(data.weights[i], length, 0.0) for i in chosen])))
-    return out
-
-
-def held_out_rows(normed: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, head: torch.Tensor
-                  ) -> tuple[int, int]:
-    """(right, counted) over the rows inside greedy continuations (weight 1), what decoding drafts for."""
-    rows = weights.reshape(-1) == 1.0
-    return top1(normed.reshape(-1, normed.shape[-1])[rows], head, labels.reshape(-1)[rows]), int(rows.sum())
 
 
 def fit_mtp(args, config, train: Sequences, validation: Sequences, embedding: torch.Tensor, head: torch.Tensor
