@@ -38,18 +38,30 @@ MAX_MODULES = 4  # stacked modules the expand tells apart (Gated DeltaNet's in_p
 
 if triton is not None:
 
+    @triton.jit
+    def _slot_block(order_ptr, first_ptr, count_ptr, slot_ptr, BLOCK_M: tl.constexpr):
+        """This program's block of rows, all on one slot: (its first position in `order`, the slot, the block's
+        lanes, which of them hold a row, those rows)."""
+        block = tl.program_id(0)
+        first, count = tl.load(first_ptr + block), tl.load(count_ptr + block)
+        slot = tl.load(slot_ptr + block).to(tl.int64)
+        m = tl.arange(0, BLOCK_M)
+        m_ok = m < count
+        rows = tl.load(order_ptr + first + m, mask=m_ok, other=0)  # (BM,)
+        return first, slot, m, m_ok, rows
+
+    @triton.jit
+    def _module_of(col, bound1, bound2, bound3):
+        """Which stacked module an output column belongs to (0-3), from the first columns of modules 1-3."""
+        return (col >= bound1).to(tl.int32) + (col >= bound2).to(tl.int32) + (col >= bound3).to(tl.int32)
+
     # the block count varies from step to step, the slot width from projection to projection (modules x max rank,
     # 8 or 24 as well as 16): one compiled variant for every value, the one the load-time probe builds
     @triton.jit(do_not_specialize=["blocks", "rank"])
     def _lora_shrink(x_ptr, a_ptr, v_ptr, order_ptr, first_ptr, count_ptr, slot_ptr, blocks, in_features, rank,
                      x_stride, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_K: tl.constexpr,
                      DOT_FP32: tl.constexpr):
-        block = tl.program_id(0)
-        first, count = tl.load(first_ptr + block), tl.load(count_ptr + block)
-        slot = tl.load(slot_ptr + block).to(tl.int64)
-        m = tl.arange(0, BLOCK_M)
-        m_ok = m < count
-        rows = tl.load(order_ptr + first + m, mask=m_ok, other=0)  # (BM,) rows of x
+        first, slot, m, m_ok, rows = _slot_block(order_ptr, first_ptr, count_ptr, slot_ptr, BLOCK_M)  # rows of x
         ws = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)  # (BW,) rows of A[slot]
         w_ok = ws < rank
         a_rows = a_ptr + slot * rank * in_features + ws[:, None] * in_features  # (BW, 1)
@@ -71,23 +83,15 @@ if triton is not None:
     def _lora_expand(v_ptr, b_ptr, out_ptr, order_ptr, first_ptr, count_ptr, slot_ptr, blocks, rank, out_features,
                      out_stride, module_rank, bound1, bound2, bound3, BLOCK_M: tl.constexpr, BLOCK_W: tl.constexpr,
                      BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr):
-        block = tl.program_id(0)
-        first, count = tl.load(first_ptr + block), tl.load(count_ptr + block)
-        slot = tl.load(slot_ptr + block).to(tl.int64)
-        m = tl.arange(0, BLOCK_M)
-        m_ok = m < count
-        rows = tl.load(order_ptr + first + m, mask=m_ok, other=0)  # (BM,) rows of out
+        first, slot, m, m_ok, rows = _slot_block(order_ptr, first_ptr, count_ptr, slot_ptr, BLOCK_M)  # rows of out
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # (BN,)
         col_ok = cols < out_features
         b_slot = b_ptr + slot * rank * out_features
         # B^T is block-diagonal: the tile's columns read only the rank rows of the modules they belong to
         first_col = tl.program_id(1) * BLOCK_N
         last_col = tl.minimum(first_col + BLOCK_N, out_features) - 1
-        w_start = module_rank * ((first_col >= bound1).to(tl.int32) + (first_col >= bound2).to(tl.int32)
-                                 + (first_col >= bound3).to(tl.int32))
-        last_module = (last_col >= bound1).to(tl.int32) + (last_col >= bound2).to(tl.int32) + (
-            last_col >= bound3).to(tl.int32)
-        w_end = tl.minimum(rank, module_rank * (last_module + 1))
+        w_start = module_rank * _module_of(first_col, bound1, bound2, bound3)
+        w_end = tl.minimum(rank, module_rank * (_module_of(last_col, bound1, bound2, bound3) + 1))
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for w0 in range(w_start, w_end, BLOCK_W):
             ws = w0 + tl.arange(0, BLOCK_W)
