@@ -55,7 +55,7 @@ from fit_mtp_data import (  # noqa: E402 (sibling)
     load_cached,
     prompts,
 )
-from fit_training import CandidateLoss, batches, fit, held_out_rows  # noqa: E402 (sibling)
+from fit_training import CandidateLoss, batches, fit, held_out_rows, rounding_check  # noqa: E402 (sibling)
 
 from mili_openai import LLM, SamplingParams  # noqa: E402
 from mili_openai.model.loader import checkpoint_files  # noqa: E402
@@ -96,6 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     fitting.add_argument("--lr", type=float, default=1e-3)
     fitting.add_argument("--negatives", type=int, default=4096,
                          help="random tokens beside the labels' in each step's loss")
+    fitting.add_argument("--margin", type=float, default=1.0,
+                         help="a scored row counts as right where its label's logit leads every other token's by "
+                              "more than this: a fit that barely wins tips under the served bfloat16 rounding")
     fitting.add_argument("--evals-per-epoch", type=int, default=2)
     fitting.add_argument("--patience", type=int, default=4, help="evaluations without a better validation score")
     fitting.add_argument("--token-map-size", type=int, default=32768,
@@ -156,10 +159,10 @@ def fit_mtp(args, config, train: Sequences, validation: Sequences, embedding: to
     module = TrainableMtp(config, source)
     candidate_loss = CandidateLoss(train, len(embedding), args.negatives, args.seed)
 
-    def normed_and_labels(batch):
+    def normed_and_labels(batch, dtype=torch.float32):
         # position p reads h_p and token p + 1, and must give the target's greedy token after p + 1
         tokens, hidden, greedy, weights = batch
-        normed = module(F.embedding(tokens[:, 1:], embedding), hidden[:, :-1])
+        normed = module(F.embedding(tokens[:, 1:], embedding).to(dtype), hidden[:, :-1].to(dtype))
         return normed, greedy[:, 1:], weights[:, 1:]
 
     def step_loss(batch):
@@ -168,10 +171,12 @@ def fit_mtp(args, config, train: Sequences, validation: Sequences, embedding: to
 
     def score(batch):
         with torch.no_grad():
-            return held_out_rows(*normed_and_labels(batch), head)
+            return held_out_rows(*normed_and_labels(batch), head, args.margin)
 
-    state = fit(args, module, batches(train, args.batch_size), batches(validation, args.batch_size), step_loss,
-                score)
+    scored = batches(validation, args.batch_size)
+    state = fit(args, module, batches(train, args.batch_size), scored, step_loss, score)
+    module.load_state_dict(state)
+    rounding_check(module, scored, normed_and_labels, head)
     return {MTP_PREFIX + name: tensor.detach() for name, tensor in state.items()}
 
 
@@ -214,7 +219,7 @@ def fit_draft(args, target_config, train: Sequences, validation: Sequences, embe
         draft.lm_head.weight.copy_(embedding @ projection)  # the target's head is its embedding (tied)
     candidate_loss = CandidateLoss(train, len(embedding), args.negatives, args.seed)
 
-    def normed_and_labels(batch):
+    def normed_and_labels(batch, dtype=torch.float32):
         tokens, _, greedy, weights = batch
         return draft.model(input_ids=tokens).last_hidden_state, greedy, weights
 
@@ -225,10 +230,12 @@ def fit_draft(args, target_config, train: Sequences, validation: Sequences, embe
 
     def score(batch):
         with torch.no_grad():
-            return held_out_rows(*normed_and_labels(batch), draft.lm_head.weight)
+            return held_out_rows(*normed_and_labels(batch), draft.lm_head.weight, args.margin)
 
-    state = fit(args, draft, batches(train, args.batch_size), batches(validation, args.batch_size), step_loss, score)
+    scored = batches(validation, args.batch_size)
+    state = fit(args, draft, batches(train, args.batch_size), scored, step_loss, score)
     draft.load_state_dict(state)
+    rounding_check(draft.model, scored, normed_and_labels, draft.lm_head.weight.detach().clone())
     draft.to(dtype).save_pretrained(args.output)
     for name in TOKENIZER_FILES:
         if (args.checkpoint / name).exists():
@@ -249,13 +256,16 @@ def write_token_map(args, train: Sequences, validation: Sequences, output: Path,
     return path
 
 
-def measure(args, target: Path, speculative: dict, eval_prompts: list[list[int]]) -> None:
+def measure(args, target: Path, speculative: dict, eval_prompts: list[list[int]],
+            fitted: list[list[int]]) -> None:
     """Acceptance of the fitted proposer through mili's engine, greedy: on the held-out prompts, or with
-    --bench-workload on the benchmark's own requests (the fitted prompt set)."""
+    --bench-workload on the benchmark's own requests (the fitted prompt set, whose sequences as fitted are
+    `fitted`: the served ones with drafts are compared with them)."""
     llm = LLM(str(target), speculative_config=speculative | {"min_acceptance_rate": 0}, num_threads=args.num_threads)
     if args.bench_workload:
-        for arguments in args.bench_workload:
-            generate_as_served(llm, bench_workload(arguments))
+        served = [list(output.prompt_token_ids) + list(output.outputs[0].token_ids)
+                  for arguments in args.bench_workload for output in generate_as_served(llm, bench_workload(arguments))]
+        report_divergence(served, fitted)
     else:
         llm.generate(eval_prompts, SamplingParams(temperature=0.0, max_tokens=args.eval_output_len, ignore_eos=True))
     stats = llm.core.stats()
@@ -268,6 +278,16 @@ def measure(args, target: Path, speculative: dict, eval_prompts: list[list[int]]
                       "acceptance_per_position": per_position,
                       "mean_tokens_per_verify_step": round(1 + kept / stats.spec_decode_num_drafts_total, 3)
                       if stats.spec_decode_num_drafts_total else None}), flush=True)
+
+
+def report_divergence(served: list[list[int]], fitted: list[list[int]]) -> None:
+    """How many requests decoded, with drafts, the very sequence the fit learnt (a random target's continuation
+    tips at any rounding change, and drafts fitted to another continuation are rarely kept)."""
+    same = sum(s == f for s, f in zip(served, fitted))
+    parted = [next(i for i, (a, b) in enumerate(zip(s, f)) if a != b) for s, f in zip(served, fitted)
+              if s != f and len(s) == len(f)]
+    print(f"{same} of {len(fitted)} requests decoded the fitted sequence exactly with drafts; the others part from it "
+          f"at token {parted} of the sequence", flush=True)
 
 
 def target_head(checkpoint: Path) -> tuple[torch.Tensor, torch.Tensor, torch.dtype]:
@@ -312,11 +332,13 @@ def main(argv: list[str] | None = None) -> None:
         target, speculative = args.output, {"method": "mtp"}
     if args.token_map_size > 0:
         speculative["token_map"] = str(write_token_map(args, train, validation, args.output, args.token_map_size))
+    fitted_sequences = [tokens.tolist() for tokens in train.tokens]
     del train, validation, embedding, head
     print(f"fitted in {time.perf_counter() - started:.0f} s", flush=True)
     if args.eval_prompts == 0:
         return
-    measure(args, target, speculative | {"num_speculative_tokens": args.num_speculative_tokens}, eval_prompts)
+    measure(args, target, speculative | {"num_speculative_tokens": args.num_speculative_tokens}, eval_prompts,
+            fitted_sequences)
     print(f"done in {time.perf_counter() - started:.0f} s", flush=True)
 
 

@@ -42,6 +42,7 @@ PAGE_SIZE = 16
 RANDOM_SEED_OFFSET = 500_009  # the random-token sequences: another seed stream than the prompts
 VALIDATION_SEED_OFFSET = 700_001  # validation prompts: held out of the fit
 EVAL_SEED_OFFSET = 1_000_003  # the prompts acceptance is measured on through the engine: held out of both
+LABELS = "decoded"  # in the cache's key: data labelled by a prefill's argmax alone (before served_labels) is stale
 
 
 @dataclass
@@ -96,9 +97,35 @@ def final_states(model, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return hidden.to(torch.bfloat16), greedy
 
 
-def labelled(model, sequences: list[list[int]], weights: list[torch.Tensor]) -> Sequences:
+def labelled(model, sequences: list[list[int]], weights: list[torch.Tensor],
+             prompt_lens: list[int | None]) -> Sequences:
+    """The sequences with the target's hidden states and greedy labels from one prefill each; inside a greedy
+    continuation (a sequence with a prompt length) a position's label is the token the server decoded after it
+    (served_labels)."""
     hidden, greedy = zip(*(final_states(model, sequence) for sequence in sequences)) if sequences else ((), ())
-    return Sequences([torch.tensor(s) for s in sequences], list(hidden), list(greedy), weights)
+    tokens = [torch.tensor(s) for s in sequences]
+    return Sequences(tokens, list(hidden), served_labels(tokens, list(greedy), prompt_lens), weights)
+
+
+def served_labels(tokens: list[torch.Tensor], greedy: list[torch.Tensor], prompt_lens: list[int | None]
+                  ) -> list[torch.Tensor]:
+    """Each continuation position's label set to the token decoded after it. A prefill's argmax may differ there
+    from the decode's in bfloat16 (other kernels, other rounding: a near tie tips), and verification keeps a
+    draft only where it is what the server decodes."""
+    out, differing, counted = [], 0, 0
+    for sequence, labels, prompt_len in zip(tokens, greedy, prompt_lens):
+        if prompt_len is not None and len(sequence) > prompt_len:
+            served = sequence[prompt_len:]
+            decoded = slice(prompt_len - 1, len(sequence) - 1)
+            differing += int((labels[decoded] != served).sum())
+            counted += len(served)
+            labels = labels.clone()
+            labels[decoded] = served
+        out.append(labels)
+    if counted:
+        print(f"the prefill's argmax differs from the decoded token at {differing} of {counted} continuation "
+              "positions: labelled with the decoded one", flush=True)
+    return out
 
 
 def tail_weights(prompt_len: int, total: int, other_weight: float) -> torch.Tensor:
@@ -122,8 +149,10 @@ def build_data(args, llm: LLM, vocab: int) -> tuple[Sequences, Sequences]:
     tail = tail_weights(args.prompt_len, total, args.other_weight)
     model = llm.core.runner.forward.model
     train = labelled(model, continued[: args.num_prompts] + random_only,
-                     [tail] * args.num_prompts + [torch.full((total,), args.other_weight)] * len(random_only))
-    validation = labelled(model, continued[args.num_prompts :], [tail] * len(validation_prompts))
+                     [tail] * args.num_prompts + [torch.full((total,), args.other_weight)] * len(random_only),
+                     [args.prompt_len] * args.num_prompts + [None] * len(random_only))
+    validation = labelled(model, continued[args.num_prompts :], [tail] * len(validation_prompts),
+                          [args.prompt_len] * len(validation_prompts))
     print(f"{train.positions()} fitted positions ({len(train)} sequences: {args.num_prompts} greedy-continued, "
           f"{len(random_only)} random), {validation.positions()} validation ones; labelled in "
           f"{time.perf_counter() - started:.0f} s", flush=True)
@@ -168,14 +197,15 @@ def build_bench_data(args, llm: LLM) -> tuple[Sequences, Sequences]:
     """The benchmark's own prompts continued by the target (`--bench-workload`), labelled; the fit is scored on
     the same sequences (there is nothing to hold out: they are what the benchmark decodes)."""
     started = time.perf_counter()
-    sequences, weights = [], []
+    sequences, weights, prompt_lens = [], [], []
     for arguments in args.bench_workload:
         for output in generate_as_served(llm, bench_workload(arguments)):
             prompt = list(output.prompt_token_ids)
             sequences.append(prompt + list(output.outputs[0].token_ids))
             weights.append(tail_weights(len(prompt), len(sequences[-1]), args.other_weight))
+            prompt_lens.append(len(prompt))
     print(f"{len(sequences)} benchmark prompts continued in {time.perf_counter() - started:.0f} s", flush=True)
-    data = labelled(llm.core.runner.forward.model, sequences, weights)
+    data = labelled(llm.core.runner.forward.model, sequences, weights, prompt_lens)
     print(f"{data.positions()} fitted positions, {sum(int((w == 1.0).sum()) for w in weights)} of them in greedy "
           f"continuations; labelled in {time.perf_counter() - started:.0f} s", flush=True)
     return data, data
@@ -186,7 +216,7 @@ def data_key(args) -> dict:
     key = {name: getattr(args, name) for name in ("checkpoint", "num_prompts", "num_random", "validation_prompts",
                                                   "prompt_len", "output_len", "other_weight", "seed",
                                                   "bench_workload")}
-    return key | {"checkpoint": str(key["checkpoint"])}
+    return key | {"checkpoint": str(key["checkpoint"]), "labels": LABELS}
 
 
 def load_cached(args) -> tuple[Sequences, Sequences] | None:

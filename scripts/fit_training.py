@@ -37,16 +37,22 @@ class CandidateLoss:
 
 
 @torch.no_grad()
-def top1(normed: torch.Tensor, head: torch.Tensor, labels: torch.Tensor) -> int:
-    """How many rows' argmax over the whole vocabulary is their label."""
-    return sum(int(((normed[start : start + LOGIT_ROWS] @ head.T).argmax(dim=-1)
-                    == labels[start : start + LOGIT_ROWS]).sum())
-               for start in range(0, len(labels), LOGIT_ROWS))
+def top1(normed: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, margin: float = 0.0) -> int:
+    """How many rows' argmax over the whole vocabulary is their label, by at least `margin` over the runner-up."""
+    right = 0
+    for start in range(0, len(labels), LOGIT_ROWS):
+        logits = (normed[start : start + LOGIT_ROWS] @ head.T).float()
+        rows = labels[start : start + LOGIT_ROWS].unsqueeze(1)
+        label_logit = logits.gather(1, rows).squeeze(1)
+        runner_up = logits.scatter(1, rows, float("-inf")).amax(dim=-1)
+        right += int((label_logit - runner_up > margin).sum())
+    return right
 
 
 def scored_on(args) -> str:
     """What the fit's top-1 agreement is measured on."""
-    return "on the fitted prompt set" if args.bench_workload else "held-out"
+    where = "on the fitted prompt set" if args.bench_workload else "held-out"
+    return f"{where} (by a margin of {args.margin:g})" if args.margin else where
 
 
 def fit(args, module: torch.nn.Module, train_batches: list, validation_batches: list, step_loss, score
@@ -108,8 +114,29 @@ def batches(data: Sequences, size: int) -> list[tuple[torch.Tensor, ...]]:
     return out
 
 
-def held_out_rows(normed: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, head: torch.Tensor
-                  ) -> tuple[int, int]:
-    """(right, counted) over the rows inside greedy continuations (weight 1), what decoding drafts for."""
+def held_out_rows(normed: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, head: torch.Tensor,
+                  margin: float = 0.0) -> tuple[int, int]:
+    """(right, counted) over the rows inside greedy continuations (weight 1), what decoding drafts for; right:
+    the label leads by more than `margin`."""
     rows = weights.reshape(-1) == 1.0
-    return top1(normed.reshape(-1, normed.shape[-1])[rows], head, labels.reshape(-1)[rows]), int(rows.sum())
+    return (top1(normed.reshape(-1, normed.shape[-1])[rows], head, labels.reshape(-1)[rows], margin),
+            int(rows.sum()))
+
+
+def rounding_check(module: torch.nn.Module, scored_batches: list, rows_of, head: torch.Tensor) -> None:
+    """Print the fitted module's top-1 agreement (no margin) with its forward, inputs and head in float32, and in
+    bfloat16 as it is served: the gap is what rounding tips on near ties. rows_of(batch, dtype) -> (normed,
+    labels, weights) with `module` in that dtype."""
+    agreement, originals = {}, {name: param.data for name, param in module.named_parameters()}
+    for dtype in (torch.float32, torch.bfloat16):
+        for param in module.parameters():  # the parameters only: RoPE's buffers stay float32, as served
+            param.data = param.data.to(dtype)
+        head_at = head.to(dtype)
+        with torch.no_grad():
+            right, counted = map(sum, zip(*(held_out_rows(*rows_of(batch, dtype), head_at)
+                                            for batch in scored_batches)))
+        agreement[dtype] = right / counted
+    for name, param in module.named_parameters():
+        param.data = originals[name]
+    print(f"the fitted module's top-1 agreement (no margin): {agreement[torch.float32]:.1%} in float32, "
+          f"{agreement[torch.bfloat16]:.1%} in bfloat16", flush=True)

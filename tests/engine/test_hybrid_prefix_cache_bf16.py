@@ -4,7 +4,7 @@ tokens are a cold run's (a fresh engine's), after a full prompt, at a branch poi
 What is bit-exact and what is not (docs/architecture.md, "State snapshots"): a repeated prompt resumes from the
 snapshot its first run saved and runs the rest as that run's last chunk ran, so its logprobs are bit-identical.
 At a branch point and after a reply the warm run's numbers can differ from a cold run's in the last bits: the
-decodes run beside other sequences (the CPU kernels' decode attention splits a context by the batch), and torch's
+decodes run beside other sequences (batch invariant on the CPU kernels only with AVX512-BF16), and torch's
 chunked delta rule splits its 64-token chunks at the resume point; the tokens agree."""
 
 from __future__ import annotations

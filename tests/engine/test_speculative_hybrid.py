@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid_helpers import HYBRID_VOCAB, MTP_THREE, NGRAM, hybrid_tokens
+from hybrid_helpers import MTP_THREE, NGRAM, KnowingProposer, hybrid_tokens
 
 from mili_openai import LLM, SamplingParams
 
@@ -54,28 +54,6 @@ def test_greedy_output_is_plain_decodings(plain, speculative):
     assert len(positions) == speculative["num_speculative_tokens"] and sum(positions) == (
         stats.spec_decode_num_draft_tokens_total)
     assert_all_released(llm)
-
-
-class KnowingProposer:
-    """Drafts the plain output's next tokens, some with their first or second draft wrong: so drafts are kept
-    whole, kept in part (the state rolls back to a row past the first) and rejected (random tiny models repeat
-    too little for n-gram drafts to be kept, and their MTP heads are random)."""
-
-    drafts_in_runner = False
-
-    def __init__(self, prompts: list[list[int]], outputs: list[list[int]], k: int) -> None:
-        self.outputs = {tuple(prompt): output for prompt, output in zip(prompts, outputs)}
-        self.k = k
-        self.calls: dict[str, int] = {}
-
-    def propose(self, seq, max_drafts: int) -> list[int]:
-        done = len(seq.output_token_ids)
-        drafts = list(self.outputs[tuple(seq.prompt_token_ids)][done : done + min(self.k, max_drafts)])
-        calls = self.calls[seq.sequence_id] = self.calls.get(seq.sequence_id, 0) + 1
-        wrong = {1: 0, 2: 1}.get(calls % 3)  # else every draft is right
-        if wrong is not None and wrong < len(drafts):
-            drafts[wrong] = (drafts[wrong] + 1) % HYBRID_VOCAB
-        return drafts
 
 
 def test_kept_and_rejected_drafts_roll_the_state_exactly(plain):

@@ -76,3 +76,25 @@ def with_state_slots(batch: ForwardBatch, decode: list[str], prefill: list[tuple
     keys = list(decode) + [key for key, _ in prefill]
     batch.state_slots = torch.tensor([slots[key] for key in keys], dtype=torch.int64)
     return batch
+
+
+class KnowingProposer:
+    """Drafts the plain output's next tokens, some with their first or second draft wrong: so drafts are kept
+    whole, kept in part (the state rolls back to a row past the first) and rejected (random tiny models repeat
+    too little for n-gram drafts to be kept, and their MTP heads are random)."""
+
+    drafts_in_runner = False
+
+    def __init__(self, prompts: list[list[int]], outputs: list[list[int]], k: int) -> None:
+        self.outputs = {tuple(prompt): output for prompt, output in zip(prompts, outputs)}
+        self.k = k
+        self.calls: dict[str, int] = {}
+
+    def propose(self, seq, max_drafts: int) -> list[int]:
+        done = len(seq.output_token_ids)
+        drafts = list(self.outputs[tuple(seq.prompt_token_ids)][done : done + min(self.k, max_drafts)])
+        calls = self.calls[seq.sequence_id] = self.calls.get(seq.sequence_id, 0) + 1
+        wrong = {1: 0, 2: 1}.get(calls % 3)  # else every draft is right
+        if wrong is not None and wrong < len(drafts):
+            drafts[wrong] = (drafts[wrong] + 1) % HYBRID_VOCAB
+        return drafts

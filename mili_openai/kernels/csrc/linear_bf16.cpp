@@ -161,33 +161,31 @@ MILI_BF16_DOT inline void dot_step(const at::BFloat16* xk, int64_t ldx, const at
   }
 }
 
-// Two rows of x read the weights fastest as one stream, a row at a time with two partial sums along K (as
-// the single-row fp32 tile does); from three, tiles of R weight rows share each load of x (each split
-// was the faster of the two for its row count).
+// Two rows of x read the weights fastest as one stream, a row at a time; from three, tiles of R weight rows
+// share each load of x (each split was the faster of the two for its row count). Every tile sums a (row,
+// weight row) pair in one chain along K, in the same order, whatever its MC and R: a row of x gets the same
+// bits alone as beside up to max_kernel_rows others (batch invariance), so a row verifying a draft computes
+// what the plain decode of that token computes and greedy bf16 output does not depend on speculation. (Two
+// partial sums for one or two rows, as before, read ~the same speed: the stream is bound by memory.)
 constexpr int kMaxPlainRows = 2;
 template <int MC> constexpr int dot_tile_rows() { return MC <= kMaxPlainRows ? 1 : MC <= 6 ? 4 : 3; }
-template <int MC> constexpr int dot_unroll() { return MC <= kMaxPlainRows ? 2 : 1; }
 
 template <int MC, int R, Ahead kAhead>
 MILI_BF16_DOT inline void dot_tile(const PairRows& x, const at::BFloat16* w, int64_t K, at::BFloat16* y,
                                    int64_t ldy) {
-  constexpr int U = R == 1 ? dot_unroll<MC>() : 1;
-  __m512 acc[U][MC][R];
+  __m512 acc[1][MC][R];  // one chain per (row, weight row): see dot_tile_rows
   zero_sums(acc);
   int64_t k = 0;
-  for (; k + U * kPairLanes <= K; k += U * kPairLanes) {
-    if constexpr (R == 1)
-      prefetch_stream(w + k);
-    else if constexpr (kAhead == Ahead::kTiles)
+  for (; k + kPairLanes <= K; k += kPairLanes) {
+    if constexpr (R == 1) {
+      if (k % (2 * kPairLanes) == 0) prefetch_stream(w + k);  // once per 128 bytes, as with two sums
+    } else if constexpr (kAhead == Ahead::kTiles) {
       prefetch_tiles_ahead<R>(w, K, k);  // one line per row per 32 values, as in the fp32 tile
-    else if constexpr (kAhead == Ahead::kNextPass)
+    } else if constexpr (kAhead == Ahead::kNextPass) {
       prefetch_next_pass<R>(w, K, k);
-    for (int u = 0; u < U; ++u) {
-      const int64_t ku = k + u * kPairLanes;
-      dot_step<MC, R, false>(x.step(ku), x.row_stride, w, K, ku, acc[u]);
     }
+    dot_step<MC, R, false>(x.step(k), x.row_stride, w, K, k, acc[0]);
   }
-  for (; k + kPairLanes <= K; k += kPairLanes) dot_step<MC, R, false>(x.step(k), x.row_stride, w, K, k, acc[0]);
   if (k < K) dot_step<MC, R, true>(x.step(k), x.row_stride, w, K, k, acc[0]);  // K: a multiple of 16, not always 32
   store_sums(acc, y, ldy);
 }

@@ -167,15 +167,25 @@ void run_head_dim(const T* qp, const T* kp, const T* vp, const int64_t* sp, cons
   std::vector<int64_t> skip(batch, 0);
   for (const SharedPrefix& prefix : prefixes)
     for (const int64_t b : prefix.members) skip[b] = prefix.length;
-  // Span length: the batch's context split evenly over the threads, in whole blocks, at least kMinSpan.
-  // Each span starts cold (nothing before it prefetched its first block), so fewer and longer spans read
-  // faster than several a thread.
-  int64_t total = 0;
-  for (int64_t b = 0; b < batch; ++b) total += lp[b] - skip[b];
-  for (const SharedPrefix& prefix : prefixes) total += prefix.length;
+  // Span length: a context split evenly over the threads, in whole blocks, at least kMinSpan. Each span
+  // starts cold (nothing before it prefetched its first block), so fewer and longer spans read faster than
+  // several a thread. A sequence's own spans follow from its own context alone, never from the rest of the
+  // batch: its output is then the same bits at batch 1 as beside others (batch invariance), so a row
+  // verifying a draft computes what the plain decode of that token computes (linear_bf16.cpp's tiles too).
   const int64_t threads = at::get_num_threads();
-  const int64_t target = (total + threads - 1) / threads;
-  const int64_t span = std::max(kMinSpan, (target + kBlock - 1) / kBlock * kBlock);
+  const auto span_of = [threads](int64_t length) {
+    const int64_t target = (length + threads - 1) / threads;
+    return std::max(kMinSpan, (target + kBlock - 1) / kBlock * kBlock);
+  };
+  std::vector<int64_t> span_b(batch);
+  int64_t total = 0, longest = kMinSpan;
+  for (int64_t b = 0; b < batch; ++b) {
+    span_b[b] = span_of(lp[b] - skip[b]);
+    longest = std::max(longest, span_b[b]);
+    total += lp[b] - skip[b];
+  }
+  for (const SharedPrefix& prefix : prefixes) total += prefix.length;
+  const int64_t span = span_of(total);  // the shared prefixes' (AMX tiles)
   // Shared spans first (the longest tasks), then each sequence's own: tasks of sequence b are
   // [first_task[b], first_task[b + 1]) after the shared ones, and its partials are entries_of[b].
   std::vector<SharedTask> shared_tasks;
@@ -191,14 +201,14 @@ void run_head_dim(const T* qp, const T* kp, const T* vp, const int64_t* sp, cons
   const int64_t num_shared = static_cast<int64_t>(shared_tasks.size());
   std::vector<int64_t> first_task(batch + 1, 0);
   for (int64_t b = 0; b < batch; ++b) {
-    first_task[b + 1] = first_task[b] + std::max<int64_t>(1, (lp[b] - skip[b] + span - 1) / span);
+    first_task[b + 1] = first_task[b] + std::max<int64_t>(1, (lp[b] - skip[b] + span_b[b] - 1) / span_b[b]);
     for (int64_t t = first_task[b]; t < first_task[b + 1]; ++t) entries_of[b].push_back(entries + t);
   }
   const int64_t tasks = num_shared + first_task[batch];
   Partials partials(entries + first_task[batch], H, D);
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    const int64_t row = score_row_stride(span);  // attend_span's stride, at most
+    const int64_t row = score_row_stride(std::max(span, longest));  // attend_span's stride, at most
     AlignedFloats scores_buffer(H * row + (pairs ? H * row / 2 : 0)), q_buffer(H * D);  // then the bf16 pairs
     float* scores = scores_buffer.data();
     float* q = q_buffer.data();
@@ -223,7 +233,7 @@ void run_head_dim(const T* qp, const T* kp, const T* vp, const int64_t* sp, cons
             q[head * D + lane_of<T, CH>(e)] = static_cast<float>(qp[(b * H + head) * D + e]) * scale;
         q_of = b;
       }
-      const int64_t begin = skip[b] + (own - first_task[b]) * span, n = std::min(span, lp[b] - begin);
+      const int64_t begin = skip[b] + (own - first_task[b]) * span_b[b], n = std::min(span_b[b], lp[b] - begin);
       const int64_t entry = entries + own;
       const int64_t* span_slots = sp + b * width + begin;
       float *acc = partials.acc(entry), *max = partials.max(entry), *sum = partials.sum(entry);
