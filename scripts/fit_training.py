@@ -51,8 +51,11 @@ def top1(normed: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, margin:
 
 def scored_on(args) -> str:
     """What the fit's top-1 agreement is measured on."""
-    where = "on the fitted prompt set" if args.bench_workload else "held-out"
-    return f"{where} (by a margin of {args.margin:g})" if args.margin else where
+    return "on the fitted prompt set" if args.bench_workload else "held-out"
+
+
+def margin_note(args) -> str:
+    return f" (the label leading by > {args.margin:g})" if args.margin else ""
 
 
 def fit(args, module: torch.nn.Module, train_batches: list, validation_batches: list, step_loss, score
@@ -79,16 +82,17 @@ def fit(args, module: torch.nn.Module, train_batches: list, validation_batches: 
             agreement = right / counted
             minutes = (time.perf_counter() - started) / 60
             print(f"epoch {epoch + 1} step {step}/{len(train_batches)}: mean loss {sum(losses) / len(losses):.3f}, "
-                  f"{scored_on(args)} top-1 agreement {agreement:.1%} ({minutes:.1f} min)", flush=True)
+                  f"{scored_on(args)} top-1 agreement {agreement:.1%}{margin_note(args)} ({minutes:.1f} min)",
+                  flush=True)
             losses = []
             if agreement > best:
                 best, best_state, since_best = agreement, copy.deepcopy(module.state_dict()), 0
             else:
                 since_best += 1
             if since_best >= args.patience or minutes >= args.max_minutes or best == 1.0:
-                print(f"stopped: best {scored_on(args)} top-1 agreement {best:.1%}", flush=True)
+                print(f"stopped: best {scored_on(args)} top-1 agreement {best:.1%}{margin_note(args)}", flush=True)
                 return best_state
-    print(f"all epochs run: best {scored_on(args)} top-1 agreement {best:.1%}", flush=True)
+    print(f"all epochs run: best {scored_on(args)} top-1 agreement {best:.1%}{margin_note(args)}", flush=True)
     return best_state
 
 

@@ -96,3 +96,7 @@ def test_bench_workloads_are_fitted_and_their_acceptance_measured(hybrid_checkpo
     train, validation = script.load_cached(script.parse_args(argv))
     assert len(train) == len(validation) == 3 + 4
     assert sorted(int((weights == 1.0).sum()) for weights in train.weights) == [8] * 4 + [16] * 3
+    # a continuation position's label is the token decoded after it (a prefill's argmax may round otherwise)
+    for tokens, greedy, weights in zip(train.tokens, train.greedy, train.weights):
+        prompt_len = int((weights != 1.0).sum())
+        assert torch.equal(greedy[prompt_len - 1 : -1], tokens[prompt_len:])
