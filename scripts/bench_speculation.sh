@@ -12,9 +12,9 @@
 # `bench_speculation.sh` (needs the machine quiet): the fits where missing, then one mili server at a time, in
 #   this order (most wanted first), no new server once BUDGET_S (default 1500 s, the fits included) has passed:
 #   W3 (one stream, 512 in / 256 out, 2 requests after 1 warm-up) and W1 (16 requests at concurrency 8, 256 in /
-#   64 out) against no speculation; the fitted MTP module drafting 2, 3 and 1 over its token map; the random
-#   MTP head drafting 3 (the adaptive off-switch); the fitted draft drafting 3 and 2 over its token map; the
-#   fitted MTP drafting 2 with no drafts above 4 running sequences (W1 under load).
+#   64 out) against no speculation; the fitted MTP module drafting 1 and 2 over its token map; the random
+#   MTP head drafting 3 (the adaptive off-switch); the fitted MTP drafting 3; the fitted draft drafting 3 and 2
+#   over its token map; the fitted MTP drafting 2 with no drafts above 4 running sequences (W1 under load).
 #   `bench_speculation.sh N`: the first N servers only (N=2: a sanity run).
 # With time left, scripts/speculation_costs.py: what a batch-1 step costs verifying k drafts, drafting k with the
 #   MTP module, and with drafting switched off.
@@ -59,10 +59,10 @@ MAP_FIT=", \"token_map\": \"$FIT/draft_token_map.json\""
 MAP_DRAFT=", \"token_map\": \"$DRAFT/draft_token_map.json\""
 SERVERS=(
   "base|$BASE|"
+  "mtp1|$FIT|$(mtp 1 "$MAP_FIT")"
   "mtp2|$FIT|$(mtp 2 "$MAP_FIT")"
   "mtp3-random-head|$BASE|$(mtp 3 "")"
   "mtp3|$FIT|$(mtp 3 "$MAP_FIT")"
-  "mtp1|$FIT|$(mtp 1 "$MAP_FIT")"
   "draft3|$BASE|{\"model\": \"$DRAFT\", \"num_speculative_tokens\": 3$MAP_DRAFT}"
   "draft2|$BASE|{\"model\": \"$DRAFT\", \"num_speculative_tokens\": 2$MAP_DRAFT}"
   "mtp2-off-above-4|$FIT|$(mtp 2 "$MAP_FIT, \"disable_by_batch_size\": 4")"
