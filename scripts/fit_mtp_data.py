@@ -1,5 +1,6 @@
 """The training data of scripts/fit_mtp.py: token sequences, and at every position the target's final (normed)
-hidden state and its greedy next token, from one prefill of each sequence (teacher forcing).
+hidden state and its greedy next token, from one prefill of each sequence (teacher forcing); inside a greedy
+continuation the label is the token decoding gave (a prefill rounds otherwise and may tip a near tie).
 
 The label at a position is defined for any token sequence, so the sequences mix what serving sees with variety:
 - random word-token prompts continued by the target's own greedy output (the continuation is what decode
