@@ -76,6 +76,9 @@ class SwitchedOffFor:
     def allows(self, seq) -> bool:
         return tuple(seq.prompt_token_ids) not in self.off
 
+    def record(self, seq, num_drafts: int, num_accepted: int) -> None:
+        """The others' drafts move no switch: they draft throughout."""
+
 
 @pytest.fixture(scope="module")
 def plain(hybrid_checkpoint):
@@ -101,6 +104,28 @@ def test_a_switched_off_request_runs_no_proposer(plain):
         assert all(on or not made for on, made in zip(proposes_for, drafts))
     # once every request is off, no step runs the proposer: its calls stop long before the output ends
     assert len(drafter.calls) < MAX_NEW // 2
+
+
+def test_a_paused_request_probes_again_and_its_output_stays_plain_decodings(plain):
+    """With a short backoff the random head's requests pause, then have drafts verified again (the probes): the
+    proposer ran for them after their pause, over K/V of its own that the paused stretch never wrote, which only
+    its drafts, never the output, can suffer from."""
+    checkpoint, expected = plain
+    llm, _ = recording_llm(checkpoint, SWITCHING_MTP | {"switch_backoff_tokens": 3})
+    draft_switch = llm.core.scheduler.draft_switch
+    verified_at: dict[str, list[int]] = {}  # per sequence, its output's length at each verify step
+    record = draft_switch.record
+
+    def recorded(seq, num_drafts, num_accepted):
+        verified_at.setdefault(seq.sequence_id, []).append(len(seq.output_token_ids))
+        record(seq, num_drafts, num_accepted)
+
+    draft_switch.record = recorded
+    assert token_ids(llm.generate(PROMPTS, greedy())) == expected
+    assert len(verified_at) == len(PROMPTS)
+    # consecutive verify steps are at most 1 + NUM_DRAFTS tokens apart: a wider gap is a pause, then a probe
+    for lengths in verified_at.values():
+        assert any(after - before > 1 + NUM_DRAFTS for before, after in zip(lengths, lengths[1:]))
 
 
 def test_requests_still_drafting_get_the_same_drafts_beside_switched_off_ones(plain):
