@@ -26,7 +26,7 @@ MAX_NEW = 20
 NUM_DRAFTS = 3
 # a random MTP head keeps almost no draft: switched off after its first verify step (0 or 1 of 3 kept)
 SWITCHING_MTP = {"method": "mtp", "num_speculative_tokens": NUM_DRAFTS, "min_acceptance_rate": 0.5,
-                 "min_drafts_for_switch": NUM_DRAFTS}
+                 "min_drafts_for_switch": NUM_DRAFTS, "disable_by_batch_size": None}
 ALWAYS_MTP = SWITCHING_MTP | {"min_acceptance_rate": 0}
 POLL_S = 0.001  # the test's wait for the engine loop: a poll, whose length changes no result
 
@@ -146,7 +146,8 @@ def test_a_draft_model_follows_the_requests_left_drafting(plain):
     leaving the switched-off requests out of its catch-up must leave the others' drafts nearly all kept."""
     checkpoint, expected = plain
     llm, drafter = recording_llm(checkpoint, {"method": "draft_model", "model": checkpoint,
-                                              "num_speculative_tokens": NUM_DRAFTS, "min_acceptance_rate": 0})
+                                              "num_speculative_tokens": NUM_DRAFTS, "min_acceptance_rate": 0,
+                                              "disable_by_batch_size": None})
     llm.core.scheduler.draft_switch = SwitchedOffFor(PROMPTS[1::2])
     assert token_ids(llm.generate(PROMPTS, greedy())) == expected
     assert any(not all(on) and any(on) for on, _ in drafter.calls)
