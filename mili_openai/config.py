@@ -79,7 +79,7 @@ class SpeculativeConfig:
     model: str | None = None  # the draft checkpoint of method "draft_model"
     min_acceptance_rate: float = 0.2
     min_drafts_for_switch: int = 4
-    switch_backoff_tokens: int = 64
+    switch_backoff_tokens: int = 128
     token_map: str | None = None  # "mtp" / "draft_model": a JSON list of the token ids drafts are drawn from
 
     def __post_init__(self) -> None:
