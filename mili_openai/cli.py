@@ -134,7 +134,8 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                      help='speculative decoding, as vLLM\'s flag: \'{"method": "mtp", "num_speculative_tokens": 2}\' '
                           '(Qwen3.5 / Qwen3.6 / Qwen3-Next) or \'{"method": "ngram", "num_speculative_tokens": 4, '
                           '"prompt_lookup_max": 4, "prompt_lookup_min": 2, "disable_by_batch_size": 4}\' (the last '
-                          'three optional; also min_acceptance_rate, min_drafts_for_switch: docs/speculative.md)')
+                          'three optional; disable_by_batch_size defaults to 4 on a CPU; also min_acceptance_rate, '
+                          'min_drafts_for_switch, switch_backoff_tokens: docs/speculative.md)')
     eng.add_argument("--quantization", "-q", choices=QUANTIZATION_METHODS, default=None,
                      help="quantize a bf16 checkpoint's weights as it loads: int8 (a scale per row), int4 (groups, "
                           "zero points), fp8 (CUDA: e4m3 weights, and activations in prefill); the LM head goes int8 under int8 "

@@ -20,6 +20,10 @@ DEFAULT_MAX_ENCODER_PATCHES = 4096
 DEFAULT_ENGINE_PROCESS = {"cpu": False, "cuda": True}  # the server's engine in a process of its own
 DEFAULT_ASYNC_LAUNCH = {"cpu": False, "cuda": True}  # steps launched on the engine loop (see EngineConfig)
 DEFAULT_CPU_KV_CACHE_MEMORY_GB = 2.0  # on CUDA the pool takes what gpu_memory_utilization leaves
+# speculative `disable_by_batch_size` "auto": on CUDA vLLM's (draft at every batch size); on a CPU a few decodes are
+# near compute-bound, each verify row costing about a row's compute (measured: docs/speculative.md)
+DEFAULT_DISABLE_BY_BATCH_SIZE = {"cpu": 4, "cuda": None}
+SPECULATIVE_DEVICE_DEFAULT = "auto"
 # "auto": Triton page-table kernels on CUDA, the compiled CPU kernels on CPU; "triton": Triton (CUDA, or the
 # CPU under TRITON_INTERPRET=1 for tests); "torch": torch's SDPA over gathered K/V on CUDA
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
@@ -55,25 +59,27 @@ class SpeculativeConfig:
     Drafts pay where a decode step is bound by reading the weights, which one step reads once for all
     its rows; in a large batch the step is bound by compute, and rows for rejected drafts slow it. So,
     as vLLM's key of that name, steps with more running sequences than `disable_by_batch_size` decode
-    without drafts.
+    without drafts ("auto": the device's DEFAULT_DISABLE_BY_BATCH_SIZE, set by `EngineConfig.for_device`).
 
     "mtp" drafts with the checkpoint's own multi-token-prediction module (Qwen3.5 / Qwen3.6 / Qwen3-Next),
     chained for more than one token; "draft_model" with `model`, a smaller Qwen3 / Qwen3.5 checkpoint that
     shares the target's tokenizer, run autoregressively. As vLLM, `method` left out is "draft_model" where
-    `model` is given, else "ngram". A request whose drafts are mostly rejected stops drafting: once it has verified
-    `min_drafts_for_switch` drafts, it drafts only while its acceptance rate stays at least
-    `min_acceptance_rate` (0 turns the switch off). `token_map` (SGLang's `--speculative-token-map`) restricts
-    a model's drafts to a file's token ids, so each draft reads only their rows of the LM head.
+    `model` is given, else "ngram". A request whose drafts are mostly rejected pauses its drafting (the
+    DraftSwitch, engine/proposers.py: `min_drafts_for_switch`, `min_acceptance_rate`, `switch_backoff_tokens`).
+    `token_map` (SGLang's `--speculative-token-map`) restricts a model's drafts to a file's token ids, so each
+    draft reads only their rows of the LM head.
     """
 
     num_speculative_tokens: int
     method: str | None = None  # None: "draft_model" where `model` is given, else "ngram"
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
-    disable_by_batch_size: int | None = None  # None = draft at every batch size
+    # "auto" (SPECULATIVE_DEVICE_DEFAULT) = the device's default; None = draft at every batch size
+    disable_by_batch_size: int | str | None = SPECULATIVE_DEVICE_DEFAULT
     model: str | None = None  # the draft checkpoint of method "draft_model"
     min_acceptance_rate: float = 0.2
-    min_drafts_for_switch: int = 16
+    min_drafts_for_switch: int = 4
+    switch_backoff_tokens: int = 128
     token_map: str | None = None  # "mtp" / "draft_model": a JSON list of the token ids drafts are drawn from
 
     def __post_init__(self) -> None:
@@ -93,12 +99,16 @@ class SpeculativeConfig:
         if not (_is_count(low) and _is_count(high) and low <= high):
             raise ValueError(f"prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, "
                              f"got {self.prompt_lookup_min!r} and {self.prompt_lookup_max!r}")
-        if self.disable_by_batch_size is not None and not _is_count(self.disable_by_batch_size):
-            raise ValueError(f"disable_by_batch_size must be an integer >= 1, got {self.disable_by_batch_size!r}")
+        limit = self.disable_by_batch_size
+        if limit is not None and limit != SPECULATIVE_DEVICE_DEFAULT and not _is_count(limit):
+            raise ValueError(f'disable_by_batch_size must be an integer >= 1, null (draft at every batch size) or '
+                             f'"{SPECULATIVE_DEVICE_DEFAULT}" (the device\'s default), got {limit!r}')
         if not 0 <= self.min_acceptance_rate <= 1:
             raise ValueError(f"min_acceptance_rate must be in [0, 1], got {self.min_acceptance_rate!r}")
         if not _is_count(self.min_drafts_for_switch):
             raise ValueError(f"min_drafts_for_switch must be an integer >= 1, got {self.min_drafts_for_switch!r}")
+        if not _is_count(self.switch_backoff_tokens, least=0):
+            raise ValueError(f"switch_backoff_tokens must be an integer >= 0, got {self.switch_backoff_tokens!r}")
         if self.token_map is not None and self.method not in (MTP_SPECULATIVE_METHOD, DRAFT_MODEL_SPECULATIVE_METHOD):
             raise ValueError(f'speculative token_map is for a model\'s drafts ("mtp", "draft_model"), not '
                              f'"{self.method}"')
@@ -138,9 +148,9 @@ class LoraConfig:
         return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
 
-def _is_count(value) -> bool:
-    """An int >= 1, and not a bool (JSON `true` would pass as 1)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+def _is_count(value, least: int = 1) -> bool:
+    """An int >= least, and not a bool (JSON `true` would pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,6 +302,10 @@ class EngineConfig:
             defaults["async_launch"] = DEFAULT_ASYNC_LAUNCH[device_type]
         if self.kv_cache_memory_gb is None and device_type != "cuda":
             defaults["kv_cache_memory_gb"] = DEFAULT_CPU_KV_CACHE_MEMORY_GB
+        speculative = self.speculative_config
+        if speculative is not None and speculative.disable_by_batch_size == SPECULATIVE_DEVICE_DEFAULT:
+            defaults["speculative_config"] = dataclasses.replace(
+                speculative, disable_by_batch_size=DEFAULT_DISABLE_BY_BATCH_SIZE[device_type])
         return dataclasses.replace(self, **defaults) if defaults else self
 
 
@@ -377,7 +391,7 @@ def speculative_config_from(fields: dict) -> SpeculativeConfig:
     if not isinstance(fields, dict):
         raise ValueError("the speculative config must be a JSON object")
     known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
-             "model", "min_acceptance_rate", "min_drafts_for_switch", "token_map"}
+             "model", "min_acceptance_rate", "min_drafts_for_switch", "switch_backoff_tokens", "token_map"}
     unknown = sorted(set(fields) - known)
     if unknown:
         raise ValueError(f"unsupported speculative config keys {unknown}; this server takes {sorted(known)}")

@@ -99,9 +99,11 @@ def main() -> None:
              "step_vs_plain": 1.0}]
     print(json.dumps(rows[0]), flush=True)
     for k in range(1, args.max_drafts + 1):
-        mtp = {"method": "mtp", "num_speculative_tokens": k, "min_acceptance_rate": 0}
-        kinds = [("verify", {"method": "ngram", "num_speculative_tokens": k, "min_acceptance_rate": 0}),
-                 ("mtp", mtp), ("mtp, switched off", mtp | {"min_acceptance_rate": 1.0, "min_drafts_for_switch": k})]
+        # drafts at any batch size (not the device's default), never switched off unless asked
+        mtp = {"method": "mtp", "num_speculative_tokens": k, "min_acceptance_rate": 0, "disable_by_batch_size": None}
+        kinds = [("verify", mtp | {"method": "ngram"}), ("mtp", mtp),
+                 ("mtp, switched off", mtp | {"min_acceptance_rate": 1.0, "min_drafts_for_switch": k,
+                                              "switch_backoff_tokens": 0})]
         if args.token_map:
             kinds.append(("mtp over the token map", mtp | {"token_map": args.token_map}))
         for kind, speculative in kinds:  # one engine at a time: each holds the model

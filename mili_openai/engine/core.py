@@ -242,6 +242,7 @@ class EngineCore:
         while accepted < len(drafts) and sampled[accepted][0] == drafts[accepted]:
             accepted += 1
         self.pages.settle_drafts(seq, len(drafts), accepted)
+        self.scheduler.draft_switch.record(seq, len(drafts), accepted)
         self.spec_decode.record(len(drafts), accepted)
         return sampled[: accepted + 1]
 

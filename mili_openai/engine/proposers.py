@@ -15,8 +15,8 @@ by the target's own samples is Leviathan et al.'s rejection sampling with a poin
 draft is kept with the target's probability of it, else the target's sample (a draw from the target without
 the draft) stands. The tokens keep plain decoding's distribution; greedy rows keep its very tokens.
 
-`DraftSwitch` is the adaptive off-switch: a sequence whose drafts are mostly rejected stops drafting, since a
-rejected draft costs a row of the forward and earns nothing.
+`DraftSwitch` is the adaptive off-switch: a sequence whose drafts are mostly rejected pauses its drafting, since a
+rejected draft costs a row of the forward (and a model proposer's run) and earns nothing, and probes again later.
 """
 
 from __future__ import annotations
@@ -97,18 +97,66 @@ class ModelProposer:
 
 
 class DraftSwitch:
-    """Per sequence: draft only while the acceptance rate is at least `min_rate`, once `min_drafts` drafts were
-    verified (before that, the rate says too little). A sequence switched off stays off: its drafts would
-    not be verified, so its rate could not recover, and a model's drafts for it are not run either."""
+    """The adaptive off-switch, per sequence (TensorRT-LLM's acceptance gate, with onnxruntime-genai's cool-down).
+
+    A sequence drafts until its window holds `min_drafts_for_switch` verified drafts; from then on, while the
+    window's acceptance rate stays at least `min_acceptance_rate`, it keeps drafting (the window halves its counts
+    each time it holds WINDOW_FILLS times that many, so recent drafts weigh most). Below the rate it pauses for
+    `switch_backoff_tokens` output tokens, in which it costs a plain step: no drafts to verify, and a model proposer
+    does not run for it. Then it probes: its next verify step alone decides, drafting resuming (the pause back
+    to its first length) where the step keeps its share of drafts, else pausing twice as long as before (at most
+    MAX_PAUSE_FACTOR times the first). A backoff of 0 keeps a switched-off sequence off.
+
+    A random head's request is decided on its first `min_drafts_for_switch` drafts (by default two verify
+    steps); a head that kept a share before a bad stretch gets its drafting back after one good probe.
+    """
+
+    WINDOW_FILLS = 4
+    MAX_PAUSE_FACTOR = 16
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.min_rate = config.min_acceptance_rate
         self.min_drafts = config.min_drafts_for_switch
+        self.first_pause = config.switch_backoff_tokens
 
     def allows(self, seq: Sequence) -> bool:
-        if self.min_rate <= 0 or seq.num_draft_tokens < self.min_drafts:
-            return True
-        return seq.num_accepted_tokens >= self.min_rate * seq.num_draft_tokens
+        """Whether seq drafts now (or, with a model proposer, has its next step's drafts made)."""
+        resume_at = seq.draft_window.resume_at
+        return self.min_rate <= 0 or resume_at is None or len(seq.output_token_ids) >= resume_at
+
+    def record(self, seq: Sequence, num_drafts: int, num_accepted: int) -> None:
+        """seq verified `num_drafts` drafts in a step and kept `num_accepted`, the step's tokens not appended yet
+        (EngineCore._verify_drafts): move its window on, pausing it or taking it out of its pause."""
+        if self.min_rate <= 0 or num_drafts == 0:
+            return
+        window = seq.draft_window
+        keeps_share = num_accepted >= self.min_rate * num_drafts
+        if window.resume_at is not None:  # a probe, after a pause: this step alone decides
+            if keeps_share:
+                window.drafts, window.accepted, window.resume_at, window.pause = num_drafts, num_accepted, None, 0
+            else:
+                self._pause(seq, num_accepted)
+            return
+        window.drafts += num_drafts
+        window.accepted += num_accepted
+        if window.drafts < self.min_drafts:
+            return
+        if window.accepted < self.min_rate * window.drafts:
+            self._pause(seq, num_accepted)
+        elif window.drafts >= self.WINDOW_FILLS * self.min_drafts:
+            window.drafts, window.accepted = window.drafts // 2, window.accepted // 2
+
+    def _pause(self, seq: Sequence, num_accepted: int) -> None:
+        """Pause seq's drafting for its next pause's length, counted after the tokens of the step that decided it
+        (its kept drafts and its sample)."""
+        window = seq.draft_window
+        if self.first_pause == 0:  # no probes: off for good
+            window.resume_at = seq.max_tokens + 1
+            return
+        pause = self.first_pause if window.pause == 0 else window.pause
+        window.resume_at = len(seq.output_token_ids) + num_accepted + 1 + pause
+        window.pause = min(2 * pause, self.MAX_PAUSE_FACTOR * self.first_pause)
+        window.drafts = window.accepted = 0
 
 
 def make_proposer(config: SpeculativeConfig) -> Proposer:

@@ -31,7 +31,7 @@ import itertools
 import time
 from collections import deque
 
-from mili_openai.config import EngineConfig
+from mili_openai.config import SPECULATIVE_DEVICE_DEFAULT, EngineConfig
 from mili_openai.engine.encoder_budget import EncoderBudget
 from mili_openai.engine.kv_pages import KVPageManager
 from mili_openai.engine.proposers import DraftSwitch, make_proposer
@@ -54,7 +54,9 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 
 class Scheduler:
     def __init__(self, config: EngineConfig, pages: KVPageManager, state_slots: StateSlotManager | None = None) -> None:
-        if config.max_num_batched_tokens is None or config.max_num_seqs is None:
+        speculative = config.speculative_config
+        if (config.max_num_batched_tokens is None or config.max_num_seqs is None
+                or (speculative is not None and speculative.disable_by_batch_size == SPECULATIVE_DEVICE_DEFAULT)):
             raise ValueError("the scheduler needs a config with the device's defaults (EngineConfig.for_device)")
         self.config = config
         self.pages = pages
@@ -64,7 +66,6 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.prefix_cache_queries_total = 0
         self.prefix_cache_hits_total = 0
-        speculative = config.speculative_config
         self.proposer = make_proposer(speculative) if speculative is not None else None
         self.draft_switch = DraftSwitch(speculative) if speculative is not None else None
         self.max_drafting_batch = speculative.disable_by_batch_size if speculative is not None else None

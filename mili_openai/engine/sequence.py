@@ -26,6 +26,17 @@ if TYPE_CHECKING:
 LORA_KEY_STRIDE = 1 << 32
 
 
+@dataclass(slots=True)
+class DraftWindow:
+    """A sequence's standing with the adaptive off-switch (engine/proposers.py's `DraftSwitch`): the drafts it
+    verified and kept since drafting last (re)started, and, while paused, when it probes again."""
+
+    drafts: int = 0
+    accepted: int = 0
+    resume_at: int | None = None  # paused until its output is this long (None: drafting)
+    pause: int = 0  # the next pause, in output tokens (0: the switch's first)
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -81,10 +92,11 @@ class Sequence:
     verified_snapshot: tuple[int, int, int] | None = None
 
     # speculative decoding: the drafts a model proposer (MTP) made in this sequence's last step, for its next
-    # (engine/proposers.py), and its own tally of drafts verified and accepted (the adaptive off-switch)
+    # (engine/proposers.py), its own tally of drafts verified and accepted, and its off-switch's window
     proposed_drafts: list[int] = field(default_factory=list)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    draft_window: DraftWindow = field(default_factory=DraftWindow)
 
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None

@@ -94,12 +94,13 @@ async def load_engine(server: ServerState) -> None:
                 info.model_path, info.max_model_len,
                 f"quantization {info.quantization}" if info.quantization else "unquantized")
     logger.info(describe_sampling_defaults(info.sampling_defaults))
-    speculative = server.config.engine.speculative_config
+    engine_config = server.config.engine
+    speculative = engine_config.for_device(resolve_device(engine_config.device).type).speculative_config
     if speculative is not None:
         limit = speculative.disable_by_batch_size
         source = {"ngram": f"n-grams of {speculative.prompt_lookup_min}-{speculative.prompt_lookup_max} tokens",
                   "mtp": "the checkpoint's MTP module"}.get(speculative.method, f"the draft model {speculative.model}")
-        logger.info("speculative decoding: %s, up to %d draft tokens from %s%s; a request stops drafting below %.0f%% "
+        logger.info("speculative decoding: %s, up to %d draft tokens from %s%s; a request pauses drafting below %.0f%% "
                     "acceptance", speculative.method, speculative.num_speculative_tokens, source,
                     f", off above {limit} running sequences" if limit else "", 100 * speculative.min_acceptance_rate)
 

@@ -26,7 +26,7 @@ MAX_NEW = 20
 NUM_DRAFTS = 3
 # a random MTP head keeps almost no draft: switched off after its first verify step (0 or 1 of 3 kept)
 SWITCHING_MTP = {"method": "mtp", "num_speculative_tokens": NUM_DRAFTS, "min_acceptance_rate": 0.5,
-                 "min_drafts_for_switch": NUM_DRAFTS}
+                 "min_drafts_for_switch": NUM_DRAFTS, "disable_by_batch_size": None}
 ALWAYS_MTP = SWITCHING_MTP | {"min_acceptance_rate": 0}
 POLL_S = 0.001  # the test's wait for the engine loop: a poll, whose length changes no result
 
@@ -76,6 +76,9 @@ class SwitchedOffFor:
     def allows(self, seq) -> bool:
         return tuple(seq.prompt_token_ids) not in self.off
 
+    def record(self, seq, num_drafts: int, num_accepted: int) -> None:
+        """The others' drafts move no switch: they draft throughout."""
+
 
 @pytest.fixture(scope="module")
 def plain(hybrid_checkpoint):
@@ -103,6 +106,28 @@ def test_a_switched_off_request_runs_no_proposer(plain):
     assert len(drafter.calls) < MAX_NEW // 2
 
 
+def test_a_paused_request_probes_again_and_its_output_stays_plain_decodings(plain):
+    """With a short backoff the random head's requests pause, then have drafts verified again (the probes): the
+    proposer ran for them after their pause, over K/V of its own that the paused stretch never wrote, which only
+    its drafts, never the output, can suffer from."""
+    checkpoint, expected = plain
+    llm, _ = recording_llm(checkpoint, SWITCHING_MTP | {"switch_backoff_tokens": 3})
+    draft_switch = llm.core.scheduler.draft_switch
+    verified_at: dict[str, list[int]] = {}  # per sequence, its output's length at each verify step
+    record = draft_switch.record
+
+    def recorded(seq, num_drafts, num_accepted):
+        verified_at.setdefault(seq.sequence_id, []).append(len(seq.output_token_ids))
+        record(seq, num_drafts, num_accepted)
+
+    draft_switch.record = recorded
+    assert token_ids(llm.generate(PROMPTS, greedy())) == expected
+    assert len(verified_at) == len(PROMPTS)
+    # consecutive verify steps are at most 1 + NUM_DRAFTS tokens apart: a wider gap is a pause, then a probe
+    for lengths in verified_at.values():
+        assert any(after - before > 1 + NUM_DRAFTS for before, after in zip(lengths, lengths[1:]))
+
+
 def test_requests_still_drafting_get_the_same_drafts_beside_switched_off_ones(plain):
     checkpoint, expected = plain
     llm, drafter = recording_llm(checkpoint, ALWAYS_MTP, compare=True)
@@ -121,7 +146,8 @@ def test_a_draft_model_follows_the_requests_left_drafting(plain):
     leaving the switched-off requests out of its catch-up must leave the others' drafts nearly all kept."""
     checkpoint, expected = plain
     llm, drafter = recording_llm(checkpoint, {"method": "draft_model", "model": checkpoint,
-                                              "num_speculative_tokens": NUM_DRAFTS, "min_acceptance_rate": 0})
+                                              "num_speculative_tokens": NUM_DRAFTS, "min_acceptance_rate": 0,
+                                              "disable_by_batch_size": None})
     llm.core.scheduler.draft_switch = SwitchedOffFor(PROMPTS[1::2])
     assert token_ids(llm.generate(PROMPTS, greedy())) == expected
     assert any(not all(on) and any(on) for on, _ in drafter.calls)

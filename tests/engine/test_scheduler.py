@@ -16,6 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine_helpers import make_seq
+
 from mili_openai.config import EngineConfig, SpeculativeConfig
 from mili_openai.engine.contract import check_request
 from mili_openai.engine.core import EngineCore
@@ -29,19 +31,6 @@ from mili_openai.model import ModelConfig
 from mili_openai.model.checkpoint import TINY_SHAPE, config_dict
 
 MAX_STEPS = 2000
-
-
-def make_seq(request_id: str, prompt: list[int], max_tokens: int) -> Sequence:
-    return Sequence(
-        sequence_id=request_id,
-        prompt_token_ids=prompt,
-        params=SamplingParams(max_tokens=max_tokens),
-        max_tokens=max_tokens,
-        arrival_time=0.0,
-        detokenizer=None,
-        stop_matcher=None,
-        generator=None,
-    )
 
 
 class ModelFreeRunner:
@@ -72,7 +61,8 @@ class StepDriver:
     def __init__(self, tokenizer, num_pages: int, page_size: int, budget: int, max_seqs: int, caching: bool = True,
                  lookahead: bool = False, speculative: int = 0, snapshots: int | None = None) -> None:
         """snapshots: run as a hybrid model (a state slot per sequence) with this many state snapshots."""
-        drafting = SpeculativeConfig(speculative, prompt_lookup_min=1, prompt_lookup_max=2) if speculative else None
+        drafting = SpeculativeConfig(speculative, prompt_lookup_min=1, prompt_lookup_max=2,
+                                     disable_by_batch_size=None) if speculative else None
         config = EngineConfig(page_size=page_size, num_pages=num_pages, max_num_batched_tokens=budget,
                               max_num_seqs=max_seqs, enable_prefix_caching=caching, speculative_config=drafting)
         hybrid = (max_seqs, snapshots) if snapshots is not None else (0, 0)
@@ -308,7 +298,8 @@ def test_drafts_roll_back_and_finish_at_max_tokens(qwen_tokenizer, caching):
 def test_drafts_take_free_pages_only_and_fit_the_budget():
     pages = KVPageManager(num_pages=3, page_size=4, enable_prefix_caching=True)
     config = EngineConfig(page_size=4, num_pages=3, max_num_seqs=8, max_num_batched_tokens=64,
-                          speculative_config=SpeculativeConfig(8, prompt_lookup_min=1, prompt_lookup_max=1))
+                          speculative_config=SpeculativeConfig(8, prompt_lookup_min=1, prompt_lookup_max=1,
+                                                                            disable_by_batch_size=None))
     scheduler = Scheduler(config, pages)
     seq = make_seq("r", [5, 6, 7, 5, 6, 7, 5], max_tokens=40)
     scheduler.add(seq)
@@ -323,7 +314,8 @@ def test_drafts_take_free_pages_only_and_fit_the_budget():
         seq.append_token(token)
 
     small = Scheduler(EngineConfig(page_size=4, num_pages=8, max_num_seqs=8, max_num_batched_tokens=3,
-                                   speculative_config=SpeculativeConfig(8, prompt_lookup_min=1, prompt_lookup_max=1)),
+                                   speculative_config=SpeculativeConfig(8, prompt_lookup_min=1, prompt_lookup_max=1,
+                                                                        disable_by_batch_size=None)),
                       KVPageManager(num_pages=8, page_size=4, enable_prefix_caching=True))
     seq = make_seq("s", [5, 6, 5], max_tokens=3)
     small.add(seq)
@@ -358,7 +350,8 @@ def test_drafts_leave_every_running_sequence_its_token():
     """The older sequence's drafts could take the last free page, which the newer one's own token needs:
     drafts come after every running sequence's token, so nothing is preempted for a guess."""
     config = EngineConfig(page_size=4, num_pages=4, max_num_seqs=8, max_num_batched_tokens=64,
-                          speculative_config=SpeculativeConfig(3, prompt_lookup_min=1, prompt_lookup_max=1))
+                          speculative_config=SpeculativeConfig(3, prompt_lookup_min=1, prompt_lookup_max=1,
+                                                               disable_by_batch_size=None))
     scheduler = Scheduler(config, KVPageManager(num_pages=4, page_size=4, enable_prefix_caching=False))
     older, newer = make_seq("a", [5, 6, 5, 6, 5, 6, 5], max_tokens=9), make_seq("b", [9, 8, 7, 6], max_tokens=9)
     for seq in (older, newer):
@@ -376,7 +369,8 @@ def test_a_request_switched_off_runs_no_model_proposer_and_its_steps_are_planned
     once a request's drafts are mostly rejected, its steps run no proposer, and with none drafting the next
     step is planned ahead as without speculation. A new prompt beside it is drafted for, in a step planned
     ahead too, so that the proposer's caches cover its every token."""
-    speculative = SpeculativeConfig(3, method="mtp", min_acceptance_rate=0.5, min_drafts_for_switch=3)
+    speculative = SpeculativeConfig(3, method="mtp", min_acceptance_rate=0.5, min_drafts_for_switch=3,
+                                    disable_by_batch_size=None)
     config = EngineConfig(page_size=4, num_pages=32, max_num_seqs=8, max_num_batched_tokens=64,
                           speculative_config=speculative)
     scheduler = Scheduler(config, KVPageManager(num_pages=32, page_size=4, enable_prefix_caching=False))
@@ -389,6 +383,7 @@ def test_a_request_switched_off_runs_no_model_proposer_and_its_steps_are_planned
     verify = scheduler.schedule()
     assert verify.draft_tokens == [[1, 2, 3]] and verify.proposes_for == [True]
     first.settle_drafts(3, 0)  # none kept: 0 of 3 is below the switch's 50%
+    scheduler.draft_switch.record(first, 3, 0)
     first.append_token(7)
     plain = scheduler.schedule()
     assert plain.draft_tokens == [[]] and plain.proposes_for == [False] and not plain.run_proposer

@@ -25,7 +25,9 @@ from mili_openai.engine.proposers import propose_ngram_draft
 from mili_openai.server.app import load_engine
 from mili_openai.server.state import ServerState
 
-SPECULATIVE = {"num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# drafts at every batch size (the tests batch more requests than the CPU's default allows)
+SPECULATIVE = {"num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+               "disable_by_batch_size": None}
 MAX_NEW = 24
 
 

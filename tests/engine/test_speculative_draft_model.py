@@ -64,7 +64,7 @@ def token_ids(outputs) -> list[list[list[int]]]:
 
 def draft_config(path, **fields) -> dict:
     return {"method": "draft_model", "model": str(path), "num_speculative_tokens": NUM_DRAFTS,
-            "min_acceptance_rate": 0} | fields
+            "min_acceptance_rate": 0, "disable_by_batch_size": None} | fields
 
 
 def assert_all_released(llm: LLM) -> None:

@@ -18,7 +18,7 @@ MAX_NEW = 24
 PATTERN_PROMPTS = [hybrid_tokens(4, seed=1) * 6, hybrid_tokens(13, seed=2), hybrid_tokens(3, seed=3) * 9,
                    hybrid_tokens(41, seed=4)]
 ENGINE = dict(dtype="float32", num_pages=256, page_size=4, max_num_batched_tokens=32)  # chunks beside decodes
-MTP_ONE = {"method": "mtp", "num_speculative_tokens": 1, "min_acceptance_rate": 0}
+MTP_ONE = {"method": "mtp", "num_speculative_tokens": 1, "min_acceptance_rate": 0, "disable_by_batch_size": None}
 
 
 def greedy(max_tokens: int = MAX_NEW, **params) -> SamplingParams:

@@ -64,7 +64,8 @@ def run(checkpoint: str, prompts, speculative: dict) -> tuple[LLM, RecordingDraf
 
 
 def self_draft(checkpoint: str, token_map: str) -> dict:
-    return {"model": checkpoint, "num_speculative_tokens": 3, "min_acceptance_rate": 0, "token_map": token_map}
+    return {"model": checkpoint, "num_speculative_tokens": 3, "min_acceptance_rate": 0, "token_map": token_map,
+            "disable_by_batch_size": None}
 
 
 def test_a_map_that_holds_the_output_keeps_the_drafts(plain, tmp_path):

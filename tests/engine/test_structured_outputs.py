@@ -249,7 +249,7 @@ def test_formats_draft_and_keep_plain_decodings_tokens(tiny_checkpoint, llm):
     plain = llm.generate([*formats, looping], [*params, free])
     drafting = LLM(str(tiny_checkpoint), dtype="float32", num_pages=256, page_size=8,
                    speculative_config={"num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1,
-                                       "min_acceptance_rate": 0})
+                                       "min_acceptance_rate": 0, "disable_by_batch_size": None})
     known = {tuple(output.prompt_token_ids): list(output.outputs[0].token_ids) for output in plain}
     drafting.core.scheduler.proposer = KnownOutputProposer(known, k=3)
     outputs = drafting.generate([*formats, looping], [*params, free])

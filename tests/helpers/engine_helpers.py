@@ -1,4 +1,5 @@
-"""Shared by the engine tests: an HF transformers oracle, random prompts, and running an AsyncEngine."""
+"""Shared by the engine tests: an HF transformers oracle, random prompts, sequences without a model, and running an
+AsyncEngine."""
 
 from __future__ import annotations
 
@@ -11,9 +12,16 @@ import torch
 
 from mili_openai.engine.contract import check_request
 from mili_openai.engine.sampling_params import SamplingParams
+from mili_openai.engine.sequence import Sequence
 
 LOGPROB_ATOL = 2e-4  # float32 on both sides; differences come only from summation order
 GREEDY_TOP_LOGPROBS = 3  # alternatives per token that `assert_matches` holds to the oracle's rows
+
+
+def make_seq(request_id: str, prompt: list[int], max_tokens: int) -> Sequence:
+    """A sequence as the engine makes one, without a tokenizer: for the scheduler's and its policies' tests."""
+    return Sequence(sequence_id=request_id, prompt_token_ids=prompt, params=SamplingParams(max_tokens=max_tokens),
+                    max_tokens=max_tokens, arrival_time=0.0, detokenizer=None, stop_matcher=None, generator=None)
 
 
 def greedy(max_tokens: int, **params) -> SamplingParams:

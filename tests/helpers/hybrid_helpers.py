@@ -28,10 +28,11 @@ TINY_HYBRID_CONFIG = dict(
                          mrope_interleaved=True),
     mtp_num_hidden_layers=1)
 # speculative configs whose drafts are both kept and rejected on the tiny models: n-gram drafts of up to 3
-# tokens, and the checkpoint's MTP module chaining 3 (min_acceptance_rate 0: never switched off)
+# tokens, and the checkpoint's MTP module chaining 3 (min_acceptance_rate 0: never switched off; no batch size
+# limit: the tests draft in batches above the CPU's default)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2,
-         "min_acceptance_rate": 0}
-MTP_THREE = {"method": "mtp", "num_speculative_tokens": 3, "min_acceptance_rate": 0}
+         "min_acceptance_rate": 0, "disable_by_batch_size": None}
+MTP_THREE = {"method": "mtp", "num_speculative_tokens": 3, "min_acceptance_rate": 0, "disable_by_batch_size": None}
 EXPERTS = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 TINY_HYBRID_MOE_CONFIG = {k: v for k, v in TINY_HYBRID_CONFIG.items() if k != "intermediate_size"} | EXPERTS
 # Qwen3-Next: plain partial RoPE, tied embeddings, and a dense layer among the sparse ones (mlp_only_layers)
