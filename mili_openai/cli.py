@@ -148,6 +148,9 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
                           "fewer bytes per token, logits a little further from the bf16 model's)")
     eng.add_argument("--enforce-eager", action="store_true",
                      help="CUDA: run decode steps op by op rather than replay them from CUDA graphs")
+    eng.add_argument("--kernel-plan-cache", action=argparse.BooleanOptionalAction, default=engine.kernel_plan_cache,
+                     help="CPU: reuse the kernel plan (which kernel runs which shape) an earlier start timed on this "
+                          "machine, kept beside the kernels' build; --no-kernel-plan-cache times it at every start")
     eng.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default=engine.attention_backend,
                      help="auto: Triton kernels reading the KV pages in place on CUDA, the compiled kernels on CPU; "
                           "torch: torch's SDPA over gathered K/V on CUDA")
@@ -233,6 +236,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         speculative_config=parse_speculative_config(args.speculative_config),
         enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,
+        kernel_plan_cache=args.kernel_plan_cache,
         tensor_parallel_size=args.tensor_parallel_size,
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,

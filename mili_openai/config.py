@@ -201,6 +201,9 @@ class EngineConfig:
     # on a thread, and switch to them between steps once no request runs (`mili serve` sets it; off, the load
     # waits for the compile)
     cpu_kernels_in_background: bool = False
+    # CPU: read the kernel plan (which kernel runs which shape, timed in seconds at a first start) that an earlier
+    # start on this machine kept beside the kernels' build, and keep a newly timed one there (kernels/plan_cache.py)
+    kernel_plan_cache: bool = True
     # the server: run the engine (scheduling, step inputs, postprocessing) in a process of its own, off the HTTP
     # side's event loop and GIL (engine/process_client.py); None = the device's default (DEFAULT_ENGINE_PROCESS).
     # The offline `LLM` runs the engine in the caller's process whatever this says

@@ -40,12 +40,16 @@ tokenizer, fake and real engines and servers.
   score row the LM head's "yes" row minus its "no" row); "labels", a random head of three labels.
 - `anyio_backend`: asyncio, for the async tests.
 
+The checkpoints, adapters and tokenizer files above are built once per session, not once per pytest-xdist worker:
+the first worker to ask builds them under a file lock, the others reuse them (helpers/session_shared.py).
+
 The helper modules the folders share are in tests/helpers, on pytest's pythonpath (pyproject.toml).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -53,6 +57,7 @@ import torch
 from fake_engine import FakeEngine
 from helpers_server import REAL_ENGINE_CONFIG, live_server, load_qwen_tokenizer
 from pooling_helpers import build_embedding_checkpoint, build_sequence_classifier, yes_minus_no_row
+from session_shared import built_once
 from triton_interpreter import interpreter_pool
 
 from mili_openai.bench.prompt_tokens import load_tokenizer
@@ -86,19 +91,21 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
-    return build_random_checkpoint(tmp_path_factory.mktemp("tiny-qwen3"), TINY_SHAPE, seed=TINY_SEED,
-                                   dtype=torch.float32)
+    return built_once(tmp_path_factory, "tiny-qwen3",
+                      lambda path: build_random_checkpoint(path, TINY_SHAPE, seed=TINY_SEED, dtype=torch.float32))
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint_mha_untied(tmp_path_factory):
-    return build_random_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-mha-untied"), MHA_UNTIED_SHAPE,
-                                   seed=MHA_UNTIED_SEED, dtype=torch.float32)
+    return built_once(tmp_path_factory, "tiny-qwen3-mha-untied",
+                      lambda path: build_random_checkpoint(path, MHA_UNTIED_SHAPE, seed=MHA_UNTIED_SEED,
+                                                           dtype=torch.float32))
 
 
 @pytest.fixture(scope="session")
 def tiny_moe_checkpoint(tmp_path_factory):
-    return build_random_moe_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-moe"), TINY_MOE_CONFIG, seed=MOE_SEED)
+    return built_once(tmp_path_factory, "tiny-qwen3-moe",
+                      lambda path: build_random_moe_checkpoint(path, TINY_MOE_CONFIG, seed=MOE_SEED))
 
 
 @pytest.fixture(scope="session")
@@ -110,8 +117,8 @@ def hybrid_checkpoint(tmp_path_factory):
     def checkpoint(name: str):
         if name not in built:
             layout, fields, seed, tokenizer = HYBRID_CHECKPOINTS[name]
-            built[name] = build_random_hybrid_checkpoint(tmp_path_factory.mktemp(f"tiny-{name}"), layout, fields,
-                                                         seed=seed, tokenizer=tokenizer)
+            built[name] = built_once(tmp_path_factory, f"tiny-{name}", lambda path: build_random_hybrid_checkpoint(
+                path, layout, fields, seed=seed, tokenizer=tokenizer))
         return built[name]
 
     return checkpoint
@@ -123,7 +130,7 @@ def vision_checkpoint(tmp_path_factory):
     config (helpers/vision_helpers.py), float32."""
     from vision_helpers import build_vision_checkpoint
 
-    return build_vision_checkpoint(tmp_path_factory.mktemp("tiny-qwen3_5-vision"))
+    return built_once(tmp_path_factory, "tiny-qwen3_5-vision", build_vision_checkpoint)
 
 
 @pytest.fixture(scope="session")
@@ -131,7 +138,7 @@ def qwen3_vl_checkpoint(tmp_path_factory):
     """A tiny random Qwen3-VL checkpoint with DeepStack and Qwen3's tokenizer (helpers/vision_helpers.py), float32."""
     from vision_helpers import build_qwen3_vl_checkpoint
 
-    return build_qwen3_vl_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-vl"))
+    return built_once(tmp_path_factory, "tiny-qwen3-vl", build_qwen3_vl_checkpoint)
 
 
 @pytest.fixture(scope="session")
@@ -139,7 +146,7 @@ def qwen3_vl_moe_checkpoint(tmp_path_factory):
     """A tiny random Qwen3-VL-MoE checkpoint (helpers/vision_helpers.py), float32, experts in the published layout."""
     from vision_helpers import build_qwen3_vl_moe_checkpoint
 
-    return build_qwen3_vl_moe_checkpoint(tmp_path_factory.mktemp("tiny-qwen3-vl-moe"))
+    return built_once(tmp_path_factory, "tiny-qwen3-vl-moe", build_qwen3_vl_moe_checkpoint)
 
 
 @pytest.fixture(scope="session")
@@ -148,8 +155,8 @@ def embedding_checkpoint(tmp_path_factory):
 
     def checkpoint(pooling: str):
         if pooling not in built:
-            directory = tmp_path_factory.mktemp(f"embedding-{pooling}")
-            built[pooling] = build_embedding_checkpoint(directory, pooling, EMBEDDING_SEED)
+            built[pooling] = built_once(tmp_path_factory, f"embedding-{pooling}",
+                                        lambda path: build_embedding_checkpoint(path, pooling, EMBEDDING_SEED))
         return built[pooling]
 
     return checkpoint
@@ -161,16 +168,18 @@ def classifier_checkpoint(tmp_path_factory, tiny_checkpoint, qwen_tokenizer):
 
     def checkpoint(kind: str):
         if kind not in built:
-            directory = tmp_path_factory.mktemp(f"classifier-{kind}")
-            if kind == "reranker":
-                no, yes = qwen_tokenizer.convert_tokens_to_ids(["no", "yes"])
-                head, labels = yes_minus_no_row(tiny_checkpoint, no, yes), ("LABEL_0",)
-            else:
-                generator = torch.Generator().manual_seed(CLASSIFIER_SEED)
-                head = torch.randn(len(CLASSIFIER_LABELS), TINY_SHAPE.hidden_size, generator=generator)
-                head, labels = head / TINY_SHAPE.hidden_size ** 0.5, CLASSIFIER_LABELS
-            built[kind] = build_sequence_classifier(tiny_checkpoint, directory, head, labels)
+            built[kind] = built_once(tmp_path_factory, f"classifier-{kind}", lambda path: build(kind, path))
         return built[kind]
+
+    def build(kind: str, directory: Path) -> Path:
+        if kind == "reranker":
+            no, yes = qwen_tokenizer.convert_tokens_to_ids(["no", "yes"])
+            head, labels = yes_minus_no_row(tiny_checkpoint, no, yes), ("LABEL_0",)
+        else:
+            generator = torch.Generator().manual_seed(CLASSIFIER_SEED)
+            head = torch.randn(len(CLASSIFIER_LABELS), TINY_SHAPE.hidden_size, generator=generator)
+            head, labels = head / TINY_SHAPE.hidden_size ** 0.5, CLASSIFIER_LABELS
+        return build_sequence_classifier(tiny_checkpoint, directory, head, labels)
 
     return checkpoint
 
@@ -181,11 +190,11 @@ def lora_adapters(tiny_checkpoint, tmp_path_factory):
     rank 8 and rank 64 on every projection, rank 16 rsLoRA on q and v, rank 4 on the attention alone."""
     from lora_helpers import write_peft_adapter
 
-    root = tmp_path_factory.mktemp("lora-adapters")
     specs = {"r8": dict(rank=8, seed=21), "r64": dict(rank=64, seed=22, alpha=16.0),
              "rslora": dict(rank=16, seed=23, targets=["q_proj", "v_proj"], use_rslora=True),
              "attn": dict(rank=4, seed=24, targets=["q_proj", "k_proj", "v_proj", "o_proj"])}
-    return {name: write_peft_adapter(tiny_checkpoint, root / name, **spec) for name, spec in specs.items()}
+    return {name: built_once(tmp_path_factory, f"lora-{name}", lambda path, name=name, spec=spec: write_peft_adapter(
+        tiny_checkpoint, path / name, **spec)) for name, spec in specs.items()}
 
 
 @pytest.fixture(scope="session")
@@ -222,9 +231,11 @@ def qwen_tokenizer():
 
 @pytest.fixture(scope="session")
 def qwen35_tokenizer_dir(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("qwen35-tokenizer")
-    write_qwen35_tokenizer_files(directory)
-    return directory
+    def build(directory: Path) -> Path:
+        write_qwen35_tokenizer_files(directory)
+        return directory
+
+    return built_once(tmp_path_factory, "qwen35-tokenizer", build)
 
 
 @pytest.fixture(scope="session")

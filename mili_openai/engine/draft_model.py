@@ -76,7 +76,7 @@ def load_draft_model(config: EngineConfig, target_path: Path, target: ModelConfi
                          f"a {target.architecture} target keeps no slots for: draft it with a Qwen3 checkpoint")
     check_same_tokenizer(target_path, path)
     model, _ = load_model(path, dtype, device, attention_backend=config.attention_backend,
-                          defer_cpu_kernels=defer_cpu_kernels)
+                          defer_cpu_kernels=defer_cpu_kernels, kernel_plan_cache=config.kernel_plan_cache)
     return DraftModel(model, draft, path)
 
 

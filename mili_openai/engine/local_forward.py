@@ -68,7 +68,8 @@ class LocalForward:
                                                    quantization=config.quantization,
                                                    group_size=config.quantization_group_size,
                                                    lm_head_quantization=config.quantize_lm_head,
-                                                   defer_cpu_kernels=config.cpu_kernels_in_background)
+                                                   defer_cpu_kernels=config.cpu_kernels_in_background,
+                                                   kernel_plan_cache=config.kernel_plan_cache)
         # LoRA slots wrap the projections before the memory is sized, so the KV budget counts them
         self.lora = LoraManager(config.lora, self.model) if config.lora is not None else None
         self.dtype = self.model.dtype
@@ -123,7 +124,8 @@ class LocalForward:
             self._capture_decode_graphs(config)
         # for the sampler: None where the CPU cannot run the kernels, or until they are built
         on_kernels = self.device.type == "cpu" and not self.model.backend.awaits_cpu_kernels
-        self.cpu_kernels = load_cpu_kernels() if on_kernels else None
+        self.kernel_plan_cache = config.kernel_plan_cache
+        self.cpu_kernels = load_cpu_kernels(self.kernel_plan_cache) if on_kernels else None
         if self.model.backend.awaits_cpu_kernels:  # torch's ops serve while the kernels build
             logger.info("serving on torch's ops until the CPU kernels are compiled")
             self.kernel_build = build_cpu_kernels_in_background()
@@ -131,9 +133,9 @@ class LocalForward:
     def switch_to_cpu_kernels(self) -> None:
         """Run on the compiled CPU kernels built in the background (`kernel_build` done): call on the forward
         thread, between steps, while no sequence runs, so that no request sees both paths' rounding. The plan
-        (kernels/planning.py) is timed here, on the thread that runs the kernels."""
+        (kernels/planning.py) is timed (or read from the plan cache) here, on the thread that runs the kernels."""
         build, self.kernel_build = self.kernel_build, None
-        kernels = load_cpu_kernels() if build is not None and build.result() else None
+        kernels = load_cpu_kernels(self.kernel_plan_cache) if build is not None and build.result() else None
         for model in (self.model, self.draft.model) if self.draft is not None else (self.model,):
             use_cpu_kernels(model, kernels)  # None (the build failed): torch's ops stay, awaiting nothing
         if kernels is None:

@@ -237,7 +237,7 @@ class TensorParallelForward:
         # LoRA: every rank serves its share of each adapter; this process checks them and sends the changes
         self.lora = TensorParallelLora(config.lora, self.model_config) if config.lora is not None else None
         dtype = resolve_dtype(config.dtype)
-        self.cpu_kernels = cpu_kernels = load_cpu_kernels() if self.device.type == "cpu" else None
+        self.cpu_kernels = cpu_kernels = load_cpu_kernels(config.kernel_plan_cache) if self.device.type == "cpu" else None
         threads = config.num_threads
         if threads is None and self.device.type == "cpu":  # the cores shared out between the workers
             threads = max(1, torch.get_num_threads() // size)

@@ -17,6 +17,7 @@ from mili_openai.kernels.build_lock import build_directory, exclusive_build, ext
 from mili_openai.kernels.cpu_decode_stack import CpuDecodeStack
 from mili_openai.kernels.cpu_linear_attention import CpuLinearAttention
 from mili_openai.kernels.lora import LoraRows, LoraSlotTable, add_lora
+from mili_openai.kernels.plan_cache import PLANS_DIR_NAME, KernelPlanCache, plan_key
 from mili_openai.kernels.planning import KernelPlan, plan_decode_prefetch, plan_matmuls, plan_prefill_attention
 from mili_openai.kernels.quantized import CpuQuantizedLinear, PackedWeights
 
@@ -73,7 +74,7 @@ class CpuKernels:
     def __init__(self, module) -> None:
         self._module = module
         self.plan = KernelPlan()
-        self.planned = False  # whether `plan` was timed here (plan_work) or adopted
+        self.planned = False  # whether `plan` was chosen (timed, read from the plan cache, or adopted)
         self._bf16_dot_products = bool(module.cpu_has_bf16_dot_products())
         self._amx_tiles = bool(module.cpu_has_amx_tiles())
         self.quantized = CpuQuantizedLinear(module, self._bf16_dot_products, lambda: self.plan,
@@ -97,15 +98,14 @@ class CpuKernels:
         """Rows of x up to which `linear` runs the kernel (beyond it, a GEMM)."""
         return self.plan.max_kernel_rows
 
-    def plan_work(self) -> None:
+    def timed_plan(self) -> KernelPlan:
         """Choose, by timing on this CPU, how many rows go to the matmul kernel (the GEMM for the rest), in
         which dtypes prefill attention runs the kernel rather than torch's SDPA, and how far ahead decode
-        attention prefetches."""
+        attention prefetches (seconds)."""
         max_rows, large_matmul = plan_matmuls(self._kernel_matmul)
         prefill_dtypes = plan_prefill_attention(self.paged_prefill_attention, ATTENTION_DTYPES)
         prefetch_blocks = plan_decode_prefetch(self._decode_attention)
-        self.plan = KernelPlan(max_rows, large_matmul, prefill_dtypes, prefetch_blocks)
-        self.planned = True
+        return KernelPlan(max_rows, large_matmul, prefill_dtypes, prefetch_blocks)
 
     def _kernel_matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self._module.linear_bf16(x, weight, self._bf16_dot_products, self._amx_tiles)
@@ -309,15 +309,21 @@ class CpuKernels:
         return self._module.PackedLinear(packed.bits, weight, scales, last[0] if last else empty, False, empty)
 
 
-@functools.lru_cache(maxsize=1)
-def load_cpu_kernels() -> CpuKernels | None:
-    """Build (once per machine, cached by torch) and load the kernels, and plan their use (unless a plan was
-    adopted); None when they cannot be had."""
+def load_cpu_kernels(plan_cache: bool = True) -> CpuKernels | None:
+    """Build (once per machine, cached by torch) and load the kernels, and plan their use once per process
+    (unless a plan was adopted); None when they cannot be had. `plan_cache` (EngineConfig.kernel_plan_cache):
+    read the plan an earlier start timed on this machine, else time it and keep it (kernels/plan_cache.py);
+    off, time it here. The first call in a process decides."""
     kernels = _compiled_kernels()
-    if kernels is None:
-        return None
-    if not kernels.planned:
-        kernels.plan_work()
+    if kernels is None or kernels.planned:
+        return kernels
+    if plan_cache:
+        name = extension_name(EXTENSION_PREFIX, SOURCE_DIR)
+        cache = KernelPlanCache(build_directory(name, SOURCE_DIR) / PLANS_DIR_NAME)
+        kernels.plan = cache.read_or_time(plan_key(name), kernels.timed_plan)
+    else:
+        kernels.plan = kernels.timed_plan()
+    kernels.planned = True
     logger.info("CPU kernels: matmuls of up to %d rows (%s), prefill attention in %s, decode attention "
                 "prefetch distance %d (blocks of 16 slots)", kernels.max_kernel_rows,
                 "AMX tiles up to 16" if kernels.amx_tiles else "AVX-512",

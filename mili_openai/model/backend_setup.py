@@ -41,9 +41,10 @@ PROBE_LORA_RANK = 16  # the LoRA probe's slot width and output columns (any comp
 
 def set_up_backend(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, rank_config: ModelConfig, dtype: torch.dtype,
                    device: torch.device, use_decode_kernel: bool, attention_backend: str,
-                   defer_cpu_kernels: bool) -> None:
+                   defer_cpu_kernels: bool, kernel_plan_cache: bool) -> None:
     """Huge pages on CPU, then each compiled kernel the device has into `model.backend` (see load_model;
-    `defer_cpu_kernels`: the CPU kernels may come later, see the module docstring)."""
+    `defer_cpu_kernels`: the CPU kernels may come later, see the module docstring; `kernel_plan_cache`: see
+    kernels/cpu.py's `load_cpu_kernels`)."""
     if device.type == "cpu":
         move_parameters_to_huge_pages(model)
     backend = model.backend
@@ -52,7 +53,7 @@ def set_up_backend(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, rank_config: Mo
         triton_attention = _triton_attention(rank_config, dtype, device, required=attention_backend == "triton")
         backend.attention = triton_attention
     elif use_decode_kernel and device.type == "cpu":
-        _use_or_await_cpu_kernels(model, defer_cpu_kernels)
+        _use_or_await_cpu_kernels(model, defer_cpu_kernels, kernel_plan_cache)
     if device.type == "cuda":
         _use_cuda_kernels(model, rank_config)
     if device.type == "cuda" and triton_attention is not None and rank_config.hybrid is None:
@@ -64,7 +65,7 @@ def set_up_backend(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, rank_config: Mo
                     time.perf_counter() - start, forwards)
 
 
-def _use_or_await_cpu_kernels(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, defer: bool) -> None:
+def _use_or_await_cpu_kernels(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, defer: bool, plan_cache: bool) -> None:
     # only worth building (and only possible) on CPU; read at call time, so a test can stand in for the build
     from mili_openai import kernels
 
@@ -73,7 +74,7 @@ def _use_or_await_cpu_kernels(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, defe
             model.backend.awaits_cpu_kernels = True
             return
         logger.info("quantized weights: compiling the CPU kernels before serving")
-    use_cpu_kernels(model, kernels.load_cpu_kernels())
+    use_cpu_kernels(model, kernels.load_cpu_kernels(plan_cache))
 
 
 def use_cpu_kernels(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, kernels: CpuKernels | None) -> None:

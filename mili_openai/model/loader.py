@@ -90,7 +90,7 @@ def load_model(
     path: str | os.PathLike, dtype: torch.dtype, device: torch.device, use_decode_kernel: bool = True,
     attention_backend: str = "auto", parallel: TensorParallelGroup | None = None,
     quantization: str | None = None, group_size: int = DEFAULT_INT4_GROUP_SIZE, defer_cpu_kernels: bool = False,
-    lm_head_quantization: str | None = None,
+    lm_head_quantization: str | None = None, kernel_plan_cache: bool = True,
 ) -> tuple[Qwen3ForCausalLM | Qwen3_5ForCausalLM, ModelConfig]:
     """-> (model in eval mode on `device` with weights in `dtype`, its config).
 
@@ -105,7 +105,7 @@ def load_model(
     SwiGLU's activation and MoE blocks (the model falls back to torch when they cannot be built).
     `defer_cpu_kernels`: where they are not built yet (and the weights are not int8/int4), leave them out: the
     backend `awaits_cpu_kernels`, which the caller builds meanwhile and installs later (model/backend_setup.py's
-    `use_cpu_kernels`).
+    `use_cpu_kernels`). `kernel_plan_cache`: how the kernels' plan is had (kernels/cpu.py's `load_cpu_kernels`).
     `attention_backend` (EngineConfig.attention_backend): "auto" runs the Triton kernels on CUDA where they
     take the model's shapes; "triton" insists on them (and takes the CPU under Triton's interpreter);
     "torch" keeps torch's SDPA on CUDA.
@@ -122,7 +122,8 @@ def load_model(
         if quantization is not None:
             model.quantization = quantize_model(model, quantization, group_size, lm_head_quantization or "int8")
         rank_config = shard_config(config, parallel.size) if parallel is not None else config
-        set_up_backend(model, rank_config, dtype, device, use_decode_kernel, attention_backend, defer_cpu_kernels)
+        set_up_backend(model, rank_config, dtype, device, use_decode_kernel, attention_backend, defer_cpu_kernels,
+                   kernel_plan_cache)
         return model, config
     if (quantization or checkpoint_quantization) and (parallel is not None or config.moe is not None):
         raise ValueError("quantized weights run dense models on one rank: not with --tensor-parallel-size > 1, "
@@ -157,5 +158,6 @@ def load_model(
     if quantization is not None and checkpoint_quantization is None:
         model.quantization = quantize_model(model, quantization, group_size, lm_head_quantization or "int8")
     rank_config = shard_config(config, parallel.size) if parallel is not None else config
-    set_up_backend(model, rank_config, dtype, device, use_decode_kernel, attention_backend, defer_cpu_kernels)
+    set_up_backend(model, rank_config, dtype, device, use_decode_kernel, attention_backend, defer_cpu_kernels,
+                   kernel_plan_cache)
     return model, config

@@ -20,6 +20,7 @@ default, XML tool calls. Real checkpoints bring their own tokenizer files and te
 from __future__ import annotations
 
 import base64
+import functools
 import importlib.util
 import json
 import shutil
@@ -143,9 +144,16 @@ def tokenizer_config() -> dict:
     }
 
 
+@functools.cache
+def qwen35_tokenizer_json() -> str:
+    """tokenizer.json's text, built once per process: a process that writes several checkpoints (the test
+    session, `mili serve` building the embedded model) pays the build once."""
+    return build_qwen35_tokenizer().to_str(pretty=True)
+
+
 def write_qwen35_tokenizer_files(directory: str | Path) -> None:
     """tokenizer.json, tokenizer_config.json and chat_template.jinja into a checkpoint directory."""
     directory = Path(directory)
-    build_qwen35_tokenizer().save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer.json").write_text(qwen35_tokenizer_json(), encoding="utf-8")
     (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2, ensure_ascii=False))
     shutil.copyfile(CHAT_TEMPLATE_FILE, directory / "chat_template.jinja")

@@ -20,6 +20,7 @@ from mili_openai.bench.server_metrics import snapshot_memory
 from mili_openai.bench.sse_client import _StreamState, request_body
 
 FAKE_REPLY_WORD = " word"  # the fake server's every chunk
+REAL_SERVER_PAGES, REAL_SERVER_PAGE_SIZE = 128, 8
 
 
 def test_conversations_are_seeded_and_apart_from_warmup(bench_tokenizer):
@@ -113,17 +114,24 @@ def test_snapshot_memory_from_metrics_text():
     assert snapshot_memory("vllm:num_requests_running 1.0\n") is None
 
 
-def test_multi_turn_against_real_server_reuses_the_history(hybrid_checkpoint):
-    """A tiny Qwen3.5 with its chat template: from turn 2 on, part of every prompt is served from the prefix
-    cache (the history up to where the template renders the earlier reply apart from its generated tokens), and
-    the snapshot memory shows in the report."""
+@pytest.fixture(scope="module")
+def real_server(hybrid_checkpoint):
+    """A tiny Qwen3.5 with its chat template, served for both real-server tests: their conversations share no
+    prefix (one is chat-templated, the other raw ids), and the pool holds both with room to spare."""
     checkpoint = hybrid_checkpoint("qwen3_5_qwen35_tokenizer")
-    with served_engine(checkpoint, num_pages=128, page_size=8, max_model_len=512,
+    with served_engine(checkpoint, num_pages=REAL_SERVER_PAGES, page_size=REAL_SERVER_PAGE_SIZE, max_model_len=512,
                        max_num_batched_tokens=64) as (live, _):
-        config = BenchConfig(base_url=live.base_url, endpoint="chat", dataset="multi-turn", num_conversations=2,
-                             num_turns=3, turn_len=12, output_len=6, ignore_eos=True, progress=False,
-                             tokenizer=str(Path(checkpoint)))
-        run = asyncio.run(run_benchmark(config))
+        yield live, checkpoint
+
+
+def test_multi_turn_against_real_server_reuses_the_history(real_server):
+    """From turn 2 on, part of every prompt is served from the prefix cache (the history up to where the template
+    renders the earlier reply apart from its generated tokens), and the snapshot memory shows in the report."""
+    live, checkpoint = real_server
+    config = BenchConfig(base_url=live.base_url, endpoint="chat", dataset="multi-turn", num_conversations=2,
+                         num_turns=3, turn_len=12, output_len=6, ignore_eos=True, progress=False,
+                         tokenizer=str(Path(checkpoint)))
+    run = asyncio.run(run_benchmark(config))
     assert (run.summary.completed, run.summary.failed) == (6, 0), run.summary.errors
     assert all(r.cached_tokens is not None for r in run.results)
     assert 0 < run.summary.cached_prompt_share < 1
@@ -131,18 +139,16 @@ def test_multi_turn_against_real_server_reuses_the_history(hybrid_checkpoint):
     assert 0 < run.snapshot_memory["used_bytes"] <= run.snapshot_memory["budget_bytes"]
 
 
-def test_multi_turn_as_ids_reuses_every_earlier_turn(hybrid_checkpoint):
+def test_multi_turn_as_ids_reuses_every_earlier_turn(real_server):
     """The history resent as the ids the model saw (prompts as ids, replies from return_token_ids): from turn 2 on,
     each turn is served from the prefix cache up to the last page boundary its previous turn computed (the
     finished request's snapshot), whatever the replies' text would tokenize to."""
-    checkpoint = hybrid_checkpoint("qwen3_5_qwen35_tokenizer")
-    page_size, output_len = 8, 6
-    with served_engine(checkpoint, num_pages=128, page_size=page_size, max_model_len=512,
-                       max_num_batched_tokens=64) as (live, _):
-        config = BenchConfig(base_url=live.base_url, dataset="multi-turn", prompt_as_ids=True, num_conversations=2,
-                             num_turns=3, turn_len=12, output_len=output_len, ignore_eos=True, progress=False,
-                             tokenizer=str(Path(checkpoint)))
-        run = asyncio.run(run_benchmark(config))
+    live, checkpoint = real_server
+    page_size, output_len = REAL_SERVER_PAGE_SIZE, 6
+    config = BenchConfig(base_url=live.base_url, dataset="multi-turn", prompt_as_ids=True, num_conversations=2,
+                         num_turns=3, turn_len=12, output_len=output_len, ignore_eos=True, progress=False,
+                         tokenizer=str(Path(checkpoint)))
+    run = asyncio.run(run_benchmark(config))
     assert (run.summary.completed, run.summary.failed) == (6, 0), run.summary.errors
     for earlier, later in zip(run.results, run.results[1:]):
         if later.turn == 1:

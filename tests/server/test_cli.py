@@ -41,7 +41,7 @@ def test_every_flag_reaches_the_config():
         "--shutdown-grace-period", "3", "--num-threads", "2", "--default-model-cache", "/tmp/cache",
         "--log-level", "debug", "--generation-config", "none", "--responses-store-size", "7",
         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}',
-        "--torch-profiler-dir", "/tmp/profiles", "--max-encoder-patches-per-step", "1024",
+        "--torch-profiler-dir", "/tmp/profiles", "--max-encoder-patches-per-step", "1024", "--no-kernel-plan-cache",
     )
     assert config == ServerConfig(
         engine=EngineConfig(model="/models/qwen", dtype="float32", device="cpu", page_size=32, num_pages=100,
@@ -51,7 +51,7 @@ def test_every_flag_reaches_the_config():
                             generation_config="none",
                             speculative_config=SpeculativeConfig(3, prompt_lookup_min=4, prompt_lookup_max=4),
                             cpu_kernels_in_background=True, torch_profiler_dir="/tmp/profiles",
-                            max_encoder_patches_per_step=1024),
+                            max_encoder_patches_per_step=1024, kernel_plan_cache=False),
         host="0.0.0.0", port=9001, api_key="k", served_model_name="q", max_queue=10, request_timeout_s=30.0,
         max_body_bytes=4096, cors_allow_origins=("https://a.example", "https://b.example"), shutdown_grace_s=3.0,
         log_level="debug", freeze_gc_after_load=True, responses_store_size=7,
