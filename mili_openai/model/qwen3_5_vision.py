@@ -15,10 +15,13 @@ Module names are the checkpoint's (`model.visual.` stripped): `patch_embed.proj`
 `blocks.N.attn.proj`, `blocks.N.mlp.linear_fc1/2`, `blocks.N.norm1/2`, `merger.norm`, `merger.linear_fc1/2`,
 `deepstack_merger_list.N.*`.
 The projections (and the patch embedding) multiply through the language model's `KernelBackend` (`matmul`, then
-the bias); attention runs torch's SDPA over each image's own patches, which no paged kernel serves.
+the bias); attention runs torch's SDPA over each image's own patches (4-D, batched over the frames of one size:
+its flash kernel), which no paged kernel serves.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -87,14 +90,32 @@ class VisionAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """x (N, hidden), cos/sin (N, head_dim) float32, lengths: patches per image frame (sum N)."""
         count = x.shape[0]
-        q, k, v = self.qkv(x).view(count, 3, self.num_heads, self.head_dim).unbind(1)
-        # rotated in float32, then back, as transformers' apply_rotary_pos_emb_vision
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
-        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
-        outputs = [F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1))
-                   for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
-        return self.proj(torch.cat([out.transpose(0, 1) for out in outputs]).reshape(count, -1))
+        qkv = self.qkv(x).view(count, 3, self.num_heads, self.head_dim)
+        # q and k rotated together in float32, then back, as transformers' apply_rotary_pos_emb_vision each
+        qk = qkv[:, :2].float()
+        qk = (qk * cos[:, None, None, :] + _rotate_half(qk) * sin[:, None, None, :]).to(x.dtype)
+        q, k = qk.unbind(1)
+        return self.proj(attention_per_image(q, k, qkv[:, 2], lengths).reshape(count, -1))
+
+
+def attention_per_image(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Bidirectional attention of each image frame's patches over its own: q, k, v (N, heads, head_dim), the
+    frames' `lengths` in order -> (N, heads, head_dim). Consecutive frames of one length run as one batched SDPA
+    call, 4-D: torch's CPU flash kernel takes only 4-D inputs (3-D ones fall to the math path, several times
+    slower, which materialises every score)."""
+    heads, head_dim = q.shape[1:]
+    outputs, start = [], 0
+    for length, run in itertools.groupby(lengths):
+        frames = len(list(run))
+        end = start + frames * length
+
+        def heads_first(t: torch.Tensor) -> torch.Tensor:  # (frames, heads, length, head_dim), a view
+            return t[start:end].view(frames, length, heads, head_dim).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v))
+        outputs.append(out.transpose(1, 2).reshape(frames * length, heads, head_dim))
+        start = end
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
 class VisionMLP(nn.Module):
