@@ -15,10 +15,14 @@ Module names are the checkpoint's (`model.visual.` stripped): `patch_embed.proj`
 `blocks.N.attn.proj`, `blocks.N.mlp.linear_fc1/2`, `blocks.N.norm1/2`, `merger.norm`, `merger.linear_fc1/2`,
 `deepstack_merger_list.N.*`.
 The projections (and the patch embedding) multiply through the language model's `KernelBackend` (`matmul`, then
-the bias); attention runs torch's SDPA over each image's own patches, which no paged kernel serves.
+the bias); attention runs torch's SDPA over each image's own patches (4-D, batched over the frames of one size:
+its flash kernel), which no paged kernel serves.
 """
 
 from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +32,7 @@ from mili_openai.model.kernel_backend import KernelBackend, require_backend
 from mili_openai.model.vision_config import VisionTowerConfig
 
 LAYER_NORM_EPS = 1e-6
+GRID_TABLES_CACHED = 16  # image grid sizes whose position embeddings and rotary tables the tower keeps
 GridTHW = tuple[int, int, int]  # an image's (frames / temporal_patch_size, patch rows, patch columns)
 
 
@@ -87,14 +92,32 @@ class VisionAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """x (N, hidden), cos/sin (N, head_dim) float32, lengths: patches per image frame (sum N)."""
         count = x.shape[0]
-        q, k, v = self.qkv(x).view(count, 3, self.num_heads, self.head_dim).unbind(1)
-        # rotated in float32, then back, as transformers' apply_rotary_pos_emb_vision
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
-        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
-        outputs = [F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1))
-                   for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
-        return self.proj(torch.cat([out.transpose(0, 1) for out in outputs]).reshape(count, -1))
+        qkv = self.qkv(x).view(count, 3, self.num_heads, self.head_dim)
+        # q and k rotated together in float32, then back, as transformers' apply_rotary_pos_emb_vision each
+        qk = qkv[:, :2].float()
+        qk = (qk * cos[:, None, None, :] + _rotate_half(qk) * sin[:, None, None, :]).to(x.dtype)
+        q, k = qk.unbind(1)
+        return self.proj(attention_per_image(q, k, qkv[:, 2], lengths).reshape(count, -1))
+
+
+def attention_per_image(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Bidirectional attention of each image frame's patches over its own: q, k, v (N, heads, head_dim), the
+    frames' `lengths` in order -> (N, heads, head_dim). Consecutive frames of one length run as one batched SDPA
+    call, 4-D: torch's CPU flash kernel takes only 4-D inputs (3-D ones fall to the math path, several times
+    slower, which materialises every score)."""
+    heads, head_dim = q.shape[1:]
+    outputs, start = [], 0
+    for length, run in itertools.groupby(lengths):
+        frames = len(list(run))
+        end = start + frames * length
+
+        def heads_first(t: torch.Tensor) -> torch.Tensor:  # (frames, heads, length, head_dim), a view
+            return t[start:end].view(frames, length, heads, head_dim).transpose(1, 2)
+
+        out = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v))
+        outputs.append(out.transpose(1, 2).reshape(frames * length, heads, head_dim))
+        start = end
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
 class VisionMLP(nn.Module):
@@ -154,12 +177,19 @@ class Qwen3_5VisionTower(nn.Module):
             spatial = config.head_dim // 2
             inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float32) / spatial))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # grid -> (position embeddings, cos, sin) of its patches: images of one size (most of them) share them
+        self._grid_tables: OrderedDict[GridTHW, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = OrderedDict()
 
     def _apply(self, fn, recurse=True):
         inv_freq = self.inv_freq  # keep the rotary frequencies float32 through .to(dtype)
         result = super()._apply(fn, recurse)
         self.inv_freq = inv_freq.to(device=self.inv_freq.device, dtype=torch.float32)
+        self._grid_tables.clear()  # made from the weights as they were
         return result
+
+    def load_state_dict(self, *args, **kwargs):
+        self._grid_tables.clear()  # made from the position table as it was
+        return super().load_state_dict(*args, **kwargs)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -188,18 +218,27 @@ class Qwen3_5VisionTower(nn.Module):
         freqs = torch.cat((freqs, freqs), dim=-1)
         return freqs.cos(), freqs.sin()
 
+    def grid_tables(self, grid: GridTHW) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(position embeddings (t*h*w, hidden) in the weights' dtype, cos, sin (t*h*w, head_dim) float32) of the
+        patches of an image of `grid`, in pixel_values order; made once per grid size while it is among the
+        GRID_TABLES_CACHED most recent."""
+        tables = self._grid_tables.get(grid)
+        if tables is None:
+            rows, cols = merge_block_coordinates(grid, self.config.spatial_merge_size)
+            tables = (self._position_embeddings(rows, cols, grid).to(self.dtype), *self._rotary(rows, cols))
+            self._grid_tables[grid] = tables
+            while len(self._grid_tables) > GRID_TABLES_CACHED:
+                self._grid_tables.popitem(last=False)
+        self._grid_tables.move_to_end(grid)
+        return tables
+
     def forward(self, pixel_values: torch.Tensor, grids: list[GridTHW]) -> torch.Tensor:
         """pixel_values (sum of t*h*w, patch_dim) for `grids`' images, in order -> (sum of t*h*w / merge^2,
         1 + DeepStack layers, out_hidden): each image's embeddings, in order; [:, 0] the merger's (the decoder's
         input), [:, 1 + i] the i-th DeepStack feature (added after decoder layer i)."""
-        merge = self.config.spatial_merge_size
-        coordinates = [merge_block_coordinates(grid, merge) for grid in grids]
-        rows = torch.cat([r for r, _ in coordinates])
-        cols = torch.cat([c for _, c in coordinates])
-        hidden = self.patch_embed(pixel_values.to(self.pos_embed.weight.device))
-        hidden = hidden + torch.cat([self._position_embeddings(r, c, grid)
-                                     for (r, c), grid in zip(coordinates, grids)]).to(hidden.dtype)
-        cos, sin = self._rotary(rows, cols)
+        tables = [self.grid_tables(grid) for grid in grids]
+        position, cos, sin = (torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*tables))
+        hidden = self.patch_embed(pixel_values.to(self.pos_embed.weight.device)) + position
         lengths = [h * w for t, h, w in grids for _ in range(t)]  # each frame attends to itself
         deepstack = []
         for index, block in enumerate(self.blocks):

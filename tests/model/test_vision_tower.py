@@ -16,8 +16,11 @@ import torch
 from vision_helpers import IMAGE_SIZES, drawn_image
 
 from mili_openai.engine.image_processor import ImagePreprocessor
+from mili_openai.model.hybrid_checkpoint import TINY_VISION_CONFIG
+from mili_openai.model.kernel_backend import KernelBackend
 from mili_openai.model.loader import load_model
-from mili_openai.model.vision_config import read_vision_spec, read_vision_tower
+from mili_openai.model.qwen3_5_vision import GRID_TABLES_CACHED, Qwen3_5VisionTower, attention_per_image
+from mili_openai.model.vision_config import DEFAULT_VISION, VisionTowerConfig, read_vision_spec, read_vision_tower
 
 EMBEDDING_ATOL = 1e-5
 
@@ -72,6 +75,32 @@ def test_vision_tower_matches_transformers(checkpoint, features):
     with torch.no_grad():
         alone = model.visual.encode([torch.from_numpy(features[1].pixel_values)], [features[1].grid_thw])[0]
     torch.testing.assert_close(alone, got[1], atol=EMBEDDING_ATOL, rtol=0)
+
+
+def test_attention_per_image_batches_frames_of_one_size():
+    """Runs of frames of one size go through SDPA together; each frame still attends to its own patches only."""
+    generator = torch.Generator().manual_seed(0)
+    lengths, heads, head_dim = [4, 4, 6, 4, 4], 2, 8
+    q, k, v = (torch.randn(sum(lengths), heads, head_dim, generator=generator) for _ in range(3))
+    expected = []
+    for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths)):
+        weights = torch.softmax(torch.einsum("qhd,khd->hqk", qs, ks) / head_dim ** 0.5, dim=-1)
+        expected.append(torch.einsum("hqk,khd->qhd", weights, vs))
+    torch.testing.assert_close(attention_per_image(q, k, v, lengths), torch.cat(expected))
+
+
+def test_grid_tables_are_kept_per_size_and_dropped_with_the_weights_dtype():
+    tower = Qwen3_5VisionTower(VisionTowerConfig(**(DEFAULT_VISION | TINY_VISION_CONFIG), out_hidden_size=8),
+                               KernelBackend())
+    grid = (1, 4, 6)
+    first = tower.grid_tables(grid)
+    assert tower.grid_tables(grid)[0] is first[0]  # kept
+    for columns in range(GRID_TABLES_CACHED):  # as many other sizes, each newer than it
+        tower.grid_tables((1, 2, 2 * (columns + 1)))
+    assert tower.grid_tables(grid)[0] is not first[0]  # dropped, made again
+    torch.testing.assert_close(tower.grid_tables(grid), first, rtol=0, atol=0)
+    tower.to(torch.float64)
+    assert tower.grid_tables(grid)[0].dtype == torch.float64
 
 
 @pytest.mark.parametrize("vision_config, message", [
