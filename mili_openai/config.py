@@ -20,8 +20,7 @@ DEFAULT_MAX_ENCODER_PATCHES = 4096
 DEFAULT_ENGINE_PROCESS = {"cpu": False, "cuda": True}  # the server's engine in a process of its own
 DEFAULT_ASYNC_LAUNCH = {"cpu": False, "cuda": True}  # steps launched on the engine loop (see EngineConfig)
 DEFAULT_CPU_KV_CACHE_MEMORY_GB = 2.0  # on CUDA the pool takes what gpu_memory_utilization leaves
-# speculative `disable_by_batch_size` "auto": on CUDA vLLM's (draft at every batch size); on a CPU a few decodes are
-# near compute-bound, each verify row costing about a row's compute (measured: docs/speculative.md)
+# speculative disable_by_batch_size "auto": CUDA none (vLLM's); a CPU 4, where a few decodes are compute-bound
 DEFAULT_DISABLE_BY_BATCH_SIZE = {"cpu": 4, "cuda": None}
 SPECULATIVE_DEVICE_DEFAULT = "auto"
 # "auto": Triton page-table kernels on CUDA, the compiled CPU kernels on CPU; "triton": Triton (CUDA, or the
@@ -64,10 +63,9 @@ class SpeculativeConfig:
     "mtp" drafts with the checkpoint's own multi-token-prediction module (Qwen3.5 / Qwen3.6 / Qwen3-Next),
     chained for more than one token; "draft_model" with `model`, a smaller Qwen3 / Qwen3.5 checkpoint that
     shares the target's tokenizer, run autoregressively. As vLLM, `method` left out is "draft_model" where
-    `model` is given, else "ngram". A request whose drafts are mostly rejected pauses its drafting (the
-    DraftSwitch, engine/proposers.py: `min_drafts_for_switch`, `min_acceptance_rate`, `switch_backoff_tokens`).
-    `token_map` (SGLang's `--speculative-token-map`) restricts a model's drafts to a file's token ids, so each
-    draft reads only their rows of the LM head.
+    `model` is given, else "ngram". A request whose drafts are mostly rejected pauses its drafting (DraftSwitch,
+    engine/proposers.py). `token_map` (SGLang's `--speculative-token-map`) restricts a model's drafts to a
+    file's token ids, so each draft reads only their rows of the LM head.
     """
 
     num_speculative_tokens: int
@@ -99,8 +97,7 @@ class SpeculativeConfig:
         if not (_is_count(low) and _is_count(high) and low <= high):
             raise ValueError(f"prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max, "
                              f"got {self.prompt_lookup_min!r} and {self.prompt_lookup_max!r}")
-        limit = self.disable_by_batch_size
-        if limit is not None and limit != SPECULATIVE_DEVICE_DEFAULT and not _is_count(limit):
+        if (limit := self.disable_by_batch_size) not in (None, SPECULATIVE_DEVICE_DEFAULT) and not _is_count(limit):
             raise ValueError(f'disable_by_batch_size must be an integer >= 1, null (draft at every batch size) or '
                              f'"{SPECULATIVE_DEVICE_DEFAULT}" (the device\'s default), got {limit!r}')
         if not 0 <= self.min_acceptance_rate <= 1:

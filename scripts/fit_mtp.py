@@ -261,7 +261,8 @@ def measure(args, target: Path, speculative: dict, eval_prompts: list[list[int]]
     """Acceptance of the fitted proposer through mili's engine, greedy: on the held-out prompts, or with
     --bench-workload on the benchmark's own requests (the fitted prompt set, whose sequences as fitted are
     `fitted`: the served ones with drafts are compared with them)."""
-    llm = LLM(str(target), speculative_config=speculative | {"min_acceptance_rate": 0, "disable_by_batch_size": None}, num_threads=args.num_threads)
+    no_switch = {"min_acceptance_rate": 0, "disable_by_batch_size": None}  # measure every draft, at any batch size
+    llm = LLM(str(target), speculative_config=speculative | no_switch, num_threads=args.num_threads)
     if args.bench_workload:
         served = [list(output.prompt_token_ids) + list(output.outputs[0].token_ids)
                   for arguments in args.bench_workload for output in generate_as_served(llm, bench_workload(arguments))]
