@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_helpers import make_seq
+from engine_helpers import make_seq, speculative_scheduler
 
 from mili_openai.config import (
     DEFAULT_DISABLE_BY_BATCH_SIZE,
@@ -117,9 +117,7 @@ def test_the_scheduler_runs_the_model_proposer_again_for_a_probe():
     (its next step verifies those drafts: the probe)."""
     speculative = SpeculativeConfig(K, method="mtp", min_drafts_for_switch=K, switch_backoff_tokens=2,
                                     disable_by_batch_size=None)
-    config = EngineConfig(page_size=4, num_pages=32, max_num_seqs=8, max_num_batched_tokens=64,
-                          speculative_config=speculative)
-    scheduler = Scheduler(config, KVPageManager(num_pages=32, page_size=4, enable_prefix_caching=False))
+    scheduler = speculative_scheduler(speculative)
     seq = make_seq("a", [5, 6, 5], max_tokens=40)
     scheduler.add(seq)
     assert scheduler.schedule().proposes_for == [True]

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine_helpers import make_seq
+from engine_helpers import make_seq, speculative_scheduler
 
 from mili_openai.config import EngineConfig, SpeculativeConfig
 from mili_openai.engine.contract import check_request
@@ -327,9 +327,8 @@ def test_drafts_take_free_pages_only_and_fit_the_budget():
 
 def test_drafts_stop_above_disable_by_batch_size():
     """Above the batch size, steps decode without drafts and may be planned ahead again."""
-    config = EngineConfig(page_size=4, num_pages=32, max_num_seqs=8, max_num_batched_tokens=64, speculative_config=
-                          SpeculativeConfig(3, prompt_lookup_min=1, prompt_lookup_max=1, disable_by_batch_size=1))
-    scheduler = Scheduler(config, KVPageManager(num_pages=32, page_size=4, enable_prefix_caching=False))
+    scheduler = speculative_scheduler(SpeculativeConfig(3, prompt_lookup_min=1, prompt_lookup_max=1,
+                                                        disable_by_batch_size=1))
     first, second = make_seq("a", [5, 6, 5], max_tokens=9), make_seq("b", [7, 8, 7], max_tokens=9)
     scheduler.add(first)
     scheduler.schedule()
@@ -371,9 +370,7 @@ def test_a_request_switched_off_runs_no_model_proposer_and_its_steps_are_planned
     ahead too, so that the proposer's caches cover its every token."""
     speculative = SpeculativeConfig(3, method="mtp", min_acceptance_rate=0.5, min_drafts_for_switch=3,
                                     disable_by_batch_size=None)
-    config = EngineConfig(page_size=4, num_pages=32, max_num_seqs=8, max_num_batched_tokens=64,
-                          speculative_config=speculative)
-    scheduler = Scheduler(config, KVPageManager(num_pages=32, page_size=4, enable_prefix_caching=False))
+    scheduler = speculative_scheduler(speculative)
     first = make_seq("a", [5, 6, 5], max_tokens=20)
     scheduler.add(first)
     prompt = scheduler.schedule()

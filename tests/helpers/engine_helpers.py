@@ -10,8 +10,11 @@ import random
 import pytest
 import torch
 
+from mili_openai.config import EngineConfig, SpeculativeConfig
 from mili_openai.engine.contract import check_request
+from mili_openai.engine.kv_pages import KVPageManager
 from mili_openai.engine.sampling_params import SamplingParams
+from mili_openai.engine.scheduler import Scheduler
 from mili_openai.engine.sequence import Sequence
 
 LOGPROB_ATOL = 2e-4  # float32 on both sides; differences come only from summation order
@@ -22,6 +25,14 @@ def make_seq(request_id: str, prompt: list[int], max_tokens: int) -> Sequence:
     """A sequence as the engine makes one, without a tokenizer: for the scheduler's and its policies' tests."""
     return Sequence(sequence_id=request_id, prompt_token_ids=prompt, params=SamplingParams(max_tokens=max_tokens),
                     max_tokens=max_tokens, arrival_time=0.0, detokenizer=None, stop_matcher=None, generator=None)
+
+
+def speculative_scheduler(speculative: SpeculativeConfig) -> Scheduler:
+    """A scheduler drafting as `speculative` says, over 32 pages of 4 tokens without prefix caching, a budget of 64
+    tokens and 8 sequences: for the scheduler's and the DraftSwitch's tests."""
+    config = EngineConfig(page_size=4, num_pages=32, max_num_seqs=8, max_num_batched_tokens=64,
+                          speculative_config=speculative)
+    return Scheduler(config, KVPageManager(num_pages=32, page_size=4, enable_prefix_caching=False))
 
 
 def greedy(max_tokens: int, **params) -> SamplingParams:
