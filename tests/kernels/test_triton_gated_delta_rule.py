@@ -20,7 +20,8 @@ INTERPRETER_TIMEOUT_S = 900  # the cases take well under a minute of CPU; a load
 def test_kernels_match_the_reference_under_the_interpreter(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_CACHE_DIR": str(tmp_path / "triton")}
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", str(CASES), "-q", "-p", "no:cacheprovider", "-W", "ignore::UserWarning"],
+        [sys.executable, "-m", "pytest", str(CASES), "-q", "-m", "not slow", "-p", "no:cacheprovider", "-W",
+         "ignore::UserWarning"],
         cwd=CASES.parents[2], env=env, capture_output=True, text=True, timeout=INTERPRETER_TIMEOUT_S,
     )
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
