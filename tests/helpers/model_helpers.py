@@ -97,6 +97,20 @@ def counting_matmul(calls: list[torch.Size]):
     return matmul
 
 
+class CountingStack:
+    """A decode stack that records each call's row count and runs `stack`: proves a forward went through the
+    compiled decode stack, not the modules."""
+
+    def __init__(self, stack) -> None:
+        self.stack = stack
+        self.max_rows = stack.max_rows
+        self.calls: list[int] = []
+
+    def forward(self, *args):
+        self.calls.append(args[0].shape[0])
+        return self.stack.forward(*args)
+
+
 def random_tokens(length: int, seed: int, vocab: int = VOCAB_SAMPLE) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(vocab) for _ in range(length)]

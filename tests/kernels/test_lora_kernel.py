@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lora_helpers import slot_table
-from model_helpers import PagedSequences, random_tokens
+from model_helpers import CountingStack, PagedSequences, random_tokens
 
 from mili_openai.kernels import cpu_supports_kernels
 from mili_openai.kernels.lora import LoraGroup, LoraRows, add_lora, lora_groups
@@ -98,18 +98,11 @@ def test_decode_stack_with_adapters_matches_the_lora_modules(checkpoint, request
     tokens = {key: random_tokens(n, seed=20 + i) for i, (key, n) in enumerate(lengths.items())}
     steps = [([], [("a", 7), ("b", 9), ("c", 4), ("d", 6)]), *[(["a", "b", "c", "d"], [])] * 3,
              (["d", "c", "b", "a"], []), (["b", "a"], [])]
-    stack_calls = []
-
-    class CountingStack:  # proves the first run went through the stack, not the modules both times
-        max_rows = lora_stack.max_rows
-
-        def forward(self, *args):
-            stack_calls.append(args[0].shape[0])
-            return lora_stack.forward(*args)
+    counting = CountingStack(lora_stack)  # proves the first run went through the stack, not the modules both times
 
     runs = {}
     no_adapters = dict.fromkeys(slot_of, -1)
-    for name, decode_stack, row_slots in (("stack", CountingStack(), slot_of), ("modules", None, slot_of),
+    for name, decode_stack, row_slots in (("stack", counting, slot_of), ("modules", None, slot_of),
                                           ("base", lora_stack, no_adapters)):
         model.model.decode_stack = decode_stack
         pages = PagedSequences(num_pages=64, page_size=4, seed=6)
@@ -118,7 +111,7 @@ def test_decode_stack_with_adapters_matches_the_lora_modules(checkpoint, request
         cache = KVCache(model.cache_specs(), 64, 4, torch.bfloat16, torch.device("cpu"))
         runs[name] = run_with_adapters(model, slots, row_slots, pages, steps, cache), cache.pools
     model.model.decode_stack = lora_stack
-    assert stack_calls == [4, 4, 4, 4, 2]
+    assert counting.calls == [4, 4, 4, 4, 2]
     (with_stack, stack_pools), (with_modules, module_pools) = runs["stack"], runs["modules"]
     for (key, position, got), (_, _, want) in zip(with_stack, with_modules, strict=True):
         assert torch.equal(got, want), f"{key} position {position}"

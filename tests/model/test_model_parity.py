@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_helpers import PagedSequences, random_tokens
+from model_helpers import CountingStack, PagedSequences, random_tokens
 
 from mili_openai.kernels import cpu_supports_kernels
 from mili_openai.model import KVCache, ModelCaches, load_model
@@ -182,17 +182,10 @@ def test_compiled_decode_stack_matches_the_modules_bit_for_bit(checkpoint, reque
     stack = model.model.decode_stack
     assert stack is not None
     tokens, steps = mixed_schedule()
-    stack_calls = []
-
-    class CountingStack:  # proves the first run went through the stack, not the modules both times
-        max_rows = stack.max_rows
-
-        def forward(self, *args):
-            stack_calls.append(args[0].shape[0])
-            return stack.forward(*args)
+    counting = CountingStack(stack)  # proves the first run went through the stack, not the modules both times
 
     runs = {}
-    for name, decode_stack in (("stack", CountingStack()), ("modules", None)):
+    for name, decode_stack in (("stack", counting), ("modules", None)):
         model.model.decode_stack = decode_stack
         pages = PagedSequences(num_pages=64, page_size=4, seed=6)
         for key, seq in tokens.items():
@@ -200,7 +193,7 @@ def test_compiled_decode_stack_matches_the_modules_bit_for_bit(checkpoint, reque
         cache = KVCache(model.cache_specs(), 64, 4, torch.bfloat16, torch.device("cpu"))
         runs[name] = run_steps(model, config, pages, steps, cache=cache), cache.pools
     model.model.decode_stack = stack
-    assert stack_calls == [len(decode) for decode, prefill in steps if not prefill]  # every pure decode step
+    assert counting.calls == [len(decode) for decode, prefill in steps if not prefill]  # every pure decode step
     (with_stack, stack_pools), (with_modules, module_pools) = runs["stack"], runs["modules"]
     assert [(k, p) for k, p, _ in with_stack] == [(k, p) for k, p, _ in with_modules]
     for (key, position, got), (_, _, want) in zip(with_stack, with_modules):
