@@ -27,9 +27,10 @@ LOG2_E = 1.4426950408889634  # softmax runs in base 2 inside the kernels
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 MIN_DOT_ROWS = 16  # tl.dot's smallest M on the GPU: decode pads a head group up to it
-# the multiprocessors split counts are planned for where the device cannot say (Triton's CPU interpreter):
-# an H100's
-DEFAULT_MULTIPROCESSORS = 132
+# the multiprocessors split counts are planned for where the device cannot say (Triton's CPU interpreter, which
+# runs each program of a launch in Python): a small GPU's, so launches stay short while a few decode rows still
+# split their context and meet the reduce (an H100's 132 made each decode launch 16 splits, 2.4x slower there)
+DEFAULT_MULTIPROCESSORS = 8
 
 
 @dataclass(frozen=True, slots=True)

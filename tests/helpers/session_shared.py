@@ -21,15 +21,26 @@ from filelock import FileLock
 SHARED_DIR_NAME = "built-once"
 # beside each built directory, written last, holding what `build` returned: a directory without one is unfinished
 BUILT_SUFFIX = ".built"
+# set by a test that runs pytest in a subprocess (the Triton interpreter's cases): that session builds into, and
+# reuses, its parent session's directory
+SHARED_DIR_ENV = "MILI_TESTS_BUILT_ONCE_DIR"
+
+
+def shared_directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where this test session's built-once results live (created)."""
+    if os.environ.get(SHARED_DIR_ENV):
+        shared = Path(os.environ[SHARED_DIR_ENV])
+    elif os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's basetemp is a folder of the session's
+        shared = tmp_path_factory.getbasetemp().parent / SHARED_DIR_NAME
+    else:
+        shared = tmp_path_factory.getbasetemp() / SHARED_DIR_NAME
+    shared.mkdir(exist_ok=True)
+    return shared
 
 
 def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Path]) -> Path:
     """`build(directory)`'s result (a path), built once per test session; `name` must be unique in it."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's basetemp is a folder of the session's
-        root = root.parent
-    shared = root / SHARED_DIR_NAME
-    shared.mkdir(exist_ok=True)
+    shared = shared_directory(tmp_path_factory)
     directory, mark = shared / name, shared / f"{name}{BUILT_SUFFIX}"
     with FileLock(str(shared / f"{name}.lock")):
         if not mark.exists():

@@ -11,12 +11,11 @@
 from __future__ import annotations
 
 import inspect
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from triton_interpreter import run_interpreted_cases
 
 triton = pytest.importorskip("triton")
 
@@ -24,18 +23,11 @@ from mili_openai.kernels import triton_attention_kernels  # noqa: E402
 
 # the kernels against their reference; no compile under load
 CASES = [Path(__file__).with_name(name) for name in ("triton_attention_cases.py", "triton_compile_cases.py")]
-INTERPRETER_TIMEOUT_S = 900  # the cases take well under this on a loaded 2-core machine
 HOPPER = (90, 32)  # compute capability 9.0 (H100, H200), warp size
 
 
-def test_kernels_match_their_reference_under_the_interpreter(tmp_path):
-    env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_CACHE_DIR": str(tmp_path / "triton")}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", *map(str, CASES), "-q", "-p", "no:cacheprovider", "-W", "ignore::UserWarning"],
-        cwd=CASES[0].parents[2], env=env, capture_output=True, text=True, timeout=INTERPRETER_TIMEOUT_S,
-    )
-    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
+def test_kernels_match_their_reference_under_the_interpreter(tmp_path_factory):
+    run_interpreted_cases(CASES, tmp_path_factory)
 
 
 def _ptxas_available() -> bool:

@@ -4,28 +4,19 @@ this one must stay uninterpreted)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from triton_interpreter import run_interpreted_cases
+
 pytest.importorskip("triton")
 
 CASES = Path(__file__).with_name("triton_linear_attention_cases.py")
-INTERPRETER_TIMEOUT_S = 900  # the cases take well under a minute of CPU; a loaded 2-core machine stretches that
 
 
-def test_kernels_match_the_reference_under_the_interpreter(tmp_path):
-    env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_CACHE_DIR": str(tmp_path / "triton")}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", str(CASES), "-q", "-m", "not slow", "-p", "no:cacheprovider", "-W",
-         "ignore::UserWarning"],
-        cwd=CASES.parents[2], env=env, capture_output=True, text=True, timeout=INTERPRETER_TIMEOUT_S,
-    )
-    assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
-    assert " passed" in result.stdout and "skipped" not in result.stdout, result.stdout[-2000:]
+def test_kernels_match_the_reference_under_the_interpreter(tmp_path_factory):
+    run_interpreted_cases([CASES], tmp_path_factory, "-m", "not slow")
 
 
 def _ptxas_available() -> bool:
