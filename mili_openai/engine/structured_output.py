@@ -15,11 +15,14 @@ keeps: the accepted drafts and the token after them (`consume_tokens`).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -28,6 +31,8 @@ import torch
 from mili_openai.engine.sampling_params import StructuredOutputsParams
 
 
+# llguidance views of tokenizers kept per process (a server has one; tests start engines on a few)
+VOCABULARIES_KEPT = 4
 # keywords whose value is one subschema, a list of them, or a mapping of names to them
 SUBSCHEMA_KEYWORDS = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
                       "unevaluatedItems")
@@ -200,6 +205,31 @@ class ConstrainedOutput:
             self.finished_at = self.consumed
 
 
+@dataclass(frozen=True, slots=True)
+class VocabularyKey:
+    """What llguidance's view of a tokenizer depends on: its serialised form (as a digest), the vocabulary size
+    and the EOS token. The tokenizer rides along, outside the comparison, to build the view from."""
+
+    digest: bytes
+    vocab_size: int
+    eos_token_id: int | None
+    tokenizer: Any = field(compare=False, hash=False, repr=False)
+
+    @classmethod
+    def of(cls, tokenizer: Any, vocab_size: int) -> VocabularyKey:
+        serialised = tokenizer.backend_tokenizer.to_str().encode()  # ~0.2 s for Qwen's 151k tokens
+        return cls(hashlib.sha256(serialised).digest(), vocab_size, tokenizer.eos_token_id, tokenizer)
+
+
+@functools.lru_cache(maxsize=VOCABULARIES_KEPT)
+def llguidance_vocabulary(key: VocabularyKey) -> Any:
+    """llguidance's view of `key.tokenizer` (~2.5 s for Qwen's vocabulary; read-only once built, so engines
+    with the same tokenizer in one process share it: a test session starts dozens of engines)."""
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(key.tokenizer, n_vocab=key.vocab_size)
+
+
 class GrammarCompiler:
     """Constrained outputs for sequences' formats, over one model's tokenizer.
 
@@ -224,11 +254,9 @@ class GrammarCompiler:
     def load_vocabulary(self) -> Any:
         """llguidance's view of the tokenizer, built on first call. It holds the GIL for most of its build,
         so the server calls this while loading: built on a request, it would stall every stream once."""
-        import llguidance.hf
-
         with self._vocabulary_lock:
             if self._vocabulary is None:
-                self._vocabulary = llguidance.hf.from_tokenizer(self._tokenizer, n_vocab=self._vocab_size)
+                self._vocabulary = llguidance_vocabulary(VocabularyKey.of(self._tokenizer, self._vocab_size))
             return self._vocabulary
 
     def compile(self, spec: StructuredOutputsParams) -> Any:

@@ -14,7 +14,7 @@ from langchain_openai import ChatOpenAI
 
 from helpers_server import served_engine
 from mili_openai import LLM, SamplingParams, StructuredOutputsParams
-from mili_openai.engine.structured_output import strict_json_schema
+from mili_openai.engine.structured_output import GrammarCompiler, VocabularyKey, strict_json_schema
 
 SCHEMA = {
     "type": "object",
@@ -152,6 +152,16 @@ def test_compiled_formats_are_cached_and_only_copies_run(llm):
         assert grammars.compile(spec) is not compiled  # the oldest, evicted: compiled anew
     finally:
         del grammars.CACHED_FORMATS
+
+
+def test_engines_on_one_tokenizer_share_its_llguidance_view(llm, qwen_tokenizer):
+    """llguidance's view of a tokenizer (seconds to build) is built once per process for engines on the same
+    tokenizer, another instance of it included; another vocabulary size is another view."""
+    vocab_size = llm.core.info.vocab_size
+    view = llm.core.grammars.load_vocabulary()
+    assert GrammarCompiler(qwen_tokenizer, vocab_size).load_vocabulary() is view
+    key = VocabularyKey.of(qwen_tokenizer, vocab_size)
+    assert key == VocabularyKey.of(llm.tokenizer, vocab_size) and key != VocabularyKey.of(qwen_tokenizer, vocab_size + 1)
 
 
 def test_masks_are_llguidances_own(llm):
