@@ -49,6 +49,7 @@ The helper modules the folders share are in tests/helpers, on pytest's pythonpat
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -264,3 +265,40 @@ def real_server(real_engine):
     app = create_app(ServerConfig(served_model_name="tiny-qwen3", request_timeout_s=60.0), engine=real_engine)
     with live_server(app) as live:
         yield live
+
+
+# The files that took longest in the README's run (`--durations=0`, 2026-11-29), longest first. Under `--dist
+# loadfile` they are handed out first, so the run does not end on one of them while the other worker idles; the
+# rest follow by their number of tests, as pytest-xdist would order them (which alone left the 73 s Triton file
+# and two single-test files of 17-20 s among the last).
+LONG_FILES = ("kernels/test_triton_attention.py", "engine/test_tensor_parallel.py", "server/test_engine_process.py",
+              "engine/test_speculative_draft_model.py", "bench/test_fit_mtp.py", "quant/test_quantized_models.py",
+              "clients/test_clients.py", "server/test_profiler_server.py", "engine/test_speculative_decoding.py",
+              "engine/test_hybrid_prefix_cache.py", "engine/test_draft_switch.py", "quant/test_compressed_tensors.py",
+              "server/test_tensor_parallel_server.py", "server/test_shutdown.py",
+              "kernels/test_triton_gated_delta_rule.py")
+
+
+def pytest_collection_modifyitems(items):
+    """The long files' tests first, in LONG_FILES's order, then the other files by their number of tests, most
+    first; each file's tests stay together and in their order (a stable sort of contiguous files)."""
+    rank = {f"tests/{name}": index for index, name in enumerate(LONG_FILES)}
+    counts = Counter(item.nodeid.split("::", 1)[0] for item in items)
+
+    def order(item) -> tuple[int, int]:
+        path = item.nodeid.split("::", 1)[0]
+        return rank.get(path, len(LONG_FILES)), -counts[path]
+
+    items.sort(key=order)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` hands out the files in the order collection left them (above), rather than re-sorting
+    them by their number of tests (pytest-xdist's `--loadscope-reorder`, on by default)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    config.option.loadscopereorder = False
+    return LoadFileScheduling(config, log)
