@@ -1,5 +1,5 @@
-// The gated delta rule's step and the short causal conv over one sequence, shared by the per-op kernels
-// (gated_delta_rule.cpp) and the fused Gated DeltaNet decode layer (gated_deltanet_decode.cpp).
+// The gated delta rule's step, the short causal conv over one sequence and their dtype dispatch, shared by the
+// per-op kernels (gated_delta_rule.cpp) and the fused Gated DeltaNet decode layer (gated_deltanet_decode.cpp).
 #pragma once
 
 #include <torch/extension.h>
@@ -135,6 +135,18 @@ inline void check_slots_in_range(const torch::Tensor& slots, int64_t pool_slots,
 }
 
 // value head h's (Dk, Dv) state in the pool's row `slot`
+// body(T()) for the activations' dtype T (float, bf16 or fp16), the dtypes the Gated DeltaNet kernels take; `op`
+// names the kernel in the error for any other
+template <typename Body>
+void dispatch_activations(at::ScalarType type, const char* op, Body body) {
+  switch (type) {
+    case at::kFloat: return body(float());
+    case at::kBFloat16: return body(at::BFloat16());
+    case at::kHalf: return body(at::Half());
+    default: TORCH_CHECK(false, op, ": float32, bfloat16 or float16 only");
+  }
+}
+
 inline float* state_of(const torch::Tensor& state_pool, int64_t slot, int64_t h) {
   return state_pool.data_ptr<float>() + (slot * state_pool.size(1) + h) * state_pool.size(2) * state_pool.size(3);
 }

@@ -28,6 +28,7 @@ using mili::delta_rule_step;
 using mili::conv_tokens;
 using mili::check_slots_in_range;
 using mili::state_of;
+using mili::dispatch_activations;
 
 // One token's inputs for value head h, widened and normalised, then the step; out rows in v's dtype.
 template <typename T>
@@ -88,18 +89,6 @@ void check_conv(const torch::Tensor& x, const torch::Tensor& conv_pool, const to
               "causal conv1d: conv_pool contiguous (slots, C, K-1) in x's dtype");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous(), "causal conv1d: slots int64");
   check_slots_in_range(slots, conv_pool.size(0), "causal conv1d");
-}
-
-
-// The conv's dtypes: fp32, bf16, fp16 activations
-template <typename Body>
-void dispatch_conv_dtype(at::ScalarType type, Body body) {
-  switch (type) {
-    case at::kFloat: return body(float());
-    case at::kBFloat16: return body(at::BFloat16());
-    case at::kHalf: return body(at::Half());
-    default: TORCH_CHECK(false, "causal conv1d: float32, bfloat16 or float16 only");
-  }
 }
 
 }  // namespace
@@ -164,7 +153,7 @@ torch::Tensor causal_conv1d_decode(const torch::Tensor& x, const torch::Tensor& 
   auto out = torch::empty_like(x, at::MemoryFormat::Contiguous);
   const int64_t* slot = slots.data_ptr<int64_t>();
   const float* bias_data = bias_tensor.defined() ? bias_tensor.data_ptr<float>() : nullptr;
-  dispatch_conv_dtype(x.scalar_type(), [&](auto zero) {
+  dispatch_activations(x.scalar_type(), "causal conv1d", [&](auto zero) {
     using scalar_t = decltype(zero);
     at::parallel_for(0, x.size(0) * blocks, 1, [&](int64_t first, int64_t last) {
       for (int64_t task = first; task < last; ++task) {
@@ -194,7 +183,7 @@ torch::Tensor causal_conv1d_prefill(const torch::Tensor& x, const torch::Tensor&
   const int64_t* bounds = cu_seqlens.data_ptr<int64_t>();
   TORCH_CHECK(bounds[0] == 0 && bounds[slots.numel()] == x.size(0), "causal conv1d: cu_seqlens bounds");
   const float* bias_data = bias_tensor.defined() ? bias_tensor.data_ptr<float>() : nullptr;
-  dispatch_conv_dtype(x.scalar_type(), [&](auto zero) {
+  dispatch_activations(x.scalar_type(), "causal conv1d", [&](auto zero) {
     using scalar_t = decltype(zero);
     at::parallel_for(0, slots.numel() * blocks, 1, [&](int64_t first, int64_t last) {
       for (int64_t task = first; task < last; ++task) {

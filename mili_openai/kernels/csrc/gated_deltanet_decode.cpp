@@ -108,16 +108,6 @@ void check_layer(const torch::Tensor& projected, const torch::Tensor& conv_pool,
   mili::check_slots_in_range(slots, conv_pool.size(0), "gated deltanet decode");
 }
 
-template <typename Body>
-void dispatch_activations(at::ScalarType type, Body body) {
-  switch (type) {
-    case at::kFloat: return body(float());
-    case at::kBFloat16: return body(at::BFloat16());
-    case at::kHalf: return body(at::Half());
-    default: TORCH_CHECK(false, "gated deltanet decode: float32, bfloat16 or float16 only");
-  }
-}
-
 template <typename T, typename W>
 void decode_rows(const torch::Tensor& projected, const torch::Tensor& conv_pool, const W* conv_weight, int64_t width,
                  const HeadStep<T>& heads, const torch::Tensor& state_pool, const int64_t* slots, T* mixed) {
@@ -158,7 +148,7 @@ torch::Tensor gated_deltanet_decode(const torch::Tensor& projected, const torch:
   auto out = torch::empty({projected.size(0), shape.value_dim()}, projected.options());
   auto mixed = torch::empty({projected.size(0), shape.conv_dim()}, projected.options());
   const int64_t* slot = slots.data_ptr<int64_t>();
-  dispatch_activations(projected.scalar_type(), [&](auto zero) {
+  mili::dispatch_activations(projected.scalar_type(), "gated deltanet decode", [&](auto zero) {
     using scalar_t = decltype(zero);
     const HeadStep<scalar_t> heads{projected.data_ptr<scalar_t>(), projected.stride(0), mixed.data_ptr<scalar_t>(),
                                    a_log_f.data_ptr<float>(), dt_bias_f.data_ptr<float>(),
