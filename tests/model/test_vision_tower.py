@@ -2,7 +2,7 @@
 transformers itself: the image preprocessing gives exactly the pixel values and grids of the checkpoint's own image
 processor (`AutoImageProcessor`), and mili's vision tower (model/qwen3_5_vision.py, loaded from `model.visual.*`)
 gives transformers' `Qwen3_5VisionModel` merged embeddings (and `Qwen3VLVisionModel`'s DeepStack features too) in
-fp32, for images of several sizes and aspect ratios encoded together (each attending to its own patches only).
+fp32, its projections on oneDNN and on torch's matmul, for images of several sizes and aspect ratios encoded together (each attending to its own patches only).
 Unsupported vision options are refused at load, by name."""
 
 from __future__ import annotations
@@ -75,6 +75,12 @@ def test_vision_tower_matches_transformers(checkpoint, features):
     with torch.no_grad():
         alone = model.visual.encode([torch.from_numpy(features[1].pixel_values)], [features[1].grid_thw])[0]
     torch.testing.assert_close(alone, got[1], atol=EMBEDDING_ATOL, rtol=0)
+    # the projections ran on oneDNN's packed linears (bias and GELU fused); torch's matmul path gives the same
+    assert model.backend.biased_linear is not None
+    model.backend.biased_linear = None
+    with torch.no_grad():
+        unfused = model.visual.encode([torch.from_numpy(f.pixel_values) for f in features], grids)
+    torch.testing.assert_close(torch.cat(unfused), expected, atol=EMBEDDING_ATOL, rtol=0)
 
 
 def test_attention_per_image_batches_frames_of_one_size():
