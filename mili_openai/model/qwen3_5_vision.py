@@ -109,23 +109,21 @@ class VisionAttention(nn.Module):
         """x (N, hidden), cos/sin (N, head_dim) float32, lengths: patches per image frame (sum N)."""
         count = x.shape[0]
         qkv = self.qkv(x).view(count, 3, self.num_heads, self.head_dim)
-        q, k = rotate_pairs(qkv[:, :2], cos, sin).unbind(1)
+        q, k = rotate_pairs(qkv[:, :2].transpose(0, 1), cos, sin)
         out = attention_per_image(q, k, qkv[:, 2], lengths, self.backend.image_attention)
         return self.proj(out.reshape(count, -1))
 
 
 def rotate_pairs(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """q and k (N, 2, heads, head_dim) rotated in float32, then back to their dtype, rounded as transformers'
+    """q and k (2, N, heads, head_dim) rotated in float32, then back to their dtype, rounded as transformers'
     apply_rotary_pos_emb_vision (x * cos + rotate_half(x) * sin) rounds: cos and sin repeat their first half, so
-    each half is two products and a sum, without building rotate_half's copy."""
+    each half is two products and a difference or sum, without rotate_half's copies (half the time). The result
+    is contiguous: q and k each contiguous too, as the attention kernel takes K."""
     x = qk.float()
     half = x.shape[-1] // 2
     first, second = x[..., :half], x[..., half:]
-    cos, sin = cos[:, None, None, :half], sin[:, None, None, :half]
-    out = torch.empty_like(x)
-    torch.mul(first, cos, out=out[..., :half]).addcmul_(second, sin, value=-1)
-    torch.mul(second, cos, out=out[..., half:]).addcmul_(first, sin)
-    return out.to(qk.dtype)
+    cos, sin = cos[:, None, :half], sin[:, None, :half]  # (N, 1, half)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).to(qk.dtype)
 
 
 def attention_per_image(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
