@@ -10,7 +10,9 @@ import torch
 from mili_openai.kernels import cpu_supports_kernels
 from mili_openai.kernels.cpu import ATTENTION_HEAD_DIMS
 from mili_openai.kernels.cpu_image_attention import MAX_GROUP, CpuImageAttention, fold_queries, unfold_outputs
-from mili_openai.model.qwen3_5_vision import attention_per_image
+from mili_openai.model.kernel_backend import KernelBackend
+from mili_openai.model.qwen3_5_vision import Qwen3_5VisionTower, attention_per_image
+from mili_openai.model.vision_config import DEFAULT_VISION, VisionTowerConfig
 
 BF16_TOLERANCE = 2e-2
 HEADS, HEAD_DIM = 2, 64
@@ -78,3 +80,25 @@ def test_image_attention_declines_where_torch_is_faster(kernels, dtype, capabili
     torch.testing.assert_close(attention_per_image(q, q, q, [8], CpuImageAttention(StandIn(kernels, **capabilities),
                                                                                     ATTENTION_HEAD_DIMS)),
                                frame_attention(q, q, q, [8]).to(dtype), atol=BF16_TOLERANCE, rtol=0)
+
+
+@pytest.mark.skipif(not cpu_supports_kernels(), reason="this CPU has no AVX512")
+def test_a_bf16_tower_on_the_kernel_encodes_as_on_torch_sdpa(kernels):
+    """The tower's own q, k, v (rotated, strided views of its qkv projection) through the kernel: the same
+    embeddings as torch's SDPA gives, to bf16 rounding, for two image sizes encoded together."""
+    config = VisionTowerConfig(**(DEFAULT_VISION | dict(depth=1, hidden_size=128, intermediate_size=256,
+                                                        num_heads=2)), out_hidden_size=64)
+    torch.manual_seed(0)
+    plain = Qwen3_5VisionTower(config, KernelBackend())
+    for parameter in plain.parameters():
+        parameter.data.normal_(0, 0.05)
+    plain = plain.to(torch.bfloat16)
+    backend = KernelBackend(image_attention=CpuImageAttention(StandIn(kernels), ATTENTION_HEAD_DIMS))
+    on_kernel = Qwen3_5VisionTower(config, backend).to(torch.bfloat16)
+    on_kernel.load_state_dict(plain.state_dict())
+    grids = [(1, 10, 14), (1, 4, 4)]  # 140 patches (three chunks, the last padded) and 16
+    pixel_values = [torch.randn(t * h * w, config.patch_dim) for t, h, w in grids]
+    with torch.inference_mode():
+        expected, got = (torch.cat(tower.encode(pixel_values, grids)).float() for tower in (plain, on_kernel))
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(got, expected, atol=BF16_TOLERANCE * scale, rtol=0)
