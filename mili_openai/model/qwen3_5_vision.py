@@ -14,9 +14,11 @@ writes it (`pixel_values` rows, in 2 x 2 merge-block order). Steps, per transfor
 Module names are the checkpoint's (`model.visual.` stripped): `patch_embed.proj`, `pos_embed`, `blocks.N.attn.qkv`,
 `blocks.N.attn.proj`, `blocks.N.mlp.linear_fc1/2`, `blocks.N.norm1/2`, `merger.norm`, `merger.linear_fc1/2`,
 `deepstack_merger_list.N.*`.
-The projections (and the patch embedding) multiply through the language model's `KernelBackend` (`matmul`, then
-the bias); attention runs torch's SDPA over each image's own patches (4-D, batched over the frames of one size:
-its flash kernel), which no paged kernel serves.
+The projections (and the patch embedding) run through the language model's `KernelBackend`: its `biased_linear`
+where set (CPU: oneDNN on packed weights, the bias and the blocks' and mergers' GELU fused), else `matmul`, then
+the bias and the GELU. Attention runs over each image's own patches, the frames of one size in one call: the
+backend's `image_attention` where it takes them (CPU, bf16: the prefill kernel), else torch's SDPA (4-D: its
+flash kernel).
 """
 
 from __future__ import annotations
