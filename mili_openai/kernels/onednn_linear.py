@@ -63,5 +63,13 @@ def bf16_supported() -> bool:
 
 
 def onednn_linear() -> OneDnnLinear | None:
-    """The kernel where torch was built with oneDNN, else None (the tower's projections stay on `matmul`)."""
-    return OneDnnLinear() if torch.backends.mkldnn.is_available() else None
+    """The kernel where torch was built with oneDNN and registers its linear ops (private ones: a torch without
+    them falls back), else None (the tower's projections stay on `matmul`)."""
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        for op in ("_reorder_linear_weight", "_linear_pointwise", "_is_mkldnn_bf16_supported"):
+            getattr(torch.ops.mkldnn, op)
+    except (AttributeError, RuntimeError):
+        return None
+    return OneDnnLinear()

@@ -51,3 +51,8 @@ def test_biased_linear_packs_once_per_weight_tensor():
     # without the kernel: matmul, bias, then the activation, as before
     torch.testing.assert_close(biased_linear(KernelBackend(), x, weight, bias, {}, "gelu_pytorch_tanh"),
                                F.gelu(F.linear(x, weight, bias), approximate="tanh"))
+
+
+def test_no_kernel_without_onednn(monkeypatch):
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert onednn_linear() is None
