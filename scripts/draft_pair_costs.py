@@ -110,11 +110,13 @@ def main() -> None:
     parser.add_argument("--no-token-map", action="store_true", help="draft over the whole vocabulary")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=64, help="decoded tokens per measurement")
-    parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="each engine's")
+    parser.add_argument("--kv-cache-memory-gb", type=float, default=0.5, help="each engine's")
     parser.add_argument("--num-threads", type=int, default=None)
     args = parser.parse_args()
     prompt, fitted = fitted_prompt(args.data_cache)
-    engine = dict(dtype="bfloat16", kv_cache_memory_gb=args.kv_cache_memory_gb, num_threads=args.num_threads)
+    # batch 1: one running sequence's state slot (the default's 256 would fill a small cache budget)
+    engine = dict(dtype="bfloat16", kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=1,
+                  num_threads=args.num_threads)
     token_map = Path(args.draft) / TOKEN_MAP_FILE
     engines = {"plain": LLM(args.target, **engine)}
     for k in args.drafts:
