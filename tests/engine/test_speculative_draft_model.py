@@ -202,3 +202,22 @@ def test_the_drafts_pools_come_out_of_the_one_budget(target):
     draft_caches = runner.forward.speculation.drafter.caches
     assert draft_caches.kv.num_pages == runner.forward.kv_cache.num_pages
     assert draft_caches.state is None or draft_caches.state.num_slots == slots
+
+
+def test_a_next_turn_resumes_the_draft_from_a_decode_snapshot(hybrid_checkpoint):
+    """A prompt that continues an earlier request's output resumes from the snapshot its decode saved at its last
+    page boundary, which verify rows (3 drafts over pages of 4 tokens) mostly cross: the draft's states there must be
+    the ones the row reaching the boundary left, or the draft's drafts after the hit are rejected."""
+    checkpoint = str(hybrid_checkpoint("qwen3_5"))
+    first_turn = hybrid_tokens(21, seed=5)
+    llm = LLM(checkpoint, speculative_config=draft_config(checkpoint), **ENGINE)
+    reply = list(llm.generate([first_turn], greedy())[0].outputs[0].token_ids)
+    before = llm.core.stats()
+    next_turn = first_turn + reply + hybrid_tokens(2, seed=6)
+    assert token_ids(llm.generate([next_turn], greedy())) == token_ids(
+        LLM(checkpoint, **ENGINE).generate([next_turn], greedy()))
+    after = llm.core.stats()
+    assert after.prefix_cache_hits_total - before.prefix_cache_hits_total >= len(first_turn)
+    kept = after.spec_decode_num_accepted_tokens_total - before.spec_decode_num_accepted_tokens_total
+    drafted = after.spec_decode_num_draft_tokens_total - before.spec_decode_num_draft_tokens_total
+    assert kept >= 0.9 * drafted > 0
