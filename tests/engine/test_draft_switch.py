@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine_helpers import run_engine, submit_checked
-from hybrid_helpers import hybrid_tokens
+from hybrid_helpers import WrappedDrafter, hybrid_tokens
 
 from mili_openai import LLM, SamplingParams
 from mili_openai.config import EngineConfig
@@ -42,18 +42,15 @@ def token_ids(outputs) -> list[list[int]]:
     return [output.outputs[0].token_ids for output in outputs]
 
 
-class RecordingDrafter:
+class RecordingDrafter(WrappedDrafter):
     """Wraps the runner's drafter: records each call's `proposes_for` and drafts. Where `compare` is set and a
     call drafts for two sequences or more, it first drafts with the first of them left out, and records both."""
 
     def __init__(self, inner, compare: bool = False) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.compare = compare
         self.calls: list[tuple[list[bool], list[list[int]]]] = []
         self.compared: list[tuple[list[bool], list[list[int]], list[list[int]]]] = []
-
-    def reset_states(self, slots) -> None:
-        self.inner.reset_states(slots)
 
     def propose(self, plan, *args) -> list[list[int]]:
         drafting = [index for index, on in enumerate(plan.proposes_for) if on]
