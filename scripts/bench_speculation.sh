@@ -15,7 +15,8 @@
 #   64 out) against no speculation; the fitted MTP module drafting 1 and 2 over its token map; the random
 #   MTP head drafting 3 (the adaptive off-switch); the fitted MTP drafting 3; the fitted draft drafting 3 and 2
 #   over its token map; the fitted MTP drafting 2 with no drafts above 4 running sequences (W1 under load).
-#   `bench_speculation.sh N`: the first N servers only (N=2: a sanity run).
+#   `bench_speculation.sh N`: the first N servers only (N=2: a sanity run). ONLY="base draft3 draft2" (env): these
+#   servers only, in that order (and only the fits they need; with `fit`, the fits they need).
 # With time left, scripts/speculation_costs.py: what a batch-1 step costs verifying k drafts, drafting k with the
 #   MTP module, and with drafting switched off.
 set -u
@@ -46,14 +47,19 @@ fit_draft() {
     --max-minutes ${DRAFT_MINUTES:-8} > "$OUT/fit_draft.log" 2>&1
   grep -h "top-1 agreement\|token map\|acceptance" "$OUT/fit_draft.log" | tail -3
 }
+wanted() {  # whether a server of this name prefix is selected by ONLY (all are where ONLY is unset)
+  [ -z "${ONLY:-}" ] && return 0
+  for name in $ONLY; do case "$name" in "$1"*) return 0;; esac; done
+  return 1
+}
 if [ "${1:-}" = fit ]; then  # with the acceptance each fit gets through the engine on the fitted prompt set
-  fit_mtp
-  fit_draft
+  wanted mtp && fit_mtp
+  wanted draft && fit_draft
   echo "fitted in $(( $(date +%s) - START )) s"
   exit 0
 fi
 FIT_ARGS+=(--eval-prompts 0)  # fitting inside the quiet window: the benchmark below measures the acceptance
-fit_mtp
+wanted mtp && fit_mtp
 mtp() { echo "{\"method\": \"mtp\", \"num_speculative_tokens\": $1$2}"; }
 MAP_FIT=", \"token_map\": \"$FIT/draft_token_map.json\""
 MAP_DRAFT=", \"token_map\": \"$DRAFT/draft_token_map.json\""
@@ -68,6 +74,13 @@ SERVERS=(
   "mtp2-off-above-4|$FIT|$(mtp 2 "$MAP_FIT, \"disable_by_batch_size\": 4")"
 )
 [ $# -gt 0 ] && SERVERS=("${SERVERS[@]:0:$1}")
+if [ -n "${ONLY:-}" ]; then
+  chosen=()
+  for name in $ONLY; do
+    for entry in "${SERVERS[@]}"; do [ "${entry%%|*}" = "$name" ] && chosen+=("$entry"); done
+  done
+  SERVERS=("${chosen[@]}")
+fi
 for entry in "${SERVERS[@]}"; do
   [ $(( $(date +%s) - START )) -gt "$BUDGET_S" ] && { echo "budget spent: no more servers"; break; }
   IFS='|' read -r name model spec <<< "$entry"
@@ -114,7 +127,7 @@ for path in sorted(out.glob("*-W3.json"), key=lambda p: p.stat().st_mtime):
     print(f"| {name} | {s3['output_throughput']:.1f} | {s3['tpot']['p50_ms']:.1f} | {speedup} | {w1_rate} | "
           f"{w1_ratio} | {rates(w3)} | {rates(w1_run) if w1_run else '-'} |")
 PYEOF
-if [ $# -eq 0 ] && [ $(( $(date +%s) - START )) -lt "$BUDGET_S" ]; then
+if [ $# -eq 0 ] && [ -z "${ONLY:-}" ] && [ $(( $(date +%s) - START )) -lt "$BUDGET_S" ]; then
   $PY $WT/scripts/speculation_costs.py "$FIT" --token-map "$FIT/draft_token_map.json" --max-drafts 2 --tokens 48 \
     > "$OUT/costs.txt" 2>&1
 fi

@@ -2,10 +2,14 @@
 tokenizer drafts autoregressively, run by the model runner right after each step's sampling (engine/speculation.py).
 
 The draft keeps caches of its own, addressed as the target's: a K/V pool over the same page ids (in the draft's
-layer shapes) and, for a hybrid draft, a state pool over the same state slots. The runner sizes them out of the
-one cache budget beside the target's. After each step:
+layer shapes) and, for a hybrid draft, a state pool over the same state slots, the prefix cache's snapshot slots
+included. The runner sizes them out of the one cache budget beside the target's. A sequence's slot starts as the
+target's does: zeroed, or copied from the snapshot it resumes from. After each step:
 1. Catch-up, over the step's kept rows (every prefill row, and each decode's rows up to its last accepted draft),
    reading the target's own input ids: the draft's K/V and states then cover every token the target's cover.
+   The states the target saved into snapshots in the step (a chunk's end, a decode reaching a page boundary, a
+   verify row's kept state) are saved from the same rows of the draft's (`_save_snapshots`), so a prefix hit
+   resumes the draft where it resumes the target.
 2. Chained drafts: N decode rows per sampled sequence, one after another: the token just sampled, then each draft
    but the last, each row's argmax the next draft. Their K/V lands in slots the scheduler allocated ahead
    (`Proposer.draft_lookahead`) and is overwritten by the next catch-up before anything reads it; a sequence
@@ -111,6 +115,10 @@ class DraftModelDrafter:
         if self.caches.state is not None:
             self.caches.state.reset(slots)
 
+    def copy_states(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if self.caches.state is not None:
+            self.caches.state.copy(src, dst)
+
     @torch.inference_mode()
     def propose(self, plan: SpeculationPlan, batch: ForwardBatch, hidden: torch.Tensor, tokens: list[int],
                 accepted: list[int]) -> list[list[int]]:
@@ -118,7 +126,14 @@ class DraftModelDrafter:
         no_logits = torch.empty(0, dtype=torch.int64)
         # the draft's own RoPE; no images (a draft reads their placeholder tokens as text)
         catch_up, _ = draft_batches.kept_rows_batch(batch, decode_rows, counts, None, no_logits, with_rotary=False)
+        states = self.caches.state
+        keeps_rows = states is not None and bool(plan.snapshot_saves) and catch_up.decode_groups is not None
+        if keeps_rows:  # a verify row's state is saved from the row reaching the page boundary
+            states.keep_verified_states(catch_up.num_decode)
         self.model(catch_up, self.caches)
+        if states is not None:
+            self._save_snapshots(plan, accepted, decode_rows if keeps_rows else None)
+            states.keep_verified_states(None)
         drafts: list[list[int]] = [[] for _ in plan.pages]
         num_groups = len(plan.group_rows)
         owners, sampled = draft_batches.drafted_sequences(plan)
@@ -128,6 +143,31 @@ class DraftModelDrafter:
                          for owner in owners]
             self._chain(plan, owners, taken, positions, drafts, batch.input_ids.device)
         return drafts
+
+    def _save_snapshots(self, plan: SpeculationPlan, accepted: list[int], kept_rows: list[int] | None) -> None:
+        """The step's state saves (engine/state_snapshots.py) from the draft's states after its catch-up: a slot's
+        as it stands (a chunk's end, a decode's last kept row), a verify row's from the state the catch-up's row
+        kept (`kept_rows`: the batch row of each catch-up decode row, None where the catch-up kept none). A save
+        of a sequence the catch-up skipped (its drafting paused) copies the draft's state as it stands, behind:
+        worse drafts after a hit, never other output."""
+        states = self.caches.state
+        copies = list(plan.state_saves)
+        kept_from: list[tuple[int, int]] = []
+        catch_up_row = {row: index for index, row in enumerate(kept_rows or [])}
+        for decode, row, snapshot_id in plan.snapshot_saves:
+            if row > accepted[decode]:
+                continue  # the target does not keep it either
+            index = catch_up_row.get(plan.group_rows[decode] + row)
+            if index is not None:
+                kept_from.append((index, snapshot_id))
+            else:
+                copies.append((plan.group_slots[decode], snapshot_id))
+        if copies:
+            src, dst = zip(*copies)
+            states.copy(torch.tensor(src), torch.tensor(dst))
+        if kept_from:
+            rows, dst = zip(*kept_from)
+            states.restore_kept(torch.tensor(rows), torch.tensor(dst))
 
     def _chain(self, plan: SpeculationPlan, owners: list[int], taken: list[list[int]], positions: list[int],
                drafts: list[list[int]], device: torch.device) -> None:

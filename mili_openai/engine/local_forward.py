@@ -88,13 +88,12 @@ class LocalForward:
         draft_slot_bytes = self.draft.slot_bytes() if self.draft is not None else 0
         # the prefix cache's state snapshots of a hybrid model: slots of the state pool past the running ones
         budget = None if config.num_pages else self._cache_budget(config)
-        # a draft model's own linear-layer states do not follow the target's snapshots (yet): no hybrid prefix
-        # reuse beside one, or its drafts would start from zeroed states and be rejected
-        keeps_snapshots = config.enable_prefix_caching and not draft_slot_bytes
-        self.num_state_snapshots = (self._snapshots(config, slot_bytes, budget)
-                                    if self.num_state_slots and keeps_snapshots else 0)
-        state_bytes = ((self.num_state_slots + self.num_state_snapshots) * slot_bytes
-                       + self.num_state_slots * draft_slot_bytes)
+        # a draft model with linear-attention layers snapshots its states beside the target's (engine/draft_model.py):
+        # each slot, running or snapshot, holds both
+        both_slot_bytes = slot_bytes + draft_slot_bytes
+        self.num_state_snapshots = (self._snapshots(config, both_slot_bytes, budget)
+                                    if self.num_state_slots and config.enable_prefix_caching else 0)
+        state_bytes = (self.num_state_slots + self.num_state_snapshots) * both_slot_bytes
         self.num_pages = config.num_pages or self._pages_for_budget(budget, state_bytes)
         # Dynamic NTK RoPE checks each forward's positions on the host, which a graph cannot capture
         # (not for linear-attention layers yet: the graphs replay K/V writes only, not state-slot updates)
@@ -113,7 +112,8 @@ class LocalForward:
         self.state_cache = (StateCache(self.cache_specs, self.num_state_slots + self.num_state_snapshots, self.dtype,
                                        self.device) if self.num_state_slots else None)
         self.caches = ModelCaches(self.kv_cache, self.state_cache)
-        draft_caches = (self.draft.caches(pool_pages, self.page_size, self.num_state_slots, self.device)
+        draft_caches = (self.draft.caches(pool_pages, self.page_size, self.num_state_slots + self.num_state_snapshots,
+                                          self.device)
                         if self.draft is not None else None)
         self.speculation = runner_speculation(config.speculative_config, self.model, self.caches, self.page_size,
                                               self.draft, draft_caches)
@@ -209,8 +209,8 @@ class LocalForward:
             self.state_cache.reset(work.new_state_slots)
         if work.state_restores is not None:  # or from a prefix's state snapshot (engine/state_snapshots.py)
             self.state_cache.copy(*work.state_restores)
-        if self.speculation is not None:  # verify rows keep their states; a proposer's new slots start from zeros
-            self.speculation.before_forward(batch, work.new_state_slots)
+        if self.speculation is not None:  # verify rows keep their states; a proposer's slots start as the target's
+            self.speculation.before_forward(batch, work.new_state_slots, work.state_restores)
         bucket = self.decode_graphs.bucket(batch) if self.decode_graphs is not None else None
         if bucket is not None:
             hidden = self.decode_graphs.run(batch, bucket)  # (T, hidden)

@@ -47,6 +47,9 @@ class MtpDrafter:
     def reset_states(self, slots: torch.Tensor) -> None:
         """Nothing to zero: the MTP module's one layer attends, keeping K/V in the target's pages."""
 
+    def copy_states(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Nothing to copy (no states, as above)."""
+
     @torch.inference_mode()
     def propose(self, plan: SpeculationPlan, batch: ForwardBatch, hidden: torch.Tensor, tokens: list[int],
                 accepted: list[int]) -> list[list[int]]:

@@ -44,6 +44,9 @@ class SpeculationPlan:
     # a hybrid prefix cache's saves in decodes verifying drafts (ScheduledBatch.verified_saves): (decode, its row,
     # snapshot id), copied from that row's kept state where the row's token is accepted
     snapshot_saves: list[tuple[int, int, int]] = field(default_factory=list)
+    # and its other saves of the step (ScheduledBatch.state_saves: (state slot, snapshot id), copied after the
+    # forward), which a draft model with linear-attention layers makes of its own states after its catch-up
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
     # per sequence: the position of the token it samples where none of its drafts is kept, and its state slot
     # (None without linear-attention layers)
     sample_positions: list[int] | None = None
@@ -62,7 +65,7 @@ def plan_speculation(batch: ScheduledBatch) -> SpeculationPlan | None:
     decodes = batch.seqs[:num_decode]
     slots = [seq.state_slot for seq in decodes] if decodes and decodes[0].state_slot is not None else None
     plan = SpeculationPlan(starts, [batch.drafts(index) for index in range(num_decode)], slots,
-                           snapshot_saves=list(batch.verified_saves))
+                           snapshot_saves=list(batch.verified_saves), state_saves=list(batch.state_saves))
     if batch.run_proposer:
         next_ids = []
         for index in range(num_decode, len(batch.seqs)):
@@ -100,6 +103,10 @@ class Drafter(Protocol):
     def reset_states(self, slots: torch.Tensor) -> None:
         """Zero the state slots handed out in this step, where the proposer keeps states of its own."""
 
+    def copy_states(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy state slots `src` into `dst` (pairwise), where the proposer keeps states of its own: a sequence
+        resuming from a prefix's state snapshot (engine/state_snapshots.py) resumes the proposer's too."""
+
     def propose(self, plan: SpeculationPlan, batch: ForwardBatch, hidden: torch.Tensor, tokens: list[int],
                 accepted: list[int]) -> list[list[int]]:
         """The next step's drafts of every sequence of the batch (in batch order; [] for none). `tokens`: the
@@ -113,11 +120,16 @@ class StepSpeculation:
         self.state_cache = state_cache
         self.drafter = drafter
 
-    def before_forward(self, batch: ForwardBatch, new_state_slots: torch.Tensor | None) -> None:
+    def before_forward(self, batch: ForwardBatch, new_state_slots: torch.Tensor | None,
+                       state_restores: torch.Tensor | None = None) -> None:
         """Where decodes verify drafts over linear layers, keep the state each decode row leaves; the proposer's
-        states of the slots handed out in this step start from zeros, as the target's."""
-        if new_state_slots is not None and self.drafter is not None:
-            self.drafter.reset_states(new_state_slots)
+        states of the slots handed out in this step start from zeros, or from the snapshots `state_restores`
+        ((2, N): snapshot ids, slots), as the target's."""
+        if self.drafter is not None:
+            if new_state_slots is not None:
+                self.drafter.reset_states(new_state_slots)
+            if state_restores is not None:
+                self.drafter.copy_states(*state_restores)
         if self.state_cache is not None:
             self.state_cache.keep_verified_states(batch.num_decode if batch.decode_groups is not None else None)
 

@@ -33,8 +33,7 @@ def config_for_state_slots(config: EngineConfig, num_snapshots: int) -> EngineCo
                     "K/V alone", num_snapshots)
         return config
     logger.info("prefix caching is off: this model has linear-attention layers and no state snapshots (no room "
-                "left for them: --hybrid-snapshot-fraction, --num-hybrid-snapshots; or a draft model with "
-                "linear-attention layers beside it, whose states do not follow them yet)")
+                "left for them: --hybrid-snapshot-fraction, --num-hybrid-snapshots)")
     return dataclasses.replace(config, enable_prefix_caching=False)
 
 

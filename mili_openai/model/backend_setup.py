@@ -5,6 +5,8 @@
   in through `use_cpu_kernels` between steps). int8/int4 weights never wait so: on torch's ops they would be
   dequantized in float32 at every call, many times slower than the bf16 fallback, and a loaded server may never
   be idle to switch.
+- CPU, a vision tower: its projections on oneDNN's packed linears (kernels/onednn_linear.py), compiled kernels or
+  not.
 - CUDA: the Triton kernels (LoRA's segmented matmul among them), each where it builds for the model's shapes (a
   Triton too old for one leaves that op on torch with a warning), then every kernel variant compiled by warm-up
   forwards.
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mili_openai.kernels.lora import LoraGroup, LoraRows, LoraSlotTable
+from mili_openai.kernels.onednn_linear import onednn_linear
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.huge_pages import move_parameters_to_huge_pages
 from mili_openai.model.kernel_backend import LoraFn
@@ -48,6 +51,8 @@ def set_up_backend(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, rank_config: Mo
     if device.type == "cpu":
         move_parameters_to_huge_pages(model)
     backend = model.backend
+    if device.type == "cpu" and getattr(model, "visual", None) is not None:  # a classifier has none
+        backend.biased_linear = onednn_linear()
     triton_attention = None
     if attention_backend == "triton" or (attention_backend == "auto" and device.type == "cuda"):
         triton_attention = _triton_attention(rank_config, dtype, device, required=attention_backend == "triton")

@@ -5,11 +5,12 @@ A module never picks a kernel. It holds the model's `KernelBackend`, a required 
 `backend.matmul`, `backend.attention`, `backend.fused_ops`, ... where one is set, else torch's form, which is
 always correct. The modules that take it: the decoder layers' projections, norms, attention and MLPs (Qwen3's and
 the hybrids'), Gated DeltaNet (`linear_attention`), the MoE blocks, the quantized projections, the MTP predictor
-(the target's backend), the LoRA wrappers (`lora`) and the vision tower's projections. The loader fills the
-backend once for the device (model/backend_setup.py):
+(the target's backend), the LoRA wrappers (`lora`) and the vision tower's projections and attention. The loader
+fills the backend once for the device (model/backend_setup.py):
 - **torch** (`KernelBackend()`): torch's matmuls, SDPA over gathered K/V, the reference linear attention.
-- **CPU**: the compiled extension (`install_cpu_kernels`): attention and linear attention from the pools;
-  with bf16 weights also the matmuls, norms, RoPE, SwiGLU, sparse MoE blocks and the one-call decode stack.
+- **CPU**: the compiled extension (`install_cpu_kernels`): attention and linear attention from the pools, and
+  the vision tower's (bf16); with bf16 weights also the matmuls, norms, RoPE, SwiGLU, sparse MoE blocks and the
+  one-call decode stack. With or without it, oneDNN's packed linears for the vision tower (`biased_linear`).
 - **CUDA**: the Triton kernels: attention, fused norms / RoPE / SwiGLU, the residual add + norm, fused MoE,
   int8/int4 and fp8 matmuls, linear attention, the LoRA adapters' segmented matmul.
 Every module of a model shares the one object, so a change of kernels is one assignment here, not a walk over
@@ -21,12 +22,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
-from mili_openai.kernels.cpu import CpuKernels, SparseMoeWeights
+from mili_openai.kernels.cpu import ATTENTION_HEAD_DIMS, CpuKernels, SparseMoeWeights
+from mili_openai.kernels.cpu_image_attention import CpuImageAttention
 from mili_openai.kernels.fp8 import Fp8Weights, torch_fp8_linear
 from mili_openai.kernels.linear_attention import LinearAttentionKernel, TorchLinearAttention
 from mili_openai.kernels.lora import LoraRows, LoraSlotTable, add_lora
@@ -98,6 +100,24 @@ class ZeroCenteredNormKernel(Protocol):
         ...
 
 
+class BiasedLinearKernel(Protocol):
+    """activation(x @ W.T + b) in one call on a weight packed ahead (oneDNN: kernels/onednn_linear.py)."""
+
+    def supports(self, x: torch.Tensor, weight: torch.Tensor) -> bool: ...
+
+    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> Any: ...
+
+    def linear(self, x: torch.Tensor, packed: Any, activation: str | None = None) -> torch.Tensor: ...
+
+
+class ImageAttentionKernel(Protocol):
+    """Each image frame's patches attending to its own, bidirectionally (kernels/cpu_image_attention.py)."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, frames: int) -> torch.Tensor | None:
+        """q, k, v (frames * L, H, D) -> (frames * L, H, D); None where it does not run these inputs."""
+        ...
+
+
 class DecodeStack(Protocol):
     """The embedding and every decoder layer of a decode-only step in one compiled call (see
     mili_openai.kernels.cpu_decode_stack.CpuDecodeStack)."""
@@ -131,6 +151,9 @@ class KernelBackend:
     decode_stack: DecodeStackKernel | None = None  # builds the one-call decode step (CPU, bf16, one rank)
     zero_centered_norm: ZeroCenteredNormKernel | None = None  # the hybrids' norms (+ residual add), CPU
     linear_attention: LinearAttentionKernel = field(default_factory=TorchLinearAttention)  # Gated DeltaNet's ops
+    # the vision tower's projections (bias and GELU fused) on CPU; None: `matmul`, then the bias and activation
+    biased_linear: BiasedLinearKernel | None = None
+    image_attention: ImageAttentionKernel | None = None  # the vision tower's attention; None: torch's SDPA
     lora: LoraFn = add_lora  # adapters' deltas over a mixed batch (torch's segmented matmul; CPU bf16, CUDA: kernels)
     # the compiled CPU kernels are building on a thread: torch's ops serve until they come in (backend_setup.py)
     awaits_cpu_kernels: bool = False
@@ -140,6 +163,7 @@ class KernelBackend:
         weights (the extension's matmuls, norms and MoE blocks are bf16). The model's decode stack, built from
         its weights, follows with `build_decode_stack` (model/backend_setup.py's `use_cpu_kernels`)."""
         self.attention = kernels
+        self.image_attention = CpuImageAttention(kernels, ATTENTION_HEAD_DIMS)
         self.linear_attention = kernels.linear_attention
         self.zero_centered_norm = kernels
         if dtype != torch.bfloat16:

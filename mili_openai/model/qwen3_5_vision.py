@@ -14,35 +14,35 @@ writes it (`pixel_values` rows, in 2 x 2 merge-block order). Steps, per transfor
 Module names are the checkpoint's (`model.visual.` stripped): `patch_embed.proj`, `pos_embed`, `blocks.N.attn.qkv`,
 `blocks.N.attn.proj`, `blocks.N.mlp.linear_fc1/2`, `blocks.N.norm1/2`, `merger.norm`, `merger.linear_fc1/2`,
 `deepstack_merger_list.N.*`.
-The projections (and the patch embedding) multiply through the language model's `KernelBackend` (`matmul`, then
-the bias); attention runs torch's SDPA over each image's own patches (4-D, batched over the frames of one size:
-its flash kernel), which no paged kernel serves.
+The projections (and the patch embedding) run through the language model's `KernelBackend`: its `biased_linear`
+where set (CPU: oneDNN on packed weights, the bias and the blocks' and mergers' GELU fused), else `matmul`, then
+the bias and the GELU. Attention runs over each image's own patches, the frames of one size in one call: the
+backend's `image_attention` where it takes them (CPU, bf16: the prefill kernel), else torch's SDPA (4-D: its
+flash kernel).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mili_openai.model.kernel_backend import KernelBackend, require_backend
+from mili_openai.kernels.onednn_linear import weight_key
+from mili_openai.model.kernel_backend import ImageAttentionKernel, KernelBackend, require_backend
 from mili_openai.model.vision_config import VisionTowerConfig
 
 LAYER_NORM_EPS = 1e-6
 GRID_TABLES_CACHED = 16  # image grid sizes whose position embeddings and rotary tables the tower keeps
+MERGER_ACTIVATION = "gelu"  # the mergers' GELU is the exact (erf) one, whatever the blocks' hidden_act
 GridTHW = tuple[int, int, int]  # an image's (frames / temporal_patch_size, patch rows, patch columns)
 
 
 def _gelu(name: str):
     return (lambda x: F.gelu(x, approximate="tanh")) if name == "gelu_pytorch_tanh" else F.gelu
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
 
 
 def merge_block_coordinates(grid: GridTHW, merge: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,17 +55,33 @@ def merge_block_coordinates(grid: GridTHW, merge: int) -> tuple[torch.Tensor, to
     return rows.repeat(frames), cols.repeat(frames)
 
 
+def biased_linear(backend: KernelBackend, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                  packs: dict[str, Any], activation: str | None = None) -> torch.Tensor:
+    """activation(x @ weight.T + bias): through the backend's `biased_linear` where it takes x (the weight packed
+    on first use and kept in `packs` while the weight is that tensor), else its `matmul`, then the bias and the
+    activation (None or a name `_gelu` knows)."""
+    kernel = backend.biased_linear
+    if kernel is not None and kernel.supports(x, weight):
+        packed = packs.get("packed")
+        if packed is None or packed.source != weight_key(weight):
+            packed = packs["packed"] = kernel.pack(weight, bias)
+        return kernel.linear(x, packed, activation)
+    out = backend.matmul(x, weight).add_(bias)  # in place on the matmul's fresh output
+    return out if activation is None else _gelu(activation)(out)
+
+
 class BiasedLinear(nn.Module):
-    """y = x @ weight.T + bias through the backend's matmul (the tower's projections all have a bias)."""
+    """y = x @ weight.T + bias, an activation fused where asked (the tower's projections all have a bias)."""
 
     def __init__(self, in_features: int, out_features: int, backend: KernelBackend) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features))
         self.backend = require_backend(backend)
+        self.packs: dict[str, Any] = {}  # the weight in the backend kernel's layout (see `biased_linear`)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.backend.matmul(x, self.weight).add_(self.bias)  # in place on the matmul's fresh output
+    def forward(self, x: torch.Tensor, activation: str | None = None) -> torch.Tensor:
+        return biased_linear(self.backend, x, self.weight, self.bias, self.packs, activation)
 
 
 class VisionPatchEmbed(nn.Module):
@@ -74,12 +90,13 @@ class VisionPatchEmbed(nn.Module):
         kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
         self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel_size=kernel, stride=kernel, bias=True)
         self.backend = require_backend(backend)
+        self.packs: dict[str, Any] = {}
 
     def forward(self, patches: torch.Tensor) -> torch.Tensor:
         """patches (N, patch_dim) -> (N, hidden): the conv over one kernel-sized patch is a dot product."""
         weight = self.proj.weight
         flat = weight.reshape(weight.shape[0], -1)  # (hidden, patch_dim), a view of the contiguous conv weight
-        return self.backend.matmul(patches.to(weight.dtype), flat).add_(self.proj.bias)
+        return biased_linear(self.backend, patches.to(weight.dtype), flat, self.proj.bias, self.packs)
 
 
 class VisionAttention(nn.Module):
@@ -88,34 +105,51 @@ class VisionAttention(nn.Module):
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
         self.qkv = BiasedLinear(config.hidden_size, 3 * config.hidden_size, backend)
         self.proj = BiasedLinear(config.hidden_size, config.hidden_size, backend)
+        self.backend = require_backend(backend)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         """x (N, hidden), cos/sin (N, head_dim) float32, lengths: patches per image frame (sum N)."""
         count = x.shape[0]
         qkv = self.qkv(x).view(count, 3, self.num_heads, self.head_dim)
-        # q and k rotated together in float32, then back, as transformers' apply_rotary_pos_emb_vision each
-        qk = qkv[:, :2].float()
-        qk = (qk * cos[:, None, None, :] + _rotate_half(qk) * sin[:, None, None, :]).to(x.dtype)
-        q, k = qk.unbind(1)
-        return self.proj(attention_per_image(q, k, qkv[:, 2], lengths).reshape(count, -1))
+        q, k = rotate_pairs(qkv[:, :2].transpose(0, 1), cos, sin)
+        out = attention_per_image(q, k, qkv[:, 2], lengths, self.backend.image_attention)
+        return self.proj(out.reshape(count, -1))
 
 
-def attention_per_image(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+def rotate_pairs(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """q and k (2, N, heads, head_dim) rotated in float32, then back to their dtype, rounded as transformers'
+    apply_rotary_pos_emb_vision (x * cos + rotate_half(x) * sin) rounds: cos and sin repeat their first half, so
+    each half is two products and a difference or sum, in place on the float32 copy, without rotate_half's copies
+    (a quarter of the time). The result is contiguous, q and k each too, as the attention kernel takes K."""
+    x = qk.to(torch.float32, copy=True)  # a copy even in float32: the rotation runs in place on it
+    half = x.shape[-1] // 2
+    first, second = x[..., :half], x[..., half:]
+    cos, sin = cos[:, None, :half], sin[:, None, :half]  # (N, 1, half)
+    first_sin, second_sin = first * sin, second * sin
+    first.mul_(cos).sub_(second_sin)
+    second.mul_(cos).add_(first_sin)
+    return x.to(qk.dtype)
+
+
+def attention_per_image(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int],
+                        kernel: ImageAttentionKernel | None = None) -> torch.Tensor:
     """Bidirectional attention of each image frame's patches over its own: q, k, v (N, heads, head_dim), the
-    frames' `lengths` in order -> (N, heads, head_dim). Consecutive frames of one length run as one batched SDPA
-    call, 4-D: torch's CPU flash kernel takes only 4-D inputs (3-D ones fall to the math path, several times
-    slower, which materialises every score)."""
+    frames' `lengths` in order -> (N, heads, head_dim). Consecutive frames of one length run as one call: the
+    backend's `kernel` where it takes them, else torch's SDPA, 4-D: its CPU flash kernel takes only 4-D inputs
+    (3-D ones fall to the math path, several times slower, which materialises every score)."""
     heads, head_dim = q.shape[1:]
     outputs, start = [], 0
     for length, run in itertools.groupby(lengths):
         frames = len(list(run))
         end = start + frames * length
+        out = None if kernel is None else kernel.attend(q[start:end], k[start:end], v[start:end], frames)
+        if out is None:
+            def heads_first(t: torch.Tensor) -> torch.Tensor:  # (frames, heads, length, head_dim), a view
+                return t[start:end].view(frames, length, heads, head_dim).transpose(1, 2)
 
-        def heads_first(t: torch.Tensor) -> torch.Tensor:  # (frames, heads, length, head_dim), a view
-            return t[start:end].view(frames, length, heads, head_dim).transpose(1, 2)
-
-        out = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v))
-        outputs.append(out.transpose(1, 2).reshape(frames * length, heads, head_dim))
+            out = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v))
+            out = out.transpose(1, 2).reshape(frames * length, heads, head_dim)
+        outputs.append(out)
         start = end
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
@@ -125,10 +159,10 @@ class VisionMLP(nn.Module):
         super().__init__()
         self.linear_fc1 = BiasedLinear(config.hidden_size, config.intermediate_size, backend)
         self.linear_fc2 = BiasedLinear(config.intermediate_size, config.hidden_size, backend)
-        self.act = _gelu(config.hidden_act)
+        self.hidden_act = config.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(self.act(self.linear_fc1(x)))
+        return self.linear_fc2(self.linear_fc1(x, self.hidden_act))
 
 
 class VisionBlock(nn.Module):
@@ -159,7 +193,7 @@ class VisionPatchMerger(nn.Module):
             merged = self.norm(x.view(-1, self.merged_size))
         else:
             merged = self.norm(x).view(-1, self.merged_size)
-        return self.linear_fc2(F.gelu(self.linear_fc1(merged)))
+        return self.linear_fc2(self.linear_fc1(merged, MERGER_ACTIVATION))
 
 
 class Qwen3_5VisionTower(nn.Module):
@@ -184,12 +218,19 @@ class Qwen3_5VisionTower(nn.Module):
         inv_freq = self.inv_freq  # keep the rotary frequencies float32 through .to(dtype)
         result = super()._apply(fn, recurse)
         self.inv_freq = inv_freq.to(device=self.inv_freq.device, dtype=torch.float32)
-        self._grid_tables.clear()  # made from the weights as they were
+        self._drop_derived()  # made from the weights as they were
         return result
 
     def load_state_dict(self, *args, **kwargs):
-        self._grid_tables.clear()  # made from the position table as it was
+        self._drop_derived()  # made from the weights as they were
         return super().load_state_dict(*args, **kwargs)
+
+    def _drop_derived(self) -> None:
+        """Forget what was made from the weights: the grid tables and the packed projections."""
+        self._grid_tables.clear()
+        for module in self.modules():
+            if isinstance(module, (BiasedLinear, VisionPatchEmbed)):
+                module.packs.clear()
 
     @property
     def dtype(self) -> torch.dtype:

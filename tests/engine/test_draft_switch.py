@@ -9,11 +9,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
+from collections import Counter
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine_helpers import run_engine, submit_checked
-from hybrid_helpers import hybrid_tokens
+from hybrid_helpers import WrappedDrafter, hybrid_tokens
 
 from mili_openai import LLM, SamplingParams
 from mili_openai.config import EngineConfig
@@ -39,18 +42,15 @@ def token_ids(outputs) -> list[list[int]]:
     return [output.outputs[0].token_ids for output in outputs]
 
 
-class RecordingDrafter:
+class RecordingDrafter(WrappedDrafter):
     """Wraps the runner's drafter: records each call's `proposes_for` and drafts. Where `compare` is set and a
     call drafts for two sequences or more, it first drafts with the first of them left out, and records both."""
 
     def __init__(self, inner, compare: bool = False) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.compare = compare
         self.calls: list[tuple[list[bool], list[list[int]]]] = []
         self.compared: list[tuple[list[bool], list[list[int]], list[list[int]]]] = []
-
-    def reset_states(self, slots) -> None:
-        self.inner.reset_states(slots)
 
     def propose(self, plan, *args) -> list[list[int]]:
         drafting = [index for index, on in enumerate(plan.proposes_for) if on]
@@ -126,6 +126,58 @@ def test_a_paused_request_probes_again_and_its_output_stays_plain_decodings(plai
     # consecutive verify steps are at most 1 + NUM_DRAFTS tokens apart: a wider gap is a pause, then a probe
     for lengths in verified_at.values():
         assert any(after - before > 1 + NUM_DRAFTS for before, after in zip(lengths, lengths[1:]))
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops that compute (views left out: an MTP engine's KV and state pools, which a step takes
+    views of, have other sizes), by name and output shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view:
+            return out
+        shapes = tuple(tuple(tensor.shape) for tensor in (out if isinstance(out, tuple | list) else (out,))
+                       if isinstance(tensor, torch.Tensor))
+        self.ops[(str(func), shapes)] += 1
+        return out
+
+
+def plain_step_ops(llm: LLM, prompt: list[int]) -> dict[int, Counter]:
+    """Greedy-decode `prompt` alone; {a plain decode step's position (no drafts verified, no proposer run): the ops
+    its forward and sampling ran}."""
+    runner, steps = llm.core.runner, {}
+    execute = runner.execute
+
+    def counted(step):
+        batch = step.forward.batch
+        if step.speculation is not None or batch.prefills:
+            return execute(step)
+        with OpCounter() as counter:
+            output = execute(step)
+        steps[int(batch.positions[0])] = counter.ops
+        return output
+
+    runner.execute = counted
+    llm.generate([prompt], greedy())
+    return steps
+
+
+def test_a_paused_requests_step_runs_what_a_plain_decode_step_runs(plain):
+    """Issue 47: a request whose random MTP head paused costs a plain step, exactly: its decode steps run the very
+    ops (names and shapes) that an engine without speculation runs at the same positions, nothing more. Counted, not
+    timed, so that a busy machine cannot hide an extra op."""
+    checkpoint, _ = plain
+    engine = ENGINE | {"enable_prefix_caching": False}  # no state snapshots: state pools of one size in both
+    expected = plain_step_ops(LLM(checkpoint, **engine), PROMPTS[0])
+    paused = plain_step_ops(LLM(checkpoint, speculative_config=SWITCHING_MTP, **engine), PROMPTS[0])
+    # the head verified a step of drafts or two, then paused for the rest of the output
+    assert len(paused) >= MAX_NEW - 2 * (1 + NUM_DRAFTS) and set(paused) <= set(expected)
+    for position, ops in paused.items():
+        assert ops == expected[position], position
 
 
 def test_requests_still_drafting_get_the_same_drafts_beside_switched_off_ones(plain):

@@ -20,6 +20,8 @@ PROMPTS = [hybrid_tokens(37, seed=31), hybrid_tokens(70, seed=32)]
 ENGINE = dict(dtype="bfloat16", page_size=16, num_pages=64)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=1)
 ALL_DRAFTED = {"method": "ngram", "num_speculative_tokens": 3}  # the proposer is replaced below
+DRAFT_MODEL = {"method": "draft_model", "num_speculative_tokens": 3, "min_acceptance_rate": 0,
+               "disable_by_batch_size": None}
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +47,17 @@ def test_kept_and_rejected_drafts_leave_the_bits_unchanged(plain):
     stats = llm.core.stats()
     kept, verified = stats.spec_decode_num_accepted_tokens_per_pos, stats.spec_decode_num_draft_tokens_per_pos
     assert all(0 < kept[position] < verified[position] for position in (0, 1))
+
+
+def test_a_draft_model_leaves_the_bits_unchanged(plain):
+    """The target as its own Qwen3.5 draft (its drafts mostly kept): beside a draft model the target's prefill
+    chunks stop where they stop without one (the prefix cache's state snapshots at page boundaries), so its
+    rounding, and its greedy output, are plain decoding's."""
+    checkpoint, expected = plain
+    llm = LLM(checkpoint, speculative_config=DRAFT_MODEL | {"model": checkpoint}, **ENGINE)
+    assert llm.core.runner.num_state_snapshots > 0
+    assert [outputs(llm, prompt) for prompt in PROMPTS] == expected
+    assert llm.core.stats().spec_decode_num_accepted_tokens_total > 0
 
 
 def test_mtp_drafts_leave_the_bits_unchanged(plain):

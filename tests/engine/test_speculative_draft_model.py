@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybrid_helpers import HYBRID_VOCAB, TINY_HYBRID_CONFIG, hybrid_tokens
+from hybrid_helpers import HYBRID_VOCAB, TINY_HYBRID_CONFIG, WrappedDrafter, hybrid_tokens
 from model_helpers import random_tokens
 
 from mili_openai import LLM, SamplingParams
@@ -51,7 +51,10 @@ def dense_prompts() -> list[list[int]]:
 
 
 def hybrid_prompts() -> list[list[int]]:
-    return [hybrid_tokens(length, seed=length) for length in (23, 31, 9, 37)]
+    """The second and third resume from the first's prefix: from its state snapshot, the draft's states too."""
+    shared = hybrid_tokens(SHARED_PREFIX, seed=40)
+    return [shared + hybrid_tokens(7, seed=23), hybrid_tokens(31, seed=31), shared + hybrid_tokens(11, seed=9),
+            shared + hybrid_tokens(21, seed=37)]
 
 
 def greedy(**params) -> SamplingParams:
@@ -74,17 +77,14 @@ def assert_all_released(llm: LLM) -> None:
     assert slots is None or slots.num_free == slots.num_slots
 
 
-class SpoilingDrafter:
+class SpoilingDrafter(WrappedDrafter):
     """Wraps the runner's drafter: of every three calls, one spoils each sequence's first draft and one its
     second, so drafts are rejected at the first and second position and kept whole otherwise."""
 
     def __init__(self, inner, vocab_size: int) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.vocab_size = vocab_size
         self.calls = 0
-
-    def reset_states(self, slots: torch.Tensor) -> None:
-        self.inner.reset_states(slots)
 
     def propose(self, *args) -> list[list[int]]:
         drafts = self.inner.propose(*args)
@@ -123,14 +123,14 @@ def test_tiny_draft_gives_plain_decodings_output(target):
 
 def test_target_as_its_own_draft_is_accepted(target):
     """With the target's own weights, every draft is the target's greedy token where the draft's K/V and states
-    cover exactly the accepted tokens: so nearly all are kept."""
-    name, checkpoint, _, prompts, _, expected = target
+    cover exactly the accepted tokens: so nearly all are kept, after prefix hits too (a hybrid draft's states
+    resume from the snapshot the target's resume from)."""
+    _, checkpoint, _, prompts, _, expected = target
     llm = LLM(checkpoint, speculative_config=draft_config(checkpoint), **ENGINE)
     assert token_ids(llm.generate(prompts, greedy(n=2))) == expected
     stats = llm.core.stats()
     assert stats.spec_decode_num_accepted_tokens_total >= 0.9 * stats.spec_decode_num_draft_tokens_total > 0
-    if name == "dense":
-        assert stats.prefix_cache_hits_total >= SHARED_PREFIX  # the second prompt resumed from the first's pages
+    assert stats.prefix_cache_hits_total >= SHARED_PREFIX  # the later prompts resumed from the first's prefix
     assert_all_released(llm)
 
 
@@ -187,16 +187,37 @@ def test_draft_model_is_refused_under_tensor_parallelism():
 
 
 def test_the_drafts_pools_come_out_of_the_one_budget(target):
-    """Each page costs the target's K/V bytes plus the draft's, each state slot (a hybrid's) its states' too."""
+    """Each page costs the target's K/V bytes plus the draft's, each state slot (a hybrid's: the running ones and
+    the prefix cache's snapshots) its states' too."""
     _, checkpoint, draft, _, _, _ = target
     budget_gb = 0.02
     runner = LLM(checkpoint, speculative_config=draft_config(draft), **BUDGET_ENGINE,
                  kv_cache_memory_gb=budget_gb).core.runner
     target_page = KVCache.bytes_per_page(runner.forward.cache_specs, runner.forward.page_size, runner.forward.dtype)
     draft_page = runner.forward.draft.page_bytes(runner.forward.page_size)
-    states = runner.num_state_slots * (runner.state_slot_bytes + runner.forward.draft.slot_bytes())
+    slots = runner.num_state_slots + runner.num_state_snapshots
+    states = slots * (runner.state_slot_bytes + runner.forward.draft.slot_bytes())
     assert draft_page > 0 and (runner.num_state_slots == 0 or runner.forward.draft.slot_bytes() > 0)
     assert runner.num_pages == (int(budget_gb * BYTES_PER_GIB) - states) // (target_page + draft_page)
     draft_caches = runner.forward.speculation.drafter.caches
     assert draft_caches.kv.num_pages == runner.forward.kv_cache.num_pages
-    assert draft_caches.state is None or draft_caches.state.num_slots == runner.num_state_slots
+    assert draft_caches.state is None or draft_caches.state.num_slots == slots
+
+
+def test_a_next_turn_resumes_the_draft_from_a_decode_snapshot(hybrid_checkpoint):
+    """A prompt that continues an earlier request's output resumes from the snapshot its decode saved at its last
+    page boundary, which verify rows (3 drafts over pages of 4 tokens) mostly cross: the draft's states there must be
+    the ones the row reaching the boundary left, or the draft's drafts after the hit are rejected."""
+    checkpoint = str(hybrid_checkpoint("qwen3_5"))
+    first_turn = hybrid_tokens(21, seed=5)
+    llm = LLM(checkpoint, speculative_config=draft_config(checkpoint), **ENGINE)
+    reply = list(llm.generate([first_turn], greedy())[0].outputs[0].token_ids)
+    before = llm.core.stats()
+    next_turn = first_turn + reply + hybrid_tokens(2, seed=6)
+    assert token_ids(llm.generate([next_turn], greedy())) == token_ids(
+        LLM(checkpoint, **ENGINE).generate([next_turn], greedy()))
+    after = llm.core.stats()
+    assert after.prefix_cache_hits_total - before.prefix_cache_hits_total >= len(first_turn)
+    kept = after.spec_decode_num_accepted_tokens_total - before.spec_decode_num_accepted_tokens_total
+    drafted = after.spec_decode_num_draft_tokens_total - before.spec_decode_num_draft_tokens_total
+    assert kept >= 0.9 * drafted > 0

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from hybrid_helpers import HYBRID_VOCAB, MTP_THREE, hybrid_tokens
+from hybrid_helpers import HYBRID_VOCAB, MTP_THREE, WrappedDrafter, hybrid_tokens
 
 from mili_openai import LLM, SamplingParams
 from mili_openai.config import speculative_config_from
@@ -21,15 +21,12 @@ ENGINE = dict(dtype="float32", num_pages=256, page_size=4, max_num_batched_token
 OTHER_TOKENS = 100  # tokens beside the output's in a map that holds it
 
 
-class RecordingDrafter:
+class RecordingDrafter(WrappedDrafter):
     """Wraps the runner's drafter and keeps every draft it proposes."""
 
     def __init__(self, inner) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.drafted: set[int] = set()
-
-    def reset_states(self, slots: torch.Tensor) -> None:
-        self.inner.reset_states(slots)
 
     def propose(self, *args) -> list[list[int]]:
         drafts = self.inner.propose(*args)

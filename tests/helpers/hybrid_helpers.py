@@ -99,3 +99,21 @@ class KnowingProposer:
         if wrong is not None and wrong < len(drafts):
             drafts[wrong] = (drafts[wrong] + 1) % HYBRID_VOCAB
         return drafts
+
+
+class WrappedDrafter:
+    """A test's wrapper around the runner's model proposer (engine/speculation.py's `Drafter`): the state calls
+    (a draft model's own states, zeroed or copied from a snapshot as the target's) go to it unchanged; a subclass
+    looks at or changes `propose`."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def reset_states(self, slots: torch.Tensor) -> None:
+        self.inner.reset_states(slots)
+
+    def copy_states(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.inner.copy_states(src, dst)
+
+    def propose(self, *args) -> list[list[int]]:
+        return self.inner.propose(*args)

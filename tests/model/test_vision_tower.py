@@ -2,7 +2,7 @@
 transformers itself: the image preprocessing gives exactly the pixel values and grids of the checkpoint's own image
 processor (`AutoImageProcessor`), and mili's vision tower (model/qwen3_5_vision.py, loaded from `model.visual.*`)
 gives transformers' `Qwen3_5VisionModel` merged embeddings (and `Qwen3VLVisionModel`'s DeepStack features too) in
-fp32, for images of several sizes and aspect ratios encoded together (each attending to its own patches only).
+fp32, its projections on oneDNN and on torch's matmul, for images of several sizes and aspect ratios encoded together (each attending to its own patches only).
 Unsupported vision options are refused at load, by name."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from mili_openai.engine.image_processor import ImagePreprocessor
 from mili_openai.model.hybrid_checkpoint import TINY_VISION_CONFIG
 from mili_openai.model.kernel_backend import KernelBackend
 from mili_openai.model.loader import load_model
-from mili_openai.model.qwen3_5_vision import GRID_TABLES_CACHED, Qwen3_5VisionTower, attention_per_image
+from mili_openai.model.qwen3_5_vision import GRID_TABLES_CACHED, Qwen3_5VisionTower, attention_per_image, rotate_pairs
 from mili_openai.model.vision_config import DEFAULT_VISION, VisionTowerConfig, read_vision_spec, read_vision_tower
 
 EMBEDDING_ATOL = 1e-5
@@ -75,6 +75,12 @@ def test_vision_tower_matches_transformers(checkpoint, features):
     with torch.no_grad():
         alone = model.visual.encode([torch.from_numpy(features[1].pixel_values)], [features[1].grid_thw])[0]
     torch.testing.assert_close(alone, got[1], atol=EMBEDDING_ATOL, rtol=0)
+    # the projections ran on oneDNN's packed linears (bias and GELU fused); torch's matmul path gives the same
+    assert model.backend.biased_linear is not None
+    model.backend.biased_linear = None
+    with torch.no_grad():
+        unfused = model.visual.encode([torch.from_numpy(f.pixel_values) for f in features], grids)
+    torch.testing.assert_close(torch.cat(unfused), expected, atol=EMBEDDING_ATOL, rtol=0)
 
 
 def test_attention_per_image_batches_frames_of_one_size():
@@ -87,6 +93,19 @@ def test_attention_per_image_batches_frames_of_one_size():
         weights = torch.softmax(torch.einsum("qhd,khd->hqk", qs, ks) / head_dim ** 0.5, dim=-1)
         expected.append(torch.einsum("hqk,khd->qhd", weights, vs))
     torch.testing.assert_close(attention_per_image(q, k, v, lengths), torch.cat(expected))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_rounds_as_transformers(dtype):
+    """rotate_pairs is transformers' apply_rotary_pos_emb_vision bit for bit (in float32, then back to dtype)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import apply_rotary_pos_emb_vision
+
+    generator = torch.Generator().manual_seed(0)
+    qk = torch.randn(2, 10, 3, 16, generator=generator).to(dtype)
+    angles = torch.randn(10, 8, generator=generator)
+    cos, sin = torch.cat((angles, angles), dim=-1).cos(), torch.cat((angles, angles), dim=-1).sin()
+    q, k = apply_rotary_pos_emb_vision(qk[0], qk[1], cos, sin)
+    assert torch.equal(rotate_pairs(qk, cos, sin), torch.stack((q, k)))
 
 
 def test_grid_tables_are_kept_per_size_and_dropped_with_the_weights_dtype():
