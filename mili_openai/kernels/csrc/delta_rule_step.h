@@ -134,7 +134,6 @@ inline void check_slots_in_range(const torch::Tensor& slots, int64_t pool_slots,
   }
 }
 
-// value head h's (Dk, Dv) state in the pool's row `slot`
 // body(T()) for the activations' dtype T (float, bf16 or fp16), the dtypes the Gated DeltaNet kernels take; `op`
 // names the kernel in the error for any other
 template <typename Body>
@@ -147,6 +146,7 @@ void dispatch_activations(at::ScalarType type, const char* op, Body body) {
   }
 }
 
+// value head h's (Dk, Dv) state in the pool's row `slot`
 inline float* state_of(const torch::Tensor& state_pool, int64_t slot, int64_t h) {
   return state_pool.data_ptr<float>() + (slot * state_pool.size(1) + h) * state_pool.size(2) * state_pool.size(3);
 }
