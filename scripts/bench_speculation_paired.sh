@@ -1,12 +1,15 @@
 #!/bin/bash
 # A speculative config against none at W3 (one stream, 512 in / 256 out) with the machine's drift paired out: both
 # servers up at once (one idles while the other serves), W3 requests alternated one by one, base then SPEC, ROUNDS
-# rounds, round i's prompt the same for both (seed i); TPOT p50 per request from `mili bench serve --json`. On a VM
-# whose memory speed moves by tens of percent within a minute, servers run one after another cannot tell 10% apart.
-# env: BASE (checkpoint), SPEC (the --speculative-config JSON; default the MTP head drafting 3), OUT, ROUNDS, PY.
+# rounds, round i's prompt the same for both (seed i, or the i-th of SEEDS); TPOT p50 per request from
+# `mili bench serve --json`. On a VM whose memory speed moves by tens of percent within a minute, servers run one
+# after another cannot tell 10% apart.
+# env: BASE (checkpoint), SPEC (the --speculative-config JSON; default the MTP head drafting 3), OUT, ROUNDS, PY,
+# SEEDS (e.g. "3 3 3 3": a fitted head's or draft's own prompt every round; the prefix cache then serves the prompt).
 set -u
 WT=$(cd "$(dirname "$0")/.." && pwd); PY=${PY:-$WT/.venv/bin/python}; OUT=${OUT:-$WT/bench-results/paired}
 BASE=${BASE:?set BASE to a checkpoint}; ROUNDS=${ROUNDS:-6}
+SEEDS=(${SEEDS:-$(seq $ROUNDS)})
 SPEC=${SPEC:-'{"method": "mtp", "num_speculative_tokens": 3}'}
 mkdir -p "$OUT"
 cd "$OUT" || exit 1
@@ -21,7 +24,7 @@ for i in $(seq $ROUNDS); do
   for pair in base:18851 spec:18852; do
     name=${pair%%:*}; port=${pair##*:}
     $PY -m mili_openai bench serve --base-url http://127.0.0.1:$port --no-progress $W3 --num-requests 1 --warmup 0 \
-      --seed $i --json "$OUT/$name-$i.json" > "$OUT/$name-$i.txt" 2>&1
+      --seed ${SEEDS[$((i - 1))]} --json "$OUT/$name-$i.json" > "$OUT/$name-$i.txt" 2>&1
   done
 done
 kill $A $B; wait
