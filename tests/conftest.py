@@ -59,7 +59,7 @@ from fake_engine import FakeEngine
 from helpers_server import REAL_ENGINE_CONFIG, live_server, load_qwen_tokenizer
 from pooling_helpers import build_embedding_checkpoint, build_sequence_classifier, yes_minus_no_row
 from session_shared import built_once
-from triton_interpreter import interpreter_pool
+from triton_interpreter import interpreter_pool, skip_repeated_language_patches
 
 from mili_openai.bench.prompt_tokens import load_tokenizer
 from mili_openai.config import EngineConfig, ServerConfig
@@ -85,9 +85,12 @@ MHA_UNTIED_SHAPE = ModelShape(hidden_size=64, intermediate_size=96, num_hidden_l
 def pytest_configure(config):
     """Under pytest-xdist (the README's command runs a worker per core): one torch thread per worker, or the
     workers' OpenMP teams oversubscribe the cores and spin at each other's barriers. Threads the tests start
-    take the count on their first torch op."""
+    take the count on their first torch op. Under Triton's interpreter (the case files' own session): without its
+    repeated patching of triton.language."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
+    if os.environ.get("TRITON_INTERPRET") == "1":  # the interpreted case files' session (helpers/triton_interpreter.py)
+        skip_repeated_language_patches()
 
 
 @pytest.fixture(scope="session")
