@@ -46,9 +46,13 @@ def run_interpreted_cases(cases: list[Path], tmp_path_factory: pytest.TempPathFa
     skipped. The subprocess reuses this session's built-once checkpoints (helpers/session_shared.py)."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "TRITON_CACHE_DIR": str(tmp_path_factory.mktemp("triton")),
            SHARED_DIR_ENV: str(shared_directory(tmp_path_factory))}
+    # a temporary folder in this session's, so that the subprocess creates (and cleans up after) no numbered
+    # session folder of its own under the system's temporary directory; no Hypothesis there (its plugin imports
+    # the library for the summary, ~1 s)
+    basetemp = tmp_path_factory.mktemp("interpreted-session")
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", *map(str, cases), "-q", "-p", "no:cacheprovider", "-W", "ignore::UserWarning",
-         *pytest_args],
+        [sys.executable, "-m", "pytest", *map(str, cases), "-q", "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
+         f"--basetemp={basetemp}", "-W", "ignore::UserWarning", *pytest_args],
         cwd=cases[0].parents[2], env=env, capture_output=True, text=True, timeout=INTERPRETER_TIMEOUT_S,
     )
     assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
