@@ -273,13 +273,13 @@ def real_server(real_engine):
 # The files that took longest in the README's run (`--durations=0`, 2026-11-29), longest first. Under `--dist
 # loadfile` they are handed out first, so the run does not end on one of them while the other worker idles; the
 # rest follow by their number of tests, as pytest-xdist would order them (which alone left the 73 s Triton file
-# and two single-test files of 17-20 s among the last).
-LONG_FILES = ("kernels/test_triton_attention.py", "engine/test_tensor_parallel.py", "server/test_engine_process.py",
+# and two single-test files of 17-20 s among the last). test_triton_interpreted.py runs the interpreter's case files
+# of the former test_triton_attention.py (66 s) and test_triton_gated_delta_rule.py (19 s) in one subprocess.
+LONG_FILES = ("kernels/test_triton_interpreted.py", "engine/test_tensor_parallel.py", "server/test_engine_process.py",
               "engine/test_speculative_draft_model.py", "bench/test_fit_mtp.py", "quant/test_quantized_models.py",
               "clients/test_clients.py", "server/test_profiler_server.py", "engine/test_speculative_decoding.py",
               "engine/test_hybrid_prefix_cache.py", "engine/test_draft_switch.py", "quant/test_compressed_tensors.py",
-              "server/test_tensor_parallel_server.py", "server/test_shutdown.py",
-              "kernels/test_triton_gated_delta_rule.py")
+              "server/test_tensor_parallel_server.py", "server/test_shutdown.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -1,11 +1,8 @@
-"""The Triton attention backend without a GPU.
-
-- Its kernels, the model and the engine through them, under Triton's CPU interpreter: the cases live in
-  tests/kernels/triton_attention_cases.py (and tests/kernels/triton_compile_cases.py: no compile under load)
-  and run in a subprocess with TRITON_INTERPRET=1, because Triton reads that variable when it is imported and
-  keeps it for the process (this one must stay uninterpreted).
-- Its kernels compile for the GPU it serves on (Hopper, sm_90), with the compiler and ptxas Triton ships,
-  which need no GPU: what the interpreter does not check (tl.dot's shape rules, shared memory, types).
+"""The Triton attention backend without a GPU: its kernels compile for the GPU it serves on (Hopper, sm_90), with
+the compiler and ptxas Triton ships, which need no GPU: what the interpreter does not check (tl.dot's shape rules,
+shared memory, types). The kernels themselves, the model and the engine through them run under Triton's CPU
+interpreter in tests/kernels/test_triton_interpreted.py (cases: tests/kernels/triton_attention_cases.py and
+tests/kernels/triton_compile_cases.py).
 """
 
 from __future__ import annotations
@@ -15,19 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from triton_interpreter import run_interpreted_cases
-
 triton = pytest.importorskip("triton")
 
 from mili_openai.kernels import triton_attention_kernels  # noqa: E402
 
-# the kernels against their reference; no compile under load
-CASES = [Path(__file__).with_name(name) for name in ("triton_attention_cases.py", "triton_compile_cases.py")]
 HOPPER = (90, 32)  # compute capability 9.0 (H100, H200), warp size
-
-
-def test_kernels_match_their_reference_under_the_interpreter(tmp_path_factory):
-    run_interpreted_cases(CASES, tmp_path_factory)
 
 
 def _ptxas_available() -> bool:

@@ -1,6 +1,6 @@
 """The Triton paged attention kernels against their torch reference, and the engine through them.
 
-Not collected by the suite itself (no `test_` prefix): tests/kernels/test_triton_attention.py runs this file in a
+Not collected by the suite itself (no `test_` prefix): tests/kernels/test_triton_interpreted.py runs this file in a
 subprocess with TRITON_INTERPRET=1, where Triton runs the kernels on CPU tensors; the variable must be set
 before Triton is imported and stays for the whole process, so it cannot share one with other tests. On a
 GPU machine run it directly (`pytest tests/kernels/triton_attention_cases.py`): the same cases on CUDA.

@@ -1,7 +1,7 @@
 """No Triton compile under load: every kernel launch of a serving step is a variant the load-time warm-up
 (model/kernel_warmup.py) compiled.
 
-Run by tests/kernels/test_triton_attention.py in its TRITON_INTERPRET=1 subprocess, as triton_attention_cases.py is
+Run by tests/kernels/test_triton_interpreted.py in its TRITON_INTERPRET=1 subprocess, as triton_attention_cases.py is
 (on a GPU machine, directly: the same checks on CUDA). Each launch's arguments are recorded through
 Triton's pre-run hooks, and the key Triton's JIT would compile a variant for is computed from them with
 Triton's own specialisation function and each kernel's do_not_specialize flags.

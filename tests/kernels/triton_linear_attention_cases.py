@@ -1,7 +1,7 @@
 """The Triton gated delta rule and causal conv against the torch reference, and (marked slow: run this file directly)
 the hybrid prefix cache's state snapshots in an engine on them.
 
-Not collected by the suite itself (no `test_` prefix): tests/kernels/test_triton_gated_delta_rule.py runs this file in a
+Not collected by the suite itself (no `test_` prefix): tests/kernels/test_triton_interpreted.py runs this file in a
 subprocess with TRITON_INTERPRET=1, where Triton runs the kernels on CPU tensors (the variable must be set before
 Triton is imported and stays for the process). On a GPU machine run it directly: the same cases on CUDA.
 """
