@@ -3,22 +3,23 @@ kernels (skipped without AVX512-BF16) and the Triton kernel under Triton's inter
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from mili_openai.kernels import cpu_supports_kernels, load_cpu_kernels
 from mili_openai.kernels.planning import linear_via_fp32
-from mili_openai.kernels.quantized import GEMM_SLICE_BYTES, PackedWeights, dequantize, pack_int4, reference_linear
+from mili_openai.kernels.quantized import (
+    GEMM_SLICE_BYTES,
+    Int8Inputs,
+    PackedWeights,
+    dequantize,
+    pack_int4,
+    reference_linear,
+)
 from mili_openai.model.quantization.dynamic import quantize_int4, quantize_int8
 
 RELATIVE_TOLERANCE = 1e-2  # fp32 sums, one bf16 rounding of the output: 1% of the largest output
-SUBPROCESS_TIMEOUT_S = 300  # a hang guard only
 # the same fp32 products summed in another order, then rounded to bf16: one rounding apart (of the value, or
 # of a sum near zero)
 FP32_GEMM_ORDER = 2 ** -7
@@ -137,36 +138,26 @@ def test_unsupported_layouts_keep_the_reference(kernels):
     assert torch.equal(kernels.quantized.linear(x, odd_group), reference_linear(x, odd_group))
 
 
-# Run in a fresh interpreter: Triton picks its interpreter when it is first imported in a process.
-TRITON_CHECK = """
-import torch
-from mili_openai.kernels.quantized import Int8Inputs, reference_linear
-from mili_openai.kernels.triton_quantized import triton_quantized_linear
-from mili_openai.model.quantization.dynamic import quantize_int4, quantize_int8
-from test_quantized_kernels import random_packed
+def _triton_linear(x: torch.Tensor, packed: PackedWeights) -> torch.Tensor:
+    """Run in the `interpreter` fixture's process: Triton picks its interpreter when it is first imported in a
+    process."""
+    from mili_openai.kernels.triton_quantized import triton_quantized_linear
 
-w = torch.randn(40, 256, generator=torch.Generator().manual_seed(3)) / 16
-w8a8 = quantize_int8(w)._replace(int8_inputs=Int8Inputs())  # on x's int8 levels, each row scaled after
-for packed in (quantize_int8(w), quantize_int4(w, 64), quantize_int4(w, 128), random_packed(4, 40, 256, 2, False, 9),
-               w8a8):
-    for dtype in (torch.float32, torch.bfloat16):
-        for rows in (1, 3, 17):
-            x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(dtype)
-            got, want = triton_quantized_linear(x, packed), reference_linear(x, packed)
-            assert got.dtype == dtype
-            # bf16: the same bf16 weights and fp32 sums in another order, so at most an output rounding apart
-            tolerance = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
-            torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)
-print("checked")
-"""
+    return triton_quantized_linear(x, packed)
 
 
-def test_triton_kernel_matches_the_reference():
+def test_triton_kernel_matches_the_reference(interpreter):
     """In the interpreter, on the same bf16 weights as the reference, float32 products (triton_quantized.py)."""
     pytest.importorskip("triton")
-    here = Path(__file__).parent  # this module, and the helpers it imports
-    paths = [str(here), str(here.parent / "helpers"), os.environ.get("PYTHONPATH")]
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, paths))}
-    done = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True,
-                          timeout=SUBPROCESS_TIMEOUT_S)
-    assert done.returncode == 0 and "checked" in done.stdout, done.stderr[-3000:]
+    w = torch.randn(40, 256, generator=torch.Generator().manual_seed(3)) / 16
+    w8a8 = quantize_int8(w)._replace(int8_inputs=Int8Inputs())  # on x's int8 levels, each row scaled after
+    for packed in (quantize_int8(w), quantize_int4(w, 64), quantize_int4(w, 128),
+                   random_packed(4, 40, 256, 2, False, 9), w8a8):
+        for dtype in (torch.float32, torch.bfloat16):
+            for rows in (1, 3, 17):
+                x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(dtype)
+                got, want = interpreter.submit(_triton_linear, x, packed).result(), reference_linear(x, packed)
+                assert got.dtype == dtype
+                # bf16: the same bf16 weights and fp32 sums in another order, so at most an output rounding apart
+                tolerance = 2 ** -8 if dtype == torch.bfloat16 else 1e-5
+                torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)
