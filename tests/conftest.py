@@ -43,7 +43,9 @@ tokenizer, fake and real engines and servers.
 The checkpoints, adapters and tokenizer files above are built once per session, not once per pytest-xdist worker:
 the first worker to ask builds them under a file lock, the others reuse them (helpers/session_shared.py).
 
-The helper modules the folders share are in tests/helpers, on pytest's pythonpath (pyproject.toml).
+The helper modules the folders share are in tests/helpers, on pytest's pythonpath (pyproject.toml). The server
+helpers (helpers_server.py: httpx, openai, uvicorn) are imported by the fixtures that use them, not here: the
+Triton interpreter's pytest subprocess loads this file too and runs no server.
 """
 
 from __future__ import annotations
@@ -56,7 +58,6 @@ import pytest
 import torch
 
 from fake_engine import FakeEngine
-from helpers_server import REAL_ENGINE_CONFIG, live_server, load_qwen_tokenizer
 from pooling_helpers import build_embedding_checkpoint, build_sequence_classifier, yes_minus_no_row
 from session_shared import built_once
 from triton_interpreter import interpreter_pool, skip_repeated_language_patches
@@ -230,6 +231,8 @@ def anyio_backend():
 
 @pytest.fixture(scope="session")
 def qwen_tokenizer():
+    from helpers_server import load_qwen_tokenizer
+
     return load_qwen_tokenizer()
 
 
@@ -256,6 +259,8 @@ def fake_engine(qwen_tokenizer):
 
 @pytest.fixture(scope="module")
 def real_engine(tiny_checkpoint):
+    from helpers_server import REAL_ENGINE_CONFIG
+
     from mili_openai.engine.async_engine import AsyncEngine
 
     return AsyncEngine(EngineConfig(model=str(tiny_checkpoint), **REAL_ENGINE_CONFIG))
@@ -263,6 +268,8 @@ def real_engine(tiny_checkpoint):
 
 @pytest.fixture(scope="module")
 def real_server(real_engine):
+    from helpers_server import live_server
+
     from mili_openai.server.app import create_app
 
     app = create_app(ServerConfig(served_model_name="tiny-qwen3", request_timeout_s=60.0), engine=real_engine)
