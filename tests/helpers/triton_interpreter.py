@@ -83,7 +83,7 @@ def skip_repeated_language_patches() -> None:
         if current is None or fn is current.kernel:
             return patch_lang(fn)
         if fn in current.helpers:
-            return None  # Triton's helper call discards what it returns: the launch's end restores the modules
+            return None  # the walk would change nothing, and Triton's helper call discards what it returns
         current.helpers.add(fn)
         return patch_lang(fn)
 
