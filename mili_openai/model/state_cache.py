@@ -40,6 +40,9 @@ class StateCache:
         self.conv = torch.zeros((len(layers), num_slots, *spec.conv_shape), dtype=dtype, device=device)
         self.recurrent = torch.zeros((len(layers), num_slots, *spec.recurrent_shape), dtype=RECURRENT_DTYPE,
                                      device=device)
+        # CPU pools move slots one slice at a time: torch's index ops along dim 1 of a 5-D pool run ~10 ms a slot
+        # there from two slots up (one slot's slice copy: ~1 ms); a device's keep them (no host reads of indices)
+        self._by_slot = self.conv.device.type == "cpu"
         # the states a step verifying drafts keeps per decode row (keep_verified_states); None outside one
         self.kept_conv: torch.Tensor | None = None
         self.kept_recurrent: torch.Tensor | None = None
@@ -58,26 +61,33 @@ class StateCache:
 
     def reset(self, slots: torch.Tensor) -> None:
         """Zero these slots in every layer: a new sequence starts from zeros (the conv's causal padding)."""
+        if self._by_slot:
+            for slot in slots.tolist():
+                self.conv[:, slot].zero_()
+                self.recurrent[:, slot].zero_()
+            return
         slots = slots.to(self.conv.device)
         self.conv.index_fill_(1, slots, 0)
         self.recurrent.index_fill_(1, slots, 0)
 
     def copy(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """State of slots `src` into slots `dst`, pairwise, in every layer (a fork: n > 1, snapshots)."""
-        src, dst = src.to(self.conv.device), dst.to(self.conv.device)
-        self.conv.index_copy_(1, dst, self.conv.index_select(1, src))
-        self.recurrent.index_copy_(1, dst, self.recurrent.index_select(1, src))
+        if self._by_slot and not set(src.tolist()) & set(dst.tolist()):  # no pair reads a slot another writes
+            for source, target in zip(src.tolist(), dst.tolist()):
+                self.conv[:, target].copy_(self.conv[:, source])
+                self.recurrent[:, target].copy_(self.recurrent[:, source])
+            return
+        for pool in (self.conv, self.recurrent):
+            _scatter(pool, dst, _gather(pool, src, self._by_slot), self._by_slot)
 
     def save(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A copy of these slots' (conv, recurrent) states in every layer, for `restore`."""
-        slots = slots.to(self.conv.device)
-        return self.conv.index_select(1, slots), self.recurrent.index_select(1, slots)
+        return _gather(self.conv, slots, self._by_slot), _gather(self.recurrent, slots, self._by_slot)
 
     def restore(self, slots: torch.Tensor, saved: tuple[torch.Tensor, torch.Tensor]) -> None:
         """Put back the states `save` copied from these slots."""
-        slots = slots.to(self.conv.device)
-        self.conv.index_copy_(1, slots, saved[0])
-        self.recurrent.index_copy_(1, slots, saved[1])
+        _scatter(self.conv, slots, saved[0], self._by_slot)
+        _scatter(self.recurrent, slots, saved[1], self._by_slot)
 
     def keep_verified_states(self, num_rows: int | None) -> None:
         """For a step whose decodes verify drafts: buffers where each of its `num_rows` decode rows leaves the
@@ -98,10 +108,25 @@ class StateCache:
     def restore_kept(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Roll slots back to the state decode row `rows` left (pairwise): a decode whose drafts were rejected
         after that row stands where its last accepted token left it."""
-        rows, slots = rows.to(self.conv.device), slots.to(self.conv.device)
-        self.conv.index_copy_(1, slots, self.kept_conv.index_select(1, rows))
-        self.recurrent.index_copy_(1, slots, self.kept_recurrent.index_select(1, rows))
+        _scatter(self.conv, slots, _gather(self.kept_conv, rows, self._by_slot), self._by_slot)
+        _scatter(self.recurrent, slots, _gather(self.kept_recurrent, rows, self._by_slot), self._by_slot)
 
     @property
     def nbytes(self) -> int:
         return self.conv.numel() * self.conv.element_size() + self.recurrent.numel() * self.recurrent.element_size()
+
+
+def _gather(pool: torch.Tensor, slots: torch.Tensor, by_slot: bool) -> torch.Tensor:
+    """pool[:, slots], a copy (layers, len(slots), ...)."""
+    if by_slot and slots.numel():
+        return torch.stack([pool[:, slot] for slot in slots.tolist()], dim=1)
+    return pool.index_select(1, slots.to(pool.device))
+
+
+def _scatter(pool: torch.Tensor, slots: torch.Tensor, values: torch.Tensor, by_slot: bool) -> None:
+    """pool[:, slots] = values (layers, len(slots), ...)."""
+    if by_slot:
+        for index, slot in enumerate(slots.tolist()):
+            pool[:, slot].copy_(values[:, index])
+        return
+    pool.index_copy_(1, slots.to(pool.device), values)
