@@ -32,6 +32,12 @@ class Linear(nn.Module):
         return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}"
 
 
+def unfilled_embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
+    """An `nn.Embedding` whose table the loader assigns, left unfilled: its random init, run on the loader's meta
+    device, goes through torch._refs and so imports torch._dynamo (~2 s of CPU at every start) for nothing."""
+    return nn.Embedding(num_embeddings, embedding_dim, _weight=torch.empty(num_embeddings, embedding_dim))
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, normalised in float32 and cast back before the weight multiply (as transformers
     does, so bf16 results round identically)."""
