@@ -32,10 +32,13 @@ class Linear(nn.Module):
         return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}"
 
 
-def unfilled_embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
-    """An `nn.Embedding` whose table the loader assigns, left unfilled: its random init, run on the loader's meta
-    device, goes through torch._refs and so imports torch._dynamo (~2 s of CPU at every start) for nothing."""
-    return nn.Embedding(num_embeddings, embedding_dim, _weight=torch.empty(num_embeddings, embedding_dim))
+def embedding_table(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
+    """`nn.Embedding(num_embeddings, embedding_dim)`, less its random init on the loader's meta device (which the
+    loader replaces): there it goes through torch._refs and imports torch._dynamo (~2 s of CPU at every start)."""
+    weight = torch.empty(num_embeddings, embedding_dim)
+    if not weight.is_meta:  # built outside the loader (a test's module): initialised as nn.Embedding does
+        nn.init.normal_(weight)
+    return nn.Embedding(num_embeddings, embedding_dim, _weight=weight)
 
 
 class RMSNorm(nn.Module):
