@@ -30,6 +30,7 @@ from mili_openai.config import EngineConfig
 from mili_openai.engine import draft_batches
 from mili_openai.engine.draft_head import DraftHead
 from mili_openai.engine.speculation import SpeculationPlan
+from mili_openai.engine.tokenizer_loading import load_tokenizer
 from mili_openai.model import KVCache, ModelConfig, load_model, resolve_model_path
 from mili_openai.model.batch import ForwardBatch
 from mili_openai.model.cache_spec import LayerCacheSpec, ModelCaches, has_recurrent_layers
@@ -88,10 +89,8 @@ def check_same_tokenizer(target_path: Path, draft_path: Path) -> None:
     """ValueError naming tokens whose ids differ, where the draft checkpoint ships a tokenizer of its own."""
     if not any((draft_path / name).exists() for name in TOKENIZER_FILES):
         return
-    from transformers import AutoTokenizer
-
-    target = AutoTokenizer.from_pretrained(str(target_path)).get_vocab()
-    draft = AutoTokenizer.from_pretrained(str(draft_path)).get_vocab()
+    target = load_tokenizer(target_path).get_vocab()
+    draft = load_tokenizer(draft_path).get_vocab()
     if target == draft:
         return
     differing = sorted(set(target.items()).symmetric_difference(draft.items()), key=lambda item: item[1])

@@ -227,6 +227,10 @@ def llguidance_vocabulary(key: VocabularyKey) -> Any:
     with the same tokenizer in one process share it: a test session starts dozens of engines)."""
     import llguidance.hf
 
+    backend = key.tokenizer.backend_tokenizer
+    if backend.padding is None and backend.truncation is None:
+        # from_tokenizer's own steps, without the copy of the tokenizer (~0.4 s) it makes to switch these two off
+        return llguidance.LLTokenizer(backend.to_str(), n_vocab=key.vocab_size, eos_token=key.eos_token_id)
     return llguidance.hf.from_tokenizer(key.tokenizer, n_vocab=key.vocab_size)
 
 

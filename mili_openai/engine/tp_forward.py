@@ -62,6 +62,11 @@ from mili_openai.model.tensor_parallel import check_tensor_parallel
 
 logger = logging.getLogger(__name__)
 
+# The workers are forked from multiprocessing's fork server, which imports these modules (torch, the model code) once
+# per process: spawned, every rank imported them anew (~2 s of CPU each, at every start of every group). The fork
+# server runs no torch op, so no OpenMP pool or CUDA context is forked. It keeps the environment it started with.
+WORKER_START_METHOD = "forkserver"
+WORKER_PRELOAD = ["mili_openai.engine.tp_worker"]
 SHUTDOWN_TIMEOUT_S = 10.0  # a worker asked to stop gets this long before it is terminated
 KILL_TIMEOUT_S = 5.0  # then this long after SIGTERM before SIGKILL
 
@@ -101,7 +106,8 @@ class WorkerGroup:
 
     def __init__(self, config: EngineConfig, model_path: Path, size: int, kernel_plan: KernelPlan | None) -> None:
         """`kernel_plan`: the CPU kernels' plan the workers adopt rather than each timing its own."""
-        context = torch.multiprocessing.get_context("spawn")
+        context = torch.multiprocessing.get_context(WORKER_START_METHOD)
+        context.set_forkserver_preload(WORKER_PRELOAD)  # read when the fork server starts: once per process
         self._rendezvous = tempfile.mkdtemp(prefix="mili-tp-")
         init_method = f"file://{self._rendezvous}/store"  # a file rendezvous: no port to race for
         self._lock = threading.Lock()

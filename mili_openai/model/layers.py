@@ -32,6 +32,15 @@ class Linear(nn.Module):
         return f"in_features={self.weight.shape[1]}, out_features={self.weight.shape[0]}"
 
 
+def embedding_table(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
+    """`nn.Embedding(num_embeddings, embedding_dim)`, less its random init on the loader's meta device (which the
+    loader replaces): there it goes through torch._refs and imports torch._dynamo (~2 s of CPU at every start)."""
+    weight = torch.empty(num_embeddings, embedding_dim)
+    if not weight.is_meta:  # built outside the loader (a test's module): initialised as nn.Embedding does
+        nn.init.normal_(weight)
+    return nn.Embedding(num_embeddings, embedding_dim, _weight=weight)
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, normalised in float32 and cast back before the weight multiply (as transformers
     does, so bf16 results round identically)."""

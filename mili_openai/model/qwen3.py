@@ -27,7 +27,7 @@ from mili_openai.model.cache_spec import LayerCacheSpec, ModelCaches, PagedKVSpe
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.kernel_backend import DecodeStack, KernelBackend, require_backend
 from mili_openai.model.kv_cache import KVCache
-from mili_openai.model.layers import Linear, RMSNorm, SwiGLUMLP
+from mili_openai.model.layers import Linear, RMSNorm, SwiGLUMLP, embedding_table
 from mili_openai.model.moe import SparseMoeBlock
 from mili_openai.model.quantization.modules import QuantizedEmbedding, QuantizedLinear
 from mili_openai.model.qwen3_5_vision import Qwen3_5VisionTower
@@ -73,7 +73,7 @@ class Qwen3DecoderLayer(nn.Module):
 class Qwen3Model(nn.Module):
     def __init__(self, config: ModelConfig, backend: KernelBackend, parallel: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens = (nn.Embedding(config.vocab_size, config.hidden_size) if parallel is None
+        self.embed_tokens = (embedding_table(config.vocab_size, config.hidden_size) if parallel is None
                              else VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel))
         self.layers = nn.ModuleList(Qwen3DecoderLayer(config, index, backend, parallel)
                                     for index in range(config.num_hidden_layers))

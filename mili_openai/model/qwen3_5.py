@@ -30,7 +30,7 @@ from mili_openai.model.gated_deltanet import GatedDeltaNet, StateRows
 from mili_openai.model.hybrid_config import LINEAR_ATTENTION
 from mili_openai.model.hybrid_norms import ZeroCenteredRMSNorm
 from mili_openai.model.kernel_backend import KernelBackend, require_backend
-from mili_openai.model.layers import Linear, SwiGLUMLP
+from mili_openai.model.layers import Linear, SwiGLUMLP, embedding_table
 from mili_openai.model.moe import SharedExpertMoeBlock, SparseMoeBlock
 from mili_openai.model.mtp import MultiTokenPredictorWeights
 from mili_openai.model.quantization.modules import QuantizedLinear
@@ -94,7 +94,7 @@ class HybridDecoderLayer(nn.Module):
 class HybridModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: KernelBackend, parallel: TensorParallelGroup | None = None) -> None:
         super().__init__()
-        self.embed_tokens = (nn.Embedding(config.vocab_size, config.hidden_size) if parallel is None
+        self.embed_tokens = (embedding_table(config.vocab_size, config.hidden_size) if parallel is None
                              else VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel))
         self.layers = nn.ModuleList(HybridDecoderLayer(config, index, backend, parallel)
                                     for index in range(config.num_hidden_layers))

@@ -33,6 +33,7 @@ from torch import nn
 
 from mili_openai.kernels.onednn_linear import weight_key
 from mili_openai.model.kernel_backend import ImageAttentionKernel, KernelBackend, require_backend
+from mili_openai.model.layers import embedding_table
 from mili_openai.model.vision_config import VisionTowerConfig
 
 LAYER_NORM_EPS = 1e-6
@@ -202,7 +203,7 @@ class Qwen3_5VisionTower(nn.Module):
         self.config = config
         self.side = round(config.num_position_embeddings ** 0.5)
         self.patch_embed = VisionPatchEmbed(config, backend)
-        self.pos_embed = nn.Embedding(config.num_position_embeddings, config.hidden_size)
+        self.pos_embed = embedding_table(config.num_position_embeddings, config.hidden_size)
         self.blocks = nn.ModuleList(VisionBlock(config, backend) for _ in range(config.depth))
         self.merger = VisionPatchMerger(config, backend)
         self.deepstack_merger_list = nn.ModuleList(VisionPatchMerger(config, backend, norm_after_merge=True)

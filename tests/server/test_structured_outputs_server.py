@@ -38,9 +38,12 @@ def test_the_server_compiles_formats_off_its_event_loop(tiny_checkpoint, monkeyp
     import llguidance.hf
 
     with served_engine(tiny_checkpoint, num_pages=64, page_size=8) as (live, _):
-        compiles, views = CallRecorder(llguidance.LLMatcher), CallRecorder(llguidance.hf.from_tokenizer)
+        compiles = CallRecorder(llguidance.LLMatcher)
+        # either way of building a view: from the tokenizer object, or from its serialised form (the engine's)
+        views = CallRecorder(llguidance.hf.from_tokenizer), CallRecorder(llguidance.LLTokenizer)
         monkeypatch.setattr(llguidance, "LLMatcher", compiles)
-        monkeypatch.setattr(llguidance.hf, "from_tokenizer", views)
+        monkeypatch.setattr(llguidance.hf, "from_tokenizer", views[0])
+        monkeypatch.setattr(llguidance, "LLTokenizer", views[1])
         client = openai.OpenAI(base_url=live.api_base, api_key="unused", max_retries=0)
         for n in (1, 3):  # the second request and its three samples copy the first one's compiled format
             reply = client.completions.create(model="tiny", prompt="Answer:", max_tokens=8, temperature=0, n=n,
@@ -51,7 +54,7 @@ def test_the_server_compiles_formats_off_its_event_loop(tiny_checkpoint, monkeyp
                                                    "guided_choice": CHOICES,
                                                    "chat_template_kwargs": {"enable_thinking": False}})
         assert reply.choices[0].message.content in CHOICES
-    assert views.threads == []  # built at load
+    assert [view.threads for view in views] == [[], []]  # built at load
     assert len(compiles.threads) == 2 and "uvicorn-test" not in compiles.threads  # the loop's thread
 
 
