@@ -277,16 +277,16 @@ def real_server(real_engine):
         yield live
 
 
-# The files that took longest in the README's run (`--durations=0`, 2026-11-29), longest first. Under `--dist
-# loadfile` they are handed out first, so the run does not end on one of them while the other worker idles; the
-# rest follow by their number of tests, as pytest-xdist would order them (which alone left the 73 s Triton file
-# and two single-test files of 17-20 s among the last). test_triton_interpreted.py runs the interpreter's case files
-# of the former test_triton_attention.py (66 s) and test_triton_gated_delta_rule.py (19 s) in one subprocess.
-LONG_FILES = ("kernels/test_triton_interpreted.py", "engine/test_tensor_parallel.py", "server/test_engine_process.py",
-              "engine/test_speculative_draft_model.py", "bench/test_fit_mtp.py", "quant/test_quantized_models.py",
-              "clients/test_clients.py", "server/test_profiler_server.py", "engine/test_speculative_decoding.py",
-              "engine/test_hybrid_prefix_cache.py", "engine/test_draft_switch.py", "quant/test_compressed_tensors.py",
-              "server/test_tensor_parallel_server.py", "server/test_shutdown.py")
+# The files that took longest in the README's run (`--durations=0`, two idle runs on 2026-11-29 21:17 and 21:23 UTC,
+# 300 s each), longest first. Under `--dist loadfile` they are handed out first, so the run does not end on one of
+# them while the other worker idles; the rest follow by their number of tests, as pytest-xdist would order them
+# (which alone left a 73 s Triton file and two single-test files of 17-20 s among the last).
+LONG_FILES = ("server/test_engine_process.py", "kernels/test_triton_interpreted.py", "clients/test_clients.py",
+              "bench/test_fit_mtp.py", "quant/test_quantized_models.py", "quant/test_compressed_tensors.py",
+              "engine/test_tensor_parallel.py", "server/test_profiler_server.py",
+              "server/test_tensor_parallel_server.py", "bench/test_bench.py", "engine/test_speculative_draft_model.py",
+              "engine/test_speculative_decoding.py", "engine/test_engine_parity.py", "server/test_cli.py",
+              "engine/test_image_engine.py")
 
 
 def pytest_collection_modifyitems(items):
