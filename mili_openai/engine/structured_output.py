@@ -208,17 +208,20 @@ class ConstrainedOutput:
 @dataclass(frozen=True, slots=True)
 class VocabularyKey:
     """What llguidance's view of a tokenizer depends on: its serialised form (as a digest), the vocabulary size
-    and the EOS token. The tokenizer rides along, outside the comparison, to build the view from."""
+    and the EOS token. The tokenizer and its serialised form ride along, outside the comparison, to build the view
+    from."""
 
     digest: bytes
     vocab_size: int
     eos_token_id: int | None
     tokenizer: Any = field(compare=False, hash=False, repr=False)
+    serialised: str = field(compare=False, hash=False, repr=False)
 
     @classmethod
     def of(cls, tokenizer: Any, vocab_size: int) -> VocabularyKey:
-        serialised = tokenizer.backend_tokenizer.to_str().encode()  # ~0.2 s for Qwen's 151k tokens
-        return cls(hashlib.sha256(serialised).digest(), vocab_size, tokenizer.eos_token_id, tokenizer)
+        serialised = tokenizer.backend_tokenizer.to_str()  # ~0.2 s for Qwen's 151k tokens
+        return cls(hashlib.sha256(serialised.encode()).digest(), vocab_size, tokenizer.eos_token_id, tokenizer,
+                   serialised)
 
 
 @functools.lru_cache(maxsize=VOCABULARIES_KEPT)
@@ -229,8 +232,9 @@ def llguidance_vocabulary(key: VocabularyKey) -> Any:
 
     backend = key.tokenizer.backend_tokenizer
     if backend.padding is None and backend.truncation is None:
-        # from_tokenizer's own steps, without the copy of the tokenizer (~0.4 s) it makes to switch these two off
-        return llguidance.LLTokenizer(backend.to_str(), n_vocab=key.vocab_size, eos_token=key.eos_token_id)
+        # from_tokenizer's own steps on the key's serialised form, without the copy of the tokenizer (~0.4 s) it
+        # makes to switch these two off and the second serialisation
+        return llguidance.LLTokenizer(key.serialised, n_vocab=key.vocab_size, eos_token=key.eos_token_id)
     return llguidance.hf.from_tokenizer(key.tokenizer, n_vocab=key.vocab_size)
 
 
