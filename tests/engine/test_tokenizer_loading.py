@@ -1,6 +1,7 @@
 """The chat template a checkpoint's tokenizer renders with (engine/tokenizer_loading.py): tokenizer_config.json's,
 the processor's chat_template.json over it (a vision-language checkpoint's, which places images), and
-chat_template.jinja over both, as transformers' processor reads them."""
+chat_template.jinja over both, as transformers' processor reads them; and the tokenizer read once per process until
+a file of it changes."""
 
 from __future__ import annotations
 
@@ -26,3 +27,16 @@ def test_the_processor_template_wins_unless_a_jinja_file_is_shipped(tiny_checkpo
     assert rendered(checkpoint) == "[user]"
     (checkpoint / TEMPLATE_FILE).write_text(JINJA_TEMPLATE)
     assert rendered(checkpoint) == "<user>"
+
+
+def test_a_tokenizer_is_read_once_until_a_file_of_it_changes(tiny_checkpoint, tmp_path):
+    checkpoint = tmp_path / "changing"
+    shutil.copytree(tiny_checkpoint, checkpoint)
+    first = load_tokenizer(checkpoint)
+    assert load_tokenizer(checkpoint) is first  # engines on one checkpoint share it
+    config_file = checkpoint / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = PROCESSOR_TEMPLATE
+    config_file.write_text(json.dumps(config))  # another size: read again, with the new template
+    changed = load_tokenizer(checkpoint)
+    assert changed is not first and rendered(checkpoint) == "[user]"
