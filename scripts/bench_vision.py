@@ -88,11 +88,16 @@ def drawn_png(seed: int, side: int = IMAGE_SIDE) -> bytes:
     return buffer.getvalue()
 
 
-def chat_body(model: str, png: bytes, max_tokens: int) -> dict:
+def image_messages(png: bytes) -> list[dict]:
+    """One user turn: the image as a data URL, then the question."""
     url = "data:image/png;base64," + base64.b64encode(png).decode()
     content = [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]
-    return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0.0, "ignore_eos": True}
+    return [{"role": "user", "content": content}]
+
+
+def chat_body(model: str, png: bytes, max_tokens: int) -> dict:
+    return {"model": model, "messages": image_messages(png), "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True}
 
 
 def ensure_checkpoint(path: Path, tiny: bool) -> Path:

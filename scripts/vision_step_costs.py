@@ -15,7 +15,6 @@ wall seconds need a quiet one.
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import sys
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_vision import CONCURRENT_REQUESTS, IMAGE_SIDE, QUESTION, THROUGHPUT_OUTPUT_TOKENS, drawn_png  # noqa: E402
+from bench_vision import CONCURRENT_REQUESTS, IMAGE_SIDE, THROUGHPUT_OUTPUT_TOKENS, drawn_png, image_messages  # noqa: E402
 
 from mili_openai import LLM, SamplingParams  # noqa: E402
 from mili_openai.model.layers import Linear  # noqa: E402
@@ -67,8 +66,7 @@ class MatmulCounter:
 
 
 def image_chat(seed: int) -> list[dict]:
-    url = "data:image/png;base64," + base64.b64encode(drawn_png(seed, IMAGE_SIDE)).decode()
-    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": QUESTION}]}]
+    return image_messages(drawn_png(seed, IMAGE_SIDE))
 
 
 def instrument(llm: LLM, steps: list[StepCost]) -> None:
