@@ -102,18 +102,12 @@ class KnowingProposer:
 
 
 class WrappedDrafter:
-    """A test's wrapper around the runner's model proposer (engine/speculation.py's `Drafter`): the state calls
-    (a draft model's own states, zeroed or copied from a snapshot as the target's) go to it unchanged; a subclass
-    looks at or changes `propose`."""
+    """A test's wrapper around the runner's model proposer (engine/speculation.py's `Drafter`): every call but the
+    ones a subclass defines (it looks at or changes `propose`) goes to it unchanged, the state calls included (a
+    draft model's own states, zeroed or copied from a snapshot as the target's)."""
 
     def __init__(self, inner) -> None:
         self.inner = inner
 
-    def reset_states(self, slots: torch.Tensor) -> None:
-        self.inner.reset_states(slots)
-
-    def copy_states(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        self.inner.copy_states(src, dst)
-
-    def propose(self, *args) -> list[list[int]]:
-        return self.inner.propose(*args)
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
