@@ -68,3 +68,21 @@ def exclusive_build(directory: Path) -> Iterator[None]:
             logger.warning("removing %s, left by a kernel build that was killed before it finished", stale)
             stale.unlink(missing_ok=True)
         yield  # the flock goes with the file's close
+
+
+def compile_extension(prefix: str, source_dir: Path, sources: tuple[str, ...], cflags: list[str],
+                      ldflags: list[str]):
+    """Build (once per checkout and sources, cached by torch) and load an extension of `source_dir`'s `sources`
+    under the build lock; None, with a warning, where it cannot be built (no compiler, no ninja, flags the
+    compiler refuses): callers keep torch's ops."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        name = extension_name(prefix, source_dir)  # a new name, so a new build, for any source edit
+        directory = build_directory(name, source_dir)
+        with exclusive_build(directory):  # safe against a loader killed mid-build (above)
+            return load(name=name, sources=[str(source_dir / source) for source in sources], extra_cflags=cflags,
+                        extra_ldflags=ldflags, build_directory=str(directory), verbose=False)
+    except Exception as exc:
+        logger.warning("CPU kernels %s unavailable, using torch ops: %s", prefix, exc)
+        return None

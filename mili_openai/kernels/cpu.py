@@ -13,12 +13,19 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from mili_openai.kernels.build_lock import build_directory, exclusive_build, extension_name
+from mili_openai.kernels.build_lock import build_directory, compile_extension, extension_name
+from mili_openai.kernels.cpu_avx2 import avx2_kernels_built, compiled_avx2_kernels
 from mili_openai.kernels.cpu_decode_stack import CpuDecodeStack
 from mili_openai.kernels.cpu_linear_attention import CpuLinearAttention
 from mili_openai.kernels.lora import LoraRows, LoraSlotTable, add_lora
 from mili_openai.kernels.plan_cache import PLANS_DIR_NAME, KernelPlanCache, plan_key
-from mili_openai.kernels.planning import KernelPlan, plan_decode_prefetch, plan_matmuls, plan_prefill_attention
+from mili_openai.kernels.planning import (
+    KernelPlan,
+    linear_by_rows,
+    plan_decode_prefetch,
+    plan_matmuls,
+    plan_prefill_attention,
+)
 from mili_openai.kernels.quantized import CpuQuantizedLinear, PackedWeights
 
 logger = logging.getLogger(__name__)
@@ -112,19 +119,7 @@ class CpuKernels:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x @ weight.T; few-row bf16 inputs stream the weight once through the kernel."""
-        if not (
-            x.dtype == torch.bfloat16
-            and weight.dtype == torch.bfloat16
-            and x.device.type == "cpu"
-            and x.shape[-1] % VECTOR_LANES == 0
-            and weight.is_contiguous()
-        ):
-            return F.linear(x, weight)
-        rows = x.numel() // x.shape[-1]
-        if rows > self.plan.max_kernel_rows:
-            return self.plan.large_matmul(x, weight)
-        out = self._kernel_matmul(x.reshape(rows, x.shape[-1]), weight)
-        return out.view(*x.shape[:-1], weight.shape[0])
+        return linear_by_rows(x, weight, self._kernel_matmul, self.plan, VECTOR_LANES)
 
     @staticmethod
     def supports_rms_norm(x: torch.Tensor) -> bool:
@@ -345,7 +340,7 @@ def cpu_kernels_built() -> bool:
     """Whether loading the kernels takes a moment rather than a compile (minutes): they are built
     for this checkout's sources, or this CPU cannot run them."""
     if not cpu_supports_kernels():
-        return True
+        return avx2_kernels_built()  # where the CPU has AVX2 but not AVX-512, the few kernels it can run
     name = extension_name(EXTENSION_PREFIX, SOURCE_DIR)
     return (build_directory(name, SOURCE_DIR) / f"{name}.so").is_file()
 
@@ -358,7 +353,7 @@ def build_cpu_kernels_in_background() -> Future[bool]:
 
     def build() -> None:
         try:
-            built.set_result(_compiled_kernels() is not None)
+            built.set_result(_compiled_kernels() is not None or compiled_avx2_kernels() is not None)
         except BaseException as exc:  # a bug, not a missing compiler (that one is a False)
             built.set_exception(exc)
 
@@ -374,17 +369,8 @@ def _compiled_kernels() -> CpuKernels | None:
     start = time.monotonic()
     if compiling:
         logger.info("compiling CPU kernels (first start only)…")
-    try:
-        from torch.utils.cpp_extension import load
-
-        name = extension_name(EXTENSION_PREFIX, SOURCE_DIR)  # a new name, so a new build, for any source edit
-        directory = build_directory(name, SOURCE_DIR)
-        with exclusive_build(directory):  # safe against a loader killed mid-build (build_lock.py)
-            module = load(name=name, sources=[str(SOURCE_DIR / s) for s in SOURCES + QUANTIZED_SOURCES],
-                          extra_cflags=COMPILE_FLAGS, extra_ldflags=LINK_FLAGS, build_directory=str(directory),
-                          verbose=False)
-    except Exception as exc:  # no compiler, no ninja, unsupported flags: torch's ops instead
-        logger.warning("CPU kernels unavailable, using torch ops: %s", exc)
+    module = compile_extension(EXTENSION_PREFIX, SOURCE_DIR, SOURCES + QUANTIZED_SOURCES, COMPILE_FLAGS, LINK_FLAGS)
+    if module is None:
         return None
     if compiling:
         logger.info("compiling CPU kernels (first start only)… done in %.0f s", time.monotonic() - start)

@@ -57,6 +57,19 @@ def linear_via_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), weight.float()).to(x.dtype)
 
 
+def linear_by_rows(x: torch.Tensor, weight: torch.Tensor, kernel: MatmulFn, plan: KernelPlan,
+                   lanes: int) -> torch.Tensor:
+    """x @ weight.T: bf16 x of up to `plan.max_kernel_rows` rows through `kernel` (which takes 2-D x, K a multiple
+    of `lanes`, a contiguous weight), more through `plan.large_matmul`, anything else through F.linear."""
+    if not (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and x.shape[-1] % lanes == 0 and weight.is_contiguous()):
+        return F.linear(x, weight)
+    rows = x.numel() // x.shape[-1]
+    if rows > plan.max_kernel_rows:
+        return plan.large_matmul(x, weight)
+    return kernel(x.reshape(rows, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
+
+
 def run_seconds(work: Callable[[], object], before: Callable[[], object] | None = None,
                 clock: Clock = time.perf_counter) -> float:
     """Seconds of one run of `work`; `before`, untimed, runs ahead of it (say, to evict the caches)."""

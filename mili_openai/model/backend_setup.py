@@ -87,9 +87,22 @@ def use_cpu_kernels(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, kernels: CpuKe
     the decode stack built from the weights. The one place the CPU kernels come in, at load or later."""
     model.backend.awaits_cpu_kernels = False
     if kernels is None:
+        _use_avx2_kernels(model)
         return
     model.backend.install_cpu_kernels(kernels, model.dtype)
     model.build_decode_stack()
+
+
+def _use_avx2_kernels(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM) -> None:
+    """Where the CPU lacks the AVX-512 kernels, a bf16 model's projections through the AVX2 ones
+    (kernels/cpu_avx2.py): torch's bf16 GEMM there runs at a few GFLOP/s."""
+    from mili_openai.kernels import cpu_avx2, cpu_supports_kernels
+
+    if model.dtype != torch.bfloat16 or cpu_supports_kernels():
+        return
+    avx2 = cpu_avx2.load_avx2_kernels()
+    if avx2 is not None:
+        model.backend.matmul = avx2.linear
 
 
 def _triton_attention(config: ModelConfig, dtype: torch.dtype, device: torch.device,

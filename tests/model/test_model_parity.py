@@ -8,7 +8,10 @@ import torch
 
 from model_helpers import CountingStack, PagedSequences, random_tokens
 
+from mili_openai import kernels as kernels_module
 from mili_openai.kernels import cpu_supports_kernels
+from mili_openai.kernels.cpu_avx2 import load_avx2_kernels
+from mili_openai.model.backend_setup import use_cpu_kernels
 from mili_openai.model import KVCache, ModelCaches, load_model
 
 FP32_ATOL = 1e-4
@@ -152,11 +155,22 @@ def test_decode_rows_through_torch_ops_without_compiled_kernels(checkpoint, mode
     assert_close_to_hf(results, {key: hf_logits(hf, seq) for key, seq in tokens.items()}, FP32_ATOL)
 
 
-def test_bf16_as_close_to_the_float32_oracle_as_transformers_bf16(tiny_checkpoint):
+@pytest.mark.parametrize("matmuls", ["default", "avx2"])
+def test_bf16_as_close_to_the_float32_oracle_as_transformers_bf16(tiny_checkpoint, matmuls, monkeypatch):
     from transformers import Qwen3ForCausalLM as HFQwen3
 
-    # default load: on a CPU with AVX512-BF16 the few-row matmuls go through the decode kernel
-    model, config = load_model(tiny_checkpoint, torch.bfloat16, torch.device("cpu"))
+    if matmuls == "default":
+        # default load: on an AVX-512 CPU the few-row matmuls go through the decode kernel, on an AVX2 one the
+        # AVX2 kernel's
+        model, config = load_model(tiny_checkpoint, torch.bfloat16, torch.device("cpu"))
+    else:  # the AVX2 kernel's matmuls as a CPU without AVX-512 takes them, on any CPU with AVX2
+        avx2 = load_avx2_kernels(plan_cache=False)
+        if avx2 is None:
+            pytest.skip("this CPU has no AVX2 and FMA")
+        model, config = load_model(tiny_checkpoint, torch.bfloat16, torch.device("cpu"), use_decode_kernel=False)
+        monkeypatch.setattr(kernels_module, "cpu_supports_kernels", lambda: False)
+        use_cpu_kernels(model, None)
+        assert model.backend.matmul == avx2.linear
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
     hf32 = HFQwen3.from_pretrained(str(tiny_checkpoint), dtype=torch.float32).eval()
     hf16 = HFQwen3.from_pretrained(str(tiny_checkpoint), dtype=torch.bfloat16).eval()

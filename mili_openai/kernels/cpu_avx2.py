@@ -1,0 +1,101 @@
+"""bf16 matmuls on CPUs with AVX2 and FMA but no AVX-512 (csrc_avx2/), where the full kernel set (kernels/cpu.py)
+cannot run: Zen 2 / Zen 3 EPYCs, older Xeons and many cloud VMs.
+
+There torch's bf16 GEMM multiplies at a few GFLOP/s and oneDNN has no bf16 path, so a bf16 model's every
+projection crawls. A decode step's few rows go through the compiled kernel (bf16 weights widened to fp32 in
+registers, so the weights stream once at memory speed); more rows go to the faster of torch's GEMMs (timed:
+fp32 operands widened first usually), as `CpuKernels.linear` splits them. Nothing else changes: norms,
+attention and the linear-attention ops stay torch's.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from mili_openai.kernels.build_lock import build_directory, compile_extension, extension_name
+from mili_openai.kernels.plan_cache import PLANS_DIR_NAME, KernelPlanCache, plan_key
+from mili_openai.kernels.planning import KernelPlan, linear_by_rows, plan_matmuls
+
+logger = logging.getLogger(__name__)
+
+SOURCE_DIR = Path(__file__).with_name("csrc_avx2")
+SOURCES = ("linear_bf16_avx2.cpp",)
+EXTENSION_PREFIX = "mili_cpu_avx2_kernels"
+COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma"]
+LINK_FLAGS = ["-fopenmp"]
+REQUIRED_CPU_FLAGS = ("avx2", "fma")
+VECTOR_LANES = 8  # fp32 per AVX2 register: K must be a multiple
+
+
+def cpu_supports_avx2_kernels(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
+    try:
+        flags = cpuinfo.read_text().split()
+    except OSError:
+        return False
+    return all(flag in flags for flag in REQUIRED_CPU_FLAGS)
+
+
+def avx2_kernels_built() -> bool:
+    """Whether loading the kernels takes a moment rather than a compile: built for this checkout's sources, or
+    this CPU cannot run them."""
+    if not cpu_supports_avx2_kernels():
+        return True
+    name = extension_name(EXTENSION_PREFIX, SOURCE_DIR)
+    return (build_directory(name, SOURCE_DIR) / f"{name}.so").is_file()
+
+
+class Avx2Kernels:
+    """`linear` for bf16 weights; the extension is `module`."""
+
+    def __init__(self, module) -> None:
+        self._module = module
+        self.plan = KernelPlan()
+        self.planned = False  # whether `plan` was chosen (timed or read from the plan cache)
+
+    def _kernel_matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self._module.linear_bf16_avx2(x, weight)
+
+    def timed_plan(self) -> KernelPlan:
+        """Rows up to which the kernel beats torch's GEMM, and which GEMM runs more (seconds, on this CPU)."""
+        max_rows, large_matmul = plan_matmuls(self._kernel_matmul)
+        return KernelPlan(max_rows, large_matmul)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T; few-row bf16 inputs stream the weight once through the kernel."""
+        return linear_by_rows(x, weight, self._kernel_matmul, self.plan, VECTOR_LANES)
+
+
+def load_avx2_kernels(plan_cache: bool = True) -> Avx2Kernels | None:
+    """Build (once per machine and checkout, ~1 min), load and plan the kernels; None where this CPU lacks AVX2
+    and FMA or the build fails. `plan_cache`: as `load_cpu_kernels`."""
+    kernels = compiled_avx2_kernels()
+    if kernels is None or kernels.planned:
+        return kernels
+    name = extension_name(EXTENSION_PREFIX, SOURCE_DIR)
+    if plan_cache:
+        cache = KernelPlanCache(build_directory(name, SOURCE_DIR) / PLANS_DIR_NAME)
+        kernels.plan = cache.read_or_time(plan_key(name), kernels.timed_plan)
+    else:
+        kernels.plan = kernels.timed_plan()
+    kernels.planned = True
+    logger.info("AVX2 CPU kernels: bf16 matmuls of up to %d rows (more: %s)", kernels.plan.max_kernel_rows,
+                kernels.plan.large_matmul.__name__)
+    return kernels
+
+
+@functools.lru_cache(maxsize=1)
+def compiled_avx2_kernels() -> Avx2Kernels | None:
+    """The built and loaded kernels, not planned (`load_avx2_kernels` plans them); None as there."""
+    if not cpu_supports_avx2_kernels():
+        return None
+    start = time.monotonic()
+    module = compile_extension(EXTENSION_PREFIX, SOURCE_DIR, SOURCES, COMPILE_FLAGS, LINK_FLAGS)
+    if module is None:
+        return None
+    logger.info("AVX2 CPU kernels loaded in %.1f s (a first start compiles them)", time.monotonic() - start)
+    return Avx2Kernels(module)

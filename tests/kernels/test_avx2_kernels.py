@@ -1,0 +1,100 @@
+"""The AVX2 bf16 matmul (kernels/cpu_avx2.py, for CPUs without AVX-512) against torch (skipped where the CPU
+lacks AVX2 and FMA; every x86-64 CPU with AVX-512 has them, so it runs there too)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mili_openai.kernels import cpu_avx2
+from mili_openai.kernels.planning import KernelPlan, linear_by_rows, linear_via_fp32
+
+pytestmark = pytest.mark.skipif(not cpu_avx2.cpu_supports_avx2_kernels(), reason="this CPU has no AVX2 and FMA")
+
+
+@pytest.fixture(scope="module")
+def module():
+    kernels = cpu_avx2.compiled_avx2_kernels()  # built, not planned: the tests pick their own plans
+    if kernels is None:
+        pytest.skip("the AVX2 kernels did not build here (no compiler?)")
+    return kernels._module
+
+
+def assert_matches_fp32(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    want = F.linear(x.float(), w.float())
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    # fp32 accumulation then one bf16 rounding: within 1% of the magnitude
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
+
+
+# rows: each tile height (4, 3, 2, 1) and chunks of them; N: whole tiles, a tail row, under one block, several
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 13])
+@pytest.mark.parametrize("k,n", [(8, 7), (1024, 300), (96, 130), (3072, 9), (40, 33), (64, 17)])
+def test_kernel_matches_fp32_matmul(module, rows, k, n):
+    torch.manual_seed(rows * 1000 + n)
+    x = torch.randn(rows, k, dtype=torch.bfloat16)
+    w = torch.randn(n, k, dtype=torch.bfloat16) * 0.05
+    assert_matches_fp32(module.linear_bf16_avx2(x, w), x, w)
+
+
+@pytest.mark.parametrize("threads", [1, 3, 5])
+@pytest.mark.parametrize("n", [1, 15, 16, 49, 1000])
+def test_kernel_writes_every_output_whatever_the_threads(module, threads, n):
+    """Threads take blocks of 16 weight rows: every output is written once (the output starts uninitialised),
+    also with more threads than blocks or cores."""
+    torch.manual_seed(n)
+    x = torch.randn(6, 64, dtype=torch.bfloat16)
+    w = torch.randn(n, 64, dtype=torch.bfloat16) * 0.05
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 6):
+            assert_matches_fp32(module.linear_bf16_avx2(x[:rows], w), x[:rows], w)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_kernel_refuses_what_it_cannot_run(module):
+    x = torch.randn(2, 12, dtype=torch.bfloat16)  # K not a multiple of 8
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        module.linear_bf16_avx2(x, torch.randn(4, 12, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bf16"):
+        module.linear_bf16_avx2(x.float()[:, :8], torch.randn(4, 8))
+
+
+def test_linear_splits_rows_between_kernel_and_gemm(module):
+    """Up to the plan's rows the kernel (any leading shape), beyond them the plan's GEMM, and non-bf16 inputs or a
+    K the kernel cannot take go to F.linear."""
+    calls = []
+
+    def kernel(x, w):
+        calls.append(("kernel", x.shape[0]))
+        return module.linear_bf16_avx2(x, w)
+
+    def large(x, w):
+        calls.append(("large", x.numel() // x.shape[-1]))
+        return linear_via_fp32(x, w)
+
+    plan = KernelPlan(max_kernel_rows=8, large_matmul=large)
+    w = torch.randn(24, 32, dtype=torch.bfloat16)
+    for shape in [(2, 4, 32), (3, 32), (9, 32)]:
+        x = torch.randn(shape, dtype=torch.bfloat16)
+        got = linear_by_rows(x, w, kernel, plan, cpu_avx2.VECTOR_LANES)
+        assert got.shape == (*shape[:-1], 24)
+        assert_matches_fp32(got.reshape(-1, 24), x.reshape(-1, 32), w)
+    assert calls == [("kernel", 8), ("kernel", 3), ("large", 9)]
+    calls.clear()
+    linear_by_rows(torch.randn(2, 32), w.float(), kernel, plan, cpu_avx2.VECTOR_LANES)  # fp32
+    linear_by_rows(torch.randn(2, 12, dtype=torch.bfloat16), torch.randn(5, 12, dtype=torch.bfloat16), kernel, plan,
+                   cpu_avx2.VECTOR_LANES)  # K = 12
+    assert calls == []
+
+
+def test_cpu_flags_decide_support(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("flags\t\t: fpu sse2 avx fma avx2 bmi2\n")
+    assert cpu_avx2.cpu_supports_avx2_kernels(cpuinfo)
+    cpuinfo.write_text("flags\t\t: fpu sse2 avx bmi2\n")
+    assert not cpu_avx2.cpu_supports_avx2_kernels(cpuinfo)
+    assert not cpu_avx2.cpu_supports_avx2_kernels(tmp_path / "missing")
