@@ -27,8 +27,10 @@ def build_cpu_kernels_first() -> None:
     """Build the CPU kernels here, before a benchmark starts mili on CPU: a server that finds them unbuilt
     answers on torch's ops while it compiles them (a first start), and the benchmark would time that."""
     from mili_openai.kernels import load_cpu_kernels  # torch and the build only where a benchmark asks
+    from mili_openai.kernels.cpu_avx2 import load_avx2_kernels
 
-    load_cpu_kernels()
+    if load_cpu_kernels() is None:  # a CPU without AVX-512: the AVX2 set
+        load_avx2_kernels()
 
 
 def free_port(host: str = LOCALHOST) -> int:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mili_openai.kernels.lora import LoraGroup, LoraRows, LoraSlotTable
-from mili_openai.kernels.onednn_linear import onednn_linear
+from mili_openai.kernels.onednn_linear import bf16_supported, onednn_linear
 from mili_openai.model.config import ModelConfig
 from mili_openai.model.huge_pages import move_parameters_to_huge_pages
 from mili_openai.model.kernel_backend import LoraFn
@@ -53,6 +53,8 @@ def set_up_backend(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, rank_config: Mo
     backend = model.backend
     if device.type == "cpu" and getattr(model, "visual", None) is not None:  # a classifier has none
         backend.biased_linear = onednn_linear()
+        if model.dtype == torch.bfloat16 and not bf16_supported():  # no bf16 arithmetic here: fp32 is faster
+            model.visual.compute_in(torch.float32)
     triton_attention = None
     if attention_backend == "triton" or (attention_backend == "auto" and device.type == "cuda"):
         triton_attention = _triton_attention(rank_config, dtype, device, required=attention_backend == "triton")

@@ -214,6 +214,7 @@ class Qwen3_5VisionTower(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         # grid -> (position embeddings, cos, sin) of its patches: images of one size (most of them) share them
         self._grid_tables: OrderedDict[GridTHW, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.output_dtype: torch.dtype | None = None  # `encode`'s, where the tower computes in another (compute_in)
 
     def _apply(self, fn, recurse=True):
         inv_freq = self.inv_freq  # keep the rotary frequencies float32 through .to(dtype)
@@ -290,7 +291,18 @@ class Qwen3_5VisionTower(nn.Module):
                 deepstack.append(merger(hidden))
         return torch.stack([self.merger(hidden), *deepstack], dim=1)
 
+    def compute_in(self, dtype: torch.dtype) -> None:
+        """Compute in `dtype` (the weights converted), `encode` still handing out the dtype loaded: where the CPU
+        has no bf16 arithmetic a bf16 tower runs in fp32, on oneDNN's packed fp32 linears with the bias and GELU
+        fused and on fp32 SDPA (a bf16 operand is widened at every op there anyway)."""
+        if self.output_dtype is None:
+            self.output_dtype = self.dtype
+        self.to(dtype)
+
     def encode(self, pixel_values: list[torch.Tensor], grids: list[GridTHW]) -> list[torch.Tensor]:
         """Each image's (tokens, 1 + DeepStack layers, out_hidden) embeddings, through the tower in one call."""
         merge = self.config.spatial_merge_size
-        return list(self(torch.cat(pixel_values), grids).split([t * h * w // merge ** 2 for t, h, w in grids]))
+        embeddings = self(torch.cat(pixel_values), grids)
+        if self.output_dtype is not None:
+            embeddings = embeddings.to(self.output_dtype)
+        return list(embeddings.split([t * h * w // merge ** 2 for t, h, w in grids]))

@@ -83,6 +83,31 @@ def test_vision_tower_matches_transformers(checkpoint, features):
     torch.testing.assert_close(torch.cat(unfused), expected, atol=EMBEDDING_ATOL, rtol=0)
 
 
+def test_bf16_tower_computes_in_fp32_where_the_cpu_has_no_bf16_arithmetic(hybrid_checkpoint, features,
+                                                                          monkeypatch):
+    """Where oneDNN has no bf16 (AVX2 CPUs), a bf16 checkpoint's tower runs in fp32 on the same (bf16-valued)
+    weights and hands the language model bf16 embeddings: those of the fp32 computation, rounded once."""
+    from mili_openai.model import backend_setup
+
+    checkpoint = hybrid_checkpoint("qwen3_5_vl")
+    pixel_values, grids = [torch.from_numpy(f.pixel_values) for f in features], [f.grid_thw for f in features]
+    monkeypatch.setattr(backend_setup, "bf16_supported", lambda: False)
+    widened, _ = load_model(checkpoint, torch.bfloat16, torch.device("cpu"), use_decode_kernel=False)
+    assert widened.visual.dtype == torch.float32 and widened.model.dtype == torch.bfloat16
+    monkeypatch.setattr(backend_setup, "bf16_supported", lambda: True)
+    native, _ = load_model(checkpoint, torch.bfloat16, torch.device("cpu"), use_decode_kernel=False)
+    assert native.visual.dtype == torch.bfloat16
+    with torch.no_grad():
+        got = torch.cat(widened.visual.encode(pixel_values, grids))
+        in_bf16 = torch.cat(native.visual.encode(pixel_values, grids)).float()
+        native.visual.compute_in(torch.float32)  # the same weights, widened: the fp32 computation
+        in_fp32 = torch.cat(native.visual.encode(pixel_values, grids))
+    assert got.dtype == in_fp32.dtype == torch.bfloat16
+    scale = float(in_fp32.float().abs().max())
+    torch.testing.assert_close(got.float(), in_fp32.float(), rtol=0, atol=1e-2 * scale)  # one bf16 rounding apart
+    assert float((got.float() - in_bf16).abs().max()) > 0  # the bf16 computation rounds along the way
+
+
 def test_attention_per_image_batches_frames_of_one_size():
     """Runs of frames of one size go through SDPA together; each frame still attends to its own patches only."""
     generator = torch.Generator().manual_seed(0)
