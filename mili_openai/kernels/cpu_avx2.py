@@ -29,7 +29,7 @@ EXTENSION_PREFIX = "mili_cpu_avx2_kernels"
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma"]
 LINK_FLAGS = ["-fopenmp"]
 REQUIRED_CPU_FLAGS = ("avx2", "fma")
-VECTOR_LANES = 8  # fp32 per AVX2 register: K must be a multiple
+VECTOR_LANES = 16  # bf16 weights per 256-bit load: K must be a multiple
 
 
 def cpu_supports_avx2_kernels(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:

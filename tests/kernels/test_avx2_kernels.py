@@ -30,7 +30,7 @@ def assert_matches_fp32(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> 
 
 # rows: each tile height (4, 3, 2, 1) and chunks of them; N: whole tiles, a tail row, under one block, several
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 13])
-@pytest.mark.parametrize("k,n", [(8, 7), (1024, 300), (96, 130), (3072, 9), (40, 33), (64, 17)])
+@pytest.mark.parametrize("k,n", [(16, 7), (1024, 300), (96, 130), (3072, 9), (48, 33), (64, 17)])
 def test_kernel_matches_fp32_matmul(module, rows, k, n):
     torch.manual_seed(rows * 1000 + n)
     x = torch.randn(rows, k, dtype=torch.bfloat16)
@@ -41,7 +41,7 @@ def test_kernel_matches_fp32_matmul(module, rows, k, n):
 @pytest.mark.parametrize("threads", [1, 3, 5])
 @pytest.mark.parametrize("n", [1, 15, 16, 49, 1000])
 def test_kernel_writes_every_output_whatever_the_threads(module, threads, n):
-    """Threads take blocks of 16 weight rows: every output is written once (the output starts uninitialised),
+    """Threads take blocks of 16 weight rows (tiles of 4): every output is written once (the output starts uninitialised),
     also with more threads than blocks or cores."""
     torch.manual_seed(n)
     x = torch.randn(6, 64, dtype=torch.bfloat16)
@@ -56,11 +56,11 @@ def test_kernel_writes_every_output_whatever_the_threads(module, threads, n):
 
 
 def test_kernel_refuses_what_it_cannot_run(module):
-    x = torch.randn(2, 12, dtype=torch.bfloat16)  # K not a multiple of 8
-    with pytest.raises(RuntimeError, match="multiple of 8"):
-        module.linear_bf16_avx2(x, torch.randn(4, 12, dtype=torch.bfloat16))
+    x = torch.randn(2, 24, dtype=torch.bfloat16)  # K not a multiple of 16
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        module.linear_bf16_avx2(x, torch.randn(4, 24, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="bf16"):
-        module.linear_bf16_avx2(x.float()[:, :8], torch.randn(4, 8))
+        module.linear_bf16_avx2(x.float()[:, :16], torch.randn(4, 16))
 
 
 def test_linear_splits_rows_between_kernel_and_gemm(module):

@@ -2,31 +2,37 @@
 // with bf16 weights, fp32 accumulation, bf16 output, for the few rows of x of a decode step.
 //
 // torch's own bf16 GEMM on such a CPU multiplies at a few GFLOP/s (it converts element by element), and
-// oneDNN has no bf16 path there. A bf16 value is the high half of an fp32, so eight weights widen to fp32
-// with a zero-extend and a shift, and the products are plain fp32 FMAs.
+// oneDNN has no bf16 path there. A bf16 value is the high half of an fp32, so one 256-bit load of 16 weights
+// gives two fp32 vectors with a shift (the even elements) and a mask (the odd ones): two bitwise ops, which
+// any vector port runs, rather than two zero-extends on the shuffle port the FMAs share. x is widened once
+// per call into the same order (each 16-element block's even elements, then its odd ones), so the products
+// pair up as they are.
 //
-// Threads take blocks of kBlockRows weight rows; every chunk of up to kChunkRows x rows multiplies the
-// block while it is in L1/L2, so the weights stream from memory once per step, whatever the batch. A tile
-// holds MC x rows by R weight rows: MC * R accumulators (8 keeps both FMA pipes busy through the FMA's
-// latency), R widened weights and one x vector, within AVX2's 16 registers.
+// Threads take blocks of kBlockRows weight rows. A tile holds MC x rows by R weight rows: MC * R accumulators
+// (8: both FMA pipes busy through the FMA's latency), 2 R widened weights and one x vector, within AVX2's 16
+// registers; every chunk of up to kChunkRows x rows multiplies the tile's rows while they are in L1, so the
+// weights stream from memory once per call. The hardware prefetchers lose track of the interleaved row
+// streams: each tile asks for the next tile's rows into L1 and the two after into L2 as it goes.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
-#include <vector>
 
 namespace {
 
 constexpr int64_t kLanes = 8;         // fp32 per AVX2 register
+constexpr int64_t kStep = 2 * kLanes;  // weights per 256-bit load: K must be a multiple
 constexpr int kChunkRows = 4;         // x rows per tile
-constexpr int kTileWeightRows = 2;    // weight rows per tile (4 x 2 accumulators)
-constexpr int kStreamRows = 8;        // weight rows per tile when x has one row (memory-bound)
+constexpr int64_t kTileRows = 4;      // weight rows every chunk of x rows multiplies before the next ones
 constexpr int64_t kBlockRows = 16;    // weight rows a thread takes at a time
+constexpr int64_t kLineWeights = 32;  // bf16 per 64-byte cache line: one prefetch per row per line
 
-inline __m256 widen_bf16(const at::BFloat16* p) {
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+// 16 bf16 at p -> fp32 even (elements 0, 2, .., 14) and odd (1, 3, .., 15)
+inline void widen_pairs(const at::BFloat16* p, __m256& even, __m256& odd) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
 inline float horizontal_sum(__m256 v) {
@@ -36,42 +42,74 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(sum);
 }
 
-// y[m * ldy + r] for m < MC, r < R: x fp32 rows K apart, w bf16 rows K apart.
-template <int MC, int R>
+// The compiler would fold an x load into each of the R FMAs that use it (R loads, not one): keep it loaded.
+inline __m256 load_once(const float* p) {
+  __m256 v = _mm256_loadu_ps(p);
+  asm("" : "+x"(v));
+  return v;
+}
+
+// y[m * ldy + r] for m < MC, r < R: x fp32 rows K apart (in pair order), w bf16 rows K apart. S = 2 gives the
+// even and odd products accumulators of their own, where MC * R alone is too few chains to hide the latency.
+template <int MC, int R, int S>
 inline void tile(const float* x, const at::BFloat16* w, int64_t K, at::BFloat16* y, int64_t ldy) {
-  __m256 acc[MC][R];
-  for (int m = 0; m < MC; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; k += kLanes) {
-    __m256 wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = widen_bf16(w + r * K + k);
+  __m256 acc[S][MC][R];
+  for (int s = 0; s < S; ++s)
+    for (int m = 0; m < MC; ++m)
+      for (int r = 0; r < R; ++r) acc[s][m][r] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += kStep) {
+    if (k % kLineWeights == 0) {
+      for (int r = R; r < 2 * R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k), _MM_HINT_T0);
+      for (int r = 2 * R; r < 4 * R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k), _MM_HINT_T1);
+    }
+    __m256 even[R], odd[R];
+    for (int r = 0; r < R; ++r) widen_pairs(w + r * K + k, even[r], odd[r]);
     for (int m = 0; m < MC; ++m) {
-      const __m256 xv = _mm256_loadu_ps(x + m * K + k);
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(xv, wv[r], acc[m][r]);
+      const __m256 x_even = load_once(x + m * K + k);
+      for (int r = 0; r < R; ++r) acc[0][m][r] = _mm256_fmadd_ps(x_even, even[r], acc[0][m][r]);
+      const __m256 x_odd = load_once(x + m * K + k + kLanes);
+      for (int r = 0; r < R; ++r) acc[S - 1][m][r] = _mm256_fmadd_ps(x_odd, odd[r], acc[S - 1][m][r]);
     }
   }
   for (int m = 0; m < MC; ++m)
-    for (int r = 0; r < R; ++r) y[m * ldy + r] = at::BFloat16(horizontal_sum(acc[m][r]));
+    for (int r = 0; r < R; ++r) {
+      __m256 sum = acc[0][m][r];
+      if constexpr (S == 2) sum = _mm256_add_ps(sum, acc[1][m][r]);
+      y[m * ldy + r] = at::BFloat16(horizontal_sum(sum));
+    }
 }
 
-// One row of x against weight rows [n0, n1): R rows at a time, each weight widened once.
-template <int MC>
-void rows_against_block(const float* x, const at::BFloat16* w, int64_t K, int64_t n0, int64_t n1, at::BFloat16* y,
-                        int64_t ldy) {
-  constexpr int R = MC == 1 ? kStreamRows : kTileWeightRows;
+// MC x rows against weight rows [n0, n1), R at a time, then one at a time.
+template <int MC, int R, int S>
+void rows_against_weights(const float* x, const at::BFloat16* w, int64_t K, int64_t n0, int64_t n1, at::BFloat16* y,
+                          int64_t ldy) {
   int64_t n = n0;
-  for (; n + R <= n1; n += R) tile<MC, R>(x, w + n * K, K, y + n, ldy);
-  for (; n < n1; ++n) tile<MC, 1>(x, w + n * K, K, y + n, ldy);
+  for (; n + R <= n1; n += R) tile<MC, R, S>(x, w + n * K, K, y + n, ldy);
+  for (; n < n1; ++n) tile<MC, 1, 2>(x, w + n * K, K, y + n, ldy);
 }
 
-void chunk_against_block(const float* x, int64_t rows, const at::BFloat16* w, int64_t K, int64_t n0, int64_t n1,
-                         at::BFloat16* y, int64_t ldy) {
+void chunk_against_weights(const float* x, int64_t rows, const at::BFloat16* w, int64_t K, int64_t n0, int64_t n1,
+                           at::BFloat16* y, int64_t ldy) {
   switch (rows) {
-    case 4: return rows_against_block<4>(x, w, K, n0, n1, y, ldy);
-    case 3: return rows_against_block<3>(x, w, K, n0, n1, y, ldy);
-    case 2: return rows_against_block<2>(x, w, K, n0, n1, y, ldy);
-    default: return rows_against_block<1>(x, w, K, n0, n1, y, ldy);
+    case 4: return rows_against_weights<4, 2, 1>(x, w, K, n0, n1, y, ldy);
+    case 3: return rows_against_weights<3, 2, 1>(x, w, K, n0, n1, y, ldy);
+    case 2: return rows_against_weights<2, 4, 1>(x, w, K, n0, n1, y, ldy);
+    default: return rows_against_weights<1, 4, 2>(x, w, K, n0, n1, y, ldy);
   }
+}
+
+// x (M, K) bf16 -> fp32, each 16-element block's even elements then its odd ones (widen_pairs' order)
+torch::Tensor widen_in_pair_order(const torch::Tensor& x) {
+  const torch::Tensor source = x.contiguous();
+  auto out = torch::empty(source.sizes(), source.options().dtype(torch::kFloat32));
+  const at::BFloat16* src = source.data_ptr<at::BFloat16>();
+  float* dst = out.data_ptr<float>();
+  for (int64_t i = 0; i < source.numel(); i += kStep)
+    for (int64_t j = 0; j < kLanes; ++j) {
+      dst[i + j] = static_cast<float>(src[i + 2 * j]);
+      dst[i + kLanes + j] = static_cast<float>(src[i + 2 * j + 1]);
+    }
+  return out;
 }
 
 }  // namespace
@@ -79,21 +117,22 @@ void chunk_against_block(const float* x, int64_t rows, const at::BFloat16* w, in
 torch::Tensor linear_bf16_avx2(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x (M, K) and w (N, K)");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bf16 x and w");
-  TORCH_CHECK(w.is_contiguous() && x.size(1) % kLanes == 0, "contiguous w, K a multiple of 8");
+  TORCH_CHECK(w.is_contiguous() && x.size(1) % kStep == 0, "contiguous w, K a multiple of 16");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  const torch::Tensor x32 = x.to(torch::kFloat32).contiguous();  // widened once, read by every block
+  const torch::Tensor x32 = widen_in_pair_order(x);  // once, read by every block
   const float* xp = x32.data_ptr<float>();
   const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   const int64_t blocks = (N + kBlockRows - 1) / kBlockRows;
   at::parallel_for(0, blocks, 1, [&](int64_t first, int64_t last) {
     for (int64_t block = first; block < last; ++block) {
-      const int64_t n0 = block * kBlockRows, n1 = std::min(N, n0 + kBlockRows);
-      for (int64_t m = 0; m < M; m += kChunkRows) {
-        const int64_t rows = std::min<int64_t>(kChunkRows, M - m);
-        chunk_against_block(xp + m * K, rows, wp, K, n0, n1, yp + m * N, N);
+      const int64_t block_end = std::min(N, (block + 1) * kBlockRows);
+      for (int64_t n = block * kBlockRows; n < block_end; n += kTileRows) {
+        const int64_t tile_end = std::min(block_end, n + kTileRows);
+        for (int64_t m = 0; m < M; m += kChunkRows)
+          chunk_against_weights(xp + m * K, std::min<int64_t>(kChunkRows, M - m), wp, K, n, tile_end, yp + m * N, N);
       }
     }
   });
