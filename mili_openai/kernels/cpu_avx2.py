@@ -2,11 +2,10 @@
 cannot run: Zen 2 / Zen 3 EPYCs, older Xeons and many cloud VMs.
 
 There torch's bf16 GEMM multiplies at a few GFLOP/s and oneDNN has no bf16 path, so a bf16 model's every
-projection crawls. A decode step's few rows go through the compiled kernel (bf16 weights widened to fp32 in
-registers, so the weights stream once at memory speed); more rows go to the faster of torch's GEMMs (timed:
-fp32 operands widened first usually), as `CpuKernels.linear` splits them. Nothing else changes: norms,
-attention and the linear-attention ops stay torch's.
-"""
+projection crawls. A decode step's few rows go through one kernel (bf16 weights widened in registers, so the
+weights stream once); more rows through a GEMM on panels of widened weights (csrc_avx2/gemm_bf16_avx2.cpp), or
+torch's fp32 GEMM on widened operands where the timed plan finds that faster, as `CpuKernels.linear` splits
+them."""
 
 from __future__ import annotations
 
@@ -19,12 +18,12 @@ import torch
 
 from mili_openai.kernels.build_lock import build_directory, compile_extension, extension_name
 from mili_openai.kernels.plan_cache import PLANS_DIR_NAME, KernelPlanCache, plan_key
-from mili_openai.kernels.planning import KernelPlan, linear_by_rows, plan_matmuls
+from mili_openai.kernels.planning import KernelPlan, linear_by_rows, linear_via_fp32, plan_matmuls
 
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("csrc_avx2")
-SOURCES = ("linear_bf16_avx2.cpp",)
+SOURCES = ("linear_bf16_avx2.cpp", "gemm_bf16_avx2.cpp")
 EXTENSION_PREFIX = "mili_cpu_avx2_kernels"
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma"]
 LINK_FLAGS = ["-fopenmp"]
@@ -60,9 +59,18 @@ class Avx2Kernels:
     def _kernel_matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self._module.linear_bf16_avx2(x, weight)
 
+    def gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T for many bf16 rows, on panels of widened weights (csrc_avx2/gemm_bf16_avx2.cpp)."""
+        return self._module.gemm_bf16_avx2(x, weight)
+
+    def own_matmuls(self) -> dict:
+        """The GEMMs of this set a plan may choose, by the name its file keeps (plan_cache.plan_to_json)."""
+        return {"gemm_bf16_avx2": self.gemm}
+
     def timed_plan(self) -> KernelPlan:
-        """Rows up to which the kernel beats torch's GEMM, and which GEMM runs more (seconds, on this CPU)."""
-        max_rows, large_matmul = plan_matmuls(self._kernel_matmul)
+        """Rows up to which the kernel beats the GEMM for more, and which GEMM that is (this set's, or torch's on
+        widened operands): seconds, on this CPU."""
+        max_rows, large_matmul = plan_matmuls(self._kernel_matmul, gemms=(self.gemm, linear_via_fp32))
         return KernelPlan(max_rows, large_matmul)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -78,7 +86,7 @@ def load_avx2_kernels(plan_cache: bool = True) -> Avx2Kernels | None:
         return kernels
     name = extension_name(EXTENSION_PREFIX, SOURCE_DIR)
     if plan_cache:
-        cache = KernelPlanCache(build_directory(name, SOURCE_DIR) / PLANS_DIR_NAME)
+        cache = KernelPlanCache(build_directory(name, SOURCE_DIR) / PLANS_DIR_NAME, kernels.own_matmuls())
         kernels.plan = cache.read_or_time(plan_key(name), kernels.timed_plan)
     else:
         kernels.plan = kernels.timed_plan()

@@ -60,19 +60,20 @@ def plan_key(build_name: str, threads: int | None = None, cpu: str | None = None
             "planner": hashlib.sha256(Path(planning.__file__).read_bytes()).hexdigest()}
 
 
-def plan_to_json(plan: KernelPlan) -> dict:
-    matmul = next(name for name, fn in LARGE_MATMULS.items() if fn is plan.large_matmul)
+def plan_to_json(plan: KernelPlan, own_matmuls: dict[str, Callable] | None = None) -> dict:
+    """`own_matmuls`: a kernel set's GEMMs the plan may hold besides LARGE_MATMULS, by name."""
+    matmul = next(name for name, fn in (LARGE_MATMULS | (own_matmuls or {})).items() if fn == plan.large_matmul)
     dtypes = sorted(name for name, dtype in ATTENTION_DTYPES.items() if dtype in plan.prefill_attention_dtypes)
     return {"max_kernel_rows": plan.max_kernel_rows, "large_matmul": matmul, "prefill_attention_dtypes": dtypes,
             "decode_prefetch_blocks": plan.decode_prefetch_blocks}
 
 
-def plan_from_json(fields: dict) -> KernelPlan:
+def plan_from_json(fields: dict, own_matmuls: dict[str, Callable] | None = None) -> KernelPlan:
     """The plan a file holds; KeyError, TypeError or ValueError where it is not one this planner makes."""
     rows, blocks = fields["max_kernel_rows"], fields["decode_prefetch_blocks"]
     if rows not in planning.KERNEL_ROWS_CHOICES or blocks not in planning.DECODE_PREFETCH_CHOICES:
         raise ValueError(f"a plan with choices this planner does not make: {fields}")
-    return KernelPlan(max_kernel_rows=rows, large_matmul=LARGE_MATMULS[fields["large_matmul"]],
+    return KernelPlan(max_kernel_rows=rows, large_matmul=(LARGE_MATMULS | (own_matmuls or {}))[fields["large_matmul"]],
                       prefill_attention_dtypes=frozenset(ATTENTION_DTYPES[name]
                                                          for name in fields["prefill_attention_dtypes"]),
                       decode_prefetch_blocks=blocks)
@@ -81,8 +82,9 @@ def plan_from_json(fields: dict) -> KernelPlan:
 class KernelPlanCache:
     """Plans by key in `directory`; one process times while the others starting beside it wait for its plan."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, own_matmuls: dict[str, Callable] | None = None) -> None:
         self.directory = Path(directory)
+        self.own_matmuls = own_matmuls  # the kernel set's GEMMs a plan may name (plan_to_json)
 
     def path(self, key: dict[str, str]) -> Path:
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:KEY_HASH_CHARS]
@@ -95,7 +97,7 @@ class KernelPlanCache:
             stored = json.loads(path.read_text())
             if stored["key"] != key:
                 raise ValueError("the file was written for another key")
-            return plan_from_json(stored["plan"])
+            return plan_from_json(stored["plan"], self.own_matmuls)
         except FileNotFoundError:
             return None
         except (OSError, KeyError, TypeError, ValueError) as exc:
@@ -108,7 +110,7 @@ class KernelPlanCache:
         path = self.path(key)
         try:
             with tempfile.NamedTemporaryFile("w", dir=self.directory, prefix=".plan-", delete=False) as handle:
-                json.dump({"key": key, "plan": plan_to_json(plan)}, handle, indent=2)
+                json.dump({"key": key, "plan": plan_to_json(plan, self.own_matmuls)}, handle, indent=2)
             os.replace(handle.name, path)
         except OSError as exc:
             logger.warning("could not keep the kernel plan in %s (%s): the next start times it again", path, exc)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from mili_openai.kernels import cpu_avx2
+from mili_openai.kernels.plan_cache import KernelPlanCache
 from mili_openai.kernels.planning import KernelPlan, linear_by_rows, linear_via_fp32
 
 pytestmark = pytest.mark.skipif(not cpu_avx2.cpu_supports_avx2_kernels(), reason="this CPU has no AVX2 and FMA")
@@ -55,12 +56,49 @@ def test_kernel_writes_every_output_whatever_the_threads(module, threads, n):
         torch.set_num_threads(before)
 
 
+# M: under, at and past one tile of 6 rows; N: under one panel of 16, a partial last panel, several blocks of 64;
+# K: one 8-column step, odd multiples of 8
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("k,n", [(8, 7), (24, 16), (264, 17), (1024, 130), (72, 300)])
+def test_gemm_matches_fp32_matmul(module, rows, k, n):
+    torch.manual_seed(rows * 1000 + n)
+    x = torch.randn(rows, k, dtype=torch.bfloat16)
+    w = torch.randn(n, k, dtype=torch.bfloat16) * 0.05
+    assert_matches_fp32(module.gemm_bf16_avx2(x, w), x, w)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_gemm_writes_every_output_whatever_the_threads(module, threads):
+    """Threads take blocks of 64 weight rows: every output is written once (the output starts uninitialised)."""
+    torch.manual_seed(threads)
+    x = torch.randn(20, 48, dtype=torch.bfloat16)
+    w = torch.randn(200, 48, dtype=torch.bfloat16) * 0.05
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert_matches_fp32(module.gemm_bf16_avx2(x, w), x, w)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_kernel_refuses_what_it_cannot_run(module):
     x = torch.randn(2, 24, dtype=torch.bfloat16)  # K not a multiple of 16
     with pytest.raises(RuntimeError, match="multiple of 16"):
         module.linear_bf16_avx2(x, torch.randn(4, 24, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="bf16"):
         module.linear_bf16_avx2(x.float()[:, :16], torch.randn(4, 16))
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        module.gemm_bf16_avx2(x[:, :12], torch.randn(4, 12, dtype=torch.bfloat16))
+
+
+def test_plan_keeps_the_sets_own_gemm_by_name(tmp_path):
+    """A plan that chose this set's GEMM is written and read back by its name, as torch's GEMMs are."""
+    kernels = cpu_avx2.compiled_avx2_kernels()
+    plan = KernelPlan(max_kernel_rows=16, large_matmul=kernels.gemm)
+    cache = KernelPlanCache(tmp_path, kernels.own_matmuls())
+    assert cache.read_or_time({"key": "k"}, lambda: plan) == plan
+    assert KernelPlanCache(tmp_path, kernels.own_matmuls()).read({"key": "k"}) == plan
+    assert KernelPlanCache(tmp_path).read({"key": "k"}) is None  # a planner without the GEMM times anew
 
 
 def test_linear_splits_rows_between_kernel_and_gemm(module):

@@ -139,7 +139,12 @@ torch::Tensor linear_bf16_avx2(const torch::Tensor& x, const torch::Tensor& w) {
   return y;
 }
 
+torch::Tensor gemm_bf16_avx2(const torch::Tensor& x, const torch::Tensor& w);  // gemm_bf16_avx2.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("linear_bf16_avx2", &linear_bf16_avx2, "y = x @ w.T for bf16 x (M, K) and w (N, K) on AVX2 + FMA, fp32 "
-        "accumulation", pybind11::call_guard<pybind11::gil_scoped_release>());
+        "accumulation: a decode step's few rows", release_gil());
+  m.def("gemm_bf16_avx2", &gemm_bf16_avx2, "y = x @ w.T for bf16 x (M, K) and w (N, K) on AVX2 + FMA, fp32 "
+        "products: prefill's many rows, on panels of widened weights", release_gil());
 }
