@@ -16,25 +16,18 @@
 #include <algorithm>
 #include <vector>
 
+#include "vectors_avx2.h"
+
 namespace {
+
+using mili_avx2::horizontal_sum;
+using mili_avx2::widen_bf16;
 
 constexpr int64_t kLanes = 8;         // fp32 per AVX2 register
 constexpr int kChunkRows = 4;         // x rows per tile
 constexpr int kTileWeightRows = 2;    // weight rows per tile (4 x 2 accumulators)
 constexpr int kStreamRows = 8;        // weight rows per tile when x has one row (memory-bound)
 constexpr int64_t kBlockRows = 16;    // weight rows a thread takes at a time
-
-inline __m256 widen_bf16(const at::BFloat16* p) {
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
-
-inline float horizontal_sum(__m256 v) {
-  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
-  sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
-  return _mm_cvtss_f32(sum);
-}
 
 // y[m * ldy + r] for m < MC, r < R: x fp32 rows K apart, w bf16 rows K apart.
 template <int MC, int R>
@@ -100,7 +93,10 @@ torch::Tensor linear_bf16_avx2(const torch::Tensor& x, const torch::Tensor& w) {
   return y;
 }
 
+void bind_linear_attention(pybind11::module& m);  // gated_deltanet_avx2.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_avx2", &linear_bf16_avx2, "y = x @ w.T for bf16 x (M, K) and w (N, K) on AVX2 + FMA, fp32 "
         "accumulation", pybind11::call_guard<pybind11::gil_scoped_release>());
+  bind_linear_attention(m);
 }
