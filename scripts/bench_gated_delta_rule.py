@@ -1,5 +1,5 @@
-"""Micro-benchmark of the gated delta rule and its causal conv on CPU: the compiled kernels against the torch
-reference (kernels/gated_delta_rule.py), and decode against its bytes floor.
+"""Micro-benchmark of the gated delta rule and its causal conv on CPU: the compiled kernels (AVX-512's set, else
+AVX2's) against the torch reference (kernels/gated_delta_rule.py), and decode against its bytes floor.
 
 At Qwen3.5-0.8B's linear-attention shape (16 key heads, 16 value heads, Dk = Dv = 128, conv over 6144 channels,
 kernel 4), for one layer: a decode step at batch 1 and 8, and a 512-token prefill (one sequence, and 8 of 64).
@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from mili_openai.kernels import load_cpu_kernels
+from mili_openai.kernels.cpu_avx2 import compiled_avx2_kernels
 from mili_openai.kernels.linear_attention import TorchLinearAttention
 
 K_HEADS, V_HEADS, HEAD_DIM = 16, 16, 128  # Qwen3.5-0.8B's linear attention
@@ -112,12 +113,12 @@ def main() -> None:
                         help="q, k, v and the conv's dtype (the state is float32 either way)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    compiled = load_cpu_kernels()
+    compiled = load_cpu_kernels() or compiled_avx2_kernels()
     if compiled is None:
-        raise SystemExit("the CPU kernels are not available here (no AVX512, or the build failed)")
+        raise SystemExit("the CPU kernels are not available here (no AVX512 nor AVX2, or the build failed)")
     kernels = {"kernel": compiled.linear_attention, "torch": TorchLinearAttention()}
     dtype = getattr(torch, args.dtype)
-    print(f"{args.threads} thread(s), {args.dtype} inputs, {args.repeats} repeats")
+    print(f"{args.threads} thread(s), {args.dtype} inputs, {args.repeats} repeats, {type(compiled).__name__}")
     bandwidth = copy_bandwidth(args.repeats)
     for batch in (1, 8):
         bench_decode(kernels, batch, dtype, args.repeats, bandwidth)

@@ -64,7 +64,7 @@ from triton_interpreter import interpreter_pool, skip_repeated_language_patches
 
 from mili_openai.bench.prompt_tokens import load_tokenizer
 from mili_openai.config import EngineConfig, ServerConfig
-from mili_openai.kernels import load_cpu_kernels
+from mili_openai.kernels import cpu_avx2, cpu_supports_kernels, load_cpu_kernels
 from mili_openai.model.checkpoint import TINY_SHAPE, ModelShape, build_random_checkpoint, build_random_moe_checkpoint
 from mili_openai.model.hybrid_checkpoint import build_random_hybrid_checkpoint
 from mili_openai.model.qwen35_tokenizer import write_qwen35_tokenizer_files
@@ -220,6 +220,22 @@ def kernels():
     """The compiled CPU kernels, for the files that test them (each skips where the CPU has no AVX512)."""
     loaded = load_cpu_kernels()
     assert loaded is not None, "the CPU supports AVX512 but the kernels did not build"
+    return loaded
+
+
+@pytest.fixture(scope="session", params=["avx512", "avx2"])
+def kernel_set(request):
+    """Each compiled CPU kernel set this CPU runs (kernels/cpu.py's AVX-512 one, kernels/cpu_avx2.py's AVX2 one),
+    for the ops both have (Gated DeltaNet's `linear_attention`): the same cases check both ports; one the CPU lacks
+    skips."""
+    if request.param == "avx512":
+        if not cpu_supports_kernels():
+            pytest.skip("this CPU has no AVX512")
+        return request.getfixturevalue("kernels")
+    if not cpu_avx2.cpu_supports_avx2_kernels():
+        pytest.skip("this CPU has no AVX2, FMA and F16C")
+    loaded = cpu_avx2.compiled_avx2_kernels()  # built, not planned: only its linear attention is tested
+    assert loaded is not None, "the CPU supports AVX2 but the kernels did not build"
     return loaded
 
 

@@ -34,10 +34,11 @@ SOURCE_SUFFIXES = (".cpp", ".h")
 SOURCE_HASH_CHARS = 12
 
 
-def extension_name(prefix: str, source_dir: Path) -> str:
-    """`prefix` and a hash of every source and header in `source_dir` (names and contents, in name order)."""
+def extension_name(prefix: str, source_dir: Path, shared: tuple[Path, ...] = ()) -> str:
+    """`prefix` and a hash of every source and header in `source_dir` (names and contents, in name order), then
+    of the `shared` files outside it that its sources include (the AVX2 build's ../csrc headers)."""
     digest = hashlib.sha256()
-    for path in sorted(p for p in source_dir.iterdir() if p.suffix in SOURCE_SUFFIXES):
+    for path in [*sorted(p for p in source_dir.iterdir() if p.suffix in SOURCE_SUFFIXES), *shared]:
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return f"{prefix}_{digest.hexdigest()[:SOURCE_HASH_CHARS]}"
 
@@ -71,14 +72,14 @@ def exclusive_build(directory: Path) -> Iterator[None]:
 
 
 def compile_extension(prefix: str, source_dir: Path, sources: tuple[str, ...], cflags: list[str],
-                      ldflags: list[str]):
+                      ldflags: list[str], shared: tuple[Path, ...] = ()):
     """Build (once per checkout and sources, cached by torch) and load an extension of `source_dir`'s `sources`
     under the build lock; None, with a warning, where it cannot be built (no compiler, no ninja, flags the
-    compiler refuses): callers keep torch's ops."""
+    compiler refuses): callers keep torch's ops. `shared`: as `extension_name`."""
     try:
         from torch.utils.cpp_extension import load
 
-        name = extension_name(prefix, source_dir)  # a new name, so a new build, for any source edit
+        name = extension_name(prefix, source_dir, shared)  # a new name, so a new build, for any source edit
         directory = build_directory(name, source_dir)
         with exclusive_build(directory):  # safe against a loader killed mid-build (above)
             return load(name=name, sources=[str(source_dir / source) for source in sources], extra_cflags=cflags,

@@ -34,12 +34,13 @@ SOURCE_DIR = Path(__file__).with_name("csrc")
 SOURCES = ("bindings.cpp", "linear_bf16.cpp", "linear_amx.cpp", "paged_decode_attention.cpp",
            "decode_shared_amx.cpp", "paged_prefill_attention.cpp", "prefill_amx.cpp", "rms_norm_bf16.cpp",
            "activation_bf16.cpp", "moe_experts.cpp", "moe_block.cpp", "decode_stack.cpp", "sample_rows.cpp",
-           "gated_delta_rule.cpp", "gated_deltanet_decode.cpp", "zero_centered_norm.cpp", "lora_bf16.cpp")
+           "gated_deltanet.cpp", "zero_centered_norm.cpp", "lora_bf16.cpp")
 QUANTIZED_SOURCES = ("linear_quantized.cpp", "linear_int8.cpp", "linear_int4.cpp", "linear_w8a8.cpp")
 # not compiled on their own (torch's JIT hashes only the sources); the build's name hashes every file in csrc
 HEADERS = ("attention_pages.h", "simd_bf16.h", "kernels.h", "prefill_products.h", "decode_blocks.h", "row_ranges.h",
-           "amx_tiles.h", "decode_shared_amx.h", "decode_partials.h", "prefill_amx.h", "quantized_linear.h", "quantized_tiles.h",
-           "moe.h", "expert_tiles.h", "delta_rule_step.h")
+           "amx_tiles.h", "decode_shared_amx.h", "decode_partials.h", "prefill_amx.h", "quantized_linear.h",
+           "quantized_tiles.h", "moe.h", "expert_tiles.h", "vectors_avx512.h", "gated_deltanet_common.h",
+           "gated_delta_rule_ops.h", "gated_deltanet_layer.h")
 EXTENSION_PREFIX = "mili_cpu_kernels"
 # -fopenmp: without it ATen's parallel_for compiles to a serial loop inside the extension
 COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl"]

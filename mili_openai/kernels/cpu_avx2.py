@@ -1,11 +1,16 @@
-"""bf16 matmuls on CPUs with AVX2 and FMA but no AVX-512 (csrc_avx2/), where the full kernel set (kernels/cpu.py)
-cannot run: Zen 2 / Zen 3 EPYCs, older Xeons and many cloud VMs.
+"""bf16 matmuls and Gated DeltaNet's ops on CPUs with AVX2, FMA and F16C but no AVX-512 (csrc_avx2/), where the
+full kernel set (kernels/cpu.py) cannot run: Zen 2 / Zen 3 EPYCs, older Xeons and many cloud VMs.
 
 There torch's bf16 GEMM multiplies at a few GFLOP/s and oneDNN has no bf16 path, so a bf16 model's every
 projection crawls. A decode step's few rows go through one kernel (bf16 weights widened in registers, so the
 weights stream once); more rows through a GEMM on panels of widened weights (csrc_avx2/gemm_bf16_avx2.cpp), or
 torch's fp32 GEMM on widened operands where the timed plan finds that faster, as `CpuKernels.linear` splits
-them."""
+them.
+
+`linear_attention`: the AVX-512 set's five Gated DeltaNet ops (the same names, signatures and templates, from
+csrc/'s shared headers, on 8-lane registers), wrapped as there by `CpuLinearAttention`: the fp32 state read and
+written once per token instead of torch's several passes. Norms and attention stay torch's.
+"""
 
 from __future__ import annotations
 
@@ -17,17 +22,21 @@ from pathlib import Path
 import torch
 
 from mili_openai.kernels.build_lock import build_directory, compile_extension, extension_name
+from mili_openai.kernels.cpu_linear_attention import CpuLinearAttention
 from mili_openai.kernels.plan_cache import PLANS_DIR_NAME, KernelPlanCache, plan_key
 from mili_openai.kernels.planning import KernelPlan, linear_by_rows, linear_via_fp32, plan_matmuls
 
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("csrc_avx2")
-SOURCES = ("linear_bf16_avx2.cpp", "gemm_bf16_avx2.cpp")
+SOURCES = ("linear_bf16_avx2.cpp", "gemm_bf16_avx2.cpp", "gated_deltanet_avx2.cpp")
+# csrc/ headers the sources include (vector-width-free templates): hashed into the build's name with csrc_avx2/'s
+SHARED_HEADERS = tuple(SOURCE_DIR.parent / "csrc" / name for name in (
+    "gated_deltanet_common.h", "gated_delta_rule_ops.h", "gated_deltanet_layer.h"))
 EXTENSION_PREFIX = "mili_cpu_avx2_kernels"
-COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma"]
+COMPILE_FLAGS = ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]  # F16C: fp16 activations widen in registers
 LINK_FLAGS = ["-fopenmp"]
-REQUIRED_CPU_FLAGS = ("avx2", "fma")
+REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")
 VECTOR_LANES = 16  # bf16 weights per 256-bit load: K must be a multiple
 
 
@@ -44,15 +53,16 @@ def avx2_kernels_built() -> bool:
     this CPU cannot run them."""
     if not cpu_supports_avx2_kernels():
         return True
-    name = extension_name(EXTENSION_PREFIX, SOURCE_DIR)
+    name = extension_name(EXTENSION_PREFIX, SOURCE_DIR, SHARED_HEADERS)
     return (build_directory(name, SOURCE_DIR) / f"{name}.so").is_file()
 
 
 class Avx2Kernels:
-    """`linear` for bf16 weights; the extension is `module`."""
+    """`linear` for bf16 weights and `linear_attention` (any of its dtypes); the extension is `module`."""
 
     def __init__(self, module) -> None:
         self._module = module
+        self.linear_attention = CpuLinearAttention(module)  # a LinearAttentionKernel (kernels/linear_attention.py)
         self.plan = KernelPlan()
         self.planned = False  # whether `plan` was chosen (timed or read from the plan cache)
 
@@ -79,12 +89,12 @@ class Avx2Kernels:
 
 
 def load_avx2_kernels(plan_cache: bool = True) -> Avx2Kernels | None:
-    """Build (once per machine and checkout, ~1 min), load and plan the kernels; None where this CPU lacks AVX2
-    and FMA or the build fails. `plan_cache`: as `load_cpu_kernels`."""
+    """Build (once per machine and checkout, ~1 min), load and plan the kernels; None where this CPU lacks AVX2,
+    FMA or F16C or the build fails. `plan_cache`: as `load_cpu_kernels`."""
     kernels = compiled_avx2_kernels()
     if kernels is None or kernels.planned:
         return kernels
-    name = extension_name(EXTENSION_PREFIX, SOURCE_DIR)
+    name = extension_name(EXTENSION_PREFIX, SOURCE_DIR, SHARED_HEADERS)
     if plan_cache:
         cache = KernelPlanCache(build_directory(name, SOURCE_DIR) / PLANS_DIR_NAME, kernels.own_matmuls())
         kernels.plan = cache.read_or_time(plan_key(name), kernels.timed_plan)
@@ -102,7 +112,7 @@ def compiled_avx2_kernels() -> Avx2Kernels | None:
     if not cpu_supports_avx2_kernels():
         return None
     start = time.monotonic()
-    module = compile_extension(EXTENSION_PREFIX, SOURCE_DIR, SOURCES, COMPILE_FLAGS, LINK_FLAGS)
+    module = compile_extension(EXTENSION_PREFIX, SOURCE_DIR, SOURCES, COMPILE_FLAGS, LINK_FLAGS, SHARED_HEADERS)
     if module is None:
         return None
     logger.info("AVX2 CPU kernels loaded in %.1f s (a first start compiles them)", time.monotonic() - start)

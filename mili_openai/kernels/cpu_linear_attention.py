@@ -1,10 +1,11 @@
-"""Gated DeltaNet's ops on the compiled CPU kernels (csrc/gated_delta_rule.cpp), a `LinearAttentionKernel`.
+"""Gated DeltaNet's ops on the compiled CPU kernels (csrc/gated_delta_rule_ops.h, built for AVX-512 in kernels/cpu.py
+and for AVX2 in kernels/cpu_avx2.py: the same names and semantics), a `LinearAttentionKernel`.
 
 Decode runs the fused delta-rule step (the fp32 state read and written once per token); prefill runs the same
 step token by token per (segment, value head), the state staying in cache: on CPU that beats the chunked WY
 form in torch several times over (scripts/bench_gated_delta_rule.py). Shapes outside the kernels' domain go to
 the torch reference (kernels/gated_delta_rule.py). A layer's whole decode step, conv to gated norm, is one call
-(csrc/gated_deltanet_decode.cpp): op by op it is some thirty small torch ops a layer.
+(csrc/gated_deltanet_layer.h): op by op it is some thirty small torch ops a layer.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from mili_openai.kernels.linear_attention import DeltaNetDecodeWeights
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 256  # the kernel stages a head's q, k, v rows on the stack
-VECTOR_LANES = 16  # the state's columns and the conv's channels go in whole AVX-512 registers
+VECTOR_LANES = 16  # the state's columns and the conv's channels go in whole registers (AVX-512's 16, AVX2's 8)
 MAX_CONV_WIDTH = 8
 
 
@@ -51,7 +52,7 @@ def _float(x: torch.Tensor | None) -> torch.Tensor | None:
 
 
 class CpuLinearAttention:
-    """The four linear-attention ops on AVX-512 CPUs; `module` is the compiled extension."""
+    """The linear-attention ops on the compiled CPU kernels; `module` is either extension (AVX-512 or AVX2)."""
 
     def __init__(self, module) -> None:
         self._module = module

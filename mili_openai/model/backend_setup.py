@@ -96,14 +96,19 @@ def use_cpu_kernels(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, kernels: CpuKe
 
 
 def _use_avx2_kernels(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM) -> None:
-    """Where the CPU lacks the AVX-512 kernels, a bf16 model's projections through the AVX2 ones
-    (kernels/cpu_avx2.py): torch's bf16 GEMM there runs at a few GFLOP/s."""
+    """Where the CPU lacks the AVX-512 kernels, the AVX2 ones (kernels/cpu_avx2.py): a bf16 model's projections
+    (torch's bf16 GEMM there runs at a few GFLOP/s), and Gated DeltaNet's ops in every dtype they take, as
+    `install_cpu_kernels` installs the AVX-512 set's."""
     from mili_openai.kernels import cpu_avx2, cpu_supports_kernels
 
-    if model.dtype != torch.bfloat16 or cpu_supports_kernels():
+    bf16, hybrid = model.dtype == torch.bfloat16, model.config.hybrid is not None
+    if cpu_supports_kernels() or not (bf16 or hybrid):  # an fp32 Qwen3 has nothing for them
         return
     avx2 = cpu_avx2.load_avx2_kernels()
-    if avx2 is not None:
+    if avx2 is None:
+        return
+    model.backend.linear_attention = avx2.linear_attention  # its own fallbacks for dtypes and shapes it lacks
+    if bf16:
         model.backend.matmul = avx2.linear
 
 

@@ -131,8 +131,10 @@ def test_linear_splits_rows_between_kernel_and_gemm(module):
 
 def test_cpu_flags_decide_support(tmp_path):
     cpuinfo = tmp_path / "cpuinfo"
-    cpuinfo.write_text("flags\t\t: fpu sse2 avx fma avx2 bmi2\n")
+    cpuinfo.write_text("flags\t\t: fpu sse2 avx fma avx2 f16c bmi2\n")
     assert cpu_avx2.cpu_supports_avx2_kernels(cpuinfo)
+    cpuinfo.write_text("flags\t\t: fpu sse2 avx fma avx2 bmi2\n")  # fp16 activations widen through F16C
+    assert not cpu_avx2.cpu_supports_avx2_kernels(cpuinfo)
     cpuinfo.write_text("flags\t\t: fpu sse2 avx bmi2\n")
     assert not cpu_avx2.cpu_supports_avx2_kernels(cpuinfo)
     assert not cpu_avx2.cpu_supports_avx2_kernels(tmp_path / "missing")

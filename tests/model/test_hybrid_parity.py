@@ -1,7 +1,8 @@
 """Our Qwen3.5 / Qwen3.5-MoE / Qwen3-Next against transformers' classes (fp32, their torch delta rule) on the same
 checkpoints: full prefills, chunked prefills at odd chunk sizes across the delta rule's 64-token chunks, prefill
 then decode, several sequences mixed in one batch (decode rows and prefill chunks, each on its own state slot),
-and a context past 1,000 tokens.
+and a context past 1,000 tokens. Each with the torch ops and with the compiled CPU kernels' linear attention
+(AVX-512, or AVX2 without it) where the CPU has them.
 
 The oracle runs once per layout: one forward over each whole sequence gives the logits of every prefix (the model
 is causal), which every schedule below is checked against.
@@ -15,6 +16,7 @@ import torch
 from hybrid_helpers import hybrid_caches, hybrid_tokens, transformers_class, with_state_slots
 from model_helpers import PagedSequences
 
+from mili_openai.kernels.linear_attention import TorchLinearAttention
 from mili_openai.model import load_model
 
 FP32_ATOL = 2e-4
@@ -25,15 +27,25 @@ NUM_PAGES, PAGE_SIZE, NUM_SLOTS = 160, 16, 5
 
 
 @pytest.fixture(scope="module", params=LAYOUTS)
-def oracle(request, hybrid_checkpoint):
-    """(our model, {sequence: its tokens}, {sequence: transformers' logits at every position}) for a layout."""
-    layout = request.param
-    checkpoint = hybrid_checkpoint(layout)
-    model, _ = load_model(checkpoint, torch.float32, torch.device("cpu"), use_decode_kernel=False)
-    hf = transformers_class(layout).from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+def reference(request, hybrid_checkpoint):
+    """(checkpoint, {sequence: its tokens}, {sequence: transformers' logits at every position}) for a layout."""
+    checkpoint = hybrid_checkpoint(request.param)
+    hf = transformers_class(request.param).from_pretrained(str(checkpoint), dtype=torch.float32).eval()
     tokens = {key: hybrid_tokens(length, seed) for key, (length, seed) in SEQUENCES.items()}
     with torch.inference_mode():
         logits = {key: hf(torch.tensor([ids])).logits[0].float() for key, ids in tokens.items()}
+    return checkpoint, tokens, logits
+
+
+@pytest.fixture(scope="module", params=["torch ops", "compiled"])
+def oracle(request, reference):
+    """(our model, tokens, transformers' logits): our model on torch's ops, or on the CPU kernels a default load
+    installs (their linear attention: fp32 takes no compiled matmuls)."""
+    checkpoint, tokens, logits = reference
+    compiled = request.param == "compiled"
+    model, _ = load_model(checkpoint, torch.float32, torch.device("cpu"), use_decode_kernel=compiled)
+    if compiled and isinstance(model.backend.linear_attention, TorchLinearAttention):
+        pytest.skip("no compiled CPU kernels here")
     return model, tokens, logits
 
 

@@ -7,21 +7,7 @@
 
 void bind_decode_stack(pybind11::module& m);
 
-// Gated DeltaNet's delta rule and causal conv over state pools (kernels/cpu_linear_attention.py wraps them).
-void bind_linear_attention(pybind11::module& m) {
-  using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
-  m.def("gated_delta_rule_decode", &gated_delta_rule_decode, "one token per row: the gated delta-rule step over "
-        "state_pool rows at state_slots, updated in place; q, k L2-normalised inside", release_gil());
-  m.def("gated_delta_rule_prefill", &gated_delta_rule_prefill, "the gated delta rule over segments (cu_seqlens), "
-        "each continuing its state_pool row and leaving its final state there", release_gil());
-  m.def("causal_conv1d_decode", &causal_conv1d_decode, "silu(depthwise causal conv) of one token per row, its conv "
-        "window shifted in place", release_gil());
-  m.def("causal_conv1d_prefill", &causal_conv1d_prefill, "silu(depthwise causal conv) over segments, each "
-        "continuing its conv window and leaving its last K-1 inputs there", release_gil());
-  m.def("gated_deltanet_decode", &gated_deltanet_decode, "a Gated DeltaNet layer's decode rows from in_proj's "
-        "output to out_proj's input (conv, gates, q/k L2 norms, delta rule, gated RMSNorm), both pools updated in "
-        "place", release_gil());
-}
+void bind_linear_attention(pybind11::module& m);  // gated_deltanet.cpp
 
 // The quantized matmuls and the weight record the decode stack takes.
 void bind_quantized(pybind11::module& m) {

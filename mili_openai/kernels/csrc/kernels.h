@@ -77,24 +77,3 @@ torch::Tensor gemm_int8(const torch::Tensor& x, const torch::Tensor& weight, con
                         bool widen_to_fp32);
 torch::Tensor gemm_int4(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& scales,
                         const torch::Tensor& zeros, int64_t slice_rows, bool widen_to_fp32);
-// Gated DeltaNet (gated_delta_rule.cpp; semantics in kernels/gated_delta_rule.py): the delta-rule step over a
-// float32 state pool, per token (decode) or per segment (prefill), and the short causal conv over a window pool
-torch::Tensor gated_delta_rule_decode(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                      const torch::Tensor& g, const torch::Tensor& beta,
-                                      const torch::Tensor& state_pool, const torch::Tensor& state_slots);
-torch::Tensor gated_delta_rule_prefill(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                                       const torch::Tensor& g, const torch::Tensor& beta,
-                                       const torch::Tensor& cu_seqlens, const torch::Tensor& state_pool,
-                                       const torch::Tensor& state_slots);
-torch::Tensor causal_conv1d_decode(const torch::Tensor& x, const torch::Tensor& conv_pool, const torch::Tensor& weight,
-                                   const c10::optional<torch::Tensor>& bias, const torch::Tensor& slots);
-torch::Tensor causal_conv1d_prefill(const torch::Tensor& x, const torch::Tensor& cu_seqlens,
-                                    const torch::Tensor& conv_pool, const torch::Tensor& weight,
-                                    const c10::optional<torch::Tensor>& bias, const torch::Tensor& slots);
-// the fused decode step of a whole layer between its projections (gated_deltanet_decode.cpp): in_proj's output
-// (B, conv_dim + value_dim + 2 Hv) -> out_proj's input (B, value_dim), both pools updated in place at slots
-torch::Tensor gated_deltanet_decode(const torch::Tensor& projected, const torch::Tensor& conv_pool,
-                                    const torch::Tensor& conv_weight, const torch::Tensor& a_log,
-                                    const torch::Tensor& dt_bias, const torch::Tensor& norm_weight, double eps,
-                                    int64_t num_k_heads, int64_t head_k_dim, const torch::Tensor& state_pool,
-                                    const torch::Tensor& slots);

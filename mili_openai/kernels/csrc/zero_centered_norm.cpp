@@ -10,7 +10,7 @@
 #include <cmath>
 #include <type_traits>
 
-#include "delta_rule_step.h"
+#include "vectors_avx512.h"
 #include "simd_bf16.h"
 
 namespace {

@@ -13,16 +13,13 @@
 #include <algorithm>
 #include <vector>
 
+#include "vectors_avx2.h"
+
 namespace {
 
 constexpr int kTileRows = 6;          // x rows per register tile
 constexpr int64_t kPanel = 16;        // weight rows per panel: two fp32 vectors
 constexpr int64_t kBlockRows = 64;    // weight rows a thread packs at a time: 256 KB of panels at K = 1024
-
-inline __m256 widen8(const at::BFloat16* p) {
-  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-}
 
 // 8 x 8 fp32 transpose in registers: rows r[0..7] -> columns.
 inline void transpose8(__m256 (&r)[8]) {
@@ -52,7 +49,7 @@ void pack_panel(const at::BFloat16* w, int64_t N, int64_t K, int64_t n0, float* 
     for (int64_t k = 0; k < K; k += 8) {
       __m256 rows[8];
       for (int j = 0; j < 8; ++j)
-        rows[j] = first + j < N ? widen8(w + (first + j) * K + k) : _mm256_setzero_ps();
+        rows[j] = first + j < N ? mili_avx2::widen_bf16(w + (first + j) * K + k) : _mm256_setzero_ps();
       transpose8(rows);
       for (int c = 0; c < 8; ++c) _mm256_storeu_ps(out + (k + c) * kPanel + 8 * half, rows[c]);
     }

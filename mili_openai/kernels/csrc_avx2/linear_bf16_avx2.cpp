@@ -19,7 +19,11 @@
 
 #include <algorithm>
 
+#include "vectors_avx2.h"
+
 namespace {
+
+using mili_avx2::horizontal_sum;
 
 constexpr int64_t kLanes = 8;         // fp32 per AVX2 register
 constexpr int64_t kStep = 2 * kLanes;  // weights per 256-bit load: K must be a multiple
@@ -33,13 +37,6 @@ inline void widen_pairs(const at::BFloat16* p, __m256& even, __m256& odd) {
   const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-
-inline float horizontal_sum(__m256 v) {
-  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
-  sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
-  return _mm_cvtss_f32(sum);
 }
 
 // The compiler would fold an x load into each of the R FMAs that use it (R loads, not one): keep it loaded.
@@ -140,6 +137,7 @@ torch::Tensor linear_bf16_avx2(const torch::Tensor& x, const torch::Tensor& w) {
 }
 
 torch::Tensor gemm_bf16_avx2(const torch::Tensor& x, const torch::Tensor& w);  // gemm_bf16_avx2.cpp
+void bind_linear_attention(pybind11::module& m);  // gated_deltanet_avx2.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
@@ -147,4 +145,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "accumulation: a decode step's few rows", release_gil());
   m.def("gemm_bf16_avx2", &gemm_bf16_avx2, "y = x @ w.T for bf16 x (M, K) and w (N, K) on AVX2 + FMA, fp32 "
         "products: prefill's many rows, on panels of widened weights", release_gil());
+  bind_linear_attention(m);
 }
