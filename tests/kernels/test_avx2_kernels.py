@@ -42,8 +42,8 @@ def test_kernel_matches_fp32_matmul(module, rows, k, n):
 @pytest.mark.parametrize("threads", [1, 3, 5])
 @pytest.mark.parametrize("n", [1, 15, 16, 49, 1000])
 def test_kernel_writes_every_output_whatever_the_threads(module, threads, n):
-    """Threads take blocks of 16 weight rows (tiles of 4): every output is written once (the output starts uninitialised),
-    also with more threads than blocks or cores."""
+    """Threads take blocks of 16 weight rows (tiles of 4): every output is written once (the output starts
+    uninitialised), also with more threads than blocks or cores."""
     torch.manual_seed(n)
     x = torch.randn(6, 64, dtype=torch.bfloat16)
     w = torch.randn(n, 64, dtype=torch.bfloat16) * 0.05
