@@ -11,14 +11,13 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from mili_openai.kernels.build_lock import build_directory, compile_extension, extension_name
 from mili_openai.kernels.cpu_avx2 import avx2_kernels_built, compiled_avx2_kernels
 from mili_openai.kernels.cpu_decode_stack import CpuDecodeStack
 from mili_openai.kernels.cpu_linear_attention import CpuLinearAttention
 from mili_openai.kernels.lora import LoraRows, LoraSlotTable, add_lora
-from mili_openai.kernels.plan_cache import PLANS_DIR_NAME, KernelPlanCache, plan_key
+from mili_openai.kernels.plan_cache import kernel_plan
 from mili_openai.kernels.planning import (
     KernelPlan,
     linear_by_rows,
@@ -313,12 +312,8 @@ def load_cpu_kernels(plan_cache: bool = True) -> CpuKernels | None:
     kernels = _compiled_kernels()
     if kernels is None or kernels.planned:
         return kernels
-    if plan_cache:
-        name = extension_name(EXTENSION_PREFIX, SOURCE_DIR)
-        cache = KernelPlanCache(build_directory(name, SOURCE_DIR) / PLANS_DIR_NAME)
-        kernels.plan = cache.read_or_time(plan_key(name), kernels.timed_plan)
-    else:
-        kernels.plan = kernels.timed_plan()
+    name = extension_name(EXTENSION_PREFIX, SOURCE_DIR)
+    kernels.plan = kernel_plan(build_directory(name, SOURCE_DIR), name, kernels.timed_plan, plan_cache)
     kernels.planned = True
     logger.info("CPU kernels: matmuls of up to %d rows (%s), prefill attention in %s, decode attention "
                 "prefetch distance %d (blocks of 16 slots)", kernels.max_kernel_rows,

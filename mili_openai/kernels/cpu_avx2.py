@@ -23,7 +23,7 @@ import torch
 
 from mili_openai.kernels.build_lock import build_directory, compile_extension, extension_name
 from mili_openai.kernels.cpu_linear_attention import CpuLinearAttention
-from mili_openai.kernels.plan_cache import PLANS_DIR_NAME, KernelPlanCache, plan_key
+from mili_openai.kernels.plan_cache import kernel_plan
 from mili_openai.kernels.planning import KernelPlan, linear_by_rows, linear_via_fp32, plan_matmuls
 
 logger = logging.getLogger(__name__)
@@ -95,11 +95,8 @@ def load_avx2_kernels(plan_cache: bool = True) -> Avx2Kernels | None:
     if kernels is None or kernels.planned:
         return kernels
     name = extension_name(EXTENSION_PREFIX, SOURCE_DIR, SHARED_HEADERS)
-    if plan_cache:
-        cache = KernelPlanCache(build_directory(name, SOURCE_DIR) / PLANS_DIR_NAME, kernels.own_matmuls())
-        kernels.plan = cache.read_or_time(plan_key(name), kernels.timed_plan)
-    else:
-        kernels.plan = kernels.timed_plan()
+    kernels.plan = kernel_plan(build_directory(name, SOURCE_DIR), name, kernels.timed_plan, plan_cache,
+                               kernels.own_matmuls())
     kernels.planned = True
     logger.info("AVX2 CPU kernels: bf16 matmuls of up to %d rows (more: %s)", kernels.plan.max_kernel_rows,
                 kernels.plan.large_matmul.__name__)

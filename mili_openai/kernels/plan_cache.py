@@ -139,3 +139,12 @@ class KernelPlanCache:
         with handle:
             fcntl.flock(handle, fcntl.LOCK_EX)
             yield  # the flock goes with the file's close
+
+
+def kernel_plan(build_directory: Path, build_name: str, time_plan: Callable[[], KernelPlan], use_cache: bool,
+                own_matmuls: dict[str, Callable] | None = None) -> KernelPlan:
+    """A kernel set's plan: kept beside its build (read back, else timed and kept) where `use_cache`, else timed."""
+    if not use_cache:
+        return time_plan()
+    cache = KernelPlanCache(build_directory / PLANS_DIR_NAME, own_matmuls)
+    return cache.read_or_time(plan_key(build_name), time_plan)

@@ -105,11 +105,8 @@ def _use_avx2_kernels(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM) -> None:
     if cpu_supports_kernels() or not (bf16 or hybrid):  # an fp32 Qwen3 has nothing for them
         return
     avx2 = cpu_avx2.load_avx2_kernels()
-    if avx2 is None:
-        return
-    model.backend.linear_attention = avx2.linear_attention  # its own fallbacks for dtypes and shapes it lacks
-    if bf16:
-        model.backend.matmul = avx2.linear
+    if avx2 is not None:
+        model.backend.install_avx2_kernels(avx2, model.dtype)
 
 
 def _triton_attention(config: ModelConfig, dtype: torch.dtype, device: torch.device,

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from mili_openai.kernels.cpu import ATTENTION_HEAD_DIMS, CpuKernels, SparseMoeWeights
+from mili_openai.kernels.cpu_avx2 import Avx2Kernels
 from mili_openai.kernels.cpu_image_attention import CpuImageAttention
 from mili_openai.kernels.fp8 import Fp8Weights, torch_fp8_linear
 from mili_openai.kernels.linear_attention import LinearAttentionKernel, TorchLinearAttention
@@ -174,6 +175,13 @@ class KernelBackend:
         self.sparse_moe = kernels
         self.decode_stack = kernels
         self.lora = kernels.add_lora
+
+    def install_avx2_kernels(self, kernels: Avx2Kernels, dtype: torch.dtype) -> None:
+        """Run on the AVX2 set (a CPU without AVX-512): linear attention always (it falls back to torch's ops for
+        dtypes and shapes it lacks), the matmuls only with bf16 weights."""
+        self.linear_attention = kernels.linear_attention
+        if dtype == torch.bfloat16:
+            self.matmul = kernels.linear
 
 
 def require_backend(backend: KernelBackend) -> KernelBackend:
