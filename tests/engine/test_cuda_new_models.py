@@ -1,0 +1,78 @@
+"""Qwen3.5 / Qwen3.5-MoE / Qwen3-Next, MTP speculation and LoRA adapters on a CUDA device, against the same
+oracles as their CPU tests: skipped where torch sees no GPU (CI has none; the GPU check runs it).
+
+On CUDA the hybrids run Gated DeltaNet through the Triton conv and delta-rule kernels, attention through the
+Triton page-table kernels, and LoRA's deltas through the Triton SGMV kernel. The float32 oracles stay on the CPU
+(transformers, PEFT's merged adapters): a token that differs is the GPU path's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_helpers import assert_matches, greedy, hf_greedy, random_prompts
+from hybrid_helpers import MTP_THREE, hybrid_tokens, transformers_class
+from lora_helpers import peft_greedy
+
+from mili_openai import LLM
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device")
+
+HYBRID_LAYOUTS = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
+HYBRID_PROMPT_LENGTHS = [1, 5, 33, 70, 130, 400]
+MAX_NEW = 8
+LORA_PROMPTS = random_prompts(3, [5, 23, 40], seed=11)
+
+
+@pytest.fixture(scope="module", params=HYBRID_LAYOUTS)
+def hybrid_oracle(request, hybrid_checkpoint):
+    """(checkpoint, prompts, transformers' greedy tokens and logprob rows on the CPU), once per layout."""
+    checkpoint = hybrid_checkpoint(request.param)
+    model = transformers_class(request.param).from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    prompts = [hybrid_tokens(length, seed=100 + length) for length in HYBRID_PROMPT_LENGTHS]
+    return checkpoint, prompts, [hf_greedy(model, prompt, MAX_NEW) for prompt in prompts]
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(page_size=16, max_num_batched_tokens=4096),  # whole prompts in one step, all batched
+    dict(page_size=4, max_num_batched_tokens=61),  # odd chunks of prefill beside the others' decodes
+], ids=["batched", "chunked"])
+def test_hybrid_greedy_on_cuda_matches_transformers(hybrid_oracle, engine_args):
+    checkpoint, prompts, expected = hybrid_oracle
+    llm = LLM(str(checkpoint), dtype="float32", device="cuda", num_pages=512, **engine_args)
+    assert type(llm.core.runner.forward.model.backend.linear_attention).__name__ == "TritonLinearAttention"
+    assert_matches(llm.generate(prompts, greedy(MAX_NEW)), expected)
+    # again: the prompts hit the prefix cache (pages and state snapshots), and no token may change
+    second = llm.generate(prompts, greedy(MAX_NEW))
+    assert_matches(second, expected)
+    assert sum(output.num_cached_tokens for output in second) > 0
+    llm.core.check_integrity()
+    slots = llm.core.state_slots
+    assert slots.num_free == slots.num_slots
+
+
+def test_mtp_on_cuda_is_plain_greedy(hybrid_checkpoint):
+    checkpoint = str(hybrid_checkpoint("qwen3_5"))
+    prompts = [hybrid_tokens(4, seed=1) * 6, hybrid_tokens(13, seed=2), hybrid_tokens(41, seed=4)]
+    engine = dict(dtype="float32", device="cuda", num_pages=256, page_size=4, max_num_batched_tokens=32)
+    params = greedy(24)
+    plain = [output.outputs[0].token_ids for output in LLM(checkpoint, **engine).generate(prompts, params)]
+    llm = LLM(checkpoint, speculative_config=MTP_THREE, **engine)
+    assert [output.outputs[0].token_ids for output in llm.generate(prompts, params)] == plain
+    assert llm.core.stats().spec_decode_num_draft_tokens_total > 0
+    llm.core.check_integrity()
+
+
+def test_lora_adapters_mixed_on_cuda_match_peft(tiny_checkpoint, lora_adapters):
+    names = ["r8", "r64", "rslora", None]
+    oracle = {name: peft_greedy(tiny_checkpoint, lora_adapters.get(name), LORA_PROMPTS, MAX_NEW) for name in names}
+    llm = LLM(str(tiny_checkpoint), dtype="float32", device="cuda", num_pages=256, page_size=8,
+              max_num_batched_tokens=512, lora=dict(modules=list(lora_adapters.items()), max_lora_rank=64,
+                                                    max_loras=4))
+    assert llm.core.runner.forward.model.backend.lora.__module__.endswith("triton_lora")  # the SGMV kernel
+    prompts = [prompt for _ in names for prompt in LORA_PROMPTS]
+    outputs = llm.generate(prompts, greedy(MAX_NEW), lora_request=[name for name in names for _ in LORA_PROMPTS])
+    for index, name in enumerate(names):
+        assert_matches(outputs[index * len(LORA_PROMPTS):(index + 1) * len(LORA_PROMPTS)], oracle[name])
+    llm.core.check_integrity()
