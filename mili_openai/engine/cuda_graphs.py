@@ -12,9 +12,11 @@ capture sizes (1, 2, 4, then every multiple of 8 up to 256), all captured before
 costs far more than a step, and no request should wait on one); all share one memory pool, since a step
 runs one graph at a time. A step is copied into its bucket's static inputs, padded: rows past the step's
 write their K/V to a scratch page past the pages the engine hands out, attend to its first slot, and
-their outputs are dropped; each row's pages past its context length are masked by its length. Steps with
-prefill chunks run eagerly, and so does a model whose attention has no kernel (torch's SDPA would gather
-every row's whole page table).
+their outputs are dropped; each row's pages past its context length are masked by its length. A hybrid
+model's rows also carry their state slots (Gated DeltaNet's conv window and recurrent state, updated in place):
+padded rows take a scratch state slot past those the engine hands out. Steps with prefill chunks run eagerly, and
+so do a hybrid's steps that verify drafts (their rows run depth by depth over one slot) and a model whose
+attention has no kernel (torch's SDPA would gather every row's whole page table).
 
 Built on the CPU too, where it replays nothing and runs the padded batch eagerly: the padding is then
 testable without a GPU (tests/engine/test_cuda_graphs.py), and the GPU adds only capture and replay.
@@ -29,6 +31,7 @@ import torch
 from mili_openai.model import KVCache
 from mili_openai.model.batch import ForwardBatch, PageTables
 from mili_openai.model.cache_spec import ModelCaches
+from mili_openai.model.state_cache import StateCache
 
 CAPTURE_SIZES = (1, 2, 4, *range(8, 257, 8))  # vLLM's: a step pads at most 7 rows
 
@@ -47,16 +50,23 @@ class DecodeGraph:
 class DecodeGraphs:
     """Runs decode-only forward batches through per-bucket CUDA graphs (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, scratch_slot: int, page_table_width: int) -> None:
-        """page_table_width: the pages of the longest context (the graphs' page tables are this wide)."""
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, scratch_slot: int, page_table_width: int,
+                 state_cache: StateCache | None = None, scratch_state_slot: int | None = None) -> None:
+        """page_table_width: the pages of the longest context (the graphs' page tables are this wide);
+        state_cache: a hybrid model's state pool, whose slot `scratch_state_slot` padded rows take."""
         if not 0 <= scratch_slot < kv_cache.num_slots:
             raise ValueError(f"scratch slot {scratch_slot} is outside the KV cache's {kv_cache.num_slots} slots")
         if page_table_width < 1 or scratch_slot % kv_cache.page_size:
             raise ValueError("decode graphs need a page table width >= 1 and a scratch slot at the start of a page")
+        if state_cache is not None and (scratch_state_slot is None
+                                        or not 0 <= scratch_state_slot < state_cache.num_slots):
+            raise ValueError(f"scratch state slot {scratch_state_slot} is outside the state pool's "
+                             f"{state_cache.num_slots} slots")
         self.model = model
         self.kv_cache = kv_cache
-        self.caches = ModelCaches(kv_cache)  # what the model's forward reads (attention layers only, yet)
+        self.caches = ModelCaches(kv_cache, state_cache)  # what the model's forward reads
         self.scratch_slot = scratch_slot
+        self.scratch_state_slot = scratch_state_slot if state_cache is not None else None
         self.page_table_width = page_table_width
         self.device = kv_cache.device
         self.graphs: dict[int, DecodeGraph] = {}  # by rows
@@ -76,8 +86,10 @@ class DecodeGraphs:
         """The rows of the bucket whose graph runs the batch, or None where it must run eagerly: only decode
         rows (one token each, drafts included), with positions' rotary computed in the forward, within the
         largest bucket and the graphs' page table width; none of an image sequence's (their mRoPE positions are
-        not the text positions a graph reads)."""
+        not the text positions a graph reads), nor a hybrid's verifying drafts (run depth by depth)."""
         if batch.prefills or batch.decode_ctx_lens is None or batch.rotary is not None or batch.vision is not None:
+            return None
+        if batch.state_slots is not None and (self.scratch_state_slot is None or batch.decode_groups is not None):
             return None
         rows = capture_size(batch.num_tokens)
         if rows is None or batch.pages.decode.shape[1] > self.page_table_width:
@@ -103,10 +115,12 @@ class DecodeGraphs:
 
         Page table entries past a row's pages are left as an earlier step wrote them: masked by its length."""
         rows = batch.num_tokens
-        for static, values, padding in ((inputs.input_ids, batch.input_ids, 0),
-                                        (inputs.positions, batch.positions, 0),
-                                        (inputs.slot_mapping, batch.slot_mapping, self.scratch_slot),
-                                        (inputs.decode_ctx_lens, batch.decode_ctx_lens, 1)):
+        fields = [(inputs.input_ids, batch.input_ids, 0), (inputs.positions, batch.positions, 0),
+                  (inputs.slot_mapping, batch.slot_mapping, self.scratch_slot),
+                  (inputs.decode_ctx_lens, batch.decode_ctx_lens, 1)]
+        if inputs.state_slots is not None:  # padded rows run the scratch state slot's state (and spoil it)
+            fields.append((inputs.state_slots, batch.state_slots, self.scratch_state_slot))
+        for static, values, padding in fields:
             static[:rows].copy_(values)
             static[rows:].fill_(padding)
         # a padded row reads its table's first page: the scratch page, or any page a real row left there
@@ -121,17 +135,18 @@ class DecodeGraphs:
         page_size = self.kv_cache.page_size
         pages = PageTables(page_size, decode=filled((rows, self.page_table_width), self.scratch_slot // page_size),
                            prefill=None, prefill_cu_seqlens=None, prefill_ctx_lens=None)
+        state_slots = filled((rows,), self.scratch_state_slot) if self.scratch_state_slot is not None else None
         return ForwardBatch(
             input_ids=filled((rows,), 0), positions=filled((rows,), 0),
             slot_mapping=filled((rows,), self.scratch_slot), num_decode=rows, decode_ctx_lens=filled((rows,), 1),
-            prefills=[], logits_indices=torch.arange(rows, device=self.device), pages=pages)
+            prefills=[], logits_indices=torch.arange(rows, device=self.device), pages=pages, state_slots=state_slots)
 
     def _capture(self, rows: int) -> DecodeGraph:
         inputs = self._static_inputs(rows)
         if self.device.type != "cuda":
             return DecodeGraph(inputs, None, None)
         # A warm-up run first, on a side stream as torch's docs ask: it makes cuBLAS's handles and workspaces,
-        # which capture cannot. Padded rows only write the scratch slot, so it touches no sequence's K/V.
+        # which capture cannot. Padded rows only write the scratch slots, so it touches no sequence's K/V or state.
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):

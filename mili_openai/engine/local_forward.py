@@ -93,14 +93,14 @@ class LocalForward:
         both_slot_bytes = slot_bytes + draft_slot_bytes
         self.num_state_snapshots = (self._snapshots(config, both_slot_bytes, budget)
                                     if self.num_state_slots and config.enable_prefix_caching else 0)
-        state_bytes = (self.num_state_slots + self.num_state_snapshots) * both_slot_bytes
-        self.num_pages = config.num_pages or self._pages_for_budget(budget, state_bytes)
         # Dynamic NTK RoPE checks each forward's positions on the host, which a graph cannot capture
-        # (not for linear-attention layers yet: the graphs replay K/V writes only, not state-slot updates)
         # (nor LoRA yet: a graph replays the projections without the adapters' row groups)
-        use_graphs = (self.device.type == "cuda" and not config.enforce_eager and not self.num_state_slots
-                      and self.lora is None
+        use_graphs = (self.device.type == "cuda" and not config.enforce_eager and self.lora is None
                       and self.model.model.rotary_emb.dynamic_limit is None and self.model.backend.attention is not None)
+        # with graphs, one state slot past the running ones and the snapshots takes padded rows' states
+        state_pool_slots = self.num_state_slots + self.num_state_snapshots + (1 if use_graphs else 0)
+        state_bytes = state_pool_slots * both_slot_bytes if self.num_state_slots else 0
+        self.num_pages = config.num_pages or self._pages_for_budget(budget, state_bytes)
         # with graphs, one page more than the engine hands out: its first slot takes padded rows' K/V
         pool_pages = self.num_pages + (1 if use_graphs else 0)
         weights = weight_bytes(self.model)
@@ -109,8 +109,8 @@ class LocalForward:
             weights += weight_bytes(self.draft.model)
         check_kv_cache_fits(kv_bytes + state_bytes, weights, self.device)
         self.kv_cache = KVCache(self.cache_specs, pool_pages, self.page_size, self.dtype, self.device)
-        self.state_cache = (StateCache(self.cache_specs, self.num_state_slots + self.num_state_snapshots, self.dtype,
-                                       self.device) if self.num_state_slots else None)
+        self.state_cache = (StateCache(self.cache_specs, state_pool_slots, self.dtype, self.device)
+                            if self.num_state_slots else None)
         self.caches = ModelCaches(self.kv_cache, self.state_cache)
         draft_caches = (self.draft.caches(pool_pages, self.page_size, self.num_state_slots + self.num_state_snapshots,
                                           self.device)
@@ -191,10 +191,18 @@ class LocalForward:
         scratch_slot = self.num_pages * self.page_size  # the first slot of the page past those handed out
         # every context the engine admits fits the graphs' page tables
         width = -(-self._max_model_len(config, self.num_pages) // self.page_size)
-        self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, scratch_slot, width)
+        # a hybrid's padded rows: the state pool's last slot, past the running ones and the snapshots
+        scratch_state_slot = self.state_cache.num_slots - 1 if self.state_cache is not None else None
+        self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, scratch_slot, width, self.state_cache,
+                                          scratch_state_slot)
         start = time.perf_counter()
-        with torch.inference_mode():
-            count = self.decode_graphs.capture_ahead(config.max_num_seqs)
+        try:
+            with torch.inference_mode():
+                count = self.decode_graphs.capture_ahead(config.max_num_seqs)
+        except RuntimeError:  # an op the capture refuses (a host copy, a sync): serve eagerly, slower but right
+            logger.exception("capturing the decode steps' CUDA graphs failed: decode steps run eagerly")
+            self.decode_graphs = None
+            return
         logger.info("captured %d CUDA graphs of decode steps (up to %d rows) in %.1f s", count, config.max_num_seqs,
                     time.perf_counter() - start)
 

@@ -57,7 +57,9 @@ class StateRows:
             raise ValueError(f"state_slots has {batch.state_slots.shape[0]} entries for {decode} decode rows and "
                              f"{len(batch.prefills)} prefill chunks")
         device = batch.state_slots.device
-        cu_seqlens = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(device)
+        # decode-only: no copy from the host, which a CUDA graph's capture cannot take (engine/cuda_graphs.py)
+        cu_seqlens = (torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(device) if batch.prefills
+                      else torch.zeros(1, dtype=torch.int64, device=device))
         decode_slots = batch.state_slots[:decode]
         steps = None
         if batch.decode_groups is not None:

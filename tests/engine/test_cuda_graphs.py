@@ -94,3 +94,53 @@ def test_capture_ahead_takes_every_bucket_up_to_the_limit_once(model_and_config)
     assert set(graphs.graphs) == {1, 2, 4, 8}
     assert graphs.capture_ahead(max_rows=5) == 0
     assert graphs.capture_ahead(max_rows=17) == 2  # 16 and 24
+
+
+HYBRID_SLOTS = {"a": 0, "b": 1, "c": 2, "d": 3}
+SCRATCH_STATE_SLOT = 4  # the state pool's last slot: past the running ones
+
+
+def hybrid_prefilled(model) -> tuple[PagedSequences, ModelCaches]:
+    """Every prompt prefilled on a Qwen3.5 model, each on its state slot (the same pages and states each call)."""
+    from hybrid_helpers import hybrid_caches, hybrid_tokens, with_state_slots
+
+    pages = PagedSequences(NUM_PAGES, PAGE_SIZE, seed=3)
+    caches = hybrid_caches(model, NUM_PAGES + 1, PAGE_SIZE, SCRATCH_STATE_SLOT + 1)
+    for index, (key, length) in enumerate(PROMPTS.items()):
+        pages.add(key, hybrid_tokens(length + 8, seed=index))
+        batch, _ = pages.batch(prefill=[(key, length)])
+        model(with_state_slots(batch, [], [(key, length)], HYBRID_SLOTS), caches)
+    return pages, caches
+
+
+@torch.inference_mode()
+def test_hybrid_padded_decode_matches_eager_and_spoils_only_the_scratch_slots(hybrid_checkpoint):
+    """A hybrid's decode rows carry their state slots into the bucket; padded rows run the scratch state slot,
+    and every real slot's conv window and recurrent state end as eager decoding leaves them."""
+    from hybrid_helpers import with_state_slots
+
+    model, _ = load_model(hybrid_checkpoint("qwen3_5"), torch.float32, torch.device("cpu"), use_decode_kernel=False)
+    eager_pages, eager_caches = hybrid_prefilled(model)
+    graph_pages, graph_caches = hybrid_prefilled(model)
+    graphs = DecodeGraphs(model, graph_caches.kv, SCRATCH_SLOT, TABLE_WIDTH, graph_caches.state, SCRATCH_STATE_SLOT)
+    for keys in [["a", "b", "c"], ["d", "b", "a"], ["c"], ["a", "d", "b", "c"], ["b", "a"]]:
+        eager_batch = with_state_slots(eager_pages.batch(decode=keys)[0], keys, [], HYBRID_SLOTS)
+        graph_batch = with_state_slots(graph_pages.batch(decode=keys)[0], keys, [], HYBRID_SLOTS)
+        bucket = graphs.bucket(graph_batch)
+        assert bucket is not None
+        torch.testing.assert_close(graphs.run(graph_batch, bucket), model(eager_batch, eager_caches), rtol=0,
+                                   atol=FP32_ATOL)
+    real = slice(0, SCRATCH_STATE_SLOT)
+    for graph_pool, eager_pool in ((graph_caches.state.conv, eager_caches.state.conv),
+                                   (graph_caches.state.recurrent, eager_caches.state.recurrent)):
+        torch.testing.assert_close(graph_pool[:, real], eager_pool[:, real], rtol=0, atol=FP32_ATOL)
+        assert graph_pool[:, SCRATCH_STATE_SLOT].abs().sum() > 0  # the padded rows ran there
+        assert eager_pool[:, SCRATCH_STATE_SLOT].abs().sum() == 0
+    # a step verifying drafts runs its rows depth by depth over one slot: eager
+    verifying = with_state_slots(graph_pages.batch(decode=["a", "b"])[0], ["a", "b"], [], HYBRID_SLOTS)
+    verifying.decode_groups = [1, 1]
+    assert graphs.bucket(verifying) is None
+    # a hybrid's rows without a scratch state slot to pad them with: eager
+    assert DecodeGraphs(model, graph_caches.kv, SCRATCH_SLOT, TABLE_WIDTH).bucket(verifying) is None
+    with pytest.raises(ValueError, match="scratch state slot"):
+        DecodeGraphs(model, graph_caches.kv, SCRATCH_SLOT, TABLE_WIDTH, graph_caches.state, SCRATCH_STATE_SLOT + 1)

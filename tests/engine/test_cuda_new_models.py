@@ -2,7 +2,7 @@
 oracles as their CPU tests: skipped where torch sees no GPU (CI has none; the GPU check runs it).
 
 On CUDA the hybrids run Gated DeltaNet through the Triton conv and delta-rule kernels, attention through the
-Triton page-table kernels, and LoRA's deltas through the Triton SGMV kernel. The float32 oracles stay on the CPU
+Triton page-table kernels, their decode steps from CUDA graphs, and LoRA's deltas through the Triton SGMV kernel. The float32 oracles stay on the CPU
 (transformers, PEFT's merged adapters): a token that differs is the GPU path's.
 """
 
@@ -41,8 +41,10 @@ def hybrid_oracle(request, hybrid_checkpoint):
 def test_hybrid_greedy_on_cuda_matches_transformers(hybrid_oracle, engine_args):
     checkpoint, prompts, expected = hybrid_oracle
     llm = LLM(str(checkpoint), dtype="float32", device="cuda", num_pages=512, **engine_args)
-    assert type(llm.core.runner.forward.model.backend.linear_attention).__name__ == "TritonLinearAttention"
+    assert type(llm.core.runner.forward.model.backend.linear_attention).__name__.endswith("TritonLinearAttention")
     assert_matches(llm.generate(prompts, greedy(MAX_NEW)), expected)
+    graphs = llm.core.runner.forward.decode_graphs
+    assert graphs is not None and graphs.steps_run > 0  # decode steps replayed, padded rows on the scratch slots
     # again: the prompts hit the prefix cache (pages and state snapshots), and no token may change
     second = llm.generate(prompts, greedy(MAX_NEW))
     assert_matches(second, expected)
