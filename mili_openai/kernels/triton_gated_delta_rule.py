@@ -5,7 +5,10 @@
   CUDA graph captured for a batch size serves any slots;
 - prefill: the chunked WY form (kernels/gated_delta_rule.py's `chunked_delta_rule`), one program per (segment,
   value head, Dv block) walking its segment in chunks of CHUNK_SIZE tokens: the chunk's unit lower-triangular
-  system is inverted by forward substitution in registers, then a few tl.dot's update the state;
+  system is inverted by forward substitution in registers, then a few tl.dot's update the state: IEEE fp32
+  products for a float32 model (the parity tests' precision), TF32 tensor cores otherwise, as flash-linear-attention's
+  kernels (vLLM's) take them (for Hopper, ptxas builds the IEEE form in ~35 s on an H200's host, the TF32 one in
+  a few: 69 s and 9 s on a 2-core Zen 3);
 - the causal conv: decode shifts each row's window in place; prefill convolves each token from the segment's
   inputs and the window before it, then a second launch leaves the last K-1 inputs in the window.
 
@@ -32,6 +35,10 @@ BLOCK_V = 32  # state columns per program: a (Dk <= 256, 32) fp32 slice fits a p
 CONV_BLOCK_C = 256  # conv channels per program
 CONV_BLOCK_T = 16  # conv prefill tokens per program
 MAX_HEAD_DIM = 256
+# the arguments whose alignment changes between a server's launches: the state slots are a slice of the step's
+# staged index buffer (engine/step_inputs.py), at an offset that follows the step's token count; unspecialised, a
+# server meets only the variants the load-time warm-up compiled (model/kernel_warmup.py)
+RUNTIME_ARGS = ("slots", "cu_seqlens")
 
 
 if triton is not None:
@@ -42,7 +49,7 @@ if triton is not None:
         x = tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         return x * (scale / tl.sqrt(tl.sum(x * x, axis=0) + L2NORM_EPS))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["slots"])
     def delta_rule_decode_kernel(q, k, v, g, beta, state_pool, slots, out, stride_qt, stride_qh, stride_vt,
                                  stride_vh, stride_gt, num_v_heads, group, scale, DK: tl.constexpr,
                                  DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -78,11 +85,11 @@ if triton is not None:
             inverse = tl.where(rows[:, None] == i, row[None, :], inverse)
         return inverse
 
-    @triton.jit
+    @triton.jit(do_not_specialize=RUNTIME_ARGS)
     def delta_rule_prefill_kernel(q, k, v, g, beta, cu_seqlens, state_pool, slots, out, stride_qt, stride_qh,
                                   stride_vt, stride_vh, stride_gt, num_v_heads, group, scale, DK: tl.constexpr,
                                   DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
-                                  CHUNK: tl.constexpr):
+                                  CHUNK: tl.constexpr, PRECISION: tl.constexpr):
         segment, head, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start, end = tl.load(cu_seqlens + segment), tl.load(cu_seqlens + segment + 1)
         key_head = head // group
@@ -110,21 +117,22 @@ if triton is not None:
             cum_decay = tl.cumsum(log_decay, axis=0)  # (CHUNK,) log decay from the chunk start
             last_decay = tl.sum(tl.where(rows == CHUNK - 1, cum_decay, 0.0), axis=0)
             pair_decay = tl.exp(tl.where(causal, cum_decay[:, None] - cum_decay[None, :], float("-inf")))
-            key_products = tl.dot(k_chunk, tl.trans(k_chunk), input_precision="ieee")  # (CHUNK, CHUNK)
+            key_products = tl.dot(k_chunk, tl.trans(k_chunk), input_precision=PRECISION)  # (CHUNK, CHUNK)
             inverse = _lower_inverse(key_products * write[:, None] * pair_decay, CHUNK)
-            new_values = tl.dot(inverse, v_chunk * write[:, None], input_precision="ieee")
-            decayed_keys = tl.dot(inverse, k_chunk * (write * tl.exp(cum_decay))[:, None], input_precision="ieee")
-            v_new = new_values - tl.dot(decayed_keys, state, input_precision="ieee")  # (CHUNK, BLOCK_V)
-            intra = tl.dot(q_chunk, tl.trans(k_chunk), input_precision="ieee") * pair_decay
-            readout = (tl.dot(q_chunk * tl.exp(cum_decay)[:, None], state, input_precision="ieee")
-                       + tl.dot(intra, v_new, input_precision="ieee"))
+            new_values = tl.dot(inverse, v_chunk * write[:, None], input_precision=PRECISION)
+            decayed_keys = tl.dot(inverse, k_chunk * (write * tl.exp(cum_decay))[:, None],
+                                  input_precision=PRECISION)
+            v_new = new_values - tl.dot(decayed_keys, state, input_precision=PRECISION)  # (CHUNK, BLOCK_V)
+            intra = tl.dot(q_chunk, tl.trans(k_chunk), input_precision=PRECISION) * pair_decay
+            readout = (tl.dot(q_chunk * tl.exp(cum_decay)[:, None], state, input_precision=PRECISION)
+                       + tl.dot(intra, v_new, input_precision=PRECISION))
             tl.store(out + (tokens[:, None] * num_v_heads + head) * DV + v_offsets[None, :],
                      readout.to(out.dtype.element_ty), mask=valid[:, None] & v_mask[None, :])
             carried_keys = k_chunk * tl.exp(last_decay - cum_decay)[:, None]
-            state = state * tl.exp(last_decay) + tl.dot(tl.trans(carried_keys), v_new, input_precision="ieee")
+            state = state * tl.exp(last_decay) + tl.dot(tl.trans(carried_keys), v_new, input_precision=PRECISION)
         tl.store(state_ptrs, state, mask=state_mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["slots"])
     def conv_decode_kernel(x, conv_pool, weight, bias, slots, out, stride_x, channels, HAS_BIAS: tl.constexpr,
                            WIDTH: tl.constexpr, BLOCK_C: tl.constexpr):
         row, block = tl.program_id(0), tl.program_id(1)
@@ -143,7 +151,7 @@ if triton is not None:
         tl.store(window + WIDTH - 2, newest.to(conv_pool.dtype.element_ty), mask=mask)
         tl.store(out + row * channels + c, (acc * tl.sigmoid(acc)).to(out.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=RUNTIME_ARGS)
     def conv_prefill_kernel(x, cu_seqlens, conv_pool, weight, bias, slots, out, stride_x, channels,
                             HAS_BIAS: tl.constexpr, WIDTH: tl.constexpr, BLOCK_T: tl.constexpr,
                             BLOCK_C: tl.constexpr):
@@ -168,7 +176,7 @@ if triton is not None:
         tl.store(out + (start + t)[:, None] * channels + c[None, :], (acc * tl.sigmoid(acc)).to(out.dtype.element_ty),
                  mask=(t < end - start)[:, None] & c_mask[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=RUNTIME_ARGS)
     def conv_window_kernel(x, cu_seqlens, conv_pool, slots, stride_x, channels, WIDTH: tl.constexpr,
                            BLOCK_C: tl.constexpr):
         """After conv_prefill_kernel: the window keeps the last K-1 of (old window, segment inputs)."""
@@ -232,7 +240,8 @@ class _TritonLinearAttention:
         (q, k, v, g, beta), out, (stride_qt, stride_qh, stride_vt, stride_vh, heads), shape, grid = launch
         delta_rule_prefill_kernel[(state_slots.shape[0], *grid)](
             q, k, v, g, beta, cu_seqlens, state_pool, state_slots, out, stride_qt, stride_qh, stride_vt, stride_vh,
-            g.stride(0), heads, heads // k.shape[1], k.shape[-1] ** -0.5, CHUNK=CHUNK_SIZE, **shape)
+            g.stride(0), heads, heads // k.shape[1], k.shape[-1] ** -0.5, CHUNK=CHUNK_SIZE,
+            PRECISION="ieee" if v.dtype == torch.float32 else "tf32", **shape)
         return out
 
     def causal_conv1d_decode(self, x: torch.Tensor, conv_pool: torch.Tensor, weight: torch.Tensor,

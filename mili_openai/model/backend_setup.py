@@ -63,8 +63,7 @@ def set_up_backend(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, rank_config: Mo
         _use_or_await_cpu_kernels(model, defer_cpu_kernels, kernel_plan_cache)
     if device.type == "cuda":
         _use_cuda_kernels(model, rank_config)
-    if device.type == "cuda" and triton_attention is not None and rank_config.hybrid is None:
-        # (the warm-up builds Qwen3 batches: no state slots)
+    if device.type == "cuda" and triton_attention is not None:
         start = time.perf_counter()
         decode_rows = triton_attention.decode_split_rows(rank_config.num_key_value_heads)
         forwards = warm_up_kernels(model, rank_config, decode_rows, device)

@@ -12,6 +12,9 @@ scratch KV cache, one per row-count class, compile all of them, as vLLM warms up
   CUDA graphs would compile only those of the batch sizes they capture, and an eager server none;
 - the logits of each, so that a quantized LM head meets the row counts it picks its tiles by.
 
+A hybrid model's steps also carry state slots (its Gated DeltaNet kernels take them unspecialised): its warm-up
+runs over a scratch state pool of a slot per decode row and prefill chunk.
+
 Any page size gives the same variants (the kernels take it unspecialised), so this needs no engine setting.
 """
 
@@ -24,6 +27,8 @@ from mili_openai.model.config import ModelConfig
 from mili_openai.model.cache_spec import ModelCaches
 from mili_openai.model.kv_cache import KVCache
 from mili_openai.model.qwen3 import Qwen3ForCausalLM
+from mili_openai.model.qwen3_5 import Qwen3_5ForCausalLM
+from mili_openai.model.state_cache import StateCache
 
 WARMUP_PAGE_SIZE = 16
 MIXED_DECODE_ROWS = 4
@@ -82,15 +87,24 @@ def decode_step(rows: int, device: torch.device) -> ForwardBatch:
 
 
 @torch.inference_mode()
-def warm_up_kernels(model: Qwen3ForCausalLM, config: ModelConfig, decode_rows: list[int],
+def warm_up_kernels(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, config: ModelConfig, decode_rows: list[int],
                     device: torch.device) -> int:
-    """Run the forwards that compile every kernel variant (module docstring) on a scratch KV cache of
-    `config`'s shapes (this rank's, under tensor parallelism), freed after -> how many forwards ran.
-    decode_rows: the row counts of the decode steps (each the fewest rows of one decode split count)."""
+    """Run the forwards that compile every kernel variant (module docstring) on a scratch KV cache (and, for a
+    hybrid, state pool) of `config`'s shapes (this rank's, under tensor parallelism), freed after -> how many
+    forwards ran. decode_rows: the row counts of the decode steps (each the fewest rows of one decode split
+    count)."""
     mixed, pages = mixed_step(device)
-    cache = ModelCaches(KVCache(model.cache_specs(), pages, WARMUP_PAGE_SIZE, model.dtype, device))
+    specs = model.cache_specs()
+    slots = MIXED_DECODE_ROWS + len(MIXED_SEGMENTS)  # one per decode row and prefill chunk of the mixed step
+    states = StateCache(specs, slots, model.dtype, device) if config.hybrid is not None else None
+    cache = ModelCaches(KVCache(specs, pages, WARMUP_PAGE_SIZE, model.dtype, device), states)
+    if states is not None:
+        mixed.state_slots = torch.arange(slots, device=device)
     model.compute_logits(model(mixed, cache)[:MAX_LOGITS_ROWS])
     for rows in decode_rows:
-        model.compute_logits(model(decode_step(rows, device), cache))
+        batch = decode_step(rows, device)
+        if states is not None:  # every row on slot 0, as every row attends to slot 0 of page 0
+            batch.state_slots = torch.zeros(rows, dtype=torch.int64, device=device)
+        model.compute_logits(model(batch, cache))
     del cache
     return 1 + len(decode_rows)

@@ -38,7 +38,7 @@ def test_kernels_compile_for_hopper(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     delta_rule = dict(DK=128, DV=128, BLOCK_K=128, BLOCK_V=kernels.BLOCK_V)
     variants = [(kernels.delta_rule_decode_kernel, delta_rule),
-                (kernels.delta_rule_prefill_kernel, dict(CHUNK=kernels.CHUNK_SIZE, **delta_rule))]
+                (kernels.delta_rule_prefill_kernel, dict(CHUNK=kernels.CHUNK_SIZE, PRECISION="tf32", **delta_rule))]
     for kernel, constexprs in variants:
         signature = {name: "constexpr" if name in constexprs else POINTERS.get(name, "i32" if name.startswith(
             ("stride", "num", "group")) else "*bf16") for name in kernel.arg_names}

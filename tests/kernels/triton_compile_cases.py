@@ -133,3 +133,51 @@ def test_serving_steps_launch_only_the_variants_the_warm_up_compiled(tiny_checkp
 def constexprs(key: tuple) -> tuple:
     """The constexpr values of a specialization key (entries of two: a name and a value)."""
     return tuple(entry for entry in key if len(entry) == 2)
+
+
+@torch.inference_mode()
+def test_hybrid_serving_steps_launch_only_the_variants_the_warm_up_compiled(hybrid_checkpoint):
+    """The same on a Qwen3.5 model: its Gated DeltaNet kernels take each step's state slots from the staged index
+    buffer, at an offset that follows the step's token count; the warm-up (with a scratch state pool) compiled
+    every variant the steps launch. On an H200 (2026-11-30) a server without this compiled the chunked delta rule
+    again for a 512-token prompt after a 513-token one (ptxas ~35 s, mid-request)."""
+    from hybrid_helpers import hybrid_tokens, with_state_slots
+
+    from mili_openai.engine.step_inputs import forward_batch_to, stage_forward_batch
+    from mili_openai.kernels import triton_gated_delta_rule as gdn
+    from mili_openai.model.kernel_warmup import warm_up_kernels
+    from mili_openai.model.state_cache import StateCache
+
+    model, config = load_model(hybrid_checkpoint("qwen3_5"), torch.float32, DEVICE, attention_backend="triton")
+    attention = TritonAttention(multiprocessors=2)
+    model.backend.attention = attention
+    model.backend.linear_attention = gdn.TritonLinearAttention()  # on CUDA set at load; here by hand
+    kernels = [gdn.delta_rule_decode_kernel, gdn.delta_rule_prefill_kernel, gdn.conv_decode_kernel,
+               gdn.conv_prefill_kernel, gdn.conv_window_kernel]
+    with LaunchRecorder(kernels) as warm_up:
+        warm_up_kernels(model, config, attention.decode_split_rows(config.num_key_value_heads), DEVICE)
+    compiled = warm_up.keys()
+    assert set(compiled) == {kernel.__name__ for kernel in kernels}
+
+    page_size, slots = 4, {"a": 0, "b": 1, "c": 2, "d": 3}
+    sequences = PagedSequences(num_pages=64, page_size=page_size, seed=5)
+    specs = model.cache_specs()
+    cache = ModelCaches(KVCache(specs, 64, page_size, torch.float32, DEVICE),
+                        StateCache(specs, len(slots), torch.float32, DEVICE))
+    for key, length in (("a", 30), ("b", 21), ("c", 33), ("d", 9)):
+        sequences.add(key, hybrid_tokens(length, seed=len(key) + length))
+    # token counts odd and even, so the staged state slots sit at 8- and 16-byte aligned offsets
+    steps = [([], [("a", 21), ("b", 4)]), (["a"], [("c", 16)]), (["a", "b"], [("d", 5), ("c", 3)]),
+             (["a", "b", "c"], []), (["d"], [("b", 8)]), (["a", "b", "c", "d"], [])]
+    with LaunchRecorder(kernels) as serving:
+        for decode, prefill in steps:
+            batch, _ = sequences.batch(decode=decode, prefill=prefill)
+            staged, buffer = stage_forward_batch(with_state_slots(batch, decode, prefill, slots), pin_memory=False)
+            model(forward_batch_to(staged, DEVICE, buffer), cache)
+    keys, naive = serving.keys(), serving.keys(specialize_all=True)
+    for name in keys:
+        assert keys[name] <= compiled[name], f"{name} would compile under load"
+    # without the kernels' do_not_specialize lists, the steps' state slots would compile new variants
+    warmed_naive = warm_up.keys(specialize_all=True)
+    for name in ("delta_rule_prefill_kernel", "delta_rule_decode_kernel"):
+        assert not naive[name] <= warmed_naive[name], name
