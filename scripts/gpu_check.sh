@@ -49,15 +49,17 @@ git log -1 --format='commit %h %s' 2>/dev/null | cut -c1-100
 BENCH=- PROFILE=- TESTS=-
 
 if runs bench; then
-  stage "serving benchmark: the issue's five workloads, fp8, LoRA mixed, the Qwen3.5 hybrid, MTP at batch 1"
-  timeout "$(budget 345)" python3 scripts/bench_gpu.py --out-dir /tmp/bench-gpu --deadline-s "$(( $(budget 345) - 25 ))" \
-    --configs issue fp8:c64,c256 lora:c64 mtp:single hybrid:single,c64 2>&1 | tee "$OUT/bench.log"
+  # (LoRA mixed, `lora:c64`, is left out while its steps run eagerly: 1,334 tok/s on an H200, 2026-11-30)
+  stage "serving benchmark: the issue's five workloads, fp8, the Qwen3.5 hybrid, MTP at batch 1"
+  BENCH_S=$(budget 290)
+  timeout "$BENCH_S" python3 scripts/bench_gpu.py --out-dir /tmp/bench-gpu --deadline-s "$(( BENCH_S - 25 ))" \
+    --configs issue fp8:c64,c256 hybrid:single,c64 mtp:single 2>&1 | tee "$OUT/bench.log"
   BENCH=$?
 fi
 
 if runs profile; then
   stage "torch profile of the serving engine's steps at concurrency 64 (the issue's flags)"
-  timeout "$(budget 95)" python3 scripts/bench_gpu.py --out-dir /tmp/bench-gpu --profile issue:c64 2>&1 \
+  timeout "$(budget 90)" python3 scripts/bench_gpu.py --out-dir /tmp/bench-gpu --profile issue:c64 2>&1 \
     | tee "$OUT/profile.txt" | tail -80
   PROFILE=$?
   if (( PROFILE != 0 )); then
@@ -71,7 +73,7 @@ fi
 if runs tests; then
   stage "CUDA tests: parity with transformers (Qwen3, the hybrids, MTP, LoRA), no compile under load, fp8, int"
   # not tests/engine/test_cuda_graphs.py: it runs on the CPU, and would build the CPU kernels there first
-  timeout "$(budget 200)" python3 -m pytest tests/engine/test_cuda_path.py tests/engine/test_cuda_new_models.py \
+  timeout "$(budget 150)" python3 -m pytest tests/engine/test_cuda_path.py tests/engine/test_cuda_new_models.py \
     tests/kernels/triton_compile_cases.py tests/quant/test_quantized_cuda.py -q --maxfail=8 -p no:cacheprovider \
     2>&1 | tee "$OUT/tests.log"
   TESTS=$?
