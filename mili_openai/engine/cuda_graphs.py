@@ -14,7 +14,9 @@ runs one graph at a time. A step is copied into its bucket's static inputs, padd
 write their K/V to a scratch page past the pages the engine hands out, attend to its first slot, and
 their outputs are dropped; each row's pages past its context length are masked by its length. A hybrid
 model's rows also carry their state slots (Gated DeltaNet's conv window and recurrent state, updated in place):
-padded rows take a scratch state slot past those the engine hands out. Steps with prefill chunks run eagerly, and
+padded rows take a scratch state slot past those the engine hands out. Served LoRA adapters are captured in every
+graph: each bucket holds static row blocks (kernels/lora.py's `BucketLoraRows`) that a step's adapter groups are
+copied into, padded rows in none. Steps with prefill chunks run eagerly, and
 so do a hybrid's steps that verify drafts (their rows run depth by depth over one slot) and a model whose
 attention has no kernel (torch's SDPA would gather every row's whole page table).
 
@@ -24,13 +26,16 @@ testable without a GPU (tests/engine/test_cuda_graphs.py), and the GPU adds only
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
+from mili_openai.kernels.lora import SGMV_BLOCK_ROWS, BucketLoraRows, LoraGroup
 from mili_openai.model import KVCache
 from mili_openai.model.batch import ForwardBatch, PageTables
 from mili_openai.model.cache_spec import ModelCaches
+from mili_openai.model.lora_layers import LoraSlots
 from mili_openai.model.state_cache import StateCache
 
 CAPTURE_SIZES = (1, 2, 4, *range(8, 257, 8))  # vLLM's: a step pads at most 7 rows
@@ -45,15 +50,18 @@ class DecodeGraph:
     inputs: ForwardBatch  # static: copied into before each run
     hidden: torch.Tensor | None  # static output (rows, hidden) of the captured forward; None on CPU
     graph: torch.cuda.CUDAGraph | None  # None on CPU: the padded batch runs eagerly
+    lora_rows: BucketLoraRows | None  # the adapters' static row blocks, where adapters are served
 
 
 class DecodeGraphs:
     """Runs decode-only forward batches through per-bucket CUDA graphs (see the module docstring)."""
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, scratch_slot: int, page_table_width: int,
-                 state_cache: StateCache | None = None, scratch_state_slot: int | None = None) -> None:
+                 state_cache: StateCache | None = None, scratch_state_slot: int | None = None,
+                 lora: LoraSlots | None = None) -> None:
         """page_table_width: the pages of the longest context (the graphs' page tables are this wide);
-        state_cache: a hybrid model's state pool, whose slot `scratch_state_slot` padded rows take."""
+        state_cache: a hybrid model's state pool, whose slot `scratch_state_slot` padded rows take; lora: the
+        adapter slots served (their ops must take a bucket's static blocks: the Triton kernel)."""
         if not 0 <= scratch_slot < kv_cache.num_slots:
             raise ValueError(f"scratch slot {scratch_slot} is outside the KV cache's {kv_cache.num_slots} slots")
         if page_table_width < 1 or scratch_slot % kv_cache.page_size:
@@ -67,6 +75,7 @@ class DecodeGraphs:
         self.caches = ModelCaches(kv_cache, state_cache)  # what the model's forward reads
         self.scratch_slot = scratch_slot
         self.scratch_state_slot = scratch_state_slot if state_cache is not None else None
+        self.lora = lora
         self.page_table_width = page_table_width
         self.device = kv_cache.device
         self.graphs: dict[int, DecodeGraph] = {}  # by rows
@@ -96,19 +105,26 @@ class DecodeGraphs:
             return None
         return rows
 
-    def run(self, batch: ForwardBatch, bucket: int) -> torch.Tensor:
+    def run(self, batch: ForwardBatch, bucket: int, lora_groups: list[LoraGroup] | None = None) -> torch.Tensor:
         """-> (rows, hidden) after the final norm, as `model(batch, kv_cache)`; a view of the graph's output,
         valid until the next run. `bucket` is the batch's (from `bucket`); the batch lives on the cache's
-        device."""
+        device; `lora_groups`: its rows by adapter slot, where adapters are served (none: every row on the base)."""
         entry = self.graphs.get(bucket)
         if entry is None:
             entry = self.graphs[bucket] = self._capture(bucket)
         self._fill(entry.inputs, batch)
+        if entry.lora_rows is not None:
+            entry.lora_rows.fill(lora_groups or [], batch.num_tokens, self.device)
         self.steps_run += 1
         if entry.graph is None:
-            return self.model(entry.inputs, self.caches)[:batch.num_tokens]
+            with self._adapters(entry):
+                return self.model(entry.inputs, self.caches)[:batch.num_tokens]
         entry.graph.replay()
         return entry.hidden[:batch.num_tokens]
+
+    def _adapters(self, entry: DecodeGraph):
+        """Where adapters are served, the bucket's rows by slot for the LoRA projections of the forward."""
+        return self.lora.rows(entry.lora_rows) if entry.lora_rows is not None else nullcontext()
 
     def _fill(self, inputs: ForwardBatch, batch: ForwardBatch) -> None:
         """The step's rows into the static inputs; the rows past them write and read the scratch slot.
@@ -143,20 +159,23 @@ class DecodeGraphs:
 
     def _capture(self, rows: int) -> DecodeGraph:
         inputs = self._static_inputs(rows)
+        lora_rows = (BucketLoraRows(rows, self.lora.num_slots, SGMV_BLOCK_ROWS, self.device) if self.lora is not None
+                     else None)
+        entry = DecodeGraph(inputs, None, None, lora_rows)
         if self.device.type != "cuda":
-            return DecodeGraph(inputs, None, None)
+            return entry
         # A warm-up run first, on a side stream as torch's docs ask: it makes cuBLAS's handles and workspaces,
         # which capture cannot. Padded rows only write the scratch slots, so it touches no sequence's K/V or state.
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), self._adapters(entry):
             self.model(inputs, self.caches)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the event loop thread may touch CUDA meanwhile (a seeded request's generator), which
         # the default "global" mode would count as an error in this capture
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"), self._adapters(entry):
             hidden = self.model(inputs, self.caches)
         if self._pool is None:
             self._pool = graph.pool()
-        return DecodeGraph(inputs, hidden, graph)
+        return DecodeGraph(inputs, hidden, graph, lora_rows)

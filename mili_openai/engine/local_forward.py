@@ -93,10 +93,12 @@ class LocalForward:
         both_slot_bytes = slot_bytes + draft_slot_bytes
         self.num_state_snapshots = (self._snapshots(config, both_slot_bytes, budget)
                                     if self.num_state_slots and config.enable_prefix_caching else 0)
-        # Dynamic NTK RoPE checks each forward's positions on the host, which a graph cannot capture
-        # (nor LoRA yet: a graph replays the projections without the adapters' row groups)
-        use_graphs = (self.device.type == "cuda" and not config.enforce_eager and self.lora is None
-                      and self.model.model.rotary_emb.dynamic_limit is None and self.model.backend.attention is not None)
+        # Dynamic NTK RoPE checks each forward's positions on the host, which a graph cannot capture; adapters
+        # replay only through the Triton LoRA kernel (it reads a bucket's static row blocks)
+        use_graphs = (self.device.type == "cuda" and not config.enforce_eager
+                      and (self.lora is None or _replays_in_graphs(self.model.backend.lora))
+                      and self.model.model.rotary_emb.dynamic_limit is None
+                      and self.model.backend.attention is not None)
         # with graphs, one state slot past the running ones and the snapshots takes padded rows' states
         state_pool_slots = self.num_state_slots + self.num_state_snapshots + (1 if use_graphs else 0)
         state_bytes = state_pool_slots * both_slot_bytes if self.num_state_slots else 0
@@ -194,7 +196,7 @@ class LocalForward:
         # a hybrid's padded rows: the state pool's last slot, past the running ones and the snapshots
         scratch_state_slot = self.state_cache.num_slots - 1 if self.state_cache is not None else None
         self.decode_graphs = DecodeGraphs(self.model, self.kv_cache, scratch_slot, width, self.state_cache,
-                                          scratch_state_slot)
+                                          scratch_state_slot, self.lora.slots if self.lora is not None else None)
         start = time.perf_counter()
         try:
             with torch.inference_mode():
@@ -221,7 +223,8 @@ class LocalForward:
             self.speculation.before_forward(batch, work.new_state_slots, work.state_restores)
         bucket = self.decode_graphs.bucket(batch) if self.decode_graphs is not None else None
         if bucket is not None:
-            hidden = self.decode_graphs.run(batch, bucket)  # (T, hidden)
+            groups = self.lora.groups(work.lora_ids, self.device) if work.lora_ids is not None else None
+            hidden = self.decode_graphs.run(batch, bucket, groups)  # (T, hidden)
         elif work.lora_ids is not None:  # rows on adapters: each LoRA projection adds its rows' deltas
             with self.lora.slots.rows(self.lora.groups(work.lora_ids, self.device)):
                 hidden = self.model(batch, self.caches)
@@ -259,3 +262,11 @@ class LocalForward:
                 entries.extend(token_logprobs(logits, targets, [scoring.top_k] * len(targets), with_ranks=True))
             scored[scoring.batch_index] = (scoring.first, entries)
         return scored
+
+
+def _replays_in_graphs(lora_fn) -> bool:
+    """Whether the adapters' op takes a graph bucket's static row blocks: the Triton kernel's (kernels/triton_lora.py;
+    imported here, on CUDA only, as it imports Triton)."""
+    from mili_openai.kernels.triton_lora import triton_add_lora
+
+    return triton_add_lora is not None and lora_fn is triton_add_lora

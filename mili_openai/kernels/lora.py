@@ -14,6 +14,9 @@ from typing import NamedTuple
 import torch
 
 
+SGMV_BLOCK_ROWS = 16  # rows of one slot a block holds in the Triton kernels' form (tl.dot's smallest tile side)
+
+
 class LoraGroup(NamedTuple):
     slot: int  # the adapter's slot in the stacked weights
     rows: torch.Tensor | None  # (n,) int64 rows of the batch that run it; None: every row
@@ -86,6 +89,11 @@ class LoraRows:
         self._per_row: torch.Tensor | None = None
         self._blocks: tuple[int, int, LoraBlocks] | None = None  # (num_rows, block_rows, blocks)
 
+    @property
+    def empty(self) -> bool:
+        """No row runs an adapter: the ops may return at once."""
+        return not self.groups
+
     def per_row(self, num_rows: int, device: torch.device) -> torch.Tensor:
         if self._per_row is None or self._per_row.shape[0] != num_rows:
             self._per_row = slot_per_row(self.groups, num_rows, device)
@@ -95,6 +103,46 @@ class LoraRows:
         if self._blocks is None or self._blocks[:2] != (num_rows, block_rows):
             self._blocks = (num_rows, block_rows, lora_blocks(self.groups, num_rows, block_rows, device))
         return self._blocks[2]
+
+
+def max_lora_blocks(num_rows: int, num_slots: int, block_rows: int) -> int:
+    """The most blocks `lora_blocks` cuts `num_rows` rows over `num_slots` slots into: a full block per `block_rows`
+    rows, and at most one partial block per group."""
+    return -(-num_rows // block_rows) + min(num_slots, num_rows)
+
+
+class BucketLoraRows(LoraRows):
+    """The rows by slot of a CUDA graph's bucket of `num_rows` decode rows: the Triton kernels' blocks in static
+    buffers that each step's groups are copied into (`fill`), the blocks past the step's holding no row, so the
+    captured launches serve any step; the torch and CPU forms come from the step's groups, as LoraRows'. It is
+    never `empty`: a graph captured with the adapters' launches replays them, over no row where none runs one."""
+
+    def __init__(self, num_rows: int, num_slots: int, block_rows: int, device: torch.device) -> None:
+        super().__init__([])
+        self.num_rows, self.block_rows = num_rows, block_rows
+        size = max_lora_blocks(num_rows, num_slots, block_rows)
+        self.static = LoraBlocks(torch.zeros(num_rows, dtype=torch.int64, device=device),
+                                 *(torch.zeros(size, dtype=torch.int32, device=device) for _ in range(3)))
+
+    @property
+    def empty(self) -> bool:
+        return False
+
+    def fill(self, groups: list[LoraGroup], step_rows: int, device: torch.device) -> None:
+        """The step's groups over its first `step_rows` rows (the rest are padding, on the base alone)."""
+        self.groups, self._per_row = groups, None
+        step = lora_blocks(groups, step_rows, self.block_rows, device)
+        count = step.first.shape[0]
+        self.static.order[: step.order.shape[0]].copy_(step.order)  # past them: unread (no block covers it)
+        for static, values in zip(self.static[1:], step[1:]):
+            static[:count].copy_(values)
+        self.static.count[count:].zero_()
+
+    def blocks(self, num_rows: int, block_rows: int, device: torch.device) -> LoraBlocks:
+        if (num_rows, block_rows) != (self.num_rows, self.block_rows):
+            raise ValueError(f"a bucket of {self.num_rows} rows in blocks of {self.block_rows} was asked for "
+                             f"{num_rows} rows in blocks of {block_rows}")
+        return self.static
 
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, table: LoraSlotTable, step_rows: LoraRows) -> torch.Tensor:

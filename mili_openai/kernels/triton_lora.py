@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from mili_openai.kernels.lora import LoraRows, LoraSlotTable
+from mili_openai.kernels.lora import SGMV_BLOCK_ROWS, LoraRows, LoraSlotTable
 
 try:
     import triton
@@ -29,7 +29,7 @@ try:
 except ImportError:  # no Triton: torch's segmented matmul stays
     triton = None
 
-BLOCK_ROWS = 16  # rows of one slot a program takes (tl.dot's smallest tile side)
+BLOCK_ROWS = SGMV_BLOCK_ROWS  # rows of one slot a program takes
 BLOCK_RANK = 16  # rank columns per tile (W = modules x max rank: 8..192)
 BLOCK_FEATURES = 64  # input features per reduction step of the shrink
 BLOCK_OUT = 64  # output columns a program of the expand writes
@@ -123,7 +123,7 @@ def _module_bounds(table: LoraSlotTable, rank: int, out_features: int) -> tuple[
 
 def _triton_add_lora(out: torch.Tensor, x: torch.Tensor, table: LoraSlotTable, step_rows: LoraRows) -> torch.Tensor:
     """out (T, O) += x (T, I) @ A[slot].T @ B^T[slot] for each row's slot, in place (a `LoraFn`)."""
-    if not step_rows.groups:
+    if step_rows.empty:
         return out
     lora_a, lora_b = table.lora_a, table.lora_b  # (S, W, I), (S, W, O), contiguous buffers
     rank, in_features, out_features = lora_a.shape[1], lora_a.shape[2], lora_b.shape[2]

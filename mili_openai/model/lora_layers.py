@@ -117,9 +117,10 @@ class LoraSlots:
         return pair[0].to(self.device, self.dtype), pair[1].to(self.device, self.dtype)
 
     @contextmanager
-    def rows(self, groups: list[LoraGroup]) -> Iterator[None]:
-        """Within this block, every LoRA projection adds each group's adapter to its rows."""
-        self.active = LoraRows(groups) if groups else None
+    def rows(self, groups: list[LoraGroup] | LoraRows) -> Iterator[None]:
+        """Within this block, every LoRA projection adds each group's adapter to its rows (`groups`, or a CUDA graph
+        bucket's `BucketLoraRows`)."""
+        self.active = groups if isinstance(groups, LoraRows) else LoraRows(groups) if groups else None
         try:
             yield
         finally:

@@ -144,3 +144,31 @@ def test_hybrid_padded_decode_matches_eager_and_spoils_only_the_scratch_slots(hy
     assert DecodeGraphs(model, graph_caches.kv, SCRATCH_SLOT, TABLE_WIDTH).bucket(verifying) is None
     with pytest.raises(ValueError, match="scratch state slot"):
         DecodeGraphs(model, graph_caches.kv, SCRATCH_SLOT, TABLE_WIDTH, graph_caches.state, SCRATCH_STATE_SLOT + 1)
+
+
+@torch.inference_mode()
+def test_lora_padded_decode_matches_eager(tiny_checkpoint, lora_adapters):
+    """Adapters served: a bucket's static row blocks take each step's groups (padded rows on the base), and the
+    bucket's rows come out as eager decoding with the same adapters gives them, steps with no adapter row too."""
+    from mili_openai.kernels.lora import lora_groups
+    from mili_openai.model.lora_adapter import load_lora_adapter
+    from mili_openai.model.lora_layers import LoraSlots
+
+    model, config = load_model(tiny_checkpoint, torch.float32, torch.device("cpu"))  # its own: slots wrap it
+    slots = LoraSlots(model, num_slots=2, max_rank=64)
+    for slot, name in enumerate(("r8", "r64")):
+        slots.load(slot, load_lora_adapter(name, lora_adapters[name], slots.shapes, 64))
+    eager_pages, eager_cache = prefilled(config, model)
+    graph_pages, graph_cache = prefilled(config, model)
+    graphs = DecodeGraphs(model, graph_cache, SCRATCH_SLOT, TABLE_WIDTH, lora=slots)
+    steps = [(["a", "b", "c"], [0, 1, -1]), (["a", "b", "c", "d"], [1, 1, 0, 1]), (["b", "c"], [-1, -1]),
+             (["d"], [0])]
+    for keys, row_slots in steps:
+        groups = lora_groups(row_slots, torch.device("cpu"))
+        eager_batch, _ = eager_pages.batch(decode=keys)
+        graph_batch, _ = graph_pages.batch(decode=keys)
+        with slots.rows(groups):
+            expected = model(eager_batch, ModelCaches(eager_cache))
+        got = graphs.run(graph_batch, graphs.bucket(graph_batch), groups)
+        torch.testing.assert_close(got, expected, rtol=0, atol=FP32_ATOL)
+    assert set(graphs.graphs) == {4, 2, 1} and all(entry.lora_rows is not None for entry in graphs.graphs.values())

@@ -2,8 +2,9 @@
 oracles as their CPU tests: skipped where torch sees no GPU (CI has none; the GPU check runs it).
 
 On CUDA the hybrids run Gated DeltaNet through the Triton conv and delta-rule kernels, attention through the
-Triton page-table kernels, their decode steps from CUDA graphs, and LoRA's deltas through the Triton SGMV kernel. The float32 oracles stay on the CPU
-(transformers, PEFT's merged adapters): a token that differs is the GPU path's.
+Triton page-table kernels, decode steps from CUDA graphs, and LoRA's deltas through the Triton SGMV kernel (in the
+graphs too). The float32 oracles stay on the CPU (transformers, PEFT's merged adapters): a token that differs is the
+GPU path's.
 """
 
 from __future__ import annotations
@@ -77,4 +78,6 @@ def test_lora_adapters_mixed_on_cuda_match_peft(tiny_checkpoint, lora_adapters):
     outputs = llm.generate(prompts, greedy(MAX_NEW), lora_request=[name for name in names for _ in LORA_PROMPTS])
     for index, name in enumerate(names):
         assert_matches(outputs[index * len(LORA_PROMPTS):(index + 1) * len(LORA_PROMPTS)], oracle[name])
+    graphs = llm.core.runner.forward.decode_graphs
+    assert graphs is not None and graphs.steps_run > 0  # decode steps replayed, each step's adapters in its blocks
     llm.core.check_integrity()

@@ -73,3 +73,34 @@ def test_the_kernel_is_kept_only_where_it_builds(tiny_checkpoint, caplog):
     assert _lora_kernel_compiles(add_lora, model)
     assert not _lora_kernel_compiles(_Unbuildable(), model)
     assert "PassManager::run failed" in caplog.text and "adapters run as torch matmuls" in caplog.text
+
+
+def _bucket_add_lora(out: torch.Tensor, x: torch.Tensor, table: LoraSlotTable, row_slots: list[int],
+                     num_slots: int) -> list[torch.Tensor]:
+    """The kernel over a CUDA graph bucket of out's rows (kernels/lora.py's BucketLoraRows), the step being the
+    first len(row_slots) rows, filled step after step as a replayed graph's buffers are: each step's result."""
+    from mili_openai.kernels import triton_lora
+    from mili_openai.kernels.lora import BucketLoraRows
+
+    bucket = BucketLoraRows(out.shape[0], num_slots, triton_lora.BLOCK_ROWS, x.device)
+    results = []
+    for step in (row_slots, [-1] * len(row_slots), row_slots[::-1]):  # a step with no adapter row in between
+        bucket.fill(lora_groups(step, x.device), len(step), x.device)
+        results.append(triton_lora.triton_add_lora(out.clone(), x, table, bucket))
+    return results
+
+
+@pytest.mark.parametrize("row_slots", [[2, -1, 0, 2, 2, -1, 1], [0] * 20 + [-1] * 3 + [1] * 17, [1, 1, 1]])
+def test_a_graph_buckets_static_blocks_give_each_steps_result(interpreter, row_slots):
+    """A bucket padded past the step's rows: the step's rows as the step's own blocks give them, the padded rows
+    untouched, whatever the step before left in the static blocks."""
+    table = slot_table(3, 48, [24, 8], 8, seed=5, dtype=torch.float32)
+    rows = len(row_slots) + 5  # padded rows past the step's
+    generator = torch.Generator().manual_seed(2)
+    x, base = torch.randn(rows, 48, generator=generator), torch.randn(rows, 32, generator=generator)
+    results = interpreter.submit(_bucket_add_lora, base, x, table, row_slots, 3).result()
+    for got, step in zip(results, (row_slots, [-1] * len(row_slots), row_slots[::-1])):
+        padded = step + [-1] * 5
+        want = add_lora(base.clone(), x, table, LoraRows(lora_groups(padded, x.device)))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[len(step):], base[len(step):])
