@@ -82,7 +82,8 @@ class CpuLinearAttention:
         return self._module.causal_conv1d_decode(x, conv_pool, _float(weight), _float(bias), slots.long().contiguous())
 
     def causal_conv1d_prefill(self, x: torch.Tensor, cu_seqlens: torch.Tensor, conv_pool: torch.Tensor,
-                              weight: torch.Tensor, bias: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+                              weight: torch.Tensor, bias: torch.Tensor | None, slots: torch.Tensor,
+                              longest: int | None = None) -> torch.Tensor:
         if not _fits_conv(x, conv_pool, weight):
             return reference.causal_conv1d_prefill(x, cu_seqlens, conv_pool, weight, bias, slots)
         return self._module.causal_conv1d_prefill(x, cu_seqlens.long().contiguous(), conv_pool, _float(weight),

@@ -133,9 +133,10 @@ def causal_conv1d_decode(x: torch.Tensor, conv_pool: torch.Tensor, weight: torch
 
 
 def causal_conv1d_prefill(x: torch.Tensor, cu_seqlens: torch.Tensor, conv_pool: torch.Tensor, weight: torch.Tensor,
-                          bias: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+                          bias: torch.Tensor | None, slots: torch.Tensor, longest: int | None = None) -> torch.Tensor:
     """Segments of tokens: x (T, C), cu_seqlens (S + 1,); segment s continues conv_pool[slots[s]] (C, K-1) and
-    leaves its last K-1 inputs there -> silu(depthwise causal conv) (T, C) in x's dtype."""
+    leaves its last K-1 inputs there -> silu(depthwise causal conv) (T, C) in x's dtype. (`longest`: unused here,
+    the Protocol's hint for kernels that size a grid by it.)"""
     channels, width = weight.shape
     out = torch.empty_like(x)
     bounds = cu_seqlens.tolist()

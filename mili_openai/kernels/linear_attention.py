@@ -49,8 +49,11 @@ class LinearAttentionKernel(Protocol):
         ...
 
     def causal_conv1d_prefill(self, x: torch.Tensor, cu_seqlens: torch.Tensor, conv_pool: torch.Tensor,
-                              weight: torch.Tensor, bias: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
-        """x (T, C) in segments; each continues and leaves its window in conv_pool -> silu(conv) (T, C)."""
+                              weight: torch.Tensor, bias: torch.Tensor | None, slots: torch.Tensor,
+                              longest: int | None = None) -> torch.Tensor:
+        """x (T, C) in segments; each continues and leaves its window in conv_pool -> silu(conv) (T, C).
+        longest: the longest segment, where the caller knows it on the host (a kernel that sizes its grid by it
+        reads cu_seqlens otherwise: a device sync)."""
         ...
 
     def deltanet_decode(self, projected: torch.Tensor, weights: DeltaNetDecodeWeights, conv_pool: torch.Tensor,

@@ -256,12 +256,14 @@ class _TritonLinearAttention:
         return out
 
     def causal_conv1d_prefill(self, x: torch.Tensor, cu_seqlens: torch.Tensor, conv_pool: torch.Tensor,
-                              weight: torch.Tensor, bias: torch.Tensor | None, slots: torch.Tensor) -> torch.Tensor:
+                              weight: torch.Tensor, bias: torch.Tensor | None, slots: torch.Tensor,
+                              longest: int | None = None) -> torch.Tensor:
         if not (_ready(x) and conv_pool.is_contiguous()):
             return reference.causal_conv1d_prefill(x, cu_seqlens, conv_pool, weight, bias, slots)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         channels, segments = x.shape[1], slots.shape[0]
-        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if segments else 0  # prefill syncs anyway
+        if longest is None:  # a device sync: the engine's steps pass it (StateRows.longest_prefill)
+            longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max()) if segments else 0
         channel_blocks = triton.cdiv(channels, CONV_BLOCK_C)
         weight = weight.contiguous()
         if longest:

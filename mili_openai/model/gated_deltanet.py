@@ -45,6 +45,7 @@ class StateRows:
     # their sequence, their slots), run one depth after another so each row continues the state its row before
     # left; None when every decode has one row
     verify_steps: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    longest_prefill: int | None = None  # the longest prefill chunk's tokens, known on the host (None: not given)
 
     @classmethod
     def of(cls, batch: ForwardBatch) -> StateRows:
@@ -71,7 +72,7 @@ class StateRows:
                 rows = torch.tensor([start + depth for start, count in zip(starts, batch.decode_groups)
                                      if count > depth], dtype=torch.int64).to(device)
                 steps.append((rows, decode_slots[rows]))
-        return cls(decode_slots, batch.state_slots[decode:], cu_seqlens, decode, steps)
+        return cls(decode_slots, batch.state_slots[decode:], cu_seqlens, decode, steps, longest_prefill=max(lengths))
 
 
 class ShortConv(nn.Module):
@@ -110,10 +111,10 @@ class GatedDeltaNet(nn.Module):
             parts.append(_run_decode_rows(rows, step, (conv_pool, state_pool), kept))
         if rows.prefill_slots.numel():
             kernel, weight = self.backend.linear_attention, self.conv1d.weight
-            cu_seqlens, slots = rows.cu_seqlens, rows.prefill_slots
+            cu_seqlens, slots, longest = rows.cu_seqlens, rows.prefill_slots, rows.longest_prefill
             parts.append(self._mix(
                 projected[decode:],
-                lambda mixed: kernel.causal_conv1d_prefill(mixed, cu_seqlens, conv_pool, weight, None, slots),
+                lambda mixed: kernel.causal_conv1d_prefill(mixed, cu_seqlens, conv_pool, weight, None, slots, longest),
                 lambda q, k, v, g, beta: kernel.gated_delta_rule_prefill(q, k, v, g, beta, cu_seqlens, state_pool,
                                                                          slots)))
         return self.out_proj(parts[0] if len(parts) == 1 else torch.cat(parts))
