@@ -16,9 +16,9 @@ their outputs are dropped; each row's pages past its context length are masked b
 model's rows also carry their state slots (Gated DeltaNet's conv window and recurrent state, updated in place):
 padded rows take a scratch state slot past those the engine hands out. Served LoRA adapters are captured in every
 graph: each bucket holds static row blocks (kernels/lora.py's `BucketLoraRows`) that a step's adapter groups are
-copied into, padded rows in none. Steps with prefill chunks run eagerly, and
-so do a hybrid's steps that verify drafts (their rows run depth by depth over one slot) and a model whose
-attention has no kernel (torch's SDPA would gather every row's whole page table).
+copied into, padded rows in none. Steps with prefill chunks run eagerly, and so do a hybrid's steps that verify
+drafts (their rows run depth by depth over one slot) and a model whose attention has no kernel (torch's SDPA
+would gather every row's whole page table).
 
 Built on the CPU too, where it replays nothing and runs the padded batch eagerly: the padding is then
 testable without a GPU (tests/engine/test_cuda_graphs.py), and the GPU adds only capture and replay.
