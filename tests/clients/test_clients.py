@@ -229,4 +229,4 @@ def test_guidellm_synchronous_run(server, offline, tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     [benchmark] = json.loads(report.read_text())["benchmarks"]
     totals = benchmark["metrics"]["request_totals"]
-    assert totals["successful"] == 5 and totals["errored"] == 0
+    assert totals["successful"] == 5 and totals["errored"] == 0, totals
