@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 51's GPU check on a lent GPU machine, most important first, each stage capped and given at most what is
-# left of TOTAL_S: the serving benchmark (scripts/bench_gpu.py: the five workloads at the issue's flags, fp8, LoRA
-# adapters mixed, the Qwen3.5 hybrid and MTP speculation on it), a torch profile of the serving engine's steps at
+# left of TOTAL_S: the serving benchmark (scripts/bench_gpu.py: the Qwen3.5 hybrid, LoRA adapters mixed, MTP
+# speculation, the five workloads at the issue's flags, fp8), a torch profile of the hybrid's serving steps at
 # concurrency 64, the CUDA tests of parity with transformers (Qwen3, the hybrids, MTP, LoRA, fp8 and int weights)
 # and of no compile under load, the Triton kernels' launch constants timed (scripts/tune_gpu_kernels.py), the other
 # CUDA tests.
@@ -49,16 +49,18 @@ git log -1 --format='commit %h %s' 2>/dev/null | cut -c1-100
 BENCH=- PROFILE=- TESTS=-
 
 if runs bench; then
-  stage "serving benchmark: the issue's five workloads, fp8, LoRA mixed, the Qwen3.5 hybrid, MTP at batch 1"
+  # newest first: the hybrid's and LoRA's decode graphs, MTP, then the Qwen3 workloads and fp8 (measured 2026-11-30)
+  stage "serving benchmark: the Qwen3.5 hybrid, LoRA mixed, MTP at batch 1, the issue's five workloads, fp8"
   BENCH_S=$(budget 290)
   timeout "$BENCH_S" python3 scripts/bench_gpu.py --out-dir /tmp/bench-gpu --deadline-s "$(( BENCH_S - 25 ))" \
-    --configs issue fp8:c64,c256 hybrid:single,c64 lora:c64 mtp:single 2>&1 | tee "$OUT/bench.log"
+    --configs hybrid:single,c64 lora:c64 mtp:single issue fp8:c64,c256 2>&1 | tee "$OUT/bench.log"
   BENCH=$?
 fi
 
 if runs profile; then
-  stage "torch profile of the serving engine's steps at concurrency 64 (the issue's flags)"
-  timeout "$(budget 90)" python3 scripts/bench_gpu.py --out-dir /tmp/bench-gpu --profile issue:c64 2>&1 \
+  # the hybrid's: Qwen3's (issue:c64) was profiled on 2026-11-30 (docs/performance.md)
+  stage "torch profile of the serving engine's steps at concurrency 64 (the Qwen3.5 hybrid, the issue's flags)"
+  timeout "$(budget 90)" python3 scripts/bench_gpu.py --out-dir /tmp/bench-gpu --profile hybrid:c64 2>&1 \
     | tee "$OUT/profile.txt" | tail -80
   PROFILE=$?
   if (( PROFILE != 0 )); then
