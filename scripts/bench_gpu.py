@@ -146,11 +146,10 @@ class Checkpoints:
     def _build_rest(self, out_dir: Path, qwen35: bool, lora: bool) -> None:
         if qwen35:
             self.paths[QWEN35] = ensure_checkpoint(out_dir / "qwen3.5-0.8b-random", CHECKPOINT_SEED, QWEN35)
-        if lora and not (out_dir / "lora-adapters" / f"lora-{LORA_ADAPTERS - 1}").exists():
-            self.adapters = write_adapters(self.paths[QWEN3], out_dir / "lora-adapters", LORA_ADAPTERS, LORA_RANK,
-                                           DEFAULT_TARGETS, CHECKPOINT_SEED, torch.bfloat16)
-        elif lora:
-            self.adapters = [(f"lora-{i}", out_dir / "lora-adapters" / f"lora-{i}") for i in range(LORA_ADAPTERS)]
+        if lora:  # written once: the first run's adapters are the later runs' too
+            directory = out_dir / "lora-adapters"
+            self.adapters = write_adapters(self.paths[QWEN3], directory, LORA_ADAPTERS, LORA_RANK, DEFAULT_TARGETS,
+                                           CHECKPOINT_SEED, torch.bfloat16, skip_existing=True)
 
     def for_config(self, config: ServerConfig) -> tuple[Path, tuple[str, ...], tuple[str, ...]]:
         """(checkpoint, the config's `mili serve` flags, extra `mili bench serve` flags); waits for the background

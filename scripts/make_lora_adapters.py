@@ -60,8 +60,9 @@ def make_adapter(shapes: list[tuple[int, str, int, int]], targets: tuple[str, ..
 
 
 def write_adapters(checkpoint: Path, out_dir: Path, count: int, rank: int, targets: tuple[str, ...], seed: int,
-                   dtype: torch.dtype) -> list[tuple[str, Path]]:
-    """`count` adapters under `out_dir`: [(name, directory)]."""
+                   dtype: torch.dtype, skip_existing: bool = False) -> list[tuple[str, Path]]:
+    """`count` adapters under `out_dir`: [(name, directory)]. skip_existing: keep an adapter already written
+    whole (its config, written last, is there)."""
     shapes = module_shapes(checkpoint)
     served = {module.rsplit(".", 1)[-1] for _, module, _, _ in shapes}
     if not set(targets) <= served:
@@ -72,11 +73,13 @@ def write_adapters(checkpoint: Path, out_dir: Path, count: int, rank: int, targe
     adapters = []
     for index in range(count):
         name, directory = f"lora-{index}", out_dir / f"lora-{index}"
+        adapters.append((name, directory))
+        if skip_existing and (directory / ADAPTER_CONFIG).is_file():
+            continue
         directory.mkdir(parents=True, exist_ok=True)
         save_file(make_adapter(shapes, targets, rank, seed + index, dtype), str(directory / ADAPTER_WEIGHTS),
                   metadata={"format": "pt"})
         (directory / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
-        adapters.append((name, directory))
     return adapters
 
 

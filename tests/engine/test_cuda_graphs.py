@@ -7,10 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hybrid_helpers import hybrid_caches, hybrid_tokens, with_state_slots
 from model_helpers import PagedSequences, random_tokens
 
 from mili_openai.engine.cuda_graphs import DecodeGraphs, capture_size
+from mili_openai.kernels.lora import lora_groups
 from mili_openai.model import KVCache, ModelCaches, load_model
+from mili_openai.model.lora_adapter import load_lora_adapter
+from mili_openai.model.lora_layers import LoraSlots
 
 NUM_PAGES, PAGE_SIZE = 48, 4
 SCRATCH_SLOT = NUM_PAGES * PAGE_SIZE  # the first slot of the one page past those handed out
@@ -102,8 +106,6 @@ SCRATCH_STATE_SLOT = 4  # the state pool's last slot: past the running ones
 
 def hybrid_prefilled(model) -> tuple[PagedSequences, ModelCaches]:
     """Every prompt prefilled on a Qwen3.5 model, each on its state slot (the same pages and states each call)."""
-    from hybrid_helpers import hybrid_caches, hybrid_tokens, with_state_slots
-
     pages = PagedSequences(NUM_PAGES, PAGE_SIZE, seed=3)
     caches = hybrid_caches(model, NUM_PAGES + 1, PAGE_SIZE, SCRATCH_STATE_SLOT + 1)
     for index, (key, length) in enumerate(PROMPTS.items()):
@@ -117,8 +119,6 @@ def hybrid_prefilled(model) -> tuple[PagedSequences, ModelCaches]:
 def test_hybrid_padded_decode_matches_eager_and_spoils_only_the_scratch_slots(hybrid_checkpoint):
     """A hybrid's decode rows carry their state slots into the bucket; padded rows run the scratch state slot,
     and every real slot's conv window and recurrent state end as eager decoding leaves them."""
-    from hybrid_helpers import with_state_slots
-
     model, _ = load_model(hybrid_checkpoint("qwen3_5"), torch.float32, torch.device("cpu"), use_decode_kernel=False)
     eager_pages, eager_caches = hybrid_prefilled(model)
     graph_pages, graph_caches = hybrid_prefilled(model)
@@ -150,10 +150,6 @@ def test_hybrid_padded_decode_matches_eager_and_spoils_only_the_scratch_slots(hy
 def test_lora_padded_decode_matches_eager(tiny_checkpoint, lora_adapters):
     """Adapters served: a bucket's static row blocks take each step's groups (padded rows on the base), and the
     bucket's rows come out as eager decoding with the same adapters gives them, steps with no adapter row too."""
-    from mili_openai.kernels.lora import lora_groups
-    from mili_openai.model.lora_adapter import load_lora_adapter
-    from mili_openai.model.lora_layers import LoraSlots
-
     model, config = load_model(tiny_checkpoint, torch.float32, torch.device("cpu"))  # its own: slots wrap it
     slots = LoraSlots(model, num_slots=2, max_rank=64)
     for slot, name in enumerate(("r8", "r64")):
