@@ -7,6 +7,9 @@ weights stream once); more rows through a GEMM on panels of widened weights (csr
 torch's fp32 GEMM on widened operands where the timed plan finds that faster, as `CpuKernels.linear` splits
 them.
 
+`biased_linear`: a vision tower's projections (fp32 here, see model/backend_setup.py) as one fp32 GEMM with the
+bias and the tanh GELU fused, on weights packed once (csrc_avx2/gemm_f32_avx2.cpp), in oneDNN's place.
+
 `linear_attention`: the AVX-512 set's five Gated DeltaNet ops (the same names, signatures and templates, from
 csrc/'s shared headers, on 8-lane registers), wrapped as there by `CpuLinearAttention`: the fp32 state read and
 written once per token instead of torch's several passes. Norms and attention stay torch's.
@@ -17,19 +20,22 @@ from __future__ import annotations
 import functools
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from mili_openai.kernels.build_lock import build_directory, compile_extension, extension_name
 from mili_openai.kernels.cpu_linear_attention import CpuLinearAttention
+from mili_openai.kernels.onednn_linear import weight_key
 from mili_openai.kernels.plan_cache import kernel_plan
 from mili_openai.kernels.planning import KernelPlan, linear_by_rows, linear_via_fp32, plan_matmuls
 
 logger = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).with_name("csrc_avx2")
-SOURCES = ("linear_bf16_avx2.cpp", "gemm_bf16_avx2.cpp", "gated_deltanet_avx2.cpp")
+SOURCES = ("linear_bf16_avx2.cpp", "gemm_bf16_avx2.cpp", "gemm_f32_avx2.cpp", "gated_deltanet_avx2.cpp")
 # csrc/ headers the sources include (vector-width-free templates): hashed into the build's name with csrc_avx2/'s
 SHARED_HEADERS = tuple(SOURCE_DIR.parent / "csrc" / name for name in (
     "gated_deltanet_common.h", "gated_delta_rule_ops.h", "gated_deltanet_layer.h"))
@@ -57,12 +63,51 @@ def avx2_kernels_built() -> bool:
     return (build_directory(name, SOURCE_DIR) / f"{name}.so").is_file()
 
 
+@dataclass(frozen=True, slots=True)
+class PanelLinear:
+    """A weight packed into the GEMM's panels, its bias padded to them, and which tensor it was packed from."""
+
+    panels: torch.Tensor  # (ceil(N / 16), K, 16) fp32
+    bias: torch.Tensor  # (ceil(N / 16) * 16,) fp32, zeros past N
+    out_features: int
+    source: tuple[int, torch.dtype, tuple[int, ...]]  # the plain weight's (data_ptr, dtype, shape)
+
+
+class Avx2BiasedLinear:
+    """`BiasedLinearKernel` (model/kernel_backend.py) for fp32 inputs: activation(x @ W.T + b) in one call."""
+
+    def __init__(self, module) -> None:
+        self._module = module
+
+    @staticmethod
+    def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
+                and x.dim() == 2 and weight.dim() == 2)
+
+    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PanelLinear:
+        panels = self._module.pack_f32_panels(weight.detach())
+        padded = torch.zeros(panels.shape[0] * panels.shape[2])
+        if bias is not None:
+            padded[: weight.shape[0]] = bias.detach()
+        return PanelLinear(panels, padded, weight.shape[0], weight_key(weight))
+
+    def linear(self, x: torch.Tensor, packed: PanelLinear, activation: str | None = None) -> torch.Tensor:
+        """activation(x @ weight.T + bias): None, "gelu_pytorch_tanh" (fused) or "gelu" (the exact one, after)."""
+        if activation not in (None, "gelu_pytorch_tanh", "gelu"):
+            raise ValueError(f"no activation {activation!r} here")
+        out = self._module.biased_gemm_f32_avx2(x, packed.panels, packed.bias, packed.out_features,
+                                                activation == "gelu_pytorch_tanh")
+        return F.gelu(out) if activation == "gelu" else out
+
+
 class Avx2Kernels:
-    """`linear` for bf16 weights and `linear_attention` (any of its dtypes); the extension is `module`."""
+    """`linear` for bf16 weights, `biased_linear` for a vision tower's fp32 projections and `linear_attention` (any
+    of its dtypes); the extension is `module`."""
 
     def __init__(self, module) -> None:
         self._module = module
         self.linear_attention = CpuLinearAttention(module)  # a LinearAttentionKernel (kernels/linear_attention.py)
+        self.biased_linear = Avx2BiasedLinear(module)
         self.plan = KernelPlan()
         self.planned = False  # whether `plan` was chosen (timed or read from the plan cache)
 

@@ -178,8 +178,11 @@ class KernelBackend:
 
     def install_avx2_kernels(self, kernels: Avx2Kernels, dtype: torch.dtype) -> None:
         """Run on the AVX2 set (a CPU without AVX-512): linear attention always (it falls back to torch's ops for
-        dtypes and shapes it lacks), the matmuls only with bf16 weights."""
+        dtypes and shapes it lacks), a vision tower's projections where it has them (they compute in fp32 on such
+        a CPU), the matmuls only with bf16 weights."""
         self.linear_attention = kernels.linear_attention
+        if self.biased_linear is not None:
+            self.biased_linear = kernels.biased_linear
         if dtype == torch.bfloat16:
             self.matmul = kernels.linear
 

@@ -59,13 +59,15 @@ def merge_block_coordinates(grid: GridTHW, merge: int) -> tuple[torch.Tensor, to
 def biased_linear(backend: KernelBackend, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                   packs: dict[str, Any], activation: str | None = None) -> torch.Tensor:
     """activation(x @ weight.T + bias): through the backend's `biased_linear` where it takes x (the weight packed
-    on first use and kept in `packs` while the weight is that tensor), else its `matmul`, then the bias and the
-    activation (None or a name `_gelu` knows)."""
+    on first use and kept in `packs` while the weight is that tensor and the kernel that one), else its `matmul`,
+    then the bias and the activation (None or a name `_gelu` knows)."""
     kernel = backend.biased_linear
     if kernel is not None and kernel.supports(x, weight):
         packed = packs.get("packed")
-        if packed is None or packed.source != weight_key(weight):
+        if packed is None or packed.source != weight_key(weight) or packs.get("kernel") is not kernel:
+            packs.clear()  # the old layout's memory goes before the new one is made
             packed = packs["packed"] = kernel.pack(weight, bias)
+            packs["kernel"] = kernel
         return kernel.linear(x, packed, activation)
     out = backend.matmul(x, weight).add_(bias)  # in place on the matmul's fresh output
     return out if activation is None else _gelu(activation)(out)

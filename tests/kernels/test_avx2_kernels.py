@@ -81,6 +81,52 @@ def test_gemm_writes_every_output_whatever_the_threads(module, threads):
         torch.set_num_threads(before)
 
 
+# M: under, at and past one tile of 6 rows; N: under one panel of 16, a partial last one, several blocks; K: any,
+# up to a block of one panel (3072)
+@pytest.mark.parametrize("rows", [1, 6, 7, 64])
+@pytest.mark.parametrize("k,n", [(3, 5), (8, 16), (100, 33), (768, 70), (3072, 17)])
+@pytest.mark.parametrize("activation", [None, "gelu_pytorch_tanh", "gelu"])
+def test_biased_gemm_matches_fp64(rows, k, n, activation):
+    """activation(x @ W.T + b) in fp32 on packed panels, the tanh GELU fused, within fp32 rounding of fp64's."""
+    kernel = cpu_avx2.compiled_avx2_kernels().biased_linear
+    generator = torch.Generator().manual_seed(rows * 1000 + k + n)
+    x, weight, bias = torch.randn(rows, k, generator=generator), torch.randn(n, k, generator=generator) * 0.05, \
+        torch.randn(n, generator=generator)
+    assert kernel.supports(x, weight) and not kernel.supports(x.bfloat16(), weight.bfloat16())
+    want = F.linear(x.double(), weight.double(), bias.double())
+    if activation is not None:
+        want = F.gelu(want, approximate="tanh" if activation == "gelu_pytorch_tanh" else "none")
+    got = kernel.linear(x, kernel.pack(weight, bias), activation)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    no_bias = kernel.linear(x, kernel.pack(weight, None))
+    torch.testing.assert_close(no_bias.double(), F.linear(x.double(), weight.double()), rtol=1e-5, atol=1e-5)
+
+
+def test_gelu_tanh_is_accurate_far_from_zero():
+    """x * sigmoid(2u) for 0.5 x (1 + tanh u): no cancellation where the output is tiny (x << 0) or near x."""
+    kernel = cpu_avx2.compiled_avx2_kernels().biased_linear
+    x = torch.linspace(-8, 30, 153)[:, None]  # outputs down to ~1e-21, where even fp64's 1 + tanh(u) is 0
+    got = kernel.linear(x, kernel.pack(torch.ones(1, 1), torch.zeros(1)), "gelu_pytorch_tanh").double()
+    u = 0.7978845608028654 * (x.double() + 0.044715 * x.double() ** 3)
+    torch.testing.assert_close(got, x.double() * torch.sigmoid(2 * u), rtol=1e-5, atol=0)
+    torch.testing.assert_close(got, F.gelu(x.double(), approximate="tanh"), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_biased_gemm_writes_every_output_whatever_the_threads(module, threads):
+    kernel = cpu_avx2.compiled_avx2_kernels().biased_linear
+    torch.manual_seed(threads)
+    x, weight, bias = torch.randn(20, 3072), torch.randn(90, 3072) * 0.05, torch.randn(90)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernel.linear(x, kernel.pack(weight, bias))
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-4, atol=1e-4)
+
+
 def test_kernel_refuses_what_it_cannot_run(module):
     x = torch.randn(2, 24, dtype=torch.bfloat16)  # K not a multiple of 16
     with pytest.raises(RuntimeError, match="multiple of 16"):
@@ -89,6 +135,15 @@ def test_kernel_refuses_what_it_cannot_run(module):
         module.linear_bf16_avx2(x.float()[:, :16], torch.randn(4, 16))
     with pytest.raises(RuntimeError, match="multiple of 8"):
         module.gemm_bf16_avx2(x[:, :12], torch.randn(4, 12, dtype=torch.bfloat16))
+    panels, bias = module.pack_f32_panels(torch.randn(20, 24)), torch.zeros(32)
+    with pytest.raises(RuntimeError, match="panels"):
+        module.biased_gemm_f32_avx2(torch.randn(2, 16), panels, bias, 20, False)  # K differs
+    with pytest.raises(RuntimeError, match="N within"):
+        module.biased_gemm_f32_avx2(torch.randn(2, 24), panels, bias, 33, False)
+    with pytest.raises(RuntimeError, match="bias padded"):
+        module.biased_gemm_f32_avx2(torch.randn(2, 24), panels, torch.zeros(20), 20, False)
+    with pytest.raises(ValueError, match="activation"):
+        cpu_avx2.compiled_avx2_kernels().biased_linear.linear(torch.randn(2, 24), None, "relu")
 
 
 def test_plan_keeps_the_sets_own_gemm_by_name(tmp_path):
@@ -138,3 +193,14 @@ def test_cpu_flags_decide_support(tmp_path):
     cpuinfo.write_text("flags\t\t: fpu sse2 avx bmi2\n")
     assert not cpu_avx2.cpu_supports_avx2_kernels(cpuinfo)
     assert not cpu_avx2.cpu_supports_avx2_kernels(tmp_path / "missing")
+
+
+def test_the_set_takes_a_vision_towers_projections_only_where_there_is_a_tower():
+    from mili_openai.kernels.onednn_linear import OneDnnLinear
+    from mili_openai.model.kernel_backend import KernelBackend
+
+    kernels = cpu_avx2.compiled_avx2_kernels()
+    with_tower, text_only = KernelBackend(biased_linear=OneDnnLinear()), KernelBackend()
+    for backend in (with_tower, text_only):
+        backend.install_avx2_kernels(kernels, torch.bfloat16)
+    assert with_tower.biased_linear is kernels.biased_linear and text_only.biased_linear is None

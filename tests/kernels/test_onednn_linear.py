@@ -1,6 +1,6 @@
 """The vision tower's projections on oneDNN (kernels/onednn_linear.py): activation(x @ W.T + b) on a weight packed
 once, against F.linear, the bias and F.gelu; and the tower's `biased_linear` packing a weight on first use and
-again once the weight is another tensor."""
+again once the weight or the kernel is another."""
 
 from __future__ import annotations
 
@@ -48,6 +48,12 @@ def test_biased_linear_packs_once_per_weight_tensor():
     other = weight * 2
     torch.testing.assert_close(biased_linear(backend, x, other, bias, packs), F.linear(x, other, bias))
     assert packs["packed"] is not first
+    second = packs["packed"]
+    # another kernel in the backend: packed again, in its own layout
+    backend.biased_linear = OneDnnLinear()
+    torch.testing.assert_close(biased_linear(backend, x, other, bias, packs), F.linear(x, other, bias))
+    assert packs["kernel"] is backend.biased_linear and packs["packed"].source == second.source
+    assert packs["packed"] is not second
     # without the kernel: matmul, bias, then the activation, as before
     torch.testing.assert_close(biased_linear(KernelBackend(), x, weight, bias, {}, "gelu_pytorch_tanh"),
                                F.gelu(F.linear(x, weight, bias), approximate="tanh"))

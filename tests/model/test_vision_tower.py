@@ -2,7 +2,7 @@
 transformers itself: the image preprocessing gives exactly the pixel values and grids of the checkpoint's own image
 processor (`AutoImageProcessor`), and mili's vision tower (model/qwen3_5_vision.py, loaded from `model.visual.*`)
 gives transformers' `Qwen3_5VisionModel` merged embeddings (and `Qwen3VLVisionModel`'s DeepStack features too) in
-fp32, its projections on oneDNN and on torch's matmul, for images of several sizes and aspect ratios encoded together (each attending to its own patches only).
+fp32, its projections on oneDNN, on the AVX2 set's fused GEMM and on torch's matmul, for images of several sizes and aspect ratios encoded together (each attending to its own patches only).
 Unsupported vision options are refused at load, by name."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from vision_helpers import IMAGE_SIZES, drawn_image
 
 from mili_openai.engine.image_processor import ImagePreprocessor
+from mili_openai.kernels import cpu_avx2
 from mili_openai.model.hybrid_checkpoint import TINY_VISION_CONFIG
 from mili_openai.model.kernel_backend import KernelBackend
 from mili_openai.model.loader import load_model
@@ -75,12 +76,15 @@ def test_vision_tower_matches_transformers(checkpoint, features):
     with torch.no_grad():
         alone = model.visual.encode([torch.from_numpy(features[1].pixel_values)], [features[1].grid_thw])[0]
     torch.testing.assert_close(alone, got[1], atol=EMBEDDING_ATOL, rtol=0)
-    # the projections ran on oneDNN's packed linears (bias and GELU fused); torch's matmul path gives the same
+    # the projections ran on oneDNN's packed linears (bias and GELU fused); the AVX2 set's fused GEMM (a CPU
+    # without AVX-512's) and torch's matmul path give the same
     assert model.backend.biased_linear is not None
-    model.backend.biased_linear = None
-    with torch.no_grad():
-        unfused = model.visual.encode([torch.from_numpy(f.pixel_values) for f in features], grids)
-    torch.testing.assert_close(torch.cat(unfused), expected, atol=EMBEDDING_ATOL, rtol=0)
+    avx2 = cpu_avx2.compiled_avx2_kernels() if cpu_avx2.cpu_supports_avx2_kernels() else None
+    for kernel in ([avx2.biased_linear] if avx2 is not None else []) + [None]:
+        model.backend.biased_linear = kernel
+        with torch.no_grad():
+            again = model.visual.encode([torch.from_numpy(f.pixel_values) for f in features], grids)
+        torch.testing.assert_close(torch.cat(again), expected, atol=EMBEDDING_ATOL, rtol=0)
 
 
 def test_bf16_tower_computes_in_fp32_where_the_cpu_has_no_bf16_arithmetic(hybrid_checkpoint, features,

@@ -3,9 +3,8 @@
 // torch's fp32 GEMM on the widened operands (the fallback) pays for widening every weight to a fresh fp32 copy
 // at each call and reaches ~55% of a Zen 3 core's FMA peak. Here, as in BLIS: each thread widens a block of
 // kBlockRows weight rows into panels of 16 rows laid out column by column (fp32, in L2), x is widened once into
-// groups of 6 rows laid out the same way, and a 6 x 16 register tile (12 accumulators, two panel vectors, one
-// broadcast of x) runs over each (group, panel) pair for the whole of K: 12 FMAs per 8 loads, so the FMAs, not
-// the loads, bound it, and each output is written once, as bf16.
+// groups of 6 rows laid out the same way, and the 6 x 16 register tile of gemm_tile_avx2.h runs over each
+// (group, panel) pair for the whole of K; each output is written once, as bf16.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -13,12 +12,13 @@
 #include <algorithm>
 #include <vector>
 
+#include "gemm_tile_avx2.h"
 #include "vectors_avx2.h"
 
 namespace {
 
-constexpr int kTileRows = 6;          // x rows per register tile
-constexpr int64_t kPanel = 16;        // weight rows per panel: two fp32 vectors
+using mili_avx2::kPanel;
+using mili_avx2::kTileRows;
 constexpr int64_t kBlockRows = 64;    // weight rows a thread packs at a time: 256 KB of panels at K = 1024
 
 // 8 x 8 fp32 transpose in registers: rows r[0..7] -> columns.
@@ -58,30 +58,8 @@ void pack_panel(const at::BFloat16* w, int64_t N, int64_t K, int64_t n0, float* 
 
 // c[i * ldc + j] = bf16(sum over k of a[k * 6 + i] * b[k * 16 + j]), i < rows, j < cols
 void tile(const float* a, const float* b, int64_t depth, at::BFloat16* c, int64_t ldc, int rows, int64_t cols) {
-  // twelve named accumulators: GCC keeps an __m256 array of them in memory, storing it at every step
-  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00,
-         c40 = c00, c41 = c00, c50 = c00, c51 = c00;
-  for (int64_t k = 0; k < depth; ++k, a += kTileRows, b += kPanel) {
-    const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
-    __m256 ai = _mm256_broadcast_ss(a);
-    c00 = _mm256_fmadd_ps(ai, b0, c00), c01 = _mm256_fmadd_ps(ai, b1, c01);
-    ai = _mm256_broadcast_ss(a + 1);
-    c10 = _mm256_fmadd_ps(ai, b0, c10), c11 = _mm256_fmadd_ps(ai, b1, c11);
-    ai = _mm256_broadcast_ss(a + 2);
-    c20 = _mm256_fmadd_ps(ai, b0, c20), c21 = _mm256_fmadd_ps(ai, b1, c21);
-    ai = _mm256_broadcast_ss(a + 3);
-    c30 = _mm256_fmadd_ps(ai, b0, c30), c31 = _mm256_fmadd_ps(ai, b1, c31);
-    ai = _mm256_broadcast_ss(a + 4);
-    c40 = _mm256_fmadd_ps(ai, b0, c40), c41 = _mm256_fmadd_ps(ai, b1, c41);
-    ai = _mm256_broadcast_ss(a + 5);
-    c50 = _mm256_fmadd_ps(ai, b0, c50), c51 = _mm256_fmadd_ps(ai, b1, c51);
-  }
   alignas(32) float sums[kTileRows][kPanel];
-  const __m256 rows_of_sums[kTileRows][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
-  for (int i = 0; i < kTileRows; ++i) {
-    _mm256_store_ps(sums[i], rows_of_sums[i][0]);
-    _mm256_store_ps(sums[i] + 8, rows_of_sums[i][1]);
-  }
+  mili_avx2::tile_sums(a, b, depth, sums);
   for (int i = 0; i < rows; ++i)
     for (int64_t j = 0; j < cols; ++j) c[i * ldc + j] = at::BFloat16(sums[i][j]);
 }
@@ -96,15 +74,9 @@ torch::Tensor gemm_bf16_avx2(const torch::Tensor& x, const torch::Tensor& w) {
   if (M == 0 || N == 0) return torch::empty({M, N}, x.options());
   // x widened once into groups of 6 rows, column by column (rows past M as zeros)
   const int64_t groups = (M + kTileRows - 1) / kTileRows;
-  std::vector<float> packed_x(groups * K * kTileRows, 0.f);
+  std::vector<float> packed_x(groups * K * kTileRows);
   const torch::Tensor xc = x.contiguous();
-  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
-  at::parallel_for(0, groups, 1, [&](int64_t first, int64_t last) {
-    for (int64_t g = first; g < last; ++g)
-      for (int64_t i = 0; i < kTileRows && g * kTileRows + i < M; ++i)
-        for (int64_t k = 0; k < K; ++k)
-          packed_x[(g * K + k) * kTileRows + i] = static_cast<float>(xp[(g * kTileRows + i) * K + k]);
-  });
+  mili_avx2::pack_row_groups(xc.data_ptr<at::BFloat16>(), M, K, packed_x.data());
   auto y = torch::empty({M, N}, x.options());
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   const at::BFloat16* wp = w.data_ptr<at::BFloat16>();

@@ -137,6 +137,9 @@ torch::Tensor linear_bf16_avx2(const torch::Tensor& x, const torch::Tensor& w) {
 }
 
 torch::Tensor gemm_bf16_avx2(const torch::Tensor& x, const torch::Tensor& w);  // gemm_bf16_avx2.cpp
+torch::Tensor pack_f32_panels(const torch::Tensor& w);  // gemm_f32_avx2.cpp
+torch::Tensor biased_gemm_f32_avx2(const torch::Tensor& x, const torch::Tensor& panels, const torch::Tensor& bias,
+                                   int64_t N, bool gelu_tanh);
 void bind_linear_attention(pybind11::module& m);  // gated_deltanet_avx2.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -145,5 +148,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "accumulation: a decode step's few rows", release_gil());
   m.def("gemm_bf16_avx2", &gemm_bf16_avx2, "y = x @ w.T for bf16 x (M, K) and w (N, K) on AVX2 + FMA, fp32 "
         "products: prefill's many rows, on panels of widened weights", release_gil());
+  m.def("pack_f32_panels", &pack_f32_panels, "fp32 w (N, K) -> (ceil(N / 16), K, 16) panels for "
+        "biased_gemm_f32_avx2", release_gil());
+  m.def("biased_gemm_f32_avx2", &biased_gemm_f32_avx2, "activation(x @ w.T + bias) for fp32 x (M, K) on packed "
+        "panels, the tanh GELU or none", release_gil());
   bind_linear_attention(m);
 }

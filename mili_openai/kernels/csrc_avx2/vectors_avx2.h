@@ -60,14 +60,24 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(power));
 }
 
-// x * sigmoid(x) in fp32, with sigmoid from exp(-|x|) so the exponent never overflows.
-inline __m256 silu(__m256 x) {
+// 1 / (1 + exp(-x)) in fp32, from exp(-|x|) so the exponent never overflows.
+inline __m256 sigmoid(__m256 x) {
   const __m256 magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.f), x);
   const __m256 e = exp_nonpositive(_mm256_sub_ps(_mm256_setzero_ps(), magnitude));
   const __m256 denominator = _mm256_add_ps(_mm256_set1_ps(1.f), e);
   const __m256 negative = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
   const __m256 numerator = _mm256_blendv_ps(_mm256_set1_ps(1.f), e, negative);  // e/(1+e) below zero
-  return _mm256_mul_ps(x, _mm256_div_ps(numerator, denominator));
+  return _mm256_div_ps(numerator, denominator);
+}
+
+inline __m256 silu(__m256 x) { return _mm256_mul_ps(x, sigmoid(x)); }
+
+// GELU's tanh form, 0.5 x (1 + tanh(u)) with u = sqrt(2/pi) (x + 0.044715 x^3), as x * sigmoid(2u): the same
+// function (1 + tanh(u) = 2 sigmoid(2u)), and accurate where 1 + tanh(u) is tiny, which 1 + tanh loses.
+inline __m256 gelu_tanh(__m256 x) {
+  const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+  const __m256 inner = _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), cube, x);
+  return _mm256_mul_ps(x, sigmoid(_mm256_mul_ps(_mm256_set1_ps(2.f * 0.7978845608028654f), inner)));
 }
 
 constexpr int kHalfRounding = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
