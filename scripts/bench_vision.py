@@ -3,13 +3,16 @@
 Builds (once) a random Qwen3.5-0.8B-shaped vision-language checkpoint (`Qwen3_5ForConditionalGeneration`, bf16, its
 text model as QWEN3_5_0_8B_CONFIG, its tower as QWEN3_5_0_8B_VISION_CONFIG, Qwen3.5's tokenizer and chat
 template), converts it for llama.cpp with its own converter (the language model, then the vision tower with
-`--mmproj`), then for each server in turn (never both at once: the machine has 2 cores) starts it, waits for
-/health, runs the two workloads through /v1/chat/completions and stops it:
+`--mmproj`), starts both servers, waits for /health, and runs the two workloads through /v1/chat/completions,
+the servers taking turns (never both at work at once: the machine has 2 cores; turn by turn, because this
+machine's speed drifts from minute to minute, and a ratio of runs minutes apart measures the drift too):
 
 - TTFT: one request at a time, each one 448 x 448 image (a different one each time, so no cache helps) and a
-  short question, `max_tokens` 1 (the latency of the prefill and the first token); p50 and p90 over the requests.
+  short question, `max_tokens` 1 (the latency of the prefill and the first token); each image goes to one server,
+  then the other. p50 and p90 over the requests, and the paired ratios' median and range.
 - Throughput: 8 requests at once, each with a different 448 x 448 image, 64 output tokens each (`ignore_eos`,
   which both servers take); output tokens per second over the wall time of the batch, from the servers' usage.
+  `--rounds` batches each, in turns; the median round, and each round's ratio.
 
 Both run greedy. A table goes to stdout, the raw figures to OUT_DIR/vision-results.json. Ratios are mili ÷ peer
 for throughput and peer ÷ mili for TTFT (above 1: mili ahead).
@@ -27,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import importlib.util
 import io
 import json
@@ -67,6 +71,7 @@ QUESTION = "What is in this image? Answer in one sentence."
 TTFT_REQUESTS = 8
 CONCURRENT_REQUESTS = 8
 THROUGHPUT_OUTPUT_TOKENS = 64
+THROUGHPUT_ROUNDS = 2
 WARMUP_REQUESTS = 1  # first requests build caches and kernels: not timed
 STARTUP_TIMEOUT_S = 900.0
 REQUEST_TIMEOUT_S = 900.0
@@ -146,27 +151,49 @@ async def post_chat(session: aiohttp.ClientSession, base_url: str, body: dict) -
     return time.perf_counter() - started, int(payload["usage"]["completion_tokens"])
 
 
-async def run_workloads(base_url: str, ttft_requests: int, concurrency: int, output_tokens: int) -> dict:
+async def served_model(session: aiohttp.ClientSession, base_url: str) -> str:
+    async with session.get(f"{base_url}/v1/models") as response:
+        return (await response.json(content_type=None))["data"][0]["id"]
+
+
+async def run_workloads(base_urls: dict[str, str], ttft_requests: int, concurrency: int, output_tokens: int,
+                        rounds: int) -> dict[str, dict]:
+    """Both workloads on every server in `base_urls`, the servers taking turns request by request (TTFT) and batch
+    by batch (throughput), each image new to each server. -> per server, its figures."""
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        async with session.get(f"{base_url}/v1/models") as response:
-            model = (await response.json(content_type=None))["data"][0]["id"]
+        models = {name: await served_model(session, url) for name, url in base_urls.items()}
         seed = 1000  # each request its own image: no encoder or prefix cache hit anywhere
         for _ in range(WARMUP_REQUESTS):
             seed += 1
-            await post_chat(session, base_url, chat_body(model, drawn_png(seed), 1))
-        ttfts = []
+            for name, url in base_urls.items():
+                await post_chat(session, url, chat_body(models[name], drawn_png(seed), 1))
+        ttfts: dict[str, list[float]] = {name: [] for name in base_urls}
         for _ in range(ttft_requests):
             seed += 1
-            ttfts.append((await post_chat(session, base_url, chat_body(model, drawn_png(seed), 1)))[0])
-        bodies = [chat_body(model, drawn_png(seed + 1 + i), output_tokens) for i in range(concurrency)]
-        started = time.perf_counter()
-        results = await asyncio.gather(*(post_chat(session, base_url, body) for body in bodies))
-        wall = time.perf_counter() - started
-    tokens = sum(count for _, count in results)
-    return {"ttft_p50_s": statistics.median(ttfts), "ttft_p90_s": float(np.percentile(ttfts, 90)),
-            "ttft_all_s": ttfts, "concurrent_wall_s": wall, "concurrent_output_tokens": tokens,
-            "output_tok_per_s": tokens / wall, "requests_per_s": concurrency / wall}
+            png = drawn_png(seed)
+            for name, url in base_urls.items():
+                ttfts[name].append((await post_chat(session, url, chat_body(models[name], png, 1)))[0])
+        walls: dict[str, list[float]] = {name: [] for name in base_urls}
+        tokens: dict[str, list[int]] = {name: [] for name in base_urls}
+        for _ in range(rounds):
+            pngs = [drawn_png(seed + 1 + i) for i in range(concurrency)]
+            seed += concurrency
+            for name, url in base_urls.items():
+                started = time.perf_counter()
+                results = await asyncio.gather(*(post_chat(session, url, chat_body(models[name], png, output_tokens))
+                                                 for png in pngs))
+                walls[name].append(time.perf_counter() - started)
+                tokens[name].append(sum(count for _, count in results))
+    figures = {}
+    for name in base_urls:
+        rates = [count / wall for count, wall in zip(tokens[name], walls[name])]
+        figures[name] = {"ttft_p50_s": statistics.median(ttfts[name]),
+                         "ttft_p90_s": float(np.percentile(ttfts[name], 90)), "ttft_all_s": ttfts[name],
+                         "concurrent_walls_s": walls[name], "concurrent_output_tokens": tokens[name],
+                         "output_tok_per_s_rounds": rates, "output_tok_per_s": statistics.median(rates),
+                         "requests_per_s": concurrency / statistics.median(walls[name])}
+    return figures
 
 
 def render(results: dict[str, dict]) -> str:
@@ -177,8 +204,12 @@ def render(results: dict[str, dict]) -> str:
                      f"{r['output_tok_per_s']:.1f} | {r['requests_per_s']:.2f} |")
     if len(results) == 2:
         ours, peer = results.values()
-        lines.append(f"\nTTFT p50: peer ÷ mili = {peer['ttft_p50_s'] / ours['ttft_p50_s']:.2f}x; "
-                     f"throughput: mili ÷ peer = {ours['output_tok_per_s'] / peer['output_tok_per_s']:.2f}x")
+        paired = sorted(theirs / mine for mine, theirs in zip(ours["ttft_all_s"], peer["ttft_all_s"]))
+        rounds = [mine / theirs for mine, theirs in zip(ours["output_tok_per_s_rounds"], peer["output_tok_per_s_rounds"])]
+        lines.append(f"\nTTFT p50: peer ÷ mili = {peer['ttft_p50_s'] / ours['ttft_p50_s']:.2f}x (request by request: "
+                     f"median {statistics.median(paired):.2f}x, {paired[0]:.2f}-{paired[-1]:.2f}x); throughput: "
+                     f"mili ÷ peer = {ours['output_tok_per_s'] / peer['output_tok_per_s']:.2f}x (rounds: "
+                     f"{', '.join(f'{ratio:.2f}x' for ratio in rounds)})")
     return "\n".join(lines)
 
 
@@ -192,6 +223,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--ttft-requests", type=int, default=TTFT_REQUESTS)
     parser.add_argument("--concurrency", type=int, default=CONCURRENT_REQUESTS)
     parser.add_argument("--output-tokens", type=int, default=THROUGHPUT_OUTPUT_TOKENS)
+    parser.add_argument("--rounds", type=int, default=THROUGHPUT_ROUNDS, help="concurrent batches per server")
     parser.add_argument("--mili-args", nargs=argparse.REMAINDER, default=[], help="more `mili serve` flags (last)")
     args = parser.parse_args(argv)
     if "llama.cpp" in args.servers and args.llama_cpp is None:
@@ -207,15 +239,17 @@ def main(argv: list[str] | None = None) -> int:
     gguf = ensure_gguf(checkpoint, args.llama_cpp, args.out_dir) if "llama.cpp" in args.servers else None
     if "mili" in args.servers:
         build_cpu_kernels_first()
-    results: dict[str, dict] = {}
-    for name in args.servers:
-        spec = server_spec(name, checkpoint, free_port(), gguf, args.llama_cpp,
-                           args.mili_args if name == "mili" else [])
-        with ServerProcess(spec, args.out_dir / f"{name}.log") as server:
-            server.wait_healthy(STARTUP_TIMEOUT_S)
-            results[name] = asyncio.run(run_workloads(spec.base_url, args.ttft_requests, args.concurrency,
-                                                      args.output_tokens))
-        print(f"{name}: {json.dumps({k: v for k, v in results[name].items() if k != 'ttft_all_s'})}", flush=True)
+    with contextlib.ExitStack() as servers:
+        base_urls = {}
+        for name in args.servers:
+            spec = server_spec(name, checkpoint, free_port(), gguf, args.llama_cpp,
+                               args.mili_args if name == "mili" else [])
+            servers.enter_context(ServerProcess(spec, args.out_dir / f"{name}.log")).wait_healthy(STARTUP_TIMEOUT_S)
+            base_urls[name] = spec.base_url
+        results = asyncio.run(run_workloads(base_urls, args.ttft_requests, args.concurrency, args.output_tokens,
+                                            args.rounds))
+    for name, figures in results.items():
+        print(f"{name}: {json.dumps({k: v for k, v in figures.items() if k != 'ttft_all_s'})}", flush=True)
     (args.out_dir / "vision-results.json").write_text(json.dumps({"checkpoint": str(checkpoint), **results},
                                                                   indent=2))
     print(render(results))
