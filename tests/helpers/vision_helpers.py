@@ -1,5 +1,5 @@
 """Shared by the image tests: a tiny random Qwen3.5 vision-language checkpoint that speaks Qwen3.5's format (its
-248,320-row vocabulary, so the placeholder ids exist; tokenizer, chat template, end-of-turn ids), a tiny random
+248,320-row vocabulary, so the placeholder ids exist; tokenizer, chat template, end-of-turn ids) and its MoE twin, a tiny random
 Qwen3-VL one (Qwen3's vocabulary and tokenizer, which hold its placeholder ids; two DeepStack layers) and its MoE
 twin, test images
 drawn on the fly, and prompts with placeholders laid out as the chat template and processor lay them."""
@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 VISION_SEED = 15
+VISION_MOE_SEED = 18
 # several sizes and aspect ratios: below the minimum pixel count (upscaled), wide, tall
 IMAGE_SIZES = ((64, 48), (300, 120), (90, 260))
 QWEN3_VL_SEED = 16
@@ -37,6 +38,19 @@ def build_vision_checkpoint(path: Path) -> Path:
 
     fields = TINY_HYBRID_CONFIG | dict(vocab_size=QWEN35_VOCAB_SIZE, tie_word_embeddings=True)
     return build_random_hybrid_checkpoint(path, "qwen3_5_vl", fields, seed=VISION_SEED, tokenizer=QWEN35_TOKENIZER)
+
+
+def build_vision_moe_checkpoint(path: Path) -> Path:
+    """The Qwen3.5 MoE vision-language layout (`Qwen3_5MoeForConditionalGeneration`, Qwen3.6-35B-A3B's): the tiny
+    MoE language model (8 experts, top 2, a shared expert) with Qwen3.5's vocabulary, and the same tiny tower."""
+    from hybrid_helpers import TINY_HYBRID_MOE_CONFIG
+
+    from mili_openai.model.hybrid_checkpoint import QWEN35_TOKENIZER, build_random_hybrid_checkpoint
+    from mili_openai.model.qwen35_tokenizer import QWEN35_VOCAB_SIZE
+
+    fields = TINY_HYBRID_MOE_CONFIG | dict(vocab_size=QWEN35_VOCAB_SIZE, tie_word_embeddings=True)
+    return build_random_hybrid_checkpoint(path, "qwen3_5_moe_vl", fields, seed=VISION_MOE_SEED,
+                                          tokenizer=QWEN35_TOKENIZER)
 
 
 def build_qwen3_vl_checkpoint(path: Path) -> Path:
