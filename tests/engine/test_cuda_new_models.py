@@ -1,5 +1,5 @@
-"""Qwen3.5 / Qwen3.5-MoE / Qwen3-Next, MTP speculation and LoRA adapters on a CUDA device, against the same
-oracles as their CPU tests: skipped where torch sees no GPU (CI has none; the GPU check runs it).
+"""Qwen3.5 / Qwen3.5-MoE / Qwen3-Next, MTP speculation, LoRA adapters and images on a CUDA device, against the
+same oracles as their CPU tests: skipped where torch sees no GPU (CI has none; the GPU check runs it).
 
 On CUDA the hybrids run Gated DeltaNet through the Triton conv and delta-rule kernels, attention through the
 Triton page-table kernels, decode steps from CUDA graphs, and LoRA's deltas through the Triton SGMV kernel (in the
@@ -15,6 +15,8 @@ import torch
 from engine_helpers import assert_matches, greedy, hf_greedy, random_prompts
 from hybrid_helpers import MTP_THREE, hybrid_tokens, transformers_class
 from lora_helpers import peft_greedy
+from vision_helpers import TEXT_ONLY, image_requests, transformers_greedy
+from vision_helpers import greedy as image_greedy
 
 from mili_openai import LLM
 
@@ -80,4 +82,29 @@ def test_lora_adapters_mixed_on_cuda_match_peft(tiny_checkpoint, lora_adapters):
         assert_matches(outputs[index * len(LORA_PROMPTS):(index + 1) * len(LORA_PROMPTS)], oracle[name])
     graphs = llm.core.runner.forward.decode_graphs
     assert graphs is not None and graphs.steps_run > 0  # decode steps replayed, each step's adapters in its blocks
+    llm.core.check_integrity()
+
+
+@pytest.fixture(scope="module")
+def image_oracle(vision_checkpoint, qwen35_tokenizer):
+    """transformers' fp32 greedy tokens on the CPU for the image prompts (vision_helpers.PROMPTS), once."""
+    import transformers
+
+    return transformers_greedy(transformers.Qwen3_5ForConditionalGeneration, vision_checkpoint, qwen35_tokenizer)
+
+
+@pytest.mark.parametrize("engine_args", [
+    dict(page_size=16, max_num_batched_tokens=2048),  # every prompt whole, in one batch
+    dict(page_size=4, max_num_batched_tokens=37),  # odd chunks: images split across steps, beside decodes
+], ids=["whole", "chunked"])
+def test_images_on_cuda_match_transformers(vision_checkpoint, image_oracle, engine_args):
+    """The vision tower (its projections, 2-D rotary and per-image attention) on the GPU, its embeddings placed
+    in the hybrid decoder's prompt: the greedy tokens of transformers' fp32 generate on the CPU."""
+    images, expected, (text_ids, text_tokens) = image_oracle
+    llm = LLM(str(vision_checkpoint), dtype="float32", device="cuda", num_pages=256, **engine_args)
+    assert next(llm.core.runner.forward.model.visual.parameters()).device.type == "cuda"
+    outputs = llm.generate([*image_requests(images), TEXT_ONLY], image_greedy())
+    for output, (ids, tokens) in zip(outputs, expected):
+        assert output.prompt_token_ids == ids and output.outputs[0].token_ids == tokens
+    assert outputs[-1].prompt_token_ids == text_ids and outputs[-1].outputs[0].token_ids == text_tokens
     llm.core.check_integrity()
