@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from mili_openai.kernels import cpu_avx2
+from mili_openai.kernels.cpu_avx2 import Avx2BiasedLinear
 from mili_openai.kernels.plan_cache import KernelPlanCache
 from mili_openai.kernels.planning import KernelPlan, linear_by_rows, linear_via_fp32
 
@@ -15,10 +16,15 @@ pytestmark = pytest.mark.skipif(not cpu_avx2.cpu_supports_avx2_kernels(), reason
 
 
 @pytest.fixture(scope="module")
-def module():
-    kernels = cpu_avx2.compiled_avx2_kernels()  # built, not planned: the tests pick their own plans
-    if kernels is None:
+def kernels():
+    built = cpu_avx2.compiled_avx2_kernels()  # built, not planned: the tests pick their own plans
+    if built is None:
         pytest.skip("the AVX2 kernels did not build here (no compiler?)")
+    return built
+
+
+@pytest.fixture(scope="module")
+def module(kernels):
     return kernels._module
 
 
@@ -86,9 +92,9 @@ def test_gemm_writes_every_output_whatever_the_threads(module, threads):
 @pytest.mark.parametrize("rows", [1, 6, 7, 64])
 @pytest.mark.parametrize("k,n", [(3, 5), (8, 16), (100, 33), (768, 70), (3072, 17)])
 @pytest.mark.parametrize("activation", [None, "gelu_pytorch_tanh", "gelu"])
-def test_biased_gemm_matches_fp64(rows, k, n, activation):
+def test_biased_gemm_matches_fp64(kernels, rows, k, n, activation):
     """activation(x @ W.T + b) in fp32 on packed panels, the tanh GELU fused, within fp32 rounding of fp64's."""
-    kernel = cpu_avx2.compiled_avx2_kernels().biased_linear
+    kernel = kernels.biased_linear
     generator = torch.Generator().manual_seed(rows * 1000 + k + n)
     x, weight, bias = torch.randn(rows, k, generator=generator), torch.randn(n, k, generator=generator) * 0.05, \
         torch.randn(n, generator=generator)
@@ -103,9 +109,9 @@ def test_biased_gemm_matches_fp64(rows, k, n, activation):
     torch.testing.assert_close(no_bias.double(), F.linear(x.double(), weight.double()), rtol=1e-5, atol=1e-5)
 
 
-def test_gelu_tanh_is_accurate_far_from_zero():
+def test_gelu_tanh_is_accurate_far_from_zero(kernels):
     """x * sigmoid(2u) for 0.5 x (1 + tanh u): no cancellation where the output is tiny (x << 0) or near x."""
-    kernel = cpu_avx2.compiled_avx2_kernels().biased_linear
+    kernel = kernels.biased_linear
     x = torch.linspace(-8, 30, 153)[:, None]  # outputs down to ~1e-21, where even fp64's 1 + tanh(u) is 0
     got = kernel.linear(x, kernel.pack(torch.ones(1, 1), torch.zeros(1)), "gelu_pytorch_tanh").double()
     u = 0.7978845608028654 * (x.double() + 0.044715 * x.double() ** 3)
@@ -114,8 +120,8 @@ def test_gelu_tanh_is_accurate_far_from_zero():
 
 
 @pytest.mark.parametrize("threads", [1, 3])
-def test_biased_gemm_writes_every_output_whatever_the_threads(module, threads):
-    kernel = cpu_avx2.compiled_avx2_kernels().biased_linear
+def test_biased_gemm_writes_every_output_whatever_the_threads(kernels, threads):
+    kernel = kernels.biased_linear
     torch.manual_seed(threads)
     x, weight, bias = torch.randn(20, 3072), torch.randn(90, 3072) * 0.05, torch.randn(90)
     before = torch.get_num_threads()
@@ -143,12 +149,11 @@ def test_kernel_refuses_what_it_cannot_run(module):
     with pytest.raises(RuntimeError, match="bias padded"):
         module.biased_gemm_f32_avx2(torch.randn(2, 24), panels, torch.zeros(20), 20, False)
     with pytest.raises(ValueError, match="activation"):
-        cpu_avx2.compiled_avx2_kernels().biased_linear.linear(torch.randn(2, 24), None, "relu")
+        Avx2BiasedLinear(module).linear(torch.randn(2, 24), None, "relu")
 
 
-def test_plan_keeps_the_sets_own_gemm_by_name(tmp_path):
+def test_plan_keeps_the_sets_own_gemm_by_name(kernels, tmp_path):
     """A plan that chose this set's GEMM is written and read back by its name, as torch's GEMMs are."""
-    kernels = cpu_avx2.compiled_avx2_kernels()
     plan = KernelPlan(max_kernel_rows=16, large_matmul=kernels.gemm)
     cache = KernelPlanCache(tmp_path, kernels.own_matmuls())
     assert cache.read_or_time({"key": "k"}, lambda: plan) == plan
@@ -195,11 +200,10 @@ def test_cpu_flags_decide_support(tmp_path):
     assert not cpu_avx2.cpu_supports_avx2_kernels(tmp_path / "missing")
 
 
-def test_the_set_takes_a_vision_towers_projections_only_where_there_is_a_tower():
+def test_the_set_takes_a_vision_towers_projections_only_where_there_is_a_tower(kernels):
     from mili_openai.kernels.onednn_linear import OneDnnLinear
     from mili_openai.model.kernel_backend import KernelBackend
 
-    kernels = cpu_avx2.compiled_avx2_kernels()
     with_tower, text_only = KernelBackend(biased_linear=OneDnnLinear()), KernelBackend()
     for backend in (with_tower, text_only):
         backend.install_avx2_kernels(kernels, torch.bfloat16)

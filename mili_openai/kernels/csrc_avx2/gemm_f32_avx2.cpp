@@ -28,13 +28,14 @@ void tile(const float* a, const float* b, int64_t depth, const float* bias, floa
           int64_t cols) {
   alignas(32) float sums[kTileRows][kPanel];
   mili_avx2::tile_sums(a, b, depth, sums);
-  for (int i = 0; i < rows; ++i)
+  for (int i = 0; i < rows; ++i) {
     for (int64_t half = 0; half < 2; ++half) {
       __m256 v = _mm256_add_ps(_mm256_load_ps(sums[i] + 8 * half), _mm256_loadu_ps(bias + 8 * half));
       if constexpr (kGelu) v = mili_avx2::gelu_tanh(v);
       _mm256_store_ps(sums[i] + 8 * half, v);
     }
-  for (int i = 0; i < rows; ++i) std::copy(sums[i], sums[i] + cols, c + i * ldc);
+    std::copy(sums[i], sums[i] + cols, c + i * ldc);
+  }
 }
 
 }  // namespace
